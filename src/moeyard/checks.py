@@ -1,0 +1,87 @@
+"""Input checks shared by the public entry points, and the debug mode.
+
+What is checked where:
+- Always, without touching device data: types, dtypes, devices, ranks and shapes, ``k <= E``.
+- Expert ids in ``[0, E)``: on CPU tensors always (reading CPU memory costs no sync). On an
+  accelerator the default path does not read them back; a token routed to an invalid id gets a NaN
+  output row instead (visible, never silently wrong). In debug mode (``moeyard.set_debug(True)`` or
+  ``MOEYARD_DEBUG=1``) they are checked on every device, with one host sync per call.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+Tensor = torch.Tensor
+_debug: list[bool | None] = [None]
+
+
+def set_debug(enabled: bool | None) -> None:
+    """Turn debug checks on or off (``None``: follow ``MOEYARD_DEBUG``)."""
+    _debug[0] = enabled
+
+
+def is_debug() -> bool:
+    """True when debug checks are on (``set_debug`` or ``MOEYARD_DEBUG=1``)."""
+    if _debug[0] is not None:
+        return _debug[0]
+    return os.environ.get("MOEYARD_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def kind(t) -> str:
+    """A short description of ``t`` for error messages."""
+    if isinstance(t, Tensor):
+        return f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+    return f"a {type(t).__name__}"
+
+
+def check_float(name: str, t, *, dim: int | None = None) -> None:
+    """Raise TypeError unless ``t`` is a floating-point tensor (of ``dim`` dimensions)."""
+    if not isinstance(t, Tensor) or not t.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got {kind(t)}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name}: expected a {dim}-D tensor, got shape {tuple(t.shape)}")
+
+
+def check_topk(topk_ids, topk_weights, num_tokens: int, num_experts: int, device: torch.device) -> None:
+    """Shapes, dtypes and devices of the routing tensors; ``k <= E``.
+
+    Raises:
+        TypeError: ``topk_ids`` not integer, ``topk_weights`` not floating point.
+        ValueError: shapes disagree, ``k > E``, or devices differ.
+    """
+    if not isinstance(topk_ids, Tensor) or topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool \
+            or topk_ids.is_complex():
+        raise TypeError(f"topk_ids: expected an integer tensor [T, K], got {kind(topk_ids)}")
+    check_float("topk_weights", topk_weights)
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids: expected shape [{num_tokens}, K], got {tuple(topk_ids.shape)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_weights: expected shape {tuple(topk_ids.shape)} (as topk_ids), "
+                         f"got {tuple(topk_weights.shape)}")
+    k = topk_ids.shape[1]
+    if k > num_experts:
+        raise ValueError(f"topk_ids: top-k {k} exceeds num_experts {num_experts}")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != device:
+            raise ValueError(f"{name}: expected device {device} (as hidden_states), got {t.device}")
+
+
+def invalid_ids(topk_ids: Tensor, num_experts: int) -> Tensor:
+    """``[T, K]`` bool: ids outside ``[0, E)`` (device op, no sync)."""
+    return (topk_ids < 0) | (topk_ids >= num_experts)
+
+
+def check_ids_on_host(topk_ids: Tensor, num_experts: int) -> bool:
+    """Raise ValueError for ids outside ``[0, E)`` when that costs no sync (CPU) or in debug mode.
+
+    Returns True when the ids were checked.
+    """
+    if topk_ids.device.type != "cpu" and not is_debug():
+        return False
+    bad = invalid_ids(topk_ids, num_experts)
+    if bool(bad.any()):
+        vals = sorted(set(topk_ids[bad].tolist()))[:8]
+        raise ValueError(f"topk_ids: expected expert ids in [0, {num_experts}), got {vals}")
+    return True

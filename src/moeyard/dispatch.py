@@ -1,0 +1,169 @@
+"""Dispatch: from ``topk_ids`` to a plan, then ``permute`` tokens into expert-major rows and
+``unpermute`` (weighted combine) them back.
+
+Legend: T tokens, H hidden size, E experts, K top-k, N = T*K routed (token, slot) pairs, flattened
+token-major (pair ``n`` is token ``n // K``, slot ``n % K``), R rows of the permuted buffer
+(R = N, or the worst case ``N + E * (align - 1)`` with alignment padding).
+
+Everything here runs on the device with static shapes: no ``.item()``, ``.tolist()``, ``.cpu()``,
+``nonzero`` or data-dependent sizes, so it is safe under CUDA graphs and expert parallelism.
+The pipeline (the MaxText decomposition, separate composable steps so backends can fuse them)::
+
+    plan = make_plan(topk_ids, num_experts)
+    rows = permute(x, plan)                  # [R, H], expert-major
+    ... grouped up-proj -> activation -> grouped down-proj on rows ...
+    out = unpermute(rows_out, plan, topk_weights)   # [T, H]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchPlan:
+    """Frozen routing metadata; all tensors live on the routing device.
+
+    Attributes:
+        num_tokens, top_k, num_experts: T, K, E.
+        align: rows per expert are padded to a multiple of this (1 = no padding).
+        num_rows: R, rows of the permuted buffer (a static worst case when ``align > 1``).
+        tokens_per_expert: ``[E]`` int32, valid pairs routed to each expert.
+        expert_offsets: ``[E + 1]`` int32, start of each expert's pairs in sorted order;
+            ``expert_offsets[E]`` is the number of valid pairs.
+        padded_offsets: ``[E + 1]`` int32, start of each expert's rows in the permuted buffer
+            (multiples of ``align``; equal to ``expert_offsets`` when ``align == 1``).
+        sort_order: ``[N]`` int64, sorted position -> flat pair index (stable, expert-major).
+        pair_rows: ``[N]`` int64, flat pair index -> its row in the permuted buffer (the inverse
+            of the permutation); pairs with an invalid expert id map to rows past
+            ``padded_offsets[E]``.
+        valid: ``[N]`` bool, pair's expert id lies in ``[0, E)``.
+    """
+
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    align: int
+    num_rows: int
+    tokens_per_expert: Tensor
+    expert_offsets: Tensor
+    padded_offsets: Tensor
+    sort_order: Tensor
+    pair_rows: Tensor
+    valid: Tensor
+
+    @property
+    def num_pairs(self) -> int:
+        return self.num_tokens * self.top_k
+
+    def row_tokens(self) -> Tensor:
+        """``[R]`` int64: the token each row holds (pad rows and invalid pairs: ``T``, one past the end)."""
+        rows = torch.full((self.num_rows,), self.num_tokens, dtype=torch.int64, device=self.pair_rows.device)
+        tokens = torch.arange(self.num_pairs, device=rows.device) // self.top_k
+        return rows.index_copy(0, self.pair_rows, torch.where(self.valid, tokens, self.num_tokens))
+
+    def row_experts(self) -> Tensor:
+        """``[R]`` int64: the expert owning each row (rows past the last expert: ``E - 1``)."""
+        rows = torch.arange(self.num_rows, device=self.padded_offsets.device, dtype=torch.int32)
+        e = torch.searchsorted(self.padded_offsets[1:], rows, right=True)
+        return e.clamp_(max=self.num_experts - 1)
+
+
+def make_plan(topk_ids: Tensor, num_experts: int, *, align: int = 1) -> DispatchPlan:
+    """Build the dispatch plan for ``topk_ids [T, K]`` (any integer dtype) on its device.
+
+    A stable sort groups pairs by expert; ``searchsorted`` on the sorted ids gives the offsets
+    (deterministic, no atomics, no host sync). Pairs whose id is outside ``[0, E)`` sort to the tail
+    and belong to no expert (``valid`` is False for them); backends treat them as the caller asked
+    (an error, NaN output or dropped: see :func:`moeyard.experts`).
+
+    Args:
+        topk_ids: ``[T, K]`` integer expert ids.
+        num_experts: E.
+        align: pad each expert's rows to a multiple of ``align`` (e.g. 16 or 32 for quantized
+            grouped GEMMs). The buffer has the worst-case ``N + E * (align - 1)`` rows, rounded up to
+            a multiple of ``align``; pad rows are zero after :func:`permute`.
+    Raises:
+        TypeError: ``topk_ids`` is not an integer tensor. ValueError: not 2-D, or bad E / align.
+    """
+    if not isinstance(topk_ids, Tensor) or topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids: expected an integer tensor [T, K], got {_kind(topk_ids)}")
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids: expected shape [T, K], got {tuple(topk_ids.shape)}")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
+    if not isinstance(align, int) or align < 1:
+        raise ValueError(f"align: expected a positive int, got {align!r}")
+    T, K = topk_ids.shape
+    N, E, dev = T * K, num_experts, topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    valid = (flat >= 0) & (flat < E)
+    keys = torch.where(valid, flat, E)
+    sorted_keys, sort_order = torch.sort(keys, stable=True)
+    bounds = torch.arange(E + 1, device=dev, dtype=torch.int64)
+    expert_offsets = torch.searchsorted(sorted_keys, bounds).to(torch.int32)
+    tokens_per_expert = expert_offsets.diff()
+    positions = torch.arange(N, device=dev, dtype=torch.int64)
+    if align == 1:
+        padded_offsets, sorted_rows, num_rows = expert_offsets, positions, N
+    else:
+        padded = (tokens_per_expert + (align - 1)) // align * align
+        padded_offsets = torch.cat([padded.new_zeros(1), padded.cumsum(0, dtype=torch.int32)])
+        shift = (padded_offsets - expert_offsets).to(torch.int64)  # [E + 1]; tail keeps its shift
+        sorted_rows = positions + shift[sorted_keys]
+        num_rows = -(-(N + E * (align - 1)) // align) * align
+    pair_rows = torch.empty_like(sorted_rows).index_copy_(0, sort_order, sorted_rows)
+    return DispatchPlan(
+        num_tokens=T, top_k=K, num_experts=E, align=align, num_rows=num_rows,
+        tokens_per_expert=tokens_per_expert, expert_offsets=expert_offsets, padded_offsets=padded_offsets,
+        sort_order=sort_order, pair_rows=pair_rows, valid=valid,
+    )
+
+
+def permute(x: Tensor, plan: DispatchPlan) -> Tensor:
+    """Gather token rows into expert-major order: ``x [T, H] -> rows [R, H]``.
+
+    Row ``plan.pair_rows[n]`` holds ``x[n // K]``; pad rows (``align > 1``) are zero. Differentiable
+    (the backward is a scatter-add into ``[T, H]``).
+    """
+    _check_x(x, plan)
+    if plan.align == 1:
+        return x.index_select(0, plan.sort_order // plan.top_k)
+    x_pad = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row T is the zero row
+    return x_pad.index_select(0, plan.row_tokens())
+
+
+def unpermute(rows: Tensor, plan: DispatchPlan, topk_weights: Tensor | None = None, *,
+              drop_invalid: bool = False) -> Tensor:
+    """Weighted combine: ``rows [R, H]`` -> ``[T, H]`` with
+    ``out[t] = sum_k topk_weights[t, k] * rows[pair_rows[t * K + k]]``.
+
+    Without ``topk_weights`` it returns the unweighted ``[T, K, H]`` pairs instead. The weighted sum
+    is one ``bmm`` per token (float32 accumulation for bf16/fp16; deterministic, no atomics).
+    Rows of pairs with an invalid expert id may hold anything (a grouped GEMM does not write them):
+    with ``drop_invalid`` they are zeroed first (one extra pass over the pairs), otherwise the caller
+    must keep them out. Differentiable w.r.t. ``rows`` and ``topk_weights``.
+    """
+    T, K = plan.num_tokens, plan.top_k
+    if rows.dim() != 2 or rows.shape[0] != plan.num_rows:
+        raise ValueError(f"rows: expected shape [{plan.num_rows}, H], got {tuple(rows.shape)}")
+    pairs = rows.index_select(0, plan.pair_rows).view(T, K, rows.shape[1])
+    if drop_invalid:
+        pairs = pairs.masked_fill(~plan.valid.view(T, K, 1), 0)
+    if topk_weights is None:
+        return pairs
+    if tuple(topk_weights.shape) != (T, K):
+        raise ValueError(f"topk_weights: expected shape {(T, K)}, got {tuple(topk_weights.shape)}")
+    return torch.bmm(topk_weights.to(rows.dtype).unsqueeze(1), pairs).squeeze(1)
+
+
+def _check_x(x: Tensor, plan: DispatchPlan) -> None:
+    if x.dim() != 2 or x.shape[0] != plan.num_tokens:
+        raise ValueError(f"x: expected shape [{plan.num_tokens}, H], got {tuple(x.shape)}")
+
+
+def _kind(t) -> str:
+    return f"a {t.dtype} tensor" if isinstance(t, Tensor) else type(t).__name__

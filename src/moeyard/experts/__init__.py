@@ -1,0 +1,90 @@
+"""Expert backends and the functional routed-expert FFN, :func:`experts`.
+
+Backends (one knob, ``backend=``): ``loop`` (reference), ``bmm_padded``, ``grouped_mm``, and
+``triton`` where it is installed; ``auto`` picks the best that runs for the device and dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..activations import Activation, get_activation
+from ..checks import check_float, check_ids_on_host, check_topk, invalid_ids
+from . import bmm_padded as _bmm_padded  # noqa: F401  (registers)
+from . import grouped_mm as _grouped_mm  # noqa: F401  (registers)
+from . import loop as _loop  # noqa: F401  (registers)
+from .registry import (ExpertBackend, available_backends, backend_names, get_backend, register_backend,
+                       resolve_backend, set_backend)
+from .weights import ExpertWeights, expert_weights
+
+Tensor = torch.Tensor
+
+__all__ = ["experts", "ExpertBackend", "ExpertWeights", "expert_weights", "available_backends", "backend_names",
+           "get_backend", "register_backend", "resolve_backend", "set_backend"]
+
+
+def experts(
+    hidden_states: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    *,
+    activation: str | Activation = "swiglu",
+    backend: str | None = "auto",
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    transposed: bool = False,
+    interleaved: bool = False,
+    drop_invalid: bool = False,
+) -> Tensor:
+    """The routed expert FFN: ``out[t] = sum_k topk_weights[t, k] * FFN_e(hidden_states[t])`` with
+    ``e = topk_ids[t, k]`` and ``FFN_e(x) = down_e(act(up_e(x)))``.
+
+    Legend: T tokens, H hidden size, I expert intermediate size, E experts, K top-k.
+
+    Args:
+        hidden_states: ``[T, H]`` float (any strides).
+        topk_ids: ``[T, K]`` integer expert ids, ``K <= E``.
+        topk_weights: ``[T, K]`` float routing weights (cast to ``hidden_states.dtype``).
+        gate_up_proj: ``[E, 2I, H]`` (gate rows then up rows), or ``[E, I, H]`` for a plain
+            activation (transformers' ``up_proj``); ``[E, H, 2I]`` if ``transposed``.
+        down_proj: ``[E, H, I]``; ``[E, I, H]`` if ``transposed``.
+        activation: a name (``swiglu``, ``geglu``, ``reglu``, ``clamped_swiglu``, ``gelu``, ``relu``,
+            ``relu2``, ``silu``), a :class:`moeyard.Activation`, or a callable ``h [R, 2I] -> [R, I]``.
+        backend: a backend name, ``auto`` (the best that runs here), or None (the process default,
+            :func:`moeyard.set_backend` / ``MOEYARD_BACKEND``).
+        gate_up_bias, down_bias: optional ``[E, 2I]`` (or ``[E, I]``) and ``[E, H]`` expert biases.
+        transposed: weights stored ``[E, in, out]`` (gpt-oss).
+        interleaved: gate/up columns interleaved ``g0, u0, g1, u1, ...`` (gpt-oss).
+        drop_invalid: pairs whose id lies outside ``[0, E)`` contribute nothing (the expert-parallel
+            "sentinel" convention). Otherwise such ids are an error: ValueError where they can be
+            read without a host sync (CPU) or in debug mode, else NaN output rows for those tokens.
+
+    Returns:
+        ``[T, H]`` in ``hidden_states.dtype``; differentiable w.r.t. ``hidden_states``, both weights,
+        the biases and ``topk_weights``.
+
+    Raises:
+        TypeError: a tensor of the wrong kind or dtype. ValueError: shapes, devices, ``K > E``, ids
+        out of range (see ``drop_invalid``), unknown activation or backend, or a backend that
+        cannot run here (the message names those that can).
+    """
+    act = get_activation(activation)
+    check_float("hidden_states", hidden_states, dim=2)
+    weights = expert_weights(gate_up_proj, down_proj, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                             transposed=transposed, interleaved=interleaved, gated=act.gated)
+    T, H = hidden_states.shape
+    if H != weights.hidden_size:
+        raise ValueError(f"hidden_states: expected hidden size {weights.hidden_size} (from gate_up_proj), got {H}")
+    if hidden_states.dtype != weights.w_up.dtype:
+        raise TypeError(f"hidden_states: expected dtype {weights.w_up.dtype} (as the expert weights), "
+                        f"got {hidden_states.dtype}")
+    if hidden_states.device != weights.w_up.device:
+        raise ValueError(f"hidden_states: expected device {weights.w_up.device} (as the expert weights), "
+                         f"got {hidden_states.device}")
+    check_topk(topk_ids, topk_weights, T, weights.num_experts, hidden_states.device)
+    chosen = resolve_backend(backend, hidden_states.device, hidden_states.dtype, weights, act)
+    if not drop_invalid and not check_ids_on_host(topk_ids, weights.num_experts):
+        # accelerator, no debug: a NaN weight makes the token's output NaN instead of reading ids back
+        topk_weights = topk_weights.masked_fill(invalid_ids(topk_ids, weights.num_experts), float("nan"))
+    return chosen.forward(hidden_states, topk_ids, topk_weights, weights, act, drop_invalid=drop_invalid)

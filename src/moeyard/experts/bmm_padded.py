@@ -1,0 +1,67 @@
+"""``bmm_padded``: pad each expert's tokens to ``[E, C, H]`` and use ``torch.bmm``.
+
+For devices without a grouped GEMM (XPU, MPS, older GPUs) and for float64. C is the largest number
+of tokens any expert received, read once per call with a host sync (the buffer's size depends on
+it). Memory: ``E * C * (2H + N1 + I)`` activation elements (N1 = 2I gated, else I), against
+``N * (2H + N1 + I)`` for a grouped GEMM with N = T*K routed pairs: about the same under balanced
+routing, up to E/K times more when one expert takes every token (C = T).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..activations import Activation
+from ..dispatch import make_plan
+from .registry import ExpertBackend, register_backend
+from .weights import ExpertWeights
+
+Tensor = torch.Tensor
+
+
+def bmm_padded_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
+                       activation: Activation, *, drop_invalid: bool = False) -> Tensor:
+    """Shapes as :func:`moeyard.experts`. Syncs once to size the padded buffer.
+
+    Raises:
+        ValueError: an expert id outside ``[0, E)`` when ``drop_invalid`` is False.
+    """
+    E = weights.num_experts
+    T, K = topk_ids.shape
+    plan = make_plan(topk_ids, E)
+    num_invalid = (~plan.valid).sum()
+    capacity, bad = torch.stack([plan.tokens_per_expert.max().to(num_invalid.dtype), num_invalid]).tolist()
+    if bad and not drop_invalid:
+        raise ValueError(f"topk_ids: expected expert ids in [0, {E}), got {bad} outside that range")
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    # slot of each pair in the flat [E * C] buffer; invalid pairs go to the spare slot E * C
+    rank = plan.pair_rows - plan.expert_offsets.to(torch.int64)[flat.clamp(0, E - 1)]
+    slot = torch.where(plan.valid, flat * capacity + rank, E * capacity)
+    tokens = torch.arange(T * K, device=x.device) // K
+    x_pad = x.new_zeros(E * capacity + 1, x.shape[1]).index_copy(0, slot, x.index_select(0, tokens))
+    x_pad = x_pad[:-1].view(E, capacity, -1)
+    h = _bmm(x_pad, weights.w_up, weights.b_up)
+    a = activation(h, interleaved=weights.interleaved)
+    y = _bmm(a, weights.w_down, weights.b_down).reshape(E * capacity, -1)
+    y = torch.cat([y, y.new_zeros(1, y.shape[1])])
+    pairs = y.index_select(0, slot).view(T, K, -1)
+    return torch.bmm(topk_weights.to(pairs.dtype).unsqueeze(1), pairs).squeeze(1)
+
+
+def _bmm(a: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """``a [E, C, in] @ w[e].T (+ b[e])`` with ``w [E, out, in]``."""
+    if b is None:
+        return torch.bmm(a, w.mT)
+    return torch.baddbmm(b.to(a.dtype).unsqueeze(1), a, w.mT)
+
+
+def _unsupported(device, dtype, weights, activation):
+    if not dtype.is_floating_point:
+        return f"needs a floating dtype, got {dtype}"
+    return None
+
+
+register_backend(ExpertBackend(
+    name="bmm_padded", forward=bmm_padded_forward, unsupported=_unsupported,
+    priority={"cuda": 10, "cpu": 10, "mps": 10, "xpu": 10},
+    description="pads to [E, max_tokens, H] and uses torch.bmm; any device and float dtype; one host sync",
+))

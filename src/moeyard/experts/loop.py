@@ -1,0 +1,54 @@
+"""``loop``: the reference backend, one expert at a time in plain PyTorch.
+
+Any device, any floating dtype (float64 included); it is the oracle every other backend is tested
+against. It finds each expert's tokens with ``torch.where`` and checks the expert ids on the host,
+so it synchronises with the device: a reference, not a training path.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..activations import Activation
+from .registry import ExpertBackend, register_backend
+from .weights import ExpertWeights
+
+Tensor = torch.Tensor
+
+
+def loop_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
+                 activation: Activation, *, drop_invalid: bool = False) -> Tensor:
+    """``out[t] = sum_k topk_weights[t, k] * down_e(act(up_e(x[t])))`` with ``e = topk_ids[t, k]``.
+
+    Shapes: ``x [T, H]``, ``topk_ids [T, K]``, ``topk_weights [T, K]`` -> ``[T, H]`` in ``x.dtype``
+    (accumulated in float32, or float64 for float64 input).
+    Raises:
+        ValueError: an expert id outside ``[0, E)`` when ``drop_invalid`` is False (host check).
+    """
+    E = weights.num_experts
+    if not drop_invalid:
+        bad = (topk_ids < 0) | (topk_ids >= E)
+        if bool(bad.any()):
+            raise ValueError(f"topk_ids: expected expert ids in [0, {E}), got values "
+                             f"{sorted(set(topk_ids[bad].tolist()))[:8]}")
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
+    for e in range(E):
+        token, slot = torch.where(topk_ids == e)
+        h = F.linear(x[token], weights.w_up[e], None if weights.b_up is None else weights.b_up[e])
+        a = activation(h, interleaved=weights.interleaved)
+        y = F.linear(a, weights.w_down[e], None if weights.b_down is None else weights.b_down[e])
+        out = out.index_add(0, token, (y * topk_weights[token, slot, None].to(y.dtype)).to(acc))
+    return out.to(x.dtype)
+
+
+def _unsupported(device, dtype, weights, activation):
+    if not dtype.is_floating_point:
+        return f"needs a floating dtype, got {dtype}"
+    return None
+
+
+register_backend(ExpertBackend(
+    name="loop", forward=loop_forward, unsupported=_unsupported, priority={},
+    description="reference: per-expert loop, any device and float dtype (float64 too); host syncs",
+))

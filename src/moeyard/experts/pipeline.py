@@ -1,0 +1,37 @@
+"""The composed routed FFN: permute -> grouped up-proj -> activation -> grouped down-proj ->
+unpermute, around one ``grouped_linear`` primitive that backends supply.
+
+Legend: T tokens, H hidden, I intermediate, N1 = 2I (gated) or I, E experts, K top-k, R rows.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..activations import Activation
+from ..dispatch import DispatchPlan, make_plan, permute, unpermute
+from .weights import ExpertWeights
+
+Tensor = torch.Tensor
+# grouped_linear(rows [R, in], w [E, out, in], bias [E, out] | None, plan) -> [R, out]
+GroupedLinear = Callable[[Tensor, Tensor, "Tensor | None", DispatchPlan], Tensor]
+
+
+def routed_ffn(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
+               activation: Activation, grouped_linear: GroupedLinear, *, drop_invalid: bool = False,
+               align: int = 1) -> Tensor:
+    """``[T, H] -> [T, H]``: the whole routed expert FFN built from ``grouped_linear``."""
+    plan = make_plan(topk_ids, weights.num_experts, align=align)
+    rows = permute(x, plan)
+    h = grouped_linear(rows, weights.w_up, weights.b_up, plan)
+    a = activation(h, interleaved=weights.interleaved)
+    y = grouped_linear(a, weights.w_down, weights.b_down, plan)
+    return unpermute(y, plan, topk_weights, drop_invalid=drop_invalid)
+
+
+def add_row_bias(y: Tensor, bias: Tensor | None, plan: DispatchPlan) -> Tensor:
+    """``y [R, out] + bias[expert of each row]`` (no-op without a bias)."""
+    if bias is None:
+        return y
+    return y + bias.to(y.dtype).index_select(0, plan.row_experts())

@@ -1,0 +1,108 @@
+"""Expert backends, registered by name and picked by one knob: ``backend=``.
+
+A backend computes the routed expert FFN
+``out[t] = sum_k w[t, k] * FFN_{ids[t, k]}(x[t])`` behind one signature::
+
+    forward(hidden_states [T, H], topk_ids [T, K], topk_weights [T, K],
+            weights: ExpertWeights, activation: Activation, *, drop_invalid: bool) -> [T, H]
+
+``unsupported(device, dtype, weights, activation)`` returns None when the backend runs there, else a
+reason; ``auto`` takes the highest-``priority`` backend that runs. The process-wide default (used
+where no backend is named, e.g. by the transformers integration) is ``set_backend(name)`` or, before
+any call, the ``MOEYARD_BACKEND`` environment variable; otherwise ``auto``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..activations import Activation
+from .weights import ExpertWeights
+
+ENV_BACKEND = "MOEYARD_BACKEND"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertBackend:
+    """A registered backend (see the module docstring for the contract)."""
+
+    name: str
+    forward: Callable[..., torch.Tensor]
+    unsupported: Callable[[torch.device, torch.dtype, ExpertWeights | None, Activation | None], str | None]
+    priority: dict[str, int]  # device type -> rank for ``auto`` (higher wins; absent = never auto)
+    description: str = ""
+
+
+_BACKENDS: dict[str, ExpertBackend] = {}
+_default: list[str | None] = [None]
+
+
+def register_backend(backend: ExpertBackend) -> ExpertBackend:
+    """Add ``backend`` to the registry (replacing one of the same name)."""
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def backend_names() -> list[str]:
+    """Every registered backend name, plus ``auto``."""
+    return sorted(_BACKENDS) + ["auto"]
+
+
+def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> list[str]:
+    """Names of the backends that run on ``device`` in ``dtype`` (for any shape they accept)."""
+    device = torch.device(device)
+    return [n for n, b in sorted(_BACKENDS.items()) if b.unsupported(device, dtype, None, None) is None]
+
+
+def set_backend(name: str | None) -> None:
+    """Set the process-wide default backend (``None`` restores ``MOEYARD_BACKEND`` / ``auto``).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name is not None:
+        _check_name(name)
+    _default[0] = name
+
+
+def get_backend() -> str:
+    """The process-wide default backend name: ``set_backend``'s, else ``$MOEYARD_BACKEND``, else ``auto``.
+
+    Raises:
+        ValueError: ``MOEYARD_BACKEND`` names no backend.
+    """
+    name = _default[0] or os.environ.get(ENV_BACKEND) or "auto"
+    _check_name(name, source=ENV_BACKEND if _default[0] is None else "backend")
+    return name
+
+
+def resolve_backend(name: str | None, device: torch.device, dtype: torch.dtype,
+                    weights: ExpertWeights | None = None, activation: Activation | None = None) -> ExpertBackend:
+    """The backend to run for ``name`` (``None``: the default; ``auto``: the best that runs here).
+
+    Raises:
+        ValueError: unknown name, or the named backend cannot run on this device / dtype / shape
+            (the message names those that can).
+    """
+    name = get_backend() if name is None else name
+    _check_name(name)
+    if name == "auto":
+        ranked = sorted(_BACKENDS.values(), key=lambda b: -b.priority.get(device.type, -1))
+        for b in ranked:
+            if device.type in b.priority and b.unsupported(device, dtype, weights, activation) is None:
+                return b
+        raise ValueError(f"backend: no registered backend runs on {device.type} with {dtype}")
+    b = _BACKENDS[name]
+    reason = b.unsupported(device, dtype, weights, activation)
+    if reason is not None:
+        ok = [n for n, c in sorted(_BACKENDS.items()) if c.unsupported(device, dtype, weights, activation) is None]
+        raise ValueError(f"backend: {name!r} cannot run here ({reason}); backends that can: {ok}")
+    return b
+
+
+def _check_name(name, source: str = "backend") -> None:
+    if not isinstance(name, str) or (name != "auto" and name not in _BACKENDS):
+        raise ValueError(f"{source}: expected one of {backend_names()}, got {name!r}")
