@@ -32,31 +32,35 @@ class Activation:
         alpha: sigmoid slope of ``clamped_swiglu`` (gpt-oss: 1.702).
         limit: clamp of ``clamped_swiglu``: gate to ``(-inf, limit]``, up to ``[-limit, limit]``
             (gpt-oss: 7.0).
-        gate_fn: optional callable ``h [R, 2I] -> [R, I]`` that replaces the named gated function
-            (a transformers ``_apply_gate`` override); it overrides ``name`` and ``interleaved``
-            and cannot be fused into kernels.
+        fn: optional callable that replaces the named function (e.g. a transformers
+            ``_apply_gate`` override or ``act_fn``): ``h [R, 2I] -> [R, I]`` when ``fn_gated``
+            (it then sees ``h`` as stored, so ``interleaved`` is its business), else
+            ``h [R, I] -> [R, I]``. A custom ``fn`` cannot be fused into kernels; the name is then
+            only a label.
+        fn_gated: whether ``fn`` is a gated function (takes ``2I`` columns).
     """
 
     name: str = "swiglu"
     alpha: float = 1.702
     limit: float = 7.0
-    gate_fn: Callable[[Tensor], Tensor] | None = None
+    fn: Callable[[Tensor], Tensor] | None = None
+    fn_gated: bool = True
 
     def __post_init__(self):
-        if self.gate_fn is None and self.name not in GATED + PLAIN:
+        if self.fn is None and self.name not in GATED + PLAIN:
             raise ValueError(f"activation: expected one of {GATED + PLAIN}, got {self.name!r}")
-        if self.gate_fn is not None and not callable(self.gate_fn):
-            raise TypeError(f"activation.gate_fn: expected a callable, got {type(self.gate_fn).__name__}")
+        if self.fn is not None and not callable(self.fn):
+            raise TypeError(f"activation.fn: expected a callable, got {type(self.fn).__name__}")
 
     @property
     def gated(self) -> bool:
         """True when the up projection has ``2I`` output rows (gate and up)."""
-        return self.gate_fn is not None or self.name in GATED
+        return self.fn_gated if self.fn is not None else self.name in GATED
 
     def __call__(self, h: Tensor, *, interleaved: bool = False) -> Tensor:
         """Apply to ``h [..., 2I]`` (gated) or ``h [..., I]`` (plain); returns ``[..., I]``."""
-        if self.gate_fn is not None:
-            return self.gate_fn(h)
+        if self.fn is not None:
+            return self.fn(h)
         if not self.gated:
             return _plain(self.name, h)
         gate, up = split_gate_up(h, interleaved=interleaved)
@@ -99,7 +103,7 @@ def _plain(name: str, h: Tensor) -> Tensor:
 
 def get_activation(activation: str | Activation | Callable[[Tensor], Tensor]) -> Activation:
     """Normalise ``activation`` (a name, an :class:`Activation`, or a gated callable
-    ``h [R, 2I] -> [R, I]``) to an :class:`Activation`.
+    ``h [R, 2I] -> [R, I]``, as stored) to an :class:`Activation`.
 
     Raises:
         ValueError: unknown name. TypeError: anything else.
@@ -109,7 +113,7 @@ def get_activation(activation: str | Activation | Callable[[Tensor], Tensor]) ->
     if isinstance(activation, str):
         return Activation(name=activation)
     if callable(activation):
-        return Activation(name="swiglu", gate_fn=activation)
+        return Activation(name="custom", fn=activation)
     raise TypeError(
         f"activation: expected a name, moeyard.Activation or callable, got {type(activation).__name__}"
     )
