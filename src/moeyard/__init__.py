@@ -7,9 +7,14 @@ installed); it has no other import-time effect.
 """
 from .activations import Activation
 from .checks import is_debug, set_debug
+from .config import MoEConfig
+from .dispatch import DispatchPlan, make_plan, permute, unpermute
 from .experts import available_backends, backend_names, experts, get_backend, set_backend
+from .layer import MoE, SharedExpert
+from .routing import Router, RoutingOutput, route, update_correction_bias
 
 __version__ = "0.1.0"
 
-__all__ = ["Activation", "experts", "available_backends", "backend_names", "get_backend", "set_backend",
-           "set_debug", "is_debug", "__version__"]
+__all__ = ["Activation", "DispatchPlan", "MoE", "MoEConfig", "Router", "RoutingOutput", "SharedExpert",
+           "available_backends", "backend_names", "experts", "get_backend", "is_debug", "make_plan", "permute",
+           "route", "set_backend", "set_debug", "unpermute", "update_correction_bias", "__version__"]

@@ -1,0 +1,110 @@
+"""The MoE layer: router -> dispatch -> routed experts -> combine, plus optional shared experts.
+
+Weights use transformers v5's layout, so checkpoints map one to one: ``gate_up_proj [E, 2I, H]``
+(gate rows then up rows; ``[E, I, H]`` for a plain activation), ``down_proj [E, H, I]``, optional
+``gate_up_proj_bias [E, 2I]`` and ``down_proj_bias [E, H]``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .activations import Activation
+from .checks import check_float
+from .config import MoEConfig
+from .experts import experts
+from .experts.registry import _check_name
+from .routing import Router, RoutingOutput
+
+Tensor = torch.Tensor
+
+
+class SharedExpert(nn.Module):
+    """A dense MLP applied to every token (DeepSeek's shared experts), optionally scaled by
+    ``sigmoid(x @ gate)`` (Qwen2-MoE's ``shared_expert_gate``, Qwen3-Next, Qwen3.5).
+
+    ``x [T, H] -> [T, H]``; weights ``gate_up_proj [N1, H]``, ``down_proj [H, I]``.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: Activation, *, gate: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        n1 = 2 * intermediate_size if activation.gated else intermediate_size
+        self.activation = activation
+        self.gate_up_proj = nn.Linear(hidden_size, n1, bias=False, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **kw)
+        self.gate = nn.Linear(hidden_size, 1, bias=False, **kw) if gate else None
+        for p in self.parameters():
+            nn.init.normal_(p, std=0.02)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.down_proj(self.activation(self.gate_up_proj(x)))
+        if self.gate is not None:
+            y = torch.sigmoid(self.gate(x)) * y
+        return y
+
+
+class MoE(nn.Module):
+    """A Mixture-of-Experts layer.
+
+    ``forward(x [..., H]) -> [..., H]`` in ``x.dtype``. For ``x [B, S, H]`` the sequence-wise loss uses
+    the B sequences. After a forward, ``self.aux_loss`` holds the coefficient-weighted router loss
+    (a float32 scalar to add to the training loss) and ``self.routing`` the :class:`RoutingOutput`.
+
+    Args:
+        config: the :class:`MoEConfig`.
+        backend: expert backend name, ``auto`` (default: the best that runs on the input's device and
+            dtype) or None (the process default, :func:`moeyard.set_backend` / ``MOEYARD_BACKEND``).
+    Raises:
+        ValueError: unknown backend (here), or one that cannot run on the input (at forward).
+        TypeError / ValueError: a bad input at forward (wrong dtype or last dimension).
+    """
+
+    def __init__(self, config: MoEConfig, backend: str | None = "auto", *, device=None, dtype=None):
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config: expected a moeyard.MoEConfig, got {type(config).__name__}")
+        if backend is not None:
+            _check_name(backend)
+        self.config, self.backend = config, backend
+        self.activation = Activation(name=config.activation, alpha=config.activation_alpha,
+                                     limit=config.activation_limit)
+        E, H, I = config.num_experts, config.hidden_size, config.intermediate_size
+        n1 = 2 * I if self.activation.gated else I
+        kw = {"device": device, "dtype": dtype}
+        self.router = Router(config, **kw)
+        self.gate_up_proj = nn.Parameter(torch.empty(E, n1, H, **kw))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I, **kw))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(E, n1, **kw)) if config.expert_bias else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(E, H, **kw)) if config.expert_bias else None
+        self.shared_expert = None
+        if config.num_shared_experts:
+            shared_i = (config.shared_intermediate_size or I) * config.num_shared_experts
+            self.shared_expert = SharedExpert(H, shared_i, self.activation, gate=config.shared_expert_gate, **kw)
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+        self.aux_loss: Tensor | None = None
+        self.routing: RoutingOutput | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        check_float("x", x)
+        H = self.config.hidden_size
+        if x.dim() < 1 or x.shape[-1] != H:
+            raise ValueError(f"x: expected shape [..., {H}], got {tuple(x.shape)}")
+        if x.dtype != self.gate_up_proj.dtype:
+            raise TypeError(f"x: expected dtype {self.gate_up_proj.dtype} (as the layer's weights), got {x.dtype}")
+        x2 = x.reshape(-1, H)
+        routing = self.router(x2, num_sequences=x.shape[0] if x.dim() == 3 and x2.shape[0] else 1)
+        out = experts(x2, routing.topk_ids, routing.topk_weights.to(x.dtype), self.gate_up_proj, self.down_proj,
+                      activation=self.activation, backend=self.backend, gate_up_bias=self.gate_up_proj_bias,
+                      down_bias=self.down_proj_bias)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x2)
+        self.routing, self.aux_loss = routing, routing.loss
+        return out.view(x.shape)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"num_experts={c.num_experts}, top_k={c.top_k}, hidden_size={c.hidden_size}, "
+                f"intermediate_size={c.intermediate_size}, activation={c.activation}, backend={self.backend}")

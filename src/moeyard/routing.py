@@ -1,0 +1,191 @@
+"""Routing: router logits -> top-k expert ids and weights, plus the load-balancing losses.
+
+Legend: T tokens, H hidden size, E experts, K top-k, B sequences (T = B * S).
+
+Schemes (see :class:`moeyard.MoEConfig`):
+- score then top-k (Qwen2/3-MoE, OLMoE, Mixtral, DeepSeek-V3): ``s = softmax(l)`` or ``sigmoid(l)``;
+  ids = top-k of ``s + b`` (``b``: DeepSeek-V3's score-correction bias, for selection only), within the
+  best ``topk_group`` of ``n_group`` expert groups when grouped (a group's score is the sum of its top-2
+  ``s + b``; DeepSeek-V3 report, arXiv 2412.19437, sec. 2.1.2); weights ``w = s[ids]``.
+- top-k then score (gpt-oss: softmax over the top-k logits; Llama 4: sigmoid of the top-1 logit).
+- ``norm_topk_prob``: ``w / sum(w)``; then ``w * routed_scaling_factor``.
+
+Losses (all scalars, float32, differentiable w.r.t. the router weight):
+- ``aux_loss``, the Switch/GShard load-balancing loss generalised to top-k (Switch Transformer,
+  arXiv 2101.03961, eq. 4; DeepSeekMoE's expert-level form, arXiv 2401.06066, eq. 12-14):
+  ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the T*K routed pairs sent to expert e and
+  ``P_e`` the mean routing probability of e. It is 1 under perfectly uniform routing. (transformers'
+  ``load_balancing_loss_func`` for Mixtral/Qwen is K times this value.)
+- ``seq_aux_loss``, DeepSeek-V3's sequence-wise balance loss (arXiv 2412.19437, eq. 17-20):
+  per sequence ``sum_e f_e * P_e`` with ``f_e = E / (K * S) * count_e`` and ``P_e`` the mean of the
+  normalised scores ``s_e / sum_j s_j``, averaged over the B sequences.
+- ``z_loss``, the router z-loss (ST-MoE, arXiv 2202.08906, eq. 5): ``mean_t logsumexp(l_t)^2``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .checks import check_float
+from .config import MoEConfig
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class RoutingOutput:
+    """What the router returns.
+
+    Attributes:
+        topk_ids: ``[T, K]`` int64 expert ids.
+        topk_weights: ``[T, K]`` float32 routing weights (differentiable).
+        router_logits: ``[T, E]`` float32.
+        scores: ``[T, E]`` float32, ``softmax`` or ``sigmoid`` of the logits.
+        tokens_per_expert: ``[E]`` float32 counts of routed pairs (no gradient), for monitoring and
+            :func:`update_correction_bias`.
+        aux_loss, seq_aux_loss, z_loss: unweighted scalar losses (module docstring).
+        loss: the coefficient-weighted sum of the three (from the config).
+    """
+
+    topk_ids: Tensor
+    topk_weights: Tensor
+    router_logits: Tensor
+    scores: Tensor
+    tokens_per_expert: Tensor
+    aux_loss: Tensor
+    seq_aux_loss: Tensor
+    z_loss: Tensor
+    loss: Tensor
+
+
+def route(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None = None,
+          correction_bias: Tensor | None = None, num_sequences: int = 1, training: bool = False) -> RoutingOutput:
+    """Route ``x [T, H]`` with router ``weight [E, H]`` (and ``bias [E]``) as ``config`` says.
+
+    Args:
+        correction_bias: ``[E]`` DeepSeek-V3 score-correction bias (selection only), or None.
+        num_sequences: B, for the sequence-wise loss; T must be a multiple of it.
+        training: enables ``config.router_jitter``.
+    Raises:
+        TypeError / ValueError: bad shapes, dtypes or ``num_sequences``.
+    """
+    check_float("x", x, dim=2)
+    check_float("weight", weight, dim=2)
+    E, H = config.num_experts, config.hidden_size
+    if tuple(weight.shape) != (E, H) or x.shape[1] != H:
+        raise ValueError(f"weight: expected shape {(E, H)} with x [T, {H}], got {tuple(weight.shape)} and "
+                         f"{tuple(x.shape)}")
+    T = x.shape[0]
+    if not isinstance(num_sequences, int) or num_sequences < 1 or T % num_sequences:
+        raise ValueError(f"num_sequences: expected a positive divisor of T={T}, got {num_sequences!r}")
+    if training and config.router_jitter > 0:
+        eps = config.router_jitter
+        x = x * torch.empty_like(x).uniform_(1 - eps, 1 + eps)
+    logits = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype)).float()
+    scores = _score(logits, config.score_func)
+    if config.topk_before_score:
+        top_logits, ids = logits.topk(config.top_k, dim=-1)
+        w = _score(top_logits, config.score_func)
+        if config.score_func == "sigmoid" and config.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    else:
+        ids = select_experts(scores, config, correction_bias)
+        w = scores.gather(1, ids)
+        if config.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    w = w * config.routed_scaling_factor
+    counts = torch.zeros(E, device=x.device, dtype=torch.float32).index_add_(
+        0, ids.reshape(-1), torch.ones(ids.numel(), device=x.device, dtype=torch.float32))
+    probs = scores if config.score_func == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    aux = load_balancing_loss(probs, counts, config.top_k)
+    seq = sequence_balance_loss(probs, ids, E, config.top_k, num_sequences)
+    z = z_loss(logits)
+    loss = config.aux_loss_coef * aux + config.seq_aux_loss_coef * seq + config.z_loss_coef * z
+    return RoutingOutput(topk_ids=ids, topk_weights=w, router_logits=logits, scores=scores,
+                         tokens_per_expert=counts, aux_loss=aux, seq_aux_loss=seq, z_loss=z, loss=loss)
+
+
+def select_experts(scores: Tensor, config: MoEConfig, correction_bias: Tensor | None = None) -> Tensor:
+    """Top-k expert ids ``[T, K]`` from ``scores [T, E]`` (+ selection bias, grouped top-k)."""
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if config.n_group > 1:
+        T, E = choice.shape
+        grouped = choice.view(T, config.n_group, E // config.n_group)
+        group_scores = grouped.topk(min(2, E // config.n_group), dim=-1).values.sum(-1)  # [T, n_group]
+        keep = group_scores.topk(config.topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, E)
+    return choice.topk(config.top_k, dim=-1).indices
+
+
+def load_balancing_loss(probs: Tensor, tokens_per_expert: Tensor, top_k: int) -> Tensor:
+    """Switch/GShard aux loss ``E * sum_e f_e * P_e`` (module docstring); 0 for T = 0."""
+    T, E = probs.shape
+    if T == 0:
+        return probs.sum() * 0
+    f = tokens_per_expert / (T * top_k)
+    return E * (f * probs.mean(0)).sum()
+
+
+def sequence_balance_loss(probs: Tensor, topk_ids: Tensor, num_experts: int, top_k: int,
+                          num_sequences: int) -> Tensor:
+    """DeepSeek-V3 sequence-wise balance loss (module docstring); 0 for T = 0."""
+    T = probs.shape[0]
+    if T == 0:
+        return probs.sum() * 0
+    B, S = num_sequences, T // num_sequences
+    one_hot = torch.zeros(T, num_experts, device=probs.device, dtype=probs.dtype).scatter_(1, topk_ids, 1.0)
+    f = one_hot.view(B, S, num_experts).sum(1) * (num_experts / (top_k * S))  # [B, E]
+    P = probs.view(B, S, num_experts).mean(1)
+    return (f * P).sum(-1).mean()
+
+
+def z_loss(logits: Tensor) -> Tensor:
+    """Router z-loss ``mean_t logsumexp(logits_t)^2`` (ST-MoE); 0 for T = 0."""
+    if logits.shape[0] == 0:
+        return logits.sum() * 0
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def update_correction_bias(bias: Tensor, tokens_per_expert: Tensor, rate: float = 1e-3) -> Tensor:
+    """DeepSeek-V3's auxiliary-loss-free balancing step (arXiv 2408.15664; DeepSeek-V3 report,
+    sec. 2.1.2): ``b_e + rate * sign(mean_load - load_e)`` — overloaded experts become less likely
+    to be selected. Returns a new ``[E]`` tensor; ``bias`` is not modified.
+
+    Args:
+        bias: ``[E]`` current score-correction bias.
+        tokens_per_expert: ``[E]`` routed pairs per expert (summed over the steps since the last update).
+        rate: the bias update speed ``gamma`` (DeepSeek-V3: 0.001).
+    """
+    load = tokens_per_expert.to(bias.dtype)
+    return bias + rate * torch.sign(load.mean() - load)
+
+
+def _score(logits: Tensor, score_func: str) -> Tensor:
+    return logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+
+
+class Router(nn.Module):
+    """The router: ``weight [E, H]`` (``bias [E]`` if ``config.router_bias``) and DeepSeek-V3's
+    ``e_score_correction_bias [E]`` buffer if ``config.score_correction_bias``."""
+
+    def __init__(self, config: MoEConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, **kw))
+        self.bias = nn.Parameter(torch.zeros(config.num_experts, **kw)) if config.router_bias else None
+        if config.score_correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, device=device,
+                                                                        dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: Tensor, num_sequences: int = 1) -> RoutingOutput:
+        """``x [T, H]`` -> :class:`RoutingOutput`."""
+        return route(x, self.weight, self.config, bias=self.bias, correction_bias=self.e_score_correction_bias,
+                     num_sequences=num_sequences, training=self.training)
