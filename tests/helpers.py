@@ -1,0 +1,165 @@
+"""Shared test utilities: random expert weights and routing, the float64 ``loop`` oracle, and the
+error-versus-reference judgement.
+
+Legend: T tokens, H hidden size, I expert intermediate size, N1 = 2I (gated) or I, E experts, K top-k.
+
+How low precision is judged (QuACK's rule): a backend run in ``dtype`` is compared with the float64
+``loop`` oracle, and so is PyTorch's own computation in ``dtype`` (the ``loop`` backend run in that
+dtype). The backend passes when ``err(backend) <= 2 * err(torch in dtype) + EPS[dtype]``, with ``err``
+the largest absolute difference divided by the largest absolute value of the oracle.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+import moeyard
+
+Tensor = torch.Tensor
+
+# The additive slack of the rule above, per dtype, relative to the largest oracle value. It covers a
+# reference that happens to be nearly exact on a tiny case (err(torch) ~ 0) while the backend rounds in
+# another order: float64 and float32 ~16 units of roundoff (2^-53, 2^-24). bfloat16: two units (2^-7);
+# one unit (3.9e-3) was too tight because the grouped backends round to bfloat16 at points the loop
+# reference does not (the GEMM output before the bias add, each pair before the top-k sum), and on a
+# small case where the reference's largest error is below one unit (test_activations[swiglu-bias-
+# grouped_mm-bfloat16]: 0.0025) the backend's largest element was 2.4 units off. Never loosen without
+# writing down why.
+EPS = {
+    torch.float64: 2e-15,
+    torch.float32: 1e-6,
+    torch.bfloat16: 8e-3,
+}
+
+GATED = ("swiglu", "geglu", "reglu", "clamped_swiglu")
+PLAIN = ("gelu", "relu", "relu2", "silu")
+
+
+def cpu_backends(dtype: torch.dtype, device: str = "cpu") -> list[str]:
+    """Every registered backend that runs on ``device`` in ``dtype``, except the ``loop`` oracle."""
+    return [b for b in moeyard.available_backends(device, dtype) if b != "loop"]
+
+
+def nan_fill_empty(monkeypatch) -> None:
+    """Make ``torch.empty``/``empty_like`` return NaN-filled floats, so reads of rows a kernel never
+    wrote show up as NaN (FLA's conftest trick)."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*args, **kw):
+        t = empty(*args, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def nan_empty_like(*args, **kw):
+        t = empty_like(*args, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
+
+
+def random_ids(T: int, K: int, E: int, *, experts: list[int] | None = None, generator=None) -> Tensor:
+    """``[T, K]`` int64 ids, distinct within a token, drawn uniformly from ``experts`` (default all)."""
+    pool = torch.tensor(experts if experts is not None else list(range(E)), dtype=torch.int64)
+    if T == 0:
+        return torch.empty(0, K, dtype=torch.int64)
+    order = torch.rand(T, len(pool), generator=generator).argsort(dim=1)[:, :K]
+    return pool[order]
+
+
+def make_inputs(T: int, H: int, I: int, E: int, K: int, *, gated: bool = True, bias: bool = False,
+                transposed: bool = False, ids: Tensor | None = None) -> dict[str, Tensor]:
+    """Fresh random float64 inputs for :func:`moeyard.experts` (outputs of order 1)."""
+    n1 = 2 * I if gated else I
+    up = torch.randn(E, n1, H, dtype=torch.float64) / math.sqrt(H)
+    down = torch.randn(E, H, I, dtype=torch.float64) / math.sqrt(I)
+    if transposed:
+        up, down = up.mT.contiguous(), down.mT.contiguous()
+    inp = {
+        "hidden_states": torch.randn(T, H, dtype=torch.float64),
+        "topk_ids": random_ids(T, K, E) if ids is None else ids,
+        "topk_weights": torch.rand(T, K, dtype=torch.float64) + 0.1,
+        "gate_up_proj": up,
+        "down_proj": down,
+    }
+    if bias:
+        inp["gate_up_bias"] = torch.randn(E, n1, dtype=torch.float64) * 0.5
+        inp["down_bias"] = torch.randn(E, H, dtype=torch.float64) * 0.5
+    return inp
+
+
+def cast(inputs: dict[str, Tensor], dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, Tensor]:
+    """Float tensors to ``dtype`` (and ``device``); ids unchanged apart from the device."""
+    return {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device))
+            for k, v in inputs.items()}
+
+
+def run_experts(inputs: dict[str, Tensor], dtype: torch.dtype, backend: str, grad_out: Tensor, *,
+                device: str | torch.device = "cpu", x_transform=None, **kw) -> dict[str, Tensor]:
+    """Forward and backward of :func:`moeyard.experts` in ``dtype``.
+
+    Returns ``{"out": ..., "grad_<name>": ...}`` for every floating input, all as float64 on the CPU.
+    ``x_transform`` maps the (leaf) hidden states before the call, e.g. to make them non-contiguous.
+    """
+    leaves = {k: v.detach().to(device=device, dtype=dtype, copy=True).requires_grad_() for k, v in inputs.items()
+              if v.is_floating_point()}
+    ids = inputs["topk_ids"].to(device)
+    x = leaves["hidden_states"]
+    if x_transform is not None:
+        x = x_transform(x)
+    args = {k: v for k, v in leaves.items() if k not in ("hidden_states", "topk_weights", "gate_up_proj",
+                                                          "down_proj")}
+    out = moeyard.experts(x, ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"],
+                          backend=backend, **args, **kw)
+    assert out.dtype == dtype and out.shape == x.shape
+    res = {"out": out.detach().double().cpu()}
+    if out.numel():
+        out.backward(grad_out.to(device=device, dtype=dtype))
+    for k, v in leaves.items():
+        g = v.grad if v.grad is not None else torch.zeros_like(v)
+        res[f"grad_{k}"] = g.double().cpu()
+    return res
+
+
+def rel_err(a: Tensor, ref: Tensor) -> float:
+    """Largest absolute difference over the largest absolute reference value (0 for empty tensors)."""
+    if ref.numel() == 0:
+        return 0.0
+    assert a.shape == ref.shape, (a.shape, ref.shape)
+    scale = ref.abs().max().item()
+    diff = (a.double() - ref.double()).abs().max().item()
+    if math.isnan(diff):
+        return math.inf
+    return diff / scale if scale > 0 else diff
+
+
+def assert_matches_oracle(got: dict[str, Tensor], lowp: dict[str, Tensor], oracle: dict[str, Tensor],
+                          dtype: torch.dtype, what: str = "") -> None:
+    """For every key: ``err(got) <= 2 * err(lowp) + EPS[dtype]`` against ``oracle`` (module docstring)."""
+    assert set(got) == set(oracle), (sorted(got), sorted(oracle))
+    for k in oracle:
+        e_got, e_ref = rel_err(got[k], oracle[k]), rel_err(lowp[k], oracle[k])
+        bound = 2 * e_ref + EPS[dtype]
+        assert e_got <= bound, f"{what} {k} in {dtype}: err {e_got:.3g} > 2 * {e_ref:.3g} + {EPS[dtype]:g}"
+
+
+def check_backend(backend: str, inputs: dict[str, Tensor], dtype: torch.dtype, *,
+                  device: str | torch.device = "cpu", **kw) -> dict[str, Tensor]:
+    """Run ``backend`` in ``dtype``, the ``loop`` backend in ``dtype`` and in float64 (the oracle), and
+    judge the output and every gradient. Returns the backend's results."""
+    T, H = inputs["hidden_states"].shape
+    grad_out = torch.randn(T, H, dtype=torch.float64)
+    oracle = run_experts(inputs, torch.float64, "loop", grad_out, **kw)
+    lowp = run_experts(inputs, dtype, "loop", grad_out, **kw)
+    got = run_experts(inputs, dtype, backend, grad_out, device=device, **kw)
+    assert_matches_oracle(got, lowp, oracle, dtype, what=backend)
+    return got
+
+
+def clones(d: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.clone() for k, v in d.items()}
+
+
+def assert_unchanged(before: dict[str, Tensor], after: dict[str, Tensor]) -> None:
+    for k in before:
+        assert torch.equal(before[k], after[k]), f"{k} was modified"

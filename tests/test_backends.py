@@ -1,0 +1,200 @@
+"""Every expert backend against the float64 ``loop`` oracle: the output and every gradient
+(hidden_states, gate_up_proj, down_proj, biases, topk_weights), in float32 and bfloat16, judged by
+``err(backend) <= 2 * err(loop in that dtype) + EPS[dtype]`` (tests/helpers.py).
+
+Legend: T tokens, H hidden size, I expert intermediate size, E experts, K top-k.
+"""
+import pytest
+import torch
+
+import moeyard
+from helpers import (EPS, GATED, PLAIN, assert_unchanged, check_backend, clones, cpu_backends, make_inputs,
+                     nan_fill_empty, rel_err, run_experts)
+
+DTYPES = [torch.float32, torch.bfloat16]
+BACKEND_DTYPE = [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for d in DTYPES for b in cpu_backends(d)]
+
+
+def runs_here(backend: str, dtype: torch.dtype, H: int, I: int) -> bool:
+    """Whether ``backend`` accepts these sizes on the CPU (``grouped_mm``: 16-byte rows, i.e. H and I
+    multiples of 4 in float32, of 8 in bfloat16)."""
+    if backend == "grouped_mm":
+        per16 = 16 // torch.empty(0, dtype=dtype).element_size()
+        return H % per16 == 0 and I % per16 == 0
+    return True
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    nan_fill_empty(monkeypatch)
+
+
+# (T, H, I, E, K, experts the ids are drawn from (None: all))
+SHAPES = [
+    pytest.param(16, 32, 24, 8, 2, None, id="base"),                # balanced routing, every expert busy
+    pytest.param(16, 32, 24, 8, 2, [0, 2, 3, 5], id="empty_experts"),  # experts 1, 4, 6, 7 get no rows: zero-size groups
+    pytest.param(12, 32, 24, 8, 1, [3], id="one_expert"),            # every token to expert 3: one group holds all rows, C = T
+    pytest.param(10, 32, 24, 1, 1, None, id="E1"),                   # a single expert: offsets [0, T]
+    pytest.param(9, 32, 24, 4, 4, None, id="k_eq_E"),                # K = E: every expert sees every token
+    pytest.param(1, 32, 24, 8, 2, None, id="T1"),                    # one token, far smaller than any tile
+    pytest.param(0, 32, 24, 8, 2, None, id="T0"),                    # no tokens at all: empty GEMMs, empty output
+    pytest.param(21, 32, 24, 7, 3, None, id="prime_E"),              # E = 7, K = 3: no power-of-two assumptions
+    pytest.param(16, 12, 20, 6, 2, None, id="H12_I20"),              # H, I not multiples of 16 (grouped_mm: fp32 only)
+    pytest.param(11, 13, 7, 5, 2, None, id="H13_I7"),                # odd H and I: masked tile edges; grouped_mm raises
+]
+
+
+@pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
+@pytest.mark.parametrize("T,H,I,E,K,pool", SHAPES)
+def test_shapes(backend, dtype, T, H, I, E, K, pool, nan_empty, request):
+    if backend == "bmm_padded" and T == 0:
+        request.applymarker(pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+            "bmm_padded.py:41: x_pad[:-1].view(E, capacity, -1) cannot infer -1 when capacity == 0 (T = 0)")))
+    ids = None
+    if pool is not None:
+        ids = torch.tensor(pool)[torch.rand(T, len(pool)).argsort(1)[:, :K]]
+    inputs = make_inputs(T, H, I, E, K, ids=ids, bias=True)
+    if not runs_here(backend, dtype, H, I):
+        with pytest.raises(ValueError, match="hidden_size|intermediate_size"):
+            run_experts(inputs, dtype, backend, torch.zeros(T, H))
+        return
+    before = clones(inputs)
+    got = check_backend(backend, inputs, dtype)
+    assert_unchanged(before, inputs)
+    assert torch.isfinite(got["out"]).all()
+    if T:  # the gradients are not all zero: a backend that drops a path would still "match" zeros
+        for k in ("grad_hidden_states", "grad_gate_up_proj", "grad_down_proj", "grad_topk_weights"):
+            assert got[k].abs().max() > 0, k
+
+
+CUSTOM_GATED = moeyard.Activation(name="tanh_glu", fn=lambda h: torch.tanh(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1])
+CUSTOM_PLAIN = moeyard.Activation(name="softsign", fn=torch.nn.functional.softsign, fn_gated=False)
+ACTIVATIONS = (
+    [pytest.param(a, id=a) for a in GATED + PLAIN]
+    + [pytest.param(lambda h: torch.tanh(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1], id="callable")]  # a bare callable
+    + [pytest.param(CUSTOM_GATED, id="custom_gated"), pytest.param(CUSTOM_PLAIN, id="custom_plain")]
+)
+
+
+def _is_gated(act) -> bool:
+    return moeyard.activations.get_activation(act).gated
+
+
+@pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activations(backend, dtype, activation, bias):
+    # scale up the inputs so clamped_swiglu's clamps (|x| > 7) and relu's zeros are both hit
+    inputs = make_inputs(12, 16, 8, 4, 2, gated=_is_gated(activation), bias=bias)
+    inputs["hidden_states"] *= 6
+    check_backend(backend, inputs, dtype, activation=activation)
+
+
+@pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
+@pytest.mark.parametrize("transposed,interleaved", [
+    (True, True),    # gpt-oss: [E, H, 2I] / [E, I, H] weights (.mT views) with interleaved gate/up columns
+    (True, False),   # transposed storage only
+    (False, True),   # interleaved gate/up in the standard layout
+], ids=["gpt_oss", "transposed", "interleaved"])
+def test_layouts(backend, dtype, transposed, interleaved):
+    inputs = make_inputs(14, 16, 8, 4, 2, bias=True, transposed=transposed)
+    inputs["hidden_states"] *= 6
+    act = moeyard.Activation(name="clamped_swiglu")
+    check_backend(backend, inputs, dtype, activation=act, transposed=transposed, interleaved=interleaved)
+
+
+def test_gpt_oss_layout_formula():
+    """The layout flags against the formula written out: gpt-oss's experts compute
+    ``gate_up = x @ W[e] + b``, ``gate, up = gate_up[..., ::2], gate_up[..., 1::2]``, clamps, then
+    ``(up + 1) * gate * sigmoid(1.702 gate)`` and ``@ down[e] + b``."""
+    T, H, I, E, K = 5, 8, 4, 3, 2
+    inp = make_inputs(T, H, I, E, K, bias=True, transposed=True)
+    inp["hidden_states"] *= 6
+    got = moeyard.experts(inp["hidden_states"], inp["topk_ids"], inp["topk_weights"], inp["gate_up_proj"],
+                          inp["down_proj"], gate_up_bias=inp["gate_up_bias"], down_bias=inp["down_bias"],
+                          activation="clamped_swiglu", transposed=True, interleaved=True, backend="loop")
+    want = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(inp["topk_ids"][t, k])
+            gu = inp["hidden_states"][t] @ inp["gate_up_proj"][e] + inp["gate_up_bias"][e]
+            gate, up = gu[0::2].clamp(max=7.0), gu[1::2].clamp(-7.0, 7.0)
+            y = ((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ inp["down_proj"][e] + inp["down_bias"][e]
+            want[t] += inp["topk_weights"][t, k] * y
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
+@pytest.mark.parametrize("layout", ["col_major", "strided"])
+def test_non_contiguous_input(backend, dtype, layout):
+    transform = {
+        "col_major": lambda x: x.t().contiguous().t(),   # strides (1, T)
+        "strided": lambda x: x.repeat(1, 2)[:, ::2],     # strides (2H, 2)
+    }[layout]
+    inputs = make_inputs(10, 16, 8, 4, 2, bias=True)
+    x = transform(inputs["hidden_states"])
+    assert not x.is_contiguous()
+    check_backend(backend, inputs, dtype, x_transform=transform)
+
+
+def _with_invalid(T, E, K):
+    ids = torch.rand(T, E).argsort(1)[:, :K]
+    ids[0, 0], ids[2, 1], ids[3, 0] = -1, E, E + 5   # sentinels below and above [0, E)
+    return ids
+
+
+@pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
+def test_drop_invalid(backend, dtype, nan_empty, request):
+    if backend == "grouped_mm":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "grouped_mm with drop_invalid: permute() gathers rows for invalid pairs past padded_offsets[E]; "
+            "torch._grouped_mm's backward leaves their grad rows unwritten, and permute's backward adds that "
+            "garbage into grad hidden_states of the tokens holding an invalid id")))
+    T, H, I, E, K = 8, 16, 8, 4, 2
+    ids = _with_invalid(T, E, K)
+    inputs = make_inputs(T, H, I, E, K, ids=ids, bias=True)
+    got = check_backend(backend, inputs, dtype, drop_invalid=True)
+    # independently of the oracle: an invalid pair contributes exactly what a zero-weight pair does
+    bad = (ids < 0) | (ids >= E)
+    zeroed = dict(inputs, topk_ids=ids.clamp(0, E - 1), topk_weights=inputs["topk_weights"].masked_fill(bad, 0))
+    want = run_experts(zeroed, torch.float64, "loop", torch.zeros(T, H))["out"]
+    assert rel_err(got["out"], want) <= 2 * rel_err(run_experts(inputs, dtype, "loop", torch.zeros(T, H),
+                                                                  drop_invalid=True)["out"], want) + EPS[dtype]
+    assert (got["grad_topk_weights"][bad] == 0).all()
+
+
+@pytest.mark.parametrize("backend", cpu_backends(torch.float64))
+def test_float64(backend):
+    """Backends that accept float64 agree with the oracle to float64 roundoff."""
+    check_backend(backend, make_inputs(16, 32, 24, 8, 2, bias=True), torch.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_auto_backend(dtype):
+    """``auto`` picks a backend that runs here, and it matches the oracle."""
+    check_backend("auto", make_inputs(16, 32, 24, 8, 2), dtype)
+
+
+def test_topk_weights_in_float32_with_bf16_states():
+    """The router returns float32 weights; experts() casts them to hidden_states' dtype."""
+    inputs = make_inputs(8, 16, 8, 4, 2)
+    for backend in cpu_backends(torch.bfloat16):
+        x = inputs["hidden_states"].bfloat16()
+        args = (inputs["topk_ids"], inputs["gate_up_proj"].bfloat16(), inputs["down_proj"].bfloat16())
+        a = moeyard.experts(x, args[0], inputs["topk_weights"].float(), *args[1:], backend=backend)
+        b = moeyard.experts(x, args[0], inputs["topk_weights"].bfloat16(), *args[1:], backend=backend)
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-2)
+
+
+def test_process_default_backend(monkeypatch):
+    """``backend=None`` follows set_backend, then MOEYARD_BACKEND."""
+    from moeyard.experts import registry
+    monkeypatch.setattr(registry, "_default", [None])
+    monkeypatch.setenv("MOEYARD_BACKEND", "bmm_padded")
+    assert moeyard.get_backend() == "bmm_padded"
+    moeyard.set_backend("loop")
+    assert moeyard.get_backend() == "loop"
+    check_backend(None, make_inputs(6, 16, 8, 4, 2), torch.float32)
+    moeyard.set_backend(None)
+    assert moeyard.get_backend() == "bmm_padded"
