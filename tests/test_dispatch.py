@@ -1,0 +1,205 @@
+"""Dispatch as an algorithm: the plan's invariants, permute / unpermute and their gradients.
+
+Legend: T tokens, H hidden size, E experts, K top-k, N = T*K pairs, R rows of the permuted buffer.
+"""
+import pytest
+import torch
+
+import moeyard
+from moeyard import make_plan, permute, unpermute
+from helpers import random_ids
+
+
+def _ids(T, K, E, case):
+    if case == "random":
+        return random_ids(T, K, E)
+    if case == "one_expert":
+        return torch.full((T, K), E - 1, dtype=torch.int64)
+    if case == "empty_experts":
+        return random_ids(T, K, E, experts=list(range(0, E, 2)))
+    if case == "invalid":
+        ids = random_ids(T, K, E)
+        ids[0, 0], ids[-1, K - 1] = -1, E
+        if T > 2:
+            ids[T // 2, 0] = E + 3
+        return ids
+    raise AssertionError(case)
+
+
+# (T, K, E, ids, align)
+CASES = [
+    pytest.param(16, 2, 8, "random", 1, id="base"),                # plain sort, no padding
+    pytest.param(16, 2, 8, "random", 8, id="align8"),              # every group padded to a multiple of 8
+    pytest.param(13, 3, 7, "random", 4, id="primeE_align4"),       # prime E, odd T, padding
+    pytest.param(16, 2, 8, "empty_experts", 1, id="empty"),        # odd experts get nothing: equal offsets
+    pytest.param(16, 2, 8, "empty_experts", 16, id="empty_align"),  # empty groups stay empty after padding
+    pytest.param(12, 1, 5, "one_expert", 1, id="one_expert"),      # all pairs in the last group
+    pytest.param(12, 2, 5, "one_expert", 4, id="one_expert_dup"),  # duplicate ids within a token, padded
+    pytest.param(7, 1, 1, "random", 1, id="E1"),                   # a single group
+    pytest.param(6, 4, 4, "random", 2, id="k_eq_E"),               # K = E
+    pytest.param(1, 2, 8, "random", 16, id="T1_align"),            # one token, buffer mostly padding
+    pytest.param(0, 2, 8, "random", 1, id="T0"),                   # no pairs at all
+    pytest.param(0, 2, 8, "random", 8, id="T0_align"),             # no pairs, padded worst case
+    pytest.param(10, 2, 6, "invalid", 1, id="invalid"),            # ids -1 / E / E+3 sort to the tail
+    pytest.param(10, 2, 6, "invalid", 4, id="invalid_align"),      # invalid ids with padding
+]
+
+
+@pytest.mark.parametrize("T,K,E,case,align", CASES)
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
+def test_plan_invariants(T, K, E, case, align, id_dtype):
+    ids = _ids(T, K, E, case).to(id_dtype)
+    ids_before = ids.clone()
+    plan = make_plan(ids, E, align=align)
+    assert torch.equal(ids, ids_before)
+    N = T * K
+    flat = ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < E)
+    assert torch.equal(plan.valid, valid)
+    assert (plan.num_tokens, plan.top_k, plan.num_experts, plan.align) == (T, K, E, align)
+
+    # counts equal a bincount; offsets equal the cumulative counts
+    counts = torch.bincount(flat[valid], minlength=E)
+    assert torch.equal(plan.tokens_per_expert.long(), counts)
+    assert torch.equal(plan.expert_offsets.long(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
+
+    # aligned offsets: multiples of align, each group holds its count plus less than align padding
+    po = plan.padded_offsets.long()
+    assert po[0] == 0 and (po % align == 0).all()
+    sizes = po.diff()
+    assert (sizes >= counts).all() and (sizes < counts + align).all()
+    assert plan.num_rows >= po[E] and plan.num_rows >= N
+    if align == 1:
+        assert torch.equal(po, plan.expert_offsets.long()) and plan.num_rows == N
+
+    # the sort is stable and expert-major: by (expert, pair index), invalid pairs last
+    key = torch.where(valid, flat, E)
+    want_order = sorted(range(N), key=lambda n: (int(key[n]), n))
+    assert plan.sort_order.tolist() == want_order
+
+    # pair_rows: a bijection from valid pairs onto the non-pad rows, each inside its expert's group
+    rows = plan.pair_rows
+    assert rows.unique().numel() == N and (rows >= 0).all() and (rows < plan.num_rows).all()
+    for n in range(N):
+        if valid[n]:
+            e = int(flat[n])
+            assert po[e] <= rows[n] < po[e] + counts[e]
+        else:
+            assert rows[n] >= po[E]
+    non_pad = {int(po[e]) + j for e in range(E) for j in range(int(counts[e]))}
+    assert set(rows[valid].tolist()) == non_pad
+    # pair_rows inverts sort_order: sorted position i of a valid pair lands on row i + its group's shift
+    for i, n in enumerate(plan.sort_order.tolist()):
+        if valid[n]:
+            e = int(flat[n])
+            assert rows[n] == po[e] + (i - plan.expert_offsets[e])
+
+    # row_tokens / row_experts
+    rt = plan.row_tokens()
+    for n in range(N):
+        assert rt[rows[n]] == (n // K if valid[n] else T)
+    pad = torch.ones(plan.num_rows, dtype=torch.bool)
+    pad[rows] = False
+    assert (rt[pad] == T).all()
+    re = plan.row_experts()
+    for e in range(E):
+        assert (re[po[e]:po[e + 1]] == e).all()
+
+
+@pytest.mark.parametrize("T,K,E,case,align", CASES)
+def test_permute_unpermute(T, K, E, case, align):
+    H = 5
+    ids = _ids(T, K, E, case)
+    plan = make_plan(ids, E, align=align)
+    x = torch.randn(T, H, dtype=torch.float64)
+    x_before = x.clone()
+    rows = permute(x, plan)
+    assert rows.shape == (plan.num_rows, H)
+    valid = plan.valid
+    # each valid pair's row holds its token; pad rows are zero
+    for n in range(T * K):
+        if valid[n]:
+            assert torch.equal(rows[plan.pair_rows[n]], x[n // K])
+    used = torch.zeros(plan.num_rows, dtype=torch.bool)
+    used[plan.pair_rows[valid]] = True
+    if align > 1:
+        assert (rows[~used] == 0).all()
+    # permute then unpermute without weights returns x for every (valid) slot
+    pairs = unpermute(rows, plan)
+    assert pairs.shape == (T, K, H)
+    v = valid.view(T, K)
+    assert torch.equal(pairs[v], x.unsqueeze(1).expand(T, K, H)[v])
+    dropped = unpermute(rows + 1, plan, drop_invalid=True)   # +1: nothing is zero by accident
+    assert (dropped[~v] == 0).all() and torch.equal(dropped[v], (x.unsqueeze(1) + 1).expand(T, K, H)[v])
+    # weighted combine against the formula
+    w = torch.rand(T, K, dtype=torch.float64)
+    w_before = w.clone()
+    got = unpermute(rows, plan, w, drop_invalid=True)
+    want = (w * v).sum(1, keepdim=True) * x
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(x, x_before) and torch.equal(w, w_before)
+
+
+@pytest.mark.parametrize("align", [1, 4])
+def test_gradients(align):
+    """permute's backward is a scatter-add into [T, H]; unpermute's is differentiable in rows and weights."""
+    T, K, E, H = 6, 2, 4, 3
+    plan = make_plan(random_ids(T, K, E), E, align=align)
+    x = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(T, K, dtype=torch.float64, requires_grad=True)
+    scale = torch.randn(plan.num_rows, 1, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda x, w: unpermute(permute(x, plan) * scale, plan, w), (x, w))
+    # the composition with a row-wise linear map is the token-wise weighted sum of that map
+    out = unpermute(permute(x, plan) * 2, plan, w)
+    torch.testing.assert_close(out, 2 * w.sum(1, keepdim=True) * x)
+    g = torch.randn(T, H, dtype=torch.float64)
+    gx, gw = torch.autograd.grad(out, (x, w), g)
+    torch.testing.assert_close(gx, 2 * w.sum(1, keepdim=True) * g)
+    torch.testing.assert_close(gw, 2 * (g * x).sum(1, keepdim=True).expand(T, K))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_combine(dtype):
+    """The weighted combine of bf16 rows is no worse than rounding the float64 result once (+ one unit)."""
+    T, K, E, H = 32, 4, 8, 64
+    plan = make_plan(random_ids(T, K, E), E)
+    rows = torch.randn(plan.num_rows, H, dtype=torch.float64)
+    w = torch.rand(T, K, dtype=torch.float64)
+    exact = unpermute(rows, plan, w)
+    got = unpermute(rows.to(dtype), plan, w.to(dtype)).double()
+    naive = (unpermute(rows.to(dtype), plan).double() * w.to(dtype).double().unsqueeze(-1)).sum(1).to(dtype).double()
+    err = lambda a: ((a - exact).abs().max() / exact.abs().max()).item()  # noqa: E731
+    assert err(got) <= 2 * err(naive) + {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+
+
+def test_errors():
+    ids = random_ids(4, 2, 4)
+    with pytest.raises(TypeError, match="topk_ids"):
+        make_plan(ids.float(), 4)
+    with pytest.raises(TypeError, match="topk_ids"):
+        make_plan(ids > 1, 4)
+    with pytest.raises(ValueError, match="topk_ids"):
+        make_plan(ids.reshape(-1), 4)
+    for bad in (0, -1, 2.0, None):
+        with pytest.raises(ValueError, match="num_experts"):
+            make_plan(ids, bad)
+    for bad in (0, -4, 1.5):
+        with pytest.raises(ValueError, match="align"):
+            make_plan(ids, 4, align=bad)
+    plan = make_plan(ids, 4)
+    with pytest.raises(ValueError, match="^x: "):
+        permute(torch.randn(5, 3), plan)
+    with pytest.raises(ValueError, match="^x: "):
+        permute(torch.randn(4), plan)
+    rows = permute(torch.randn(4, 3), plan)
+    with pytest.raises(ValueError, match="^rows: "):
+        unpermute(rows[:-1], plan)
+    with pytest.raises(ValueError, match="topk_weights"):
+        unpermute(rows, plan, torch.rand(4, 3))
+
+
+def test_plan_is_frozen():
+    plan = make_plan(random_ids(4, 2, 4), 4)
+    with pytest.raises(Exception):
+        plan.align = 2
+    assert isinstance(plan, moeyard.DispatchPlan) and plan.num_pairs == 8
