@@ -1,0 +1,58 @@
+"""``triton``: fused Triton kernels for the routed expert FFN, forward and backward.
+
+Gathers token rows inside the GEMM loads (no permuted copy of the input), fuses the activation
+and biases into GEMM epilogues and the routing weight into the down projection, and combines pair
+rows per token in a fixed order (deterministic, no float atomics). No host sync: the tile map is
+built on the device from ``expert_offsets``. Triton is imported on first use, so ``import moeyard``
+works without it.
+
+Runs on CUDA in bfloat16, float16 and float32, and on CPU under Triton's interpreter
+(``TRITON_INTERPRET=1``, float32 only: the interpreter's ``tl.dot`` needs float32 operands).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from ...activations import Activation
+from ..registry import ExpertBackend, register_backend
+from ..weights import ExpertWeights
+
+Tensor = torch.Tensor
+
+
+def triton_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
+                   activation: Activation, *, drop_invalid: bool = False) -> Tensor:
+    """``out[t] = sum_k topk_weights[t, k] * FFN_e(x[t])``: ``x [T, H]``, ``topk_ids`` / ``topk_weights``
+    ``[T, K]`` -> ``[T, H]`` in ``x.dtype``. Differentiable w.r.t. ``x``, the weights, biases and
+    ``topk_weights``. Pairs with an id outside ``[0, E)`` add nothing with ``drop_invalid``; otherwise
+    they add ``w * 0`` (the caller puts NaN in their weights, so those tokens come out NaN).
+    """
+    from .function import triton_experts
+    return triton_experts(x, topk_ids, topk_weights, weights, activation, drop_invalid=drop_invalid)
+
+
+def _unsupported(device: torch.device, dtype: torch.dtype, weights: ExpertWeights | None,
+                 activation: Activation | None) -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton)"
+    if device.type == "cuda":
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"needs bfloat16, float16 or float32 on CUDA, got {dtype}"
+        return None
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            return "runs on CPU only under Triton's interpreter (TRITON_INTERPRET=1)"
+        if dtype != torch.float32:
+            return f"needs float32 under Triton's interpreter, got {dtype}"
+        return None
+    return f"needs a CUDA GPU (or the CPU interpreter), got {device.type}"
+
+
+register_backend(ExpertBackend(
+    name="triton", forward=triton_forward, unsupported=_unsupported, priority={"cuda": 30},
+    description="fused Triton grouped GEMMs: gather in the loads, activation/bias/weight in epilogues; "
+                "deterministic combine; no host sync",
+))

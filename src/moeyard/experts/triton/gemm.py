@@ -1,0 +1,55 @@
+"""The shared main loop of every grouped GEMM here: ``acc += A[rows, :] @ B[:, cols]`` for one
+expert's weight ``B``, with the row gather folded into the A loads (rows given as element offsets).
+
+Loads use 64-bit row offsets (``T * K * H`` may exceed 2**31). ``tl.dot`` accumulates in float32.
+"""
+import triton
+import triton.language as tl
+
+from .schedule import expert_tile
+
+
+@triton.jit
+def gathered_mainloop(acc_g, acc_u,
+                      a_ptr,       # A base pointer (any float dtype); row r's element k at a_ptr + r_off + k * stride_ak
+                      a_row_off,   # [BM] int64 element offsets of the A rows (gathered or sorted)
+                      m_mask,      # [BM] bool, rows that exist
+                      stride_ak,
+                      b_ptr,       # one expert's B: element (k, col) at b_ptr + col_off + k * stride_bk
+                      b_off_g,     # [BN] int64 column offsets of B for acc_g
+                      b_off_u,     # [BN] int64 column offsets of B for acc_u (read when DUAL)
+                      n_mask,      # [BN] bool, columns that exist
+                      stride_bk,
+                      K,           # reduction length
+                      BK: tl.constexpr, DUAL: tl.constexpr, PRECISION: tl.constexpr):
+    """Returns ``(acc_g, acc_u)`` after the K loop; ``acc_u`` is only updated when ``DUAL``
+    (gated layers: the gate and up columns of the same output tile share the A loads)."""
+    ks = tl.arange(0, BK)
+    a_ptrs = a_ptr + a_row_off[:, None] + ks[None, :] * stride_ak
+    bg_ptrs = b_ptr + b_off_g[None, :] + ks[:, None] * stride_bk
+    bu_ptrs = b_ptr + b_off_u[None, :] + ks[:, None] * stride_bk
+    for k0 in range(0, K, BK):
+        k_mask = (k0 + ks) < K
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(bg_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc_g = tl.dot(a, b, acc_g, input_precision=PRECISION)
+        if DUAL:
+            b = tl.load(bu_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc_u = tl.dot(a, b, acc_u, input_precision=PRECISION)
+            bu_ptrs += BK * stride_bk
+        a_ptrs += BK * stride_ak
+        bg_ptrs += BK * stride_bk
+    return acc_g, acc_u
+
+
+@triton.jit
+def sorted_rows(pid_m, offsets_ptr, sort_order_ptr, E, top_k, BM: tl.constexpr, E_P2: tl.constexpr):
+    """The rows of row tile ``pid_m``: ``(e, rows, m_mask, pair, token)`` with ``rows`` [BM] int64
+    sorted positions, ``pair`` the flat pair index and ``token = pair // top_k`` (masked rows: 0).
+    ``e >= E``: the tile does not exist."""
+    e, row0, row_end = expert_tile(pid_m, offsets_ptr, E, BM, E_P2)
+    rows = row0 + tl.arange(0, BM)
+    m_mask = rows < row_end
+    rows = rows.to(tl.int64)
+    pair = tl.load(sort_order_ptr + rows, mask=m_mask, other=0)
+    return e, rows, m_mask, pair, pair // top_k

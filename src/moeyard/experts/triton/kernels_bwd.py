@@ -1,0 +1,142 @@
+"""Backward kernels: the activation gradient (gathered ``dout @ W_down`` with the activation's
+derivative in its epilogue) and the grouped weight gradient (one program per expert and output
+tile, looping over that expert's rows: deterministic, no atomics). The input gradient reuses
+``kernels_fwd.down_kernel`` and ``combine_kernel``.
+
+Legend as in :mod:`.kernels_fwd`.
+"""
+import triton
+import triton.language as tl
+
+from .act import act_grad
+from .gemm import gathered_mainloop, sorted_rows
+
+
+@triton.jit
+def dh_kernel(
+    dout_ptr,         # [T, H] output-gradient dtype, strides (stride_dt, stride_dh)
+    w_ptr,            # [E, H, I] down weight, strides (stride_we, stride_wh, stride_wi)
+    b_ptr,            # [E, H] down bias, strides (stride_be, stride_bh); read if HAS_BIAS
+    h_ptr,            # [N, N1] input dtype, contiguous: pre-activation rows, sorted
+    tw_ptr,           # [N] routing weight of each pair (any float dtype), by pair
+    sort_order_ptr,   # [N] int64: sorted position -> flat pair index
+    offsets_ptr,      # [E + 1] int32: expert_offsets
+    dh_ptr,           # [N, N1] input dtype, contiguous: d loss / d h, sorted (out)
+    aw_ptr,           # [N, I] input dtype, contiguous: w * act(h), sorted (out)
+    dw_ptr,           # [n_col_tiles_max, N] float32, zero-filled: partial d loss / d w by (column tile, pair) (out)
+    H, I, N1, N, E, top_k,
+    stride_dt, stride_dh, stride_we, stride_wh, stride_wi, stride_be, stride_bh,
+    gate_step, up_offset, alpha, limit,
+    ACT: tl.constexpr, DUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """``g = dout[token] @ W_down[e]``; ``d_a = w * g``; ``d_h = act'(h) * d_a``;
+    ``d_w = g . act(h) (+ dout[token] . b_down[e])`` split over column tiles."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(I, BN)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    e, rows, m_mask, pair, token = sorted_rows(pid_m, offsets_ptr, sort_order_ptr, E, top_k, BM, E_P2)
+    if e >= E:
+        return
+    cols = pid_n * BN + tl.arange(0, BN)
+    n_mask = cols < I
+    col_off = cols.to(tl.int64) * stride_wi
+    acc = tl.zeros((BM, BN), tl.float32)
+    acc, _ = gathered_mainloop(
+        acc, acc, dout_ptr, token * stride_dt, m_mask, stride_dh,
+        w_ptr + e.to(tl.int64) * stride_we, col_off, col_off, n_mask, stride_wh, H,
+        BK, False, PRECISION)
+    mask = m_mask[:, None] & n_mask[None, :]
+    col_g = cols.to(tl.int64) * gate_step
+    col_u = col_g + up_offset
+    h_rows = h_ptr + rows[:, None] * N1
+    g = tl.load(h_rows + col_g[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = g
+    if DUAL:
+        u = tl.load(h_rows + col_u[None, :], mask=mask, other=0.0).to(tl.float32)
+    a, da_dg, da_du = act_grad(g, u, alpha, limit, ACT)
+    w = tl.load(tw_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)[:, None]
+    d_a = acc * w
+    dh_rows = dh_ptr + rows[:, None] * N1
+    tl.store(dh_rows + col_g[None, :], (d_a * da_dg).to(dh_ptr.dtype.element_ty), mask=mask)
+    if DUAL:
+        tl.store(dh_rows + col_u[None, :], (d_a * da_du).to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(aw_ptr + rows[:, None] * I + cols[None, :], (a * w).to(aw_ptr.dtype.element_ty), mask=mask)
+    d_w = tl.sum(tl.where(mask, acc * a, 0.0), 1)
+    if HAS_BIAS:
+        if pid_n == 0:
+            d_w += _rows_dot_bias(dout_ptr, token * stride_dt, m_mask, stride_dh,
+                                  b_ptr + e.to(tl.int64) * stride_be, stride_bh, H, BM, BK)
+    tl.store(dw_ptr + pid_n.to(tl.int64) * N + pair, d_w, mask=m_mask)
+
+
+@triton.jit
+def _rows_dot_bias(d_ptr, row_off, m_mask, stride_dh, b_ptr, stride_bh, H, BM: tl.constexpr, BK: tl.constexpr):
+    """``[BM]`` float32: ``dout[row] . b`` for the tile's rows."""
+    acc = tl.zeros((BM,), tl.float32)
+    for k0 in range(0, H, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_mask = ks < H
+        d = tl.load(d_ptr + row_off[:, None] + ks[None, :] * stride_dh, mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + ks * stride_bh, mask=k_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(d * b[None, :], 1)
+    return acc
+
+
+@triton.jit
+def wgrad_kernel(
+    l_ptr,            # rows of L [*, NL]: row r's column n at l_ptr + r_off + n * stride_ln (input dtype)
+    r_ptr,            # rows of R [*, NR], likewise with stride_rn
+    scale_ptr,        # [N] routing weight by pair (any float dtype); read if DB_SCALE
+    sort_order_ptr,   # [N] int64: sorted position -> flat pair index
+    offsets_ptr,      # [E + 1] int32: expert_offsets
+    dw_ptr,           # [E, NL, NR] weight gradient, strides (stride_de, stride_dl, stride_dr) (out)
+    db_ptr,           # [E, NL] bias gradient, strides (stride_be, stride_bl); written if HAS_DB (out)
+    NL, NR, top_k,
+    stride_lm, stride_ln, stride_rm, stride_rn, stride_de, stride_dl, stride_dr, stride_be, stride_bl,
+    L_GATHER: tl.constexpr, R_GATHER: tl.constexpr, HAS_DB: tl.constexpr, DB_SCALE: tl.constexpr,
+    PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """``dW[e] = L[rows of e]^T @ R[rows of e]`` and ``db[e] = sum_rows s * L`` (``s`` = routing
+    weight with ``DB_SCALE``, else 1). A gathered operand is indexed by token, else by sorted row."""
+    pid = tl.program_id(0)
+    tiles_l = tl.cdiv(NL, BN)
+    tiles_r = tl.cdiv(NR, BK)
+    e = pid // (tiles_l * tiles_r)
+    pid_l = (pid // tiles_r) % tiles_l
+    pid_r = pid % tiles_r
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    cl = pid_l * BN + tl.arange(0, BN)
+    cr = pid_r * BK + tl.arange(0, BK)
+    l_mask = cl < NL
+    r_mask = cr < NR
+    acc = tl.zeros((BN, BK), tl.float32)
+    acc_b = tl.zeros((BN,), tl.float32)
+    for r0 in range(start, end, BM):
+        rows = r0 + tl.arange(0, BM)
+        m_mask = rows < end
+        rows = rows.to(tl.int64)
+        token = tl.load(sort_order_ptr + rows, mask=m_mask, other=0) // top_k
+        l_rows = token if L_GATHER else rows
+        r_rows = token if R_GATHER else rows
+        lt = tl.load(l_ptr + l_rows[None, :] * stride_lm + cl[:, None] * stride_ln,
+                     mask=l_mask[:, None] & m_mask[None, :], other=0.0)  # [BN, BM]
+        r = tl.load(r_ptr + r_rows[:, None] * stride_rm + cr[None, :] * stride_rn,
+                    mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BM, BK]
+        acc = tl.dot(lt, r, acc, input_precision=PRECISION)
+        if HAS_DB:
+            if pid_r == 0:
+                s = lt.to(tl.float32)
+                if DB_SCALE:
+                    pair = tl.load(sort_order_ptr + rows, mask=m_mask, other=0)
+                    s *= tl.load(scale_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)[None, :]
+                acc_b += tl.sum(s, 1)
+    e64 = e.to(tl.int64)
+    tl.store(dw_ptr + e64 * stride_de + cl[:, None] * stride_dl + cr[None, :] * stride_dr,
+             acc.to(dw_ptr.dtype.element_ty), mask=l_mask[:, None] & r_mask[None, :])
+    if HAS_DB:
+        if pid_r == 0:
+            tl.store(db_ptr + e64 * stride_be + cl * stride_bl, acc_b.to(db_ptr.dtype.element_ty), mask=l_mask)

@@ -1,0 +1,128 @@
+"""Forward kernels: gathered up projection with the activation in its epilogue, grouped down
+projection with bias and routing weight in its epilogue (also used for the input gradient), and
+the deterministic combine of pair rows into tokens.
+
+Legend: T tokens, H hidden, I intermediate, N1 = 2I (gated) or I, E experts, K top-k, N = T*K
+pairs. "Sorted" rows are in expert-major order (``sort_order``); "pair" rows in token-major order.
+"""
+import triton
+import triton.language as tl
+
+from .act import act_fwd
+from .gemm import gathered_mainloop, sorted_rows
+
+
+@triton.jit
+def up_kernel(
+    x_ptr,            # [T, H] input dtype, strides (stride_xt, stride_xh)
+    w_ptr,            # [E, N1, H] input dtype, strides (stride_we, stride_wn, stride_wh)
+    b_ptr,            # [E, N1] bias (any float dtype), strides (stride_be, stride_bn); read if HAS_BIAS
+    sort_order_ptr,   # [N] int64: sorted position -> flat pair index
+    offsets_ptr,      # [E + 1] int32: expert_offsets
+    h_ptr,            # [N, N1] input dtype, contiguous: pre-activation rows, sorted; written if STORE_H
+    a_ptr,            # [N, NA] input dtype, contiguous: activation rows, sorted (NA = I; = N1 for ACT "none")
+    H, NA, N1, E, top_k,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_be, stride_bn,
+    gate_step, up_offset,  # output column j reads gate row j * gate_step, up row j * gate_step + up_offset
+    alpha, limit,
+    ACT: tl.constexpr, DUAL: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr,
+    PRECISION: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """``h = x[token] @ W_up[e].T + b``, ``a = act(h)`` for one (row tile, column tile)."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(NA, BN)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    e, rows, m_mask, pair, token = sorted_rows(pid_m, offsets_ptr, sort_order_ptr, E, top_k, BM, E_P2)
+    if e >= E:
+        return
+    cols = pid_n * BN + tl.arange(0, BN)
+    n_mask = cols < NA
+    col_g = cols.to(tl.int64) * gate_step
+    col_u = col_g + up_offset
+    acc_g = tl.zeros((BM, BN), tl.float32)
+    acc_u = tl.zeros((BM, BN), tl.float32)
+    acc_g, acc_u = gathered_mainloop(
+        acc_g, acc_u, x_ptr, token * stride_xt, m_mask, stride_xh,
+        w_ptr + e.to(tl.int64) * stride_we, col_g * stride_wn, col_u * stride_wn, n_mask, stride_wh, H,
+        BK, DUAL, PRECISION)
+    if HAS_BIAS:
+        b_row = b_ptr + e.to(tl.int64) * stride_be
+        acc_g += tl.load(b_row + col_g * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if DUAL:
+            acc_u += tl.load(b_row + col_u * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    # round to the stored dtype first: backward recomputes the activation from the stored h
+    g = acc_g.to(a_ptr.dtype.element_ty).to(tl.float32)
+    u = acc_u.to(a_ptr.dtype.element_ty).to(tl.float32)
+    mask = m_mask[:, None] & n_mask[None, :]
+    if STORE_H:
+        h_rows = h_ptr + rows[:, None] * N1
+        tl.store(h_rows + col_g[None, :], g.to(h_ptr.dtype.element_ty), mask=mask)
+        if DUAL:
+            tl.store(h_rows + col_u[None, :], u.to(h_ptr.dtype.element_ty), mask=mask)
+    a = act_fwd(g, u, alpha, limit, ACT)
+    tl.store(a_ptr + rows[:, None] * NA + cols[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def down_kernel(
+    a_ptr,            # [N, KA] input dtype, contiguous: rows in sorted order
+    w_ptr,            # [E, NY, KA] input dtype, strides (stride_we, stride_wn, stride_wk): y = a @ W[e].T
+    b_ptr,            # [E, NY] bias (any float dtype), strides (stride_be, stride_bn); read if HAS_BIAS
+    tw_ptr,           # [N] routing weight of each pair (any float dtype), by pair; read if HAS_WEIGHT
+    sort_order_ptr,   # [N] int64: sorted position -> flat pair index
+    offsets_ptr,      # [E + 1] int32: expert_offsets
+    y_ptr,            # [N, NY] output dtype, contiguous: rows by pair (token-major)
+    KA, NY, E, top_k,
+    stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    PRECISION: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """``y[pair] = w[pair] * (a[row] @ W[e].T + b[e])`` for one (row tile, column tile)."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(NY, BN)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    e, rows, m_mask, pair, token = sorted_rows(pid_m, offsets_ptr, sort_order_ptr, E, top_k, BM, E_P2)
+    if e >= E:
+        return
+    cols = pid_n * BN + tl.arange(0, BN)
+    n_mask = cols < NY
+    col_off = cols.to(tl.int64) * stride_wn
+    acc = tl.zeros((BM, BN), tl.float32)
+    acc, _ = gathered_mainloop(
+        acc, acc, a_ptr, rows * KA, m_mask, 1,
+        w_ptr + e.to(tl.int64) * stride_we, col_off, col_off, n_mask, stride_wk, KA,
+        BK, False, PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + e.to(tl.int64) * stride_be + cols * stride_bn, mask=n_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    if HAS_WEIGHT:
+        acc *= tl.load(tw_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)[:, None]
+    mask = m_mask[:, None] & n_mask[None, :]
+    tl.store(y_ptr + pair[:, None] * NY + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def combine_kernel(
+    y_ptr,            # [N, H] rows by pair (token-major), contiguous; rows of invalid pairs are not read
+    ids_ptr,          # [T, K] integer expert ids, contiguous
+    tw_ptr,           # [T, K] routing weights, contiguous; read if NAN_INVALID
+    out_ptr,          # [T, H] output dtype, contiguous
+    H, E, top_k,
+    NAN_INVALID: tl.constexpr, BH: tl.constexpr,
+):
+    """``out[t] = sum_k y[t * K + k]`` in float32, fixed order (deterministic). A pair whose id
+    lies outside ``[0, E)`` adds 0, or ``w * 0`` with ``NAN_INVALID`` (NaN for a NaN weight)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    c_mask = cols < H
+    acc = tl.zeros((BH,), tl.float32)
+    for k in range(top_k):
+        pair = t * top_k + k
+        eid = tl.load(ids_ptr + pair + tl.zeros_like(cols))  # the pair's id, broadcast over the columns
+        valid = (eid >= 0) & (eid < E)
+        acc += tl.load(y_ptr + pair * H + cols, mask=c_mask & valid, other=0.0).to(tl.float32)
+        if NAN_INVALID:
+            acc += tl.where(valid, 0.0, tl.load(tw_ptr + pair + tl.zeros_like(cols)).to(tl.float32) * 0.0)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=c_mask)

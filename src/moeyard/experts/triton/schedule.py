@@ -1,0 +1,127 @@
+"""Tile schedule and launch configurations for the grouped GEMM kernels.
+
+Legend: N routed pairs in sorted (expert-major) order, E experts, BM rows per tile.
+
+The row tiles of a grouped GEMM follow the experts: expert ``e`` owns ``ceil(count_e / BM)`` tiles,
+so at most ``N // BM + min(E, N)`` tiles exist whatever the routing. Kernels launch that static upper
+bound and each program finds its expert from ``expert_offsets`` on the device (:func:`expert_tile`);
+programs past the last tile exit at once. No host sync, and the map does not depend on a
+precomputed ``BM``, so ``BM`` can be autotuned.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def expert_tile(pid_m, offsets_ptr, E, BM: tl.constexpr, E_P2: tl.constexpr):
+    """Row tile ``pid_m`` -> ``(e, row0, row_end)``: its expert, first sorted row and the end of
+    that expert's rows. ``e >= E`` means the tile does not exist (the caller exits).
+
+    offsets_ptr: [E + 1] int32 expert_offsets (start of each expert's rows in sorted order).
+    """
+    e_idx = tl.arange(0, E_P2)
+    e_mask = e_idx < E
+    starts = tl.load(offsets_ptr + e_idx, mask=e_mask, other=0)
+    ends = tl.load(offsets_ptr + e_idx + 1, mask=e_mask, other=0)
+    tiles = (ends - starts + BM - 1) // BM
+    last = tl.cumsum(tiles, 0)  # one past each expert's last tile
+    e = tl.sum((last <= pid_m).to(tl.int32), 0)
+    here = e_idx == e
+    first_tile = tl.sum(tl.where(here, last - tiles, 0), 0)
+    row0 = tl.sum(tl.where(here, starts, 0), 0) + (pid_m - first_tile) * BM
+    row_end = tl.sum(tl.where(here, ends, 0), 0)
+    return e, row0, row_end
+
+
+def max_row_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
+    """Static upper bound on the number of row tiles: full tiles plus at most one partial tile for
+    each non-empty expert, ``N // BM + min(E, N)``."""
+    return num_rows // block_m + min(num_experts, num_rows)
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: exact float32 products for float32 data (as torch's default)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# Interpreter: one small config (tl.dot needs every dimension >= 16).
+SMALL = dict(BM=16, BN=16, BK=16)
+
+
+def _cfg(bm, bn, bk, warps, stages):
+    return triton.Config(dict(BM=bm, BN=bn, BK=bk), num_warps=warps, num_stages=stages)
+
+
+# (BM, BN, BK, warps, stages); pruned by shared memory below.
+GEMM_CONFIGS = [
+    _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3),
+    _cfg(128, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(128, 128, 32, 4, 4),
+    _cfg(64, 64, 64, 4, 4),
+]
+DUAL_CONFIGS = [
+    _cfg(128, 128, 64, 8, 3), _cfg(128, 64, 64, 8, 4), _cfg(128, 64, 64, 4, 4),
+    _cfg(64, 128, 64, 4, 4), _cfg(128, 128, 32, 8, 4), _cfg(64, 64, 64, 4, 4),
+]
+# BN >= 64 always: the routing-weight gradient keeps one partial per column tile (see ops.DH_MIN_BN).
+DH_CONFIGS = [c for c in DUAL_CONFIGS if c.kwargs["BN"] >= 64]
+WGRAD_CONFIGS = [
+    _cfg(64, 128, 128, 8, 3), _cfg(32, 128, 128, 8, 4), _cfg(64, 128, 64, 4, 4),
+    _cfg(64, 64, 128, 4, 4), _cfg(32, 64, 64, 4, 4),
+]
+
+
+@functools.cache
+def _smem_limit(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def gemm_tile(operands: int):
+    """Elements staged per pipeline stage of ``A [BM, BK] @ B [BK, BN]`` (``operands`` = 2 when a
+    gated GEMM also loads the up rows of B)."""
+    return lambda k: k["BM"] * k["BK"] + operands * k["BK"] * k["BN"]
+
+
+def wgrad_tile(k) -> int:
+    """Elements staged per stage of the weight-gradient GEMM ``L[BM, BN]^T @ R[BM, BK]``."""
+    return k["BM"] * (k["BN"] + k["BK"])
+
+
+def prune(tile_elems):
+    """An ``early_config_prune`` keeping configs whose pipelined tiles fit in shared memory."""
+    def keep(configs, named_args, **kwargs):
+        limit = _smem_limit(torch.cuda.current_device())
+        # 2 bytes: bf16/fp16; float32 configs that do not fit fail to compile and tuning skips them
+        ok = [c for c in configs if c.num_stages * tile_elems(c.kwargs) * 2 <= limit]
+        return ok or configs[-1:]
+    return keep
+
+
+def tuned(kernel, configs, key, tile_elems):
+    """``kernel`` autotuned over ``configs`` on a GPU; under the interpreter, the ``SMALL`` config."""
+    if interpreting():
+        return _Fixed(kernel, SMALL)
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune(tile_elems)})(kernel)
+
+
+class _Fixed:
+    """A launcher that fills in a fixed config (mirrors ``Autotuner.__getitem__``)."""
+
+    def __init__(self, kernel, meta):
+        self.kernel, self.meta = kernel, meta
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            g = grid(self.meta) if callable(grid) else grid
+            return self.kernel[g](*args, **kwargs, **self.meta)
+        return launch

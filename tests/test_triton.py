@@ -1,0 +1,203 @@
+"""The ``triton`` expert backend under Triton's CPU interpreter (float32), against the float64
+``loop`` oracle: the output and every gradient, every activation, both weight layouts, biases,
+the routing edge cases that break tiled kernels, and ``drop_invalid`` semantics.
+
+Buffers the kernels fill are poisoned with NaN (unwritten rows would show). Float32 error is
+judged against torch's own float32 error on the same inputs: ``err <= 2 * err(torch fp32) + 1e-6``.
+"""
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import moeyard  # noqa: E402
+from moeyard.activations import Activation  # noqa: E402
+from moeyard.experts import triton as triton_backend  # noqa: E402,F401  (registers "triton")
+from moeyard.experts.registry import resolve_backend  # noqa: E402
+from moeyard.experts.triton import ops  # noqa: E402
+from moeyard.experts.weights import expert_weights  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="needs Triton's interpreter or a GPU")
+DEV = "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    real = ops.empty
+    monkeypatch.setattr(ops, "empty", lambda shape, like, dtype=None: real(shape, like, dtype).fill_(float("nan")))
+
+
+def _problem(T, H, I, E, K, *, act="swiglu", bias=False, transposed=False, interleaved=False, ids=None, scale=1.0):
+    gated = Activation(name=act).gated if isinstance(act, str) else act.gated
+    n1 = 2 * I if gated else I
+    up_shape, down_shape = ((E, H, n1), (E, I, H)) if transposed else ((E, n1, H), (E, H, I))
+    p = dict(
+        x=torch.randn(T, H) * scale,
+        gate_up_proj=torch.randn(up_shape) / H ** 0.5,
+        down_proj=torch.randn(down_shape) / I ** 0.5,
+        topk_weights=torch.rand(T, K) + 0.1,
+    )
+    if bias:
+        p["gate_up_bias"] = torch.randn(E, n1) * 0.5
+        p["down_bias"] = torch.randn(E, H) * 0.5
+    if ids is None:
+        ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.int64)
+    return p, ids, dict(activation=act, transposed=transposed, interleaved=interleaved)
+
+
+def _run(p, ids, kw, backend, dtype, drop_invalid=False):
+    """Output and gradients of every differentiable input, for a fixed random output gradient."""
+    leaves = {k: v.detach().to(dtype).requires_grad_() for k, v in p.items()}
+    out = moeyard.experts(leaves["x"], ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"],
+                          gate_up_bias=leaves.get("gate_up_bias"), down_bias=leaves.get("down_bias"),
+                          backend=backend, drop_invalid=drop_invalid, **kw)
+    gen = torch.Generator().manual_seed(1)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
+    names = list(leaves)
+    grads = torch.autograd.grad(out, [leaves[n] for n in names], dout, allow_unused=True) if out.numel() else \
+        [torch.zeros_like(leaves[n]) for n in names]
+    return {"out": out.detach(), **{f"d_{n}": g for n, g in zip(names, grads)}}
+
+
+def _rel(got, ref):
+    denom = ref.double().norm().clamp_min(1e-30)
+    return ((got.double() - ref.double()).norm() / denom).item()
+
+
+def check_against_loop(p, ids, kw, drop_invalid=False):
+    got = _run(p, ids, kw, "triton", torch.float32, drop_invalid)
+    ref = _run(p, ids, kw, "loop", torch.float64, drop_invalid)
+    base = _run(p, ids, kw, "loop", torch.float32, drop_invalid)
+    for name, r in ref.items():
+        g = got[name]
+        assert g is not None and g.shape == r.shape, name
+        assert not g.isnan().any(), f"{name}: NaN (an unwritten row?)"
+        err, err_torch = _rel(g, r), _rel(base[name], r)
+        assert err <= 2 * err_torch + 1e-6, f"{name}: rel err {err:.2e} vs torch fp32 {err_torch:.2e}"
+    return got
+
+
+ALL_ACTS = ["swiglu", "geglu", "reglu", "clamped_swiglu", "gelu", "relu", "relu2", "silu"]
+
+
+@pytest.mark.parametrize("act", ALL_ACTS)  # each epilogue (forward and derivative) in the fused path
+def test_every_activation(act):
+    check_against_loop(*_problem(13, 40, 24, 5, 2, act=act, scale=2.0))
+
+
+@pytest.mark.parametrize("act", ["swiglu", "gelu"])  # bias loads in up/down epilogues, bias grads, d w via b_down
+def test_biases(act):
+    check_against_loop(*_problem(11, 32, 16, 4, 2, act=act, bias=True))
+
+
+def test_gpt_oss_layout():
+    # transposed [E, in, out] weights, interleaved gate/up, clamps active on both sides, biases
+    act = Activation(name="clamped_swiglu", alpha=1.702, limit=1.0)
+    check_against_loop(*_problem(9, 24, 20, 4, 2, act=act, bias=True, transposed=True, interleaved=True, scale=3.0))
+
+
+def test_interleaved_untransposed():
+    check_against_loop(*_problem(7, 16, 16, 3, 2, interleaved=True))
+
+
+@pytest.mark.parametrize("T,H,I,E,K,ids", [
+    (12, 16, 16, 8, 2, "two_experts"),   # most experts empty: zero-tile experts in the tile map, zero dW
+    (37, 16, 16, 4, 1, "one_expert"),    # every token to one expert: several row tiles of one expert
+    (5, 16, 16, 1, 1, None),             # E = 1
+    (6, 16, 16, 3, 3, None),             # k = E
+    (1, 16, 16, 4, 2, None),             # T = 1
+    (19, 33, 17, 6, 3, None),            # T, H, I not multiples of any tile (masks in every loop)
+])
+def test_routing_edge_cases(T, H, I, E, K, ids):
+    if ids == "two_experts":
+        ids = torch.stack([torch.tensor([0, 3])[torch.randperm(2)] for _ in range(T)])
+    elif ids == "one_expert":
+        ids = torch.full((T, K), 2, dtype=torch.int64)
+    check_against_loop(*_problem(T, H, I, E, K, ids=ids))
+
+
+def test_no_tokens():
+    got = check_against_loop(*_problem(0, 16, 16, 4, 2))
+    assert got["out"].shape == (0, 16)
+    assert (got["d_gate_up_proj"] == 0).all() and (got["d_down_proj"] == 0).all()
+
+
+def test_custom_activation_callable():
+    # a custom callable is not fused: it runs in torch between the two grouped GEMMs
+    def act_fn(h):
+        gate, up = h.chunk(2, dim=-1)
+        return torch.tanh(gate) * up
+
+    check_against_loop(*_problem(10, 24, 16, 4, 2, act=Activation(name="custom", fn=act_fn), bias=True))
+
+
+def test_custom_plain_activation_callable():
+    act = Activation(name="custom", fn=lambda h: torch.sin(h), fn_gated=False)
+    check_against_loop(*_problem(10, 24, 16, 4, 2, act=act))
+
+
+def test_drop_invalid():
+    # pairs with ids -1 or E contribute nothing; their weights get zero gradient
+    T, K, E = 14, 2, 4
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    ids[3, 0], ids[7, 1], ids[9] = -1, E, torch.tensor([-1, E + 3])
+    got = check_against_loop(*_problem(T, 16, 16, E, K, ids=ids), drop_invalid=True)
+    assert (got["d_topk_weights"][ids < 0] == 0).all() and (got["d_topk_weights"][ids >= E] == 0).all()
+
+
+def test_invalid_ids_give_nan_rows():
+    # without drop_invalid the caller put NaN into the weights of invalid pairs: those tokens must be NaN
+    p, ids, kw = _problem(8, 16, 16, 4, 2)
+    ids[2, 1], ids[5, 0] = 4, -1
+    bad = (ids < 0) | (ids >= 4)
+    tw = p["topk_weights"].masked_fill(bad, float("nan"))
+    weights = expert_weights(p["gate_up_proj"], p["down_proj"])
+    out = triton_backend.triton_forward(p["x"], ids, tw, weights, Activation(), drop_invalid=False)
+    nan_rows = out.isnan().any(1)
+    assert nan_rows.tolist() == bad.any(1).tolist()
+    ref = moeyard.experts(p["x"].double(), ids, p["topk_weights"].double(), p["gate_up_proj"].double(),
+                          p["down_proj"].double(), backend="loop", drop_invalid=True)
+    assert torch.allclose(out[~nan_rows].double(), ref[~nan_rows], rtol=1e-5, atol=1e-5)
+
+
+def test_deterministic_and_inputs_untouched():
+    p, ids, kw = _problem(21, 24, 16, 3, 2, bias=True)
+    before = {k: v.clone() for k, v in p.items()}
+    ids_before = ids.clone()
+    a, b = _run(p, ids, kw, "triton", torch.float32), _run(p, ids, kw, "triton", torch.float32)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    for k, v in p.items():
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(ids, ids_before)
+
+
+def test_noncontiguous_input():
+    # x with strides (1, T) and a sliced weight: kernels use strides, never a copy
+    p, ids, kw = _problem(9, 16, 16, 3, 2)
+    p["x"] = p["x"].t().contiguous().t()
+    check_against_loop(p, ids, kw)
+
+
+def test_unsupported_reasons(monkeypatch):
+    cpu = torch.device("cpu")
+    assert "float32" in triton_backend._unsupported(cpu, torch.float64, None, None)
+    assert "cuda" in triton_backend._unsupported(torch.device("mps"), torch.float32, None, None).lower()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "TRITON_INTERPRET" in triton_backend._unsupported(cpu, torch.float32, None, None)
+    with pytest.raises(ValueError, match="triton"):
+        resolve_backend("triton", cpu, torch.float32)
+    monkeypatch.setattr(triton_backend.importlib.util, "find_spec", lambda name: None)
+    assert "pip install triton" in triton_backend._unsupported(torch.device("cuda"), torch.bfloat16, None, None)
+
+
+def test_tile_bound_covers_worst_case():
+    # every non-empty expert has a partial tile: N // BM + min(E, N) tiles must be launched
+    from moeyard.experts.triton.schedule import max_row_tiles
+    for n, e, bm in [(26, 5, 16), (5, 8, 16), (0, 3, 16), (1000, 128, 128)]:
+        counts = [n // e + (i < n % e) for i in range(e)]
+        need = sum(-(-c // bm) for c in counts)
+        assert max_row_tiles(n, e, bm) >= need
