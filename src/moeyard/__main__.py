@@ -1,0 +1,6 @@
+"""``python -m moeyard``: the moeyard command line."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,196 @@
+"""The benchmark runner: FLOP counts, the model registry, forced routing, rows on CPU."""
+import dataclasses
+
+import pytest
+import torch
+
+import moeyard
+from moeyard import bench, models
+from moeyard.peers import TorchGroupedMM, peer_config, peer_note
+
+TINY = dict(warmup=1, iters=2, peers=True)
+REQUIRED = ["mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b",
+            "olmoe-1b-7b", "deepseek-v3", "kimi-k2", "glm-4.5", "gpt-oss-20b", "gpt-oss-120b", "llama-4-scout",
+            "sonic-7b", "sonic-30b-a", "sonic-120b"]
+
+
+def _cfg(E=8, H=64, I=32, k=2, **kw):
+    return moeyard.MoEConfig(num_experts=E, hidden_size=H, intermediate_size=I, top_k=k, **kw)
+
+
+# ---------------------------------------------------------------- FLOPs
+
+def test_flops_gated_plain_shared():
+    assert bench.layer_flops(_cfg(), 100) == 6 * 100 * 2 * 64 * 32
+    assert bench.layer_flops(_cfg(activation="gelu"), 100) == 4 * 100 * 2 * 64 * 32
+    shared = _cfg(num_shared_experts=2, shared_intermediate_size=16)
+    assert bench.layer_flops(shared, 100) == 6 * 100 * 64 * (2 * 32 + 2 * 16)
+    assert bench.layer_flops(shared, 100, shared=False) == 6 * 100 * 2 * 64 * 32
+
+
+def test_flops_anchor_shape():
+    # ANCHORS.md: qwen3-30b-a3b, torch pipeline 11.7 ms fwd <-> 211 TFLOP/s
+    m = models.get_model("qwen3-30b-a3b")
+    flops = bench.layer_flops(m.moe_config(), m.tokens)
+    assert flops == 6 * 32768 * 8 * 2048 * 768
+    assert flops / 11.7 / 1e9 == pytest.approx(211, rel=0.01)
+
+
+# ---------------------------------------------------------------- registry
+
+def test_registry_has_the_required_models_with_sources():
+    assert set(REQUIRED) <= set(models.model_names())
+    for m in models.MODELS.values():
+        assert m.source and m.tokens > 0
+        assert isinstance(m.moe_config(), moeyard.MoEConfig)
+    assert models.get_model("sonic-7b").tokens == 24576
+
+
+def test_registry_router_schemes():
+    oss = models.get_model("gpt-oss-20b").moe_config()
+    assert (oss.activation, oss.expert_bias, oss.router_bias, oss.topk_before_score) == \
+        ("clamped_swiglu", True, True, True)
+    ds = models.get_model("deepseek-v3").moe_config()
+    assert (ds.score_func, ds.score_correction_bias, ds.n_group, ds.topk_group, ds.routed_scaling_factor,
+            ds.num_shared_experts) == ("sigmoid", True, 8, 4, 2.5, 1)
+    q35 = models.get_model("qwen3.5-35b-a3b").moe_config()
+    assert (q35.num_shared_experts, q35.shared_intermediate_size, q35.shared_expert_gate) == (1, 512, True)
+    assert not models.get_model("olmoe-1b-7b").moe_config().norm_topk_prob
+
+
+@pytest.mark.parametrize("name", list(models.MODELS))
+def test_registry_scaled_down_layer_runs(name):
+    cfg = models.get_model(name).moe_config()
+    small = dataclasses.replace(cfg, hidden_size=64, intermediate_size=16,
+                                shared_intermediate_size=16 if cfg.shared_intermediate_size else None)
+    layer = moeyard.MoE(small)
+    out = layer(torch.randn(4, 64))
+    assert out.shape == (4, 64) and torch.isfinite(out).all()
+
+
+def test_get_model_unknown_names_known_ones():
+    with pytest.raises(ValueError, match="model: unknown name 'nope'.*qwen3-30b-a3b"):
+        models.get_model("nope")
+
+
+@pytest.mark.parametrize("text", ["1,2,3", "a,2,3,4,1", "8,64,32,4,0", "8,64,-32,4,1", "8,64,32,2,4", ""])
+def test_parse_shape_errors_name_the_flag(text):
+    with pytest.raises(ValueError, match="--shape"):
+        models.parse_shape(text)
+
+
+def test_parse_shape_and_tokens():
+    s = models.parse_shape(" 512, 256,128 ,8,2")
+    c = s.moe_config()
+    assert (s.tokens, c.hidden_size, c.intermediate_size, c.num_experts, c.top_k) == (512, 256, 128, 8, 2)
+    assert models.with_tokens(s, 7).tokens == 7
+    with pytest.raises(ValueError, match="--tokens"):
+        models.with_tokens(s, 0)
+
+
+def test_routed_only_drops_shared_experts():
+    c = models.routed_only(models.get_model("qwen3.5-35b-a3b").moe_config())
+    assert (c.num_shared_experts, c.shared_expert_gate) == (0, False)
+
+
+# ---------------------------------------------------------------- routing
+
+def _inputs(routing, T=2048, E=8, k=2, alpha=1.2):
+    shape = models.parse_shape(f"{T},64,32,{E},{k}")
+    opts = bench.resolve_options(bench.BenchOptions(device="cpu", routing=routing, zipf_alpha=alpha))
+    return shape.moe_config(), bench.make_inputs(shape, opts)
+
+
+def test_zipf_routing_skews_tokens_per_expert():
+    cfg, inputs = _inputs("zipf")
+    counts = bench.tokens_per_expert(cfg, inputs)
+    T, k, E = 2048, 2, 8
+    assert counts.sum() == T * k
+    assert counts[0] > 2.5 * counts.mean()  # p_0 ~ 0.43: in ~75% of the tokens' top-2
+    assert counts[0] > counts[2] > counts[7]
+    # the layer itself routes the same way
+    layer = moeyard.MoE(cfg)
+    with torch.no_grad():
+        layer.router.weight.copy_(inputs.router_weight)
+    layer(inputs.xs[0])
+    assert torch.equal(layer.routing.tokens_per_expert, counts)
+
+
+def test_zipf_alpha_controls_the_skew():
+    flat = bench.tokens_per_expert(*_inputs("zipf", alpha=0.2))
+    steep = bench.tokens_per_expert(*_inputs("zipf", alpha=2.0))
+    assert steep.max() / steep.mean() > flat.max() / flat.mean() + 0.3
+
+
+def test_balanced_routing_is_exact():
+    cfg, inputs = _inputs("balanced", T=1000, E=8, k=2)
+    assert torch.equal(bench.tokens_per_expert(cfg, inputs), torch.full((8,), 250.0))
+
+
+def test_random_routing_is_near_uniform_and_inputs_are_random():
+    cfg, inputs = _inputs("random")
+    counts = bench.tokens_per_expert(cfg, inputs)
+    assert counts.max() / counts.mean() < 1.5
+    assert len(inputs.xs) > 1 and not torch.equal(inputs.xs[0], inputs.xs[1])  # rotated, fresh sets
+    assert inputs.xs[0].requires_grad and inputs.xs[0].abs().min() > 0
+
+
+def test_forced_routing_needs_h_at_least_e():
+    shape = models.parse_shape("16,8,8,16,2")
+    opts = bench.resolve_options(bench.BenchOptions(device="cpu", routing="zipf"))
+    with pytest.raises(ValueError, match="--routing"):
+        bench.make_inputs(shape, opts)
+
+
+# ---------------------------------------------------------------- peers
+
+def test_torch_gmm_peer_matches_the_loop_backend():
+    cfg = _cfg()
+    layer = moeyard.MoE(cfg, backend="loop")
+    peer = TorchGroupedMM(cfg)
+    with torch.no_grad():
+        peer.router.weight.copy_(layer.router.weight)
+        peer.w13_EH2I.copy_(layer.gate_up_proj.transpose(1, 2))
+        peer.w2_EIH.copy_(layer.down_proj.transpose(1, 2))
+    x = torch.randn(33, 64)
+    torch.testing.assert_close(peer(x), layer(x), rtol=1e-5, atol=1e-6)
+
+
+def test_peer_config_and_note():
+    ds = models.get_model("deepseek-v3").moe_config()
+    pc = peer_config(ds)
+    assert (pc.num_experts, pc.top_k, pc.num_shared_experts, pc.score_func) == (256, 8, 0, "softmax")
+    assert "no shared expert" in peer_note(ds) and "sigmoid" in peer_note(ds)
+    assert peer_note(models.get_model("qwen3-30b-a3b").moe_config()) == ""
+
+
+# ---------------------------------------------------------------- the run
+
+def test_run_rows_for_every_cpu_backend_and_torch_gmm():
+    result = bench.run(bench.BenchOptions(device="cpu", shapes=["64,32,16,4,2"], **TINY))
+    rows = {r["impl"]: r for r in result["rows"]}
+    expected = moeyard.available_backends("cpu", torch.float32) + ["torch_gmm"]
+    assert sorted(rows) == sorted(expected)
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["fwd_tflops"] > 0
+        assert r["flops_fwd"] == 6 * 64 * 2 * 32 * 16
+    assert "sonicmoe" in result["env"]["skipped"]
+    assert result["env"]["dense_bf16_tflops"] is None  # CUDA only
+
+
+def test_failing_backend_is_an_error_row():
+    # H=30 in float32: rows are not 16-byte aligned, so grouped_mm refuses the shape
+    result = bench.run(bench.BenchOptions(device="cpu", shapes=["16,30,16,4,2"], backends=["grouped_mm", "loop"],
+                                          peers=False, warmup=0, iters=1))
+    rows = {r["impl"]: r for r in result["rows"]}
+    assert "grouped_mm" in rows["grouped_mm"]["error"] and "fwd_ms" not in rows["grouped_mm"]
+    assert rows["loop"]["fwd_ms"] > 0
+
+
+@pytest.mark.parametrize("kw, flag", [(dict(dtype="int8"), "--dtype"), (dict(routing="skewed"), "--routing"),
+                                      (dict(backends=["nope"]), "--backends"), (dict(iters=0), "--iters"),
+                                      (dict(zipf_alpha=0.0), "--zipf-alpha")])
+def test_bad_options_name_the_flag(kw, flag):
+    with pytest.raises(ValueError, match=flag):
+        bench.resolve_options(bench.BenchOptions(device="cpu", **kw))

@@ -1,0 +1,95 @@
+"""The command line: info, bench, verify wiring, python -m moeyard."""
+import importlib.machinery
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import moeyard
+from moeyard import cli
+
+
+def test_info_lists_backends(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    for name in moeyard.available_backends("cpu", torch.float32):
+        assert name in out
+    for key in ("torch", "triton", "transformers", "python", "default backend", "debug mode"):
+        assert key in out
+
+
+def test_info_json(capsys):
+    assert cli.main(["info", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["moeyard"] == moeyard.__version__
+    assert data["devices"]["cpu"]["backends_float32"] == moeyard.available_backends("cpu", torch.float32)
+    assert data["default_backend"] == "auto" or data["default_backend"] in moeyard.backend_names()
+
+
+def test_bench_json_to_stdout(capsys):
+    code = cli.main(["bench", "--device", "cpu", "--shape", "64,32,16,4,2", "--warmup", "1", "--iters", "2", "--json"])
+    assert code == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    impls = {r["impl"] for r in data["rows"]}
+    assert impls == set(moeyard.available_backends("cpu", torch.float32)) | {"torch_gmm"}
+    assert all(r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 for r in data["rows"])
+    assert data["env"]["command"].startswith("moeyard bench --device cpu")
+    assert "fwd+bwd" in captured.err  # the table goes to stderr when JSON takes stdout
+
+
+def test_bench_json_file_backends_no_peers(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    code = cli.main(["bench", "--device", "cpu", "--shape", "32,32,16,4,2", "--backends", "loop", "--no-peers",
+                     "--routing", "zipf", "--warmup", "0", "--iters", "1", "--json", str(path)])
+    assert code == 0
+    data = json.loads(path.read_text())
+    assert [r["impl"] for r in data["rows"]] == ["loop"]
+    assert data["env"]["routing"] == "zipf"
+    assert "loop" in capsys.readouterr().out
+
+
+def test_bench_bad_shape_is_a_clear_error(capsys):
+    assert cli.main(["bench", "--shape", "1,2,3"]) == 2
+    assert "--shape: expected T,H,I,E,k" in capsys.readouterr().err
+
+
+def test_bench_unknown_model(capsys):
+    assert cli.main(["bench", "--model", "gpt-5"]) == 2
+    assert "unknown name 'gpt-5'" in capsys.readouterr().err
+
+
+def test_bench_list_models(capsys):
+    assert cli.main(["bench", "--list-models"]) == 0
+    assert "deepseek-v3" in capsys.readouterr().out
+
+
+def test_unknown_argument_exits_2():
+    with pytest.raises(SystemExit) as ex:
+        cli.main(["info", "--bogus"])
+    assert ex.value.code == 2
+
+
+def test_verify_missing_module(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "moeyard.verify" else real(n, *a))
+    assert cli.main(["verify", "--anything"]) == 2
+    assert "moeyard.verify" in capsys.readouterr().err
+
+
+def test_verify_delegates(monkeypatch):
+    fake = types.ModuleType("moeyard.verify")
+    fake.__spec__ = importlib.machinery.ModuleSpec("moeyard.verify", None)
+    fake.add_arguments = lambda p: p.add_argument("--backend")
+    fake.run = lambda args: 7 if args.backend == "loop" else 0
+    monkeypatch.setitem(sys.modules, "moeyard.verify", fake)
+    assert cli.main(["verify", "--backend", "loop"]) == 7
+
+
+def test_python_m_moeyard():
+    proc = subprocess.run([sys.executable, "-m", "moeyard", "info"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "registered backends" in proc.stdout
