@@ -1,0 +1,141 @@
+"""The MoE layer: forward and backward of every backend against the same layer in float64 with the
+``loop`` backend (output, input gradient and every parameter's gradient, the router weight included,
+through both the routing weights and the aux losses), plus the layer's composition written out.
+
+Legend: B sequences, S tokens each, T = B * S, H hidden size, I intermediate size, E experts, K top-k.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moeyard
+from moeyard import MoE, MoEConfig
+from helpers import assert_matches_oracle, cpu_backends
+
+LOSS = dict(aux_loss_coef=0.1, seq_aux_loss_coef=0.05, z_loss_coef=0.01)
+
+# each row: a model family's MoE block
+CONFIGS = [
+    pytest.param(dict(num_experts=8, top_k=2, **LOSS), id="qwen3"),                     # softmax top-2, renormalised
+    pytest.param(dict(num_experts=8, top_k=4, score_func="sigmoid", n_group=4, topk_group=2,
+                      score_correction_bias=True, routed_scaling_factor=2.5, num_shared_experts=1, **LOSS),
+                 id="deepseek_v3"),                                                    # grouped sigmoid + shared expert
+    pytest.param(dict(num_experts=4, top_k=2, topk_before_score=True, router_bias=True, expert_bias=True,
+                      activation="clamped_swiglu"), id="gpt_oss"),                     # biases everywhere
+    pytest.param(dict(num_experts=6, top_k=2, norm_topk_prob=False, num_shared_experts=2,
+                      shared_intermediate_size=8, shared_expert_gate=True), id="qwen2_moe"),  # gated shared expert
+    pytest.param(dict(num_experts=4, top_k=1, score_func="sigmoid", topk_before_score=True,
+                      norm_topk_prob=False, num_shared_experts=1), id="llama4"),      # sigmoid top-1 + shared
+    pytest.param(dict(num_experts=5, top_k=5, activation="relu2", expert_bias=True), id="k_eq_E_plain"),  # plain act
+]
+H, I = 16, 8
+
+
+def _state(cfg):
+    """Fresh random float64 parameters, scaled so routing and outputs are of order 1."""
+    m = MoE(cfg, backend="loop", dtype=torch.float64)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            fan_in = p.shape[-1]
+            p.copy_(torch.randn_like(p) / math.sqrt(fan_in) * (0.5 if "bias" in name else 1.0))
+        if m.router.e_score_correction_bias is not None:
+            m.router.e_score_correction_bias.copy_(torch.randn(cfg.num_experts) * 0.05)
+    return m.state_dict()
+
+
+def _run(cfg, state, x64, g64, dtype, backend):
+    m = MoE(cfg, backend=backend, dtype=dtype)
+    m.load_state_dict({k: v.to(v.dtype if k.endswith("correction_bias") else dtype) for k, v in state.items()})
+    x = x64.detach().to(dtype, copy=True).requires_grad_()
+    y = m(x)
+    assert y.dtype == dtype and y.shape == x.shape
+    ((y.float() * g64.float()).sum() + m.aux_loss).backward()
+    res = {"out": y.detach().double(), "grad_x": x.grad.double()}
+    res.update({f"grad_{n}": p.grad.double() for n, p in m.named_parameters()})
+    return res, m.routing.topk_ids
+
+
+BACKEND_DTYPE = [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for d in (torch.float32, torch.bfloat16)
+                 for b in cpu_backends(d) + ["auto"]]
+
+
+@pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
+@pytest.mark.parametrize("kw", CONFIGS)
+def test_layer_vs_oracle(kw, backend, dtype):
+    cfg = MoEConfig(hidden_size=H, intermediate_size=I, **kw)
+    state = _state(cfg)
+    x = torch.randn(2, 6, H, dtype=torch.float64)  # B = 2 sequences for the sequence-wise loss
+    g = torch.randn_like(x)
+    oracle, ids64 = _run(cfg, state, x, g, torch.float64, "loop")
+    lowp, ids_lowp = _run(cfg, state, x, g, dtype, "loop")
+    got, ids = _run(cfg, state, x, g, dtype, backend)
+    # a precondition, not the test: the low-precision router picks the same experts as float64
+    assert torch.equal(ids64, ids_lowp) and torch.equal(ids64, ids)
+    assert oracle["grad_router.weight"].abs().max() > 0
+    assert_matches_oracle(got, lowp, oracle, dtype, what=f"MoE[{backend}]")
+
+
+def test_layer_composition():
+    """The layer written out: route, experts, shared MLP (``down(act(gate_up x)) * sigmoid(gate x)``)."""
+    cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=6, top_k=2, num_shared_experts=2,
+                    shared_intermediate_size=4, shared_expert_gate=True, activation="geglu", **LOSS)
+    m = MoE(cfg, backend="loop", dtype=torch.float64)
+    m.load_state_dict(_state(cfg))
+    x = torch.randn(3, 4, H, dtype=torch.float64)
+    x_before = x.clone()
+    y = m(x)
+    assert torch.equal(x, x_before)
+    x2 = x.reshape(-1, H)
+    r = moeyard.route(x2, m.router.weight, cfg, num_sequences=3)
+    routed = torch.zeros_like(x2)
+    for t in range(x2.shape[0]):
+        for k in range(2):
+            e = int(r.topk_ids[t, k])
+            gate, up = (m.gate_up_proj[e] @ x2[t]).chunk(2)
+            routed[t] += r.topk_weights[t, k].double() * (m.down_proj[e] @ (F.gelu(gate) * up))
+    se = m.shared_expert
+    assert se.gate_up_proj.weight.shape == (2 * 8, H)  # 2 shared experts of 4, gated: 2 * (2 * 4)
+    sg, su = (x2 @ se.gate_up_proj.weight.T).chunk(2, -1)
+    shared = torch.sigmoid(x2 @ se.gate.weight.T) * ((F.gelu(sg) * su) @ se.down_proj.weight.T)
+    torch.testing.assert_close(y, (routed + shared).view_as(x), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(m.aux_loss, r.loss)
+    assert torch.equal(m.routing.topk_ids, r.topk_ids)
+
+
+def test_sequence_count_from_3d_input():
+    """``x [B, S, H]``: the sequence-wise loss uses B sequences; ``[T, H]`` is one sequence."""
+    cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4, top_k=1, seq_aux_loss_coef=1.0)
+    m = MoE(cfg, backend="loop")
+    x = torch.randn(4, 3, H)
+    m(x)
+    per_seq = m.routing.seq_aux_loss
+    want = moeyard.route(x.reshape(-1, H), m.router.weight, cfg, num_sequences=4).seq_aux_loss
+    torch.testing.assert_close(per_seq, want)
+    m(x.reshape(-1, H))
+    one = moeyard.route(x.reshape(-1, H), m.router.weight, cfg, num_sequences=1).seq_aux_loss
+    torch.testing.assert_close(m.routing.seq_aux_loss, one)
+    assert not torch.allclose(per_seq, one)
+
+
+@pytest.mark.parametrize("shape", [(0, H), (2, 0, H)], ids=["T0", "B2_S0"])
+def test_no_tokens(shape):
+    cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4, top_k=2, num_shared_experts=1, **LOSS)
+    m = MoE(cfg)
+    x = torch.randn(*shape, requires_grad=True)
+    y = m(x)
+    assert y.shape == x.shape
+    (y.sum() + m.aux_loss).backward()
+    assert x.grad.shape == x.shape
+    assert all(p.grad is None or not p.grad.any() for p in m.parameters())
+
+
+def test_parameters_and_repr():
+    cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4, top_k=2, expert_bias=True,
+                    router_bias=True, activation="gelu")
+    m = MoE(cfg)
+    shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
+    assert shapes == {"router.weight": (4, H), "router.bias": (4,), "gate_up_proj": (4, I, H),
+                      "down_proj": (4, H, I), "gate_up_proj_bias": (4, I), "down_proj_bias": (4, H)}
+    assert "num_experts=4" in repr(m) and "backend=auto" in repr(m)
