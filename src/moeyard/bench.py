@@ -364,6 +364,7 @@ def run(opts: BenchOptions, progress: Callable[[str, int, int], None] | None = N
     env = {**environment(opts), "skipped": skipped}
     report("dense bf16 matmul", 0, total)
     env["dense_bf16_tflops"] = dense_tflops(torch.device(opts.device), opts.warmup, opts.iters)
+    _free(opts.device)
     for shape in shapes:
         rows += run_case(shape, names, opts, lambda desc, n: report(desc, len(rows) + n, total))
     return {"env": env, "rows": rows}

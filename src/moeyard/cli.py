@@ -242,7 +242,8 @@ def run_verify(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     verify = importlib.import_module("moeyard.verify")
-    parser = argparse.ArgumentParser(prog="moeyard verify", description=verify.__doc__)
+    parser = argparse.ArgumentParser(prog="moeyard verify", description=verify.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     verify.add_arguments(parser)
     return int(verify.run(parser.parse_args(argv)) or 0)
 
