@@ -65,19 +65,15 @@ def _cfg(bm, bn, bk, warps, stages):
 
 # (BM, BN, BK, warps, stages); pruned by shared memory below.
 GEMM_CONFIGS = [
-    _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3),
-    _cfg(128, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(128, 128, 32, 4, 4),
-    _cfg(64, 64, 64, 4, 4),
+    _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(128, 128, 64, 4, 4), _cfg(64, 128, 64, 4, 4),
 ]
 DUAL_CONFIGS = [
-    _cfg(128, 128, 64, 8, 3), _cfg(128, 64, 64, 8, 4), _cfg(128, 64, 64, 4, 4),
-    _cfg(64, 128, 64, 4, 4), _cfg(128, 128, 32, 8, 4), _cfg(64, 64, 64, 4, 4),
+    _cfg(128, 128, 64, 8, 3), _cfg(128, 64, 64, 8, 4), _cfg(128, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4),
 ]
 # BN >= 64 always: the routing-weight gradient keeps one partial per column tile (see ops.DH_MIN_BN).
 DH_CONFIGS = [c for c in DUAL_CONFIGS if c.kwargs["BN"] >= 64]
 WGRAD_CONFIGS = [
-    _cfg(64, 128, 128, 8, 3), _cfg(32, 128, 128, 8, 4), _cfg(64, 128, 64, 4, 4),
-    _cfg(64, 64, 128, 4, 4), _cfg(32, 64, 64, 4, 4),
+    _cfg(64, 128, 128, 8, 3), _cfg(32, 128, 128, 8, 4), _cfg(64, 128, 64, 4, 4), _cfg(64, 64, 128, 4, 4),
 ]
 
 
@@ -107,10 +103,18 @@ def prune(tile_elems):
     return keep
 
 
+# MOEYARD_TRITON_AUTOTUNE=0: this one config everywhere (fits float32 too; fast start-up, e.g. tests).
+FIXED = dict(BM=64, BN=64, BK=32, num_warps=4, num_stages=3)
+ENV_AUTOTUNE = "MOEYARD_TRITON_AUTOTUNE"
+
+
 def tuned(kernel, configs, key, tile_elems):
-    """``kernel`` autotuned over ``configs`` on a GPU; under the interpreter, the ``SMALL`` config."""
+    """``kernel`` autotuned over ``configs`` on a GPU; under the interpreter, the ``SMALL`` config;
+    with ``MOEYARD_TRITON_AUTOTUNE=0``, the ``FIXED`` config."""
     if interpreting():
         return _Fixed(kernel, SMALL)
+    if os.environ.get(ENV_AUTOTUNE, "1") in ("0", "false", "False"):
+        return _Fixed(kernel, FIXED)
     return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune(tile_elems)})(kernel)
 
 
