@@ -163,8 +163,11 @@ def _module_run(mod, impl: str, x, ids, weights) -> dict[str, torch.Tensor]:
     return {k: v.double() for k, v in res.items()}
 
 
-def _assert_module_parity(mod, x, ids, weights, *, backends=CPU_BACKENDS, tol: float = MODULE_TOL):
-    ref = _module_run(mod, "eager", x, ids, weights)
+def _assert_module_parity(mod, x, ids, weights, *, backends=CPU_BACKENDS, tol: float = MODULE_TOL,
+                          ref_impl: str = "eager"):
+    ref = _module_run(mod, ref_impl, x, ids, weights)
+    if ref_impl != "eager":  # transformers' batched_mm leaves router gradients at sentinel slots
+        ref["grad.weights"] = ref["grad.weights"].masked_fill(ids >= mod.num_experts, 0)
     for backend in backends:
         with verify.using_backend(backend):
             got = _module_run(mod, "moeyard", x, ids, weights)
@@ -174,8 +177,9 @@ def _assert_module_parity(mod, x, ids, weights, *, backends=CPU_BACKENDS, tol: f
 
 # torch._grouped_mm leaves the rows past the last expert's offset unwritten in its backward too; the
 # composed pipeline's permute scatters them into hidden_states' gradient unless they are masked first.
+# Not strict: what the unwritten memory holds (sometimes zeros) decides whether it shows.
 _GROUPED_MM_SENTINEL_GRAD = pytest.mark.xfail(
-    strict=True, reason="grouped_mm + drop_invalid: sentinel rows' unwritten d_rows reach grad(hidden_states)")
+    strict=False, reason="grouped_mm + drop_invalid: sentinel rows' unwritten d_rows reach grad(hidden_states)")
 
 
 @pytest.mark.parametrize("backend", ["loop", "bmm_padded",
@@ -188,7 +192,10 @@ def test_expert_parallel_sentinels_match_eager(arch, backend):
     x = torch.randn(12, H)
     if hasattr(mod, "_is_expert_parallel"):  # transformers that flag it drop sentinels only when expert parallel
         mod._is_expert_parallel = True
-    _assert_module_parity(mod, x, ids, weights, backends=[backend])
+        ref_impl = "eager"
+    else:  # older transformers: eager has no sentinel class; batched_mm drops sentinels (zero weights)
+        ref_impl = "batched_mm"
+    _assert_module_parity(mod, x, ids, weights, backends=[backend], ref_impl=ref_impl)
 
 
 def test_sentinels_without_expert_parallel_flag_are_an_error():
