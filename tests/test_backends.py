@@ -198,3 +198,46 @@ def test_process_default_backend(monkeypatch):
     check_backend(None, make_inputs(6, 16, 8, 4, 2), torch.float32)
     moeyard.set_backend(None)
     assert moeyard.get_backend() == "bmm_padded"
+
+
+def test_dropped_rows_get_no_gradient_from_unwritten_memory():
+    """grouped_mm leaves rows past the last expert unwritten, in the backward too; with
+    ``drop_invalid`` they must not reach grad(hidden_states)."""
+    import moeyard
+    from moeyard.experts import grouped_mm as gm
+    T, H, I, E = 6, 8, 8, 3
+    x = torch.randn(T, H, requires_grad=True)
+    wu, wd = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    ids = torch.tensor([[0, 3], [1, 3], [2, 0], [3, 1], [0, 2], [1, 3]])  # id 3 == E: dropped
+    w = torch.rand(T, 2)
+    real = torch._grouped_mm
+
+    def poisoned(a, b, offs=None):  # unwritten rows hold NaN, as fresh device memory may
+        y = real(a, b, offs=offs)
+        live = torch.arange(y.shape[0]) < offs[-1]
+        return y.masked_fill(~live.unsqueeze(-1), float("nan"))
+
+    class Poisoned(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b, offs):
+            ctx.save_for_backward(a, b, offs)
+            return poisoned(a, b, offs)
+
+        @staticmethod
+        def backward(ctx, dy):
+            a, b, offs = ctx.saved_tensors
+            with torch.enable_grad():
+                a2, b2 = a.detach().requires_grad_(), b.detach().requires_grad_()
+                da, db = torch.autograd.grad(real(a2, b2, offs=offs), (a2, b2), dy.nan_to_num(0.0))
+            live = torch.arange(da.shape[0]) < offs[-1]
+            return da.masked_fill(~live.unsqueeze(-1), float("nan")), db, None
+
+    orig = gm.torch._grouped_mm
+    gm.torch._grouped_mm = lambda a, b, offs=None: Poisoned.apply(a, b, offs)
+    try:
+        out = moeyard.experts(x, ids, w, wu, wd, backend="grouped_mm", drop_invalid=True)
+        out.backward(torch.randn_like(out))
+    finally:
+        gm.torch._grouped_mm = orig
+    assert torch.isfinite(out).all()
+    assert torch.isfinite(x.grad).all()

@@ -175,15 +175,7 @@ def _assert_module_parity(mod, x, ids, weights, *, backends=CPU_BACKENDS, tol: f
         assert err <= tol, f"{backend}: {err:.2e} at {where}"
 
 
-# torch._grouped_mm leaves the rows past the last expert's offset unwritten in its backward too; the
-# composed pipeline's permute scatters them into hidden_states' gradient unless they are masked first.
-# Not strict: what the unwritten memory holds (sometimes zeros) decides whether it shows.
-_GROUPED_MM_SENTINEL_GRAD = pytest.mark.xfail(
-    strict=False, reason="grouped_mm + drop_invalid: sentinel rows' unwritten d_rows reach grad(hidden_states)")
-
-
-@pytest.mark.parametrize("backend", ["loop", "bmm_padded",
-                                     pytest.param("grouped_mm", marks=_GROUPED_MM_SENTINEL_GRAD)])
+@pytest.mark.parametrize("backend", ["loop", "bmm_padded", "grouped_mm"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_expert_parallel_sentinels_match_eager(arch, backend):
     mod = _experts_module(arch)

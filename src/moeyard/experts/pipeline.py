@@ -24,6 +24,11 @@ def routed_ffn(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: Exper
     """``[T, H] -> [T, H]``: the whole routed expert FFN built from ``grouped_linear``."""
     plan = make_plan(topk_ids, weights.num_experts, align=align)
     rows = permute(x, plan)
+    if drop_invalid:
+        # rows of dropped pairs sit past the last expert; a grouped GEMM leaves their gradient
+        # unwritten, so cut them out of the graph (masked_fill: its backward writes zeros there)
+        live = torch.arange(plan.num_rows, device=x.device) < plan.padded_offsets[-1]
+        rows = rows.masked_fill(~live.unsqueeze(-1), 0)
     h = grouped_linear(rows, weights.w_up, weights.b_up, plan)
     a = activation(h, interleaved=weights.interleaved)
     y = grouped_linear(a, weights.w_down, weights.b_down, plan)
