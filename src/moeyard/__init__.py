@@ -15,6 +15,13 @@ from .routing import Router, RoutingOutput, route, update_correction_bias
 
 __version__ = "0.1.0"
 
+import importlib.util as _importlib_util
+
+if _importlib_util.find_spec("transformers") is not None:
+    from .integrations.transformers import register as _register_transformers
+
+    _register_transformers()
+
 __all__ = ["Activation", "DispatchPlan", "MoE", "MoEConfig", "Router", "RoutingOutput", "SharedExpert",
            "available_backends", "backend_names", "experts", "get_backend", "is_debug", "make_plan", "permute",
            "route", "set_backend", "set_debug", "unpermute", "update_correction_bias", "__version__"]
