@@ -201,3 +201,35 @@ def test_tile_bound_covers_worst_case():
         counts = [n // e + (i < n % e) for i in range(e)]
         need = sum(-(-c // bm) for c in counts)
         assert max_row_tiles(n, e, bm) >= need
+
+
+def test_custom_ops_opcheck():
+    # schemas, fake registrations and mutation annotations of the ops that write into outputs
+    T, H, I, E, K = 9, 16, 16, 3, 2
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    r = ops.routing(ids, E)
+    tw = torch.rand(T * K)
+    a, y = torch.randn(T * K, I), torch.empty(T * K, H)
+    torch.library.opcheck(ops.down_proj_, (a, torch.randn(E, H, I), None, tw, r.sort_order, r.expert_offsets, K, y))
+    torch.library.opcheck(ops.combine_, (y, r.topk_ids, tw.view(T, K), E, torch.empty(T, H)))
+    torch.library.opcheck(ops.up_proj_, (torch.randn(T, H), torch.randn(E, 2 * I, H), None, r.sort_order,
+                                         r.expert_offsets, K, "swiglu", 1.702, 7.0, False,
+                                         torch.empty(T * K, 2 * I), torch.empty(T * K, I)))
+
+
+def test_compiles_fullgraph():
+    # no graph breaks: the routing is traced, the kernels are opaque custom ops
+    p, ids, kw = _problem(9, 16, 16, 3, 2)
+    leaves = {k: v.requires_grad_() for k, v in p.items()}
+
+    def f(x, ids, tw, w_up, w_down):
+        return triton_backend.triton_forward(x, ids, tw, expert_weights(w_up, w_down), Activation(),
+                                             drop_invalid=True)
+
+    args = (leaves["x"], ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"])
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(*args)
+    ref = f(*args)
+    assert torch.equal(out, ref)
+    got = torch.autograd.grad(out.sum(), (leaves["x"], leaves["gate_up_proj"]))
+    want = torch.autograd.grad(ref.sum(), (leaves["x"], leaves["gate_up_proj"]))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
