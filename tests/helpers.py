@@ -145,12 +145,13 @@ def assert_matches_oracle(got: dict[str, Tensor], lowp: dict[str, Tensor], oracl
 
 def check_backend(backend: str, inputs: dict[str, Tensor], dtype: torch.dtype, *,
                   device: str | torch.device = "cpu", **kw) -> dict[str, Tensor]:
-    """Run ``backend`` in ``dtype``, the ``loop`` backend in ``dtype`` and in float64 (the oracle), and
-    judge the output and every gradient. Returns the backend's results."""
+    """Run ``backend`` in ``dtype`` on ``device``, the ``loop`` backend in ``dtype`` on ``device`` and in
+    float64 on the CPU (the oracle), and judge the output and every gradient. Returns the backend's
+    results (float64, CPU)."""
     T, H = inputs["hidden_states"].shape
     grad_out = torch.randn(T, H, dtype=torch.float64)
     oracle = run_experts(inputs, torch.float64, "loop", grad_out, **kw)
-    lowp = run_experts(inputs, dtype, "loop", grad_out, **kw)
+    lowp = run_experts(inputs, dtype, "loop", grad_out, device=device, **kw)
     got = run_experts(inputs, dtype, backend, grad_out, device=device, **kw)
     assert_matches_oracle(got, lowp, oracle, dtype, what=backend)
     return got
