@@ -68,6 +68,7 @@ def timed(fn, reps: int, warmup: int = 3) -> float:
 
 def bench_backend(backend, shape, reps):
     import moeyard
+    from moeyard.experts import triton as _triton  # noqa: F401  (registers "triton")
     (x, w_up, w_down, tw), ids, dout = make_inputs(*shape)
 
     def fwd():
@@ -89,6 +90,7 @@ def bench_backend(backend, shape, reps):
 def parity(shape):
     """Relative difference triton vs grouped_mm (bf16) on the benchmark shape: out and dx."""
     import moeyard
+    from moeyard.experts import triton as _triton  # noqa: F401  (registers "triton")
     (x, w_up, w_down, tw), ids, dout = make_inputs(*shape, seed=7)
     res = {}
     for b in ("triton", "grouped_mm"):
@@ -107,6 +109,7 @@ def dense_tflops(reps: int) -> float:
 
 def profile(shape, out_dir):
     import moeyard
+    from moeyard.experts import triton as _triton  # noqa: F401  (registers "triton")
     from torch.profiler import ProfilerActivity, profile as prof
     (x, w_up, w_down, tw), ids, dout = make_inputs(*shape)
     step = lambda: torch.autograd.grad(moeyard.experts(x, ids, tw, w_up, w_down, backend="triton"),  # noqa: E731

@@ -8,8 +8,8 @@ activations ``u`` is ignored. Derivatives follow torch's autograd conventions at
 import triton
 import triton.language as tl
 
-SQRT1_2 = 0.7071067811865476
-INV_SQRT_2PI = 0.3989422804014327
+SQRT1_2 = tl.constexpr(0.7071067811865476)
+INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 
 
 @triton.jit
