@@ -11,6 +11,7 @@ Runs on CUDA in bfloat16, float16 and float32, and on CPU under Triton's interpr
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -34,9 +35,14 @@ def triton_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: E
     return triton_experts(x, topk_ids, topk_weights, weights, activation, drop_invalid=drop_invalid)
 
 
+@functools.cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def _unsupported(device: torch.device, dtype: torch.dtype, weights: ExpertWeights | None,
                  activation: Activation | None) -> str | None:
-    if importlib.util.find_spec("triton") is None:
+    if not _have_triton():
         return "triton is not installed (pip install triton)"
     if device.type == "cuda":
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
