@@ -76,9 +76,10 @@ def invalid_ids(topk_ids: Tensor, num_experts: int) -> Tensor:
 def check_ids_on_host(topk_ids: Tensor, num_experts: int) -> bool:
     """Raise ValueError for ids outside ``[0, E)`` when that costs no sync (CPU) or in debug mode.
 
-    Returns True when the ids were checked.
+    Returns True when the ids were checked (never while ``torch.compile`` traces: a data-dependent
+    branch would break the graph).
     """
-    if topk_ids.device.type != "cpu" and not is_debug():
+    if (topk_ids.device.type != "cpu" and not is_debug()) or torch.compiler.is_compiling():
         return False
     bad = invalid_ids(topk_ids, num_experts)
     if bool(bad.any()):

@@ -12,6 +12,7 @@ from ..checks import check_float, check_ids_on_host, check_topk, invalid_ids
 from . import bmm_padded as _bmm_padded  # noqa: F401  (registers)
 from . import grouped_mm as _grouped_mm  # noqa: F401  (registers)
 from . import loop as _loop  # noqa: F401  (registers)
+from . import triton as _triton  # noqa: F401  (registers; imports triton on first use only)
 from .registry import (ExpertBackend, available_backends, backend_names, get_backend, register_backend,
                        resolve_backend, set_backend)
 from .weights import ExpertWeights, expert_weights
