@@ -66,10 +66,10 @@ class DispatchPlan:
         return rows.index_copy(0, self.pair_rows, torch.where(self.valid, tokens, self.num_tokens))
 
     def row_experts(self) -> Tensor:
-        """``[R]`` int64: the expert owning each row (rows past the last expert: ``E - 1``)."""
+        """``[R]`` int64: the expert owning each row; rows past the last expert's (the spare worst-case
+        rows and those of invalid pairs): ``E``."""
         rows = torch.arange(self.num_rows, device=self.padded_offsets.device, dtype=torch.int32)
-        e = torch.searchsorted(self.padded_offsets[1:], rows, right=True)
-        return e.clamp_(max=self.num_experts - 1)
+        return torch.searchsorted(self.padded_offsets[1:], rows, right=True)
 
 
 def make_plan(topk_ids: Tensor, num_experts: int, *, align: int = 1) -> DispatchPlan:

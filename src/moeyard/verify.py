@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import importlib.util
 import json
 import time

@@ -15,9 +15,6 @@ import moeyard
 from moeyard import MoE, MoEConfig, make_plan, permute, unpermute
 from helpers import assert_matches_oracle, check_backend, make_inputs, random_ids
 
-if importlib.util.find_spec("triton") is not None:
-    from moeyard.experts import triton as _triton  # noqa: F401  (registers "triton")
-
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -29,18 +26,8 @@ def cuda_backends(dtype):
     return [b for b in moeyard.available_backends(DEV, dtype) if b != "loop"]
 
 
-def _resolves_to_grouped_mm(backend, dtype):
-    if backend == "auto":
-        backend = moeyard.experts.resolve_backend("auto", torch.device(DEV), dtype).name
-    return backend == "grouped_mm"
-
 
 BACKEND_DTYPE = [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for d in DTYPES for b in cuda_backends(d) + ["auto"]]
-
-BF16_BIAS_GRAD_BUG = pytest.mark.xfail(strict=True, reason=(
-    "grouped_mm on CUDA in bfloat16: pipeline.add_row_bias adds bias.index_select(0, row_experts()), whose "
-    "backward is an index_add in bfloat16 (atomic bf16 accumulation): bias gradients lose precision as rows "
-    "per expert grow (T=4096: err 0.096 vs torch's 0.007)"))
 
 # (T, H, I, E, K, experts the ids are drawn from (None: all))
 SHAPES = [
@@ -58,35 +45,23 @@ SHAPES = [
 @pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
 @pytest.mark.parametrize("T,H,I,E,K,pool", SHAPES)
 def test_backend_vs_oracle(backend, dtype, T, H, I, E, K, pool, request):
-    if backend == "bmm_padded" and T == 0:
-        request.applymarker(pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-            "bmm_padded.py:41: x_pad[:-1].view(E, capacity, -1) cannot infer -1 when capacity == 0 (T = 0)")))
     ids = None
     if pool is not None:
         ids = torch.tensor(pool)[torch.rand(T, len(pool)).argsort(1)[:, :K]]
-    # grouped_mm's bfloat16 bias gradients on CUDA are a known bug (BF16_BIAS_GRAD_BUG, checked by
-    # test_bias_gradient_accumulation_bf16); on these small shapes it fails only on some runs (atomics)
-    bias = not (_resolves_to_grouped_mm(backend, dtype) and dtype == torch.bfloat16)
-    check_backend(backend, make_inputs(T, H, I, E, K, ids=ids, bias=bias), dtype, device=DEV)
+    check_backend(backend, make_inputs(T, H, I, E, K, ids=ids, bias=True), dtype, device=DEV)
 
 
 @pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "reglu", "clamped_swiglu", "gelu", "relu", "relu2", "silu"])
 def test_activations(backend, dtype, activation):
     gated = activation in ("swiglu", "geglu", "reglu", "clamped_swiglu")
-    # grouped_mm's bfloat16 bias gradients on CUDA are a known bug (BF16_BIAS_GRAD_BUG, checked by
-    # test_bias_gradient_accumulation_bf16); leave biases out there so this test judges the activation
-    bias = not (_resolves_to_grouped_mm(backend, dtype) and dtype == torch.bfloat16)
-    inputs = make_inputs(96, 64, 32, 8, 2, gated=gated, bias=bias)
+    inputs = make_inputs(96, 64, 32, 8, 2, gated=gated, bias=True)
     inputs["hidden_states"] *= 6  # reach the clamps of clamped_swiglu
     check_backend(backend, inputs, dtype, device=DEV, activation=activation)
 
 
 @pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
 def test_gpt_oss_layout_and_drop_invalid(backend, dtype, request):
-    if _resolves_to_grouped_mm(backend, dtype):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "grouped_mm with drop_invalid: rows of dropped pairs sit past padded_offsets[E]; add_row_bias (pipeline.py) gives them expert E - 1's bias (row_experts() clamps to E - 1), and torch._grouped_mm's backward leaves their gradient rows unwritten, so that garbage is summed into grad gate_up_bias[E - 1]")))
     T, E, K = 64, 8, 2
     ids = random_ids(T, K, E)
     ids[0, 0], ids[5, 1] = -1, E
@@ -198,7 +173,7 @@ def test_invalid_ids_nan_rows_then_debug_error(backend):
         moeyard.set_debug(None)
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=[BF16_BIAS_GRAD_BUG] if b == "grouped_mm" else [])
+@pytest.mark.parametrize("backend", [pytest.param(b)
                                      for b in cuda_backends(torch.bfloat16)])
 def test_bias_gradient_accumulation_bf16(backend):
     """Many rows per expert: the bias gradients are sums over thousands of rows and must not be

@@ -38,12 +38,12 @@ def bmm_padded_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weight
     slot = torch.where(plan.valid, flat * capacity + rank, E * capacity)
     tokens = torch.arange(T * K, device=x.device) // K
     x_pad = x.new_zeros(E * capacity + 1, x.shape[1]).index_copy(0, slot, x.index_select(0, tokens))
-    x_pad = x_pad[:-1].view(E, capacity, -1)
+    x_pad = x_pad[:-1].view(E, capacity, x.shape[1])
     h = _bmm(x_pad, weights.w_up, weights.b_up)
     a = activation(h, interleaved=weights.interleaved)
-    y = _bmm(a, weights.w_down, weights.b_down).reshape(E * capacity, -1)
+    y = _bmm(a, weights.w_down, weights.b_down).reshape(E * capacity, x.shape[1])
     y = torch.cat([y, y.new_zeros(1, y.shape[1])])
-    pairs = y.index_select(0, slot).view(T, K, -1)
+    pairs = y.index_select(0, slot).view(T, K, x.shape[1])
     return torch.bmm(topk_weights.to(pairs.dtype).unsqueeze(1), pairs).squeeze(1)
 
 

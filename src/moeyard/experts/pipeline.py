@@ -36,7 +36,25 @@ def routed_ffn(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: Exper
 
 
 def add_row_bias(y: Tensor, bias: Tensor | None, plan: DispatchPlan) -> Tensor:
-    """``y [R, out] + bias[expert of each row]`` (no-op without a bias)."""
+    """``y [R, out] + bias[expert of each row]`` (no-op without a bias; rows past the last expert get
+    none). The bias gradient is summed in float32: a bf16 scatter-add over thousands of rows per
+    expert would lose most of its precision."""
     if bias is None:
         return y
-    return y + bias.to(y.dtype).index_select(0, plan.row_experts())
+    return _RowBias.apply(y, bias, plan.row_experts())
+
+
+class _RowBias(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: Tensor, bias: Tensor, row_experts: Tensor) -> Tensor:
+        ctx.save_for_backward(row_experts)
+        ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
+        padded = torch.cat([bias.to(y.dtype), y.new_zeros(1, bias.shape[1])])  # row E: no bias
+        return y + padded.index_select(0, row_experts)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        (row_experts,) = ctx.saved_tensors
+        E, out = ctx.bias_shape
+        db = dy.new_zeros(E + 1, out, dtype=torch.float32).index_add_(0, row_experts, dy.float())
+        return dy, db[:E].to(ctx.bias_dtype), None
