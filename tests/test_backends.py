@@ -46,7 +46,7 @@ SHAPES = [
 
 @pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
 @pytest.mark.parametrize("T,H,I,E,K,pool", SHAPES)
-def test_shapes(backend, dtype, T, H, I, E, K, pool, nan_empty, request):
+def test_shapes(backend, dtype, T, H, I, E, K, pool, nan_empty):
     ids = None
     if pool is not None:
         ids = torch.tensor(pool)[torch.rand(T, len(pool)).argsort(1)[:, :K]]
@@ -141,7 +141,7 @@ def _with_invalid(T, E, K):
 
 
 @pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
-def test_drop_invalid(backend, dtype, nan_empty, request):
+def test_drop_invalid(backend, dtype, nan_empty):
     T, H, I, E, K = 8, 16, 8, 4, 2
     ids = _with_invalid(T, E, K)
     inputs = make_inputs(T, H, I, E, K, ids=ids, bias=True)

@@ -5,7 +5,6 @@ debug mode).
 
 Legend: T tokens, H hidden size, I intermediate size, E experts, K top-k.
 """
-import importlib.util
 import math
 
 import pytest
@@ -26,7 +25,6 @@ def cuda_backends(dtype):
     return [b for b in moeyard.available_backends(DEV, dtype) if b != "loop"]
 
 
-
 BACKEND_DTYPE = [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for d in DTYPES for b in cuda_backends(d) + ["auto"]]
 
 # (T, H, I, E, K, experts the ids are drawn from (None: all))
@@ -44,7 +42,7 @@ SHAPES = [
 
 @pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
 @pytest.mark.parametrize("T,H,I,E,K,pool", SHAPES)
-def test_backend_vs_oracle(backend, dtype, T, H, I, E, K, pool, request):
+def test_backend_vs_oracle(backend, dtype, T, H, I, E, K, pool):
     ids = None
     if pool is not None:
         ids = torch.tensor(pool)[torch.rand(T, len(pool)).argsort(1)[:, :K]]
@@ -61,7 +59,7 @@ def test_activations(backend, dtype, activation):
 
 
 @pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
-def test_gpt_oss_layout_and_drop_invalid(backend, dtype, request):
+def test_gpt_oss_layout_and_drop_invalid(backend, dtype):
     T, E, K = 64, 8, 2
     ids = random_ids(T, K, E)
     ids[0, 0], ids[5, 1] = -1, E
@@ -173,8 +171,7 @@ def test_invalid_ids_nan_rows_then_debug_error(backend):
         moeyard.set_debug(None)
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b)
-                                     for b in cuda_backends(torch.bfloat16)])
+@pytest.mark.parametrize("backend", cuda_backends(torch.bfloat16))
 def test_bias_gradient_accumulation_bf16(backend):
     """Many rows per expert: the bias gradients are sums over thousands of rows and must not be
     accumulated in bfloat16."""
