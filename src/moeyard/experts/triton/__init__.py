@@ -57,9 +57,9 @@ def _unsupported(device: torch.device, dtype: torch.dtype, weights: ExpertWeight
     return f"needs a CUDA GPU (or the CPU interpreter), got {device.type}"
 
 
-# Ranked below grouped_mm (20) for ``auto`` until it is measured faster on a GPU (benchmarks/NOTES.md).
+# Ranked above grouped_mm (20) for ``auto`` on CUDA: measured faster on an H200 (README's benchmark table).
 register_backend(ExpertBackend(
-    name="triton", forward=triton_forward, unsupported=_unsupported, priority={"cuda": 10},
+    name="triton", forward=triton_forward, unsupported=_unsupported, priority={"cuda": 30},
     description="fused Triton grouped GEMMs: gather in the loads, activation/bias/weight in epilogues; "
                 "deterministic combine; no host sync",
 ))
