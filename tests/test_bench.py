@@ -104,7 +104,7 @@ def _inputs(routing, T=2048, E=8, k=2, alpha=1.2):
 def test_zipf_routing_skews_tokens_per_expert():
     cfg, inputs = _inputs("zipf")
     counts = bench.tokens_per_expert(cfg, inputs)
-    T, k, E = 2048, 2, 8
+    T, k = 2048, 2
     assert counts.sum() == T * k
     assert counts[0] > 2.5 * counts.mean()  # p_0 ~ 0.43: in ~75% of the tokens' top-2
     assert counts[0] > counts[2] > counts[7]

@@ -169,7 +169,7 @@ def _assert_module_parity(mod, x, ids, weights, *, backends=CPU_BACKENDS, tol: f
     if ref_impl != "eager":  # transformers' batched_mm leaves router gradients at sentinel slots
         ref["grad.weights"] = ref["grad.weights"].masked_fill(ids >= mod.num_experts, 0)
     for backend in backends:
-        with verify.using_backend(backend):
+        with moeyard.use_backend(backend):
             got = _module_run(mod, "moeyard", x, ids, weights)
         err, where = verify.max_rel_error(got, ref)
         assert err <= tol, f"{backend}: {err:.2e} at {where}"

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .experts import use_backend
+
 Tensor = torch.Tensor
 
 # Relative error (max-abs over max-abs of the reference) allowed per dtype, and why.
@@ -217,19 +219,6 @@ def max_rel_error(got: dict[str, Tensor], ref: dict[str, Tensor]) -> tuple[float
     return worst, where
 
 
-@contextlib.contextmanager
-def using_backend(name: str):
-    """Set moeyard's process default backend for the block, then restore the previous setting."""
-    from .experts import registry, set_backend
-
-    previous = registry._default[0]
-    set_backend(name)
-    try:
-        yield
-    finally:
-        registry._default[0] = previous
-
-
 def run_moeyard(model: torch.nn.Module, backend: str, ids: Tensor, probe: Tensor) -> dict[str, Tensor]:
     """``forward_backward`` under ``experts_implementation="moeyard"`` and ``backend``; restores eager.
 
@@ -241,7 +230,7 @@ def run_moeyard(model: torch.nn.Module, backend: str, ids: Tensor, probe: Tensor
         mods = experts_modules(model)
         if not mods or any(m.config._experts_implementation != "moeyard" for m in mods):
             raise RuntimeError("no experts module dispatches to 'moeyard'")
-        with using_backend(backend):
+        with use_backend(backend):
             return forward_backward(model, ids, probe)
     finally:
         model.set_experts_implementation("eager")

@@ -14,13 +14,13 @@ from . import grouped_mm as _grouped_mm  # noqa: F401  (registers)
 from . import loop as _loop  # noqa: F401  (registers)
 from . import triton as _triton  # noqa: F401  (registers; imports triton on first use only)
 from .registry import (ExpertBackend, available_backends, backend_names, get_backend, register_backend,
-                       resolve_backend, set_backend)
+                       resolve_backend, set_backend, use_backend)
 from .weights import ExpertWeights, expert_weights
 
 Tensor = torch.Tensor
 
 __all__ = ["experts", "ExpertBackend", "ExpertWeights", "expert_weights", "available_backends", "backend_names",
-           "get_backend", "register_backend", "resolve_backend", "set_backend"]
+           "get_backend", "register_backend", "resolve_backend", "set_backend", "use_backend"]
 
 
 def experts(

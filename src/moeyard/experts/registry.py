@@ -13,6 +13,7 @@ any call, the ``MOEYARD_BACKEND`` environment variable; otherwise ``auto``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -66,6 +67,18 @@ def set_backend(name: str | None) -> None:
     if name is not None:
         _check_name(name)
     _default[0] = name
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None):
+    """``with use_backend(name):`` set the process default backend for the block, then restore the
+    previous setting (also a ``None`` one). Raises ValueError for an unknown name."""
+    previous = _default[0]
+    set_backend(name)
+    try:
+        yield
+    finally:
+        _default[0] = previous
 
 
 def get_backend() -> str:
