@@ -10,7 +10,8 @@ parameter (the input embeddings included), as relative errors ``max|got - ref| /
 - float32 / float64: pass when every relative error is at most :data:`TOLERANCE` for the dtype.
 - bfloat16 / float16: judged against PyTorch's own error at that precision: both the eager and the
   moeyard runs are compared with a float64 eager run of the same weights, and moeyard passes when
-  its error is at most ``2 * eager's + LOW_PRECISION_SLACK``.
+  its error is at most ``2 * eager's + LOW_PRECISION_SLACK``, on an input where all three runs route
+  every token alike (see :class:`_LowPrecision`).
 
 The model builders here are the single copy the test-suite uses too.
 """
@@ -252,8 +253,8 @@ def check_arch(arch: Arch, backends: list[str], *, device: str, dtype: torch.dty
     """Parity of every backend for one architecture (see the module docstring for the criterion)."""
     try:
         model = build_model(arch, seed=seed, dtype=dtype, device=device)
-        ids, probe = make_inputs(model, seed=seed)
-        ref, limit_of = _reference(model, arch, ids, probe, dtype=dtype, seed=seed, device=device)
+        judge = _Exact(model, seed=seed, dtype=dtype) if dtype in TOLERANCE else \
+            _LowPrecision(model, arch, seed=seed, device=device)
     except ArchUnavailable as ex:
         return [Result(arch=arch.name, backend=b, status="skip", message=str(ex)) for b in backends]
     except Exception as ex:  # the eager model itself fails: every cell of the row is an error
@@ -263,62 +264,92 @@ def check_arch(arch: Arch, backends: list[str], *, device: str, dtype: torch.dty
     for backend in backends:
         t0 = time.perf_counter()
         try:
-            got = run_moeyard(model, backend, ids, probe)
+            verdict = judge(backend)
         except Exception as ex:  # reported per cell: one backend's failure must not hide the others
             results.append(Result(arch=arch.name, backend=backend, status="error",
                                   message=f"{type(ex).__name__}: {str(ex).splitlines()[0][:200]}"))
             continue
-        err, where = max_rel_error(got, ref)
-        limit = limit_of
+        if verdict is None:
+            results.append(Result(arch=arch.name, backend=backend, status="skip", message=(
+                f"in {_LowPrecision.TRIES} input draws, a near tie always routed some token differently "
+                "from float64")))
+            continue
+        err, where, limit = verdict
         results.append(Result(arch=arch.name, backend=backend, status="pass" if err <= limit else "fail",
                               error=err, where=where, limit=limit, seconds=time.perf_counter() - t0))
     return results
 
 
-def _reference(model, arch: Arch, ids, probe, *, dtype, seed, device) -> tuple[dict[str, Tensor], float]:
-    """The reference run and the error limit: eager in ``dtype`` (float32/64), or a float64 eager
-    run for bf16/fp16 with the limit ``2 * err(eager) + slack``.
+class _Exact:
+    """float32 / float64: moeyard against eager in the same dtype, within :data:`TOLERANCE`."""
 
-    In bf16/fp16 a near tie between two experts' scores can route a token differently from float64
-    (a discontinuity no tolerance can absorb), so the float64 run's expert ids are recorded and
-    pinned in ``model`` (eager and moeyard alike) from here on: see :func:`pin_routing`.
+    def __init__(self, model, *, seed: int, dtype: torch.dtype):
+        self.model, self.limit = model, TOLERANCE[dtype]
+        self.ids, self.probe = make_inputs(model, seed=seed)
+        self.ref = forward_backward(model, self.ids, self.probe)
+
+    def __call__(self, backend: str) -> tuple[float, str, float]:
+        err, where = max_rel_error(run_moeyard(self.model, backend, self.ids, self.probe), self.ref)
+        return err, where, self.limit
+
+
+class _LowPrecision:
+    """bf16 / fp16: moeyard and eager both against a float64 eager run of the same weights, moeyard
+    within ``2 * err(eager) + LOW_PRECISION_SLACK``.
+
+    Top-k routing is discontinuous: at a near tie, rounding can send a token to another expert, and
+    the router's gradient then flows into other rows — a difference no tolerance can absorb and no
+    fault of either implementation. So an input counts only where the float64, the eager and the
+    moeyard runs all route every token of every layer alike; inputs are redrawn (up to ``TRIES``)
+    until one does, and a backend with none is reported as skipped, never as passed.
     """
-    if dtype in TOLERANCE:
-        return forward_backward(model, ids, probe), TOLERANCE[dtype]
-    model64 = build_model(arch, seed=seed, dtype=torch.float64, device=device)
-    recorded = record_routing(model64)
-    ref64 = forward_backward(model64, ids, probe)
-    for handle in recorded.pop("handles"):
-        handle.remove()
-    pin_routing(model, recorded)
-    eager_err, _ = max_rel_error(forward_backward(model, ids, probe), ref64)
-    return ref64, 2 * eager_err + LOW_PRECISION_SLACK
+
+    TRIES = 8
+
+    def __init__(self, model, arch: Arch, *, seed: int, device: str):
+        self.model, self.seed = model, seed
+        self.model64 = build_model(arch, seed=seed, dtype=torch.float64, device=device)
+        self._draws: dict[int, tuple] = {}
+
+    def __call__(self, backend: str) -> tuple[float, str, float] | None:
+        for s in range(self.seed, self.seed + self.TRIES):
+            draw = self._draw(s)
+            if draw is None:
+                continue
+            ids, probe, ref64, routing64, limit = draw
+            got, routing = _routed(self.model, lambda: run_moeyard(self.model, backend, ids, probe))
+            if _same_routing(routing, routing64):
+                return (*max_rel_error(got, ref64), limit)
+        return None
+
+    def _draw(self, s: int):
+        """Inputs of draw ``s`` with the float64 reference, if eager routes them like float64."""
+        if s not in self._draws:
+            ids, probe = make_inputs(self.model, seed=s)
+            ref64, routing64 = _routed(self.model64, lambda: forward_backward(self.model64, ids, probe))
+            eager, routing = _routed(self.model, lambda: forward_backward(self.model, ids, probe))
+            ok = _same_routing(routing, routing64)
+            limit = 2 * max_rel_error(eager, ref64)[0] + LOW_PRECISION_SLACK
+            self._draws[s] = (ids, probe, ref64, routing64, limit) if ok else None
+        return self._draws[s]
 
 
-def record_routing(model: torch.nn.Module) -> dict:
-    """Hooks that record each experts module's ``top_k_index`` (in call order); returns
-    ``{module index: [ids, ...], "handles": [...]}``."""
-    recorded: dict = {"handles": []}
-    for i, mod in enumerate(experts_modules(model)):
-        calls = recorded.setdefault(i, [])
-        recorded["handles"].append(mod.register_forward_pre_hook(
-            lambda m, args, calls=calls: calls.append(args[1].detach().clone())))
-    return recorded
+def _routed(model: torch.nn.Module, run) -> tuple[dict[str, Tensor], list[Tensor]]:
+    """``run()``'s result and the ``top_k_index`` every experts module received, in call order."""
+    seen: list[Tensor] = []
+    handles = [m.register_forward_pre_hook(lambda m, args: seen.append(args[1].detach().cpu()))
+               for m in experts_modules(model)]
+    try:
+        return run(), seen
+    finally:
+        for h in handles:
+            h.remove()
 
 
-def pin_routing(model: torch.nn.Module, recorded: dict) -> None:
-    """Replace each experts module's ``top_k_index`` by the recorded one (cycling over the calls of
-    one forward). The routing weights stay the model's own: at a flipped near tie the two experts'
-    weights are nearly equal, so the pinned pairs keep nearly the right weight."""
-    for i, mod in enumerate(experts_modules(model)):
-        calls, step = recorded[i], [0]
-
-        def hook(m, args, calls=calls, step=step):
-            pinned = calls[step[0] % len(calls)].to(args[1].device)
-            step[0] += 1
-            return (args[0], pinned, *args[2:])
-
-        mod.register_forward_pre_hook(hook)
+def _same_routing(a: list[Tensor], b: list[Tensor]) -> bool:
+    """Same experts per token (as sets: the order of the k slots may differ)."""
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x.sort(-1).values, y.sort(-1).values)
+                                    for x, y in zip(a, b))
 
 
 # ---------------------------------------------------------------- command line
@@ -403,6 +434,8 @@ def _print_table(results: list[Result], backends: list[str], *, device: str, dty
     console.print(table)
     for note in dict.fromkeys(notes):
         console.print(note)
+    counts = {k: sum(r.status == k for r in results) for k in ("pass", "fail", "error", "skip")}
+    console.print(f"{counts['pass']} passed, {counts['fail'] + counts['error']} failed, {counts['skip']} skipped")
 
 
 def _cell(r: Result, notes: list[str]) -> str:
@@ -412,7 +445,7 @@ def _cell(r: Result, notes: list[str]) -> str:
     if r.status == "error":
         notes.append(f"[red]error[/] {r.arch} / {r.backend}: {r.message}")
         return "[red]error[/]"
-    color = "green" if r.status == "pass" else "red"
     if r.status == "fail":
         notes.append(f"[red]fail[/] {r.arch} / {r.backend}: {r.error:.2e} > {r.limit:.2e} at {r.where}")
-    return f"[{color}]{r.error:.1e}[/]"
+        return f"[red]FAIL {r.error:.1e}[/]"
+    return f"[green]pass {r.error:.1e}[/]"
