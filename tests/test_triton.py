@@ -26,8 +26,9 @@ DEV = "cpu"
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    real = ops.empty
+    real, real_like = ops.empty, ops.empty_like
     monkeypatch.setattr(ops, "empty", lambda shape, like, dtype=None: real(shape, like, dtype).fill_(float("nan")))
+    monkeypatch.setattr(ops, "empty_like", lambda like: real_like(like).fill_(float("nan")))
 
 
 def _problem(T, H, I, E, K, *, act="swiglu", bias=False, transposed=False, interleaved=False, ids=None, scale=1.0):
@@ -233,3 +234,112 @@ def test_compiles_fullgraph():
     got = torch.autograd.grad(out.sum(), (leaves["x"], leaves["gate_up_proj"]))
     want = torch.autograd.grad(ref.sum(), (leaves["x"], leaves["gate_up_proj"]))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ---------------------------------------------------------------- speed options (default off)
+
+from moeyard.experts.triton.options import Options, options, use_options  # noqa: E402
+
+
+def _skewed_ids(T, K, E):
+    """Expert 0 gets every token (a long expert, split into chunks); the rest share the other slots."""
+    rest = torch.stack([1 + torch.randperm(E - 1)[:K - 1] for _ in range(T)])
+    return torch.cat([torch.zeros(T, 1, dtype=torch.int64), rest], 1)
+
+
+@pytest.mark.parametrize("case", [
+    dict(T=13, H=40, I=24, E=5, K=2, act="geglu"),                        # plain fused path
+    dict(T=11, H=32, I=16, E=4, K=2, act="swiglu", bias=True),            # bias in the atomic epilogue
+    dict(T=19, H=33, I=17, E=6, K=3, act="relu2"),                        # odd sizes: masked atomics
+    dict(T=37, H=16, I=16, E=4, K=1, ids="one_expert"),                   # every pair of one expert
+    dict(T=1, H=16, I=16, E=4, K=2),                                      # T = 1
+    dict(T=6, H=16, I=16, E=3, K=3, act=Activation(name="custom", fn=torch.tanh, fn_gated=False)),  # unfused
+])
+def test_atomic_combine(case):
+    case = dict(case)
+    if case.get("ids") == "one_expert":
+        case["ids"] = torch.full((case["T"], case["K"]), 2, dtype=torch.int64)
+    with use_options(atomic_combine=True):
+        check_against_loop(*_problem(**case))
+
+
+def test_atomic_combine_no_tokens_and_invalid_ids():
+    with use_options(atomic_combine=True):
+        check_against_loop(*_problem(0, 16, 16, 4, 2))
+        T, K, E = 14, 2, 4
+        ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+        ids[3, 0], ids[9] = -1, torch.tensor([-1, E + 3])
+        check_against_loop(*_problem(T, 16, 16, E, K, ids=ids), drop_invalid=True)
+        # without drop_invalid, NaN weights of invalid pairs make those tokens NaN, as on the default path
+        p, ids, kw = _problem(8, 16, 16, 4, 2)
+        ids[2, 1], ids[5, 0] = 4, -1
+        tw = p["topk_weights"].masked_fill((ids < 0) | (ids >= 4), float("nan"))
+        out = triton_backend.triton_forward(p["x"], ids, tw, expert_weights(p["gate_up_proj"], p["down_proj"]),
+                                            Activation(), drop_invalid=False)
+        assert out.isnan().any(1).tolist() == [t in (2, 5) for t in range(8)]
+
+
+@pytest.mark.parametrize("chunk", [12, 20])  # chunks shorter than a BM=16 row step, and over one step
+@pytest.mark.parametrize("layout", ["plain", "bias", "gpt_oss"])
+def test_wgrad_chunks(chunk, layout):
+    # expert 0 holds all 40 tokens (split into 2-4 chunks), the others ~13 rows (one or two chunks)
+    T, K, E = 40, 2, 4
+    kw = dict(plain={}, bias=dict(bias=True), gpt_oss=dict(act=Activation(name="clamped_swiglu", limit=1.0),
+                                                           bias=True, transposed=True, interleaved=True))[layout]
+    with use_options(wgrad_chunk_rows=chunk):
+        check_against_loop(*_problem(T, 24, 20, E, K, ids=_skewed_ids(T, K, E), **kw))
+
+
+def test_wgrad_chunks_edge_cases():
+    with use_options(wgrad_chunk_rows=8):
+        check_against_loop(*_problem(12, 16, 16, 8, 2, ids=torch.tensor([[0, 3]] * 12)))   # empty experts
+        check_against_loop(*_problem(5, 16, 16, 1, 1))                                      # E = 1
+        check_against_loop(*_problem(0, 16, 16, 4, 2))                                      # no tokens
+    with use_options(wgrad_chunk_rows=1):                                                   # one row per chunk
+        check_against_loop(*_problem(9, 16, 16, 3, 2))
+
+
+def test_options_deterministic_and_combined():
+    p, ids, kw = _problem(30, 24, 16, 3, 2, bias=True, ids=_skewed_ids(30, 2, 3))
+    with use_options(wgrad_chunk_rows=7, wgrad_wide=True):
+        a, b = _run(p, ids, kw, "triton", torch.float32), _run(p, ids, kw, "triton", torch.float32)
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+    with use_options(wgrad_chunk_rows=7, atomic_combine=True):
+        check_against_loop(p, ids, kw)
+
+
+def test_partial_slot_bound():
+    # every expert with more than `chunk` rows takes ceil(c / chunk) slots; the buffer has 2 N // chunk
+    from moeyard.experts.triton.schedule import max_partial_slots
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        e = int(torch.randint(1, 9, (1,), generator=gen))
+        counts = torch.randint(0, 60, (e,), generator=gen).tolist()
+        chunk = int(torch.randint(1, 40, (1,), generator=gen))
+        n = sum(counts)
+        need = sum(-(-c // chunk) for c in counts if c > chunk)
+        assert need <= max_partial_slots(n, chunk) if n else True
+
+
+def test_options_env_and_budget(monkeypatch):
+    assert options() == Options()
+    monkeypatch.setenv("MOEYARD_TRITON_ATOMIC_COMBINE", "1")
+    monkeypatch.setenv("MOEYARD_TRITON_WGRAD_CHUNK", "256")
+    assert options().atomic_combine and options().wgrad_chunk_rows == 256
+    with use_options(atomic_combine=False):
+        assert not options().atomic_combine and options().wgrad_chunk_rows == 256
+    assert options().atomic_combine
+    with pytest.raises(ValueError, match="unknown"):
+        with use_options(atomic=True):
+            pass
+    with pytest.raises(ValueError):
+        with use_options(wgrad_chunk_rows=-1):
+            pass
+    assert options().wgrad_chunk_rows == 256  # restored after the failed override
+    # budget: 2 N // rows float32 [NL, NR] slots must fit in wgrad_partial_mib
+    o = Options(wgrad_chunk_rows=512, wgrad_partial_mib=256)
+    n, nl, nr = 262144, 1536, 2048
+    rows = o.chunk_rows(n, nl, nr)
+    assert rows >= 512 and (2 * n // rows) * nl * nr * 4 <= 256 * 2 ** 20
+    assert Options().chunk_rows(n, nl, nr) == 0

@@ -2,7 +2,8 @@
 
 Fused path (named activations): forward = gathered up projection with the activation in its
 epilogue (keeps ``h [N, N1]`` for backward), down projection with bias and routing weight in its
-epilogue, deterministic combine. Backward = activation-gradient kernel (recomputes ``act(h)``,
+epilogue, deterministic combine (or, with ``options().atomic_combine``, float32 atomics in the down
+projection's epilogue, also for the input gradient). Backward = activation-gradient kernel (recomputes ``act(h)``,
 yields ``d_h``, ``w * a`` and ``d topk_weights``), then grouped weight gradients and the input
 gradient (``d_h @ W_up`` per pair, combined per token). Kept for backward: ``h`` plus the inputs.
 
@@ -97,8 +98,7 @@ class _DownProj(torch.autograd.Function):
 
 def _down_forward(a: Tensor, tw: Tensor, w_down: Tensor, b_down: Tensor | None, r: Routing,
                   drop_invalid: bool) -> Tensor:
-    y = ops.down_proj(a, w_down, b_down, tw, r)
-    return ops.combine(y, r, None if drop_invalid else tw)
+    return ops.down_combine(a, w_down, b_down, tw, r, None if drop_invalid else tw)
 
 
 def _down_backward(dout, h, tw, w_down, b_down, r, spec, need_w, need_b):
@@ -115,7 +115,7 @@ def _up_backward(dh, x, w_up, b_up, r, need_x, need_w, need_b):
     """``(dx [T, H], d W_up, d b_up)`` from ``d_h [N, N1]`` (sorted rows)."""
     dx = dw = db = None
     if need_x:
-        dx = ops.combine(ops.down_proj(dh, w_up.mT, None, None, r), r, None)
+        dx = ops.down_combine(dh, w_up.mT, None, None, r, None)
     if need_w or need_b:
         dw, db = ops.wgrad(dh, x, lhs_by_token=False, rhs_by_token=True, scale=None, r=r, like_w=w_up,
                            like_b=b_up if need_b else None)

@@ -1,6 +1,7 @@
 """Backward kernels: the activation gradient (gathered ``dout @ W_down`` with the activation's
-derivative in its epilogue) and the grouped weight gradient (one program per expert and output
-tile, looping over that expert's rows: deterministic, no atomics). The input gradient reuses
+derivative in its epilogue) and the grouped weight gradient (one program per expert, or per chunk
+of an expert's rows, and output tile; chunk partials summed by a second kernel in a fixed order:
+deterministic, no atomics). The input gradient reuses
 ``kernels_fwd.down_kernel`` and ``combine_kernel``.
 
 Legend as in :mod:`.kernels_fwd`.
@@ -10,6 +11,7 @@ import triton.language as tl
 
 from .act import act_grad
 from .gemm import gathered_mainloop, sorted_rows
+from .schedule import expert_piece, expert_slots
 
 
 @triton.jit
@@ -94,21 +96,35 @@ def wgrad_kernel(
     offsets_ptr,      # [E + 1] int32: expert_offsets
     dw_ptr,           # [E, NL, NR] weight gradient, strides (stride_de, stride_dl, stride_dr) (out)
     db_ptr,           # [E, NL] bias gradient, strides (stride_be, stride_bl); written if HAS_DB (out)
-    NL, NR, top_k,
+    part_ptr,         # [S, NL, NR] float32, contiguous: partial dW of split experts' chunks (out, if CHUNKED)
+    part_b_ptr,       # [S, NL] float32, contiguous: partial db likewise (out, if CHUNKED and HAS_DB)
+    NL, NR, E, top_k, chunk_rows,
     stride_lm, stride_ln, stride_rm, stride_rn, stride_de, stride_dl, stride_dr, stride_be, stride_bl,
     L_GATHER: tl.constexpr, R_GATHER: tl.constexpr, HAS_DB: tl.constexpr, DB_SCALE: tl.constexpr,
-    PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    CHUNKED: tl.constexpr, PRECISION: tl.constexpr, E_P2: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """``dW[e] = L[rows of e]^T @ R[rows of e]`` and ``db[e] = sum_rows s * L`` (``s`` = routing
-    weight with ``DB_SCALE``, else 1). A gathered operand is indexed by token, else by sorted row."""
+    weight with ``DB_SCALE``, else 1). A gathered operand is indexed by token, else by sorted row.
+
+    One program per (work item, L tile, R tile). A work item is an expert, or with ``CHUNKED`` a
+    chunk of ``chunk_rows`` of an expert's rows: an expert with one chunk writes ``dW`` directly,
+    the chunks of a longer expert write float32 partials that :func:`wgrad_reduce_kernel` sums."""
     pid = tl.program_id(0)
     tiles_l = tl.cdiv(NL, BN)
     tiles_r = tl.cdiv(NR, BK)
-    e = pid // (tiles_l * tiles_r)
+    item = pid // (tiles_l * tiles_r)
     pid_l = (pid // tiles_r) % tiles_l
     pid_r = pid % tiles_r
-    start = tl.load(offsets_ptr + e)
-    end = tl.load(offsets_ptr + e + 1)
+    if CHUNKED:
+        e, start, end, j, n, slot0 = expert_piece(item, offsets_ptr, E, chunk_rows, E_P2, True)
+        end = tl.minimum(end, start + chunk_rows)
+    else:
+        e, j, n, slot0 = item, 0, 1, 0
+        start = tl.load(offsets_ptr + e)
+        end = tl.load(offsets_ptr + e + 1)
+    if e >= E:
+        return
     cl = pid_l * BN + tl.arange(0, BN)
     cr = pid_r * BK + tl.arange(0, BK)
     l_mask = cl < NL
@@ -134,9 +150,59 @@ def wgrad_kernel(
                     pair = tl.load(sort_order_ptr + rows, mask=m_mask, other=0)
                     s *= tl.load(scale_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)[None, :]
                 acc_b += tl.sum(s, 1)
+    mask = l_mask[:, None] & r_mask[None, :]
+    if n > 1:  # a chunk of a split expert (only with CHUNKED): float32 partial in slot slot0 + j
+        slot = (slot0 + j).to(tl.int64)
+        tl.store(part_ptr + slot * NL * NR + cl[:, None] * NR + cr[None, :], acc, mask=mask)
+        if HAS_DB:
+            if pid_r == 0:
+                tl.store(part_b_ptr + slot * NL + cl, acc_b, mask=l_mask)
+    else:
+        e64 = e.to(tl.int64)
+        tl.store(dw_ptr + e64 * stride_de + cl[:, None] * stride_dl + cr[None, :] * stride_dr,
+                 acc.to(dw_ptr.dtype.element_ty), mask=mask)
+        if HAS_DB:
+            if pid_r == 0:
+                tl.store(db_ptr + e64 * stride_be + cl * stride_bl, acc_b.to(db_ptr.dtype.element_ty), mask=l_mask)
+
+
+@triton.jit
+def wgrad_reduce_kernel(
+    part_ptr,         # [S, NL, NR] float32, contiguous: chunk partials of dW
+    part_b_ptr,       # [S, NL] float32, contiguous: chunk partials of db; read if HAS_DB
+    offsets_ptr,      # [E + 1] int32: expert_offsets
+    dw_ptr,           # [E, NL, NR] weight gradient, strides (stride_de, stride_dl, stride_dr) (out)
+    db_ptr,           # [E, NL] bias gradient, strides (stride_be, stride_bl); written if HAS_DB (out)
+    NL, NR, E, chunk_rows,
+    stride_de, stride_dl, stride_dr, stride_be, stride_bl,
+    HAS_DB: tl.constexpr, E_P2: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """``dW[e] = sum_j part[slot0 + j]`` in chunk order (deterministic) for every expert cut into
+    more than one chunk; programs of the other experts exit at once."""
+    pid = tl.program_id(0)
+    tiles_l = tl.cdiv(NL, BN)
+    tiles_r = tl.cdiv(NR, BK)
+    e = pid // (tiles_l * tiles_r)
+    pid_l = (pid // tiles_r) % tiles_l
+    pid_r = pid % tiles_r
+    n, slot0 = expert_slots(e, offsets_ptr, E, chunk_rows, E_P2)
+    if n <= 1:
+        return
+    cl = pid_l * BN + tl.arange(0, BN)
+    cr = pid_r * BK + tl.arange(0, BK)
+    l_mask = cl < NL
+    mask = l_mask[:, None] & (cr < NR)[None, :]
+    acc = tl.zeros((BN, BK), tl.float32)
+    acc_b = tl.zeros((BN,), tl.float32)
+    for j in range(0, n):
+        slot = (slot0 + j).to(tl.int64)
+        acc += tl.load(part_ptr + slot * NL * NR + cl[:, None] * NR + cr[None, :], mask=mask, other=0.0)
+        if HAS_DB:
+            if pid_r == 0:  # the bias row is summed by the first column tile
+                acc_b += tl.load(part_b_ptr + slot * NL + cl, mask=l_mask, other=0.0)
     e64 = e.to(tl.int64)
     tl.store(dw_ptr + e64 * stride_de + cl[:, None] * stride_dl + cr[None, :] * stride_dr,
-             acc.to(dw_ptr.dtype.element_ty), mask=l_mask[:, None] & r_mask[None, :])
+             acc.to(dw_ptr.dtype.element_ty), mask=mask)
     if HAS_DB:
         if pid_r == 0:
             tl.store(db_ptr + e64 * stride_be + cl * stride_bl, acc_b.to(db_ptr.dtype.element_ty), mask=l_mask)

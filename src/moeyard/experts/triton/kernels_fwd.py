@@ -1,6 +1,7 @@
 """Forward kernels: gathered up projection with the activation in its epilogue, grouped down
-projection with bias and routing weight in its epilogue (also used for the input gradient), and
-the deterministic combine of pair rows into tokens.
+projection with bias and routing weight in its epilogue (also used for the input gradient; as an
+option it adds rows into tokens with float32 atomics), and the deterministic combine of pair rows
+into tokens.
 
 Legend: T tokens, H hidden, I intermediate, N1 = 2I (gated) or I, E experts, K top-k, N = T*K
 pairs. "Sorted" rows are in expert-major order (``sort_order``); "pair" rows in token-major order.
@@ -72,13 +73,16 @@ def down_kernel(
     tw_ptr,           # [N] routing weight of each pair (any float dtype), by pair; read if HAS_WEIGHT
     sort_order_ptr,   # [N] int64: sorted position -> flat pair index
     offsets_ptr,      # [E + 1] int32: expert_offsets
-    y_ptr,            # [N, NY] output dtype, contiguous: rows by pair (token-major)
+    y_ptr,            # [N, NY] output dtype, contiguous: rows by pair (token-major);
+                      # with ATOMIC: [T, NY] float32, contiguous, rows by token (added into)
     KA, NY, E, top_k,
     stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-    HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ATOMIC: tl.constexpr,
     PRECISION: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """``y[pair] = w[pair] * (a[row] @ W[e].T + b[e])`` for one (row tile, column tile)."""
+    """``y[pair] = w[pair] * (a[row] @ W[e].T + b[e])`` for one (row tile, column tile); with
+    ``ATOMIC`` the row is added into ``y[token]`` with float32 atomics instead (the combine fused,
+    order of a token's pairs not fixed)."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(NY, BN)
     pid_m = pid // n_tiles
@@ -100,7 +104,10 @@ def down_kernel(
     if HAS_WEIGHT:
         acc *= tl.load(tw_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)[:, None]
     mask = m_mask[:, None] & n_mask[None, :]
-    tl.store(y_ptr + pair[:, None] * NY + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    if ATOMIC:
+        tl.atomic_add(y_ptr + token[:, None] * NY + cols[None, :], acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(y_ptr + pair[:, None] * NY + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -15,8 +15,9 @@ import triton
 from ...activations import GATED
 from ...dispatch import make_plan
 from . import kernels_bwd, kernels_fwd
-from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, SMALL, WGRAD_CONFIGS, dot_precision, gemm_tile,
-                       interpreting, max_row_tiles, tuned, wgrad_tile)
+from .options import options
+from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, REDUCE_BLOCK, SMALL, WGRAD_CONFIGS, WGRAD_WIDE_CONFIGS,
+                       dot_precision, gemm_tile, interpreting, max_chunks, max_partial_slots, max_row_tiles, tuned, wgrad_tile)
 
 Tensor = torch.Tensor
 COMBINE_BH = 1024
@@ -77,9 +78,10 @@ def _kernels():
     if not _LAUNCHERS:
         _LAUNCHERS.update(
             up=tuned(kernels_fwd.up_kernel, DUAL_CONFIGS, ["NA", "H", "N1", "E"], gemm_tile(2)),
-            down=tuned(kernels_fwd.down_kernel, GEMM_CONFIGS, ["KA", "NY", "E"], gemm_tile(1)),
+            down=tuned(kernels_fwd.down_kernel, GEMM_CONFIGS, ["KA", "NY", "E", "ATOMIC"], gemm_tile(1)),
             dh=tuned(kernels_bwd.dh_kernel, DH_CONFIGS, ["H", "I", "N1", "E"], gemm_tile(1)),
-            wgrad=tuned(kernels_bwd.wgrad_kernel, WGRAD_CONFIGS, ["NL", "NR"], wgrad_tile),
+            wgrad=tuned(kernels_bwd.wgrad_kernel, WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], wgrad_tile),
+            wgrad_wide=tuned(kernels_bwd.wgrad_kernel, WGRAD_WIDE_CONFIGS, ["NL", "NR", "CHUNKED"], wgrad_tile),
         )
     return _LAUNCHERS
 
@@ -127,10 +129,7 @@ def _(x, w, b, sort_order, expert_offsets, top_k, act, alpha, limit, interleaved
     return None
 
 
-@torch.library.custom_op("moeyard::triton_down_proj", mutates_args=("y",))
-def down_proj_(rows: Tensor, w: Tensor, b: Optional[Tensor], topk_weights: Optional[Tensor], sort_order: Tensor,
-               expert_offsets: Tensor, top_k: int, y: Tensor) -> None:
-    """``y[pair] = topk_weights[pair] * (rows[sorted row] @ w[e].T + b[e])``; ``w [E, NY, KA]``."""
+def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, y, atomic: bool) -> None:
     E, NY, KA = w.shape
     N = sort_order.shape[0]
     if N == 0:
@@ -140,12 +139,32 @@ def down_proj_(rows: Tensor, w: Tensor, b: Optional[Tensor], topk_weights: Optio
         rows, w, bb, rows if topk_weights is None else topk_weights, sort_order, expert_offsets, y,
         KA, NY, E, top_k,
         w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1),
-        HAS_BIAS=b is not None, HAS_WEIGHT=topk_weights is not None,
+        HAS_BIAS=b is not None, HAS_WEIGHT=topk_weights is not None, ATOMIC=atomic,
         PRECISION=dot_precision(rows.dtype), E_P2=_e_p2(E))
+
+
+@torch.library.custom_op("moeyard::triton_down_proj", mutates_args=("y",))
+def down_proj_(rows: Tensor, w: Tensor, b: Optional[Tensor], topk_weights: Optional[Tensor], sort_order: Tensor,
+               expert_offsets: Tensor, top_k: int, y: Tensor) -> None:
+    """``y[pair] = topk_weights[pair] * (rows[sorted row] @ w[e].T + b[e])``; ``w [E, NY, KA]``."""
+    launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, y, False)
 
 
 @down_proj_.register_fake
 def _(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, y):
+    return None
+
+
+@torch.library.custom_op("moeyard::triton_down_proj_atomic", mutates_args=("acc",))
+def down_proj_atomic_(rows: Tensor, w: Tensor, b: Optional[Tensor], topk_weights: Optional[Tensor],
+                      sort_order: Tensor, expert_offsets: Tensor, top_k: int, acc: Tensor) -> None:
+    """``acc[token] += topk_weights[pair] * (rows[sorted row] @ w[e].T + b[e])`` with float32 atomics
+    (``acc [T, NY]`` float32; not deterministic)."""
+    launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, acc, True)
+
+
+@down_proj_atomic_.register_fake
+def _(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, acc):
     return None
 
 
@@ -193,25 +212,56 @@ def _(dout, w, b, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha
     return None
 
 
-@torch.library.custom_op("moeyard::triton_wgrad", mutates_args=("dw", "db"))
+@torch.library.custom_op("moeyard::triton_wgrad", mutates_args=("dw", "db", "part", "part_b"))
 def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, scale: Optional[Tensor],
-           sort_order: Tensor, expert_offsets: Tensor, top_k: int, dw: Tensor, db: Optional[Tensor]) -> None:
+           sort_order: Tensor, expert_offsets: Tensor, top_k: int, chunk_rows: int, wide: bool,
+           dw: Tensor, db: Optional[Tensor], part: Optional[Tensor], part_b: Optional[Tensor]) -> None:
     """``dw[e] = lhs[rows of e]^T @ rhs[rows of e]``, ``db[e] = sum scale * lhs[rows of e]``.
-    An operand ``*_by_token`` is ``[T, *]`` read at each row's token, else ``[N, *]`` by sorted row."""
+    An operand ``*_by_token`` is ``[T, *]`` read at each row's token, else ``[N, *]`` by sorted row.
+    ``chunk_rows > 0``: experts longer than that are split into chunks whose float32 partials go to
+    ``part [S, NL, NR]`` (``part_b [S, NL]``) and are summed per expert in a second launch."""
+    launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert_offsets, top_k, chunk_rows, wide,
+                 dw, db, part, part_b)
+    if chunk_rows > 0:
+        launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db)
+
+
+def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert_offsets, top_k, chunk_rows, wide,
+                 dw, db, part, part_b) -> None:
+    """The first stage of :func:`wgrad_` (every chunk, or every expert when ``chunk_rows == 0``)."""
     E, NL, NR = dw.shape
+    N = sort_order.shape[0]
     dbb = dw[:, :, 0] if db is None else db
-    grid = lambda m: (E * triton.cdiv(NL, m["BN"]) * triton.cdiv(NR, m["BK"]),)  # noqa: E731
-    _kernels()["wgrad"][grid](
-        lhs, rhs, lhs if scale is None else scale, sort_order, expert_offsets, dw, dbb,
-        NL, NR, top_k,
+    chunked = chunk_rows > 0
+    part = dw if part is None else part
+    part_b = part if part_b is None else part_b
+    items = max_chunks(N, E, chunk_rows) if chunked else E
+    grid = lambda m: (items * triton.cdiv(NL, m["BN"]) * triton.cdiv(NR, m["BK"]),)  # noqa: E731
+    _kernels()["wgrad_wide" if wide else "wgrad"][grid](
+        lhs, rhs, lhs if scale is None else scale, sort_order, expert_offsets, dw, dbb, part, part_b,
+        NL, NR, E, top_k, max(chunk_rows, 1),
         lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
         dbb.stride(0), dbb.stride(1),
         L_GATHER=lhs_by_token, R_GATHER=rhs_by_token, HAS_DB=db is not None, DB_SCALE=scale is not None,
-        PRECISION=dot_precision(lhs.dtype))
+        CHUNKED=chunked, PRECISION=dot_precision(lhs.dtype), E_P2=_e_p2(E))
+
+
+def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db) -> None:
+    """The second stage of a chunked :func:`wgrad_`: each split expert's partials summed in order."""
+    E, NL, NR = dw.shape
+    dbb = dw[:, :, 0] if db is None else db
+    blk = SMALL if interpreting() else REDUCE_BLOCK
+    grid = (E * triton.cdiv(NL, blk["BN"]) * triton.cdiv(NR, blk["BK"]),)
+    kernels_bwd.wgrad_reduce_kernel[grid](
+        part, part if part_b is None else part_b, expert_offsets, dw, dbb, NL, NR, E, chunk_rows,
+        dw.stride(0), dw.stride(1), dw.stride(2), dbb.stride(0), dbb.stride(1),
+        HAS_DB=db is not None, E_P2=_e_p2(E), BN=blk["BN"], BK=blk["BK"],
+        **({} if interpreting() else dict(num_warps=blk["num_warps"])))
 
 
 @wgrad_.register_fake
-def _(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert_offsets, top_k, dw, db):
+def _(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert_offsets, top_k, chunk_rows, wide, dw, db,
+      part, part_b):
     return None
 
 
@@ -220,6 +270,11 @@ def _(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert_offsets, t
 def empty(shape: tuple[int, ...], like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """Every buffer a kernel fills (tests replace this to poison buffers with NaN)."""
     return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+
+
+def empty_like(like: Tensor) -> Tensor:
+    """A gradient shaped and strided like ``like`` (tests replace this to poison it with NaN)."""
+    return torch.empty_like(like)
 
 
 def up_proj(x: Tensor, w: Tensor, b: Tensor | None, r: Routing, spec: ActSpec, *,
@@ -247,6 +302,23 @@ def combine(y: Tensor, r: Routing, topk_weights: Tensor | None) -> Tensor:
     return out
 
 
+def down_combine(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor | None, r: Routing,
+                 nan_weights: Tensor | None) -> Tensor:
+    """``combine(down_proj(...))``: ``[T, NY]`` in ``rows.dtype``. Invalid pairs add ``nan_weights * 0``
+    when given (NaN for a NaN weight), else nothing. With ``options().atomic_combine`` the pair rows
+    are added into a float32 accumulator by the down projection (no ``[N, NY]`` round trip; not
+    deterministic); otherwise written by pair and combined in a fixed order."""
+    if not options().atomic_combine:
+        return combine(down_proj(rows, w, b, topk_weights, r), r, nan_weights)
+    T, K = r.topk_ids.shape
+    acc = torch.zeros((T, w.shape[1]), dtype=torch.float32, device=rows.device)
+    down_proj_atomic_(rows, w, b, topk_weights, r.sort_order, r.expert_offsets, r.top_k, acc)
+    if nan_weights is not None:
+        valid = (r.topk_ids >= 0) & (r.topk_ids < r.num_experts)
+        acc += torch.where(valid, 0.0, nan_weights.view(T, K).float() * 0.0).sum(1, keepdim=True)
+    return acc.to(rows.dtype)
+
+
 def act_grad(dout: Tensor, w: Tensor, b: Tensor | None, h: Tensor, topk_weights: Tensor, r: Routing,
              spec: ActSpec) -> tuple[Tensor, Tensor, Tensor]:
     """``(d_h [N, N1], w * a [N, I], d topk_weights [N] float32)`` from ``dout [T, H]``, ``w [E, H, I]``."""
@@ -261,8 +333,20 @@ def act_grad(dout: Tensor, w: Tensor, b: Tensor | None, h: Tensor, topk_weights:
 
 def wgrad(lhs: Tensor, rhs: Tensor, *, lhs_by_token: bool, rhs_by_token: bool, scale: Tensor | None,
           r: Routing, like_w: Tensor, like_b: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """Grouped weight (and bias) gradient shaped and strided like ``like_w [E, NL, NR]`` (and ``like_b``)."""
-    dw = torch.empty_like(like_w)
-    db = None if like_b is None else torch.empty_like(like_b)
-    wgrad_(lhs, rhs, lhs_by_token, rhs_by_token, scale, r.sort_order, r.expert_offsets, r.top_k, dw, db)
+    """Grouped weight (and bias) gradient shaped and strided like ``like_w [E, NL, NR]`` (and ``like_b``).
+    ``options()``: chunked experts (float32 partials of at most ``wgrad_partial_mib``), wide tiles."""
+    dw = empty_like(like_w)
+    db = None if like_b is None else empty_like(like_b)
+    opts = options()
+    _, NL, NR = like_w.shape
+    N = r.num_pairs
+    chunk = opts.chunk_rows(N, NL, NR)
+    chunk = chunk if 0 < chunk < N else 0  # no expert can be split when chunk >= N
+    part = part_b = None
+    if chunk:
+        slots = max_partial_slots(N, chunk)
+        part = empty((slots, NL, NR), lhs, torch.float32)
+        part_b = None if db is None else empty((slots, NL), lhs, torch.float32)
+    wgrad_(lhs, rhs, lhs_by_token, rhs_by_token, scale, r.sort_order, r.expert_offsets, r.top_k, chunk,
+           opts.wgrad_wide, dw, db, part, part_b)
     return dw, db

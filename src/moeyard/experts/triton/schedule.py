@@ -19,24 +19,68 @@ import triton.language as tl
 
 
 @triton.jit
+def _piece_table(offsets_ptr, E, size, E_P2: tl.constexpr, EMPTY_PIECE: tl.constexpr):
+    """Per expert (``[E_P2]`` vectors): first row, end row, pieces of ``size`` rows (at least one for
+    an empty expert with ``EMPTY_PIECE``), one past its last piece (cumulative), and its first
+    partial slot when it has more than one piece (else unused)."""
+    e_idx = tl.arange(0, E_P2)
+    e_mask = e_idx < E
+    starts = tl.load(offsets_ptr + e_idx, mask=e_mask, other=0)
+    ends = tl.load(offsets_ptr + e_idx + 1, mask=e_mask, other=0)
+    pieces = (ends - starts + size - 1) // size
+    if EMPTY_PIECE:
+        pieces = tl.where(e_mask, tl.maximum(pieces, 1), 0)
+    last = tl.cumsum(pieces, 0)
+    multi = tl.where(pieces > 1, pieces, 0)
+    slot0 = tl.cumsum(multi, 0) - multi
+    return e_idx, starts, ends, pieces, last, slot0
+
+
+@triton.jit
+def expert_piece(pid, offsets_ptr, E, size, E_P2: tl.constexpr, EMPTY_PIECE: tl.constexpr):
+    """Piece ``pid`` of the experts' rows cut into pieces of ``size`` -> ``(e, row0, row_end, j, n, slot0)``:
+    its expert, first sorted row, the end of that expert's rows, its index ``j`` among the expert's
+    ``n`` pieces and the expert's first partial slot. ``e >= E``: the piece does not exist.
+    ``EMPTY_PIECE``: an empty expert has one (empty) piece, e.g. to write its zero gradient."""
+    e_idx, starts, ends, pieces, last, slot0 = _piece_table(offsets_ptr, E, size, E_P2, EMPTY_PIECE)
+    e = tl.sum((last <= pid).to(tl.int32), 0)
+    here = e_idx == e
+    n = tl.sum(tl.where(here, pieces, 0), 0)
+    j = pid - (tl.sum(tl.where(here, last, 0), 0) - n)
+    row0 = tl.sum(tl.where(here, starts, 0), 0) + j * size
+    row_end = tl.sum(tl.where(here, ends, 0), 0)
+    return e, row0, row_end, j, n, tl.sum(tl.where(here, slot0, 0), 0)
+
+
+@triton.jit
+def expert_slots(e, offsets_ptr, E, size, E_P2: tl.constexpr):
+    """``(n, slot0)`` of expert ``e``: its pieces of ``size`` rows and its first partial slot."""
+    e_idx, starts, ends, pieces, last, slot0 = _piece_table(offsets_ptr, E, size, E_P2, False)
+    here = e_idx == e
+    return tl.sum(tl.where(here, pieces, 0), 0), tl.sum(tl.where(here, slot0, 0), 0)
+
+
+@triton.jit
 def expert_tile(pid_m, offsets_ptr, E, BM: tl.constexpr, E_P2: tl.constexpr):
     """Row tile ``pid_m`` -> ``(e, row0, row_end)``: its expert, first sorted row and the end of
     that expert's rows. ``e >= E`` means the tile does not exist (the caller exits).
 
     offsets_ptr: [E + 1] int32 expert_offsets (start of each expert's rows in sorted order).
     """
-    e_idx = tl.arange(0, E_P2)
-    e_mask = e_idx < E
-    starts = tl.load(offsets_ptr + e_idx, mask=e_mask, other=0)
-    ends = tl.load(offsets_ptr + e_idx + 1, mask=e_mask, other=0)
-    tiles = (ends - starts + BM - 1) // BM
-    last = tl.cumsum(tiles, 0)  # one past each expert's last tile
-    e = tl.sum((last <= pid_m).to(tl.int32), 0)
-    here = e_idx == e
-    first_tile = tl.sum(tl.where(here, last - tiles, 0), 0)
-    row0 = tl.sum(tl.where(here, starts, 0), 0) + (pid_m - first_tile) * BM
-    row_end = tl.sum(tl.where(here, ends, 0), 0)
+    e, row0, row_end, _, _, _ = expert_piece(pid_m, offsets_ptr, E, BM, E_P2, False)
     return e, row0, row_end
+
+
+def max_chunks(num_rows: int, num_experts: int, chunk_rows: int) -> int:
+    """Static bound on the weight-gradient work items: each expert's ``ceil(c / chunk)`` chunks, at
+    least one (an empty expert writes its zero gradient), so at most ``N // chunk + E``."""
+    return num_rows // chunk_rows + num_experts
+
+
+def max_partial_slots(num_rows: int, chunk_rows: int) -> int:
+    """Static bound on the partial slots of experts cut into more than one chunk: an expert with
+    ``c > chunk`` rows has ``ceil(c / chunk) < 2 c / chunk`` chunks, so fewer than ``2 N / chunk``."""
+    return max(2 * num_rows // chunk_rows, 1)
 
 
 def max_row_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -75,6 +119,10 @@ DH_CONFIGS = [c for c in DUAL_CONFIGS if c.kwargs["BN"] >= 64]
 WGRAD_CONFIGS = [
     _cfg(64, 128, 128, 8, 3), _cfg(32, 128, 128, 8, 4), _cfg(64, 128, 64, 4, 4), _cfg(64, 64, 128, 4, 4),
 ]
+# options.wgrad_wide: 128x256 / 256x128 output tiles too (BM rows of the reduction per step)
+WGRAD_WIDE_CONFIGS = WGRAD_CONFIGS + [_cfg(64, 128, 256, 8, 3), _cfg(64, 256, 128, 8, 3)]
+# the second-stage sum of weight-gradient partials (memory-bound; BN x BK float32 tiles)
+REDUCE_BLOCK = dict(BN=64, BK=64, num_warps=4)
 
 
 @functools.cache

@@ -1,0 +1,85 @@
+"""Speed options of the ``triton`` backend, read at every launch (forward and backward separately).
+
+Each defaults to the measured default path; set an environment variable, or override in code with
+:func:`use_options` (a context manager; it wins over the environment).
+
+- ``MOEYARD_TRITON_ATOMIC_COMBINE=1`` (``atomic_combine``): the down projection adds each pair row
+  into a float32 ``[T, H]`` accumulator with float32 atomics (then one cast), in the forward and in
+  the input gradient, instead of writing ``[N, H]`` pair rows and combining them per token. Saves
+  the pair-row round trip (``2 * N * H`` elements) for ``4 * T * H`` bytes of zero-fill and cast.
+  NOT deterministic: the summation order of a token's pairs varies from run to run.
+- ``MOEYARD_TRITON_WGRAD_CHUNK=<rows>`` (``wgrad_chunk_rows``; 0 = off): the weight gradients split
+  every expert with more than ``rows`` rows into chunks of ``rows`` rows; each chunk writes a float32
+  partial ``dW`` tile, and a second kernel sums an expert's partials in chunk order (deterministic, no
+  atomics). Experts with at most ``rows`` rows write ``dW`` directly, as on the default path.
+  Balances skewed routing. The partial buffer holds at most ``2 * N // rows`` slots of
+  ``NL * NR`` float32 (``NL, NR`` the weight's two dims); ``rows`` is raised until that fits in ``MOEYARD_TRITON_WGRAD_PARTIAL_MIB`` (``wgrad_partial_mib``, default 512).
+- ``MOEYARD_TRITON_WGRAD_WIDE=1`` (``wgrad_wide``): the weight-gradient autotuner also tries 128x256
+  and 256x128 output tiles (a quarter fewer operand bytes per FLOP than 128x128).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+ENV = dict(atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE", wgrad_chunk_rows="MOEYARD_TRITON_WGRAD_CHUNK",
+           wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", wgrad_wide="MOEYARD_TRITON_WGRAD_WIDE")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    atomic_combine: bool = False
+    wgrad_chunk_rows: int = 0
+    wgrad_partial_mib: int = 512
+    wgrad_wide: bool = False
+
+    def __post_init__(self):
+        if self.wgrad_chunk_rows < 0 or self.wgrad_partial_mib <= 0:
+            raise ValueError(f"wgrad_chunk_rows must be >= 0 and wgrad_partial_mib > 0, got {self}")
+
+    def chunk_rows(self, num_rows: int, nl: int, nr: int) -> int:
+        """Rows per weight-gradient chunk for ``num_rows`` pairs and a ``[NL, NR]`` weight (0: off):
+        at least ``wgrad_chunk_rows``, raised until ``2 * N // rows`` float32 partials fit the budget."""
+        if self.wgrad_chunk_rows == 0:
+            return 0
+        budget_slots = max(self.wgrad_partial_mib * 2 ** 20 // (4 * max(nl * nr, 1)), 1)
+        return max(self.wgrad_chunk_rows, -(-2 * num_rows // budget_slots))
+
+
+_OVERRIDE: dict = {}
+
+
+def _from_env(name: str, default):
+    raw = os.environ.get(ENV[name])
+    if raw is None or raw == "":
+        return default
+    if isinstance(default, bool):
+        return raw not in ("0", "false", "False")
+    return int(raw)
+
+
+_DEFAULTS = Options()
+
+
+def options() -> Options:
+    """The options in force now: :func:`use_options` overrides, else the environment, else defaults."""
+    values = {name: _from_env(name, getattr(_DEFAULTS, name)) for name in ENV}
+    values.update(_OVERRIDE)
+    return Options(**values)
+
+
+@contextlib.contextmanager
+def use_options(**kwargs):
+    """Override options inside a ``with`` block (e.g. ``use_options(atomic_combine=True)``)."""
+    unknown = set(kwargs) - set(ENV)
+    if unknown:
+        raise ValueError(f"unknown triton options {sorted(unknown)}; known: {sorted(ENV)}")
+    saved = dict(_OVERRIDE)
+    _OVERRIDE.update(kwargs)
+    try:
+        options()  # validate
+        yield
+    finally:
+        _OVERRIDE.clear()
+        _OVERRIDE.update(saved)
