@@ -343,3 +343,57 @@ def test_options_env_and_budget(monkeypatch):
     rows = o.chunk_rows(n, nl, nr)
     assert rows >= 512 and (2 * n // rows) * nl * nr * 4 <= 256 * 2 ** 20
     assert Options().chunk_rows(n, nl, nr) == 0
+
+
+def _profile_module():
+    import importlib.util
+    import pathlib
+    import sys
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "triton_profile.py"
+    spec = importlib.util.spec_from_file_location("triton_profile", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_profile_flop_and_byte_counts():
+    # benchmarks/triton_profile.py: CPU-side counting (the GPU side runs on the GPU machine)
+    prof = _profile_module()
+    s = prof.Shape(T=4, H=8, I=2, E=3, K=2)  # N = 8, N1 = 4
+    costs = {c.name: c for c in prof.kernel_costs(s)}
+    gemm = sum(c.flops for c in costs.values() if c.name.startswith(("up", "down", "dh", "wgrad", "dx"))
+               and "combine" not in c.name)
+    assert gemm == 18 * s.N * s.H * s.I  # SonicMoE's convention: fwd 6 N H I, bwd 12 N H I
+    # up: x [4, 8] + W_up [3, 4, 8] + h [8, 4] + a [8, 2] in bf16, sort_order int64
+    assert costs["up (x@W_up, act)"].bytes == 2 * (32 + 96 + 32 + 16) + 64
+    assert costs["down combine"].bytes == 2 * (8 * 8 + 4 * 8) + 64
+    assert costs["wgrad up"].bytes == 2 * (8 * 4 + 4 * 8 + 3 * 4 * 8) + 64
+    atomic = {c.name: c for c in prof.kernel_costs(s, atomic=True)}
+    assert "down combine" not in atomic and atomic["down cast"].bytes == 4 * 32 + 2 * 32
+    assert atomic["down (atomic combine)"].flops == costs["down"].flops + costs["down combine"].flops
+    chunked = {c.name: c for c in prof.kernel_costs(s, chunk_slots=(0, 3), split_experts=(0, 1))}
+    assert "wgrad down reduce" not in chunked
+    assert chunked["wgrad up reduce"].bytes == 4 * 3 * 32 + 2 * 32
+    assert chunked["wgrad up"].bytes == costs["wgrad up"].bytes - 2 * 32 + 4 * 3 * 32
+    assert prof.chunk_usage([10, 3, 0, 25], 8) == (2 + 4, 2) and prof.chunk_usage([10], 0) == (0, 0)
+    args = prof.parse_args(["--configs", "sonic-7b", "--variants", "--chunk", "512"])
+    assert args.configs == ["sonic-7b"] and args.variants == list(prof.VARIANTS)
+    assert prof.variant_options("all", args.chunk)["wgrad_chunk_rows"] == 512
+    with pytest.raises(SystemExit):
+        prof.parse_args(["--variants", "nope"])
+
+
+@pytest.mark.parametrize("variant", ["default", "all"])
+def test_profile_launches_run(variant):
+    # every launch the profile times runs on its prebuilt buffers (tiny shape, interpreter, float32)
+    prof = _profile_module()
+    s = prof.Shape(T=24, H=16, I=16, E=3, K=2)
+    inputs = prof.make_inputs(s, 0, skew=1.0, device="cpu", dtype=torch.float32)
+    opts = prof.variant_options(variant, 8)
+    with use_options(**opts):
+        costs = prof.launches(s, inputs, opts)
+        for c in costs:
+            c.run()
+    names = [c.name.split(" [")[0] for c in costs]
+    assert ("wgrad up reduce" in names) == (variant == "all") and ("down cast" in names) == (variant == "all")
