@@ -72,7 +72,7 @@ def kernel_costs(s: Shape, *, itemsize: int = 2, atomic: bool = False, chunk_slo
                  split_experts=(0, 0)) -> list[Cost]:
     """Every launch of forward + backward at shape ``s`` (gated activation, no biases), in order.
     ``chunk_slots`` / ``split_experts``: per weight gradient (down, up), from :func:`chunk_usage`."""
-    T, H, I, E, K, N = s.T, s.H, s.I, s.E, s.K, s.N
+    T, H, I, E, N = s.T, s.H, s.I, s.E, s.N
     N1, b = 2 * I, itemsize
     idx = 8 * N  # sort_order (int64) read once
     out = [Cost(name="up (x@W_up, act)", phase="fwd", flops=2 * N * H * N1,

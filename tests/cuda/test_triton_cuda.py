@@ -139,3 +139,29 @@ def test_int64_indexing():
     base_dx, = torch.autograd.grad(base, [low["x"]], dout[tail])
     assert _rel(out[tail], ref) <= 2 * _rel(base, ref) + 1e-6
     assert _rel(dx[tail], ref_dx) <= 2 * _rel(base_dx, ref_dx) + 1e-6
+
+
+# the speed options (moeyard.experts.triton.options), each against the float64 oracle in bf16
+@pytest.mark.parametrize("opts", [
+    dict(atomic_combine=True),                       # fused combine with float32 atomics (fwd and dx)
+    dict(wgrad_chunk_rows=64),                       # every expert (~250 rows) split into chunks
+    dict(wgrad_chunk_rows=300, wgrad_wide=True),     # some experts split, wide wgrad tiles
+])
+def test_bf16_options(opts):
+    from moeyard.experts.triton.options import use_options
+    p, ids = _problem(1000, 512, 192, 16, 4, bias=True)
+    with use_options(**opts):
+        _check(p, ids, torch.bfloat16)
+
+
+def test_options_no_host_sync():
+    from moeyard.experts.triton.options import use_options
+    leaves, ids, dout = _graph_inputs()
+    with use_options(atomic_combine=True, wgrad_chunk_rows=64):
+        _fwd_bwd(leaves, ids, dout)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _fwd_bwd(leaves, ids, dout)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
