@@ -53,3 +53,16 @@ def sorted_rows(pid_m, offsets_ptr, sort_order_ptr, E, top_k, BM: tl.constexpr, 
     rows = rows.to(tl.int64)
     pair = tl.load(sort_order_ptr + rows, mask=m_mask, other=0)
     return e, rows, m_mask, pair, pair // top_k
+
+
+@triton.jit
+def row_col_tile(NC, offsets_ptr, sort_order_ptr, E, top_k, BM: tl.constexpr, BN: tl.constexpr,
+                 E_P2: tl.constexpr):
+    """This program's (row tile, column tile) of a grouped GEMM over sorted rows with ``NC`` output
+    columns: ``(e, rows, m_mask, pair, token, cols, n_mask)`` (see :func:`sorted_rows`); ``e >= E``:
+    the tile does not exist and the program should exit."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(NC, BN)
+    e, rows, m_mask, pair, token = sorted_rows(pid // n_tiles, offsets_ptr, sort_order_ptr, E, top_k, BM, E_P2)
+    cols = (pid % n_tiles) * BN + tl.arange(0, BN)
+    return e, rows, m_mask, pair, token, cols, cols < NC

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .act import act_grad
-from .gemm import gathered_mainloop, sorted_rows
+from .gemm import gathered_mainloop, row_col_tile
 from .schedule import expert_piece, expert_slots
 
 
@@ -34,15 +34,11 @@ def dh_kernel(
 ):
     """``g = dout[token] @ W_down[e]``; ``d_a = w * g``; ``d_h = act'(h) * d_a``;
     ``d_w = g . act(h) (+ dout[token] . b_down[e])`` split over column tiles."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(I, BN)
-    pid_m = pid // n_tiles
-    pid_n = pid % n_tiles
-    e, rows, m_mask, pair, token = sorted_rows(pid_m, offsets_ptr, sort_order_ptr, E, top_k, BM, E_P2)
+    e, rows, m_mask, pair, token, cols, n_mask = row_col_tile(
+        I, offsets_ptr, sort_order_ptr, E, top_k, BM, BN, E_P2)
     if e >= E:
         return
-    cols = pid_n * BN + tl.arange(0, BN)
-    n_mask = cols < I
+    pid_n = tl.program_id(0) % tl.cdiv(I, BN)  # column tile: one d_w partial per tile
     col_off = cols.to(tl.int64) * stride_wi
     acc = tl.zeros((BM, BN), tl.float32)
     acc, _ = gathered_mainloop(

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .act import act_fwd
-from .gemm import gathered_mainloop, sorted_rows
+from .gemm import gathered_mainloop, row_col_tile
 
 
 @triton.jit
@@ -30,15 +30,10 @@ def up_kernel(
     PRECISION: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """``h = x[token] @ W_up[e].T + b``, ``a = act(h)`` for one (row tile, column tile)."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(NA, BN)
-    pid_m = pid // n_tiles
-    pid_n = pid % n_tiles
-    e, rows, m_mask, pair, token = sorted_rows(pid_m, offsets_ptr, sort_order_ptr, E, top_k, BM, E_P2)
+    e, rows, m_mask, pair, token, cols, n_mask = row_col_tile(
+        NA, offsets_ptr, sort_order_ptr, E, top_k, BM, BN, E_P2)
     if e >= E:
         return
-    cols = pid_n * BN + tl.arange(0, BN)
-    n_mask = cols < NA
     col_g = cols.to(tl.int64) * gate_step
     col_u = col_g + up_offset
     acc_g = tl.zeros((BM, BN), tl.float32)
@@ -83,15 +78,10 @@ def down_kernel(
     """``y[pair] = w[pair] * (a[row] @ W[e].T + b[e])`` for one (row tile, column tile); with
     ``ATOMIC`` the row is added into ``y[token]`` with float32 atomics instead (the combine fused,
     order of a token's pairs not fixed)."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(NY, BN)
-    pid_m = pid // n_tiles
-    pid_n = pid % n_tiles
-    e, rows, m_mask, pair, token = sorted_rows(pid_m, offsets_ptr, sort_order_ptr, E, top_k, BM, E_P2)
+    e, rows, m_mask, pair, token, cols, n_mask = row_col_tile(
+        NY, offsets_ptr, sort_order_ptr, E, top_k, BM, BN, E_P2)
     if e >= E:
         return
-    cols = pid_n * BN + tl.arange(0, BN)
-    n_mask = cols < NY
     col_off = cols.to(tl.int64) * stride_wn
     acc = tl.zeros((BM, BN), tl.float32)
     acc, _ = gathered_mainloop(
