@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .act import act_grad
-from .gemm import gathered_mainloop, row_col_tile
+from .gemm import gathered_mainloop, row_col_tile, weight_tile
 from .schedule import expert_piece, expert_slots
 
 
@@ -106,12 +106,7 @@ def wgrad_kernel(
     One program per (work item, L tile, R tile). A work item is an expert, or with ``CHUNKED`` a
     chunk of ``chunk_rows`` of an expert's rows: an expert with one chunk writes ``dW`` directly,
     the chunks of a longer expert write float32 partials that :func:`wgrad_reduce_kernel` sums."""
-    pid = tl.program_id(0)
-    tiles_l = tl.cdiv(NL, BN)
-    tiles_r = tl.cdiv(NR, BK)
-    item = pid // (tiles_l * tiles_r)
-    pid_l = (pid // tiles_r) % tiles_l
-    pid_r = pid % tiles_r
+    item, cl, cr, pid_r = weight_tile(NL, NR, BN, BK)
     if CHUNKED:
         e, start, end, j, n, slot0 = expert_piece(item, offsets_ptr, E, chunk_rows, E_P2, True)
         end = tl.minimum(end, start + chunk_rows)
@@ -121,8 +116,6 @@ def wgrad_kernel(
         end = tl.load(offsets_ptr + e + 1)
     if e >= E:
         return
-    cl = pid_l * BN + tl.arange(0, BN)
-    cr = pid_r * BK + tl.arange(0, BK)
     l_mask = cl < NL
     r_mask = cr < NR
     acc = tl.zeros((BN, BK), tl.float32)
@@ -175,17 +168,10 @@ def wgrad_reduce_kernel(
 ):
     """``dW[e] = sum_j part[slot0 + j]`` in chunk order (deterministic) for every expert cut into
     more than one chunk; programs of the other experts exit at once."""
-    pid = tl.program_id(0)
-    tiles_l = tl.cdiv(NL, BN)
-    tiles_r = tl.cdiv(NR, BK)
-    e = pid // (tiles_l * tiles_r)
-    pid_l = (pid // tiles_r) % tiles_l
-    pid_r = pid % tiles_r
+    e, cl, cr, pid_r = weight_tile(NL, NR, BN, BK)
     n, slot0 = expert_slots(e, offsets_ptr, E, chunk_rows, E_P2)
     if n <= 1:
         return
-    cl = pid_l * BN + tl.arange(0, BN)
-    cr = pid_r * BK + tl.arange(0, BK)
     l_mask = cl < NL
     mask = l_mask[:, None] & (cr < NR)[None, :]
     acc = tl.zeros((BN, BK), tl.float32)
