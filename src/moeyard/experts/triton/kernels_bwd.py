@@ -147,12 +147,8 @@ def wgrad_kernel(
             if pid_r == 0:
                 tl.store(part_b_ptr + slot * NL + cl, acc_b, mask=l_mask)
     else:
-        e64 = e.to(tl.int64)
-        tl.store(dw_ptr + e64 * stride_de + cl[:, None] * stride_dl + cr[None, :] * stride_dr,
-                 acc.to(dw_ptr.dtype.element_ty), mask=mask)
-        if HAS_DB:
-            if pid_r == 0:
-                tl.store(db_ptr + e64 * stride_be + cl * stride_bl, acc_b.to(db_ptr.dtype.element_ty), mask=l_mask)
+        _store_expert_grads(dw_ptr, db_ptr, e, acc, acc_b, cl, cr, mask, l_mask, pid_r,
+                            stride_de, stride_dl, stride_dr, stride_be, stride_bl, HAS_DB)
 
 
 @triton.jit
@@ -182,6 +178,14 @@ def wgrad_reduce_kernel(
         if HAS_DB:
             if pid_r == 0:  # the bias row is summed by the first column tile
                 acc_b += tl.load(part_b_ptr + slot * NL + cl, mask=l_mask, other=0.0)
+    _store_expert_grads(dw_ptr, db_ptr, e, acc, acc_b, cl, cr, mask, l_mask, pid_r,
+                        stride_de, stride_dl, stride_dr, stride_be, stride_bl, HAS_DB)
+
+
+@triton.jit
+def _store_expert_grads(dw_ptr, db_ptr, e, acc, acc_b, cl, cr, mask, l_mask, pid_r,
+                        stride_de, stride_dl, stride_dr, stride_be, stride_bl, HAS_DB: tl.constexpr):
+    """Store expert ``e``'s ``dW`` tile ``acc [BN, BK]`` (and, from the first R tile, ``db`` = ``acc_b [BN]``)."""
     e64 = e.to(tl.int64)
     tl.store(dw_ptr + e64 * stride_de + cl[:, None] * stride_dl + cr[None, :] * stride_dr,
              acc.to(dw_ptr.dtype.element_ty), mask=mask)
