@@ -81,8 +81,14 @@ def check_ids_on_host(topk_ids: Tensor, num_experts: int) -> bool:
     """
     if (topk_ids.device.type != "cpu" and not is_debug()) or torch.compiler.is_compiling():
         return False
+    raise_invalid_ids(topk_ids, num_experts)
+    return True
+
+
+def raise_invalid_ids(topk_ids: Tensor, num_experts: int) -> None:
+    """Raise ValueError naming the ids outside ``[0, E)``. Reads the ids on the host: one sync on an
+    accelerator."""
     bad = invalid_ids(topk_ids, num_experts)
     if bool(bad.any()):
         vals = sorted(set(topk_ids[bad].tolist()))[:8]
         raise ValueError(f"topk_ids: expected expert ids in [0, {num_experts}), got {vals}")
-    return True

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import kind
+
 Tensor = torch.Tensor
 
 
@@ -90,7 +92,7 @@ def make_plan(topk_ids: Tensor, num_experts: int, *, align: int = 1) -> Dispatch
         TypeError: ``topk_ids`` is not an integer tensor. ValueError: not 2-D, or bad E / align.
     """
     if not isinstance(topk_ids, Tensor) or topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
-        raise TypeError(f"topk_ids: expected an integer tensor [T, K], got {_kind(topk_ids)}")
+        raise TypeError(f"topk_ids: expected an integer tensor [T, K], got {kind(topk_ids)}")
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids: expected shape [T, K], got {tuple(topk_ids.shape)}")
     if not isinstance(num_experts, int) or num_experts < 1:
@@ -163,7 +165,3 @@ def unpermute(rows: Tensor, plan: DispatchPlan, topk_weights: Tensor | None = No
 def _check_x(x: Tensor, plan: DispatchPlan) -> None:
     if x.dim() != 2 or x.shape[0] != plan.num_tokens:
         raise ValueError(f"x: expected shape [{plan.num_tokens}, H], got {tuple(x.shape)}")
-
-
-def _kind(t) -> str:
-    return f"a {t.dtype} tensor" if isinstance(t, Tensor) else type(t).__name__

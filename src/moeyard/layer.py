@@ -13,7 +13,7 @@ from .activations import Activation
 from .checks import check_float
 from .config import MoEConfig
 from .experts import experts
-from .experts.registry import _check_name
+from .experts.registry import check_backend_name
 from .routing import Router, RoutingOutput
 
 Tensor = torch.Tensor
@@ -66,7 +66,7 @@ class MoE(nn.Module):
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config: expected a moeyard.MoEConfig, got {type(config).__name__}")
         if backend is not None:
-            _check_name(backend)
+            check_backend_name(backend)
         self.config, self.backend = config, backend
         self.activation = Activation(name=config.activation, alpha=config.activation_alpha,
                                      limit=config.activation_limit)

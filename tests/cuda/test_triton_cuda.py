@@ -80,15 +80,18 @@ def _fwd_bwd(leaves, ids, dout):
     return [out.detach()] + list(torch.autograd.grad(out, list(leaves.values()), dout))
 
 
-def test_no_host_sync():
+@pytest.mark.parametrize("opts", [{}, {"atomic_combine": True, "wgrad_chunk_rows": 64}], ids=["default", "options"])
+def test_no_host_sync(opts):
+    from moeyard.experts.triton.options import use_options
     leaves, ids, dout = _graph_inputs()
-    _fwd_bwd(leaves, ids, dout)  # compile and autotune first
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        _fwd_bwd(leaves, ids, dout)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    with use_options(**opts):
+        _fwd_bwd(leaves, ids, dout)  # compile and autotune first
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _fwd_bwd(leaves, ids, dout)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 def test_cuda_graph_forward_backward():
@@ -152,16 +155,3 @@ def test_bf16_options(opts):
     p, ids = _problem(1000, 512, 192, 16, 4, bias=True)
     with use_options(**opts):
         _check(p, ids, torch.bfloat16)
-
-
-def test_options_no_host_sync():
-    from moeyard.experts.triton.options import use_options
-    leaves, ids, dout = _graph_inputs()
-    with use_options(atomic_combine=True, wgrad_chunk_rows=64):
-        _fwd_bwd(leaves, ids, dout)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            _fwd_bwd(leaves, ids, dout)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..activations import Activation
+from ..checks import raise_invalid_ids
 from .registry import ExpertBackend, register_backend
 from .weights import ExpertWeights
 
@@ -27,10 +28,7 @@ def loop_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: Exp
     """
     E = weights.num_experts
     if not drop_invalid:
-        bad = (topk_ids < 0) | (topk_ids >= E)
-        if bool(bad.any()):
-            raise ValueError(f"topk_ids: expected expert ids in [0, {E}), got values "
-                             f"{sorted(set(topk_ids[bad].tolist()))[:8]}")
+        raise_invalid_ids(topk_ids, E)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
     for e in range(E):

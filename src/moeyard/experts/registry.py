@@ -65,7 +65,7 @@ def set_backend(name: str | None) -> None:
         ValueError: unknown name.
     """
     if name is not None:
-        _check_name(name)
+        check_backend_name(name)
     _default[0] = name
 
 
@@ -88,7 +88,7 @@ def get_backend() -> str:
         ValueError: ``MOEYARD_BACKEND`` names no backend.
     """
     name = _default[0] or os.environ.get(ENV_BACKEND) or "auto"
-    _check_name(name, source=ENV_BACKEND if _default[0] is None else "backend")
+    check_backend_name(name, source=ENV_BACKEND if _default[0] is None else "backend")
     return name
 
 
@@ -101,7 +101,7 @@ def resolve_backend(name: str | None, device: torch.device, dtype: torch.dtype,
             (the message names those that can).
     """
     name = get_backend() if name is None else name
-    _check_name(name)
+    check_backend_name(name)
     if name == "auto":
         ranked = sorted(_BACKENDS.values(), key=lambda b: -b.priority.get(device.type, -1))
         for b in ranked:
@@ -116,6 +116,7 @@ def resolve_backend(name: str | None, device: torch.device, dtype: torch.dtype,
     return b
 
 
-def _check_name(name, source: str = "backend") -> None:
+def check_backend_name(name, source: str = "backend") -> None:
+    """Raise ValueError unless ``name`` is a registered backend or ``auto`` (``source`` names the argument)."""
     if not isinstance(name, str) or (name != "auto" and name not in _BACKENDS):
         raise ValueError(f"{source}: expected one of {backend_names()}, got {name!r}")

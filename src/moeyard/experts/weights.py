@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_float
+
 Tensor = torch.Tensor
 
 
@@ -71,8 +73,7 @@ def expert_weights(
         ValueError: shapes do not agree (the message names the argument and the expected shape).
     """
     for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name}: expected a floating-point tensor, got {_describe(t)}")
+        check_float(name, t)
         if t.dim() != 3:
             raise ValueError(f"{name}: expected a 3-D tensor [E, out, in], got shape {tuple(t.shape)}")
     if gate_up_proj.dtype != down_proj.dtype:
@@ -93,8 +94,7 @@ def expert_weights(
     for name, b, shape in (("gate_up_bias", gate_up_bias, (E, N1)), ("down_bias", down_bias, (E, H))):
         if b is None:
             continue
-        if not isinstance(b, torch.Tensor) or not b.is_floating_point():
-            raise TypeError(f"{name}: expected a floating-point tensor, got {_describe(b)}")
+        check_float(name, b)
         if tuple(b.shape) != shape:
             raise ValueError(f"{name}: expected shape {shape}, got {tuple(b.shape)}")
         if b.device != w_up.device:
@@ -102,9 +102,3 @@ def expert_weights(
     if w_down.device != w_up.device:
         raise ValueError(f"down_proj: expected device {w_up.device}, got {w_down.device}")
     return ExpertWeights(w_up=w_up, w_down=w_down, b_up=gate_up_bias, b_down=down_bias, interleaved=interleaved)
-
-
-def _describe(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"a {t.dtype} tensor"
-    return type(t).__name__
