@@ -45,28 +45,45 @@ def dh_kernel(
         acc, acc, dout_ptr, token * stride_dt, m_mask, stride_dh,
         w_ptr + e.to(tl.int64) * stride_we, col_off, col_off, n_mask, stride_wh, H,
         BK, False, PRECISION)
-    mask = m_mask[:, None] & n_mask[None, :]
-    col_g = cols.to(tl.int64) * gate_step
-    col_u = col_g + up_offset
-    h_rows = h_ptr + rows[:, None] * N1
-    g = tl.load(h_rows + col_g[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = g
-    if DUAL:
-        u = tl.load(h_rows + col_u[None, :], mask=mask, other=0.0).to(tl.float32)
-    a, da_dg, da_du = act_grad(g, u, alpha, limit, ACT)
     w = tl.load(tw_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)[:, None]
-    d_a = acc * w
-    dh_rows = dh_ptr + rows[:, None] * N1
-    tl.store(dh_rows + col_g[None, :], (d_a * da_dg).to(dh_ptr.dtype.element_ty), mask=mask)
-    if DUAL:
-        tl.store(dh_rows + col_u[None, :], (d_a * da_du).to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(aw_ptr + rows[:, None] * I + cols[None, :], (a * w).to(aw_ptr.dtype.element_ty), mask=mask)
-    d_w = tl.sum(tl.where(mask, acc * a, 0.0), 1)
+    if BN >= 128:  # the epilogue in two column halves: half the live registers (no spills at wide tiles)
+        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+        cols0 = pid_n * BN + tl.arange(0, BN // 2)
+        d_w = _dh_epilogue(acc0, w, cols0, rows, m_mask, h_ptr, dh_ptr, aw_ptr, I, N1, gate_step, up_offset,
+                           alpha, limit, ACT, DUAL)
+        d_w += _dh_epilogue(acc1, w, cols0 + BN // 2, rows, m_mask, h_ptr, dh_ptr, aw_ptr, I, N1, gate_step,
+                            up_offset, alpha, limit, ACT, DUAL)
+    else:
+        d_w = _dh_epilogue(acc, w, cols, rows, m_mask, h_ptr, dh_ptr, aw_ptr, I, N1, gate_step, up_offset,
+                           alpha, limit, ACT, DUAL)
     if HAS_BIAS:
         if pid_n == 0:
             d_w += _rows_dot_bias(dout_ptr, token * stride_dt, m_mask, stride_dh,
                                   b_ptr + e.to(tl.int64) * stride_be, stride_bh, H, BM, BK)
     tl.store(dw_ptr + pid_n.to(tl.int64) * N + pair, d_w, mask=m_mask)
+
+
+@triton.jit
+def _dh_epilogue(acc, w, cols, rows, m_mask, h_ptr, dh_ptr, aw_ptr, I, N1, gate_step, up_offset, alpha, limit,
+                 ACT: tl.constexpr, DUAL: tl.constexpr):
+    """For the output columns ``cols`` of ``acc = dout[token] @ W_down[e]`` (``[BM, len(cols)]``
+    float32) and routing weights ``w [BM, 1]``: store ``d_h`` and ``w * act(h)``; return this
+    block's ``[BM]`` share of ``d w = sum_cols acc * act(h)``."""
+    mask = m_mask[:, None] & (cols < I)[None, :]
+    col_g = cols.to(tl.int64) * gate_step
+    h_rows = h_ptr + rows[:, None] * N1
+    g = tl.load(h_rows + col_g[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = g
+    if DUAL:
+        u = tl.load(h_rows + (col_g + up_offset)[None, :], mask=mask, other=0.0).to(tl.float32)
+    a, da_dg, da_du = act_grad(g, u, alpha, limit, ACT)
+    d_a = acc * w
+    dh_rows = dh_ptr + rows[:, None] * N1
+    tl.store(dh_rows + col_g[None, :], (d_a * da_dg).to(dh_ptr.dtype.element_ty), mask=mask)
+    if DUAL:
+        tl.store(dh_rows + (col_g + up_offset)[None, :], (d_a * da_du).to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(aw_ptr + rows[:, None] * I + cols[None, :], (a * w).to(aw_ptr.dtype.element_ty), mask=mask)
+    return tl.sum(tl.where(mask, acc * a, 0.0), 1)
 
 
 @triton.jit
@@ -120,11 +137,16 @@ def wgrad_kernel(
     r_mask = cr < NR
     acc = tl.zeros((BN, BK), tl.float32)
     acc_b = tl.zeros((BN,), tl.float32)
+    # the gather index of the next row step is loaded one step ahead (a loop-carried value), so
+    # Triton pipelines the gathered loads with all of num_stages' buffers
+    next_rows = (start + tl.arange(0, BM)).to(tl.int64)
+    next_token = tl.load(sort_order_ptr + next_rows, mask=next_rows < end, other=0) // top_k
     for r0 in range(start, end, BM):
-        rows = r0 + tl.arange(0, BM)
+        rows = next_rows
         m_mask = rows < end
-        rows = rows.to(tl.int64)
-        token = tl.load(sort_order_ptr + rows, mask=m_mask, other=0) // top_k
+        token = next_token
+        next_rows = rows + BM
+        next_token = tl.load(sort_order_ptr + next_rows, mask=next_rows < end, other=0) // top_k
         l_rows = token if L_GATHER else rows
         r_rows = token if R_GATHER else rows
         lt = tl.load(l_ptr + l_rows[None, :] * stride_lm + cl[:, None] * stride_ln,
