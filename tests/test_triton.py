@@ -247,6 +247,19 @@ def _skewed_ids(T, K, E):
     return torch.cat([torch.zeros(T, 1, dtype=torch.int64), rest], 1)
 
 
+@pytest.mark.parametrize("act", ["swiglu", "relu2"])  # gated (two h columns per output) and plain
+@pytest.mark.parametrize("bias", [False, True])
+def test_wide_tiles_split_epilogue(monkeypatch, act, bias):
+    # every kernel at BN = 128 (dh: BN >= 128 runs its epilogue in two column halves; I = 40: the
+    # first half partly, the second wholly masked; I = 200: the second tile's second half partly
+    # masked); launchers rebuilt with that config
+    from moeyard.experts.triton import schedule
+    monkeypatch.setattr(schedule, "SMALL", dict(BM=16, BN=128, BK=16))
+    monkeypatch.setattr(ops, "_LAUNCHERS", {})
+    check_against_loop(*_problem(21, 24, 40, 4, 2, act=act, bias=bias))
+    check_against_loop(*_problem(21, 24, 200, 4, 2, act=act, bias=bias))
+
+
 @pytest.mark.parametrize("case", [
     dict(T=13, H=40, I=24, E=5, K=2, act="geglu"),                        # plain fused path
     dict(T=11, H=32, I=16, E=4, K=2, act="swiglu", bias=True),            # bias in the atomic epilogue
@@ -301,7 +314,7 @@ def test_wgrad_chunks_edge_cases():
 
 def test_options_deterministic_and_combined():
     p, ids, kw = _problem(30, 24, 16, 3, 2, bias=True, ids=_skewed_ids(30, 2, 3))
-    with use_options(wgrad_chunk_rows=7, wgrad_wide=True):
+    with use_options(wgrad_chunk_rows=7):
         a, b = _run(p, ids, kw, "triton", torch.float32), _run(p, ids, kw, "triton", torch.float32)
         for name in a:
             assert torch.equal(a[name], b[name]), name
@@ -372,7 +385,8 @@ def test_profile_flop_and_byte_counts():
     atomic = {c.name: c for c in prof.kernel_costs(s, atomic=True)}
     assert "down combine" not in atomic and atomic["down cast"].bytes == 4 * 32 + 2 * 32
     assert atomic["down (atomic combine)"].flops == costs["down"].flops + costs["down combine"].flops
-    chunked = {c.name: c for c in prof.kernel_costs(s, chunk_slots=(0, 3), split_experts=(0, 1))}
+    chunked = {c.name: c for c in prof.kernel_costs(s, chunk_slots=(0, 3), split_experts=(0, 1),
+                                                    chunked=(False, True))}
     assert "wgrad down reduce" not in chunked
     assert chunked["wgrad up reduce"].bytes == 4 * 3 * 32 + 2 * 32
     assert chunked["wgrad up"].bytes == costs["wgrad up"].bytes - 2 * 32 + 4 * 3 * 32
@@ -384,16 +398,17 @@ def test_profile_flop_and_byte_counts():
         prof.parse_args(["--variants", "nope"])
 
 
-@pytest.mark.parametrize("variant", ["default", "all"])
-def test_profile_launches_run(variant):
-    # every launch the profile times runs on its prebuilt buffers (tiny shape, interpreter, float32)
+@pytest.mark.parametrize("variant,chunk", [("default", 8), ("all", 8), ("chunk", 30)])
+def test_profile_launches_run(variant, chunk):
+    # every launch the profile times runs on its prebuilt buffers (tiny shape, interpreter, float32);
+    # chunk 30 < N = 48 rows but above any expert's count (<= T = 24): chunked, nothing split
     prof = _profile_module()
     s = prof.Shape(T=24, H=16, I=16, E=3, K=2)
     inputs = prof.make_inputs(s, 0, skew=1.0, device="cpu", dtype=torch.float32)
-    opts = prof.variant_options(variant, 8)
+    opts = prof.variant_options(variant, chunk)
     with use_options(**opts):
         costs = prof.launches(s, inputs, opts)
         for c in costs:
             c.run()
     names = [c.name.split(" [")[0] for c in costs]
-    assert ("wgrad up reduce" in names) == (variant == "all") and ("down cast" in names) == (variant == "all")
+    assert ("wgrad up reduce" in names) == (variant != "default") and ("down cast" in names) == (variant == "all")

@@ -148,7 +148,7 @@ def test_int64_indexing():
 @pytest.mark.parametrize("opts", [
     dict(atomic_combine=True),                       # fused combine with float32 atomics (fwd and dx)
     dict(wgrad_chunk_rows=64),                       # every expert (~250 rows) split into chunks
-    dict(wgrad_chunk_rows=300, wgrad_wide=True),     # some experts split, wide wgrad tiles
+    dict(wgrad_chunk_rows=300, atomic_combine=True),  # some experts split, with the atomic combine
 ])
 def test_bf16_options(opts):
     from moeyard.experts.triton.options import use_options

@@ -10,8 +10,8 @@ Speed options (default off; :mod:`.options` has the details): ``MOEYARD_TRITON_A
 fuses the combine into the down projection with float32 atomics (forward and input gradient; NOT
 deterministic); ``MOEYARD_TRITON_WGRAD_CHUNK=<rows>`` splits experts longer than ``rows`` into chunks
 for the weight gradients, with float32 partials summed per expert in a fixed order (deterministic;
-partial buffer at most ``MOEYARD_TRITON_WGRAD_PARTIAL_MIB``, default 512); ``MOEYARD_TRITON_WGRAD_WIDE=1``
-adds 128x256 tiles to the weight-gradient autotuning. In code: ``with options.use_options(...)``.
+partial buffer at most ``MOEYARD_TRITON_WGRAD_PARTIAL_MIB``, default 512). In code:
+``with options.use_options(...)``.
 ``MOEYARD_TRITON_AUTOTUNE=0`` uses one fixed tile config everywhere.
 
 Runs on CUDA in bfloat16, float16 and float32, and on CPU under Triton's interpreter

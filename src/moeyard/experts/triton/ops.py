@@ -16,8 +16,8 @@ from ...activations import GATED
 from ...dispatch import make_plan
 from . import kernels_bwd, kernels_fwd
 from .options import options
-from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, REDUCE_BLOCK, SMALL, WGRAD_CONFIGS, WGRAD_WIDE_CONFIGS,
-                       dot_precision, gemm_tile, interpreting, max_chunks, max_partial_slots, max_row_tiles, tuned, wgrad_tile)
+from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, REDUCE_BLOCK, SMALL, WGRAD_CONFIGS, dot_precision, gemm_tile,
+                       interpreting, max_chunks, max_partial_slots, max_row_tiles, tuned, wgrad_tile)
 
 Tensor = torch.Tensor
 COMBINE_BH = 1024
@@ -81,7 +81,6 @@ def _kernels():
             down=tuned(kernels_fwd.down_kernel, GEMM_CONFIGS, ["KA", "NY", "E", "ATOMIC"], gemm_tile(1)),
             dh=tuned(kernels_bwd.dh_kernel, DH_CONFIGS, ["H", "I", "N1", "E"], gemm_tile(1)),
             wgrad=tuned(kernels_bwd.wgrad_kernel, WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], wgrad_tile),
-            wgrad_wide=tuned(kernels_bwd.wgrad_kernel, WGRAD_WIDE_CONFIGS, ["NL", "NR", "CHUNKED"], wgrad_tile),
         )
     return _LAUNCHERS
 
@@ -214,19 +213,19 @@ def _(dout, w, b, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha
 
 @torch.library.custom_op("moeyard::triton_wgrad", mutates_args=("dw", "db", "part", "part_b"))
 def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, scale: Optional[Tensor],
-           sort_order: Tensor, expert_offsets: Tensor, top_k: int, chunk_rows: int, wide: bool,
+           sort_order: Tensor, expert_offsets: Tensor, top_k: int, chunk_rows: int,
            dw: Tensor, db: Optional[Tensor], part: Optional[Tensor], part_b: Optional[Tensor]) -> None:
     """``dw[e] = lhs[rows of e]^T @ rhs[rows of e]``, ``db[e] = sum scale * lhs[rows of e]``.
     An operand ``*_by_token`` is ``[T, *]`` read at each row's token, else ``[N, *]`` by sorted row.
     ``chunk_rows > 0``: experts longer than that are split into chunks whose float32 partials go to
     ``part [S, NL, NR]`` (``part_b [S, NL]``) and are summed per expert in a second launch."""
-    launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert_offsets, top_k, chunk_rows, wide,
+    launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert_offsets, top_k, chunk_rows,
                  dw, db, part, part_b)
     if chunk_rows > 0:
         launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db)
 
 
-def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert_offsets, top_k, chunk_rows, wide,
+def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert_offsets, top_k, chunk_rows,
                  dw, db, part, part_b) -> None:
     """The first stage of :func:`wgrad_` (every chunk, or every expert when ``chunk_rows == 0``)."""
     E, NL, NR = dw.shape
@@ -237,7 +236,7 @@ def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert
     part_b = part if part_b is None else part_b
     items = max_chunks(N, E, chunk_rows) if chunked else E
     grid = lambda m: (items * triton.cdiv(NL, m["BN"]) * triton.cdiv(NR, m["BK"]),)  # noqa: E731
-    _kernels()["wgrad_wide" if wide else "wgrad"][grid](
+    _kernels()["wgrad"][grid](
         lhs, rhs, lhs if scale is None else scale, sort_order, expert_offsets, dw, dbb, part, part_b,
         NL, NR, E, top_k, max(chunk_rows, 1),
         lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
@@ -260,7 +259,7 @@ def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db) -> Non
 
 
 @wgrad_.register_fake
-def _(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert_offsets, top_k, chunk_rows, wide, dw, db,
+def _(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert_offsets, top_k, chunk_rows, dw, db,
       part, part_b):
     return None
 
@@ -334,7 +333,7 @@ def act_grad(dout: Tensor, w: Tensor, b: Tensor | None, h: Tensor, topk_weights:
 def wgrad(lhs: Tensor, rhs: Tensor, *, lhs_by_token: bool, rhs_by_token: bool, scale: Tensor | None,
           r: Routing, like_w: Tensor, like_b: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """Grouped weight (and bias) gradient shaped and strided like ``like_w [E, NL, NR]`` (and ``like_b``).
-    ``options()``: chunked experts (float32 partials of at most ``wgrad_partial_mib``), wide tiles."""
+    ``options()``: chunked experts (float32 partials of at most ``wgrad_partial_mib``)."""
     dw = empty_like(like_w)
     db = None if like_b is None else empty_like(like_b)
     opts = options()
@@ -348,5 +347,5 @@ def wgrad(lhs: Tensor, rhs: Tensor, *, lhs_by_token: bool, rhs_by_token: bool, s
         part = empty((slots, NL, NR), lhs, torch.float32)
         part_b = None if db is None else empty((slots, NL), lhs, torch.float32)
     wgrad_(lhs, rhs, lhs_by_token, rhs_by_token, scale, r.sort_order, r.expert_offsets, r.top_k, chunk,
-           opts.wgrad_wide, dw, db, part, part_b)
+           dw, db, part, part_b)
     return dw, db

@@ -14,8 +14,6 @@ Each defaults to the measured default path; set an environment variable, or over
   atomics). Experts with at most ``rows`` rows write ``dW`` directly, as on the default path.
   Balances skewed routing. The partial buffer holds at most ``2 * N // rows`` slots of
   ``NL * NR`` float32 (``NL, NR`` the weight's two dims); ``rows`` is raised until that fits in ``MOEYARD_TRITON_WGRAD_PARTIAL_MIB`` (``wgrad_partial_mib``, default 512).
-- ``MOEYARD_TRITON_WGRAD_WIDE=1`` (``wgrad_wide``): the weight-gradient autotuner also tries 128x256
-  and 256x128 output tiles (a quarter fewer operand bytes per FLOP than 128x128).
 """
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ import os
 from dataclasses import dataclass
 
 ENV = dict(atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE", wgrad_chunk_rows="MOEYARD_TRITON_WGRAD_CHUNK",
-           wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", wgrad_wide="MOEYARD_TRITON_WGRAD_WIDE")
+           wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +30,6 @@ class Options:
     atomic_combine: bool = False
     wgrad_chunk_rows: int = 0
     wgrad_partial_mib: int = 512
-    wgrad_wide: bool = False
 
     def __post_init__(self):
         if self.wgrad_chunk_rows < 0 or self.wgrad_partial_mib <= 0:

@@ -109,18 +109,25 @@ def _cfg(bm, bn, bk, warps, stages):
 
 # (BM, BN, BK, warps, stages); pruned by shared memory below.
 GEMM_CONFIGS = [
-    _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(128, 128, 64, 4, 4), _cfg(64, 128, 64, 4, 4),
+    _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(128, 256, 64, 8, 4), _cfg(256, 128, 64, 8, 3),
+    _cfg(128, 128, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(128, 128, 128, 8, 3), _cfg(128, 256, 128, 8, 2),
 ]
 DUAL_CONFIGS = [
-    _cfg(128, 128, 64, 8, 3), _cfg(128, 64, 64, 8, 4), _cfg(128, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4),
+    _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 64, 64, 8, 4), _cfg(128, 64, 64, 4, 4),
+    _cfg(64, 128, 64, 4, 4),
 ]
-# BN >= 64 always: the routing-weight gradient keeps one partial per column tile (see ops.DH_MIN_BN).
-DH_CONFIGS = [c for c in DUAL_CONFIGS if c.kwargs["BN"] >= 64]
+# BN >= 64 always: the routing-weight gradient keeps one partial per column tile (see ops._dh_min_bn).
+# BN >= 128 runs the epilogue in two column halves (kernels_bwd.dh_kernel).
+DH_CONFIGS = [
+    _cfg(128, 128, 64, 8, 4), _cfg(128, 128, 64, 8, 5), _cfg(128, 128, 64, 8, 3), _cfg(128, 256, 64, 8, 3),
+    _cfg(128, 256, 64, 8, 4), _cfg(128, 64, 64, 8, 4), _cfg(128, 64, 64, 4, 4),
+]
+# weight gradients: L [BM, BN]^T @ R [BM, BK] per row step; wide output tiles read fewer operand
+# bytes per FLOP (the row loop streams each expert's rows through L2)
 WGRAD_CONFIGS = [
-    _cfg(64, 128, 128, 8, 3), _cfg(32, 128, 128, 8, 4), _cfg(64, 128, 64, 4, 4), _cfg(64, 64, 128, 4, 4),
+    _cfg(64, 256, 128, 8, 4), _cfg(64, 128, 256, 8, 4), _cfg(64, 256, 128, 8, 3), _cfg(64, 128, 128, 8, 4),
+    _cfg(64, 128, 128, 8, 3), _cfg(128, 128, 128, 8, 3), _cfg(32, 256, 128, 8, 6), _cfg(64, 64, 128, 4, 4),
 ]
-# options.wgrad_wide: 128x256 / 256x128 output tiles too (BM rows of the reduction per step)
-WGRAD_WIDE_CONFIGS = WGRAD_CONFIGS + [_cfg(64, 128, 256, 8, 3), _cfg(64, 256, 128, 8, 3)]
 # the second-stage sum of weight-gradient partials (memory-bound; BN x BK float32 tiles)
 REDUCE_BLOCK = dict(BN=64, BK=64, num_warps=4)
 
