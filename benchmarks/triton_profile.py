@@ -30,8 +30,7 @@ VARIANTS = {
     "default": {},
     "atomic": dict(atomic_combine=True),
     "chunk": dict(wgrad_chunk_rows=4096),
-    "wide": dict(wgrad_wide=True),
-    "all": dict(atomic_combine=True, wgrad_chunk_rows=4096, wgrad_wide=True),
+    "all": dict(atomic_combine=True, wgrad_chunk_rows=4096),
 }
 DH_PARTIAL_BN = 64  # column tiles of the routing-weight gradient partial (ops.DH_CONFIGS: BN >= 64)
 
@@ -69,9 +68,10 @@ def chunk_usage(counts: list[int], chunk: int) -> tuple[int, int]:
 
 
 def kernel_costs(s: Shape, *, itemsize: int = 2, atomic: bool = False, chunk_slots=(0, 0),
-                 split_experts=(0, 0)) -> list[Cost]:
+                 split_experts=(0, 0), chunked=(False, False)) -> list[Cost]:
     """Every launch of forward + backward at shape ``s`` (gated activation, no biases), in order.
-    ``chunk_slots`` / ``split_experts``: per weight gradient (down, up), from :func:`chunk_usage`."""
+    ``chunk_slots`` / ``split_experts``: per weight gradient (down, up), from :func:`chunk_usage`;
+    ``chunked``: whether that weight gradient runs chunked (then its second stage is launched)."""
     T, H, I, E, N = s.T, s.H, s.I, s.E, s.N
     N1, b = 2 * I, itemsize
     idx = 8 * N  # sort_order (int64) read once
@@ -86,10 +86,10 @@ def kernel_costs(s: Shape, *, itemsize: int = 2, atomic: bool = False, chunk_slo
         Cost(name="dtw partial sum", phase="bwd", flops=tiles * N, bytes=4 * tiles * N + 4 * N),
     ]
     out += _wgrad_costs("wgrad down", s, NL=H, NR=I, b=b, operands=T * H + N * I,
-                        slots=chunk_slots[0], split=split_experts[0])
+                        slots=chunk_slots[0], split=split_experts[0], chunked=chunked[0])
     out += _down_combine_costs("bwd", s, KA=N1, NY=H, b=b, atomic=atomic, weighted=False)
     out += _wgrad_costs("wgrad up", s, NL=N1, NR=H, b=b, operands=N * N1 + T * H,
-                        slots=chunk_slots[1], split=split_experts[1])
+                        slots=chunk_slots[1], split=split_experts[1], chunked=chunked[1])
     return out
 
 
@@ -108,13 +108,13 @@ def _down_combine_costs(phase, s: Shape, *, KA, NY, b, atomic, weighted) -> list
             Cost(name=f"{tag} combine", phase=phase, flops=N * NY, bytes=b * (N * NY + T * NY) + 8 * N)]
 
 
-def _wgrad_costs(tag, s: Shape, *, NL, NR, b, operands, slots, split) -> list[Cost]:
-    """A weight gradient ``[E, NL, NR]``: its GEMM over every pair, and (chunked) the partials'
-    float32 writes plus the second-stage sum."""
+def _wgrad_costs(tag, s: Shape, *, NL, NR, b, operands, slots, split, chunked=False) -> list[Cost]:
+    """A weight gradient ``[E, NL, NR]``: its GEMM over every pair, and (``chunked``) the partials'
+    float32 writes plus the second-stage sum (launched even when no expert is split)."""
     N, E = s.N, s.E
     main = Cost(name=tag, phase="bwd", flops=2 * N * NL * NR,
                 bytes=b * operands + 8 * N + b * (E - split) * NL * NR + 4 * slots * NL * NR)
-    if not slots:
+    if not chunked:
         return [main]
     return [main, Cost(name=f"{tag} reduce", phase="bwd", flops=slots * NL * NR,
                        bytes=4 * slots * NL * NR + b * split * NL * NR)]
@@ -204,7 +204,7 @@ def launches(s: Shape, inputs, opts: dict) -> list[Cost]:
     chunks = [c if 0 < c < s.N else 0 for c in chunks]
     usage = [chunk_usage(counts, c) for c in chunks]
     costs = kernel_costs(s, atomic=o.atomic_combine, chunk_slots=tuple(u[0] for u in usage),
-                         split_experts=tuple(u[1] for u in usage))
+                         split_experts=tuple(u[1] for u in usage), chunked=tuple(c > 0 for c in chunks))
     N, T, H, I, dev = s.N, s.T, s.H, s.I, x.device
     y = torch.empty(N, H, device=dev, dtype=x.dtype)
     out = torch.empty(T, H, device=dev, dtype=x.dtype)
@@ -216,7 +216,7 @@ def launches(s: Shape, inputs, opts: dict) -> list[Cost]:
     def wgrad_runs(lhs, rhs, l_tok, r_tok, like, chunk):
         dw = torch.empty_like(like)
         part = torch.empty((max_partial_slots(N, chunk), *like.shape[1:]), device=dev) if chunk else None
-        main = lambda: ops.launch_wgrad(lhs, rhs, l_tok, r_tok, None, so, off, K, chunk, o.wgrad_wide,  # noqa: E731
+        main = lambda: ops.launch_wgrad(lhs, rhs, l_tok, r_tok, None, so, off, K, chunk,  # noqa: E731
                                         dw, None, part, None)
         return [main, lambda: ops.launch_wgrad_reduce(part, None, off, chunk, dw, None)] if chunk else [main]
 
@@ -259,6 +259,18 @@ def whole_layer(s: Shape, inputs, args) -> tuple[float, float, list]:
 
     result = fwd_bwd()
     return bench(fwd, args), bench(fwd_bwd, args), result
+
+
+def reference(inputs, dtype=None) -> list:
+    """``[out, dx, dw_up, dw_down, dtw]`` through the ``grouped_mm`` backend (float32 inputs unless
+    ``dtype``): the yardstick for the triton results' error."""
+    import torch
+    import moeyard
+    x, w_up, w_down, tw, ids, dout = inputs
+    dt = dtype or torch.float32
+    leaves = [t.detach().to(dt).requires_grad_() for t in (x, w_up, w_down, tw)]
+    out = moeyard.experts(leaves[0], ids, leaves[3], leaves[1], leaves[2], backend="grouped_mm")
+    return [out.detach(), *torch.autograd.grad(out, leaves, dout.to(dt))]
 
 
 def best_configs() -> str:
@@ -321,9 +333,15 @@ def main(argv=None):
         load = torch.bincount(inputs[4].flatten(), minlength=s.E).float()
         print(f"{cname}: expert load max/mean {(load.max() / load.mean()).item():.2f}", flush=True)
         base = None
+        ref, ref_bf16 = reference(inputs), reference(inputs, torch.bfloat16)
+        check = "rel error vs float32 grouped_mm (out, dx, dw_up, dw_down, dtw): bf16 grouped_mm " + \
+            ", ".join(f"{rel(a, b):.1e}" for a, b in zip(ref_bf16, ref))
+        report.append(check)
+        print(check, flush=True)
         for vname in ["default", *[v for v in args.variants if v != "default"]]:
             t0 = time.time()
             text, result = profile_variant(s, inputs, vname, args, dense, copy)
+            text += "\nrel error vs float32 grouped_mm: " + ", ".join(f"{rel(a, b):.1e}" for a, b in zip(result, ref))
             if base is None:
                 base = result
             else:
