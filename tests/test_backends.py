@@ -233,3 +233,15 @@ def test_dropped_rows_get_no_gradient_from_unwritten_memory():
         gm.torch._grouped_mm = orig
     assert torch.isfinite(out).all()
     assert torch.isfinite(x.grad).all()
+
+
+def test_grouped_mm_probe_under_no_grad():
+    # the feature probe runs a tiny backward: a first use under no_grad (inference) must not mark
+    # grouped_mm as unavailable for the rest of the process
+    from moeyard.experts import grouped_mm
+    grouped_mm._probe.cache_clear()
+    try:
+        with torch.no_grad():
+            assert grouped_mm._probe("cpu", None, torch.float32) is None
+    finally:
+        grouped_mm._probe.cache_clear()

@@ -33,15 +33,18 @@ def grouped_mm_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weight
 
 @functools.cache
 def _probe(device_type: str, index: int | None, dtype: torch.dtype) -> str | None:
-    """Run a tiny grouped GEMM forward and backward once; the error text if it fails."""
+    """Run a tiny grouped GEMM forward and backward once (grad enabled, no random numbers, no
+    host-to-device copy); the error text if it fails."""
     if not hasattr(torch, "_grouped_mm"):
         return "this torch build has no torch._grouped_mm"
     try:
         dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
-        a = torch.randn(16, 16, device=dev, dtype=dtype, requires_grad=True)
-        b = torch.randn(2, 16, 16, device=dev, dtype=dtype, requires_grad=True)
-        y = torch._grouped_mm(a, b.mT, offs=torch.tensor([8, 16], device=dev, dtype=torch.int32))
-        y.backward(torch.randn_like(y))
+        with torch.enable_grad():  # the first call may come under no_grad (inference)
+            a = torch.ones(16, 16, device=dev, dtype=dtype, requires_grad=True)
+            b = torch.ones(2, 16, 16, device=dev, dtype=dtype, requires_grad=True)
+            offs = torch.arange(8, 17, 8, device=dev, dtype=torch.int32)  # [8, 16], made on the device
+            y = torch._grouped_mm(a, b.mT, offs=offs)
+            y.backward(torch.ones_like(y))
     except Exception as ex:  # the feature test: any failure means "not here"
         return f"torch._grouped_mm fails on {device_type} with {dtype}: {str(ex).splitlines()[0][:120]}"
     return None
