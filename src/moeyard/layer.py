@@ -50,13 +50,12 @@ class MoE(nn.Module):
 
     ``forward(x [..., H]) -> [..., H]`` in ``x.dtype``. For ``x [B, S, H]`` the sequence-wise loss uses
     the B sequences. After a forward, ``self.aux_loss`` holds the coefficient-weighted router loss
-    (a float32 scalar to add to the training loss) and ``self.routing`` the :class:`RoutingOutput`,
-    detached (for monitoring: it keeps no autograd graph alive between steps). The router's
-    differentiable outputs reach the training loss through the layer's output and ``aux_loss``.
+    (a float32 scalar to add to the training loss) and ``self.routing`` the :class:`RoutingOutput`.
 
     CUDA graphs: forward and backward run with no host sync and capture whole; before capturing,
-    drop the warm-up step's tensors (``layer.aux_loss = layer.routing = None``): freeing a tensor
-    of a side-stream warm-up inside the capture makes the capture fail (torch 2.11).
+    drop the warm-up step's tensors (``layer.aux_loss = layer.routing = None``): they keep the
+    warm-up's autograd graph, and freeing it inside the capture makes the capture fail (seen with
+    torch 2.11).
 
     Args:
         config: the :class:`MoEConfig`.
@@ -107,7 +106,7 @@ class MoE(nn.Module):
                       down_bias=self.down_proj_bias)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
-        self.routing, self.aux_loss = routing.detach(), routing.loss
+        self.routing, self.aux_loss = routing, routing.loss
         return out.view(x.shape)
 
     def extra_repr(self) -> str:

@@ -23,7 +23,7 @@ Losses (all scalars, float32, differentiable w.r.t. the router weight):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -59,10 +59,6 @@ class RoutingOutput:
     seq_aux_loss: Tensor
     z_loss: Tensor
     loss: Tensor
-
-    def detach(self) -> "RoutingOutput":
-        """The same values with no autograd graph (holds no saved tensors of the step)."""
-        return RoutingOutput(**{f.name: getattr(self, f.name).detach() for f in fields(self)})
 
 
 def route(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None = None,

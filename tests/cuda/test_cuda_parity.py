@@ -200,7 +200,7 @@ def test_cuda_graph_captures_whole_layer(backend):
     with torch.cuda.stream(side):
         step()
     torch.cuda.current_stream().wait_stream(side)
-    # the warm-up's aux_loss (it keeps its autograd graph) must not be freed inside the capture
+    # the warm-up's aux_loss and routing keep its autograd graph: free them before, not inside, the capture
     layer.aux_loss = layer.routing = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
