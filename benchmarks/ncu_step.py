@@ -20,7 +20,7 @@ import moeyard  # noqa: E402
 
 
 def main():
-    s = tp.Shape(**dict(zip("THIEK", tp.CONFIGS["qwen3-30b-a3b"])))
+    s = tp.Shape.of("qwen3-30b-a3b")
     x, w_up, w_down, tw, ids, dout = tp.make_inputs(s, 0)
     leaves = [t.detach().requires_grad_() for t in (x, w_up, w_down, tw)]
 

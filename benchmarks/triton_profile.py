@@ -21,10 +21,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-CONFIGS = {  # name: (T, H, I, E, K)
-    "qwen3-30b-a3b": (32768, 2048, 768, 128, 8),
-    "sonic-7b": (24576, 1536, 256, 128, 8),
-}
+CONFIGS = ("qwen3-30b-a3b", "sonic-7b")  # default shapes: names in moeyard.models (any registered name works)
 # --variants: name -> backend options (moeyard.experts.triton.options)
 VARIANTS = {
     "default": {},
@@ -46,6 +43,14 @@ class Shape:
     @property
     def N(self) -> int:
         return self.T * self.K
+
+    @classmethod
+    def of(cls, name: str) -> "Shape":
+        """The routed experts of a registered model shape (``moeyard.models``) at its benchmark T."""
+        from moeyard.models import get_model
+        m = get_model(name)
+        c = m.moe_config()
+        return cls(T=m.tokens, H=c.hidden_size, I=c.intermediate_size, E=c.num_experts, K=c.top_k)
 
 
 @dataclass(kw_only=True)
@@ -122,7 +127,7 @@ def _wgrad_costs(tag, s: Shape, *, NL, NR, b, operands, slots, split, chunked=Fa
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {sorted(CONFIGS)}")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of moeyard.models names")
     ap.add_argument("--variants", nargs="?", const=",".join(VARIANTS), default="",
                     help=f"also profile these option sets (default all of {sorted(VARIANTS)})")
     ap.add_argument("--chunk", type=int, default=4096, help="rows per chunk of the 'chunk'/'all' variants")
@@ -134,9 +139,10 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/triton_profile"))
     args = ap.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in args.configs if c not in CONFIGS]
+    from moeyard.models import model_names
+    unknown = [c for c in args.configs if c not in model_names()]
     if unknown:
-        ap.error(f"unknown configs {unknown}; known: {sorted(CONFIGS)}")
+        ap.error(f"unknown configs {unknown}; known: {model_names()}")
     args.variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
@@ -328,7 +334,7 @@ def main(argv=None):
               f"dense bf16 8192^3 {dense:.0f} TFLOP/s, copy {copy:.0f} GB/s (read + write)"]
     print(report[0], flush=True)
     for cname in args.configs:
-        s = Shape(**dict(zip("THIEK", CONFIGS[cname])))
+        s = Shape.of(cname)
         inputs = make_inputs(s, args.seed, args.skew)
         load = torch.bincount(inputs[4].flatten(), minlength=s.E).float()
         print(f"{cname}: expert load max/mean {(load.max() / load.mean()).item():.2f}", flush=True)
@@ -347,7 +353,7 @@ def main(argv=None):
             else:
                 diffs = ", ".join(f"{rel(a, b):.1e}" for a, b in zip(result, base))
                 text += f"\nrel diff vs default (out, dx, dw_up, dw_down, dtw): {diffs}"
-            text = f"## {cname} {CONFIGS[cname]} ({time.time() - t0:.0f}s)\n{text}"
+            text = f"## {cname} {(s.T, s.H, s.I, s.E, s.K)} ({time.time() - t0:.0f}s)\n{text}"
             report.append(text)
             print(text, flush=True)
     with open(os.path.join(args.out, "triton_profile.md"), "w") as f:
