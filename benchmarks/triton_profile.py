@@ -192,6 +192,9 @@ def make_inputs(s: Shape, seed: int, skew: float = 0.0, device: str = "cuda", dt
     return x, w_up, w_down, tw, ids, dout
 
 
+NO_LORA = (None, None, 0, 0.0)  # the custom ops' LoRA arguments (la, lb, mode, scale) when there is none
+
+
 def launches(s: Shape, inputs, opts: dict) -> list[Cost]:
     """:func:`kernel_costs` with each entry's ``run`` bound to the backend's launch on prebuilt buffers."""
     import torch
@@ -203,8 +206,8 @@ def launches(s: Shape, inputs, opts: dict) -> list[Cost]:
     r = ops.routing(ids, s.E)
     tw = tw.reshape(-1)
     spec = ops.ActSpec(name="swiglu")
-    h, a = ops.up_proj(x, w_up, None, r, spec, store_h=True)
-    dh, aw, _ = ops.act_grad(dout, w_down, None, h, tw, r, spec)
+    h, a, _ = ops.up_proj(x, w_up, None, r, spec, store_h=True)
+    dh, aw, _, _ = ops.act_grad(dout, w_down, None, h, tw, r, spec)
     counts = r.expert_offsets.diff().tolist()  # host sync: fine outside the timed region
     chunks = [o.chunk_rows(s.N, nl, nr) for nl, nr in ((s.H, s.I), (2 * s.I, s.H))]
     chunks = [c if 0 < c < s.N else 0 for c in chunks]
@@ -228,16 +231,16 @@ def launches(s: Shape, inputs, opts: dict) -> list[Cost]:
 
     def down_runs(rows, w, weights):
         if o.atomic_combine:
-            return [acc.zero_, lambda: ops.launch_down(rows, w, None, weights, so, off, K, acc, True),
+            return [acc.zero_, lambda: ops.launch_down(rows, w, None, weights, so, off, K, *NO_LORA, acc, None, True),
                     lambda: out.copy_(acc)]
-        return [lambda: ops.launch_down(rows, w, None, weights, so, off, K, y, False),
+        return [lambda: ops.launch_down(rows, w, None, weights, so, off, K, *NO_LORA, y, None, False),
                 lambda: ops.combine_(y, r.topk_ids, None, s.E, out)]
 
-    runs = [lambda: ops.up_proj_(x, w_up, None, so, off, K, "swiglu", 1.702, 7.0, False, h, a)]
+    runs = [lambda: ops.up_proj_(x, w_up, None, so, off, K, "swiglu", 1.702, 7.0, False, True, *NO_LORA, h, a, None)]
     runs += down_runs(a, w_down, tw)
     runs += [dw_part.zero_,
-             lambda: ops.act_grad_(dout, w_down, None, h, tw, so, off, K, "swiglu", 1.702, 7.0, False, dh2, aw2,
-                                   dw_part),
+             lambda: ops.act_grad_(dout, w_down, None, h, tw, so, off, K, "swiglu", 1.702, 7.0, False, *NO_LORA,
+                                   dh2, aw2, dw_part, None),
              lambda: dw_part.sum(0)]
     runs += wgrad_runs(dout, aw, True, False, w_down, chunks[0])
     runs += down_runs(dh, w_up.mT, None)

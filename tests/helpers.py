@@ -94,21 +94,52 @@ def cast(inputs: dict[str, Tensor], dtype: torch.dtype, device: str | torch.devi
             for k, v in inputs.items()}
 
 
+LORA_SCALING = {"gate_up_proj": 0.5, "down_proj": 2.0}
+
+
+def add_lora(inputs: dict[str, Tensor], rank: int, *, projections=("gate_up_proj", "down_proj"),
+             gated: bool = True) -> dict[str, Tensor]:
+    """Random float64 LoRA factors in PEFT's layout (``<proj>.lora_A [r*E, in]``, ``<proj>.lora_B
+    [out, r*E]``) added to ``inputs``; the LoRA term is of the order of the base output."""
+    H = inputs["hidden_states"].shape[1]
+    E, I = inputs["down_proj"].shape[0], inputs["down_proj"].numel() // (inputs["down_proj"].shape[0] * H)
+    n1 = 2 * I if gated else I
+    sizes = {"gate_up_proj": (H, n1), "down_proj": (I, H)}
+    out = dict(inputs)
+    for name in projections:
+        inp, o = sizes[name]
+        out[f"{name}.lora_A"] = torch.randn(rank * E, inp, dtype=torch.float64) / math.sqrt(inp)
+        out[f"{name}.lora_B"] = torch.randn(o, rank * E, dtype=torch.float64) / math.sqrt(rank)
+    return out
+
+
+def lora_arg(leaves: dict[str, Tensor]) -> dict | None:
+    """The ``lora=`` argument of :func:`moeyard.experts` built from ``<proj>.lora_A/B`` entries."""
+    lora = {name: moeyard.ExpertLoRA(lora_A=leaves[f"{name}.lora_A"], lora_B=leaves[f"{name}.lora_B"],
+                                     scaling=LORA_SCALING[name])
+            for name in LORA_SCALING if f"{name}.lora_A" in leaves}
+    return lora or None
+
+
 def run_experts(inputs: dict[str, Tensor], dtype: torch.dtype, backend: str, grad_out: Tensor, *,
-                device: str | torch.device = "cpu", x_transform=None, **kw) -> dict[str, Tensor]:
+                device: str | torch.device = "cpu", x_transform=None, frozen=(), **kw) -> dict[str, Tensor]:
     """Forward and backward of :func:`moeyard.experts` in ``dtype``.
 
     Returns ``{"out": ..., "grad_<name>": ...}`` for every floating input, all as float64 on the CPU.
     ``x_transform`` maps the (leaf) hidden states before the call, e.g. to make them non-contiguous.
+    Inputs named ``<proj>.lora_A/B`` become the ``lora=`` argument; names in ``frozen`` do not
+    require grad (their gradient must stay None).
     """
-    leaves = {k: v.detach().to(device=device, dtype=dtype, copy=True).requires_grad_() for k, v in inputs.items()
-              if v.is_floating_point()}
+    leaves = {k: v.detach().to(device=device, dtype=dtype, copy=True).requires_grad_(k not in frozen)
+              for k, v in inputs.items() if v.is_floating_point()}
     ids = inputs["topk_ids"].to(device)
     x = leaves["hidden_states"]
     if x_transform is not None:
         x = x_transform(x)
     args = {k: v for k, v in leaves.items() if k not in ("hidden_states", "topk_weights", "gate_up_proj",
-                                                          "down_proj")}
+                                                          "down_proj") and ".lora_" not in k}
+    if lora_arg(leaves) is not None:
+        args["lora"] = lora_arg(leaves)
     out = moeyard.experts(x, ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"],
                           backend=backend, **args, **kw)
     assert out.dtype == dtype and out.shape == x.shape
@@ -116,6 +147,9 @@ def run_experts(inputs: dict[str, Tensor], dtype: torch.dtype, backend: str, gra
     if out.numel():
         out.backward(grad_out.to(device=device, dtype=dtype))
     for k, v in leaves.items():
+        if k in frozen:
+            assert v.grad is None, f"{k} is frozen but got a gradient"
+            continue
         g = v.grad if v.grad is not None else torch.zeros_like(v)
         res[f"grad_{k}"] = g.double().cpu()
     return res

@@ -204,18 +204,33 @@ def test_tile_bound_covers_worst_case():
         assert max_row_tiles(n, e, bm) >= need
 
 
-def test_custom_ops_opcheck():
+@pytest.mark.parametrize("mode", [0, 1, 2])  # no LoRA, split (z read), fused (z written)
+def test_custom_ops_opcheck(mode):
     # schemas, fake registrations and mutation annotations of the ops that write into outputs
-    T, H, I, E, K = 9, 16, 16, 3, 2
+    T, H, I, E, K, R = 9, 16, 16, 3, 2, 4
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
     r = ops.routing(ids, E)
     tw = torch.rand(T * K)
+
+    def lora(k, n):  # (la [E, k, R], lb [E, n, R], mode, scale, z [N, R])
+        if not mode:
+            return None, None, 0, 0.0
+        return torch.randn(E, k, R), torch.randn(E, n, R), mode, 0.5
+
+    def z():
+        return torch.randn(T * K, R) if mode else None
+
     a, y = torch.randn(T * K, I), torch.empty(T * K, H)
-    torch.library.opcheck(ops.down_proj_, (a, torch.randn(E, H, I), None, tw, r.sort_order, r.expert_offsets, K, y))
+    torch.library.opcheck(ops.down_proj_, (a, torch.randn(E, H, I), None, tw, r.sort_order, r.expert_offsets, K,
+                                           *lora(I, H), y, z()))
     torch.library.opcheck(ops.combine_, (y, r.topk_ids, tw.view(T, K), E, torch.empty(T, H)))
     torch.library.opcheck(ops.up_proj_, (torch.randn(T, H), torch.randn(E, 2 * I, H), None, r.sort_order,
-                                         r.expert_offsets, K, "swiglu", 1.702, 7.0, False,
-                                         torch.empty(T * K, 2 * I), torch.empty(T * K, I)))
+                                         r.expert_offsets, K, "swiglu", 1.702, 7.0, False, True, *lora(H, 2 * I),
+                                         torch.empty(T * K, 2 * I), torch.empty(T * K, I), z()))
+    torch.library.opcheck(ops.act_grad_, (torch.randn(T, H), torch.randn(E, H, I), None, torch.randn(T * K, 2 * I),
+                                          tw, r.sort_order, r.expert_offsets, K, "swiglu", 1.702, 7.0, False,
+                                          *lora(H, I), torch.empty(T * K, 2 * I), torch.empty(T * K, I),
+                                          torch.zeros(1, T * K), z()))
 
 
 def test_compiles_fullgraph():

@@ -9,7 +9,8 @@ from .activations import Activation
 from .checks import is_debug, set_debug
 from .config import MoEConfig
 from .dispatch import DispatchPlan, make_plan, permute, unpermute
-from .experts import available_backends, backend_names, experts, get_backend, set_backend, use_backend
+from .experts import (ExpertLoRA, available_backends, backend_names, experts, get_backend, set_backend,
+                      use_backend)
 from .layer import MoE, SharedExpert
 from .routing import Router, RoutingOutput, route, update_correction_bias
 
@@ -22,6 +23,6 @@ if _importlib_util.find_spec("transformers") is not None:
 
     _register_transformers()
 
-__all__ = ["Activation", "DispatchPlan", "MoE", "MoEConfig", "Router", "RoutingOutput", "SharedExpert",
+__all__ = ["Activation", "DispatchPlan", "ExpertLoRA", "MoE", "MoEConfig", "Router", "RoutingOutput", "SharedExpert",
            "available_backends", "backend_names", "experts", "get_backend", "is_debug", "make_plan", "permute",
            "route", "set_backend", "set_debug", "unpermute", "update_correction_bias", "use_backend", "__version__"]

@@ -15,11 +15,11 @@ from . import loop as _loop  # noqa: F401  (registers)
 from . import triton as _triton  # noqa: F401  (registers; imports triton on first use only)
 from .registry import (ExpertBackend, available_backends, backend_names, get_backend, register_backend,
                        resolve_backend, set_backend, use_backend)
-from .weights import ExpertWeights, expert_weights
+from .weights import ExpertLoRA, ExpertWeights, LowRank, Projection, expert_weights
 
 Tensor = torch.Tensor
 
-__all__ = ["experts", "ExpertBackend", "ExpertWeights", "expert_weights", "available_backends", "backend_names",
+__all__ = ["experts", "ExpertBackend", "ExpertLoRA", "ExpertWeights", "LowRank", "Projection", "expert_weights", "available_backends", "backend_names",
            "get_backend", "register_backend", "resolve_backend", "set_backend", "use_backend"]
 
 
@@ -37,6 +37,7 @@ def experts(
     transposed: bool = False,
     interleaved: bool = False,
     drop_invalid: bool = False,
+    lora: dict[str, ExpertLoRA] | None = None,
 ) -> Tensor:
     """The routed expert FFN: ``out[t] = sum_k topk_weights[t, k] * FFN_e(hidden_states[t])`` with
     ``e = topk_ids[t, k]`` and ``FFN_e(x) = down_e(act(up_e(x)))``.
@@ -60,10 +61,15 @@ def experts(
         drop_invalid: pairs whose id lies outside ``[0, E)`` contribute nothing (the expert-parallel
             "sentinel" convention). Otherwise such ids are an error: ValueError where they can be
             read without a host sync (CPU) or in debug mode, else NaN output rows for those tokens.
+        lora: optional LoRA adapters, ``{"gate_up_proj": ExpertLoRA(lora_A, lora_B, scaling),
+            "down_proj": ...}`` (either key may be absent) in PEFT's layout as they are:
+            ``lora_A [r*E, in]``, ``lora_B [out, r*E]`` (see :class:`moeyard.ExpertLoRA`). Each
+            projection computes ``x W_e^T + b_e + s (x A_e^T) B_e^T``; ``W + dW`` is never formed. With
+            the base weights frozen (``requires_grad=False``) no base weight gradient is computed.
 
     Returns:
         ``[T, H]`` in ``hidden_states.dtype``; differentiable w.r.t. ``hidden_states``, both weights,
-        the biases and ``topk_weights``.
+        the biases, ``topk_weights`` and the LoRA factors.
 
     Raises:
         TypeError: a tensor of the wrong kind or dtype. ValueError: shapes, devices, ``K > E``, ids
@@ -73,7 +79,7 @@ def experts(
     act = get_activation(activation)
     check_float("hidden_states", hidden_states, dim=2)
     weights = expert_weights(gate_up_proj, down_proj, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                             transposed=transposed, interleaved=interleaved, gated=act.gated)
+                             transposed=transposed, interleaved=interleaved, gated=act.gated, lora=lora)
     T, H = hidden_states.shape
     if H != weights.hidden_size:
         raise ValueError(f"hidden_states: expected hidden size {weights.hidden_size} (from gate_up_proj), got {H}")

@@ -13,7 +13,7 @@ import torch
 from ..activations import Activation
 from ..dispatch import make_plan
 from .registry import ExpertBackend, register_backend
-from .weights import ExpertWeights
+from .weights import ExpertWeights, Projection
 
 Tensor = torch.Tensor
 
@@ -39,19 +39,21 @@ def bmm_padded_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weight
     tokens = torch.arange(T * K, device=x.device) // K
     x_pad = x.new_zeros(E * capacity + 1, x.shape[1]).index_copy(0, slot, x.index_select(0, tokens))
     x_pad = x_pad[:-1].view(E, capacity, x.shape[1])
-    h = _bmm(x_pad, weights.w_up, weights.b_up)
+    h = _bmm(x_pad, weights.up)
     a = activation(h, interleaved=weights.interleaved)
-    y = _bmm(a, weights.w_down, weights.b_down).reshape(E * capacity, x.shape[1])
+    y = _bmm(a, weights.down).reshape(E * capacity, x.shape[1])
     y = torch.cat([y, y.new_zeros(1, y.shape[1])])
     pairs = y.index_select(0, slot).view(T, K, x.shape[1])
     return torch.bmm(topk_weights.to(pairs.dtype).unsqueeze(1), pairs).squeeze(1)
 
 
-def _bmm(a: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    """``a [E, C, in] @ w[e].T (+ b[e])`` with ``w [E, out, in]``."""
-    if b is None:
-        return torch.bmm(a, w.mT)
-    return torch.baddbmm(b.to(a.dtype).unsqueeze(1), a, w.mT)
+def _bmm(a: Tensor, proj: Projection) -> Tensor:
+    """``a [E, C, in] @ W[e].T (+ b[e]) (+ s (a A_e^T) B_e^T)`` with ``W [E, out, in]`` -> ``[E, C, out]``."""
+    w, b, lora = proj.weight, proj.bias, proj.lora
+    y = torch.bmm(a, w.mT) if b is None else torch.baddbmm(b.to(a.dtype).unsqueeze(1), a, w.mT)
+    if lora is not None:
+        y = torch.baddbmm(y, torch.bmm(a, lora.a.mT), lora.b.mT, alpha=lora.scaling)
+    return y
 
 
 def _unsupported(device, dtype, weights, activation):

@@ -13,22 +13,26 @@ import torch
 
 from ..activations import Activation
 from ..dispatch import DispatchPlan
-from .pipeline import add_row_bias, routed_ffn
+from .pipeline import routed_ffn
 from .registry import ExpertBackend, register_backend
 from .weights import ExpertWeights
 
 Tensor = torch.Tensor
 
 
-def grouped_linear(rows: Tensor, w: Tensor, bias: Tensor | None, plan: DispatchPlan) -> Tensor:
-    """``rows [R, in] @ w[e].T`` for each expert's rows: ``w [E, out, in]`` -> ``[R, out]``."""
-    y = torch._grouped_mm(rows, w.mT, offs=plan.padded_offsets[1:])
-    return add_row_bias(y, bias, plan)
+def grouped_gemm(rows: Tensor, w: Tensor, plan: DispatchPlan) -> Tensor:
+    """``rows [R, in] @ w[e].T`` for each expert's rows: ``w [E, out, in]`` -> ``[R, out]``. A weight
+    whose strides ``torch._grouped_mm`` cannot read (PEFT's rank-major ``lora_B`` view) is copied
+    into ``[E, in, out]`` first (LoRA-factor sized)."""
+    wt = w.mT
+    if not _aligned(wt):
+        wt = wt.contiguous()
+    return torch._grouped_mm(rows, wt, offs=plan.padded_offsets[1:])
 
 
 def grouped_mm_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
                        activation: Activation, *, drop_invalid: bool = False) -> Tensor:
-    return routed_ffn(x, topk_ids, topk_weights, weights, activation, grouped_linear, drop_invalid=drop_invalid)
+    return routed_ffn(x, topk_ids, topk_weights, weights, activation, grouped_gemm, drop_invalid=drop_invalid)
 
 
 @functools.cache
@@ -71,6 +75,9 @@ def _unsupported(device: torch.device, dtype: torch.dtype, weights: ExpertWeight
             return f"{name}={n} is not a multiple of {16 // es} ({dtype} rows need 16-byte strides)"
     if not (_aligned(weights.w_up) and _aligned(weights.w_down)):
         return "expert weights need 16-byte aligned strides (a contiguous [E, out, in] or [E, in, out] tensor)"
+    ranks = [lr.rank for lr in (weights.lora_up, weights.lora_down) if lr is not None]
+    if any((r * es) % 16 for r in ranks):
+        return f"LoRA ranks {ranks} must be multiples of {16 // es} ({dtype} rows need 16-byte strides)"
     return None
 
 

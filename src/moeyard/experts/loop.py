@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ..activations import Activation
 from ..checks import raise_invalid_ids
 from .registry import ExpertBackend, register_backend
-from .weights import ExpertWeights
+from .weights import ExpertWeights, Projection
 
 Tensor = torch.Tensor
 
@@ -33,11 +33,19 @@ def loop_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: Exp
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
     for e in range(E):
         token, slot = torch.where(topk_ids == e)
-        h = F.linear(x[token], weights.w_up[e], None if weights.b_up is None else weights.b_up[e])
+        h = expert_linear(x[token], weights.up, e)
         a = activation(h, interleaved=weights.interleaved)
-        y = F.linear(a, weights.w_down[e], None if weights.b_down is None else weights.b_down[e])
+        y = expert_linear(a, weights.down, e)
         out = out.index_add(0, token, (y * topk_weights[token, slot, None].to(y.dtype)).to(acc))
     return out.to(x.dtype)
+
+
+def expert_linear(x: Tensor, proj: Projection, e: int) -> Tensor:
+    """Expert ``e``'s projection of ``x [R, in]``: ``x W_e^T + b_e + s (x A_e^T) B_e^T`` -> ``[R, out]``."""
+    y = F.linear(x, proj.weight[e], None if proj.bias is None else proj.bias[e])
+    if proj.lora is not None:
+        y = y + proj.lora.scaling * F.linear(F.linear(x, proj.lora.a[e]), proj.lora.b[e])
+    return y
 
 
 def _unsupported(device, dtype, weights, activation):

@@ -1,5 +1,6 @@
 """The composed routed FFN: permute -> grouped up-proj -> activation -> grouped down-proj ->
-unpermute, around one ``grouped_linear`` primitive that backends supply.
+unpermute, around one ``grouped_gemm`` primitive that backends supply. Biases and LoRA adapters are
+applied here, once, for every backend built on it (:func:`project`).
 
 Legend: T tokens, H hidden, I intermediate, N1 = 2I (gated) or I, E experts, K top-k, R rows.
 """
@@ -11,17 +12,27 @@ import torch
 
 from ..activations import Activation
 from ..dispatch import DispatchPlan, make_plan, permute, unpermute
-from .weights import ExpertWeights
+from .weights import ExpertWeights, Projection
 
 Tensor = torch.Tensor
-# grouped_linear(rows [R, in], w [E, out, in], bias [E, out] | None, plan) -> [R, out]
-GroupedLinear = Callable[[Tensor, Tensor, "Tensor | None", DispatchPlan], Tensor]
+# grouped_gemm(rows [R, in], w [E, out, in] (any strides), plan) -> [R, out]: rows of expert e times w[e].T
+GroupedGEMM = Callable[[Tensor, Tensor, DispatchPlan], Tensor]
+
+
+def project(rows: Tensor, proj: Projection, gemm: GroupedGEMM, plan: DispatchPlan) -> Tensor:
+    """``rows [R, in]`` -> ``[R, out]``: ``rows W_e^T + b_e + s (rows A_e^T) B_e^T`` per expert's rows
+    (the LoRA term as two thin grouped GEMMs through an ``[R, r]`` intermediate)."""
+    y = add_row_bias(gemm(rows, proj.weight, plan), proj.bias, plan)
+    if proj.lora is not None:
+        lora = proj.lora
+        y = y + lora.scaling * gemm(gemm(rows, lora.a, plan), lora.b, plan)
+    return y
 
 
 def routed_ffn(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
-               activation: Activation, grouped_linear: GroupedLinear, *, drop_invalid: bool = False,
+               activation: Activation, gemm: GroupedGEMM, *, drop_invalid: bool = False,
                align: int = 1) -> Tensor:
-    """``[T, H] -> [T, H]``: the whole routed expert FFN built from ``grouped_linear``."""
+    """``[T, H] -> [T, H]``: the whole routed expert FFN built from ``gemm``."""
     plan = make_plan(topk_ids, weights.num_experts, align=align)
     rows = permute(x, plan)
     if drop_invalid:
@@ -29,9 +40,9 @@ def routed_ffn(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: Exper
         # unwritten, so cut them out of the graph (masked_fill: its backward writes zeros there)
         live = torch.arange(plan.num_rows, device=x.device) < plan.padded_offsets[-1]
         rows = rows.masked_fill(~live.unsqueeze(-1), 0)
-    h = grouped_linear(rows, weights.w_up, weights.b_up, plan)
+    h = project(rows, weights.up, gemm, plan)
     a = activation(h, interleaved=weights.interleaved)
-    y = grouped_linear(a, weights.w_down, weights.b_down, plan)
+    y = project(a, weights.down, gemm, plan)
     return unpermute(y, plan, topk_weights, drop_invalid=drop_invalid)
 
 

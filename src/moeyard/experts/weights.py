@@ -8,16 +8,73 @@ Layouts accepted (transformers v5):
 - transposed (gpt-oss): ``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``; ``y = x @ W``.
 - interleaved gate/up columns (gpt-oss: ``gate0, up0, gate1, up1, ...``) with ``interleaved=True``.
 Optional biases: ``gate_up_bias [E, N1]``, ``down_bias [E, H]``.
+
+LoRA adapters (:class:`ExpertLoRA`, one per projection) come in PEFT's layout for 3-D expert
+parameters (PEFT >= 0.17 ``target_parameters``), whatever the weight layout: ``lora_A [r*E, in]``
+(rows expert-major) and ``lora_B [out, r*E]`` (columns rank-major), ``in``/``out`` the projection's
+true input and output sizes. Each expert's projection becomes
+``y = x W_e^T + b_e + scaling * (x A_e^T) B_e^T`` with ``A_e = lora_A.view(E, r, in)[e]`` and
+``B_e = lora_B.view(out, r, E)[:, :, e]`` (Hu et al., LoRA, arXiv 2106.09685). ``W + dW`` is never formed.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from ..checks import check_float
+from ..checks import check_float, kind
 
 Tensor = torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertLoRA:
+    """A LoRA adapter of one expert projection, in PEFT's layout (see the module docstring).
+
+    Attributes:
+        lora_A: ``[r*E, in]`` float (PEFT's ``lora_A[name].weight``), rows expert-major.
+        lora_B: ``[out, r*E]`` float (PEFT's ``lora_B[name].weight``), columns rank-major.
+        scaling: the factor ``s`` of ``s * B A`` (PEFT: ``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA).
+
+    Factors in another float dtype than the expert weights (PEFT keeps adapters in float32 by
+    default) are cast to the weights' dtype on each call; their gradients come back in their own dtype.
+    """
+
+    lora_A: Tensor
+    lora_B: Tensor
+    scaling: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LowRank:
+    """Canonical views of one projection's LoRA factors (no copies unless a dtype cast is needed).
+
+    Attributes:
+        a: ``[E, r, in]`` (a view of ``lora_A``; contiguous for PEFT's layout).
+        b: ``[E, out, r]`` (a view of ``lora_B``: strides ``(1, r*E, E)`` for PEFT's layout).
+        scaling: ``s``.
+    """
+
+    a: Tensor
+    b: Tensor
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Projection:
+    """One expert projection as a backend applies it: ``y = x W_e^T + b_e (+ s (x A_e^T) B_e^T)``.
+
+    Attributes: weight ``[E, out, in]``, bias ``[E, out]`` or None, lora :class:`LowRank` or None.
+    """
+
+    weight: Tensor
+    bias: Tensor | None = None
+    lora: LowRank | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +87,7 @@ class ExpertWeights:
         b_up: ``[E, N1]`` or None.
         b_down: ``[E, H]`` or None.
         interleaved: gate/up rows of ``w_up`` alternate (gpt-oss) instead of gate-then-up.
+        lora_up, lora_down: :class:`LowRank` adapters of the two projections, or None.
     """
 
     w_up: Tensor
@@ -37,6 +95,25 @@ class ExpertWeights:
     b_up: Tensor | None = None
     b_down: Tensor | None = None
     interleaved: bool = False
+    lora_up: LowRank | None = None
+    lora_down: LowRank | None = None
+
+    @property
+    def up(self) -> Projection:
+        return Projection(weight=self.w_up, bias=self.b_up, lora=self.lora_up)
+
+    @property
+    def down(self) -> Projection:
+        return Projection(weight=self.w_down, bias=self.b_down, lora=self.lora_down)
+
+    @property
+    def has_lora(self) -> bool:
+        return self.lora_up is not None or self.lora_down is not None
+
+    @property
+    def max_rank(self) -> int:
+        """The largest LoRA rank (0 without adapters)."""
+        return max((lr.rank for lr in (self.lora_up, self.lora_down) if lr is not None), default=0)
 
     @property
     def num_experts(self) -> int:
@@ -60,6 +137,7 @@ def expert_weights(
     transposed: bool = False,
     interleaved: bool = False,
     gated: bool = True,
+    lora: dict[str, ExpertLoRA] | None = None,
 ) -> ExpertWeights:
     """Check the weights and return their canonical views (no copies).
 
@@ -68,8 +146,12 @@ def expert_weights(
             ``gated`` else ``I`` (then it is transformers' ``up_proj``).
         down_proj: ``[E, H, I]`` (or ``[E, I, H]`` if ``transposed``).
         gate_up_bias, down_bias: ``[E, N1]`` and ``[E, H]``, optional.
+        lora: optional ``{"gate_up_proj": ExpertLoRA, "down_proj": ExpertLoRA}`` (either key may be
+            absent): ``gate_up_proj``'s factors are ``[r*E, H]`` and ``[N1, r*E]``, ``down_proj``'s
+            ``[r*E, I]`` and ``[H, r*E]``, in every weight layout.
     Raises:
-        TypeError: a weight is not a floating-point tensor, or dtypes differ.
+        TypeError: a weight or factor is not a floating-point tensor, dtypes differ, or ``lora`` is
+            not a dict of :class:`ExpertLoRA`.
         ValueError: shapes do not agree (the message names the argument and the expected shape).
     """
     for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
@@ -101,4 +183,52 @@ def expert_weights(
             raise ValueError(f"{name}: expected device {w_up.device}, got {b.device}")
     if w_down.device != w_up.device:
         raise ValueError(f"down_proj: expected device {w_up.device}, got {w_down.device}")
-    return ExpertWeights(w_up=w_up, w_down=w_down, b_up=gate_up_bias, b_down=down_bias, interleaved=interleaved)
+    lora_up, lora_down = _lora_views(lora, E, (N1, H), (H, I), w_up)
+    return ExpertWeights(w_up=w_up, w_down=w_down, b_up=gate_up_bias, b_down=down_bias, interleaved=interleaved,
+                         lora_up=lora_up, lora_down=lora_down)
+
+
+LORA_KEYS = ("gate_up_proj", "down_proj")
+
+
+def _lora_views(lora, E: int, up_shape: tuple[int, int], down_shape: tuple[int, int],
+                like: Tensor) -> tuple[LowRank | None, LowRank | None]:
+    if lora is None:
+        return None, None
+    if not isinstance(lora, dict) or set(lora) - set(LORA_KEYS):
+        raise TypeError(f"lora: expected a dict with keys among {LORA_KEYS} of moeyard.ExpertLoRA, got {kind(lora)}"
+                        + (f" with keys {sorted(lora)}" if isinstance(lora, dict) else ""))
+    up = lora.get("gate_up_proj")
+    down = lora.get("down_proj")
+    return (None if up is None else low_rank(up, E, *up_shape, like, "lora['gate_up_proj']"),
+            None if down is None else low_rank(down, E, *down_shape, like, "lora['down_proj']"))
+
+
+def low_rank(adapter: ExpertLoRA, E: int, out: int, inp: int, like: Tensor, name: str = "lora") -> LowRank:
+    """Check one adapter against an ``[E, out, in]`` projection and return its canonical views.
+
+    Raises:
+        TypeError: not an :class:`ExpertLoRA`, non-float factors, non-numeric scaling.
+        ValueError: shapes (``lora_A [r*E, in]``, ``lora_B [out, r*E]``) or devices disagree.
+    """
+    if not isinstance(adapter, ExpertLoRA):
+        raise TypeError(f"{name}: expected a moeyard.ExpertLoRA, got {kind(adapter)}")
+    A, B = adapter.lora_A, adapter.lora_B
+    check_float(f"{name}.lora_A", A, dim=2)
+    check_float(f"{name}.lora_B", B, dim=2)
+    rE = A.shape[0]
+    if rE == 0 or rE % E or A.shape[1] != inp:
+        raise ValueError(f"{name}.lora_A: expected shape [r*{E}, {inp}] (r >= 1), got {tuple(A.shape)}")
+    if tuple(B.shape) != (out, rE):
+        raise ValueError(f"{name}.lora_B: expected shape [{out}, {rE}] (the rank of lora_A, r = {rE // E}), "
+                         f"got {tuple(B.shape)}")
+    for n, t in (("lora_A", A), ("lora_B", B)):
+        if t.device != like.device:
+            raise ValueError(f"{name}.{n}: expected device {like.device} (as the expert weights), got {t.device}")
+    s = adapter.scaling
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+        raise TypeError(f"{name}.scaling: expected a finite float, got {s!r}")
+    r = rE // E
+    A, B = A.to(like.dtype), B.to(like.dtype)
+    return LowRank(a=A.view(E, r, inp) if A.is_contiguous() else A.reshape(E, r, inp),
+                   b=B.unflatten(1, (r, E)).permute(2, 0, 1), scaling=float(s))

@@ -10,18 +10,27 @@ gradient (``d_h @ W_up`` per pair, combined per token). Kept for backward: ``h``
 Custom activation callables run in torch between two autograd functions (up projection, down
 projection + combine) built from the same kernels.
 
-Legend: T tokens, H hidden, I intermediate, N1 = 2I (gated) or I, E experts, K top-k, N = T*K.
+LoRA (``y = x W_e^T + s (x A_e^T) B_e^T`` per projection): every GEMM that touches a projection adds
+its low-rank term in the epilogue (:class:`.ops.LoRATerm`): the forward GEMM with ``La = A^T``,
+``Lb = B``; the input-gradient GEMM (``d_h`` for the down projection, ``dx`` for the up projection)
+with ``La = B``, ``Lb = A^T``. Each GEMM also yields its low-rank rows ``z = rows @ La_e`` (``[N, R]``),
+from which the factor gradients are thin grouped weight gradients (deterministic, no atomics):
+``dA_e = s (d_y B_e)^T x`` and ``dB_e = s d_y^T (x A_e^T)``. Kept for backward: the forward ``z`` rows.
+No ``W + dW`` is formed, and with frozen base weights no base weight gradient is computed.
+
+Legend: T tokens, H hidden, I intermediate, N1 = 2I (gated) or I, E experts, K top-k, N = T*K, R rank.
 """
 from __future__ import annotations
 
 import torch
 
 from ...activations import Activation
-from ..weights import ExpertWeights
+from ..weights import ExpertWeights, LowRank
 from . import ops
-from .ops import ActSpec, Routing
+from .ops import ActSpec, LoRATerm, Routing
 
 Tensor = torch.Tensor
+NONE = ActSpec(name="none")
 
 
 def triton_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
@@ -29,94 +38,143 @@ def triton_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: E
     """The routed expert FFN (shapes and semantics as :func:`moeyard.experts`)."""
     r = ops.routing(topk_ids, weights.num_experts)
     tw = topk_weights.reshape(-1)
+    a_up, b_up, s_up = _factors(weights.lora_up)
+    a_dn, b_dn, s_dn = _factors(weights.lora_down)
     if activation.fn is None:
         spec = ActSpec(name=activation.name, alpha=activation.alpha, limit=activation.limit,
                        interleaved=weights.interleaved)
-        return _FusedExperts.apply(x, tw, weights.w_up, weights.w_down, weights.b_up, weights.b_down, r, spec,
-                                   drop_invalid)
-    h = _UpProj.apply(x, weights.w_up, weights.b_up, r)
+        return _FusedExperts.apply(x, tw, weights.w_up, weights.w_down, weights.b_up, weights.b_down,
+                                   a_up, b_up, a_dn, b_dn, r, spec, s_up, s_dn, drop_invalid)
+    h = _UpProj.apply(x, weights.w_up, weights.b_up, a_up, b_up, r, s_up)
     a = activation(h, interleaved=weights.interleaved)
-    return _DownProj.apply(a, tw, weights.w_down, weights.b_down, r, drop_invalid)
+    return _DownProj.apply(a, tw, weights.w_down, weights.b_down, a_dn, b_dn, r, s_dn, drop_invalid)
+
+
+def _factors(lora: LowRank | None) -> tuple[Tensor | None, Tensor | None, float]:
+    """``(A [E, R, in], B [E, out, R], s)`` or ``(None, None, 0.0)``."""
+    return (None, None, 0.0) if lora is None else (lora.a, lora.b, lora.scaling)
+
+
+def _forward_term(a: Tensor | None, b: Tensor | None, s: float) -> LoRATerm | None:
+    """The LoRA term of ``rows W_e^T``: ``s (rows A_e^T) B_e^T``."""
+    return None if a is None else LoRATerm(la=a.mT, lb=b, scale=s)
+
+
+def _input_grad_term(a: Tensor | None, b: Tensor | None, s: float) -> LoRATerm | None:
+    """The LoRA term of the input gradient ``d_y W_e``: ``s (d_y B_e) A_e``."""
+    return None if a is None else LoRATerm(la=b, lb=a.mT, scale=s)
 
 
 class _FusedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tw, w_up, w_down, b_up, b_down, r: Routing, spec: ActSpec, drop_invalid: bool):
+    def forward(ctx, x, tw, w_up, w_down, b_up, b_down, a_up, bl_up, a_dn, bl_dn, r: Routing, spec: ActSpec,
+                s_up: float, s_dn: float, drop_invalid: bool):
         train = any(ctx.needs_input_grad)
-        h, a = ops.up_proj(x, w_up, b_up, r, spec, store_h=train)
-        out = _down_forward(a, tw, w_down, b_down, r, drop_invalid)
+        h, a, z_up = ops.up_proj(x, w_up, b_up, r, spec, store_h=train, lora=_forward_term(a_up, bl_up, s_up))
+        out, z_dn = _down_forward(a, tw, w_down, b_down, r, drop_invalid, _forward_term(a_dn, bl_dn, s_dn))
         if train:
-            ctx.save_for_backward(x, tw, w_up, w_down, b_up, b_down, h)
-        ctx.r, ctx.spec = r, spec
+            ctx.save_for_backward(x, tw, w_up, w_down, b_up, b_down, h, a_up, bl_up, a_dn, bl_dn, z_up, z_dn)
+        ctx.r, ctx.spec, ctx.scales = r, spec, (s_up, s_dn)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        x, tw, w_up, w_down, b_up, b_down, h = ctx.saved_tensors
+        x, tw, w_up, w_down, b_up, b_down, h, a_up, bl_up, a_dn, bl_dn, z_up, z_dn = ctx.saved_tensors
         need = ctx.needs_input_grad
-        dh, d_tw, dw_down, db_down = _down_backward(dout, h, tw, w_down, b_down, ctx.r, ctx.spec, need[3], need[5])
-        dx, dw_up, db_up = _up_backward(dh, x, w_up, b_up, ctx.r, need[0], need[2], need[4])
-        return dx, d_tw.to(tw.dtype) if need[1] else None, dw_up, dw_down, db_up, db_down, None, None, None
+        s_up, s_dn = ctx.scales
+        dh, d_tw, dw_down, db_down, da_dn, dbl_dn = _down_backward(
+            dout, h, tw, w_down, b_down, (a_dn, bl_dn, s_dn, z_dn), ctx.r, ctx.spec, need[3], need[5], need[8], need[9])
+        dx, dw_up, db_up, da_up, dbl_up = _up_backward(
+            dh, x, w_up, b_up, (a_up, bl_up, s_up, z_up), ctx.r, need[0], need[2], need[4], need[6], need[7])
+        return (dx, d_tw.to(tw.dtype) if need[1] else None, dw_up, dw_down, db_up, db_down, da_up, dbl_up, da_dn,
+                dbl_dn, None, None, None, None, None)
 
 
 class _UpProj(torch.autograd.Function):
-    """``h = x[token] @ W_up[e].T + b_up[e]`` in sorted row order (no activation)."""
+    """``h = x[token] @ W_up[e].T + b_up[e] (+ LoRA)`` in sorted row order (no activation)."""
 
     @staticmethod
-    def forward(ctx, x, w_up, b_up, r: Routing):
-        _, h = ops.up_proj(x, w_up, b_up, r, ActSpec(name="none"), store_h=False)
-        ctx.save_for_backward(x, w_up, b_up)
-        ctx.r = r
+    def forward(ctx, x, w_up, b_up, a_up, bl_up, r: Routing, s_up: float):
+        _, h, z_up = ops.up_proj(x, w_up, b_up, r, NONE, store_h=False, lora=_forward_term(a_up, bl_up, s_up))
+        ctx.save_for_backward(x, w_up, b_up, a_up, bl_up, z_up)
+        ctx.r, ctx.s = r, s_up
         return h
 
     @staticmethod
     def backward(ctx, dh):
-        x, w_up, b_up = ctx.saved_tensors
+        x, w_up, b_up, a_up, bl_up, z_up = ctx.saved_tensors
         need = ctx.needs_input_grad
-        dx, dw_up, db_up = _up_backward(dh.contiguous(), x, w_up, b_up, ctx.r, need[0], need[1], need[2])
-        return dx, dw_up, db_up, None
+        dx, dw_up, db_up, da_up, dbl_up = _up_backward(
+            dh.contiguous(), x, w_up, b_up, (a_up, bl_up, ctx.s, z_up), ctx.r, need[0], need[1], need[2], need[3],
+            need[4])
+        return dx, dw_up, db_up, da_up, dbl_up, None, None
 
 
 class _DownProj(torch.autograd.Function):
-    """``out[t] = sum_k w[t, k] * (a[row of (t, k)] @ W_down[e].T + b_down[e])``."""
+    """``out[t] = sum_k w[t, k] * (a[row of (t, k)] @ W_down[e].T + b_down[e] (+ LoRA))``."""
 
     @staticmethod
-    def forward(ctx, a, tw, w_down, b_down, r: Routing, drop_invalid: bool):
+    def forward(ctx, a, tw, w_down, b_down, a_dn, bl_dn, r: Routing, s_dn: float, drop_invalid: bool):
         a = a.contiguous()
-        ctx.save_for_backward(a, tw, w_down, b_down)
-        ctx.r = r
-        return _down_forward(a, tw, w_down, b_down, r, drop_invalid)
+        out, z_dn = _down_forward(a, tw, w_down, b_down, r, drop_invalid, _forward_term(a_dn, bl_dn, s_dn))
+        ctx.save_for_backward(a, tw, w_down, b_down, a_dn, bl_dn, z_dn)
+        ctx.r, ctx.s = r, s_dn
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        a, tw, w_down, b_down = ctx.saved_tensors
+        a, tw, w_down, b_down, a_dn, bl_dn, z_dn = ctx.saved_tensors
         need = ctx.needs_input_grad
-        da, d_tw, dw_down, db_down = _down_backward(dout, a, tw, w_down, b_down, ctx.r, ActSpec(name="none"),
-                                                    need[2], need[3])
-        return da, d_tw.to(tw.dtype) if need[1] else None, dw_down, db_down, None, None
+        da, d_tw, dw_down, db_down, da_dn, dbl_dn = _down_backward(
+            dout, a, tw, w_down, b_down, (a_dn, bl_dn, ctx.s, z_dn), ctx.r, NONE, need[2], need[3], need[4], need[5])
+        return da, d_tw.to(tw.dtype) if need[1] else None, dw_down, db_down, da_dn, dbl_dn, None, None, None
 
 
-def _down_forward(a: Tensor, tw: Tensor, w_down: Tensor, b_down: Tensor | None, r: Routing,
-                  drop_invalid: bool) -> Tensor:
-    return ops.down_combine(a, w_down, b_down, tw, r, None if drop_invalid else tw)
+def _down_forward(a: Tensor, tw: Tensor, w_down: Tensor, b_down: Tensor | None, r: Routing, drop_invalid: bool,
+                  lora: LoRATerm | None) -> tuple[Tensor, Tensor | None]:
+    return ops.down_combine(a, w_down, b_down, tw, r, None if drop_invalid else tw, lora)
 
 
-def _down_backward(dout, h, tw, w_down, b_down, r, spec, need_w, need_b):
-    """``(d_h, d tw [N] float32, d W_down, d b_down)``; ``h`` is the activation's input."""
-    dh, aw, d_tw = ops.act_grad(dout, w_down, b_down, h, tw, r, spec)
-    dw = db = None
+def _down_backward(dout, h, tw, w_down, b_down, lora, r, spec, need_w, need_b, need_a, need_bl):
+    """``(d_h, d tw [N] float32, d W_down, d b_down, d A_down, d B_down)``; ``h`` is the activation's
+    input; ``lora = (A, B, s, z)`` with ``z = a @ A_e^T`` from the forward."""
+    a_dn, bl_dn, s, z_dn = lora
+    dh, aw, d_tw, g_dn = ops.act_grad(dout, w_down, b_down, h, tw, r, spec, _input_grad_term(a_dn, bl_dn, s))
+    dw = db = da = dbl = None
     if need_w or need_b:
         dw, db = ops.wgrad(dout, aw, lhs_by_token=True, rhs_by_token=False, scale=tw if need_b else None, r=r,
                            like_w=w_down, like_b=b_down if need_b else None)
-    return dh, d_tw, dw if need_w else None, db
+    if need_a:  # dA_e = s (w * dout B_e)^T a = s (dout B_e)^T (w a)
+        da = _thin_wgrad(g_dn, aw, False, False, r, a_dn, s)
+    if need_bl:  # dB_e = s (w * dout)^T (a A_e^T)
+        zw = z_dn * tw.index_select(0, r.sort_order).to(z_dn.dtype).unsqueeze(1)
+        dbl = _thin_wgrad(dout, zw, True, False, r, bl_dn, s)
+    return dh, d_tw, dw if need_w else None, db, da, dbl
 
 
-def _up_backward(dh, x, w_up, b_up, r, need_x, need_w, need_b):
-    """``(dx [T, H], d W_up, d b_up)`` from ``d_h [N, N1]`` (sorted rows)."""
-    dx = dw = db = None
+def _up_backward(dh, x, w_up, b_up, lora, r, need_x, need_w, need_b, need_a, need_bl):
+    """``(dx [T, H], d W_up, d b_up, d A_up, d B_up)`` from ``d_h [N, N1]`` (sorted rows);
+    ``lora = (A, B, s, z)`` with ``z = x @ A_e^T`` from the forward."""
+    a_up, bl_up, s, z_up = lora
+    dx = dw = db = da = dbl = g_up = None
     if need_x:
-        dx = ops.down_combine(dh, w_up.mT, None, None, r, None)
+        dx, g_up = ops.down_combine(dh, w_up.mT, None, None, r, None, _input_grad_term(a_up, bl_up, s))
+    elif need_a:
+        g_up = ops.low_rank_rows(dh, bl_up, r, gather=False)
     if need_w or need_b:
         dw, db = ops.wgrad(dh, x, lhs_by_token=False, rhs_by_token=True, scale=None, r=r, like_w=w_up,
                            like_b=b_up if need_b else None)
-    return dx, dw if need_w else None, db
+    if need_a:  # dA_e = s (d_h B_e)^T x
+        da = _thin_wgrad(g_up, x, False, True, r, a_up, s)
+    if need_bl:  # dB_e = s d_h^T (x A_e^T)
+        dbl = _thin_wgrad(dh, z_up, False, False, r, bl_up, s)
+    return dx, dw if need_w else None, db, da, dbl
+
+
+def _thin_wgrad(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, r: Routing, like: Tensor,
+                s: float) -> Tensor:
+    """``s * lhs[rows of e]^T @ rhs[rows of e]`` shaped like the LoRA factor ``like`` (an operand
+    ``*_by_token`` is ``[T, *]`` read at each row's token, else ``[N, *]`` in sorted rows)."""
+    dw, _ = ops.wgrad(lhs, rhs, lhs_by_token=lhs_by_token, rhs_by_token=rhs_by_token, scale=None, r=r,
+                      like_w=like, like_b=None)
+    return dw.mul_(s)

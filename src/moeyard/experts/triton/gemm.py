@@ -10,7 +10,7 @@ from .schedule import expert_tile
 
 
 @triton.jit
-def gathered_mainloop(acc_g, acc_u,
+def gathered_mainloop(acc_g, acc_u, acc_z,
                       a_ptr,       # A base pointer (any float dtype); row r's element k at a_ptr + r_off + k * stride_ak
                       a_row_off,   # [BM] int64 element offsets of the A rows (gathered or sorted)
                       m_mask,      # [BM] bool, rows that exist
@@ -20,14 +20,21 @@ def gathered_mainloop(acc_g, acc_u,
                       b_off_u,     # [BN] int64 column offsets of B for acc_u (read when DUAL)
                       n_mask,      # [BN] bool, columns that exist
                       stride_bk,
+                      la_ptr,      # one expert's LoRA factor L [K, R]: element (k, j) at la_ptr + la_off_r[j] + k * stride_lak
+                      la_off_r,    # [RP] int64 offsets of L's rank columns (read when LORA_FUSED)
+                      r_mask,      # [RP] bool, rank columns that exist
+                      stride_lak,
                       K,           # reduction length
-                      BK: tl.constexpr, DUAL: tl.constexpr, PRECISION: tl.constexpr):
-    """Returns ``(acc_g, acc_u)`` after the K loop; ``acc_u`` is only updated when ``DUAL``
-    (gated layers: the gate and up columns of the same output tile share the A loads)."""
+                      BK: tl.constexpr, DUAL: tl.constexpr, LORA_FUSED: tl.constexpr, PRECISION: tl.constexpr):
+    """Returns ``(acc_g, acc_u, acc_z)`` after the K loop; ``acc_u`` is only updated when ``DUAL``
+    (gated layers: the gate and up columns of the same output tile share the A loads) and
+    ``acc_z [BM, RP] += A @ L`` only when ``LORA_FUSED`` (the LoRA down-projection of the same rows,
+    sharing the A loads)."""
     ks = tl.arange(0, BK)
     a_ptrs = a_ptr + a_row_off[:, None] + ks[None, :] * stride_ak
     bg_ptrs = b_ptr + b_off_g[None, :] + ks[:, None] * stride_bk
     bu_ptrs = b_ptr + b_off_u[None, :] + ks[:, None] * stride_bk
+    la_ptrs = la_ptr + la_off_r[None, :] + ks[:, None] * stride_lak
     for k0 in range(0, K, BK):
         k_mask = (k0 + ks) < K
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -37,9 +44,42 @@ def gathered_mainloop(acc_g, acc_u,
             b = tl.load(bu_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             acc_u = tl.dot(a, b, acc_u, input_precision=PRECISION)
             bu_ptrs += BK * stride_bk
+        if LORA_FUSED:
+            la = tl.load(la_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+            acc_z = tl.dot(a, la, acc_z, input_precision=PRECISION)
+            la_ptrs += BK * stride_lak
         a_ptrs += BK * stride_ak
         bg_ptrs += BK * stride_bk
-    return acc_g, acc_u
+    return acc_g, acc_u, acc_z
+
+
+@triton.jit
+def lora_z(acc_z, z_ptr, rows, m_mask, R, pid_n, RP: tl.constexpr, LORA: tl.constexpr):
+    """The tile's LoRA rows ``z [BM, RP]`` (float32): with ``LORA == 1`` (split) read from
+    ``z [N, R]`` (sorted rows, computed by an earlier launch); with ``LORA == 2`` (fused) the
+    main loop's ``acc_z``, which the first column tile stores to ``z`` for backward."""
+    r_offs = tl.arange(0, RP)
+    mask = m_mask[:, None] & (r_offs < R)[None, :]
+    z_ptrs = z_ptr + rows[:, None] * R + r_offs[None, :]
+    if LORA == 1:
+        z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        z = acc_z
+        if pid_n == 0:
+            tl.store(z_ptrs, z.to(z_ptr.dtype.element_ty), mask=mask)
+    return z
+
+
+@triton.jit
+def lora_epilogue(acc, z, lb_ptr, col_off, n_mask, stride_lbr, R, scale, PRECISION: tl.constexpr,
+                  RP: tl.constexpr):
+    """``acc [BM, BN] += scale * z [BM, RP] @ Lb[cols, :]^T`` for one expert's LoRA factor ``Lb``:
+    element (col, j) at ``lb_ptr + col_off[col] + j * stride_lbr``. ``scale * z`` is rounded to the
+    factor's dtype for the tensor-core product (float32 accumulation)."""
+    r_offs = tl.arange(0, RP)
+    lb = tl.load(lb_ptr + col_off[None, :] + r_offs[:, None].to(tl.int64) * stride_lbr,
+                 mask=(r_offs < R)[:, None] & n_mask[None, :], other=0.0)  # [RP, BN]
+    return tl.dot((z * scale).to(lb.dtype), lb, acc, input_precision=PRECISION)
 
 
 @triton.jit

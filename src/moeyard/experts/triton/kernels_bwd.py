@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .act import act_grad
-from .gemm import gathered_mainloop, row_col_tile, weight_tile
+from .gemm import gathered_mainloop, lora_epilogue, lora_z, row_col_tile, weight_tile
 from .schedule import expert_piece, expert_slots
 
 
@@ -26,25 +26,37 @@ def dh_kernel(
     dh_ptr,           # [N, N1] input dtype, contiguous: d loss / d h, sorted (out)
     aw_ptr,           # [N, I] input dtype, contiguous: w * act(h), sorted (out)
     dw_ptr,           # [n_col_tiles_max, N] float32, zero-filled: partial d loss / d w by (column tile, pair) (out)
-    H, I, N1, N, E, top_k,
+    la_ptr,           # [E, H, R] LoRA factor La = B_down (input dtype), strides (stride_lae, stride_lak, stride_lar)
+    lb_ptr,           # [E, I, R] LoRA factor Lb = A_down^T (input dtype), strides (stride_lbe, stride_lbn, stride_lbr)
+    z_ptr,            # [N, R] input dtype, contiguous: dout[token] @ B_down_e, sorted (read if LORA == 1, written if 2)
+    H, I, N1, N, E, top_k, R,
     stride_dt, stride_dh, stride_we, stride_wh, stride_wi, stride_be, stride_bh,
-    gate_step, up_offset, alpha, limit,
-    ACT: tl.constexpr, DUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    stride_lae, stride_lak, stride_lar, stride_lbe, stride_lbn, stride_lbr,
+    gate_step, up_offset, alpha, limit, lora_scale,
+    ACT: tl.constexpr, DUAL: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr, RP: tl.constexpr,
     PRECISION: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """``g = dout[token] @ W_down[e]``; ``d_a = w * g``; ``d_h = act'(h) * d_a``;
-    ``d_w = g . act(h) (+ dout[token] . b_down[e])`` split over column tiles."""
+    """``g = dout[token] @ W_down[e] (+ s (dout[token] @ B_e) A_e)``; ``d_a = w * g``;
+    ``d_h = act'(h) * d_a``; ``d_w = g . act(h) (+ dout[token] . b_down[e])`` split over column tiles."""
     e, rows, m_mask, pair, token, cols, n_mask = row_col_tile(
         I, offsets_ptr, sort_order_ptr, E, top_k, BM, BN, E_P2)
     if e >= E:
         return
+    e64 = e.to(tl.int64)
     pid_n = tl.program_id(0) % tl.cdiv(I, BN)  # column tile: one d_w partial per tile
     col_off = cols.to(tl.int64) * stride_wi
+    r_offs = tl.arange(0, RP)
     acc = tl.zeros((BM, BN), tl.float32)
-    acc, _ = gathered_mainloop(
-        acc, acc, dout_ptr, token * stride_dt, m_mask, stride_dh,
-        w_ptr + e.to(tl.int64) * stride_we, col_off, col_off, n_mask, stride_wh, H,
-        BK, False, PRECISION)
+    acc_z = tl.zeros((BM, RP), tl.float32)
+    acc, _, acc_z = gathered_mainloop(
+        acc, acc, acc_z, dout_ptr, token * stride_dt, m_mask, stride_dh,
+        w_ptr + e64 * stride_we, col_off, col_off, n_mask, stride_wh,
+        la_ptr + e64 * stride_lae, r_offs.to(tl.int64) * stride_lar, r_offs < R, stride_lak, H,
+        BK, False, LORA == 2, PRECISION)
+    if LORA:
+        z = lora_z(acc_z, z_ptr, rows, m_mask, R, pid_n, RP, LORA)
+        acc = lora_epilogue(acc, z, lb_ptr + e64 * stride_lbe, cols.to(tl.int64) * stride_lbn, n_mask, stride_lbr,
+                            R, lora_scale, PRECISION, RP)
     w = tl.load(tw_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)[:, None]
     if BN >= 128:  # the epilogue in two column halves: half the live registers (no spills at wide tiles)
         acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
@@ -59,7 +71,7 @@ def dh_kernel(
     if HAS_BIAS:
         if pid_n == 0:
             d_w += _rows_dot_bias(dout_ptr, token * stride_dt, m_mask, stride_dh,
-                                  b_ptr + e.to(tl.int64) * stride_be, stride_bh, H, BM, BK)
+                                  b_ptr + e64 * stride_be, stride_bh, H, BM, BK)
     tl.store(dw_ptr + pid_n.to(tl.int64) * N + pair, d_w, mask=m_mask)
 
 

@@ -5,12 +5,18 @@ into tokens.
 
 Legend: T tokens, H hidden, I intermediate, N1 = 2I (gated) or I, E experts, K top-k, N = T*K
 pairs. "Sorted" rows are in expert-major order (``sort_order``); "pair" rows in token-major order.
+
+LoRA (``LORA`` 1 = split, 2 = fused; 0 = none): a GEMM ``Y = A W_e^T`` gains ``s * z Lb_e^T`` with
+``z = A La_e`` (``[rows, R]``) and two factors given as expert-strided views ``La [E, K, R]`` and
+``Lb [E, NOUT, R]`` (any strides: PEFT's layout is read in place). Split: ``z`` comes from an earlier
+launch of the same kernel (``[N, R]``, sorted rows); fused: the main loop computes it from the A tiles
+it already loads, and the first column tile stores it (backward needs it).
 """
 import triton
 import triton.language as tl
 
 from .act import act_fwd
-from .gemm import gathered_mainloop, row_col_tile
+from .gemm import gathered_mainloop, lora_epilogue, lora_z, row_col_tile
 
 
 @triton.jit
@@ -22,28 +28,45 @@ def up_kernel(
     offsets_ptr,      # [E + 1] int32: expert_offsets
     h_ptr,            # [N, N1] input dtype, contiguous: pre-activation rows, sorted; written if STORE_H
     a_ptr,            # [N, NA] input dtype, contiguous: activation rows, sorted (NA = I; = N1 for ACT "none")
-    H, NA, N1, E, top_k,
+    la_ptr,           # [E, H, R] LoRA factor La (input dtype), strides (stride_lae, stride_lak, stride_lar); if LORA == 2
+    lb_ptr,           # [E, N1, R] LoRA factor Lb (input dtype), strides (stride_lbe, stride_lbn, stride_lbr); if LORA
+    z_ptr,            # [N, R] input dtype, contiguous: x[token] @ La_e, sorted (read if LORA == 1, written if 2)
+    H, NA, N1, E, top_k, R,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_be, stride_bn,
+    stride_lae, stride_lak, stride_lar, stride_lbe, stride_lbn, stride_lbr,
     gate_step, up_offset,  # output column j reads gate row j * gate_step, up row j * gate_step + up_offset
-    alpha, limit,
-    ACT: tl.constexpr, DUAL: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr,
+    alpha, limit, lora_scale,
+    ACT: tl.constexpr, DUAL: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, GATHER: tl.constexpr,
+    LORA: tl.constexpr, RP: tl.constexpr,
     PRECISION: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """``h = x[token] @ W_up[e].T + b``, ``a = act(h)`` for one (row tile, column tile)."""
+    """``h = x[token] @ W_up[e].T + b (+ s z Lb_e^T)``, ``a = act(h)`` for one (row tile, column
+    tile). ``GATHER``: row r reads ``x[token of r]``; else ``x[r]`` (x already in sorted order)."""
     e, rows, m_mask, pair, token, cols, n_mask = row_col_tile(
         NA, offsets_ptr, sort_order_ptr, E, top_k, BM, BN, E_P2)
     if e >= E:
         return
+    e64 = e.to(tl.int64)
     col_g = cols.to(tl.int64) * gate_step
     col_u = col_g + up_offset
+    r_offs = tl.arange(0, RP)
     acc_g = tl.zeros((BM, BN), tl.float32)
     acc_u = tl.zeros((BM, BN), tl.float32)
-    acc_g, acc_u = gathered_mainloop(
-        acc_g, acc_u, x_ptr, token * stride_xt, m_mask, stride_xh,
-        w_ptr + e.to(tl.int64) * stride_we, col_g * stride_wn, col_u * stride_wn, n_mask, stride_wh, H,
-        BK, DUAL, PRECISION)
+    acc_z = tl.zeros((BM, RP), tl.float32)
+    acc_g, acc_u, acc_z = gathered_mainloop(
+        acc_g, acc_u, acc_z, x_ptr, (token if GATHER else rows) * stride_xt, m_mask, stride_xh,
+        w_ptr + e64 * stride_we, col_g * stride_wn, col_u * stride_wn, n_mask, stride_wh,
+        la_ptr + e64 * stride_lae, r_offs.to(tl.int64) * stride_lar, r_offs < R, stride_lak, H,
+        BK, DUAL, LORA == 2, PRECISION)
+    if LORA:
+        z = lora_z(acc_z, z_ptr, rows, m_mask, R, tl.program_id(0) % tl.cdiv(NA, BN), RP, LORA)
+        lb_e = lb_ptr + e64 * stride_lbe
+        acc_g = lora_epilogue(acc_g, z, lb_e, col_g * stride_lbn, n_mask, stride_lbr, R, lora_scale, PRECISION, RP)
+        if DUAL:
+            acc_u = lora_epilogue(acc_u, z, lb_e, col_u * stride_lbn, n_mask, stride_lbr, R, lora_scale, PRECISION,
+                                  RP)
     if HAS_BIAS:
-        b_row = b_ptr + e.to(tl.int64) * stride_be
+        b_row = b_ptr + e64 * stride_be
         acc_g += tl.load(b_row + col_g * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if DUAL:
             acc_u += tl.load(b_row + col_u * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -70,26 +93,38 @@ def down_kernel(
     offsets_ptr,      # [E + 1] int32: expert_offsets
     y_ptr,            # [N, NY] output dtype, contiguous: rows by pair (token-major);
                       # with ATOMIC: [T, NY] float32, contiguous, rows by token (added into)
-    KA, NY, E, top_k,
+    la_ptr,           # [E, KA, R] LoRA factor La (input dtype), strides (stride_lae, stride_lak, stride_lar); if LORA == 2
+    lb_ptr,           # [E, NY, R] LoRA factor Lb (input dtype), strides (stride_lbe, stride_lbn, stride_lbr); if LORA
+    z_ptr,            # [N, R] input dtype, contiguous: a[row] @ La_e, sorted (read if LORA == 1, written if 2)
+    KA, NY, E, top_k, R,
     stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-    HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ATOMIC: tl.constexpr,
+    stride_lae, stride_lak, stride_lar, stride_lbe, stride_lbn, stride_lbr, lora_scale,
+    HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ATOMIC: tl.constexpr, LORA: tl.constexpr, RP: tl.constexpr,
     PRECISION: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """``y[pair] = w[pair] * (a[row] @ W[e].T + b[e])`` for one (row tile, column tile); with
-    ``ATOMIC`` the row is added into ``y[token]`` with float32 atomics instead (the combine fused,
-    order of a token's pairs not fixed)."""
+    """``y[pair] = w[pair] * (a[row] @ W[e].T + b[e] (+ s z Lb_e^T))`` for one (row tile, column
+    tile); with ``ATOMIC`` the row is added into ``y[token]`` with float32 atomics instead (the
+    combine fused, order of a token's pairs not fixed)."""
     e, rows, m_mask, pair, token, cols, n_mask = row_col_tile(
         NY, offsets_ptr, sort_order_ptr, E, top_k, BM, BN, E_P2)
     if e >= E:
         return
+    e64 = e.to(tl.int64)
     col_off = cols.to(tl.int64) * stride_wn
+    r_offs = tl.arange(0, RP)
     acc = tl.zeros((BM, BN), tl.float32)
-    acc, _ = gathered_mainloop(
-        acc, acc, a_ptr, rows * KA, m_mask, 1,
-        w_ptr + e.to(tl.int64) * stride_we, col_off, col_off, n_mask, stride_wk, KA,
-        BK, False, PRECISION)
+    acc_z = tl.zeros((BM, RP), tl.float32)
+    acc, _, acc_z = gathered_mainloop(
+        acc, acc, acc_z, a_ptr, rows * KA, m_mask, 1,
+        w_ptr + e64 * stride_we, col_off, col_off, n_mask, stride_wk,
+        la_ptr + e64 * stride_lae, r_offs.to(tl.int64) * stride_lar, r_offs < R, stride_lak, KA,
+        BK, False, LORA == 2, PRECISION)
+    if LORA:
+        z = lora_z(acc_z, z_ptr, rows, m_mask, R, tl.program_id(0) % tl.cdiv(NY, BN), RP, LORA)
+        acc = lora_epilogue(acc, z, lb_ptr + e64 * stride_lbe, cols.to(tl.int64) * stride_lbn, n_mask, stride_lbr,
+                            R, lora_scale, PRECISION, RP)
     if HAS_BIAS:
-        bias = tl.load(b_ptr + e.to(tl.int64) * stride_be + cols * stride_bn, mask=n_mask, other=0.0)
+        bias = tl.load(b_ptr + e64 * stride_be + cols * stride_bn, mask=n_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
     if HAS_WEIGHT:
         acc *= tl.load(tw_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)[:, None]

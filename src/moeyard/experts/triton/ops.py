@@ -16,11 +16,13 @@ from ...activations import GATED
 from ...dispatch import make_plan
 from . import kernels_bwd, kernels_fwd
 from .options import options
-from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, REDUCE_BLOCK, SMALL, WGRAD_CONFIGS, dot_precision, gemm_tile,
-                       interpreting, max_chunks, max_partial_slots, max_row_tiles, tuned, wgrad_tile)
+from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, REDUCE_BLOCK, SMALL, THIN_WGRAD_CONFIGS, WGRAD_CONFIGS,
+                       dot_precision, gemm_tile, interpreting, lora_fused, max_chunks, max_partial_slots, max_row_tiles,
+                       rank_block, tuned, wgrad_tile)
 
 Tensor = torch.Tensor
 COMBINE_BH = 1024
+THIN = 64  # weight gradients with a side this small (LoRA factors) use the thin-tile configs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,14 +75,52 @@ class ActSpec:
         return (n1 // 2, 2, 1) if self.interleaved else (n1 // 2, 1, n1 // 2)
 
 
+LORA_NONE, LORA_SPLIT, LORA_FUSED = 0, 1, 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRATerm:
+    """The low-rank term ``s * (A La_e) Lb_e^T`` a grouped GEMM ``A W_e^T`` gains.
+
+    Attributes: la ``[E, K, R]`` and lb ``[E, NOUT, R]`` (views of any strides, input dtype), scale ``s``.
+    """
+
+    la: Tensor
+    lb: Tensor
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.la.shape[2]
+
+    def mode(self, num_rows: int, num_out: int) -> int:
+        """Split or fused (:func:`.schedule.lora_fused`, or the ``lora_mode`` option)."""
+        forced = options().lora_mode
+        if forced != "auto":
+            return LORA_FUSED if forced == "fused" else LORA_SPLIT
+        E, K, R = self.la.shape
+        return LORA_FUSED if lora_fused(num_rows, K, num_out, E, R) else LORA_SPLIT
+
+
+def _lora_args(la: Tensor | None, lb: Tensor | None, z: Tensor | None, mode: int, dummy: Tensor) -> tuple:
+    """Kernel arguments for a LoRA term: ``(la, lb, z, R, la strides (3), lb strides (3), RP)``
+    (unused pointers point at ``dummy``)."""
+    if mode == LORA_NONE:
+        return dummy, dummy, dummy, 0, 0, 0, 0, 0, 0, 0, 16
+    R = la.shape[2]
+    return (la, lb, z, R, la.stride(0), la.stride(1), la.stride(2), lb.stride(0), lb.stride(1), lb.stride(2),
+            rank_block(R))
+
+
 def _kernels():
     """The tuned launchers, built on first use (autotuning needs a GPU; the interpreter does not)."""
     if not _LAUNCHERS:
         _LAUNCHERS.update(
-            up=tuned(kernels_fwd.up_kernel, DUAL_CONFIGS, ["NA", "H", "N1", "E"], gemm_tile(2)),
-            down=tuned(kernels_fwd.down_kernel, GEMM_CONFIGS, ["KA", "NY", "E", "ATOMIC"], gemm_tile(1)),
-            dh=tuned(kernels_bwd.dh_kernel, DH_CONFIGS, ["H", "I", "N1", "E"], gemm_tile(1)),
+            up=tuned(kernels_fwd.up_kernel, DUAL_CONFIGS, ["NA", "H", "N1", "E", "R", "LORA"], gemm_tile(2)),
+            down=tuned(kernels_fwd.down_kernel, GEMM_CONFIGS, ["KA", "NY", "E", "ATOMIC", "R", "LORA"], gemm_tile(1)),
+            dh=tuned(kernels_bwd.dh_kernel, DH_CONFIGS, ["H", "I", "N1", "E", "R", "LORA"], gemm_tile(1)),
             wgrad=tuned(kernels_bwd.wgrad_kernel, WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], wgrad_tile),
+            wgrad_thin=tuned(kernels_bwd.wgrad_kernel, THIN_WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], wgrad_tile),
         )
     return _LAUNCHERS
 
@@ -102,11 +142,13 @@ def _row_grid(n: int, e: int, cols: int):
 
 # ---------------------------------------------------------------- custom ops (write into outputs)
 
-@torch.library.custom_op("moeyard::triton_up_proj", mutates_args=("h", "a"))
+@torch.library.custom_op("moeyard::triton_up_proj", mutates_args=("h", "a", "z"))
 def up_proj_(x: Tensor, w: Tensor, b: Optional[Tensor], sort_order: Tensor, expert_offsets: Tensor,
-             top_k: int, act: str, alpha: float, limit: float, interleaved: bool,
-             h: Optional[Tensor], a: Tensor) -> None:
-    """``h = x[token] @ w[e].T + b[e]`` (sorted rows, written when given), ``a = act(h)``."""
+             top_k: int, act: str, alpha: float, limit: float, interleaved: bool, gather: bool,
+             la: Optional[Tensor], lb: Optional[Tensor], lora_mode: int, lora_scale: float,
+             h: Optional[Tensor], a: Tensor, z: Optional[Tensor]) -> None:
+    """``h = x[token] @ w[e].T + b[e] (+ s z lb[e]^T)`` (sorted rows; ``x[row]`` without ``gather``;
+    ``h`` written when given), ``a = act(h)``; LoRA ``z = x @ la[e]`` read (split) or written (fused)."""
     E, N1, H = w.shape
     N = sort_order.shape[0]
     if N == 0:
@@ -114,56 +156,66 @@ def up_proj_(x: Tensor, w: Tensor, b: Optional[Tensor], sort_order: Tensor, expe
     spec = ActSpec(name=act, alpha=alpha, limit=limit, interleaved=interleaved)
     NA, gate_step, up_offset = spec.columns(N1)
     bb = w if b is None else b
+    la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
     _kernels()["up"][_row_grid(N, E, NA)](
-        x, w, bb, sort_order, expert_offsets, a if h is None else h, a,
-        H, NA, N1, E, top_k,
+        x, w, bb, sort_order, expert_offsets, a if h is None else h, a, la_, lb_, z_,
+        H, NA, N1, E, top_k, R,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1),
-        gate_step, up_offset, alpha, limit,
-        ACT=act, DUAL=spec.gated, HAS_BIAS=b is not None, STORE_H=h is not None,
-        PRECISION=dot_precision(x.dtype), E_P2=_e_p2(E))
+        *lora_strides, gate_step, up_offset, alpha, limit, lora_scale,
+        ACT=act, DUAL=spec.gated, HAS_BIAS=b is not None, STORE_H=h is not None, GATHER=gather,
+        LORA=lora_mode, RP=RP, PRECISION=dot_precision(x.dtype), E_P2=_e_p2(E))
 
 
 @up_proj_.register_fake
-def _(x, w, b, sort_order, expert_offsets, top_k, act, alpha, limit, interleaved, h, a):
+def _(x, w, b, sort_order, expert_offsets, top_k, act, alpha, limit, interleaved, gather, la, lb, lora_mode,
+      lora_scale, h, a, z):
     return None
 
 
-def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, y, atomic: bool) -> None:
+def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, y, z,
+                atomic: bool) -> None:
     E, NY, KA = w.shape
     N = sort_order.shape[0]
     if N == 0:
         return
     bb = w if b is None else b
+    la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
     _kernels()["down"][_row_grid(N, E, NY)](
-        rows, w, bb, rows if topk_weights is None else topk_weights, sort_order, expert_offsets, y,
-        KA, NY, E, top_k,
-        w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1),
-        HAS_BIAS=b is not None, HAS_WEIGHT=topk_weights is not None, ATOMIC=atomic,
+        rows, w, bb, rows if topk_weights is None else topk_weights, sort_order, expert_offsets, y, la_, lb_, z_,
+        KA, NY, E, top_k, R,
+        w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1), *lora_strides, lora_scale,
+        HAS_BIAS=b is not None, HAS_WEIGHT=topk_weights is not None, ATOMIC=atomic, LORA=lora_mode, RP=RP,
         PRECISION=dot_precision(rows.dtype), E_P2=_e_p2(E))
 
 
-@torch.library.custom_op("moeyard::triton_down_proj", mutates_args=("y",))
+@torch.library.custom_op("moeyard::triton_down_proj", mutates_args=("y", "z"))
 def down_proj_(rows: Tensor, w: Tensor, b: Optional[Tensor], topk_weights: Optional[Tensor], sort_order: Tensor,
-               expert_offsets: Tensor, top_k: int, y: Tensor) -> None:
-    """``y[pair] = topk_weights[pair] * (rows[sorted row] @ w[e].T + b[e])``; ``w [E, NY, KA]``."""
-    launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, y, False)
+               expert_offsets: Tensor, top_k: int, la: Optional[Tensor], lb: Optional[Tensor], lora_mode: int,
+               lora_scale: float, y: Tensor, z: Optional[Tensor]) -> None:
+    """``y[pair] = topk_weights[pair] * (rows[sorted row] @ w[e].T + b[e] (+ s z lb[e]^T))``;
+    ``w [E, NY, KA]``; LoRA ``z = rows @ la[e]`` read (split) or written (fused)."""
+    launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, y, z,
+                False)
 
 
 @down_proj_.register_fake
-def _(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, y):
+def _(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, y, z):
     return None
 
 
-@torch.library.custom_op("moeyard::triton_down_proj_atomic", mutates_args=("acc",))
+@torch.library.custom_op("moeyard::triton_down_proj_atomic", mutates_args=("acc", "z"))
 def down_proj_atomic_(rows: Tensor, w: Tensor, b: Optional[Tensor], topk_weights: Optional[Tensor],
-                      sort_order: Tensor, expert_offsets: Tensor, top_k: int, acc: Tensor) -> None:
-    """``acc[token] += topk_weights[pair] * (rows[sorted row] @ w[e].T + b[e])`` with float32 atomics
-    (``acc [T, NY]`` float32; not deterministic)."""
-    launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, acc, True)
+                      sort_order: Tensor, expert_offsets: Tensor, top_k: int, la: Optional[Tensor],
+                      lb: Optional[Tensor], lora_mode: int, lora_scale: float, acc: Tensor,
+                      z: Optional[Tensor]) -> None:
+    """``acc[token] += topk_weights[pair] * (rows[sorted row] @ w[e].T + b[e] (+ LoRA))`` with float32
+    atomics (``acc [T, NY]`` float32; not deterministic)."""
+    launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, acc, z,
+                True)
 
 
 @down_proj_atomic_.register_fake
-def _(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, acc):
+def _(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, acc, z):
     return None
 
 
@@ -185,12 +237,14 @@ def _(y, topk_ids, topk_weights, num_experts, out):
     return None
 
 
-@torch.library.custom_op("moeyard::triton_act_grad", mutates_args=("dh", "aw", "dw"))
+@torch.library.custom_op("moeyard::triton_act_grad", mutates_args=("dh", "aw", "dw", "z"))
 def act_grad_(dout: Tensor, w: Tensor, b: Optional[Tensor], h: Tensor, topk_weights: Tensor, sort_order: Tensor,
               expert_offsets: Tensor, top_k: int, act: str, alpha: float, limit: float, interleaved: bool,
-              dh: Tensor, aw: Tensor, dw: Tensor) -> None:
+              la: Optional[Tensor], lb: Optional[Tensor], lora_mode: int, lora_scale: float,
+              dh: Tensor, aw: Tensor, dw: Tensor, z: Optional[Tensor]) -> None:
     """``d_h`` (sorted), ``aw = w * act(h)`` (sorted) and column-tile partials of the routing-weight
-    gradient ``dw [tiles, N]`` from ``dout [T, H]`` and the down weight ``w [E, H, I]``."""
+    gradient ``dw [tiles, N]`` from ``dout [T, H]`` and the down weight ``w [E, H, I]`` (plus its LoRA
+    term: ``la = B [E, H, R]``, ``lb = A^T [E, I, R]``, ``z = dout[token] @ B_e`` read or written)."""
     E, H, I = w.shape
     N, N1 = h.shape
     if N == 0:
@@ -198,16 +252,19 @@ def act_grad_(dout: Tensor, w: Tensor, b: Optional[Tensor], h: Tensor, topk_weig
     spec = ActSpec(name=act, alpha=alpha, limit=limit, interleaved=interleaved)
     _, gate_step, up_offset = spec.columns(N1)
     bb = w if b is None else b
+    la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
     _kernels()["dh"][_row_grid(N, E, I)](
-        dout, w, bb, h, topk_weights, sort_order, expert_offsets, dh, aw, dw,
-        H, I, N1, N, E, top_k,
+        dout, w, bb, h, topk_weights, sort_order, expert_offsets, dh, aw, dw, la_, lb_, z_,
+        H, I, N1, N, E, top_k, R,
         dout.stride(0), dout.stride(1), w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1),
-        gate_step, up_offset, alpha, limit,
-        ACT=act, DUAL=spec.gated, HAS_BIAS=b is not None, PRECISION=dot_precision(h.dtype), E_P2=_e_p2(E))
+        *lora_strides, gate_step, up_offset, alpha, limit, lora_scale,
+        ACT=act, DUAL=spec.gated, HAS_BIAS=b is not None, LORA=lora_mode, RP=RP, PRECISION=dot_precision(h.dtype),
+        E_P2=_e_p2(E))
 
 
 @act_grad_.register_fake
-def _(dout, w, b, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha, limit, interleaved, dh, aw, dw):
+def _(dout, w, b, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha, limit, interleaved, la, lb,
+      lora_mode, lora_scale, dh, aw, dw, z):
     return None
 
 
@@ -236,7 +293,7 @@ def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert
     part_b = part if part_b is None else part_b
     items = max_chunks(N, E, chunk_rows) if chunked else E
     grid = lambda m: (items * triton.cdiv(NL, m["BN"]) * triton.cdiv(NR, m["BK"]),)  # noqa: E731
-    _kernels()["wgrad"][grid](
+    _kernels()["wgrad_thin" if min(NL, NR) <= THIN else "wgrad"][grid](
         lhs, rhs, lhs if scale is None else scale, sort_order, expert_offsets, dw, dbb, part, part_b,
         NL, NR, E, top_k, max(chunk_rows, 1),
         lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
@@ -276,22 +333,50 @@ def empty_like(like: Tensor) -> Tensor:
     return torch.empty_like(like)
 
 
-def up_proj(x: Tensor, w: Tensor, b: Tensor | None, r: Routing, spec: ActSpec, *,
-            store_h: bool) -> tuple[Tensor | None, Tensor]:
-    """``x [T, H]``, ``w [E, N1, H]`` -> ``(h [N, N1] | None, a [N, NA])`` in sorted row order."""
+def up_proj(x: Tensor, w: Tensor, b: Tensor | None, r: Routing, spec: ActSpec, *, store_h: bool,
+            lora: LoRATerm | None = None, gather: bool = True) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """``x [T, H]`` (``[N, H]`` sorted rows without ``gather``), ``w [E, N1, H]`` ->
+    ``(h [N, N1] | None, a [N, NA], z [N, R] | None)`` in sorted row order; ``z = x @ La_e`` is the
+    LoRA term's low-rank rows (kept for backward)."""
     n1 = w.shape[1]
-    h = empty((r.num_pairs, n1), x) if store_h else None
-    a = empty((r.num_pairs, spec.columns(n1)[0]), x)
+    N = r.num_pairs
+    h = empty((N, n1), x) if store_h else None
+    a = empty((N, spec.columns(n1)[0]), x)
+    mode, z, la, lb = _lora_rows(x, lora, r, gather, n1)
     up_proj_(x, w, b, r.sort_order, r.expert_offsets, r.top_k, spec.name, spec.alpha, spec.limit,
-             spec.interleaved, h, a)
-    return h, a
+             spec.interleaved, gather, la, lb, mode, 0.0 if lora is None else lora.scale, h, a, z)
+    return h, a, z
 
 
-def down_proj(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor | None, r: Routing) -> Tensor:
-    """Sorted ``rows [N, KA]``, ``w [E, NY, KA]`` -> ``y [N, NY]`` by pair (optionally weighted)."""
+def low_rank_rows(x: Tensor, la: Tensor, r: Routing, *, gather: bool) -> Tensor:
+    """``z [N, R] = x[row] @ la[e]`` in sorted row order (a thin grouped GEMM; ``la [E, K, R]``;
+    ``x [T, K]`` read by token with ``gather``, else ``[N, K]`` sorted rows)."""
+    _, z, _ = up_proj(x, la.mT, None, r, ActSpec(name="none"), store_h=False, gather=gather)
+    return z
+
+
+def _lora_rows(x: Tensor, lora: LoRATerm | None, r: Routing, gather: bool, num_out: int):
+    """``(mode, z, la, lb)`` for a GEMM over ``x``'s rows: split mode computes ``z`` here; fused mode
+    hands the kernel an empty ``z`` to fill."""
+    if lora is None:
+        return LORA_NONE, None, None, None
+    mode = lora.mode(r.num_pairs, num_out)
+    if mode == LORA_SPLIT:
+        z = low_rank_rows(x, lora.la, r, gather=gather)
+    else:
+        z = empty((r.num_pairs, lora.rank), x)
+    return mode, z, lora.la, lora.lb
+
+
+def down_proj(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor | None, r: Routing,
+              lora: LoRATerm | None = None) -> tuple[Tensor, Tensor | None]:
+    """Sorted ``rows [N, KA]``, ``w [E, NY, KA]`` -> ``(y [N, NY] by pair (optionally weighted),
+    z [N, R] | None)``."""
     y = empty((r.num_pairs, w.shape[1]), rows)
-    down_proj_(rows, w, b, topk_weights, r.sort_order, r.expert_offsets, r.top_k, y)
-    return y
+    mode, z, la, lb = _lora_rows(rows, lora, r, False, w.shape[1])
+    down_proj_(rows, w, b, topk_weights, r.sort_order, r.expert_offsets, r.top_k, la, lb, mode,
+               0.0 if lora is None else lora.scale, y, z)
+    return y, z
 
 
 def combine(y: Tensor, r: Routing, topk_weights: Tensor | None) -> Tensor:
@@ -302,32 +387,38 @@ def combine(y: Tensor, r: Routing, topk_weights: Tensor | None) -> Tensor:
 
 
 def down_combine(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor | None, r: Routing,
-                 nan_weights: Tensor | None) -> Tensor:
-    """``combine(down_proj(...))``: ``[T, NY]`` in ``rows.dtype``. Invalid pairs add ``nan_weights * 0``
-    when given (NaN for a NaN weight), else nothing. With ``options().atomic_combine`` the pair rows
-    are added into a float32 accumulator by the down projection (no ``[N, NY]`` round trip; not
-    deterministic); otherwise written by pair and combined in a fixed order."""
+                 nan_weights: Tensor | None, lora: LoRATerm | None = None) -> tuple[Tensor, Tensor | None]:
+    """``combine(down_proj(...))``: ``([T, NY] in rows.dtype, LoRA rows z [N, R] | None)``. Invalid
+    pairs add ``nan_weights * 0`` when given (NaN for a NaN weight), else nothing. With
+    ``options().atomic_combine`` the pair rows are added into a float32 accumulator by the down
+    projection (no ``[N, NY]`` round trip; not deterministic); otherwise written by pair and combined
+    in a fixed order."""
     if not options().atomic_combine:
-        return combine(down_proj(rows, w, b, topk_weights, r), r, nan_weights)
+        y, z = down_proj(rows, w, b, topk_weights, r, lora)
+        return combine(y, r, nan_weights), z
     T, K = r.topk_ids.shape
     acc = torch.zeros((T, w.shape[1]), dtype=torch.float32, device=rows.device)
-    down_proj_atomic_(rows, w, b, topk_weights, r.sort_order, r.expert_offsets, r.top_k, acc)
+    mode, z, la, lb = _lora_rows(rows, lora, r, False, w.shape[1])
+    down_proj_atomic_(rows, w, b, topk_weights, r.sort_order, r.expert_offsets, r.top_k, la, lb, mode,
+                      0.0 if lora is None else lora.scale, acc, z)
     if nan_weights is not None:
         valid = (r.topk_ids >= 0) & (r.topk_ids < r.num_experts)
         acc += torch.where(valid, 0.0, nan_weights.view(T, K).float() * 0.0).sum(1, keepdim=True)
-    return acc.to(rows.dtype)
+    return acc.to(rows.dtype), z
 
 
 def act_grad(dout: Tensor, w: Tensor, b: Tensor | None, h: Tensor, topk_weights: Tensor, r: Routing,
-             spec: ActSpec) -> tuple[Tensor, Tensor, Tensor]:
-    """``(d_h [N, N1], w * a [N, I], d topk_weights [N] float32)`` from ``dout [T, H]``, ``w [E, H, I]``."""
+             spec: ActSpec, lora: LoRATerm | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """``(d_h [N, N1], w * a [N, I], d topk_weights [N] float32, z [N, R] | None)`` from
+    ``dout [T, H]``, ``w [E, H, I]`` (``z = dout[token] @ la[e]``, the LoRA term's rows)."""
     N, I = r.num_pairs, w.shape[2]
     dh = empty(tuple(h.shape), h)
     aw = empty((N, I), h)
     partial = torch.zeros((triton.cdiv(I, _dh_min_bn()), N), dtype=torch.float32, device=h.device)
+    mode, z, la, lb = _lora_rows(dout, lora, r, True, I)
     act_grad_(dout, w, b, h, topk_weights, r.sort_order, r.expert_offsets, r.top_k, spec.name, spec.alpha,
-              spec.limit, spec.interleaved, dh, aw, partial)
-    return dh, aw, partial.sum(0)
+              spec.limit, spec.interleaved, la, lb, mode, 0.0 if lora is None else lora.scale, dh, aw, partial, z)
+    return dh, aw, partial.sum(0), z
 
 
 def wgrad(lhs: Tensor, rhs: Tensor, *, lhs_by_token: bool, rhs_by_token: bool, scale: Tensor | None,

@@ -14,6 +14,10 @@ Each defaults to the measured default path; set an environment variable, or over
   atomics). Experts with at most ``rows`` rows write ``dW`` directly, as on the default path.
   Balances skewed routing. The partial buffer holds at most ``2 * N // rows`` slots of
   ``NL * NR`` float32 (``NL, NR`` the weight's two dims); ``rows`` is raised until that fits in ``MOEYARD_TRITON_WGRAD_PARTIAL_MIB`` (``wgrad_partial_mib``, default 512).
+- ``MOEYARD_TRITON_LORA=auto|fused|split`` (``lora_mode``): how LoRA terms are computed. ``fused``
+  computes the low-rank rows ``x A_e^T`` inside the GEMM's main loop from the tiles it loads anyway;
+  ``split`` in a thin launch of their own first; ``auto`` (default) picks by
+  :func:`.schedule.lora_fused`. Results agree to rounding.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ import os
 from dataclasses import dataclass
 
 ENV = dict(atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE", wgrad_chunk_rows="MOEYARD_TRITON_WGRAD_CHUNK",
-           wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB")
+           wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", lora_mode="MOEYARD_TRITON_LORA")
+LORA_MODES = ("auto", "fused", "split")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,10 +35,13 @@ class Options:
     atomic_combine: bool = False
     wgrad_chunk_rows: int = 0
     wgrad_partial_mib: int = 512
+    lora_mode: str = "auto"
 
     def __post_init__(self):
         if self.wgrad_chunk_rows < 0 or self.wgrad_partial_mib <= 0:
             raise ValueError(f"wgrad_chunk_rows must be >= 0 and wgrad_partial_mib > 0, got {self}")
+        if self.lora_mode not in LORA_MODES:
+            raise ValueError(f"lora_mode ({ENV['lora_mode']}): expected one of {LORA_MODES}, got {self.lora_mode!r}")
 
     def chunk_rows(self, num_rows: int, nl: int, nr: int) -> int:
         """Rows per weight-gradient chunk for ``num_rows`` pairs and a ``[NL, NR]`` weight (0: off):
@@ -53,6 +61,8 @@ def _from_env(name: str, default):
         return default
     if isinstance(default, bool):
         return raw not in ("0", "false", "False")
+    if isinstance(default, str):
+        return raw
     return int(raw)
 
 

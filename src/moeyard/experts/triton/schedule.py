@@ -89,6 +89,28 @@ def max_row_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
     return num_rows // block_m + min(num_experts, num_rows)
 
 
+def rank_block(rank: int) -> int:
+    """The padded LoRA rank a kernel holds in registers: a power of two, at least 16 (``tl.dot``)."""
+    return max(16, triton.next_power_of_2(rank))
+
+
+# Split vs fused LoRA (the ``lora_mode`` option overrides). Fused recomputes the ``[rows, R]`` low-rank
+# rows in every column tile of the GEMM (about ``R / BN`` more tensor-core work); split computes them
+# once in a thin extra launch that reads the GEMM's input again (memory-bound). Split wins for few,
+# large experts, where the GEMM is compute-bound and its input is small next to its weights
+# (ScatterMoE-LoRA's rule: E <= 32 and K * N_out >= 20M), and for large ranks.
+SPLIT_MAX_EXPERTS = 32
+SPLIT_MIN_WEIGHT = 20_000_000
+SPLIT_MIN_RANK = 64
+
+
+def lora_fused(num_rows: int, k: int, num_out: int, num_experts: int, rank: int) -> bool:
+    """True to fuse the LoRA term into the GEMM's main loop, False to split it (see above)."""
+    if rank >= SPLIT_MIN_RANK:
+        return False
+    return not (num_experts <= SPLIT_MAX_EXPERTS and k * num_out >= SPLIT_MIN_WEIGHT)
+
+
 def interpreting() -> bool:
     """True under Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -127,6 +149,11 @@ DH_CONFIGS = [
 WGRAD_CONFIGS = [
     _cfg(64, 256, 128, 8, 4), _cfg(64, 128, 256, 8, 4), _cfg(64, 256, 128, 8, 3), _cfg(64, 128, 128, 8, 4),
     _cfg(64, 128, 128, 8, 3), _cfg(128, 128, 128, 8, 3), _cfg(32, 256, 128, 8, 6), _cfg(64, 64, 128, 4, 4),
+]
+# weight gradients with one thin side (LoRA factors: r rows or columns): narrow tiles on that side
+THIN_WGRAD_CONFIGS = [
+    _cfg(64, 16, 256, 4, 4), _cfg(64, 32, 256, 8, 4), _cfg(128, 16, 128, 4, 4), _cfg(64, 64, 128, 4, 4),
+    _cfg(64, 256, 16, 4, 4), _cfg(64, 256, 32, 8, 4), _cfg(128, 128, 16, 4, 4),
 ]
 # the second-stage sum of weight-gradient partials (memory-bound; BN x BK float32 tiles)
 REDUCE_BLOCK = dict(BN=64, BK=64, num_warps=4)
