@@ -13,6 +13,7 @@ from .activations import Activation
 from .checks import check_float
 from .config import MoEConfig
 from .experts import experts
+from .experts.lora import LoRAAdapter
 from .experts.registry import check_backend_name
 from .routing import Router, RoutingOutput
 
@@ -52,6 +53,9 @@ class MoE(nn.Module):
     the B sequences. After a forward, ``self.aux_loss`` holds the coefficient-weighted router loss
     (a float32 scalar to add to the training loss) and ``self.routing`` the :class:`RoutingOutput`.
 
+    LoRA: :meth:`add_lora` gives the expert projections PEFT-layout adapters (``self.lora``), trained
+    through the fused kernels with the base expert weights frozen; :meth:`merge_lora` folds them in.
+
     CUDA graphs: forward and backward run with no host sync and capture whole; before capturing,
     drop the warm-up step's tensors (``layer.aux_loss = layer.routing = None``): they keep the
     warm-up's autograd graph, and freeing it inside the capture makes the capture fail (seen with
@@ -89,8 +93,43 @@ class MoE(nn.Module):
             self.shared_expert = SharedExpert(H, shared_i, self.activation, gate=config.shared_expert_gate, **kw)
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
+        self.lora: nn.ModuleDict | None = None
         self.aux_loss: Tensor | None = None
         self.routing: RoutingOutput | None = None
+
+    def add_lora(self, rank: int, *, alpha: float | None = None, rslora: bool = False,
+                 targets: tuple[str, ...] = ("gate_up_proj", "down_proj"), freeze_base: bool = True) -> "MoE":
+        """Add LoRA adapters (:class:`moeyard.experts.lora.LoRAAdapter`, PEFT's layout and init) to the
+        expert projections named in ``targets``, in the experts' device and dtype; with
+        ``freeze_base`` the expert weights and biases stop requiring grad. Returns ``self``.
+
+        State dict keys: ``lora.<target>.lora_A.weight [r*E, in]``, ``lora.<target>.lora_B.weight [out, r*E]``.
+
+        Raises:
+            ValueError: unknown target, a bad rank/alpha, or adapters already present.
+        """
+        if self.lora is not None:
+            raise ValueError("add_lora: this layer already has LoRA adapters (merge_lora() or drop self.lora first)")
+        sizes = {"gate_up_proj": self.gate_up_proj.shape, "down_proj": self.down_proj.shape}
+        if not targets or any(t not in sizes for t in targets):
+            raise ValueError(f"targets: expected a non-empty subset of {tuple(sizes)}, got {targets!r}")
+        kw = {"device": self.down_proj.device, "dtype": self.down_proj.dtype}
+        self.lora = nn.ModuleDict({t: LoRAAdapter(sizes[t][0], sizes[t][2], sizes[t][1], rank, alpha=alpha,
+                                                  rslora=rslora, **kw) for t in targets})
+        if freeze_base:
+            for p in (self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias):
+                if p is not None:
+                    p.requires_grad_(False)
+        return self
+
+    @torch.no_grad()
+    def merge_lora(self) -> "MoE":
+        """Fold the adapters into the expert weights (``W += s B A``) and remove them. Returns ``self``."""
+        for name, adapter in (self.lora or {}).items():
+            w = getattr(self, name)
+            w += adapter.delta_weight().to(w.dtype)
+        self.lora = None
+        return self
 
     def forward(self, x: Tensor) -> Tensor:
         check_float("x", x)
@@ -103,7 +142,8 @@ class MoE(nn.Module):
         routing = self.router(x2, num_sequences=x.shape[0] if x.dim() == 3 and x2.shape[0] else 1)
         out = experts(x2, routing.topk_ids, routing.topk_weights.to(x.dtype), self.gate_up_proj, self.down_proj,
                       activation=self.activation, backend=self.backend, gate_up_bias=self.gate_up_proj_bias,
-                      down_bias=self.down_proj_bias)
+                      down_bias=self.down_proj_bias,
+                      lora=None if self.lora is None else {n: a.expert_lora() for n, a in self.lora.items()})
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
         self.routing, self.aux_loss = routing, routing.loss

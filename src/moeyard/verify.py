@@ -13,6 +13,12 @@ parameter (the input embeddings included), as relative errors ``max|got - ref| /
   its error is at most ``2 * eager's + LOW_PRECISION_SLACK``, on an input where all three runs route
   every token alike (see :class:`_LowPrecision`).
 
+With ``--lora R`` the model is wrapped by PEFT (``LoraConfig(r=R, target_parameters=...)`` on every
+experts module's 3-D weights, adapters randomised so that they matter) and the comparison is PEFT on
+transformers' eager experts (PEFT's own ``W + dW`` fold) against PEFT on moeyard: the logits and the
+gradient of every LoRA factor (PEFT freezes the rest). ``--fuse-lora`` runs moeyard through
+:func:`moeyard.integrations.peft.fuse_lora` (no parametrization registered at all).
+
 The model builders here are the single copy the test-suite uses too.
 """
 from __future__ import annotations
@@ -144,8 +150,10 @@ class ArchUnavailable(Exception):
 
 
 def build_model(arch: Arch | str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu", experts_implementation: str = "eager") -> torch.nn.Module:
-    """A tiny seeded random-weight causal LM of ``arch`` (eager attention), in train mode.
+                device: torch.device | str = "cpu", experts_implementation: str = "eager",
+                lora_rank: int = 0) -> torch.nn.Module:
+    """A tiny seeded random-weight causal LM of ``arch`` (eager attention), in train mode; with
+    ``lora_rank`` wrapped by PEFT (:func:`add_expert_lora`).
 
     Every floating parameter is perturbed by ``N(0, 0.02)`` after transformers' initialisation, so
     biases and norm weights are neither 0 nor 1.
@@ -169,12 +177,38 @@ def build_model(arch: Arch | str, *, seed: int = 0, dtype: torch.dtype = torch.f
         for p in model.parameters():
             if p.is_floating_point():
                 p.add_(torch.randn(p.shape, generator=gen) * 0.02)
-    return model.to(device=device, dtype=dtype).train()
+    model = model.to(device=device, dtype=dtype).train()
+    return add_expert_lora(model, lora_rank, seed=seed) if lora_rank else model
+
+
+def add_expert_lora(model: torch.nn.Module, rank: int, *, seed: int = 0) -> torch.nn.Module:
+    """``peft.get_peft_model`` with LoRA of ``rank`` on every experts module's 3-D weights
+    (``target_parameters``), both factors redrawn from a seeded ``N(0, 1/sqrt(fan-in))`` so the
+    adapters change the output (PEFT starts B at zero). Returns the PEFT model.
+
+    Raises:
+        ImportError: peft is not installed.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as ex:
+        raise ImportError("--lora needs peft >= 0.17: pip install peft") from ex
+    targets = sorted({f"{name}.{p}" for name, m in model.named_modules() if m in experts_modules(model)
+                      for p in ("gate_up_proj", "up_proj", "down_proj") if isinstance(getattr(m, p, None), torch.Tensor)})
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=[],
+                                                  target_parameters=targets))
+    gen = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) / p.shape[1] ** 0.5)
+    return peft_model
 
 
 def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's ``@use_experts_implementation`` modules."""
-    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj")]
+    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj")
+            and not hasattr(m, "base_layer")]
 
 
 def make_inputs(model: torch.nn.Module, *, seed: int = 0, batch: int = 2, seq: int = 8) -> tuple[Tensor, Tensor]:
@@ -249,12 +283,17 @@ class Result:
     seconds: float = 0.0
 
 
-def check_arch(arch: Arch, backends: list[str], *, device: str, dtype: torch.dtype, seed: int = 0) -> list[Result]:
-    """Parity of every backend for one architecture (see the module docstring for the criterion)."""
+def check_arch(arch: Arch, backends: list[str], *, device: str, dtype: torch.dtype, seed: int = 0,
+               lora_rank: int = 0, fuse_lora: bool = False) -> list[Result]:
+    """Parity of every backend for one architecture (see the module docstring for the criterion);
+    with ``lora_rank``, of PEFT LoRA training (``fuse_lora``: through :func:`moeyard.integrations.peft.fuse_lora`)."""
     try:
-        model = build_model(arch, seed=seed, dtype=dtype, device=device)
+        model = build_model(arch, seed=seed, dtype=dtype, device=device, lora_rank=lora_rank)
         judge = _Exact(model, seed=seed, dtype=dtype) if dtype in TOLERANCE else \
-            _LowPrecision(model, arch, seed=seed, device=device)
+            _LowPrecision(model, arch, seed=seed, device=device, lora_rank=lora_rank)
+        if fuse_lora:
+            from .integrations.peft import fuse_lora as fuse
+            fuse(model)
     except ArchUnavailable as ex:
         return [Result(arch=arch.name, backend=b, status="skip", message=str(ex)) for b in backends]
     except Exception as ex:  # the eager model itself fails: every cell of the row is an error
@@ -306,9 +345,9 @@ class _LowPrecision:
 
     TRIES = 8
 
-    def __init__(self, model, arch: Arch, *, seed: int, device: str):
+    def __init__(self, model, arch: Arch, *, seed: int, device: str, lora_rank: int = 0):
         self.model, self.seed = model, seed
-        self.model64 = build_model(arch, seed=seed, dtype=torch.float64, device=device)
+        self.model64 = build_model(arch, seed=seed, dtype=torch.float64, device=device, lora_rank=lora_rank)
         self._draws: dict[int, tuple] = {}
 
     def __call__(self, backend: str) -> tuple[float, str, float] | None:
@@ -366,6 +405,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype (default: float32)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default: 0)")
+    parser.add_argument("--lora", type=int, default=0, metavar="R",
+                        help="wrap each model with PEFT LoRA of rank R on the experts and compare LoRA training")
+    parser.add_argument("--fuse-lora", action="store_true",
+                        help="with --lora: run moeyard through moeyard.integrations.peft.fuse_lora")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
 
@@ -391,10 +434,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--backends: expected names from {runnable}, got {b!r}")
         if b not in runnable:
             raise ValueError(f"--backends: {b!r} cannot run on {device} with {args.dtype}; backends that can: {runnable}")
+    if args.lora < 0 or (args.fuse_lora and not args.lora):
+        raise ValueError(f"--lora: expected a positive rank (needed by --fuse-lora), got {args.lora}")
     archs = [ARCHS[a] for a in (args.arch or ARCHS)]
     t0 = time.perf_counter()
     with _quiet_transformers():
-        results = [r for a in archs for r in check_arch(a, list(backends), device=device, dtype=dtype, seed=args.seed)]
+        results = [r for a in archs for r in check_arch(a, list(backends), device=device, dtype=dtype, seed=args.seed,
+                                                        lora_rank=args.lora, fuse_lora=args.fuse_lora)]
     elapsed = time.perf_counter() - t0
     failed = any(r.status in ("fail", "error") for r in results)
     if args.json:

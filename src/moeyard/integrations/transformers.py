@@ -16,6 +16,9 @@ interleaved gate/up columns), ``has_bias``, ``has_gate`` (False: ``up_proj`` and
 (expert ids ``>= num_experts`` are sentinels that contribute nothing). Flags a transformers release
 does not set take that release's behaviour (before ``_is_expert_parallel`` existed, sentinels were
 always dropped).
+
+PEFT LoRA adapters on the expert parameters (``LoraConfig(target_parameters=[...])``) run inside
+moeyard's kernels: see :mod:`moeyard.integrations.peft`.
 """
 from __future__ import annotations
 
@@ -78,7 +81,7 @@ def moeyard_experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_
         ValueError, TypeError: as :func:`moeyard.experts` (shapes, ids out of range, backend).
     """
     has_gate = getattr(self, "has_gate", True)
-    w_up = self.gate_up_proj if has_gate else self.up_proj
+    w_up, w_down, lora = _weights_and_lora(self, "gate_up_proj" if has_gate else "up_proj")
     b_up = b_down = None
     if getattr(self, "has_bias", False):
         b_up = self.gate_up_proj_bias if has_gate else self.up_proj_bias
@@ -88,13 +91,25 @@ def moeyard_experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_
     interleaved = activation.fn is None and activation.gated and not getattr(self, "is_concatenated", True)
     kwargs = dict(activation=activation, backend=None, gate_up_bias=b_up, down_bias=b_down,
                   transposed=getattr(self, "is_transposed", False), interleaved=interleaved,
-                  drop_invalid=getattr(self, "_is_expert_parallel", True))
+                  drop_invalid=getattr(self, "_is_expert_parallel", True), lora=lora)
     if getattr(self, "has_post_expert_norm", False):
-        out = _experts_with_post_norm(self.post_expert_norm, x, top_k_index, top_k_weights, w_up,
-                                      self.down_proj, kwargs)
+        out = _experts_with_post_norm(self.post_expert_norm, x, top_k_index, top_k_weights, w_up, w_down, kwargs)
     else:
-        out = experts(x, top_k_index, top_k_weights.to(x.dtype), w_up, self.down_proj, **kwargs)
+        out = experts(x, top_k_index, top_k_weights.to(x.dtype), w_up, w_down, **kwargs)
     return out.to(hidden_states.dtype)
+
+
+def _weights_and_lora(self: torch.nn.Module, up_name: str) -> tuple[Tensor, Tensor, dict | None]:
+    """``(up weight, down weight, lora)``: adapters handed over by :func:`moeyard.integrations.peft.fuse_lora`,
+    else those of PEFT parametrizations on the weights (read without evaluating the fold), else none."""
+    fused = getattr(self, "_moeyard_lora", None)
+    if fused is not None or not torch.nn.utils.parametrize.is_parametrized(self):
+        return getattr(self, up_name), self.down_proj, fused
+    from .peft import weight_and_lora
+    w_up, lora_up = weight_and_lora(self, up_name)
+    w_down, lora_down = weight_and_lora(self, "down_proj")
+    lora = {k: v for k, v in (("gate_up_proj", lora_up), ("down_proj", lora_down)) if v is not None}
+    return w_up, w_down, lora or None
 
 
 def _experts_with_post_norm(norm, x: Tensor, ids: Tensor, weights: Tensor, w_up: Tensor, w_down: Tensor,
