@@ -71,6 +71,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routed-only", action="store_true", help="drop shared experts (compare with the peers in ms)")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the results as JSON to PATH ('-' or no PATH: stdout; the table goes to stderr)")
+    p.add_argument("--lora", type=int, nargs="?", const=16, metavar="R",
+                   help="time the LoRA fine-tuning step of the routed experts (rank R, default 16) against the "
+                        "frozen-base step and PEFT's default path (moeyard.bench_lora); --backends then names "
+                        "its implementations")
     p.add_argument("--list-models", action="store_true", help="list the registered model shapes and exit")
 
 
@@ -135,7 +139,7 @@ def run_bench(args, command: str) -> int:
         console.print(models_table())
         return 0
     try:
-        result = _run_with_progress(bench_options(args, command))
+        result = _run_with_progress(bench_options(args, command), lora=args.lora)
     except ValueError as ex:
         Console(stderr=True).print(f"[red]moeyard bench: {ex}[/red]", highlight=False)
         return 2
@@ -146,7 +150,7 @@ def run_bench(args, command: str) -> int:
         else:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
-    console.print(results_table(result), soft_wrap=False)
+    console.print(results_table(result) if args.lora is None else lora_table(result), soft_wrap=False)
     return 0 if any("error" not in r for r in result["rows"]) else 1
 
 
@@ -155,7 +159,7 @@ def _wide(console: Console) -> Console:
     return console if console.is_terminal else Console(stderr=console.stderr, width=180)
 
 
-def _run_with_progress(opts: bench.BenchOptions) -> dict:
+def _run_with_progress(opts: bench.BenchOptions, lora: int | None = None) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -164,6 +168,9 @@ def _run_with_progress(opts: bench.BenchOptions) -> dict:
 
         def report(desc: str, done: int, total: int) -> None:
             progress.update(task, description=desc, completed=done, total=total)
+        if lora is not None:
+            from . import bench_lora
+            return bench_lora.run(opts, lora, progress=report)
         return bench.run(opts, progress=report)
 
 
@@ -195,6 +202,33 @@ def results_table(result: dict) -> Table:
         if last is not None and key != last:
             table.add_section()
         table.add_row("" if key == last else key, r["impl"], *_cells(r))
+        last = key
+    return table
+
+
+def lora_table(result: dict) -> Table:
+    """The ``--lora`` results (:mod:`moeyard.bench_lora`) as a rich table."""
+    env = result["env"]
+    dense = env.get("dense_bf16_tflops")
+    title = (f"moeyard bench --lora {env['lora_rank']} · {env['device']} · {env['dtype']} · routed experts, "
+             f"base frozen\ntorch {env['torch']} · triton {env['triton']} · moeyard {env['moeyard']} · {env['date']}")
+    caption = [f"$ {env['command']}" if env["command"] else "",
+               f"dense bf16 matmul (8192^3) this run: {dense:.0f} TFLOP/s" if dense else "",
+               "step = forward + backward (input gradient; LoRA factor gradients where adapted); FLOPs 12*N*H*I "
+               "+ 6*N*r*(in+out) per adapter; x frozen = step / frozen step; x lora = step / lora step; "
+               f"median of {env['iters']} after {env['warmup']} warm-up; peak = extra GiB of the step"]
+    table = Table(title=title, caption="\n".join(c for c in caption if c), caption_justify="left")
+    for col in ("case (T,H,I,E,k)", "impl", "step ms", "TFLOP/s", "peak GiB", "x frozen", "x lora"):
+        table.add_column(col, justify="left" if col in ("case (T,H,I,E,k)", "impl") else "right")
+    last = None
+    for r in result["rows"]:
+        key = _case_label(r)
+        if last is not None and key != last:
+            table.add_section()
+        cells = [f"[red]{r['error'][:120]}[/red]", "", "", "", ""] if "error" in r else \
+            [_fmt(r["step_ms"], ".3f"), _fmt(r["tflops"], ".1f"), _fmt(r["peak_gib"], ".2f"),
+             _fmt(r.get("x_frozen"), ".2f"), _fmt(r.get("lora_speedup"), ".2f")]
+        table.add_row("" if key == last else key, r["impl"], *cells)
         last = key
     return table
 

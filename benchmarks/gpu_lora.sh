@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The LoRA GPU round, in two stages that each fit one 10-minute device call.
+# Usage (repository root, GPU machine):  bash benchmarks/gpu_lora.sh [check|bench]
+#   check: CUDA tests (LoRA and the rest of tests/cuda), verify --lora (PEFT parity, 27 architectures)
+#   bench: moeyard bench --lora 16 at the four LoRA shapes, the split/fused crossover, a no-LoRA triton check
+# Full logs go to $OUT (default ./out); short summaries are printed last.
+set -uo pipefail
+STAGE=${1:-check}
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
+summary=()
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.txt
+  local name=$1 secs=$2; shift 2
+  timeout "$secs" "$@" > "$OUT/$name.txt" 2>&1
+  summary+=("$name rc=$? ($(tail -n 1 "$OUT/$name.txt" | cut -c1-150))")
+}
+if [[ $STAGE == check ]]; then
+  step pytest_lora 200 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_lora_cuda.py
+  MOEYARD_TRITON_AUTOTUNE=0 step pytest_cuda 200 python3 -m pytest -q -p no:cacheprovider tests/cuda \
+    --deselect tests/cuda/test_lora_cuda.py
+  MOEYARD_TRITON_AUTOTUNE=0 step verify_lora 150 python3 -m moeyard verify --device cuda --lora 8 --fuse-lora
+else
+  step bench_lora 330 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 --json "$OUT/bench_lora.json"
+  step crossover 200 python3 benchmarks/lora_crossover.py --json "$OUT/crossover.json"
+  step bench_triton 60 python3 -m moeyard bench --routed-only --model qwen3-30b-a3b --backends triton,torch_gmm \
+    --warmup 5 --iters 20
+fi
+for f in "$OUT"/verify_lora.txt "$OUT"/bench_*.txt "$OUT"/crossover.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 40 "$f"; }; done
+for f in "$OUT"/pytest_*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed|Error" "$f" | tail -n 20; }; done
+cat "$OUT/gpu.txt"; printf '%s\n' "${summary[@]}"
