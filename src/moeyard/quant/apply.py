@@ -88,7 +88,7 @@ def quantize_experts(module: nn.Module, format: str = "nf4", *, blocksize: int =
         _check_layout_named(name, p.shape, blocksize)
     bnb_functional()
     for _, owner, attr, p in targets:
-        setattr(owner, attr, NF4Experts.from_float(p, blocksize=blocksize, compress_statistics=compress_statistics))
+        _replace(owner, attr, NF4Experts.from_float(p, blocksize=blocksize, compress_statistics=compress_statistics))
     return module
 
 
@@ -129,10 +129,16 @@ def load_quantized_state_dict(module: nn.Module, state_dict: Mapping[str, Tensor
         check_compute_dtype(p.dtype, name)
         _check_layout_named(name, p.shape, blocksize)
     for _, owner, attr, p in targets:
-        setattr(owner, attr, NF4Experts.empty(p.shape, dtype=p.dtype, blocksize=blocksize,
+        _replace(owner, attr, NF4Experts.empty(p.shape, dtype=p.dtype, blocksize=blocksize,
                                               compress_statistics=compress_statistics, device=p.device))
     module.load_state_dict(state_dict, strict=strict, assign=assign)
     return module
+
+
+def _replace(owner: nn.Module, attr: str, storage: NF4Experts) -> None:
+    """Swap the parameter ``owner.<attr>`` for the submodule ``storage`` (same attribute name)."""
+    delattr(owner, attr)
+    owner.add_module(attr, storage)
 
 
 def _check_layout_named(name: str, shape, blocksize: int) -> None:
