@@ -333,6 +333,19 @@ def test_no_host_sync_cuda():
     assert torch.equal(out[active > 0], ref[active > 0])
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("compress_statistics", [True, False])
+def test_triton_kernel_cuda(dtype, compress_statistics):
+    s = NF4Experts.from_float(weights((7, 24, 40), dtype, device="cuda"), compress_statistics=compress_statistics)
+    ref = F.dequantize_4bit(s.data, s.quant_state())  # bitsandbytes' CUDA kernel indexes blocks on the flat tensor
+    active = torch.tensor([1, 0, 1, 1, 0, 0, 1], dtype=torch.bool, device="cuda")
+    out = torch.full(s.shape, float("nan"), dtype=dtype, device="cuda")
+    s.dequantize(active, out=out)
+    assert torch.equal(out[active], ref[active]) and out[~active].isnan().all()
+    assert torch.equal(s.dequantize(), ref) and torch.equal(ref, bnb_dequantize(s))
+
+
 # ---------------------------------------------------------------- errors
 
 
