@@ -63,6 +63,18 @@ def test_storage_equals_bitsandbytes(dtype, compress_statistics, blocksize):
     assert torch.equal(F.dequantize_4bit(s.data, qs), F.dequantize_4bit(q, st))
 
 
+def test_storage_equals_replace_parameter_4bit():
+    """The same bytes bitsandbytes' own 3-D parameter quantisation stores (bnb.nn.parametrize)."""
+    parametrize = pytest.importorskip("bitsandbytes.nn.parametrize")
+    m = torch.nn.Module()
+    m.down_proj = torch.nn.Parameter(weights((5, 32, 24), torch.bfloat16))
+    s = NF4Experts.from_float(m.down_proj)
+    parametrize.replace_parameter_4bit(m, "down_proj", quant_type="nf4", blocksize=64, compress_statistics=True)
+    p = m.parametrizations.down_proj
+    assert torch.equal(p.original, s.data) and torch.equal(p[0].quant_state.absmax, s.absmax)
+    assert torch.equal(p[0].quant_state.state2.absmax, s.absmax2)
+
+
 # ---------------------------------------------------------------- dequantisation, all experts
 
 
