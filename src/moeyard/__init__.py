@@ -12,6 +12,7 @@ from .dispatch import DispatchPlan, make_plan, permute, unpermute
 from .experts import (ExpertLoRA, available_backends, backend_names, experts, get_backend, set_backend,
                       use_backend)
 from .layer import MoE, SharedExpert
+from .quant import quantize_experts
 from .routing import Router, RoutingOutput, route, update_correction_bias
 
 __version__ = "0.1.0"
@@ -25,4 +26,5 @@ if _importlib_util.find_spec("transformers") is not None:
 
 __all__ = ["Activation", "DispatchPlan", "ExpertLoRA", "MoE", "MoEConfig", "Router", "RoutingOutput", "SharedExpert",
            "available_backends", "backend_names", "experts", "get_backend", "is_debug", "make_plan", "permute",
-           "route", "set_backend", "set_debug", "unpermute", "update_correction_bias", "use_backend", "__version__"]
+           "quantize_experts", "route", "set_backend", "set_debug", "unpermute", "update_correction_bias",
+           "use_backend", "__version__"]
