@@ -71,3 +71,25 @@ def test_errors_before_any_collective():
         with pytest.raises(ValueError, match="group: torch.distributed is not initialised"):
             expert_parallel(layer)
     assert layer.expert_parallel is None and layer.gate_up_proj.shape[0] == 4  # untouched
+
+
+def test_bench_ep_under_torchrun(tmp_path):
+    """``moeyard bench --ep 2`` runs under torchrun with gloo and reports every dispatcher and routing."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "ep.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moeyard",
+           "bench", "--ep", "2", "--shape", "32,16,8,4,2", "--warmup", "0", "--iters", "1", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["routing"], r["dispatcher"]) for r in rows} == {(a, b) for a in ("balanced", "zipf")
+                                                               for b in ("all_to_all", "sync_free", "all_gather")}
+    assert len(rows) == 12 and all(r["dispatch_ms"] > 0 and r["experts_ms"] > 0 for r in rows)
+    assert {r["rank"] for r in rows} == {0, 1}
+    # balanced routing: every rank computes exactly its share of the 2 * 32 * 2 pairs
+    assert all(r["pairs_computed"] == 32 * 2 for r in rows if r["routing"] == "balanced")

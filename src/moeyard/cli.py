@@ -72,6 +72,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the results as JSON to PATH ('-' or no PATH: stdout; the table goes to stderr)")
     p.add_argument("--list-models", action="store_true", help="list the registered model shapes and exit")
+    p.add_argument("--ep", type=int, metavar="N", help="expert parallel over N processes: run under torchrun "
+                   "--nproc-per-node N -m moeyard bench --ep N (see moeyard.parallel.bench)")
 
 
 # ---------------------------------------------------------------- info
@@ -129,6 +131,9 @@ def bench_options(args, command: str) -> bench.BenchOptions:
 
 
 def run_bench(args, command: str) -> int:
+    if args.ep:
+        from .parallel import bench as ep_bench
+        return ep_bench.main(args, command)
     to_stdout = args.json == "-"
     console = _wide(Console(stderr=to_stdout))
     if args.list_models:
