@@ -228,6 +228,33 @@ def check_capacity(rank, W, ep, *, E, K, H, I, g) -> None:
     assert call.dropped.dtype == torch.int64 and call.dropped.item() == dropped[rank]
 
 
+def check_no_host_reads(rank: int, W: int) -> None:
+    """``sync_free`` and ``all_gather`` with ``max_tokens``, forward and backward with the
+    ``grouped_mm`` backend, read nothing back: every host-read method of Tensor raises meanwhile
+    (the CPU-only token-count check of ``sync_free`` is stubbed out: on an accelerator it is skipped)."""
+    from unittest import mock
+
+    from moeyard.parallel import sync_free
+
+    E, K, H, I, T = 8, 3, 8, 4, 5
+    g = torch.Generator().manual_seed(5)
+    inputs = make_functional_inputs(T * W, K, E, H, I, g)
+    ids_all = torch.rand(T * W, E, generator=g).argsort(1)[:, :K]
+    ep = EPGroup(group=dist.group.WORLD, world_size=W, rank=rank)
+    ref = oracle_functional([T] * W, ids_all, inputs, rank)
+
+    def read(*args, **kwargs):
+        raise AssertionError("a host read on the sync-free path")
+
+    reads = {name: read for name in ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__")}
+    for name in ("sync_free", "all_gather"):
+        call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, max_tokens=T + 2))
+        with mock.patch.object(sync_free, "token_counts", lambda T, ep, device: [T]), \
+                mock.patch.multiple(torch.Tensor, **reads):
+            got = run_functional(call, [T] * W, ids_all, inputs, rank, torch.float32, "grouped_mm", drop_invalid=True)
+        close(f"no host reads/{name}/rank{rank}", got, ref, TOL[torch.float32])
+
+
 # ---------------------------------------------------------------- the MoE layer
 
 LAYER_CONFIGS = {
@@ -386,6 +413,7 @@ def check_errors(rank: int, W: int) -> None:
 
 def worker_2(rank: int, W: int, ckpt_dir: str) -> None:
     check_functional(rank, W, E=8, K=3)
+    check_no_host_reads(rank, W)
     check_layer(rank, W)
     check_transformers(rank, W)
     check_checkpoint_save(rank, W, ckpt_dir)

@@ -28,6 +28,7 @@ def test_two_ranks(ep2_checkpoint):
     assert (ep2_checkpoint / "full.pt").exists()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_checkpoint_from_ep2_loads_at_ep1(ep2_checkpoint):
     """The EP = 2 DTensor checkpoint loads into one unsharded layer (no process group)."""
     import torch.distributed.checkpoint as dcp
@@ -47,7 +48,9 @@ def test_four_ranks(ep2_checkpoint):
     ep_workers.spawn(ep_workers.worker_4, 4, str(ep2_checkpoint))
 
 
+@pytest.mark.slow  # ~60 s on 2 cores: 8 processes importing torch
 def test_eight_ranks():
+    """One dispatcher (sync_free) on 8 ranks, every routing case."""
     ep_workers.spawn(ep_workers.worker_8, 8)
 
 
