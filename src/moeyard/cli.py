@@ -76,6 +76,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "frozen-base step and PEFT's default path (moeyard.bench_lora); --backends then names "
                         "its implementations")
     p.add_argument("--list-models", action="store_true", help="list the registered model shapes and exit")
+    p.add_argument("--ep", type=int, metavar="N", help="expert parallel over N processes: run under torchrun "
+                   "--nproc-per-node N -m moeyard bench --ep N (see moeyard.parallel.bench)")
 
 
 # ---------------------------------------------------------------- info
@@ -133,6 +135,9 @@ def bench_options(args, command: str) -> bench.BenchOptions:
 
 
 def run_bench(args, command: str) -> int:
+    if args.ep:
+        from .parallel import bench as ep_bench
+        return ep_bench.main(args, command)
     to_stdout = args.json == "-"
     console = _wide(Console(stderr=to_stdout))
     if args.list_models:

@@ -96,6 +96,7 @@ class MoE(nn.Module):
         self.lora: nn.ModuleDict | None = None
         self.aux_loss: Tensor | None = None
         self.routing: RoutingOutput | None = None
+        self.expert_parallel = None  # set by moeyard.parallel.expert_parallel: called instead of experts
 
     def add_lora(self, rank: int, *, alpha: float | None = None, rslora: bool = False,
                  targets: tuple[str, ...] = ("gate_up_proj", "down_proj"), freeze_base: bool = True) -> "MoE":
@@ -140,10 +141,11 @@ class MoE(nn.Module):
             raise TypeError(f"x: expected dtype {self.gate_up_proj.dtype} (as the layer's weights), got {x.dtype}")
         x2 = x.reshape(-1, H)
         routing = self.router(x2, num_sequences=x.shape[0] if x.dim() == 3 and x2.shape[0] else 1)
-        out = experts(x2, routing.topk_ids, routing.topk_weights.to(x.dtype), self.gate_up_proj, self.down_proj,
-                      activation=self.activation, backend=self.backend, gate_up_bias=self.gate_up_proj_bias,
-                      down_bias=self.down_proj_bias,
-                      lora=None if self.lora is None else {n: a.expert_lora() for n, a in self.lora.items()})
+        run = experts if self.expert_parallel is None else self.expert_parallel
+        out = run(x2, routing.topk_ids, routing.topk_weights.to(x.dtype), self.gate_up_proj, self.down_proj,
+                  activation=self.activation, backend=self.backend, gate_up_bias=self.gate_up_proj_bias,
+                  down_bias=self.down_proj_bias,
+                  lora=None if self.lora is None else {n: a.expert_lora() for n, a in self.lora.items()})
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
         self.routing, self.aux_loss = routing, routing.loss

@@ -92,10 +92,11 @@ def moeyard_experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_
     kwargs = dict(activation=activation, backend=None, gate_up_bias=b_up, down_bias=b_down,
                   transposed=getattr(self, "is_transposed", False), interleaved=interleaved,
                   drop_invalid=getattr(self, "_is_expert_parallel", True), lora=lora)
+    run = getattr(self, "moeyard_expert_parallel", None) or experts  # set by moeyard.parallel
     if getattr(self, "has_post_expert_norm", False):
-        out = _experts_with_post_norm(self.post_expert_norm, x, top_k_index, top_k_weights, w_up, w_down, kwargs)
+        out = _experts_with_post_norm(self.post_expert_norm, x, top_k_index, top_k_weights, w_up, w_down, kwargs, run)
     else:
-        out = experts(x, top_k_index, top_k_weights.to(x.dtype), w_up, w_down, **kwargs)
+        out = run(x, top_k_index, top_k_weights.to(x.dtype), w_up, w_down, **kwargs)
     return out.to(hidden_states.dtype)
 
 
@@ -113,17 +114,17 @@ def _weights_and_lora(self: torch.nn.Module, up_name: str) -> tuple[Tensor, Tens
 
 
 def _experts_with_post_norm(norm, x: Tensor, ids: Tensor, weights: Tensor, w_up: Tensor, w_down: Tensor,
-                            kwargs: dict) -> Tensor:
+                            kwargs: dict, run=experts) -> Tensor:
     """``sum_k w[t, k] * norm(FFN_e(x[t]))``: the unweighted pair outputs come from one
     :func:`moeyard.experts` call with one slot per pair (``[T*K, H]``), then norm, weight, sum."""
     T, K = ids.shape
     pairs_x = x.repeat_interleave(K, dim=0)  # [T*K, H], pair n = token n // K
     ones = torch.ones(T * K, 1, dtype=x.dtype, device=x.device)
-    y = experts(pairs_x, ids.reshape(T * K, 1), ones, w_up, w_down, **kwargs)  # [T*K, H]
+    y = run(pairs_x, ids.reshape(T * K, 1), ones, w_up, w_down, **kwargs)  # [T*K, H]
     y = norm(y).view(T, K, -1)
     w = weights.to(y.dtype)
     if kwargs["drop_invalid"]:
-        w = w.masked_fill((ids < 0) | (ids >= w_up.shape[0]), 0)
+        w = w.masked_fill((ids < 0) | (ids >= getattr(run, "num_experts", w_up.shape[0])), 0)
     return torch.bmm(w.unsqueeze(1), y).squeeze(1)
 
 

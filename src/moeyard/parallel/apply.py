@@ -1,0 +1,165 @@
+"""``expert_parallel``: turn a moeyard ``MoE`` or a transformers model's experts modules into their
+expert-parallel form, in place."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .comm import EPGroup, resolve_group
+from .common import EPOptions
+from .experts import DISPATCHERS, ExpertParallel
+
+# the attribute each kind of module reads instead of calling moeyard.experts itself
+MOE_SEAM = "expert_parallel"                 # moeyard.MoE
+TRANSFORMERS_SEAM = "moeyard_expert_parallel"  # transformers experts modules (moeyard_experts_forward)
+
+
+def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_all",
+                    capacity_factor: float | None = None, max_tokens: int | None = None,
+                    align: int = 1) -> nn.Module:
+    """Split the routed experts of ``module`` over the ranks of ``group``; returns ``module``.
+
+    Every :class:`moeyard.MoE` in ``module`` (itself included) and every transformers experts module
+    (``gate_up_proj`` or ``up_proj`` and ``down_proj`` of shape ``[E, ...]``, running
+    ``experts_implementation="moeyard"``) is changed in place: rank r keeps experts
+    ``[r * E / W, (r + 1) * E / W)`` (each ``[E, ...]`` parameter is replaced by a new
+    ``nn.Parameter`` of the local block: build the optimizer afterwards) and its forward exchanges
+    tokens with the other ranks. The router, shared experts and everything else stay replicated.
+
+    Each rank passes its own tokens (any count, 0 included; every rank must call the layer) and gets
+    its own outputs; gradients flow back through both exchanges. Local expert weights get the
+    gradients of all ranks' tokens routed to them; replicated parameters (the router) get only this
+    rank's share: the data-parallel wrapper (DDP, FSDP) reduces them as it reduces any replicated
+    parameter. The layer's ``aux_loss`` is computed from this rank's tokens.
+
+    Args:
+        module: an ``nn.Module`` holding moeyard ``MoE`` layers or transformers experts modules.
+        group: None (the default process group), a ``ProcessGroup`` or a 1-D ``DeviceMesh``. With a
+            mesh the expert weights become DTensors ``Shard(0)`` on it, so ``torch.distributed.checkpoint``
+            saves the global ``[E, ...]`` tensors and loads them at any EP size.
+        dispatcher: ``all_to_all`` (exact sizes; one host sync per layer), ``sync_free`` (static
+            worst-case buffers, no host sync) or ``all_gather`` (gather all tokens, reduce-scatter).
+            All three give the same results (``sync_free`` with ``capacity_factor`` may drop pairs).
+        capacity_factor: ``sync_free`` only; see :mod:`moeyard.parallel.sync_free`.
+        max_tokens: ``sync_free`` / ``all_gather``: static bound on any rank's token count.
+        align: ``sync_free`` only: pad each local expert's received rows to a multiple of this.
+
+    Raises:
+        ValueError: unknown ``dispatcher``; bad ``capacity_factor``, ``max_tokens`` or ``align``;
+            ``group`` not initialised, a mesh not 1-D, or a world size not dividing E; ``module`` with
+            no experts, already expert parallel, a transformers experts module not running
+            ``"moeyard"``, or expert shapes that differ across ranks (checked with one all-gather).
+        TypeError: ``module`` is not an ``nn.Module``, ``group`` of the wrong kind.
+    """
+    _check_options(dispatcher, capacity_factor, max_tokens, align)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
+    targets = find_experts(module)
+    if not targets:
+        raise ValueError("module: no moeyard.MoE or transformers experts module (gate_up_proj/up_proj and "
+                         "down_proj of shape [E, ...]) found")
+    ep = resolve_group(group)
+    _check_same_on_every_rank(targets, ep)  # first: the checks below then fail alike on every rank
+    for name, (m, seam) in targets.items():
+        if getattr(m, seam, None) is not None:
+            raise ValueError(f"module: {name or type(m).__name__} is already expert parallel")
+        E = _num_experts(m)
+        if E % ep.world_size:
+            raise ValueError(f"group: its size {ep.world_size} does not divide num_experts={E} "
+                             f"of {name or type(m).__name__}")
+    for m, seam in targets.values():
+        E = _num_experts(m)
+        _shard(m, E, ep)
+        options = EPOptions(num_experts=E, dispatcher=dispatcher, capacity_factor=capacity_factor,
+                            max_tokens=max_tokens, align=align)
+        setattr(m, seam, ExpertParallel(ep, options))
+    return module
+
+
+def find_experts(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """``{qualified name: (module, seam attribute)}`` of the MoE layers and transformers experts
+    modules in ``module``.
+
+    Raises:
+        ValueError: a transformers experts module whose implementation is not ``"moeyard"``.
+    """
+    from ..layer import MoE
+
+    found = {}
+    for name, m in module.named_modules():
+        if isinstance(m, MoE):
+            found[name] = (m, MOE_SEAM)
+        elif hasattr(m, "has_gate") and _is_3d(getattr(m, "down_proj", None)) and \
+                _is_3d(getattr(m, "gate_up_proj" if m.has_gate else "up_proj", None)):
+            impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
+            if impl != "moeyard":
+                raise ValueError(f"module: {name} runs experts_implementation={impl!r}; expert parallelism "
+                                 "needs 'moeyard' (model.set_experts_implementation('moeyard'))")
+            found[name] = (m, TRANSFORMERS_SEAM)
+    return found
+
+
+def _is_3d(p) -> bool:
+    return isinstance(p, torch.Tensor) and p.dim() == 3
+
+
+def _num_experts(m: nn.Module) -> int:
+    return m.down_proj.shape[0]
+
+
+def _expert_params(m: nn.Module, E: int) -> list[tuple[str, nn.Parameter]]:
+    """The module's own ``[E, ...]`` parameters (expert weights and biases; not the router's)."""
+    return [(n, p) for n, p in m.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == E]
+
+
+def _shard(m: nn.Module, E: int, ep: EPGroup) -> None:
+    El = E // ep.world_size
+    for name, p in _expert_params(m, E):
+        local = p.detach()[ep.rank * El:(ep.rank + 1) * El].clone()
+        if ep.mesh is not None:
+            from torch.distributed.tensor import DTensor, Shard
+
+            local = DTensor.from_local(local, ep.mesh, [Shard(0)], run_check=False)
+        setattr(m, name, nn.Parameter(local, requires_grad=p.requires_grad))
+
+
+def _check_same_on_every_rank(targets: dict, ep: EPGroup) -> None:
+    """One all-gather of the layers' names and expert-parameter shapes: a mismatch raises on every
+    rank (instead of a hang in the first exchange)."""
+    mine = [(name, type(m).__name__, getattr(m, seam, None) is not None,
+             [(n, tuple(p.shape), str(p.dtype)) for n, p in _expert_params(m, _num_experts(m))])
+            for name, (m, seam) in targets.items()]
+    everyone = [None] * ep.world_size
+    dist.all_gather_object(everyone, mine, group=ep.group)
+    for r, theirs in enumerate(everyone):
+        if theirs != mine:
+            raise ValueError(f"module: expert layers differ between rank {ep.rank} and rank {r} of group: "
+                             f"{_first_difference(mine, theirs)}")
+
+
+def _first_difference(a: list, b: list) -> str:
+    for x, y in zip(a, b):
+        if x != y:
+            return f"{x} vs {y}"
+    return f"{len(a)} vs {len(b)} expert layers"
+
+
+def _check_options(dispatcher, capacity_factor, max_tokens, align) -> None:
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"dispatcher: expected one of {list(DISPATCHERS)}, got {dispatcher!r}")
+    if capacity_factor is not None:
+        if dispatcher != "sync_free":
+            raise ValueError(f"capacity_factor: only the sync_free dispatcher drops pairs, got dispatcher={dispatcher!r}")
+        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not capacity_factor > 0:
+            raise ValueError(f"capacity_factor: expected a positive number or None, got {capacity_factor!r}")
+    if max_tokens is not None:
+        if dispatcher == "all_to_all":
+            raise ValueError("max_tokens: the all_to_all dispatcher sizes its exchanges exactly; "
+                             "use sync_free or all_gather for a static bound")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens: expected a positive int or None, got {max_tokens!r}")
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"align: expected a positive int, got {align!r}")
+    if align != 1 and dispatcher != "sync_free":
+        raise ValueError(f"align: only the sync_free dispatcher places received rows itself, got dispatcher={dispatcher!r}")

@@ -1,0 +1,171 @@
+"""``moeyard bench --ep N``: the expert-parallel dispatchers, stage by stage, under torchrun.
+
+    torchrun --nproc-per-node 8 -m moeyard bench --ep 8 --model qwen3-30b-a3b --tokens 8192
+
+Every rank routes its own T tokens (``--tokens``, or the shape's T; per rank) with ``balanced`` and
+``zipf`` routing (``moeyard.bench``'s routing codes; ``--routing balanced|zipf`` picks one) and holds
+E / N random experts. For each dispatcher it times, forward only (CUDA events on CUDA, else
+``time.perf_counter``; median of ``--iters`` after ``--warmup``):
+
+- ``dispatch`` (including the ``all_to_all`` dispatcher's host sync), ``experts`` (the local
+  experts on the received rows, ``--backends``' first entry or ``auto``) and ``combine``;
+- the achieved exchange bandwidth: rows this rank sends in dispatch x H x bytes / dispatch time,
+  next to a plain ``all_to_all_single`` of the same bytes in equal splits, in the same run;
+- the experts' TFLOP/s (6 * routed rows * H * I for gated experts, 4 * for plain ones) next to the
+  same backend on the same number of rows per expert, fresh and contiguous (one GPU, no exchange).
+
+Rank 0 prints one row per (routing, dispatcher) with the slowest rank's times (what a step waits
+for) and writes every rank's numbers with ``--json``. Processes use NCCL on CUDA (device
+``LOCAL_RANK``), gloo on CPU.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from .. import bench as layer_bench
+from ..activations import GATED
+from ..experts import experts
+from ..routing import route
+from .comm import resolve_group
+from .common import EPOptions
+from .experts import DISPATCHERS
+
+Tensor = torch.Tensor
+
+
+def main(args, command: str) -> int:
+    """Run under torchrun with the parsed ``moeyard bench`` arguments; returns the exit code."""
+    if "RANK" not in os.environ:
+        print("moeyard bench --ep: launch with torchrun --nproc-per-node N -m moeyard bench --ep N ...")
+        return 2
+    cuda = torch.cuda.is_available() and (args.device or "cuda").startswith("cuda")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=5))
+    try:
+        return _run(args, command, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(args, command: str, device: torch.device) -> int:
+    ep = resolve_group(None)
+    if ep.world_size != args.ep:
+        raise SystemExit(f"--ep: {args.ep} but torchrun started {ep.world_size} processes")
+    from ..cli import bench_options
+
+    opts = layer_bench.resolve_options(_with(bench_options(args, command), device=str(device)))
+    backend = (opts.backends or ["auto"])[0]
+    routings = [opts.routing] if opts.routing != "random" else ["balanced", "zipf"]
+    rows = []
+    for shape in layer_bench.cases(opts):
+        config = shape.moe_config()
+        if config.num_experts % ep.world_size:
+            raise SystemExit(f"--ep: {ep.world_size} does not divide num_experts={config.num_experts} of {shape.name}")
+        for routing in routings:
+            for name in DISPATCHERS:
+                rows.append(measure(shape, config, routing, name, backend, ep, opts, device))
+    everyone = [None] * ep.world_size
+    dist.all_gather_object(everyone, rows)
+    if ep.rank == 0:
+        _report(everyone, opts, args, device)
+    return 0
+
+
+def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts, device) -> dict:
+    """One rank's numbers for one (shape, routing, dispatcher)."""
+    T, E, H, I, K = shape.tokens, config.num_experts, config.hidden_size, config.intermediate_size, config.top_k
+    El, dtype = E // ep.world_size, layer_bench.DTYPES[opts.dtype]
+    torch.manual_seed(1000 + ep.rank)  # each rank its own tokens
+    inputs = layer_bench.make_inputs(shape, _with(opts, routing=routing, device=str(device)))
+    with torch.no_grad():
+        r = route(inputs.xs[0], inputs.router_weight, config)
+        x, ids, w = inputs.xs[0].detach(), r.topk_ids, r.topk_weights.to(dtype)
+    gated = config.activation in GATED
+    w_up = torch.randn(El, (2 if gated else 1) * I, H, device=device, dtype=dtype) / H ** 0.5
+    w_down = torch.randn(El, H, I, device=device, dtype=dtype) / I ** 0.5
+    options = EPOptions(num_experts=E, dispatcher=dispatcher, max_tokens=None if dispatcher == "all_to_all" else T)
+    mod = DISPATCHERS[dispatcher]
+    kw = dict(activation=config.activation, backend=backend, drop_invalid=True)
+
+    def time_ms(fn) -> float:
+        return layer_bench.time_ms(lambda i: fn(), 1, opts.warmup, opts.iters, device)
+
+    with torch.no_grad():
+        d = mod.dispatch(x, ids, w, ep, options)
+        y = experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down, **kw)
+        t_dispatch = time_ms(lambda: mod.dispatch(x, ids, w, ep, options))
+        t_experts = time_ms(lambda: experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down, **kw))
+        t_combine = time_ms(lambda: mod.combine(y, d))
+        live = (d.topk_ids >= 0) & (d.topk_ids < El)          # pairs computed here (setup only: host reads ok)
+        pairs = int(live.sum())
+        sent = _rows_sent(dispatcher, d, x, ep)
+        plain = _plain_all_to_all_ms(sent, H, dtype, ep, device, time_ms)
+        ref_ids = torch.sort(d.topk_ids[live])[0].unsqueeze(1)
+        ref_x = torch.randn(pairs, H, device=device, dtype=dtype)
+        t_ref = time_ms(lambda: experts(ref_x, ref_ids, torch.ones_like(ref_ids, dtype=dtype), w_up, w_down, **kw))
+    flops = (6 if gated else 4) * pairs * H * I
+    nbytes = sent * H * dtype.itemsize
+    return {"case": shape.name, "routing": routing, "dispatcher": dispatcher, "rank": ep.rank, "T": T, "H": H, "I": I,
+            "E": E, "E_local": El, "k": K, "rows_received": d.rows.shape[0], "pairs_computed": pairs,
+            "rows_sent": sent, "dispatch_ms": t_dispatch, "experts_ms": t_experts, "combine_ms": t_combine,
+            "dispatch_GBps": nbytes / t_dispatch / 1e6, "plain_all_to_all_ms": plain,
+            "plain_all_to_all_GBps": nbytes / plain / 1e6, "experts_tflops": flops / t_experts / 1e9,
+            "one_device_ms": t_ref, "one_device_tflops": flops / t_ref / 1e9,
+            "dropped": None if d.dropped is None else int(d.dropped)}
+
+
+def _rows_sent(dispatcher: str, d, x: Tensor, ep) -> int:
+    """Rows of H this rank puts on the wire in dispatch."""
+    if dispatcher == "all_to_all":
+        return sum(d.state[1])         # exactly its routed pairs
+    if dispatcher == "sync_free":
+        return d.state[0].num_tokens   # W * C slots, empty ones included
+    return d.rows.shape[0]             # all_gather: W * T_max rows
+
+
+def _plain_all_to_all_ms(rows: int, H: int, dtype, ep, device, time_ms) -> float:
+    per = max(1, -(-rows // ep.world_size))
+    src = torch.randn(per * ep.world_size, H, device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    return time_ms(lambda: dist.all_to_all_single(dst, src, group=ep.group))
+
+
+def _with(opts, **changes):
+    return layer_bench.BenchOptions(**{**opts.__dict__, **changes})
+
+
+def _report(everyone: list[list[dict]], opts, args, device) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    W = len(everyone)
+    table = Table(title=f"moeyard bench --ep {W} · {layer_bench.device_info(device)['device']} · {opts.dtype} · "
+                        f"slowest rank's ms, rank 0's rates")
+    cols = ("case", "routing", "dispatcher", "T/rank", "rows recv (max)", "dispatch ms", "experts ms", "combine ms",
+            "GB/s", "plain a2a GB/s", "TFLOP/s", "1-device TFLOP/s", "dropped")
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("case", "routing", "dispatcher") else "right")
+    for i, r0 in enumerate(everyone[0]):
+        per = [rank_rows[i] for rank_rows in everyone]
+        slow = {k: max(p[k] for p in per) for k in ("dispatch_ms", "experts_ms", "combine_ms", "rows_received")}
+        table.add_row(r0["case"], r0["routing"], r0["dispatcher"], str(r0["T"]), str(slow["rows_received"]),
+                      f"{slow['dispatch_ms']:.3f}", f"{slow['experts_ms']:.3f}", f"{slow['combine_ms']:.3f}",
+                      f"{r0['dispatch_GBps']:.2f}", f"{r0['plain_all_to_all_GBps']:.2f}",
+                      f"{r0['experts_tflops']:.3g}", f"{r0['one_device_tflops']:.3g}",
+                      "-" if r0["dropped"] is None else str(sum(p["dropped"] for p in per)))
+    Console(width=200).print(table)
+    if args.json:
+        text = json.dumps({"env": layer_bench.environment(opts), "world_size": W,
+                           "rows": [r for rank_rows in everyone for r in rank_rows]}, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")

@@ -1,0 +1,72 @@
+"""What every dispatcher shares: the options, and what dispatch hands to the local experts.
+
+Legend: W ranks (EP size), E experts in all, E_l = E / W local experts (rank r owns the contiguous
+block ``[r * E_l, (r + 1) * E_l)``), T tokens on this rank, K top-k, N = T * K routed pairs, H hidden.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .comm import EPGroup, gather_ints
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class EPOptions:
+    """How one expert-parallel layer exchanges tokens.
+
+    Attributes:
+        num_experts: E, experts over all ranks.
+        dispatcher: ``all_to_all``, ``sync_free`` or ``all_gather``.
+        capacity_factor: ``sync_free`` only: rows each rank may send to one peer, as a multiple of the
+            balanced load ``T_max * K / W`` (pairs past it are dropped and counted); None: lossless.
+        max_tokens: ``sync_free`` / ``all_gather``: the static bound T_max on any rank's token count;
+            None: ``sync_free`` needs the same T on every rank, ``all_gather`` agrees on the largest
+            with one host sync per call.
+        align: ``sync_free`` only: received rows of each local expert are padded to a multiple of this.
+    """
+
+    num_experts: int
+    dispatcher: str = "all_to_all"
+    capacity_factor: float | None = None
+    max_tokens: int | None = None
+    align: int = 1
+
+
+@dataclass(kw_only=True)
+class Dispatched:
+    """The rows a dispatcher gives this rank's experts, and what its combine needs back.
+
+    Attributes:
+        rows: ``[R, H]`` received rows (R from the dispatcher: host counts, or a static worst case).
+        topk_ids: ``[R, K']`` local expert ids in ``[0, E_l)``; others are dropped (no row computed).
+        topk_weights: ``[R, K']`` weights applied by the local experts (ones where combine weights).
+        state: the dispatcher's own record for its combine.
+        dropped: ``[]`` int64 device tensor, pairs of this rank not computed (over capacity), or None.
+    """
+
+    rows: Tensor
+    topk_ids: Tensor
+    topk_weights: Tensor
+    state: object
+    dropped: Tensor | None = None
+
+
+def local_experts(options: EPOptions, ep: EPGroup) -> int:
+    """E_l, experts per rank."""
+    return options.num_experts // ep.world_size
+
+
+def token_counts(num_tokens: int, ep: EPGroup, device: torch.device) -> list[int]:
+    """Every rank's token count, read on the host (a collective; one device-to-host copy on an
+    accelerator)."""
+    return gather_ints(torch.tensor([num_tokens], device=device, dtype=torch.int64), ep.group).tolist()
+
+
+def weighted_sum(pairs: Tensor, topk_weights: Tensor) -> Tensor:
+    """``pairs [T, K, H]``, ``topk_weights [T, K]`` -> ``[T, H]``: one ``bmm`` per token (as
+    :func:`moeyard.unpermute`)."""
+    return torch.bmm(topk_weights.to(pairs.dtype).unsqueeze(1), pairs).squeeze(1)

@@ -1,0 +1,83 @@
+"""The expert-parallel experts call: dispatch -> local experts -> combine.
+
+:class:`ExpertParallel` is what :func:`moeyard.parallel.expert_parallel` installs on a layer: a
+callable with the signature of :func:`moeyard.experts`, called with the layer's local expert weights
+(plain tensors or DTensors sharded on dim 0) instead of :func:`moeyard.experts` itself.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..checks import check_float, check_ids_on_host, check_topk, invalid_ids
+from ..experts import experts
+from . import all_gather, all_to_all, sync_free
+from .comm import EPGroup
+from .common import EPOptions, local_experts
+
+Tensor = torch.Tensor
+DISPATCHERS = {"all_to_all": all_to_all, "sync_free": sync_free, "all_gather": all_gather}
+
+
+def to_local(t):
+    """A DTensor's local shard; anything else as is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class ExpertParallel:
+    """The routed experts over an expert-parallel group.
+
+    Attributes:
+        ep: the :class:`EPGroup`. options: the :class:`EPOptions`.
+        dropped: after a call, ``[]`` int64 device tensor: this rank's pairs not computed (over the
+            ``sync_free`` capacity); None for the lossless dispatchers. Never read back here.
+    """
+
+    def __init__(self, ep: EPGroup, options: EPOptions):
+        self.ep, self.options = ep, options
+        self.dispatcher = DISPATCHERS[options.dispatcher]
+        self.dropped: Tensor | None = None
+
+    @property
+    def num_experts(self) -> int:
+        """E, experts over all ranks."""
+        return self.options.num_experts
+
+    def __call__(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Tensor,
+                 down_proj: Tensor, *, drop_invalid: bool = False, **kwargs) -> Tensor:
+        """As :func:`moeyard.experts`, with ``topk_ids [T, K]`` global ids in ``[0, E)`` and the local
+        weights ``gate_up_proj [E_l, 2I, H]``, ``down_proj [E_l, H, I]`` (or their DTensors); the
+        other keyword arguments go to the local :func:`moeyard.experts` call (DTensors made local).
+
+        Collective: every rank of the group must call it (with any T, 0 included).
+
+        Returns:
+            ``[T, H]`` in ``hidden_states.dtype``, differentiable w.r.t. ``hidden_states``,
+            ``topk_weights`` and the local weights.
+        Raises:
+            ValueError, TypeError: as :func:`moeyard.experts`, and weights that are not this rank's
+            block of ``E / W`` experts.
+        """
+        E, El = self.options.num_experts, local_experts(self.options, self.ep)
+        w_up, w_down = to_local(gate_up_proj), to_local(down_proj)
+        kwargs = {k: to_local(v) for k, v in kwargs.items()}
+        if w_up.shape[0] != El or w_down.shape[0] != El:
+            raise ValueError(f"gate_up_proj: expected this rank's block of {El} experts (E={E} over "
+                             f"{self.ep.world_size} ranks), got {w_up.shape[0]}")
+        check_float("hidden_states", hidden_states, dim=2)
+        check_topk(topk_ids, topk_weights, hidden_states.shape[0], E, hidden_states.device)
+        bad = None
+        if not drop_invalid and not check_ids_on_host(topk_ids, E):
+            bad = invalid_ids(topk_ids, E).any(1, keepdim=True)  # accelerator: NaN rows, as moeyard.experts
+        d = self.dispatcher.dispatch(hidden_states, topk_ids, topk_weights.to(hidden_states.dtype), self.ep,
+                                     self.options)
+        y = experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down, drop_invalid=True, **kwargs)
+        out = self.dispatcher.combine(y, d)
+        self.dropped = d.dropped
+        return out if bad is None else out.masked_fill(bad, float("nan"))
+
+    def __repr__(self) -> str:
+        o = self.options
+        extra = "".join(f", {k}={getattr(o, k)}" for k in ("capacity_factor", "max_tokens")
+                        if getattr(o, k) is not None) + (f", align={o.align}" if o.align != 1 else "")
+        return (f"ExpertParallel(dispatcher={o.dispatcher}, num_experts={o.num_experts}, "
+                f"world_size={self.ep.world_size}, rank={self.ep.rank}{extra})")

@@ -1,0 +1,431 @@
+"""Worker functions for the expert-parallel tests (tests/test_parallel.py), run in spawned gloo
+processes. Each worker batches many checks: spawning processes is the slow part.
+
+Every rank draws the same global inputs from one seed, computes the single-process oracle (the
+unsharded layer on all ranks' tokens) itself, runs its own slice through the expert-parallel layer
+and compares: outputs, input gradients, routing-weight gradients, local expert-weight gradients,
+and replicated-parameter gradients summed over ranks.
+
+Legend: W ranks, E experts, E_l = E / W, K top-k, H hidden, I intermediate, T_r tokens of rank r.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import math
+import os
+import socket
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import moeyard
+from moeyard import MoE, MoEConfig
+from moeyard.parallel import expert_parallel
+from moeyard.parallel.comm import EPGroup
+from moeyard.parallel.common import EPOptions
+from moeyard.parallel.experts import DISPATCHERS, ExpertParallel
+
+DISPATCHER_NAMES = list(DISPATCHERS)
+# float64: only the summation order differs from the oracle; float32 (grouped_mm): a few units of 2^-24
+TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
+
+
+# ---------------------------------------------------------------- process plumbing
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, world: int, *args, timeout: float = 240.0) -> None:
+    """Run ``fn(rank, world, port, *args)`` in ``world`` spawned processes; a failure in any re-raises
+    here; past ``timeout`` seconds all are killed and TimeoutError is raised (never a hang)."""
+    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.5, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish in {timeout:.0f} s")
+
+
+def _entry(rank: int, fn, world: int, port: int, args) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    except BaseException:  # the first failure is the one to read; its peers then fail in a collective
+        traceback.print_exc()
+        print(f"^^^ rank {rank} of {world} failed in {fn.__name__}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- comparisons
+
+def rel_err(a, ref) -> float:
+    if ref.numel() == 0:
+        return 0.0
+    assert a.shape == ref.shape, (a.shape, ref.shape)
+    scale = ref.abs().max().item()
+    diff = (a.double() - ref.double()).abs().max().item()
+    return math.inf if math.isnan(diff) else (diff / scale if scale > 0 else diff)
+
+
+def close(what: str, got: dict, ref: dict, tol: float) -> None:
+    assert set(got) == set(ref), (what, sorted(got), sorted(ref))
+    for k in ref:
+        e = rel_err(got[k], ref[k])
+        assert e <= tol, f"{what}: {k} err {e:.3g} > {tol:g}"
+
+
+def summed(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
+def slices(counts: list[int], rank: int) -> slice:
+    start = sum(counts[:rank])
+    return slice(start, start + counts[rank])
+
+
+# ---------------------------------------------------------------- functional: ExpertParallel on given ids
+
+def routing_cases(W: int, E: int, K: int, H: int, g: torch.Generator) -> dict[str, tuple[list[int], torch.Tensor]]:
+    """name -> (tokens per rank, global ids [sum T_r, K]): the code paths each exercises."""
+    El = E // W
+
+    def ids(T, pool):
+        if T == 0:
+            return torch.empty(0, K, dtype=torch.int64)
+        return torch.tensor(pool)[torch.rand(T, len(pool), generator=g).argsort(1)[:, :K]]
+
+    uneven = [5 + 3 * r for r in range(W)]
+    empty = [0 if r == 1 else 6 for r in range(W)]
+    return {
+        "uneven": (uneven, ids(sum(uneven), list(range(E)))),            # any rank to any rank
+        "empty_rank": (empty, ids(sum(empty), list(range(E)))),          # a rank with no tokens
+        "hot_rank0": ([4] * W, ids(4 * W, list(range(El)))),             # all pairs to rank 0's experts
+        "hot_last": ([3] * W, ids(3 * W, list(range(E - El, E)))),       # ... to the last rank's
+        "one_expert": ([5] * W, torch.cat([torch.full((5 * W, 1), E - 1),  # every token hits expert E-1
+                                           ids(5 * W, list(range(E - 1)))[:, :K - 1]], 1)),
+    }
+
+
+def run_functional(ep_call, T_counts, ids_all, inputs, rank, dtype, backend, drop_invalid=False):
+    """This rank's slice through ``ep_call`` with its local weights; returns out and grads (float64)."""
+    W = len(T_counts)
+    sl = slices(T_counts, rank)
+    El = inputs["gate_up_proj"].shape[0] // W
+    x = inputs["x"][sl].to(dtype).requires_grad_()
+    w = inputs["w"][sl].to(dtype).requires_grad_()
+    up = inputs["gate_up_proj"][rank * El:(rank + 1) * El].to(dtype).requires_grad_()
+    down = inputs["down_proj"][rank * El:(rank + 1) * El].to(dtype).requires_grad_()
+    out = ep_call(x, ids_all[sl], w, up, down, backend=backend, drop_invalid=drop_invalid)
+    out.backward(inputs["dy"][sl].to(dtype))
+    return {"out": out.detach(), "x": x.grad, "w": w.grad, "up": up.grad, "down": down.grad}
+
+
+def oracle_functional(T_counts, ids_all, inputs, rank, drop_invalid=False, weights_all=None):
+    """The unsharded float64 ``loop`` experts on all tokens; this rank's share of every result."""
+    W = len(T_counts)
+    sl = slices(T_counts, rank)
+    El = inputs["gate_up_proj"].shape[0] // W
+    leaves = {k: inputs[k].clone().requires_grad_() for k in ("x", "w", "gate_up_proj", "down_proj")}
+    w = leaves["w"] if weights_all is None else leaves["w"] * weights_all
+    out = moeyard.experts(leaves["x"], ids_all, w, leaves["gate_up_proj"], leaves["down_proj"], backend="loop",
+                          drop_invalid=drop_invalid)
+    out.backward(inputs["dy"])
+    blk = slice(rank * El, (rank + 1) * El)
+    return {"out": out.detach()[sl], "x": leaves["x"].grad[sl], "w": leaves["w"].grad[sl],
+            "up": leaves["gate_up_proj"].grad[blk], "down": leaves["down_proj"].grad[blk]}
+
+
+def make_functional_inputs(T_all: int, K: int, E: int, H: int, I: int, g: torch.Generator) -> dict:
+    return {"x": torch.randn(T_all, H, generator=g, dtype=torch.float64),
+            "w": torch.rand(T_all, K, generator=g, dtype=torch.float64) + 0.1,
+            "dy": torch.randn(T_all, H, generator=g, dtype=torch.float64),
+            "gate_up_proj": torch.randn(E, 2 * I, H, generator=g, dtype=torch.float64) / math.sqrt(H),
+            "down_proj": torch.randn(E, H, I, generator=g, dtype=torch.float64) / math.sqrt(I)}
+
+
+def check_functional(rank: int, W: int, *, E: int, K: int, dispatchers=DISPATCHER_NAMES,
+                     backends=(("loop", torch.float64), ("bmm_padded", torch.float64),
+                               ("grouped_mm", torch.float32))) -> None:
+    """Every routing case x dispatcher x backend against the oracle; ``sync_free`` with
+    ``max_tokens`` where counts differ, ``align`` 4 once; sentinel ids dropped; capacity drops."""
+    H, I = 8, 4
+    g = torch.Generator().manual_seed(1234)
+    ep = EPGroup(group=dist.group.WORLD, world_size=W, rank=rank)
+    for case, (T_counts, ids_all) in routing_cases(W, E, K, H, g).items():
+        inputs = make_functional_inputs(sum(T_counts), K, E, H, I, g)
+        ref = oracle_functional(T_counts, ids_all, inputs, rank)
+        for name in dispatchers:
+            equal = len(set(T_counts)) == 1
+            opts = dict(max_tokens=None if (name != "sync_free" or equal) else max(T_counts) + 1)
+            if name == "sync_free" and case == "uneven":
+                opts["align"] = 4
+            call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, **opts))
+            for backend, dtype in backends:
+                got = run_functional(call, T_counts, ids_all, inputs, rank, dtype, backend)
+                close(f"{case}/{name}/{backend}/rank{rank}", got, ref, TOL[dtype])
+                if call.dropped is not None:
+                    assert call.dropped.item() == 0, (case, name, call.dropped)
+    # sentinel ids (>= E, < 0) with drop_invalid: dropped on every path, nothing else changes
+    T_counts = [4] * W
+    ids_all = routing_cases(W, E, K, H, g)["uneven"][1][:4 * W].clone()
+    ids_all[::3, 0] = E
+    ids_all[1::5, -1] = -1
+    inputs = make_functional_inputs(4 * W, K, E, H, I, g)
+    ref = oracle_functional(T_counts, ids_all, inputs, rank, drop_invalid=True)
+    for name in dispatchers:
+        call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name))
+        got = run_functional(call, T_counts, ids_all, inputs, rank, torch.float64, "loop", drop_invalid=True)
+        close(f"sentinels/{name}/rank{rank}", got, ref, TOL[torch.float64])
+    if "sync_free" in dispatchers:
+        check_capacity(rank, W, ep, E=E, K=K, H=H, I=I, g=g)
+
+
+def check_capacity(rank, W, ep, *, E, K, H, I, g) -> None:
+    """``sync_free`` with ``capacity_factor``: the pairs past each destination's block (in token
+    order) are dropped, counted on the device, and the rest equals the oracle without them."""
+    El, T = E // W, 6
+    T_counts = [T] * W
+    ids_all = torch.rand(T * W, El, generator=g).argsort(1)[:, :K]  # all to rank 0's experts: overflow
+    inputs = make_functional_inputs(T * W, K, E, H, I, g)
+    cf = 0.5
+    C = math.ceil(cf * T * K / W)
+    keep = torch.ones(T * W, K, dtype=torch.float64)
+    dropped = [0] * W
+    for r in range(W):  # the naive rule: per source rank and destination, the first C pairs in token order
+        used = [0] * W
+        for t in range(sum(T_counts[:r]), sum(T_counts[:r + 1])):
+            for k in range(K):
+                d = int(ids_all[t, k]) // El
+                if used[d] < C:
+                    used[d] += 1
+                else:
+                    keep[t, k], dropped[r] = 0.0, dropped[r] + 1
+    assert sum(dropped) > 0
+    ref = oracle_functional(T_counts, ids_all, inputs, rank, weights_all=keep)
+    ref["w"] = ref["w"] * keep[slices(T_counts, rank)]  # dropped pairs get no weight gradient
+    call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher="sync_free", capacity_factor=cf))
+    got = run_functional(call, T_counts, ids_all, inputs, rank, torch.float64, "loop")
+    close(f"capacity/rank{rank}", got, ref, TOL[torch.float64])
+    assert call.dropped.dtype == torch.int64 and call.dropped.item() == dropped[rank]
+
+
+def check_no_host_reads(rank: int, W: int) -> None:
+    """``sync_free`` and ``all_gather`` with ``max_tokens``, forward and backward with the
+    ``grouped_mm`` backend, read nothing back: every host-read method of Tensor raises meanwhile
+    (the CPU-only token-count check of ``sync_free`` is stubbed out: on an accelerator it is skipped)."""
+    from unittest import mock
+
+    from moeyard.parallel import sync_free
+
+    E, K, H, I, T = 8, 3, 8, 4, 5
+    g = torch.Generator().manual_seed(5)
+    inputs = make_functional_inputs(T * W, K, E, H, I, g)
+    ids_all = torch.rand(T * W, E, generator=g).argsort(1)[:, :K]
+    ep = EPGroup(group=dist.group.WORLD, world_size=W, rank=rank)
+    ref = oracle_functional([T] * W, ids_all, inputs, rank)
+
+    def read(*args, **kwargs):
+        raise AssertionError("a host read on the sync-free path")
+
+    reads = {name: read for name in ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__")}
+    for name in ("sync_free", "all_gather"):
+        call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, max_tokens=T + 2))
+        with mock.patch.object(sync_free, "token_counts", lambda T, ep, device: [T]), \
+                mock.patch.multiple(torch.Tensor, **reads):
+            got = run_functional(call, [T] * W, ids_all, inputs, rank, torch.float32, "grouped_mm", drop_invalid=True)
+        close(f"no host reads/{name}/rank{rank}", got, ref, TOL[torch.float32])
+
+
+# ---------------------------------------------------------------- the MoE layer
+
+LAYER_CONFIGS = {
+    "qwen3": dict(num_experts=8, top_k=2),
+    "deepseek_v3": dict(num_experts=8, top_k=4, score_func="sigmoid", n_group=4, topk_group=2,
+                        score_correction_bias=True, routed_scaling_factor=2.5, num_shared_experts=1),
+    "gpt_oss": dict(num_experts=4, top_k=2, topk_before_score=True, router_bias=True, expert_bias=True,
+                    activation="clamped_swiglu"),
+}
+
+
+def make_layer(kw: dict, seed: int = 7) -> MoE:
+    cfg = MoEConfig(hidden_size=8, intermediate_size=4, **kw)
+    torch.manual_seed(seed)
+    m = MoE(cfg, backend="loop", dtype=torch.float64)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]) * (0.5 if "bias" in name else 1.0))
+    return m
+
+
+def layer_results(m: MoE, x: torch.Tensor, dy: torch.Tensor) -> dict:
+    x = x.clone().requires_grad_()
+    y = m(x)
+    y.backward(dy)
+    res = {"out": y.detach(), "x": x.grad}
+    res.update({n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for n, p in m.named_parameters()})
+    return res
+
+
+def check_layer(rank: int, W: int, *, mesh=None, dispatchers=DISPATCHER_NAMES) -> None:
+    """The MoE layer (router, shared experts, biases) per dispatcher, uneven tokens, a rank with none
+    when W > 2: outputs and every gradient (replicated ones summed over ranks)."""
+    g = torch.Generator().manual_seed(99)
+    for cname, kw in LAYER_CONFIGS.items():
+        if kw["num_experts"] % W:
+            continue
+        T_counts = [3 + 2 * r for r in range(W)]
+        if W > 2:
+            T_counts[2] = 0
+        x_all = torch.randn(sum(T_counts), 8, generator=g, dtype=torch.float64)
+        dy_all = torch.randn(x_all.shape, generator=g, dtype=torch.float64)
+        # the oracle runs each rank's tokens as one batch (gradients accumulated): the router scores
+        # in float32, so other batch shapes change its matmul blocking (~2e-8 relative at deepseek_v3)
+        ref_layer = make_layer(kw)
+        parts = [layer_results(ref_layer, x_all[slices(T_counts, r)], dy_all[slices(T_counts, r)])
+                 for r in range(W)]
+        oracle = {k: torch.cat([p[k] for p in parts]) for k in ("out", "x")}
+        oracle.update({n: p.grad for n, p in ref_layer.named_parameters()})
+        El = kw["num_experts"] // W
+        sl = slices(T_counts, rank)
+        for name in dispatchers:
+            m = make_layer(kw)
+            max_tokens = max(T_counts) if name == "sync_free" else None
+            expert_parallel(m, mesh, dispatcher=name, max_tokens=max_tokens)
+            got = layer_results(m, x_all[sl], dy_all[sl])
+            for k in list(got):
+                if k in ("out", "x"):
+                    ref = oracle[k][sl]
+                elif k in dict(m.named_parameters(recurse=False)):
+                    ref = oracle[k][rank * El:(rank + 1) * El]  # local expert block
+                else:
+                    got[k] = summed(got[k])  # replicated: each rank's share, summed
+                    ref = oracle[k]
+                e = rel_err(got[k], ref)
+                assert e <= TOL[torch.float64], f"layer {cname}/{name}/rank{rank}: {k} err {e:.3g}"
+
+
+# ---------------------------------------------------------------- transformers
+
+def check_transformers(rank: int, W: int, arch: str = "qwen3_moe") -> None:
+    """A tiny random transformers model with experts_implementation="moeyard": each rank runs its own
+    sequences; logits and gradients against the single-process model on all of them."""
+    from moeyard import verify
+
+    with verify._quiet_transformers():
+        base = verify.build_model(arch, experts_implementation="moeyard")
+    ids, probe = verify.make_inputs(base, batch=W, seq=6)
+    with moeyard.use_backend("loop"):
+        oracle = verify.forward_backward(base, ids, probe)
+        for name in DISPATCHER_NAMES:
+            model = copy.deepcopy(base)
+            expert_parallel(model, dispatcher=name)
+            experts_mods = verify.experts_modules(model)
+            assert experts_mods and all(m.moeyard_expert_parallel is not None for m in experts_mods)
+            got = verify.forward_backward(model, ids[rank:rank + 1], probe[rank:rank + 1])
+            params = dict(model.named_parameters())
+            for k, v in got.items():
+                if k == "logits":
+                    ref = oracle[k][rank:rank + 1]
+                elif params[k[5:]].shape != base.get_parameter(k[5:]).shape:  # an expert block
+                    El = params[k[5:]].shape[0]
+                    ref = oracle[k][rank * El:(rank + 1) * El]
+                else:
+                    v, ref = summed(v), oracle[k]
+                e = rel_err(v, ref)
+                assert e <= 1e-4, f"transformers {arch}/{name}/rank{rank}: {k} err {e:.3g}"
+
+
+# ---------------------------------------------------------------- DTensor checkpoints
+
+def check_checkpoint_save(rank: int, W: int, ckpt_dir: str) -> None:
+    """EP with a 1-D DeviceMesh: weights are DTensors Shard(0), the layer is still exact; save with
+    torch.distributed.checkpoint (global [E, ...] tensors) and the unsharded weights beside it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    import torch.distributed.checkpoint as dcp
+
+    mesh = init_device_mesh("cpu", (W,))
+    check_layer(rank, W, mesh=mesh, dispatchers=["all_to_all"])
+    m = expert_parallel(make_layer(LAYER_CONFIGS["gpt_oss"]), mesh, dispatcher="sync_free")
+    assert isinstance(m.gate_up_proj, DTensor) and m.gate_up_proj.placements == (Shard(0),)
+    assert m.gate_up_proj.shape[0] == 4 and m.gate_up_proj.to_local().shape[0] == 4 // W
+    dcp.save(m.state_dict(), checkpoint_id=ckpt_dir)
+    if rank == 0:
+        torch.save(make_layer(LAYER_CONFIGS["gpt_oss"]).state_dict(), os.path.join(ckpt_dir, "full.pt"))
+
+
+def check_checkpoint_load(rank: int, W: int, ckpt_dir: str) -> None:
+    """Load a checkpoint saved at another EP size into this one; every local block matches."""
+    from torch.distributed.device_mesh import init_device_mesh
+    import torch.distributed.checkpoint as dcp
+
+    mesh = init_device_mesh("cpu", (W,))
+    m = expert_parallel(make_layer(LAYER_CONFIGS["gpt_oss"], seed=123), mesh)  # other values
+    sd = m.state_dict()
+    dcp.load(sd, checkpoint_id=ckpt_dir)
+    full = torch.load(os.path.join(ckpt_dir, "full.pt"))
+    El = 4 // W
+    for k, v in m.state_dict().items():
+        local = v.to_local() if hasattr(v, "to_local") else v
+        ref = full[k][rank * El:(rank + 1) * El] if local.shape != full[k].shape else full[k]
+        assert torch.equal(local, ref), k
+
+
+# ---------------------------------------------------------------- errors
+
+def check_errors(rank: int, W: int) -> None:
+    """Bad input raises the same clear error on every rank (no hang)."""
+    import pytest
+
+    with pytest.raises(ValueError, match="group"):
+        expert_parallel(make_layer(dict(num_experts=6 if W == 4 else 3, top_k=2)))
+    with pytest.raises(ValueError, match="module: expert layers differ"):
+        expert_parallel(make_layer(dict(num_experts=4 * (rank + 1), top_k=2)))
+    m = expert_parallel(make_layer(LAYER_CONFIGS["qwen3"]), dispatcher="sync_free")
+    with pytest.raises(ValueError, match="max_tokens"):
+        m(torch.randn(2 + rank, 8, dtype=torch.float64))  # uneven counts without max_tokens
+    with pytest.raises(ValueError, match="already expert parallel"):
+        expert_parallel(m)
+    y = m(torch.randn(3, 8, dtype=torch.float64))  # still works after the errors
+    assert y.shape == (3, 8) and torch.isfinite(y).all()
+
+
+# ---------------------------------------------------------------- per world size
+
+def worker_2(rank: int, W: int, ckpt_dir: str) -> None:
+    check_functional(rank, W, E=8, K=3)
+    check_no_host_reads(rank, W)
+    check_layer(rank, W)
+    check_transformers(rank, W)
+    check_checkpoint_save(rank, W, ckpt_dir)
+    check_errors(rank, W)
+
+
+def worker_4(rank: int, W: int, ckpt_dir: str) -> None:
+    check_functional(rank, W, E=8, K=2, backends=(("loop", torch.float64),))
+    check_layer(rank, W, dispatchers=["all_to_all", "sync_free"])
+    check_checkpoint_load(rank, W, ckpt_dir)
+    check_errors(rank, W)
+
+
+def worker_8(rank: int, W: int) -> None:
+    check_functional(rank, W, E=16, K=2, dispatchers=["sync_free"], backends=(("loop", torch.float64),))

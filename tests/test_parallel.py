@@ -1,0 +1,98 @@
+"""Expert parallelism on CPU with gloo: 2, 4 and 8 spawned processes against one process running all
+ranks' tokens through the unsharded layer (the checks live in ep_workers.py, batched per world size
+because spawning is the slow part), plus the errors raised before any process group exists.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import ep_workers
+from moeyard import MoE, MoEConfig
+from moeyard.parallel import expert_parallel
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+@pytest.fixture(scope="module")
+def ep2_checkpoint(tmp_path_factory):
+    """Run every 2-rank check once; the DTensor checkpoint it saves at EP = 2 is reused below."""
+    path = tmp_path_factory.mktemp("ep2_ckpt")
+    ep_workers.spawn(ep_workers.worker_2, 2, str(path))
+    return path
+
+
+def test_two_ranks(ep2_checkpoint):
+    """Every dispatcher: functional cases (uneven, empty rank, all to one rank, sentinels, capacity),
+    the MoE layer, a transformers Qwen3-MoE, a DTensor checkpoint save, bad input."""
+    assert (ep2_checkpoint / "full.pt").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoint_from_ep2_loads_at_ep1(ep2_checkpoint):
+    """The EP = 2 DTensor checkpoint loads into one unsharded layer (no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    m = ep_workers.make_layer(ep_workers.LAYER_CONFIGS["gpt_oss"], seed=123)
+    sd = m.state_dict()
+    dcp.load(sd, checkpoint_id=str(ep2_checkpoint), no_dist=True)
+    full = torch.load(ep2_checkpoint / "full.pt")
+    assert set(sd) == set(full)
+    for k in full:
+        assert torch.equal(sd[k], full[k]), k
+
+
+def test_four_ranks(ep2_checkpoint):
+    """Functional cases and the layer on 4 ranks (one with no tokens); the EP = 2 checkpoint loads at
+    EP = 4; bad input."""
+    ep_workers.spawn(ep_workers.worker_4, 4, str(ep2_checkpoint))
+
+
+@pytest.mark.slow  # ~60 s on 2 cores: 8 processes importing torch
+def test_eight_ranks():
+    """One dispatcher (sync_free) on 8 ranks, every routing case."""
+    ep_workers.spawn(ep_workers.worker_8, 8)
+
+
+def test_errors_before_any_collective():
+    layer = MoE(MoEConfig(num_experts=4, hidden_size=8, intermediate_size=4, top_k=2))
+    with pytest.raises(ValueError, match="dispatcher"):
+        expert_parallel(layer, dispatcher="ring")
+    with pytest.raises(ValueError, match="capacity_factor"):
+        expert_parallel(layer, dispatcher="all_to_all", capacity_factor=1.25)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        expert_parallel(layer, dispatcher="sync_free", capacity_factor=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        expert_parallel(layer, dispatcher="all_to_all", max_tokens=16)
+    with pytest.raises(ValueError, match="align"):
+        expert_parallel(layer, dispatcher="all_gather", align=16)
+    with pytest.raises(TypeError, match="module"):
+        expert_parallel("not a module")
+    with pytest.raises(ValueError, match="module: no moeyard.MoE"):
+        expert_parallel(torch.nn.Linear(4, 4))
+    if not dist.is_initialized():
+        with pytest.raises(ValueError, match="group: torch.distributed is not initialised"):
+            expert_parallel(layer)
+    assert layer.expert_parallel is None and layer.gate_up_proj.shape[0] == 4  # untouched
+
+
+def test_bench_ep_under_torchrun(tmp_path):
+    """``moeyard bench --ep 2`` runs under torchrun with gloo and reports every dispatcher and routing."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "ep.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moeyard",
+           "bench", "--ep", "2", "--shape", "32,16,8,4,2", "--warmup", "0", "--iters", "1", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["routing"], r["dispatcher"]) for r in rows} == {(a, b) for a in ("balanced", "zipf")
+                                                               for b in ("all_to_all", "sync_free", "all_gather")}
+    assert len(rows) == 12 and all(r["dispatch_ms"] > 0 and r["experts_ms"] > 0 for r in rows)
+    assert {r["rank"] for r in rows} == {0, 1}
+    # balanced routing: every rank computes exactly its share of the 2 * 32 * 2 pairs
+    assert all(r["pairs_computed"] == 32 * 2 for r in rows if r["routing"] == "balanced")
