@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The LoRA GPU round, in two stages that each fit one 10-minute device call.
 # Usage (repository root, GPU machine):  bash benchmarks/gpu_lora.sh [check|bench]
-#   check: CUDA tests (LoRA and the rest of tests/cuda), verify --lora (PEFT parity, 27 architectures)
+#   check: CUDA LoRA and NF4 tests; with ALL=1 also the rest of tests/cuda and verify --lora (PEFT parity,
+#          27 architectures)
 #   bench: moeyard bench --lora 16 at the four LoRA shapes, the split/fused crossover, a no-LoRA triton check
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
@@ -16,10 +17,11 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.tx
   summary+=("$name rc=$? ($(tail -n 1 "$OUT/$name.txt" | cut -c1-150))")
 }
 if [[ $STAGE == check ]]; then
-  step pytest_lora 200 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_lora_cuda.py
-  MOEYARD_TRITON_AUTOTUNE=0 step pytest_cuda 200 python3 -m pytest -q -p no:cacheprovider tests/cuda \
+  export MOEYARD_TRITON_AUTOTUNE=0  # one tile config: the tests check results, not speed
+  step pytest_lora 200 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_lora_cuda.py tests/test_nf4.py
+  [[ -n ${ALL:-} ]] && step pytest_cuda 200 python3 -m pytest -q -p no:cacheprovider tests/cuda \
     --deselect tests/cuda/test_lora_cuda.py
-  MOEYARD_TRITON_AUTOTUNE=0 step verify_lora 150 python3 -m moeyard verify --device cuda --lora 8 --fuse-lora
+  [[ -n ${ALL:-} ]] && step verify_lora 150 python3 -m moeyard verify --device cuda --lora 8 --fuse-lora
 else
   step bench_lora 330 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 --json "$OUT/bench_lora.json"
   step crossover 200 python3 benchmarks/lora_crossover.py --json "$OUT/crossover.json"
