@@ -1,5 +1,6 @@
 """The benchmark runner: FLOP counts, the model registry, forced routing, rows on CPU."""
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
@@ -194,3 +195,28 @@ def test_failing_backend_is_an_error_row():
 def test_bad_options_name_the_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
         bench.resolve_options(bench.BenchOptions(device="cpu", **kw))
+
+
+@pytest.mark.parametrize("impl", ["lora", "peft+moeyard", "peft-auto+moeyard", "peft-fold+moeyard", "peft+grouped_mm"])
+def test_lora_bench_rows_train_the_adapters(impl):
+    # every LoRA row computes the adapted layer (same output) and the factor gradients (same values)
+    from moeyard import bench_lora
+    from moeyard.models import parse_shape
+    if impl != "lora" and importlib.util.find_spec("peft") is None:
+        pytest.skip("peft is not installed")
+    case = bench_lora.make_case(parse_shape("48,32,16,4,2"), 4, torch.device("cpu"), torch.float32)
+    for factors in case.lora.values():
+        factors[1].normal_()  # B != 0: the adapters change the output
+    frozen = bench_lora.build("frozen", case)(case.xs[0])
+    ref = bench_lora.build("lora", case)
+    want = ref(case.xs[0])
+    want.backward(case.dys[0])
+    module = bench_lora.build(impl, case)
+    got = module(case.xs[0])
+    got.backward(case.dys[0])
+    assert (want - frozen).abs().max() > 1e-3
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    grads = sorted((p.grad.abs().sum().item() for p in module.trainable()))
+    want_grads = sorted(p.grad.abs().sum().item() for p in ref.trainable())
+    assert len(grads) == 4 and all(g > 0 for g in grads)
+    torch.testing.assert_close(torch.tensor(grads), torch.tensor(want_grads), rtol=1e-4, atol=1e-4)

@@ -108,7 +108,7 @@ class _Direct(nn.Module):
             lora = {n: ExpertLoRA(lora_A=f[f"{n}_A"], lora_B=f[f"{n}_B"], scaling=c.scaling) for n in TARGETS}
         elif self.mode == "peft-fold+moeyard":
             w_up, w_down = (_fold(w, f[f"{n}_A"], f[f"{n}_B"], c.scaling) for n, w in zip(TARGETS, (w_up, w_down)))
-        return experts(x, c.topk_ids, c.topk_weights, w_up, w_down)
+        return experts(x, c.topk_ids, c.topk_weights, w_up, w_down, lora=lora)
 
     def trainable(self) -> list[Tensor]:
         return [] if self.mode == "frozen" else list(self.factors.values())
