@@ -24,10 +24,11 @@ if [[ $STAGE == check ]]; then
   [[ -n ${ALL:-} ]] && step verify_lora 150 python3 -m moeyard verify --device cuda --lora 8 --fuse-lora
 else
   step bench_lora 330 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 --json "$OUT/bench_lora.json"
+  step profile 120 python3 benchmarks/lora_profile.py --modes split fused
   step crossover 200 python3 benchmarks/lora_crossover.py --json "$OUT/crossover.json"
-  step bench_triton 60 python3 -m moeyard bench --routed-only --model qwen3-30b-a3b --backends triton,torch_gmm \
+  [[ -n ${ALL:-} ]] && step bench_triton 60 python3 -m moeyard bench --routed-only --model qwen3-30b-a3b --backends triton,torch_gmm \
     --warmup 5 --iters 20
 fi
-for f in "$OUT"/verify_lora.txt "$OUT"/bench_*.txt "$OUT"/crossover.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 40 "$f"; }; done
+for f in "$OUT"/verify_lora.txt "$OUT"/bench_*.txt "$OUT"/profile.txt "$OUT"/crossover.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 40 "$f"; }; done
 for f in "$OUT"/pytest_*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed|Error" "$f" | tail -n 20; }; done
 cat "$OUT/gpu.txt"; printf '%s\n' "${summary[@]}"

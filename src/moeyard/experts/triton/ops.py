@@ -16,7 +16,8 @@ from ...activations import GATED
 from ...dispatch import make_plan
 from . import kernels_bwd, kernels_fwd
 from .options import options
-from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, REDUCE_BLOCK, SMALL, THIN_WGRAD_CONFIGS, WGRAD_CONFIGS,
+from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, REDUCE_BLOCK, SMALL, THIN_CONFIGS, THIN_WGRAD_CONFIGS,
+                       WGRAD_CONFIGS,
                        dot_precision, gemm_tile, interpreting, lora_fused, max_chunks, max_partial_slots, max_row_tiles,
                        rank_block, tuned, wgrad_tile)
 
@@ -117,6 +118,7 @@ def _kernels():
     if not _LAUNCHERS:
         _LAUNCHERS.update(
             up=tuned(kernels_fwd.up_kernel, DUAL_CONFIGS, ["NA", "H", "N1", "E", "R", "LORA"], gemm_tile(2)),
+            up_thin=tuned(kernels_fwd.up_kernel, THIN_CONFIGS, ["NA", "H", "E", "GATHER"], gemm_tile(1)),
             down=tuned(kernels_fwd.down_kernel, GEMM_CONFIGS, ["KA", "NY", "E", "ATOMIC", "R", "LORA"], gemm_tile(1)),
             dh=tuned(kernels_bwd.dh_kernel, DH_CONFIGS, ["H", "I", "N1", "E", "R", "LORA"], gemm_tile(1)),
             wgrad=tuned(kernels_bwd.wgrad_kernel, WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], wgrad_tile),
@@ -157,7 +159,8 @@ def up_proj_(x: Tensor, w: Tensor, b: Optional[Tensor], sort_order: Tensor, expe
     NA, gate_step, up_offset = spec.columns(N1)
     bb = w if b is None else b
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
-    _kernels()["up"][_row_grid(N, E, NA)](
+    thin = N1 <= THIN and not spec.gated and not lora_mode
+    _kernels()["up_thin" if thin else "up"][_row_grid(N, E, NA)](
         x, w, bb, sort_order, expert_offsets, a if h is None else h, a, la_, lb_, z_,
         H, NA, N1, E, top_k, R,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1),

@@ -96,19 +96,18 @@ def rank_block(rank: int) -> int:
 
 # Split vs fused LoRA (the ``lora_mode`` option overrides). Fused recomputes the ``[rows, R]`` low-rank
 # rows in every column tile of the GEMM (about ``R / BN`` more tensor-core work); split computes them
-# once in a thin extra launch that reads the GEMM's input again (memory-bound). Split wins for few,
-# large experts, where the GEMM is compute-bound and its input is small next to its weights
-# (ScatterMoE-LoRA's rule: E <= 32 and K * N_out >= 20M), and for large ranks.
-SPLIT_MAX_EXPERTS = 32
-SPLIT_MIN_WEIGHT = 20_000_000
-SPLIT_MIN_RANK = 64
+# once in a thin extra launch that reads the GEMM's input again (memory-bound). ScatterMoE-LoRA's
+# rule splits for few, large experts (E <= 32 and K * N_out >= 20M) and fuses otherwise.
+# Measured on an H200 (bf16, benchmarks/lora_crossover.py, benchmarks/NOTES.md): with Triton 3.6 the
+# fused main loop's second, 16-wide dot costs far more than its FLOPs (the down projection at
+# qwen3-30b-a3b: 10.5 ms fused against 4.3 ms without LoRA), while the split's thin launches run near
+# copy bandwidth; split won at every measured shape, so it is the default.
+FUSED_MAX_RANK = 0
 
 
 def lora_fused(num_rows: int, k: int, num_out: int, num_experts: int, rank: int) -> bool:
     """True to fuse the LoRA term into the GEMM's main loop, False to split it (see above)."""
-    if rank >= SPLIT_MIN_RANK:
-        return False
-    return not (num_experts <= SPLIT_MAX_EXPERTS and k * num_out >= SPLIT_MIN_WEIGHT)
+    return rank <= FUSED_MAX_RANK
 
 
 def interpreting() -> bool:
@@ -149,6 +148,12 @@ DH_CONFIGS = [
 WGRAD_CONFIGS = [
     _cfg(64, 256, 128, 8, 4), _cfg(64, 128, 256, 8, 4), _cfg(64, 256, 128, 8, 3), _cfg(64, 128, 128, 8, 4),
     _cfg(64, 128, 128, 8, 3), _cfg(128, 128, 128, 8, 3), _cfg(32, 256, 128, 8, 6), _cfg(64, 64, 128, 4, 4),
+]
+# thin grouped GEMMs (the LoRA rows z = x A_e^T: R <= 64 output columns, memory-bound): narrow column
+# tiles, deep K steps, more programs per SM to hide the gathered loads' latency
+THIN_CONFIGS = [
+    _cfg(64, 16, 128, 4, 4), _cfg(128, 16, 128, 4, 4), _cfg(128, 32, 64, 4, 4), _cfg(64, 32, 128, 4, 3),
+    _cfg(128, 16, 256, 8, 3), _cfg(256, 16, 64, 8, 4), _cfg(128, 64, 64, 4, 4),
 ]
 # weight gradients with one thin side (LoRA factors: r rows or columns): narrow tiles on that side
 THIN_WGRAD_CONFIGS = [
