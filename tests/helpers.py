@@ -198,3 +198,14 @@ def clones(d: dict[str, Tensor]) -> dict[str, Tensor]:
 def assert_unchanged(before: dict[str, Tensor], after: dict[str, Tensor]) -> None:
     for k in before:
         assert torch.equal(before[k], after[k]), f"{k} was modified"
+
+
+def bnb_dequantize(storage) -> Tensor:
+    """bitsandbytes' ``dequantize_4bit`` of an NF4 storage, viewed flat as ``[n / blocksize, blocksize]``
+    (bitsandbytes 0.50's CPU kernel applies the block scales per row when the last dimension is not
+    a multiple of the blocksize; its flat view is exact: tests/test_nf4.py)."""
+    import bitsandbytes.functional as F
+
+    qs = storage.quant_state()
+    qs.shape = torch.Size((storage.shape.numel() // storage.blocksize, storage.blocksize))
+    return F.dequantize_4bit(storage.data, qs).view(storage.shape)

@@ -23,16 +23,10 @@ F = pytest.importorskip("bitsandbytes.functional")
 import moeyard  # noqa: E402
 from moeyard.quant import NF4Experts, dequantize_reference, load_quantized_state_dict, quantize_experts  # noqa: E402
 from moeyard.quant import dequant  # noqa: E402
+from helpers import bnb_dequantize  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def bnb_dequantize(storage):
-    """bitsandbytes' ``dequantize_4bit`` of the storage, viewed flat (module docstring: why)."""
-    qs = storage.quant_state()
-    qs.shape = torch.Size((storage.shape.numel() // storage.blocksize, storage.blocksize))
-    return F.dequantize_4bit(storage.data, qs).view(storage.shape)
 
 
 def weights(shape, dtype=torch.float32, device="cpu"):

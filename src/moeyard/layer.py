@@ -125,9 +125,16 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def merge_lora(self) -> "MoE":
-        """Fold the adapters into the expert weights (``W += s B A``) and remove them. Returns ``self``."""
+        """Fold the adapters into the expert weights (``W += s B A``) and remove them. Returns ``self``.
+
+        Raises:
+            TypeError: the expert weights are quantised (dequantise, merge, quantise again instead).
+        """
         for name, adapter in (self.lora or {}).items():
             w = getattr(self, name)
+            if not isinstance(w, torch.Tensor):
+                raise TypeError(f"merge_lora: {name} is quantised ({type(w).__name__}); LoRA cannot be merged into "
+                                "4-bit storage")
             w += adapter.delta_weight().to(w.dtype)
         self.lora = None
         return self

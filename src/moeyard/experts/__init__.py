@@ -15,6 +15,7 @@ from . import loop as _loop  # noqa: F401  (registers)
 from . import triton as _triton  # noqa: F401  (registers; imports triton on first use only)
 from .registry import (ExpertBackend, available_backends, backend_names, get_backend, register_backend,
                        resolve_backend, set_backend, use_backend)
+from .quantized import dequantized, is_quantized
 from .weights import ExpertLoRA, ExpertWeights, LowRank, Projection, expert_weights
 
 Tensor = torch.Tensor
@@ -49,7 +50,10 @@ def experts(
         topk_ids: ``[T, K]`` integer expert ids, ``K <= E``.
         topk_weights: ``[T, K]`` float routing weights (cast to ``hidden_states.dtype``).
         gate_up_proj: ``[E, 2I, H]`` (gate rows then up rows), or ``[E, I, H]`` for a plain
-            activation (transformers' ``up_proj``); ``[E, H, 2I]`` if ``transposed``.
+            activation (transformers' ``up_proj``); ``[E, H, 2I]`` if ``transposed``. Either weight
+            may be quantised storage (:class:`moeyard.quant.NF4Experts`, frozen): then only the
+            experts that receive tokens are dequantised, and again in backward
+            (:mod:`moeyard.experts.quantized`).
         down_proj: ``[E, H, I]``; ``[E, I, H]`` if ``transposed``.
         activation: a name (``swiglu``, ``geglu``, ``reglu``, ``clamped_swiglu``, ``gelu``, ``relu``,
             ``relu2``, ``silu``), a :class:`moeyard.Activation`, or a callable ``h [R, 2I] -> [R, I]``.
@@ -78,6 +82,11 @@ def experts(
     """
     act = get_activation(activation)
     check_float("hidden_states", hidden_states, dim=2)
+    if is_quantized(gate_up_proj) or is_quantized(down_proj):
+        with dequantized((gate_up_proj, down_proj), topk_ids) as (up, down):
+            return experts(hidden_states, topk_ids, topk_weights, up, down, activation=act, backend=backend,
+                           gate_up_bias=gate_up_bias, down_bias=down_bias, transposed=transposed,
+                           interleaved=interleaved, drop_invalid=drop_invalid, lora=lora)
     weights = expert_weights(gate_up_proj, down_proj, gate_up_bias=gate_up_bias, down_bias=down_bias,
                              transposed=transposed, interleaved=interleaved, gated=act.gated, lora=lora)
     T, H = hidden_states.shape

@@ -64,7 +64,10 @@ def quantize_experts(module: nn.Module, format: str = "nf4", *, blocksize: int =
     compress_statistics=compress_statistics)``; QLoRA, arXiv 2305.14314) on the parameter's device,
     with the parameter's dtype as compute dtype. About 0.26x the bytes of bfloat16 at the defaults.
     Biases, routers and every other parameter stay as they are. All weights are checked before any is
-    replaced.
+    replaced. A quantised model runs (and trains LoRA adapters on top) through :func:`moeyard.experts`,
+    which dequantises only the active experts, in forward and again in backward. PEFT's ``W + dW`` fold
+    cannot run on 4-bit storage, so a PEFT-wrapped model is switched to
+    :func:`moeyard.integrations.peft.fuse_lora` here (call that yourself after a later ``get_peft_model``).
 
     Args:
         module: a :class:`moeyard.MoE`, a transformers model or any module containing experts modules
@@ -89,7 +92,16 @@ def quantize_experts(module: nn.Module, format: str = "nf4", *, blocksize: int =
     bnb_functional()
     for _, owner, attr, p in targets:
         _replace(owner, attr, NF4Experts.from_float(p, blocksize=blocksize, compress_statistics=compress_statistics))
+    _fuse_peft(module)
     return module
+
+
+def _fuse_peft(module: nn.Module) -> None:
+    """:func:`moeyard.integrations.peft.fuse_lora` when ``module`` holds PEFT ``ParamWrapper``s."""
+    if not any(hasattr(m, "parameter_name") and hasattr(m, "base_layer") for m in module.modules()):
+        return
+    from ..integrations.peft import fuse_lora
+    fuse_lora(module)
 
 
 def load_quantized_state_dict(module: nn.Module, state_dict: Mapping[str, Tensor] | str | os.PathLike,
