@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The LoRA GPU round, in two stages that each fit one 10-minute device call.
-# Usage (repository root, GPU machine):  bash benchmarks/gpu_lora.sh [check|bench]
+# Usage (repository root, GPU machine):  bash benchmarks/gpu_lora.sh [check|bench|quant] [MODEL ...]
 #   check: CUDA LoRA and NF4 tests; with ALL=1 also the rest of tests/cuda and verify --lora (PEFT parity,
 #          27 architectures)
-#   bench: moeyard bench --lora 16 at the four LoRA shapes, the split/fused crossover, a no-LoRA triton check
+#   bench: moeyard bench --lora 16 at MODEL... (default: the four LoRA shapes); with ALL=1 also the per-kernel
+#          profile, the split/fused crossover and a no-LoRA triton check
+#   quant: CUDA LoRA, QLoRA and NF4 tests, then moeyard bench --quant nf4 --lora 16 (4-layer stacks) at MODEL...
+#          (default qwen3-30b-a3b); bitsandbytes comes from the wheel in .whl (carried)
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
-STAGE=${1:-check}
+STAGE=${1:-check}; shift; MODELS=("$@")
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
@@ -22,10 +25,18 @@ if [[ $STAGE == check ]]; then
   [[ -n ${ALL:-} ]] && step pytest_cuda 200 python3 -m pytest -q -p no:cacheprovider tests/cuda \
     --deselect tests/cuda/test_lora_cuda.py
   [[ -n ${ALL:-} ]] && step verify_lora 150 python3 -m moeyard verify --device cuda --lora 8 --fuse-lora
+elif [[ $STAGE == quant ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  MOEYARD_TRITON_AUTOTUNE=0 step pytest_quant 240 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_lora_cuda.py \
+    tests/cuda/test_qlora_cuda.py tests/test_nf4.py
+  step bench_quant 300 python3 -m moeyard bench --quant nf4 --lora 16 --warmup 3 --iters 10 \
+    $(printf -- '--model %s ' "${MODELS[@]:-qwen3-30b-a3b}") --json "$OUT/bench_quant.json"
 else
-  step bench_lora 330 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 --json "$OUT/bench_lora.json"
-  step profile 120 python3 benchmarks/lora_profile.py --modes split fused
-  step crossover 200 python3 benchmarks/lora_crossover.py --json "$OUT/crossover.json"
+  step bench_lora 500 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 --json "$OUT/bench_lora.json" \
+    $(printf -- '--model %s ' "${MODELS[@]}")
+  [[ -n ${ALL:-} ]] && step profile 120 python3 benchmarks/lora_profile.py --modes split fused
+  [[ -n ${ALL:-} ]] && step crossover 200 python3 benchmarks/lora_crossover.py --json "$OUT/crossover.json"
   [[ -n ${ALL:-} ]] && step bench_triton 60 python3 -m moeyard bench --routed-only --model qwen3-30b-a3b --backends triton,torch_gmm \
     --warmup 5 --iters 20
 fi

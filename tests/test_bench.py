@@ -220,3 +220,23 @@ def test_lora_bench_rows_train_the_adapters(impl):
     want_grads = sorted(p.grad.abs().sum().item() for p in ref.trainable())
     assert len(grads) == 4 and all(g > 0 for g in grads)
     torch.testing.assert_close(torch.tensor(grads), torch.tensor(want_grads), rtol=1e-4, atol=1e-4)
+
+
+def test_quant_bench_rows():
+    # the QLoRA rows: selective and whole-stack dequantisation compute the same step; NF4 stores <= 0.3x
+    pytest.importorskip("bitsandbytes")
+    from moeyard import bench_lora
+    from moeyard.models import parse_shape
+    case = bench_lora.make_case(parse_shape("32,64,32,4,2"), 4, torch.device("cpu"), torch.float32)
+    rows = {}
+    for impl in bench_lora.QUANT_IMPLS:
+        torch.manual_seed(0)
+        m = bench_lora.build(impl, case, layers=2)
+        out = m(case.xs[0])
+        out.backward(case.dys[0])
+        rows[impl] = (m, out, [p.grad.clone() for p in m.trainable()])
+    torch.testing.assert_close(rows["qlora"][1], rows["qlora-whole"][1], rtol=0, atol=0)
+    for a, b in zip(rows["qlora"][2], rows["qlora-whole"][2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert len(rows["qlora"][2]) == 8
+    assert rows["qlora"][0].weight_bytes() <= 0.15 * rows["lora"][0].weight_bytes()  # float32 base here

@@ -17,6 +17,15 @@ fixed random output gradient into ``x`` and whatever trains (base weights frozen
   full ``[E, out, in]`` weight gradient flows back through the fold.
 - ``peft+grouped_mm``: PEFT's default path on transformers' ``grouped_mm`` experts.
 
+With ``--quant nf4`` the rows are a stack of ``--layers`` such layers (``x <- x + experts_l(x)``, each
+with its own weights and adapters, forward through all then backward), to show what QLoRA saves:
+
+- ``lora``: bf16 expert weights (the stack's bf16 size resident);
+- ``qlora``: NF4 weights (:class:`moeyard.quant.NF4Experts`), only the active experts dequantised, in
+  forward and again in backward (one layer's dense weights alive at a time);
+- ``qlora-whole``: NF4 weights dequantised whole every step and handed over as tensors, so autograd
+  keeps every layer's dense weights until backward (bitsandbytes' ``replace_parameter_4bit`` does this).
+
 Reported: median step ms, TFLOP/s (frozen step ``12*N*H*I`` for gated experts, N = T*k, plus for LoRA
 rows ``6*N*r*(in + out)`` per adapted projection: forward, input gradient and the two factor
 gradients), and the peak extra GiB of the step (CUDA). Targets of the LoRA design: ``lora`` within
@@ -39,6 +48,7 @@ from .models import ModelShape, get_model, parse_shape, with_tokens
 Tensor = torch.Tensor
 LORA_MODELS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b", "olmoe-1b-7b", "mixtral-8x7b")
 IMPLS = ("frozen", "lora", "peft+moeyard", "peft-auto+moeyard", "peft-fold+moeyard", "peft+grouped_mm")
+QUANT_IMPLS = ("lora", "qlora", "qlora-whole")
 TARGETS = ("gate_up_proj", "down_proj")
 
 
@@ -158,7 +168,53 @@ class _Peft(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
 
-def build(impl: str, case: Case) -> nn.Module:
+class _Stack(nn.Module):
+    """``layers`` routed-experts layers with adapters, ``x <- x + experts_l(x)`` (module docstring)."""
+
+    def __init__(self, case: Case, impl: str, layers: int):
+        super().__init__()
+        self.case, self.impl = case, impl
+        self.factors = nn.ParameterList()
+        self.stack = []
+        for layer in range(layers):
+            up, down = (case.gate_up_proj, case.down_proj) if layer == 0 else \
+                (torch.randn_like(case.gate_up_proj) * case.gate_up_proj.std(), torch.randn_like(case.down_proj)
+                 * case.down_proj.std())
+            if impl != "lora":
+                up, down = _nf4(up), _nf4(down)
+            self.stack.append((up, down))
+            self.factors.extend(nn.Parameter(t.clone()) for a, b in case.lora.values() for t in (a, b))
+
+    def forward(self, x: Tensor) -> Tensor:
+        c = self.case
+        for layer, (up, down) in enumerate(self.stack):
+            f = self.factors[4 * layer: 4 * layer + 4]
+            lora = {n: ExpertLoRA(lora_A=f[2 * i], lora_B=f[2 * i + 1], scaling=c.scaling) for i, n in enumerate(TARGETS)}
+            if self.impl == "qlora-whole":
+                up, down = up.dequantize(), down.dequantize()
+            x = x + experts(x, c.topk_ids, c.topk_weights, up, down, lora=lora)
+        return x
+
+    def trainable(self) -> list[Tensor]:
+        return list(self.factors)
+
+    def weight_bytes(self) -> int:
+        return sum(w.numel() * w.element_size() if isinstance(w, Tensor) else w.memory_bytes()
+                   for pair in self.stack for w in pair)
+
+
+def _nf4(w: Tensor):
+    """NF4 storage of ``w`` (bitsandbytes quantises on the GPU when it can, else on the CPU)."""
+    from .quant import NF4Experts
+    try:
+        return NF4Experts.from_float(w)
+    except (RuntimeError, NotImplementedError):
+        return NF4Experts.from_float(w.cpu()).to(w.device)
+
+
+def build(impl: str, case: Case, layers: int = 0) -> nn.Module:
+    if layers:
+        return _Stack(case, impl, layers)
     if impl.startswith("peft+") or impl == "peft-auto+moeyard":
         return _Peft(case, impl)
     return _Direct(case, impl)
@@ -188,27 +244,36 @@ def measure(module: nn.Module, case: Case, opts: bench.BenchOptions) -> dict:
     return {"step_ms": ms, "peak_gib": peak}
 
 
-def run(opts: bench.BenchOptions, rank: int, progress: Callable[[str, int, int], None] | None = None) -> dict:
+def run(opts: bench.BenchOptions, rank: int, progress: Callable[[str, int, int], None] | None = None, *,
+        quant: str | None = None, layers: int = 4) -> dict:
     """Run the LoRA benchmark: ``{"env": {...}, "rows": [...]}`` (ms, TFLOP/s, GiB; ratios to the
-    ``frozen`` and ``lora`` rows of the same case).
+    ``frozen`` and ``lora`` rows of the same case). ``quant="nf4"``: the QLoRA rows on a stack of
+    ``layers`` layers (module docstring).
 
     Raises:
         ValueError: a bad option (named), or ``rank < 1``.
     """
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"--lora: expected a positive rank, got {rank!r}")
+    if quant not in (None, "nf4"):
+        raise ValueError(f"--quant: expected 'nf4', got {quant!r}")
+    if quant and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+        raise ValueError(f"--layers: expected a positive int, got {layers!r}")
+    layers = layers if quant else 0
     opts = bench.resolve_options(opts)
     shapes = [get_model(n) for n in opts.models] + [parse_shape(s) for s in opts.shapes]
     shapes = shapes or [get_model(n) for n in LORA_MODELS]
     if opts.tokens is not None:
         shapes = [with_tokens(s, opts.tokens) for s in shapes]
-    impls = [i for i in (opts.backends or IMPLS)]
+    known = QUANT_IMPLS if quant else IMPLS
+    impls = list(opts.backends or known)
     for i in impls:
-        if i not in IMPLS:
-            raise ValueError(f"--backends: with --lora expected names from {IMPLS}, got {i!r}")
+        if i not in known:
+            raise ValueError(f"--backends: with --lora{' --quant' if quant else ''} expected names from {known}, "
+                             f"got {i!r}")
     device, dtype = torch.device(opts.device), bench.DTYPES[opts.dtype]
     report = progress or (lambda desc, done, total: None)
-    env = {**bench.environment(opts), "lora_rank": rank,
+    env = {**bench.environment(opts), "lora_rank": rank, "quant": quant, "layers": layers,
            "dense_bf16_tflops": bench.dense_tflops(device, opts.warmup, opts.iters)}
     rows, total = [], len(shapes) * len(impls)
     for shape in shapes:
@@ -216,7 +281,7 @@ def run(opts: bench.BenchOptions, rank: int, progress: Callable[[str, int, int],
         case = make_case(shape, rank, device, dtype)
         for impl in impls:
             report(f"{shape.name} · {impl}", len(rows), total)
-            rows.append(_row(impl, case, opts))
+            rows.append(_row(impl, case, opts, layers))
         _ratios(rows[-len(impls):])
         del case
         bench._free(opts.device)
@@ -224,13 +289,15 @@ def run(opts: bench.BenchOptions, rank: int, progress: Callable[[str, int, int],
     return {"env": env, "rows": rows}
 
 
-def _row(impl: str, case: Case, opts: bench.BenchOptions) -> dict:
+def _row(impl: str, case: Case, opts: bench.BenchOptions, layers: int) -> dict:
     T, H, I, E, K = case.sizes
     row = {"case": case.name, "T": T, "H": H, "I": I, "E": E, "k": K, "impl": impl,
-           "flops": step_flops(case, impl != "frozen")}
+           "flops": step_flops(case, impl != "frozen") * max(layers, 1)}
     module = None
     try:
-        module = build(impl, case)
+        module = build(impl, case, layers)
+        if layers:
+            row["weights_gib"] = module.weight_bytes() / bench.GIB
         row.update(measure(module, case, opts))
         row["tflops"] = row["flops"] / row["step_ms"] / 1e9
     except Exception as ex:  # a failing implementation is a row, not a crash

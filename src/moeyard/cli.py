@@ -75,6 +75,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="time the LoRA fine-tuning step of the routed experts (rank R, default 16) against the "
                         "frozen-base step and PEFT's default path (moeyard.bench_lora); --backends then names "
                         "its implementations")
+    p.add_argument("--quant", choices=["nf4"], help="with --lora: QLoRA rows (bf16 LoRA, NF4 with selective "
+                   "dequantisation, NF4 dequantised whole) on a stack of --layers layers")
+    p.add_argument("--layers", type=int, default=4, metavar="L", help="layers in the --quant stack (default 4)")
     p.add_argument("--list-models", action="store_true", help="list the registered model shapes and exit")
     p.add_argument("--ep", type=int, metavar="N", help="expert parallel over N processes: run under torchrun "
                    "--nproc-per-node N -m moeyard bench --ep N (see moeyard.parallel.bench)")
@@ -144,7 +147,10 @@ def run_bench(args, command: str) -> int:
         console.print(models_table())
         return 0
     try:
-        result = _run_with_progress(bench_options(args, command), lora=args.lora)
+        if args.quant and args.lora is None:
+            args.lora = 16
+        result = _run_with_progress(bench_options(args, command), lora=args.lora, quant=args.quant,
+                                    layers=args.layers)
     except ValueError as ex:
         Console(stderr=True).print(f"[red]moeyard bench: {ex}[/red]", highlight=False)
         return 2
@@ -164,7 +170,8 @@ def _wide(console: Console) -> Console:
     return console if console.is_terminal else Console(stderr=console.stderr, width=180)
 
 
-def _run_with_progress(opts: bench.BenchOptions, lora: int | None = None) -> dict:
+def _run_with_progress(opts: bench.BenchOptions, lora: int | None = None, quant: str | None = None,
+                       layers: int = 4) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -175,7 +182,7 @@ def _run_with_progress(opts: bench.BenchOptions, lora: int | None = None) -> dic
             progress.update(task, description=desc, completed=done, total=total)
         if lora is not None:
             from . import bench_lora
-            return bench_lora.run(opts, lora, progress=report)
+            return bench_lora.run(opts, lora, progress=report, quant=quant, layers=layers)
         return bench.run(opts, progress=report)
 
 
@@ -215,7 +222,8 @@ def lora_table(result: dict) -> Table:
     """The ``--lora`` results (:mod:`moeyard.bench_lora`) as a rich table."""
     env = result["env"]
     dense = env.get("dense_bf16_tflops")
-    title = (f"moeyard bench --lora {env['lora_rank']} · {env['device']} · {env['dtype']} · routed experts, "
+    stack = f" --quant {env['quant']} ({env['layers']} layers)" if env.get("quant") else ""
+    title = (f"moeyard bench --lora {env['lora_rank']}{stack} · {env['device']} · {env['dtype']} · routed experts, "
              f"base frozen\ntorch {env['torch']} · triton {env['triton']} · moeyard {env['moeyard']} · {env['date']}")
     caption = [f"$ {env['command']}" if env["command"] else "",
                f"dense bf16 matmul (8192^3) this run: {dense:.0f} TFLOP/s" if dense else "",
@@ -223,16 +231,16 @@ def lora_table(result: dict) -> Table:
                "+ 6*N*r*(in+out) per adapter; x frozen = step / frozen step; x lora = step / lora step; "
                f"median of {env['iters']} after {env['warmup']} warm-up; peak = extra GiB of the step"]
     table = Table(title=title, caption="\n".join(c for c in caption if c), caption_justify="left")
-    for col in ("case (T,H,I,E,k)", "impl", "step ms", "TFLOP/s", "peak GiB", "x frozen", "x lora"):
+    for col in ("case (T,H,I,E,k)", "impl", "step ms", "TFLOP/s", "peak GiB", "weights GiB", "x frozen", "x lora"):
         table.add_column(col, justify="left" if col in ("case (T,H,I,E,k)", "impl") else "right")
     last = None
     for r in result["rows"]:
         key = _case_label(r)
         if last is not None and key != last:
             table.add_section()
-        cells = [f"[red]{r['error'][:120]}[/red]", "", "", "", ""] if "error" in r else \
+        cells = [f"[red]{r['error'][:120]}[/red]", "", "", "", "", ""] if "error" in r else \
             [_fmt(r["step_ms"], ".3f"), _fmt(r["tflops"], ".1f"), _fmt(r["peak_gib"], ".2f"),
-             _fmt(r.get("x_frozen"), ".2f"), _fmt(r.get("lora_speedup"), ".2f")]
+             _fmt(r.get("weights_gib"), ".2f"), _fmt(r.get("x_frozen"), ".2f"), _fmt(r.get("lora_speedup"), ".2f")]
         table.add_row("" if key == last else key, r["impl"], *cells)
         last = key
     return table
