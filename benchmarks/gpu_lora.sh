@@ -9,7 +9,8 @@
 #          (default qwen3-30b-a3b); bitsandbytes comes from the wheel in .whl (carried)
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
-STAGE=${1:-check}; shift; MODELS=("$@")
+STAGE=${1:-check}; shift
+margs=(); for m in "$@"; do margs+=(--model "$m"); done
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
@@ -28,13 +29,14 @@ if [[ $STAGE == check ]]; then
 elif [[ $STAGE == quant ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  (( ${#margs[@]} )) || margs=(--model qwen3-30b-a3b)
   MOEYARD_TRITON_AUTOTUNE=0 step pytest_quant 240 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_lora_cuda.py \
     tests/cuda/test_qlora_cuda.py tests/test_nf4.py
   step bench_quant 300 python3 -m moeyard bench --quant nf4 --lora 16 --warmup 3 --iters 10 \
-    $(printf -- '--model %s ' "${MODELS[@]:-qwen3-30b-a3b}") --json "$OUT/bench_quant.json"
+    "${margs[@]}" --json "$OUT/bench_quant.json"
 else
   step bench_lora 500 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 --json "$OUT/bench_lora.json" \
-    $(printf -- '--model %s ' "${MODELS[@]}")
+    "${margs[@]}"
   [[ -n ${ALL:-} ]] && step profile 120 python3 benchmarks/lora_profile.py --modes split fused
   [[ -n ${ALL:-} ]] && step crossover 200 python3 benchmarks/lora_crossover.py --json "$OUT/crossover.json"
   [[ -n ${ALL:-} ]] && step bench_triton 60 python3 -m moeyard bench --routed-only --model qwen3-30b-a3b --backends triton,torch_gmm \
