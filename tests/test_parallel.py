@@ -96,3 +96,31 @@ def test_bench_ep_under_torchrun(tmp_path):
     assert {r["rank"] for r in rows} == {0, 1}
     # balanced routing: every rank computes exactly its share of the 2 * 32 * 2 pairs
     assert all(r["pairs_computed"] == 32 * 2 for r in rows if r["routing"] == "balanced")
+
+
+def test_lora_is_refused():
+    """LoRA factors cover all E experts: a layer with adapters is refused by expert_parallel, and
+    adapters reaching an installed ExpertParallel (added afterwards, or PEFT's through transformers)
+    raise before any collective."""
+    from moeyard.parallel import EPOptions, ExpertParallel
+    from moeyard.parallel.comm import EPGroup
+
+    layer = MoE(MoEConfig(num_experts=4, hidden_size=8, intermediate_size=4, top_k=2)).add_lora(2)
+    with pytest.raises(ValueError, match="LoRA adapters"):
+        expert_parallel(layer)
+    call = ExpertParallel(EPGroup(group=None, world_size=2, rank=0), EPOptions(num_experts=4))
+    lora = {n: a.expert_lora() for n, a in layer.lora.items()}
+    with pytest.raises(ValueError, match="lora: LoRA adapters are not supported"):
+        call(torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2),
+             layer.gate_up_proj[:2], layer.down_proj[:2], lora=lora)
+
+
+def test_nccl_device_check():
+    """On an NCCL group, tensors off CUDA (or off the current CUDA device) raise a clear ValueError
+    before the collective; other backends take any device."""
+    from moeyard.parallel.comm import check_device
+
+    with pytest.raises(ValueError, match="NCCL, which needs CUDA tensors"):
+        check_device(torch.device("cpu"), "nccl")
+    check_device(torch.device("cpu"), "gloo")
+    check_device(torch.device("cpu"), "cpu:gloo,cuda:nccl")

@@ -45,11 +45,16 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         max_tokens: ``sync_free`` / ``all_gather``: static bound on any rank's token count.
         align: ``sync_free`` only: pad each local expert's received rows to a multiple of this.
 
+    On NCCL call ``torch.cuda.set_device(local_rank)`` first (the shape check's ``all_gather_object``
+    and every exchange use the current device) and keep the layers' tensors on that device.
+
     Raises:
         ValueError: unknown ``dispatcher``; bad ``capacity_factor``, ``max_tokens`` or ``align``;
             ``group`` not initialised, a mesh not 1-D, or a world size not dividing E; ``module`` with
             no experts, already expert parallel, a transformers experts module not running
-            ``"moeyard"``, or expert shapes that differ across ranks (checked with one all-gather).
+            ``"moeyard"``, or expert shapes that differ across ranks (checked with one all-gather);
+            a ``MoE`` with LoRA adapters (``MoE.add_lora``: not supported under expert parallelism;
+            merge them first); expert weights on another device type than the mesh's.
         TypeError: ``module`` is not an ``nn.Module``, ``group`` of the wrong kind.
     """
     _check_options(dispatcher, capacity_factor, max_tokens, align)
@@ -59,6 +64,10 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
     if not targets:
         raise ValueError("module: no moeyard.MoE or transformers experts module (gate_up_proj/up_proj and "
                          "down_proj of shape [E, ...]) found")
+    for name, (m, _) in targets.items():
+        if getattr(m, "lora", None) is not None:
+            raise ValueError(f"module: {name or type(m).__name__} has LoRA adapters, not supported under expert "
+                             "parallelism (their factors cover all experts); merge_lora() them first")
     ep = resolve_group(group)
     _check_same_on_every_rank(targets, ep)  # first: the checks below then fail alike on every rank
     for name, (m, seam) in targets.items():
@@ -68,6 +77,9 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         if E % ep.world_size:
             raise ValueError(f"group: its size {ep.world_size} does not divide num_experts={E} "
                              f"of {name or type(m).__name__}")
+        if ep.mesh is not None and m.down_proj.device.type != ep.mesh.device_type:
+            raise ValueError(f"group: a {ep.mesh.device_type} DeviceMesh, but the expert weights of "
+                             f"{name or type(m).__name__} are on {m.down_proj.device}; move the module first")
     for m, seam in targets.values():
         E = _num_experts(m)
         _shard(m, E, ep)

@@ -16,7 +16,9 @@ E / N random experts. For each dispatcher it times, forward only (CUDA events on
 
 Rank 0 prints one row per (routing, dispatcher) with the slowest rank's times (what a step waits
 for) and writes every rank's numbers with ``--json``. Processes use NCCL on CUDA (device
-``LOCAL_RANK``), gloo on CPU.
+``cuda:LOCAL_RANK``, set before the group is created and bound to it), gloo on CPU (``--device cpu``,
+or no CUDA). Every timing starts after a barrier and a device synchronisation, so no rank's first
+timed exchange waits for a peer still in its previous measurement.
 """
 from __future__ import annotations
 
@@ -47,7 +49,9 @@ def main(args, command: str) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=5))
+        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5), device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     try:
         return _run(args, command, device)
     finally:
@@ -95,7 +99,7 @@ def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts
     kw = dict(activation=config.activation, backend=backend, drop_invalid=True)
 
     def time_ms(fn) -> float:
-        return layer_bench.time_ms(lambda i: fn(), 1, opts.warmup, opts.iters, device)
+        return _time_ms(fn, ep, opts, device)
 
     with torch.no_grad():
         d = mod.dispatch(x, ids, w, ep, options)
@@ -119,6 +123,15 @@ def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts
             "plain_all_to_all_GBps": nbytes / plain / 1e6, "experts_tflops": flops / t_experts / 1e9,
             "one_device_ms": t_ref, "one_device_tflops": flops / t_ref / 1e9,
             "dropped": None if d.dropped is None else int(d.dropped)}
+
+
+def _time_ms(fn, ep, opts, device) -> float:
+    """Median ms of ``fn()`` (:func:`moeyard.bench.time_ms`), all ranks starting together: the
+    device's queue drained, then a barrier (every rank calls this in the same order)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier(group=ep.group)
+    return layer_bench.time_ms(lambda i: fn(), 1, opts.warmup, opts.iters, device)
 
 
 def _rows_sent(dispatcher: str, d, x: Tensor, ep) -> int:

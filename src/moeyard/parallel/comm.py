@@ -24,12 +24,32 @@ class EPGroup:
         world_size: W, ranks in the group (EP size).
         rank: this process's rank in the group.
         mesh: the 1-D ``DeviceMesh`` given, or None (expert weights then stay plain tensors).
+        backend: the group's ``torch.distributed`` backend name (``"nccl"``, ``"gloo"``,
+            ``"cpu:gloo,cuda:nccl"``, ...); ``""`` when unknown.
     """
 
     group: object
     world_size: int
     rank: int
     mesh: object | None = None
+    backend: str = ""
+
+
+def check_device(device: torch.device, backend: str) -> None:
+    """Raise ValueError when tensors on ``device`` cannot go through a group of ``backend``: NCCL
+    alone takes only CUDA tensors of this process's current device (``torch.cuda.set_device(local_rank)``
+    before the first collective), and a wrong device otherwise fails inside NCCL or hangs.
+
+    Host metadata only (no sync)."""
+    if backend != "nccl":
+        return
+    if device.type != "cuda":
+        raise ValueError(f"hidden_states: the expert-parallel group runs NCCL, which needs CUDA tensors; got "
+                         f"device {device} (move the model to cuda:{{local_rank}})")
+    current = torch.cuda.current_device()
+    if device.index is not None and device.index != current:
+        raise ValueError(f"hidden_states: on {device}, but this process's current CUDA device is cuda:{current}; "
+                         "call torch.cuda.set_device(local_rank) before init_process_group and keep the model there")
 
 
 def resolve_group(group) -> EPGroup:
@@ -53,7 +73,8 @@ def resolve_group(group) -> EPGroup:
         group = dist.group.WORLD
     elif not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group: expected None, a ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
-    return EPGroup(group=group, world_size=dist.get_world_size(group), rank=dist.get_rank(group), mesh=mesh)
+    return EPGroup(group=group, world_size=dist.get_world_size(group), rank=dist.get_rank(group), mesh=mesh,
+                   backend=str(dist.get_backend(group)))
 
 
 def all_to_all(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group, *,

@@ -11,7 +11,7 @@ import torch
 from ..checks import check_float, check_ids_on_host, check_topk, invalid_ids
 from ..experts import experts
 from . import all_gather, all_to_all, sync_free
-from .comm import EPGroup
+from .comm import EPGroup, check_device
 from .common import EPOptions, local_experts
 
 Tensor = torch.Tensor
@@ -54,9 +54,16 @@ class ExpertParallel:
             ``[T, H]`` in ``hidden_states.dtype``, differentiable w.r.t. ``hidden_states``,
             ``topk_weights`` and the local weights.
         Raises:
-            ValueError, TypeError: as :func:`moeyard.experts`, and weights that are not this rank's
-            block of ``E / W`` experts.
+            ValueError, TypeError: as :func:`moeyard.experts`; weights that are not this rank's
+            block of ``E / W`` experts; LoRA adapters (``lora=``: their factors cover all E experts,
+            not supported under expert parallelism); on an NCCL group, ``hidden_states`` off this
+            process's current CUDA device. Raised before any collective.
         """
+        if kwargs.get("lora"):
+            raise ValueError("lora: LoRA adapters are not supported under expert parallelism (their factors "
+                             "cover all experts, this rank computes only its own); merge them first "
+                             "(MoE.merge_lora()) or train without expert parallelism")
+        check_device(hidden_states.device, self.ep.backend)
         E, El = self.options.num_experts, local_experts(self.options, self.ep)
         w_up, w_down = to_local(gate_up_proj), to_local(down_proj)
         kwargs = {k: to_local(v) for k, v in kwargs.items()}

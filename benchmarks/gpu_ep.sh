@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Expert parallelism on one host with 2 GPUs (NCCL): correctness, then the dispatchers' timings.
+#
+#   bash benchmarks/gpu_ep.sh                 # logs and JSON under $OUT (default ./gpu_ep_out)
+#
+# 1. benchmarks/ep_check.py under torchrun: every dispatcher x {triton, grouped_mm} x {bf16, fp32}
+#    against the single-process oracle, sync debug mode, CUDA-graph replay (PASS/FAIL table).
+# 2. moeyard bench --ep 2 at qwen3-30b-a3b and sonic-7b shapes (T per rank = the shape's), balanced
+#    and Zipf routing, every dispatcher: dispatch / experts / combine ms, GB/s next to a plain NCCL
+#    all_to_all_single of the same bytes, per-GPU TFLOP/s next to one GPU on the same local experts.
+# Every step is time-boxed; the whole script stays under 9 minutes. Files in $OUT: ep_check.log,
+# ep_check.json, bench_<shape>.log, bench_<shape>.json, env.txt (5 + 1 summary = 6 files).
+set -u
+OUT=${OUT:-./gpu_ep_out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0            # no NVLink multicast
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=3
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS=4
+declare -A STATUS
+
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, record the exit code
+    local name=$1 secs=$2; shift 2
+    local t0=$SECONDS
+    echo "== $name (limit ${secs}s): $*"
+    timeout --kill-after=15 "$secs" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    STATUS[$name]="rc=$rc $((SECONDS - t0))s$([ $rc -eq 124 ] && echo ' TIMEOUT')"
+    echo "   -> ${STATUS[$name]}"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m
+  python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl',
+torch.cuda.nccl.version(), 'triton', triton.__version__)"; } > "$OUT/env.txt" 2>&1
+
+TR="torchrun --standalone --nproc-per-node 2"
+step ep_check 200 $TR benchmarks/ep_check.py --json "$OUT/ep_check.json"
+for shape in qwen3-30b-a3b sonic-7b; do
+    step "bench_$shape" 150 $TR -m moeyard bench --ep 2 --model "$shape" --dtype bfloat16 \
+        --warmup 3 --iters 10 --json "$OUT/bench_$shape.json"
+done
+
+echo
+echo "################ summary ################"
+cat "$OUT/env.txt" | head -4
+for name in ep_check bench_qwen3-30b-a3b bench_sonic-7b; do echo "$name: ${STATUS[$name]:-not run}"; done
+echo "---- ep_check (tail) ----"
+grep -E '^(PASS|FAIL|====)' "$OUT/ep_check.log" || tail -30 "$OUT/ep_check.log"
+grep -E 'Error|error:' "$OUT/ep_check.log" | sort | uniq -c | sort -rn | head -8
+for shape in qwen3-30b-a3b sonic-7b; do
+    echo "---- bench --ep 2 $shape ----"
+    # the rich table (slowest rank's ms, rank 0's rates); on failure the log's tail
+    grep -E '^[┃│┏┡└]|moeyard bench --ep' "$OUT/bench_$shape.log" | grep -v '━━━━' || tail -25 "$OUT/bench_$shape.log"
+done
+[ "${STATUS[ep_check]%% *}" = "rc=0" ]
