@@ -86,8 +86,12 @@ SHAPES = [
 def test_dequantize_equals_bitsandbytes(shape, dtype, compress_statistics):
     s = NF4Experts.from_float(weights(shape, dtype), compress_statistics=compress_statistics)
     ref = bnb_dequantize(s)
-    assert torch.equal(s.dequantize(), ref)
-    assert torch.equal(dequantize_reference(s).float().to(dtype), ref)  # the oracle, rounded as bnb rounds
+    # float16: one unit in the last place allowed. bitsandbytes' CPU kernel rounds float16 through the
+    # CPU's own fp16 conversion on some CPUs (the GPU host's, 2026-11-23: 2 of 8 float16 cases off by one
+    # ulp, none elsewhere); float32 and bfloat16 stay bit-exact.
+    tol = dict(rtol=2 ** -10, atol=0) if dtype == torch.float16 else dict(rtol=0, atol=0)
+    torch.testing.assert_close(s.dequantize(), ref, **tol)
+    torch.testing.assert_close(dequantize_reference(s).float().to(dtype), ref, **tol)  # the oracle, rounded as bnb
 
 
 @pytest.mark.parametrize("blocksize", [32, 128, 256, 1024])
