@@ -2,6 +2,7 @@
 # Expert parallelism on one host with 2 GPUs (NCCL): correctness, then the dispatchers' timings.
 #
 #   bash benchmarks/gpu_ep.sh                 # logs and JSON under $OUT (default ./gpu_ep_out)
+#   EP_SHAPES=qwen3-30b-a3b bash benchmarks/gpu_ep.sh   # one shape only
 #
 # 1. benchmarks/ep_check.py under torchrun: every dispatcher x {triton, grouped_mm} x {bf16, fp32}
 #    against the single-process oracle, sync debug mode, CUDA-graph replay (PASS/FAIL table).
@@ -34,8 +35,9 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
 torch.cuda.nccl.version(), 'triton', triton.__version__)"; } > "$OUT/env.txt" 2>&1
 
 TR="torchrun --standalone --nproc-per-node 2"
-step ep_check 200 $TR benchmarks/ep_check.py --json "$OUT/ep_check.json"
-for shape in qwen3-30b-a3b sonic-7b; do
+SHAPES=${EP_SHAPES:-qwen3-30b-a3b sonic-7b}
+MOEYARD_TRITON_AUTOTUNE=0 step ep_check 200 $TR benchmarks/ep_check.py --json "$OUT/ep_check.json"
+for shape in $SHAPES; do
     step "bench_$shape" 150 $TR -m moeyard bench --ep 2 --model "$shape" --dtype bfloat16 \
         --warmup 3 --iters 10 --json "$OUT/bench_$shape.json"
 done
@@ -43,11 +45,11 @@ done
 echo
 echo "################ summary ################"
 cat "$OUT/env.txt" | head -4
-for name in ep_check bench_qwen3-30b-a3b bench_sonic-7b; do echo "$name: ${STATUS[$name]:-not run}"; done
+for name in ep_check $(printf 'bench_%s ' $SHAPES); do echo "$name: ${STATUS[$name]:-not run}"; done
 echo "---- ep_check (tail) ----"
 grep -E '^(PASS|FAIL|====)' "$OUT/ep_check.log" || tail -30 "$OUT/ep_check.log"
 grep -E 'Error|error:' "$OUT/ep_check.log" | sort | uniq -c | sort -rn | head -8
-for shape in qwen3-30b-a3b sonic-7b; do
+for shape in $SHAPES; do
     echo "---- bench --ep 2 $shape ----"
     # the rich table (slowest rank's ms, rank 0's rates); on failure the log's tail
     grep -E '^[┃│┏┡└]|moeyard bench --ep' "$OUT/bench_$shape.log" | grep -v '━━━━' || tail -25 "$OUT/bench_$shape.log"
