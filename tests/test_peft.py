@@ -55,6 +55,16 @@ def _factor_proxies(monkeypatch) -> list[str]:
     return calls
 
 
+def _add_other_adapter(model):
+    """A second adapter "other" (r=2) on the same expert parameters, with random factors."""
+    model.add_adapter("other", peft.LoraConfig(r=2, lora_alpha=4, target_modules=[],
+                                               target_parameters=model.peft_config["default"].target_parameters))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".other." in name:
+                p.normal_(0, 0.3)
+
+
 def test_fused_path_never_evaluates_the_fold(monkeypatch):
     model = _model()
     ids, probe = verify.make_inputs(model)
@@ -97,13 +107,7 @@ def test_merge_disable_and_switch(fuse):
     assert (adapted - base_logits).abs().max() > 1e-3  # the adapters matter
     with model.disable_adapter():
         torch.testing.assert_close(_logits(model, "moeyard", ids), base_logits, rtol=1e-5, atol=1e-5)
-    # a second adapter, switched to and back
-    model.add_adapter("other", peft.LoraConfig(r=2, lora_alpha=4, target_modules=[],
-                                               target_parameters=model.peft_config["default"].target_parameters))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".other." in name:
-                p.normal_(0, 0.3)
+    _add_other_adapter(model)  # a second adapter, switched to and back
     model.set_adapter("other")
     torch.testing.assert_close(_logits(model, "moeyard", ids), _logits(model, "eager", ids), rtol=1e-5, atol=1e-5)
     model.set_adapter("default")
@@ -115,12 +119,7 @@ def test_merge_disable_and_switch(fuse):
 @pytest.mark.parametrize("fuse", [False, True], ids=["auto", "fuse_lora"])
 def test_several_active_adapters_fall_back_with_a_warning(fuse):
     model = _model()
-    model.add_adapter("other", peft.LoraConfig(r=2, lora_alpha=4, target_modules=[],
-                                               target_parameters=model.peft_config["default"].target_parameters))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".other." in name:
-                p.normal_(0, 0.3)
+    _add_other_adapter(model)
     model.base_model.set_adapter(["default", "other"])
     if fuse:
         integration.fuse_lora(model)
