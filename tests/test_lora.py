@@ -170,3 +170,13 @@ def test_bad_lora_argument():
         moeyard.experts(x, ids, tw, up, down, lora={"up_proj": moeyard.ExpertLoRA(lora_A=up[0], lora_B=up[0])})
     with pytest.raises(TypeError, match="moeyard.ExpertLoRA"):
         moeyard.experts(x, ids, tw, up, down, lora={"down_proj": (torch.randn(6, 16), torch.randn(16, 6))})
+
+
+def test_triton_refuses_ranks_above_its_register_tile():
+    from moeyard.experts import triton as triton_backend
+    from moeyard.experts.weights import expert_weights
+    E, r = 2, triton_backend.MAX_LORA_RANK + 1
+    w = expert_weights(torch.randn(E, 32, 16), torch.randn(E, 16, 16), lora={"down_proj": moeyard.ExpertLoRA(
+        lora_A=torch.randn(r * E, 16), lora_B=torch.randn(16, r * E))})
+    reason = triton_backend._unsupported(torch.device("cuda"), torch.bfloat16, w, None)
+    assert reason is not None and "LoRA rank" in reason

@@ -30,6 +30,7 @@ from ..registry import ExpertBackend, register_backend
 from ..weights import ExpertWeights
 
 Tensor = torch.Tensor
+MAX_LORA_RANK = 128
 
 
 def triton_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
@@ -52,6 +53,8 @@ def _unsupported(device: torch.device, dtype: torch.dtype, weights: ExpertWeight
                  activation: Activation | None) -> str | None:
     if not _have_triton():
         return "triton is not installed (pip install triton)"
+    if weights is not None and weights.max_rank > MAX_LORA_RANK:
+        return f"LoRA rank {weights.max_rank} exceeds {MAX_LORA_RANK} (the low-rank rows are held in registers)"
     if device.type == "cuda":
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return f"needs bfloat16, float16 or float32 on CUDA, got {dtype}"
