@@ -239,4 +239,5 @@ def test_quant_bench_rows():
     for a, b in zip(rows["qlora"][2], rows["qlora-whole"][2]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert len(rows["qlora"][2]) == 8
-    assert rows["qlora"][0].weight_bytes() <= 0.15 * rows["lora"][0].weight_bytes()  # float32 base here
+    # float32 base here (0.13x asymptotically); the fixed 1 KiB code tables of each storage add 0.02x at this size
+    assert rows["qlora"][0].weight_bytes() <= 0.16 * rows["lora"][0].weight_bytes()
