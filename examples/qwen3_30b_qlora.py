@@ -94,12 +94,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk: int, ignore_index: int = -100):
-        n_valid = (labels != ignore_index).sum().clamp(min=1).to(torch.float32)
+        n_valid = (labels != ignore_index).sum().clamp(min=1).to(torch.promote_types(hidden.dtype, torch.float32))
         grad = torch.empty_like(hidden) if hidden.requires_grad else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         for s in range(0, hidden.shape[0], chunk):
             h, y = hidden[s:s + chunk], labels[s:s + chunk]
-            logits = (h @ weight.T).float()                         # [c, V] float32, one chunk
+            logits = h @ weight.T                                   # [c, V], one chunk
+            logits = logits.float() if logits.element_size() < 4 else logits
             valid = y != ignore_index
             y = torch.where(valid, y, 0)
             lse = torch.logsumexp(logits, dim=-1)
