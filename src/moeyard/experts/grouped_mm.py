@@ -38,12 +38,14 @@ def grouped_mm_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weight
 @functools.cache
 def _probe(device_type: str, index: int | None, dtype: torch.dtype) -> str | None:
     """Run a tiny grouped GEMM forward and backward once (grad enabled, no random numbers, no
-    host-to-device copy); the error text if it fails."""
+    host-to-device copy); the error text if it fails. Identity saved-tensor hooks keep the probe's
+    tensors away from enclosing hooks (a non-reentrant activation checkpoint would otherwise count
+    them as the layer's and recompute the layer when the probe's backward reads them)."""
     if not hasattr(torch, "_grouped_mm"):
         return "this torch build has no torch._grouped_mm"
     try:
         dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
-        with torch.enable_grad():  # the first call may come under no_grad (inference)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):  # may come under no_grad
             a = torch.ones(16, 16, device=dev, dtype=dtype, requires_grad=True)
             b = torch.ones(2, 16, 16, device=dev, dtype=dtype, requires_grad=True)
             offs = torch.arange(8, 17, 8, device=dev, dtype=torch.int32)  # [8, 16], made on the device
@@ -52,6 +54,10 @@ def _probe(device_type: str, index: int | None, dtype: torch.dtype) -> str | Non
     except Exception as ex:  # the feature test: any failure means "not here"
         return f"torch._grouped_mm fails on {device_type} with {dtype}: {str(ex).splitlines()[0][:120]}"
     return None
+
+
+def _same(t):
+    return t
 
 
 def _aligned(t: Tensor) -> bool:

@@ -10,6 +10,12 @@ Every backend computes on dense weights; a quantised weight reaches it through :
   again (once per weight and backward). So autograd never keeps the dense weights alive between
   forward and backward: a stack of layers holds one layer's dense weights at a time, as QLoRA's
   ``MatMul4Bit`` does (Dettmers et al., arXiv 2305.14314).
+- saved-tensor hooks already active around the call (non-reentrant activation checkpointing, i.e.
+  ``torch.utils.checkpoint(use_reentrant=False)`` and transformers' ``gradient_checkpointing_enable()``;
+  CPU offloading) still receive every other saved tensor: the hook passes them to the enclosing
+  hooks, so a checkpointed layer keeps none of the experts' activations and recomputes them. (Without
+  this, the innermost hooks would hide those tensors from the checkpoint, which then keeps them and
+  stops its recomputation before the experts.)
 
 The base weights are frozen: a quantised weight gets no gradient; LoRA adapters train on top.
 """
@@ -60,14 +66,17 @@ def dequantized(weights: tuple, topk_ids: Tensor):
         recipes[d.untyped_storage().data_ptr()] = w
         dense.append(d)
     again: dict[int, Tensor] = {}  # backward's dequantised weights, once per storage
+    outer = _enclosing_hooks()
 
     def pack(t: Tensor):
         storage = recipes.get(t.untyped_storage().data_ptr())
         if storage is None:
-            return t
+            return t if outer is None else _Outer(outer[1], outer[0](t))
         return _Recipe(storage, tuple(t.shape), t.stride(), t.storage_offset())
 
     def unpack(p):
+        if isinstance(p, _Outer):
+            return p.unpack(p.packed)
         if not isinstance(p, _Recipe):
             return p
         if id(p.storage) not in again:
@@ -76,6 +85,21 @@ def dequantized(weights: tuple, topk_ids: Tensor):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield tuple(dense)
+
+
+def _enclosing_hooks():
+    """The ``(pack, unpack)`` saved-tensor hooks active now (e.g. a non-reentrant checkpoint's), or None."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # torch's own accessor
+    return top(False) if top is not None else None
+
+
+class _Outer:
+    """A tensor packed by the enclosing hooks, and their unpack."""
+
+    __slots__ = ("unpack", "packed")
+
+    def __init__(self, unpack, packed):
+        self.unpack, self.packed = unpack, packed
 
 
 class _Recipe:
