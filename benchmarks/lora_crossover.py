@@ -1,10 +1,10 @@
 """Split vs fused LoRA in the triton backend: the LoRA training step of the routed experts (base
 frozen) timed with ``lora_mode=split`` and ``lora_mode=fused`` at model shapes and ranks, in one
-process, to place the crossover that :func:`moeyard.experts.triton.schedule.lora_fused` encodes.
+process, to choose the default of the ``lora_mode`` option (:mod:`moeyard.experts.triton.options`).
 
     python benchmarks/lora_crossover.py [--ranks 16 64] [--models ...] [--tokens T] [--json PATH]
 
-Prints one row per (shape, rank): split ms, fused ms, the faster mode and what ``auto`` picks.
+Prints one row per (shape, rank): split ms, fused ms and the faster mode.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import json
 import torch
 
 from moeyard import bench, bench_lora
-from moeyard.experts.triton import options, schedule
+from moeyard.experts.triton import options
 from moeyard.models import get_model, with_tokens
 
 MODELS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b", "olmoe-1b-7b", "mixtral-8x7b", "gpt-oss-20b", "sonic-120b",
@@ -31,7 +31,7 @@ def main() -> None:
     a = p.parse_args()
     opts = bench.resolve_options(bench.BenchOptions(iters=a.iters, warmup=3))
     rows = []
-    print(f"{'shape':18} {'r':>3} {'split ms':>9} {'fused ms':>9} {'faster':>7} {'auto':>6}", flush=True)
+    print(f"{'shape':18} {'r':>3} {'split ms':>9} {'fused ms':>9} {'faster':>7}", flush=True)
     for name in a.models:
         shape = with_tokens(get_model(name), a.tokens)
         for rank in a.ranks:
@@ -42,11 +42,10 @@ def main() -> None:
             for mode in ("split", "fused"):
                 with options.use_options(lora_mode=mode):
                     ms[mode] = bench_lora.measure(bench_lora.build("lora", case), case, opts)["step_ms"]
-            auto = "fused" if schedule.lora_fused(T * K, H, 2 * I, E, rank) else "split"
             best = min(ms, key=ms.get)
             rows.append(dict(shape=name, T=T, H=H, I=I, E=E, k=K, rank=rank, **{f"{m}_ms": v for m, v in ms.items()},
-                             faster=best, auto=auto))
-            print(f"{name:18} {rank:>3} {ms['split']:9.3f} {ms['fused']:9.3f} {best:>7} {auto:>6}", flush=True)
+                             faster=best))
+            print(f"{name:18} {rank:>3} {ms['split']:9.3f} {ms['fused']:9.3f} {best:>7}", flush=True)
             del case
             bench._free(opts.device)
     if a.json:

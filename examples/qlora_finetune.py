@@ -48,7 +48,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import inspect
 import json
@@ -62,6 +61,7 @@ import torch
 
 import moeyard
 from moeyard.integrations.peft import fuse_lora
+from moeyard.verify import quiet_transformers
 
 BOS, EOS, VOCAB = 256, 257, 258
 PROSE_MODULES = ("collections", "functools", "itertools", "json", "re", "string", "argparse", "pathlib",
@@ -334,18 +334,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("runs/qlora_finetune"))
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     return p.parse_args(argv)
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    """Silence transformers' per-model-construction log lines."""
-    from transformers.utils import logging as hf_logging
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -411,7 +411,7 @@ def check_transformers(rank: int, W: int, arch: str = "qwen3_moe") -> None:
     sequences; logits and gradients against the single-process model on all of them."""
     from moeyard import verify
 
-    with verify._quiet_transformers():
+    with verify.quiet_transformers():
         base = verify.build_model(arch, experts_implementation="moeyard")
     ids, probe = verify.make_inputs(base, batch=W, seq=6)
     with moeyard.use_backend("loop"):

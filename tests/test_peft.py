@@ -21,7 +21,7 @@ TOL = verify.TOLERANCE[torch.float32]
 @pytest.fixture(autouse=True)
 def _registered():
     tf_integration.register()
-    with verify._quiet_transformers(), warnings.catch_warnings():
+    with verify.quiet_transformers(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         yield
 

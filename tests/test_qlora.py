@@ -120,7 +120,7 @@ def test_peft_qlora_matches_dequantised_model():
     from moeyard import verify
     from moeyard.integrations.transformers import register
     register()
-    with verify._quiet_transformers():
+    with verify.quiet_transformers():
         model = verify.build_model("qwen3_moe", seed=0, lora_rank=4)
         ref = verify.build_model("qwen3_moe", seed=0, lora_rank=4)
         moeyard.quantize_experts(model, "nf4")  # switches the PEFT wrappers to fuse_lora

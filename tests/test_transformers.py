@@ -24,7 +24,7 @@ CPU_BACKENDS = ["loop", "bmm_padded", "grouped_mm"]
 @pytest.fixture(autouse=True)
 def _registered():
     integration.register()
-    with verify._quiet_transformers():
+    with verify.quiet_transformers():
         yield
 
 

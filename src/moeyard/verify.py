@@ -438,7 +438,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--lora: expected a positive rank (needed by --fuse-lora), got {args.lora}")
     archs = [ARCHS[a] for a in (args.arch or ARCHS)]
     t0 = time.perf_counter()
-    with _quiet_transformers():
+    with quiet_transformers():
         results = [r for a in archs for r in check_arch(a, list(backends), device=device, dtype=dtype, seed=args.seed,
                                                         lora_rank=args.lora, fuse_lora=args.fuse_lora)]
     elapsed = time.perf_counter() - t0
@@ -452,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     """transformers' config warnings about the tiny sizes are noise here: errors only, then restore."""
     from transformers.utils import logging
 

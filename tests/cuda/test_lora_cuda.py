@@ -104,7 +104,7 @@ def test_peft_parity(fuse):
     from moeyard import verify
     from moeyard.integrations.transformers import register
     register()
-    with verify._quiet_transformers():
+    with verify.quiet_transformers():
         results = verify.check_arch(verify.ARCHS["qwen3_moe"], ["triton", "grouped_mm"], device=DEV,
                                     dtype=torch.float32, lora_rank=8, fuse_lora=fuse)
     assert all(r.status == "pass" for r in results), results

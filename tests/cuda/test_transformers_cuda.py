@@ -27,7 +27,7 @@ def _backends(dtype):
 @pytest.fixture(autouse=True)
 def _registered():
     integration.register()
-    with verify._quiet_transformers():
+    with verify.quiet_transformers():
         yield
 
 

@@ -107,10 +107,6 @@ class ExpertWeights:
         return Projection(weight=self.w_down, bias=self.b_down, lora=self.lora_down)
 
     @property
-    def has_lora(self) -> bool:
-        return self.lora_up is not None or self.lora_down is not None
-
-    @property
     def max_rank(self) -> int:
         """The largest LoRA rank (0 without adapters)."""
         return max((lr.rank for lr in (self.lora_up, self.lora_down) if lr is not None), default=0)

@@ -18,7 +18,7 @@ from . import kernels_bwd, kernels_fwd
 from .options import options
 from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, REDUCE_BLOCK, SMALL, THIN_CONFIGS, THIN_WGRAD_CONFIGS,
                        WGRAD_CONFIGS,
-                       dot_precision, gemm_tile, interpreting, lora_fused, max_chunks, max_partial_slots, max_row_tiles,
+                       dot_precision, gemm_tile, interpreting, max_chunks, max_partial_slots, max_row_tiles,
                        rank_block, tuned, wgrad_tile)
 
 Tensor = torch.Tensor
@@ -94,13 +94,10 @@ class LoRATerm:
     def rank(self) -> int:
         return self.la.shape[2]
 
-    def mode(self, num_rows: int, num_out: int) -> int:
-        """Split or fused (:func:`.schedule.lora_fused`, or the ``lora_mode`` option)."""
-        forced = options().lora_mode
-        if forced != "auto":
-            return LORA_FUSED if forced == "fused" else LORA_SPLIT
-        E, K, R = self.la.shape
-        return LORA_FUSED if lora_fused(num_rows, K, num_out, E, R) else LORA_SPLIT
+    @staticmethod
+    def mode() -> int:
+        """Split (default) or fused: the ``lora_mode`` option (:mod:`.options`)."""
+        return LORA_FUSED if options().lora_mode == "fused" else LORA_SPLIT
 
 
 def _lora_args(la: Tensor | None, lb: Tensor | None, z: Tensor | None, mode: int, dummy: Tensor) -> tuple:
@@ -363,7 +360,7 @@ def _lora_rows(x: Tensor, lora: LoRATerm | None, r: Routing, gather: bool, num_o
     hands the kernel an empty ``z`` to fill."""
     if lora is None:
         return LORA_NONE, None, None, None
-    mode = lora.mode(r.num_pairs, num_out)
+    mode = lora.mode()
     if mode == LORA_SPLIT:
         z = low_rank_rows(x, lora.la, r, gather=gather)
     else:

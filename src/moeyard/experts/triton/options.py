@@ -14,10 +14,13 @@ Each defaults to the measured default path; set an environment variable, or over
   atomics). Experts with at most ``rows`` rows write ``dW`` directly, as on the default path.
   Balances skewed routing. The partial buffer holds at most ``2 * N // rows`` slots of
   ``NL * NR`` float32 (``NL, NR`` the weight's two dims); ``rows`` is raised until that fits in ``MOEYARD_TRITON_WGRAD_PARTIAL_MIB`` (``wgrad_partial_mib``, default 512).
-- ``MOEYARD_TRITON_LORA=auto|fused|split`` (``lora_mode``): how LoRA terms are computed. ``fused``
-  computes the low-rank rows ``x A_e^T`` inside the GEMM's main loop from the tiles it loads anyway;
-  ``split`` in a thin launch of their own first; ``auto`` (default) picks by
-  :func:`.schedule.lora_fused`. Results agree to rounding.
+- ``MOEYARD_TRITON_LORA=split|fused`` (``lora_mode``): how LoRA terms are computed. ``split``
+  (default) computes the low-rank rows ``x A_e^T`` in a thin launch of their own first (memory-bound:
+  one more read of the GEMM's input); ``fused`` inside the GEMM's main loop from the tiles it loads
+  anyway (a second, R-wide dot). Results agree to rounding. Split is the default because it was faster
+  at every shape measured on an H200 (Triton 3.6: the fused second dot made the down and dh kernels
+  2.3-2.5x slower; ``benchmarks/lora_crossover.py``, ``benchmarks/NOTES.md`` round 4), unlike
+  ScatterMoE-LoRA's rule (fused for E >= 64).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 ENV = dict(atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE", wgrad_chunk_rows="MOEYARD_TRITON_WGRAD_CHUNK",
            wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", lora_mode="MOEYARD_TRITON_LORA")
-LORA_MODES = ("auto", "fused", "split")
+LORA_MODES = ("split", "fused")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +38,7 @@ class Options:
     atomic_combine: bool = False
     wgrad_chunk_rows: int = 0
     wgrad_partial_mib: int = 512
-    lora_mode: str = "auto"
+    lora_mode: str = "split"
 
     def __post_init__(self):
         if self.wgrad_chunk_rows < 0 or self.wgrad_partial_mib <= 0:

@@ -94,22 +94,6 @@ def rank_block(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))
 
 
-# Split vs fused LoRA (the ``lora_mode`` option overrides). Fused recomputes the ``[rows, R]`` low-rank
-# rows in every column tile of the GEMM (about ``R / BN`` more tensor-core work); split computes them
-# once in a thin extra launch that reads the GEMM's input again (memory-bound). ScatterMoE-LoRA's
-# rule splits for few, large experts (E <= 32 and K * N_out >= 20M) and fuses otherwise.
-# Measured on an H200 (bf16, benchmarks/lora_crossover.py, benchmarks/NOTES.md): with Triton 3.6 the
-# fused main loop's second, 16-wide dot costs far more than its FLOPs (the down projection at
-# qwen3-30b-a3b: 10.5 ms fused against 4.3 ms without LoRA), while the split's thin launches run near
-# copy bandwidth; split won at every measured shape, so it is the default.
-FUSED_MAX_RANK = 0
-
-
-def lora_fused(num_rows: int, k: int, num_out: int, num_experts: int, rank: int) -> bool:
-    """True to fuse the LoRA term into the GEMM's main loop, False to split it (see above)."""
-    return rank <= FUSED_MAX_RANK
-
-
 def interpreting() -> bool:
     """True under Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
