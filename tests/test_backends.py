@@ -245,3 +245,83 @@ def test_grouped_mm_probe_under_no_grad():
             assert grouped_mm._probe("cpu", None, torch.float32) is None
     finally:
         grouped_mm._probe.cache_clear()
+
+
+@pytest.fixture
+def scratch_backends():
+    """Register throw-away backends for a test; remove them afterwards."""
+    from moeyard.experts import registry
+    added = []
+
+    def add(backend):
+        added.append(backend.name)
+        return registry.register_backend(backend)
+    yield add
+    for name in added:
+        registry._BACKENDS.pop(name, None)
+
+
+def test_auto_defers_by_workload(scratch_backends):
+    """``auto`` runs the backend that the best one defers to for this workload, when that one runs."""
+    from moeyard.experts.registry import ExpertBackend, Workload, resolve_backend
+    runs = {"ok": None}
+    scratch_backends(ExpertBackend(name="zz_small", forward=None, unsupported=lambda *a: None, priority={"cpu": 1000},
+                                   defer=lambda d, t, w, work: "zz_big" if work.pairs >= 100 else None))
+    scratch_backends(ExpertBackend(name="zz_big", forward=None, unsupported=lambda *a: runs["ok"], priority={}))
+    from moeyard.experts import expert_weights
+    w = expert_weights(torch.randn(4, 16, 8), torch.randn(4, 8, 8))
+    cpu = torch.device("cpu")
+    pick = lambda pairs: resolve_backend("auto", cpu, torch.float32, w, None, Workload(pairs, True, True)).name
+    assert pick(10) == "zz_small"
+    assert pick(100) == "zz_big"
+    assert resolve_backend("auto", cpu, torch.float32, w).name == "zz_small"  # no workload: no deferral
+    assert resolve_backend("zz_small", cpu, torch.float32, w, None, Workload(100, True, True)).name == "zz_small"
+    runs["ok"] = "cannot run here"
+    assert pick(100) == "zz_small"  # the deferred-to backend must run
+
+
+def test_triton_defers_large_experts_in_training_on_hopper(monkeypatch):
+    """The rule behind ``auto``'s choice on CUDA (no GPU needed: the capability is patched)."""
+    from moeyard.experts.registry import Workload
+    from moeyard.experts import expert_weights
+    from moeyard.experts.triton import LARGE_EXPERT_WORK, _defer
+    cap = {"v": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["v"])
+    cuda = torch.device("cuda")
+
+    def weights(E, H, I):
+        return expert_weights(torch.empty(E, 2 * I, H, device="meta"), torch.empty(E, H, I, device="meta"))
+    big, small = weights(64, 4096, 2048), weights(128, 4096, 512)
+    T = 32768
+    assert _defer(cuda, torch.bfloat16, big, Workload(T * 4, True, True)) == "grouped_mm"      # sonic-120b
+    assert _defer(cuda, torch.bfloat16, small, Workload(T * 8, True, True)) is None            # sonic-30b-a
+    assert _defer(cuda, torch.bfloat16, big, Workload(T * 4, False, False)) is None      # inference
+    assert _defer(cuda, torch.bfloat16, big, Workload(T * 4, True, False)) is None       # LoRA, frozen base
+    assert _defer(cuda, torch.float32, big, Workload(T * 4, True, True)) is None
+    assert _defer(torch.device("cpu"), torch.bfloat16, big, Workload(T * 4, True, True)) is None
+    cap["v"] = (8, 0)
+    assert _defer(cuda, torch.bfloat16, big, Workload(T * 4, True, True)) is None              # grouped_mm slow pre-Hopper
+    assert 2048 * 4096 * 512 < LARGE_EXPERT_WORK <= 2048 * 4096 * 2048
+
+
+def test_training_flag_of_experts_call(monkeypatch):
+    """``moeyard.experts`` passes the call's pairs and whether a backward (and base weight gradients)
+    will run to the registry."""
+    import sys
+    from moeyard.experts import registry
+    seen = []
+    real = registry.resolve_backend
+
+    def spy(*args, **kwargs):
+        seen.append(args[5] if len(args) > 5 else kwargs.get("workload"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(sys.modules["moeyard.experts"], "resolve_backend", spy)
+    x, ids, w = torch.randn(6, 8), torch.randint(0, 4, (6, 2)), torch.rand(6, 2)
+    up, down = torch.randn(4, 16, 8), torch.randn(4, 8, 8)
+    moeyard.experts(x, ids, w, up, down, backend="loop")
+    moeyard.experts(x.requires_grad_(), ids, w, up, down, backend="loop")
+    moeyard.experts(x, ids, w, up.requires_grad_(), down, backend="loop")
+    with torch.no_grad():
+        moeyard.experts(x, ids, w, up, down, backend="loop")
+    assert [(s.pairs, s.backward, s.weight_grad) for s in seen] == [
+        (12, False, False), (12, True, False), (12, True, True), (12, False, False)]

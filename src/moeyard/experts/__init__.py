@@ -13,15 +13,15 @@ from . import bmm_padded as _bmm_padded  # noqa: F401  (registers)
 from . import grouped_mm as _grouped_mm  # noqa: F401  (registers)
 from . import loop as _loop  # noqa: F401  (registers)
 from . import triton as _triton  # noqa: F401  (registers; imports triton on first use only)
-from .registry import (ExpertBackend, available_backends, backend_names, get_backend, register_backend,
-                       resolve_backend, set_backend, use_backend)
+from .registry import (ExpertBackend, Workload, available_backends, backend_names, get_backend,
+                       register_backend, resolve_backend, set_backend, use_backend)
 from .quantized import dequantized, is_quantized
 from .weights import ExpertLoRA, ExpertWeights, LowRank, Projection, expert_weights
 
 Tensor = torch.Tensor
 
-__all__ = ["experts", "ExpertBackend", "ExpertLoRA", "ExpertWeights", "LowRank", "Projection", "expert_weights", "available_backends", "backend_names",
-           "get_backend", "register_backend", "resolve_backend", "set_backend", "use_backend"]
+__all__ = ["experts", "ExpertBackend", "ExpertLoRA", "ExpertWeights", "LowRank", "Projection", "Workload",
+           "expert_weights", "available_backends", "backend_names", "get_backend", "register_backend", "resolve_backend", "set_backend", "use_backend"]
 
 
 def experts(
@@ -99,8 +99,20 @@ def experts(
         raise ValueError(f"hidden_states: expected device {weights.w_up.device} (as the expert weights), "
                          f"got {hidden_states.device}")
     check_topk(topk_ids, topk_weights, T, weights.num_experts, hidden_states.device)
-    chosen = resolve_backend(backend, hidden_states.device, hidden_states.dtype, weights, act)
+    chosen = resolve_backend(backend, hidden_states.device, hidden_states.dtype, weights, act,
+                             _workload(hidden_states, topk_ids, weights))
     if not drop_invalid and not check_ids_on_host(topk_ids, weights.num_experts):
         # accelerator, no debug: a NaN weight makes the token's output NaN instead of reading ids back
         topk_weights = topk_weights.masked_fill(invalid_ids(topk_ids, weights.num_experts), float("nan"))
     return chosen.forward(hidden_states, topk_ids, topk_weights, weights, act, drop_invalid=drop_invalid)
+
+
+
+def _workload(hidden_states: Tensor, topk_ids: Tensor, weights: ExpertWeights) -> Workload:
+    """The call's pairs, and whether a backward (and base weight gradients) will run."""
+    grad = torch.is_grad_enabled()
+    base = [t for t in (weights.w_up, weights.w_down, weights.b_up, weights.b_down) if t is not None]
+    lora = [t for lr in (weights.lora_up, weights.lora_down) if lr is not None for t in (lr.a, lr.b)]
+    weight_grad = grad and any(t.requires_grad for t in base)
+    backward = weight_grad or (grad and any(t.requires_grad for t in [hidden_states, *lora]))
+    return Workload(pairs=topk_ids.numel(), backward=backward, weight_grad=weight_grad)

@@ -7,7 +7,9 @@ A backend computes the routed expert FFN
             weights: ExpertWeights, activation: Activation, *, drop_invalid: bool) -> [T, H]
 
 ``unsupported(device, dtype, weights, activation)`` returns None when the backend runs there, else a
-reason; ``auto`` takes the highest-``priority`` backend that runs. The process-wide default (used
+reason; ``auto`` takes the highest-``priority`` backend that runs, unless that backend's ``defer``
+names another backend that runs and is measured faster for the call's :class:`Workload` (shape-aware
+choice, e.g. ``triton`` defers to ``grouped_mm`` for large experts with weight gradients on Hopper). The process-wide default (used
 where no backend is named, e.g. by the transformers integration) is ``set_backend(name)`` or, before
 any call, the ``MOEYARD_BACKEND`` environment variable; otherwise ``auto``.
 """
@@ -26,6 +28,22 @@ from .weights import ExpertWeights
 ENV_BACKEND = "MOEYARD_BACKEND"
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What one experts call computes, for ``auto``'s shape-aware choice (static: no device data).
+
+    Attributes:
+        pairs: routed (token, expert) pairs ``T * K``.
+        backward: a backward will run (grad mode on and an input, weight or adapter requires grad).
+        weight_grad: the base expert weights (or biases) require grad (full fine-tuning, pre-training;
+            not LoRA on a frozen base).
+    """
+
+    pairs: int
+    backward: bool
+    weight_grad: bool
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExpertBackend:
     """A registered backend (see the module docstring for the contract)."""
@@ -35,6 +53,9 @@ class ExpertBackend:
     unsupported: Callable[[torch.device, torch.dtype, ExpertWeights | None, Activation | None], str | None]
     priority: dict[str, int]  # device type -> rank for ``auto`` (higher wins; absent = never auto)
     description: str = ""
+    # ``defer(device, dtype, weights, workload)``: None, or the name of a backend ``auto`` should run
+    # instead for this call (used only when that backend runs here)
+    defer: Callable[[torch.device, torch.dtype, ExpertWeights, Workload], str | None] | None = None
 
 
 _BACKENDS: dict[str, ExpertBackend] = {}
@@ -93,8 +114,10 @@ def get_backend() -> str:
 
 
 def resolve_backend(name: str | None, device: torch.device, dtype: torch.dtype,
-                    weights: ExpertWeights | None = None, activation: Activation | None = None) -> ExpertBackend:
-    """The backend to run for ``name`` (``None``: the default; ``auto``: the best that runs here).
+                    weights: ExpertWeights | None = None, activation: Activation | None = None,
+                    workload: Workload | None = None) -> ExpertBackend:
+    """The backend to run for ``name`` (``None``: the default; ``auto``: the best that runs here,
+    for ``workload`` when it and ``weights`` are given: see ``ExpertBackend.defer``).
 
     Raises:
         ValueError: unknown name, or the named backend cannot run on this device / dtype / shape
@@ -106,7 +129,7 @@ def resolve_backend(name: str | None, device: torch.device, dtype: torch.dtype,
         ranked = sorted(_BACKENDS.values(), key=lambda b: -b.priority.get(device.type, -1))
         for b in ranked:
             if device.type in b.priority and b.unsupported(device, dtype, weights, activation) is None:
-                return b
+                return _deferred(b, device, dtype, weights, activation, workload)
         raise ValueError(f"backend: no registered backend runs on {device.type} with {dtype}")
     b = _BACKENDS[name]
     reason = b.unsupported(device, dtype, weights, activation)
@@ -114,6 +137,16 @@ def resolve_backend(name: str | None, device: torch.device, dtype: torch.dtype,
         ok = [n for n, c in sorted(_BACKENDS.items()) if c.unsupported(device, dtype, weights, activation) is None]
         raise ValueError(f"backend: {name!r} cannot run here ({reason}); backends that can: {ok}")
     return b
+
+
+def _deferred(b: ExpertBackend, device, dtype, weights, activation, workload) -> ExpertBackend:
+    """``b``, or the backend its ``defer`` names for this workload when that one runs here."""
+    if b.defer is None or weights is None or workload is None:
+        return b
+    other = _BACKENDS.get(b.defer(device, dtype, weights, workload) or "")
+    if other is None or other.unsupported(device, dtype, weights, activation) is not None:
+        return b
+    return other
 
 
 def check_backend_name(name, source: str = "backend") -> None:
