@@ -29,8 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checks import check_float
-from .config import MoEConfig
+from ..checks import check_float
+from ..config import MoEConfig
 
 Tensor = torch.Tensor
 
