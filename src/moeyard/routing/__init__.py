@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ..checks import check_float
 from ..config import MoEConfig
+from .losses import load_balancing_loss, sequence_balance_loss, z_loss
 
 Tensor = torch.Tensor
 
@@ -119,35 +120,6 @@ def select_experts(scores: Tensor, config: MoEConfig, correction_bias: Tensor | 
         mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
         choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, E)
     return choice.topk(config.top_k, dim=-1).indices
-
-
-def load_balancing_loss(probs: Tensor, tokens_per_expert: Tensor, top_k: int) -> Tensor:
-    """Switch/GShard aux loss ``E * sum_e f_e * P_e`` (module docstring); 0 for T = 0."""
-    T, E = probs.shape
-    if T == 0:
-        return probs.sum() * 0
-    f = tokens_per_expert / (T * top_k)
-    return E * (f * probs.mean(0)).sum()
-
-
-def sequence_balance_loss(probs: Tensor, topk_ids: Tensor, num_experts: int, top_k: int,
-                          num_sequences: int) -> Tensor:
-    """DeepSeek-V3 sequence-wise balance loss (module docstring); 0 for T = 0."""
-    T = probs.shape[0]
-    if T == 0:
-        return probs.sum() * 0
-    B, S = num_sequences, T // num_sequences
-    one_hot = torch.zeros(T, num_experts, device=probs.device, dtype=probs.dtype).scatter_(1, topk_ids, 1.0)
-    f = one_hot.view(B, S, num_experts).sum(1) * (num_experts / (top_k * S))  # [B, E]
-    P = probs.view(B, S, num_experts).mean(1)
-    return (f * P).sum(-1).mean()
-
-
-def z_loss(logits: Tensor) -> Tensor:
-    """Router z-loss ``mean_t logsumexp(logits_t)^2`` (ST-MoE); 0 for T = 0."""
-    if logits.shape[0] == 0:
-        return logits.sum() * 0
-    return torch.logsumexp(logits, dim=-1).square().mean()
 
 
 def update_correction_bias(bias: Tensor, tokens_per_expert: Tensor, rate: float = 1e-3) -> Tensor:
