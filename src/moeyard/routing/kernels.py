@@ -213,7 +213,7 @@ def router_bwd_kernel(
             v = tl.where(sel, l, float("-inf"))
             mx = tl.max(v, axis=1)
             p = tl.exp(v - tl.where(m_mask, mx, 0.0)[:, None])  # rows past T select nothing
-            wk = p / tl.sum(p, axis=1)[:, None]
+            wk = p / tl.where(m_mask, tl.sum(p, axis=1), 1.0)[:, None]
             dl += wk * (g - tl.sum(g * wk, axis=1)[:, None])
         elif TOPK_FIRST:
             dl += _renorm_grad(g, tl.where(sel, s, 0.0), sel, NORM) * s * (1.0 - s)
