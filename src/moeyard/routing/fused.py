@@ -150,6 +150,11 @@ class _FusedRouter(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+def empty(shape: tuple, *, device, dtype) -> Tensor:
+    """An uninitialised buffer the kernels fill entirely (tests poison it to prove that)."""
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
 def block_m(e_p2: int) -> int:
     """Tokens per forward program: the ``[BM, E_P2]`` float32 tile stays at 16K elements (32 under
     the interpreter, to exercise several programs on small inputs)."""
@@ -164,10 +169,10 @@ def _forward(x, weight, bias, corr, spec: Spec):
     bm = block_m(e_p2)
     ns = triton.cdiv(S, bm)
     f32 = dict(device=x.device, dtype=torch.float32)
-    logits, scores = torch.empty(T, E, **f32), torch.empty(T, E, **f32)
-    ids = torch.empty(T, K, device=x.device, dtype=torch.int64)
-    w = torch.empty(T, K, **f32)
-    stats = torch.empty(B, ns, 2 * E + 1, **f32)
+    logits, scores = empty((T, E), **f32), empty((T, E), **f32)
+    ids = empty((T, K), device=x.device, dtype=torch.int64)
+    w = empty((T, K), **f32)
+    stats = empty((B, ns, 2 * E + 1), **f32)
     if T > 0:
         _fwd_launcher()[(ns, B)](
             x, weight, bias, corr, logits, scores, ids, w, stats, H, E, K, S, ns,
@@ -180,7 +185,7 @@ def _forward(x, weight, bias, corr, spec: Spec):
 
 def _backward(logits, ids, g_w, g_logits, g_scores, g_stats, spec: Spec, dtype):
     T, E = logits.shape
-    dl = torch.empty(T, E, device=logits.device, dtype=dtype)
+    dl = empty((T, E), device=logits.device, dtype=dtype)
     if T == 0:
         return dl
     e_p2 = max(16, triton.next_power_of_2(E))
