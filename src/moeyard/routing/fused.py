@@ -175,7 +175,8 @@ def _forward(x, weight, bias, corr, spec: Spec):
     stats = empty((B, ns, 2 * E + 1), **f32)
     if T > 0:
         _fwd_launcher()[(ns, B)](
-            x, weight, bias, corr, logits, scores, ids, w, stats, H, E, K, S, ns,
+            x, weight, weight if bias is None else bias, weight if corr is None else corr,  # unread if None
+            logits, scores, ids, w, stats, H, E, K, S, ns,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), spec.scale,
             HAS_BIAS=bias is not None, HAS_CORR=corr is not None and not spec.topk_first,
             PRECISION=dot_precision(x.dtype), E_P2=e_p2, K_P2=max(2, triton.next_power_of_2(K)), BM=bm,
@@ -190,10 +191,12 @@ def _backward(logits, ids, g_w, g_logits, g_scores, g_stats, spec: Spec, dtype):
         return dl
     e_p2 = max(16, triton.next_power_of_2(E))
     bm = max(1, min(64, 4096 // e_p2))
-    grads = [None if g is None else g.contiguous() for g in (g_w, g_logits, g_scores, g_stats)]
+    grads = [logits if g is None else g.contiguous() for g in (g_w, g_logits, g_scores, g_stats)]  # unread if None
+    has = dict(HAS_GW=g_w is not None, HAS_GL=g_logits is not None, HAS_GS=g_scores is not None,
+               HAS_GSTATS=g_stats is not None)
     kernels.router_bwd_kernel[(triton.cdiv(T, bm),)](
         logits, ids, *grads, dl, T, E, spec.top_k, T // spec.num_sequences, spec.scale,
-        E_P2=e_p2, BM=bm, num_warps=4 if e_p2 <= 128 else 8, **spec.flags())
+        E_P2=e_p2, BM=bm, num_warps=4 if e_p2 <= 128 else 8, **has, **spec.flags())
     return dl
 
 

@@ -155,7 +155,7 @@ def router_fwd_kernel(
 
 
 @triton.jit
-def _dense_grad(ids_ptr, gw_ptr, rows, m_mask, cols, K, scale):
+def _dense_grad(ids_ptr, gw_ptr, rows, m_mask, cols, K, scale, HAS_GW: tl.constexpr):
     """``d topk_weights * scale`` scattered to ``[BM, E_P2]`` (0 where not selected) and the
     selection mask, from ``ids [T, K]`` and ``gw [T, K]`` (contiguous)."""
     g = tl.zeros((rows.shape[0], cols.shape[0]), tl.float32)
@@ -164,7 +164,7 @@ def _dense_grad(ids_ptr, gw_ptr, rows, m_mask, cols, K, scale):
         idk = tl.load(ids_ptr + rows * K + k, mask=m_mask, other=-1)
         hit = cols[None, :] == idk[:, None]
         sel = sel | hit
-        if gw_ptr is not None:
+        if HAS_GW:
             gk = tl.load(gw_ptr + rows * K + k, mask=m_mask, other=0.0).to(tl.float32)
             g = tl.where(hit, gk[:, None] * scale, g)
     return g, sel
@@ -184,14 +184,14 @@ def _renorm_grad(g, w, sel, NORM: tl.constexpr):
 def router_bwd_kernel(
     logits_ptr,     # [T, E] float32, contiguous (the forward's router_logits)
     ids_ptr,        # [T, K] int64, contiguous
-    gw_ptr,         # [T, K] d topk_weights, contiguous, or None
-    gl_ptr,         # [T, E] d router_logits, contiguous, or None
-    gs_ptr,         # [T, E] d scores, contiguous, or None
-    gstats_ptr,     # [B, 2E + 1] d (per-sequence statistics), contiguous, or None
+    gw_ptr,         # [T, K] d topk_weights, contiguous; read if HAS_GW
+    gl_ptr,         # [T, E] d router_logits, contiguous; read if HAS_GL
+    gs_ptr,         # [T, E] d scores, contiguous; read if HAS_GS
+    gstats_ptr,     # [B, 2E + 1] d (per-sequence statistics), contiguous; read if HAS_GSTATS
     dl_ptr,         # [T, E] out: d logits (x's dtype), contiguous
     T, E, K, S, scale,
-    SIGMOID: tl.constexpr, TOPK_FIRST: tl.constexpr, NORM: tl.constexpr,
-    E_P2: tl.constexpr, BM: tl.constexpr,
+    SIGMOID: tl.constexpr, TOPK_FIRST: tl.constexpr, NORM: tl.constexpr, HAS_GW: tl.constexpr,
+    HAS_GL: tl.constexpr, HAS_GS: tl.constexpr, HAS_GSTATS: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
 ):
     """``d logits`` of the tokens ``pid BM ...``: chain rule through the routing weights, the scores,
     the per-sequence probability sums and ``sum logsumexp^2``, plus the direct logits gradient."""
@@ -205,10 +205,10 @@ def router_bwd_kernel(
     l = tl.where(e_mask[None, :], l, float("-inf"))
     sm, lse = _softmax(l)
     s = _scores(l, sm, SIGMOID)
-    g, sel = _dense_grad(ids_ptr, gw_ptr, rows, m_mask, cols, K, scale)
+    g, sel = _dense_grad(ids_ptr, gw_ptr, rows, m_mask, cols, K, scale, HAS_GW)
     ds = tl.zeros((BM, E_P2), tl.float32)
     dl = tl.zeros((BM, E_P2), tl.float32)
-    if gw_ptr is not None:
+    if HAS_GW:
         if TOPK_FIRST and not SIGMOID:
             v = tl.where(sel, l, float("-inf"))
             mx = tl.max(v, axis=1)
@@ -219,9 +219,9 @@ def router_bwd_kernel(
             dl += _renorm_grad(g, tl.where(sel, s, 0.0), sel, NORM) * s * (1.0 - s)
         else:
             ds += _renorm_grad(g, tl.where(sel, s, 0.0), sel, NORM)
-    if gs_ptr is not None:
+    if HAS_GS:
         ds += tl.load(gs_ptr + te, mask=te_mask, other=0.0).to(tl.float32)
-    if gstats_ptr is not None:
+    if HAS_GSTATS:
         row_stats = gstats_ptr + (rows // S) * (2 * E + 1)
         gp = tl.load(row_stats[:, None] + E + cols[None, :], mask=te_mask, other=0.0).to(tl.float32)
         if SIGMOID:
@@ -234,6 +234,6 @@ def router_bwd_kernel(
         dl += ds * s * (1.0 - s)
     else:
         dl += s * (ds - tl.sum(ds * s, axis=1)[:, None])
-    if gl_ptr is not None:
+    if HAS_GL:
         dl += tl.load(gl_ptr + te, mask=te_mask, other=0.0).to(tl.float32)
     tl.store(dl_ptr + te, dl.to(dl_ptr.dtype.element_ty), mask=te_mask)
