@@ -20,6 +20,11 @@ Losses (all scalars, float32, differentiable w.r.t. the router weight):
   per sequence ``sum_e f_e * P_e`` with ``f_e = E / (K * S) * count_e`` and ``P_e`` the mean of the
   normalised scores ``s_e / sum_j s_j``, averaged over the B sequences.
 - ``z_loss``, the router z-loss (ST-MoE, arXiv 2202.08906, eq. 5): ``mean_t logsumexp(l_t)^2``.
+
+Implementations (:mod:`.options`): the torch path below (the reference), and a fused Triton router
+(:mod:`.fused`: logits GEMM, scores, top-k, weights and the loss statistics in one kernel, its
+backward in one more), chosen with ``MOEYARD_ROUTER=fused`` or ``use_router("fused")``. The default
+is ``torch`` until the fused router has been measured on a GPU.
 """
 from __future__ import annotations
 
@@ -29,10 +34,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checks import check_float
-from .config import MoEConfig
+from ..checks import check_float
+from ..config import MoEConfig
+from .losses import load_balancing_loss, sequence_balance_loss, z_loss
+from .options import router_impl, use_router
 
 Tensor = torch.Tensor
+__all__ = ["Router", "RoutingOutput", "route", "select_experts", "update_correction_bias", "load_balancing_loss",
+           "sequence_balance_loss", "z_loss", "router_impl", "use_router"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,11 @@ def route(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None =
           correction_bias: Tensor | None = None, num_sequences: int = 1, training: bool = False) -> RoutingOutput:
     """Route ``x [T, H]`` with router ``weight [E, H]`` (and ``bias [E]``) as ``config`` says.
 
+    Runs the torch ops below, or the fused Triton router when ``MOEYARD_ROUTER=fused`` (or
+    ``use_router("fused")``) and it applies (CUDA tensors of float16/bfloat16/float32, ``E <= 512``,
+    ``K <= 16``, no grouped top-k, no jitter: :func:`moeyard.routing.fused.unsupported`); else the
+    torch path. Default: ``torch``.
+
     Args:
         correction_bias: ``[E]`` DeepSeek-V3 score-correction bias (selection only), or None.
         num_sequences: B, for the sequence-wise loss; T must be a multiple of it.
@@ -81,6 +95,11 @@ def route(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None =
     T = x.shape[0]
     if not isinstance(num_sequences, int) or num_sequences < 1 or T % num_sequences:
         raise ValueError(f"num_sequences: expected a positive divisor of T={T}, got {num_sequences!r}")
+    if router_impl() == "fused":
+        fused = _fused_module()
+        if fused.unsupported(x, config, training=training) is None:
+            return fused.route_fused(x, weight, config, bias=bias, correction_bias=correction_bias,
+                                     num_sequences=num_sequences)
     if training and config.router_jitter > 0:
         eps = config.router_jitter
         x = x * torch.empty_like(x).uniform_(1 - eps, 1 + eps)
@@ -103,9 +122,25 @@ def route(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None =
     aux = load_balancing_loss(probs, counts, config.top_k)
     seq = sequence_balance_loss(probs, ids, E, config.top_k, num_sequences)
     z = z_loss(logits)
+    return finish(config, ids, w, logits, scores, counts, aux, seq, z)
+
+
+def finish(config: MoEConfig, ids: Tensor, w: Tensor, logits: Tensor, scores: Tensor, counts: Tensor,
+           aux: Tensor, seq: Tensor, z: Tensor) -> RoutingOutput:
+    """The :class:`RoutingOutput` of these tensors, with the coefficient-weighted ``loss``."""
     loss = config.aux_loss_coef * aux + config.seq_aux_loss_coef * seq + config.z_loss_coef * z
     return RoutingOutput(topk_ids=ids, topk_weights=w, router_logits=logits, scores=scores,
                          tokens_per_expert=counts, aux_loss=aux, seq_aux_loss=seq, z_loss=z, loss=loss)
+
+
+def _fused_module():
+    """:mod:`.fused`, imported on first use (it needs triton)."""
+    try:
+        from . import fused
+    except ImportError as e:
+        raise ImportError("MOEYARD_ROUTER=fused needs triton (pip install 'moeyard[triton]'), or use "
+                          "MOEYARD_ROUTER=torch") from e
+    return fused
 
 
 def select_experts(scores: Tensor, config: MoEConfig, correction_bias: Tensor | None = None) -> Tensor:
@@ -119,35 +154,6 @@ def select_experts(scores: Tensor, config: MoEConfig, correction_bias: Tensor | 
         mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
         choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, E)
     return choice.topk(config.top_k, dim=-1).indices
-
-
-def load_balancing_loss(probs: Tensor, tokens_per_expert: Tensor, top_k: int) -> Tensor:
-    """Switch/GShard aux loss ``E * sum_e f_e * P_e`` (module docstring); 0 for T = 0."""
-    T, E = probs.shape
-    if T == 0:
-        return probs.sum() * 0
-    f = tokens_per_expert / (T * top_k)
-    return E * (f * probs.mean(0)).sum()
-
-
-def sequence_balance_loss(probs: Tensor, topk_ids: Tensor, num_experts: int, top_k: int,
-                          num_sequences: int) -> Tensor:
-    """DeepSeek-V3 sequence-wise balance loss (module docstring); 0 for T = 0."""
-    T = probs.shape[0]
-    if T == 0:
-        return probs.sum() * 0
-    B, S = num_sequences, T // num_sequences
-    one_hot = torch.zeros(T, num_experts, device=probs.device, dtype=probs.dtype).scatter_(1, topk_ids, 1.0)
-    f = one_hot.view(B, S, num_experts).sum(1) * (num_experts / (top_k * S))  # [B, E]
-    P = probs.view(B, S, num_experts).mean(1)
-    return (f * P).sum(-1).mean()
-
-
-def z_loss(logits: Tensor) -> Tensor:
-    """Router z-loss ``mean_t logsumexp(logits_t)^2`` (ST-MoE); 0 for T = 0."""
-    if logits.shape[0] == 0:
-        return logits.sum() * 0
-    return torch.logsumexp(logits, dim=-1).square().mean()
 
 
 def update_correction_bias(bias: Tensor, tokens_per_expert: Tensor, rate: float = 1e-3) -> Tensor:

@@ -1,0 +1,245 @@
+"""The fused router: :func:`moeyard.routing.route` in two Triton kernels (forward, backward).
+
+Forward: one kernel computes the logits GEMM, the scores, the top-k ids and weights and per-block
+partial statistics (:mod:`.kernels`); one torch sum reduces the partials in a fixed order, and the
+losses come from those statistics (:mod:`.losses`, the same formulas as the torch path). Backward:
+one kernel yields ``d logits [T, E]`` (x's dtype); then ``dx = d logits @ W``,
+``dW = d logits^T @ x`` and ``d bias = sum_t d logits`` are torch matmuls and a sum. Kept for
+backward: x, the weight, the logits and the ids. No host synchronisation.
+
+Values equal the torch path's to float32 rounding; the ids are identical except where two keys tie
+exactly (or, after rounding, within an ulp): among equal keys the lower expert id is picked.
+
+Supported: float16 / bfloat16 / float32 inputs, ``E <= 512``, ``K <= 16``, ``n_group == 1``
+(:func:`unsupported` names what is not; :func:`moeyard.routing.route` then uses the torch path).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..checks import check_float
+from ..config import MoEConfig
+from ..experts.triton.schedule import ENV_AUTOTUNE, _smem_limit, dot_precision, interpreting
+from . import kernels
+from .losses import balance_loss_from_stats, sequence_balance_from_stats, z_loss_from_stats
+
+Tensor = torch.Tensor
+MAX_EXPERTS = 512
+MAX_TOP_K = 16
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """The static routing scheme a launch is compiled for."""
+
+    sigmoid: bool
+    topk_first: bool
+    norm: bool
+    scale: float
+    top_k: int
+    num_sequences: int
+
+    @staticmethod
+    def of(config: MoEConfig, num_sequences: int) -> "Spec":
+        return Spec(sigmoid=config.score_func == "sigmoid", topk_first=config.topk_before_score,
+                    norm=config.norm_topk_prob, scale=float(config.routed_scaling_factor), top_k=config.top_k,
+                    num_sequences=num_sequences)
+
+    def flags(self) -> dict:
+        return dict(SIGMOID=self.sigmoid, TOPK_FIRST=self.topk_first, NORM=self.norm)
+
+
+def unsupported(x: Tensor, config: MoEConfig, *, training: bool = False) -> str | None:
+    """Why the fused router cannot route ``x`` as ``config`` says, or None when it can."""
+    if x.device.type != "cuda" and not interpreting():
+        return f"x is on {x.device} (the fused router runs on CUDA, or under TRITON_INTERPRET=1)"
+    if x.dtype not in DTYPES:
+        return f"x is {x.dtype} (supported: {DTYPES})"
+    if config.num_experts > MAX_EXPERTS:
+        return f"num_experts={config.num_experts} > {MAX_EXPERTS}"
+    if config.top_k > MAX_TOP_K:
+        return f"top_k={config.top_k} > {MAX_TOP_K}"
+    if config.n_group > 1:
+        return "grouped top-k (n_group > 1)"
+    if training and config.router_jitter > 0:
+        return "router jitter in training"
+    return None
+
+
+def route_fused(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None = None,
+                correction_bias: Tensor | None = None, num_sequences: int = 1):
+    """:func:`moeyard.routing.route` (``training=False`` semantics: no jitter) by the fused kernels.
+
+    Args:
+        x: ``[T, H]`` float16, bfloat16 or float32 (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+        weight: ``[E, H]`` floating point (used in x's dtype, as the torch path does).
+        config: :class:`MoEConfig` with ``num_experts <= 512``, ``top_k <= 16``, ``n_group == 1``.
+        bias, correction_bias: ``[E]`` floating point or None, on x's device.
+        num_sequences: B, a positive divisor of T.
+    Returns:
+        :class:`moeyard.routing.RoutingOutput` (values as :func:`moeyard.routing.route`).
+    Raises:
+        TypeError: a non-floating or unsupported dtype (float64 x: use the torch path).
+        ValueError: shapes, devices, ``num_sequences``, or an unsupported config (the message says which).
+    """
+    from . import finish  # the package imports this module lazily
+
+    _check(x, weight, config, bias, correction_bias, num_sequences)
+    spec = Spec.of(config, num_sequences)
+    logits, scores, ids, w, stats = _FusedRouter.apply(x, weight, bias, correction_bias, spec)
+    E, T, B = config.num_experts, x.shape[0], num_sequences
+    counts_seq, prob_seq = stats[:, :E].detach(), stats[:, E:2 * E]
+    counts = counts_seq.sum(0)
+    aux = balance_loss_from_stats(counts, prob_seq.sum(0), T, config.top_k)
+    seq = sequence_balance_from_stats(counts_seq, prob_seq, T // B, config.top_k)
+    z = z_loss_from_stats(stats[:, 2 * E].sum(), T)
+    return finish(config, ids, w, logits, scores, counts, aux, seq, z)
+
+
+def _check(x, weight, config, bias, correction_bias, num_sequences) -> None:
+    check_float("x", x, dim=2)
+    check_float("weight", weight, dim=2)
+    if x.dtype not in DTYPES:
+        raise TypeError(f"x: expected one of {DTYPES} for the fused router, got {x.dtype} (use the torch path)")
+    E, H = config.num_experts, config.hidden_size
+    if tuple(weight.shape) != (E, H) or x.shape[1] != H:
+        raise ValueError(f"weight: expected shape {(E, H)} with x [T, {H}], got {tuple(weight.shape)} and "
+                         f"{tuple(x.shape)}")
+    for name, t in (("bias", bias), ("correction_bias", correction_bias)):
+        if t is None:
+            continue
+        check_float(name, t, dim=1)
+        if t.shape[0] != E:
+            raise ValueError(f"{name}: expected shape ({E},), got {tuple(t.shape)}")
+    for name, t in (("weight", weight), ("bias", bias), ("correction_bias", correction_bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name}: expected device {x.device} (as x), got {t.device}")
+    if config.top_k > E:
+        raise ValueError(f"config.top_k: expected at most num_experts={E}, got {config.top_k}")
+    T = x.shape[0]
+    if not isinstance(num_sequences, int) or num_sequences < 1 or T % num_sequences:
+        raise ValueError(f"num_sequences: expected a positive divisor of T={T}, got {num_sequences!r}")
+    reason = unsupported(x, config)
+    if reason is not None:
+        raise ValueError(f"config: not supported by the fused router: {reason}")
+
+
+class _FusedRouter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, corr, spec: Spec):
+        logits, scores, ids, w, stats = _forward(x, weight, bias, corr, spec)
+        ctx.mark_non_differentiable(ids)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, weight, bias, logits, ids)
+        ctx.spec = spec
+        return logits, scores, ids, w, stats
+
+    @staticmethod
+    def backward(ctx, g_logits, g_scores, _g_ids, g_w, g_stats):
+        x, weight, bias, logits, ids = ctx.saved_tensors
+        dl = _backward(logits, ids, g_w, g_logits, g_scores, g_stats, ctx.spec, x.dtype)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx = dl @ weight.to(x.dtype) if need_x else None
+        dw = (dl.mT @ x).to(weight.dtype) if need_w else None
+        db = dl.float().sum(0).to(bias.dtype) if need_b else None
+        return dx, dw, db, None, None
+
+
+def empty(shape: tuple, *, device, dtype) -> Tensor:
+    """An uninitialised buffer the kernels fill entirely (tests poison it to prove that)."""
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
+def block_m(e_p2: int) -> int:
+    """Tokens per forward program: the ``[BM, E_P2]`` float32 tile stays at 16K elements (32 under
+    the interpreter, to exercise several programs on small inputs)."""
+    return 32 if interpreting() else max(16, min(128, 16384 // e_p2))
+
+
+def _forward(x, weight, bias, corr, spec: Spec):
+    T, H = x.shape
+    E, K, B = weight.shape[0], spec.top_k, spec.num_sequences
+    S = T // B
+    e_p2 = max(16, triton.next_power_of_2(E))
+    bm = block_m(e_p2)
+    ns = triton.cdiv(S, bm)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    logits, scores = empty((T, E), **f32), empty((T, E), **f32)
+    ids = empty((T, K), device=x.device, dtype=torch.int64)
+    w = empty((T, K), **f32)
+    stats = empty((B, ns, 2 * E + 1), **f32)
+    if T > 0:
+        _fwd_launcher()[(ns, B)](
+            x, weight, weight if bias is None else bias, weight if corr is None else corr,  # unread if None
+            logits, scores, ids, w, stats, H, E, K, S, ns,
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), spec.scale,
+            HAS_BIAS=bias is not None, HAS_CORR=corr is not None and not spec.topk_first,
+            PRECISION=dot_precision(x.dtype), E_P2=e_p2, K_P2=max(2, triton.next_power_of_2(K)), BM=bm,
+            **spec.flags())
+    return logits, scores, ids, w, stats.sum(1)
+
+
+def _backward(logits, ids, g_w, g_logits, g_scores, g_stats, spec: Spec, dtype):
+    T, E = logits.shape
+    dl = empty((T, E), device=logits.device, dtype=dtype)
+    if T == 0:
+        return dl
+    e_p2 = max(16, triton.next_power_of_2(E))
+    bm = max(1, min(64, 4096 // e_p2))
+    grads = [logits if g is None else g.contiguous() for g in (g_w, g_logits, g_scores, g_stats)]  # unread if None
+    has = dict(HAS_GW=g_w is not None, HAS_GL=g_logits is not None, HAS_GS=g_scores is not None,
+               HAS_GSTATS=g_stats is not None)
+    kernels.router_bwd_kernel[(triton.cdiv(T, bm),)](
+        logits, ids, *grads, dl, T, E, spec.top_k, T // spec.num_sequences, spec.scale,
+        E_P2=e_p2, BM=bm, num_warps=4 if e_p2 <= 128 else 8, **has, **spec.flags())
+    return dl
+
+
+def _cfg(bk, warps, stages):
+    return triton.Config(dict(BK=bk), num_warps=warps, num_stages=stages)
+
+
+FWD_CONFIGS = [_cfg(bk, w, s) for bk in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+FIXED = _cfg(32, 4, 2)  # the interpreter, and MOEYARD_TRITON_AUTOTUNE=0 (fits every E in shared memory)
+
+
+def _prune(configs, named_args, **kwargs):
+    """Keep configs whose pipelined ``x [BM, BK]`` and ``W [BK, E_P2]`` tiles fit in shared memory."""
+    args = {**named_args, **kwargs}
+    size = args["x_ptr"].element_size()
+    limit = _smem_limit(torch.cuda.current_device())
+    ok = [c for c in configs
+          if c.num_stages * c.kwargs["BK"] * (args["BM"] + args["E_P2"]) * size <= limit]
+    return ok or [FIXED]
+
+
+_TUNED = []
+
+
+def _fwd_launcher():
+    """The forward kernel with its block config: autotuned over ``BK``, warps and stages on a GPU
+    (keyed on H, E, K and the scheme), fixed under the interpreter or ``MOEYARD_TRITON_AUTOTUNE=0``."""
+    if interpreting() or os.environ.get(ENV_AUTOTUNE, "1") in ("0", "false", "False"):
+        return _Fixed(kernels.router_fwd_kernel, FIXED)
+    if not _TUNED:
+        _TUNED.append(triton.autotune(configs=FWD_CONFIGS, key=["H", "E", "K", "SIGMOID", "TOPK_FIRST"],
+                                      prune_configs_by={"early_config_prune": _prune})(kernels.router_fwd_kernel))
+    return _TUNED[0]
+
+
+class _Fixed:
+    """A launcher that fills in one fixed config."""
+
+    def __init__(self, kernel, config):
+        self.kernel, self.config = kernel, config
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            return self.kernel[grid](*args, **kwargs, **self.config.kwargs, num_warps=self.config.num_warps,
+                                     num_stages=self.config.num_stages)
+        return launch

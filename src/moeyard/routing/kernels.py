@@ -1,0 +1,239 @@
+"""Triton kernels of the fused router (:mod:`moeyard.routing.fused`).
+
+Legend: T tokens, H hidden, E experts (``E_P2`` padded to a power of two), K top-k (``K_P2``), B
+sequences of S tokens, BM tokens per program, BK hidden columns per main-loop step.
+
+Forward (one program per block of BM tokens of one sequence; all E columns in registers): the logits
+GEMM ``x W^T (+ bias)`` accumulated in float32 and rounded to x's dtype (as ``F.linear`` returns
+them), the scores, the top-k selection, the routing weights, and the program's partial statistics
+(routed pairs per expert, column sums of the probabilities, ``sum_t logsumexp(l_t)^2``), written to
+its own slot; the caller sums the slots in a fixed order (no atomics: bit-reproducible).
+
+Top-k: K passes of a row-wise argmax; among equal keys the lowest expert id wins (``tl.max`` with
+``return_indices_tie_break_left``), so the ids come out ordered by decreasing key, as ``torch.topk``.
+
+Backward (one program per block of BM tokens): ``d logits`` from the gradients of the weights, the
+logits, the scores and the statistics, recomputing scores and the selection mask from the logits and
+ids (nothing else is kept).
+"""
+import triton
+import triton.language as tl
+
+EPS = 1e-20  # the renormalisation guard of moeyard.routing.route
+
+
+@triton.jit
+def _logits(x_ptr, w_ptr, b_ptr, rows, m_mask, cols, e_mask, H, stride_xt, stride_xh, stride_we, stride_wh,
+            HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, E_P2: tl.constexpr,
+            BK: tl.constexpr):
+    """``[BM, E_P2]`` float32 logits ``x W^T + b``, rounded to x's dtype; padded columns ``-inf``."""
+    acc = tl.zeros((BM, E_P2), tl.float32)
+    for k0 in range(0, H, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_mask = ks < H
+        a = tl.load(x_ptr + rows[:, None] * stride_xt + ks[None, :] * stride_xh,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[None, :] * stride_we + ks[:, None] * stride_wh,
+                    mask=e_mask[None, :] & k_mask[:, None], other=0.0)
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=e_mask, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)[None, :]
+    acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return tl.where(e_mask[None, :], acc, float("-inf"))
+
+
+@triton.jit
+def _softmax(l):
+    """Row softmax of ``l [BM, E_P2]`` (padded columns ``-inf``) and the row ``logsumexp`` ``[BM]``."""
+    m = tl.max(l, axis=1)
+    p = tl.exp(l - m[:, None])
+    den = tl.sum(p, axis=1)
+    return p / den[:, None], m + tl.log(den)
+
+
+@triton.jit
+def _scores(l, sm, SIGMOID: tl.constexpr):
+    """Scores from the logits: the softmax ``sm`` or ``sigmoid(l)`` (0 on padded columns)."""
+    if SIGMOID:
+        return 1.0 / (1.0 + tl.exp(-l))
+    return sm
+
+
+@triton.jit
+def _topk(key, val, cols, K, K_P2: tl.constexpr):
+    """K passes of a row-wise argmax of ``key [BM, E_P2]`` -> ``(ids [BM, K_P2] int32,
+    picked val [BM, K_P2] float32 (0 past K), selection mask [BM, E_P2])``."""
+    kc = tl.arange(0, K_P2)[None, :]
+    ids = tl.zeros((key.shape[0], K_P2), tl.int32)
+    vals = tl.zeros((key.shape[0], K_P2), tl.float32)
+    sel = tl.zeros(key.shape, tl.int1)
+    for k in range(K):
+        _, idx = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        hit = cols[None, :] == idx[:, None]
+        v = tl.sum(tl.where(hit, val, 0.0), axis=1)
+        ids = tl.where(kc == k, idx[:, None], ids)
+        vals = tl.where(kc == k, v[:, None], vals)
+        sel = sel | hit
+        key = tl.where(hit, float("-inf"), key)
+    return ids, vals, sel
+
+
+@triton.jit
+def _weights(vals, k_mask, scale, SIGMOID: tl.constexpr, TOPK_FIRST: tl.constexpr, NORM: tl.constexpr):
+    """Routing weights ``[BM, K_P2]`` from the picked scores (or, ``TOPK_FIRST``, the picked logits)."""
+    if TOPK_FIRST and not SIGMOID:
+        v = tl.where(k_mask, vals, float("-inf"))
+        p = tl.exp(v - tl.max(v, axis=1)[:, None])
+        w = p / tl.sum(p, axis=1)[:, None]
+    else:
+        w = 1.0 / (1.0 + tl.exp(-vals)) if TOPK_FIRST else vals
+        w = tl.where(k_mask, w, 0.0)
+        if NORM:
+            w = w / (tl.sum(w, axis=1)[:, None] + EPS)
+    return w * scale
+
+
+@triton.jit
+def router_fwd_kernel(
+    x_ptr,          # [T, H] float16/bfloat16/float32, strides (stride_xt, stride_xh)
+    w_ptr,          # [E, H] router weight (cast to x's dtype), strides (stride_we, stride_wh)
+    b_ptr,          # [E] router bias; read if HAS_BIAS
+    corr_ptr,       # [E] selection-only correction bias; read if HAS_CORR (score-then-top-k only)
+    logits_ptr,     # [T, E] float32, contiguous
+    scores_ptr,     # [T, E] float32, contiguous
+    ids_ptr,        # [T, K] int64, contiguous
+    wts_ptr,        # [T, K] float32, contiguous
+    stats_ptr,      # [B, NS, 2E + 1] float32: per-program counts [E], probability sums [E], sum lse^2
+    H, E, K, S, NS,
+    stride_xt, stride_xh, stride_we, stride_wh,
+    scale,
+    SIGMOID: tl.constexpr, TOPK_FIRST: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_CORR: tl.constexpr, PRECISION: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):
+    """Program ``(j, b)``: tokens ``b S + j BM ...`` (at most BM, all in sequence b)."""
+    j = tl.program_id(0)
+    b = tl.program_id(1)
+    local = j * BM + tl.arange(0, BM)
+    m_mask = local < S
+    rows = b.to(tl.int64) * S + local
+    cols = tl.arange(0, E_P2)
+    e_mask = cols < E
+    l = _logits(x_ptr, w_ptr, b_ptr, rows, m_mask, cols, e_mask, H, stride_xt, stride_xh, stride_we, stride_wh,
+                HAS_BIAS, PRECISION, BM, E_P2, BK)
+    sm, lse = _softmax(l)
+    s = _scores(l, sm, SIGMOID)
+    if TOPK_FIRST:
+        key = l
+        val = l
+    else:
+        key = s
+        if HAS_CORR:
+            key = s + tl.load(corr_ptr + cols, mask=e_mask, other=0.0).to(tl.float32)[None, :]
+        key = tl.where(e_mask[None, :], key, float("-inf"))
+        val = s
+    ids, vals, sel = _topk(key, val, cols, K, K_P2)
+    kcols = tl.arange(0, K_P2)
+    k_mask = (kcols < K)[None, :]
+    w = _weights(vals, k_mask, scale, SIGMOID, TOPK_FIRST, NORM)
+    te = rows[:, None] * E + cols[None, :]
+    te_mask = m_mask[:, None] & e_mask[None, :]
+    tl.store(logits_ptr + te, l, mask=te_mask)
+    tl.store(scores_ptr + te, s, mask=te_mask)
+    tk = rows[:, None] * K + kcols[None, :]
+    tk_mask = m_mask[:, None] & k_mask
+    tl.store(ids_ptr + tk, ids.to(tl.int64), mask=tk_mask)
+    tl.store(wts_ptr + tk, w, mask=tk_mask)
+    if SIGMOID:
+        probs = s / (tl.sum(tl.where(e_mask[None, :], s, 0.0), axis=1)[:, None] + EPS)
+    else:
+        probs = s
+    slot = stats_ptr + (b.to(tl.int64) * NS + j) * (2 * E + 1)
+    tl.store(slot + cols, tl.sum((sel & m_mask[:, None]).to(tl.float32), axis=0), mask=e_mask)
+    tl.store(slot + E + cols, tl.sum(tl.where(te_mask, probs, 0.0), axis=0), mask=e_mask)
+    tl.store(slot + 2 * E, tl.sum(tl.where(m_mask, lse * lse, 0.0), axis=0))
+
+
+@triton.jit
+def _dense_grad(ids_ptr, gw_ptr, rows, m_mask, cols, K, scale, HAS_GW: tl.constexpr):
+    """``d topk_weights * scale`` scattered to ``[BM, E_P2]`` (0 where not selected) and the
+    selection mask, from ``ids [T, K]`` and ``gw [T, K]`` (contiguous)."""
+    g = tl.zeros((rows.shape[0], cols.shape[0]), tl.float32)
+    sel = tl.zeros((rows.shape[0], cols.shape[0]), tl.int1)
+    for k in range(K):
+        idk = tl.load(ids_ptr + rows * K + k, mask=m_mask, other=-1)
+        hit = cols[None, :] == idk[:, None]
+        sel = sel | hit
+        if HAS_GW:
+            gk = tl.load(gw_ptr + rows * K + k, mask=m_mask, other=0.0).to(tl.float32)
+            g = tl.where(hit, gk[:, None] * scale, g)
+    return g, sel
+
+
+@triton.jit
+def _renorm_grad(g, w, sel, NORM: tl.constexpr):
+    """Gradient w.r.t. the raw picked weights ``w`` (dense, 0 off ``sel``) of ``w / (sum w + eps)``
+    (or the identity without ``NORM``), given the output gradient ``g``."""
+    if NORM:
+        den = tl.sum(w, axis=1)[:, None] + EPS
+        g = g / den - tl.sum(g * w, axis=1)[:, None] / (den * den)
+    return tl.where(sel, g, 0.0)
+
+
+@triton.jit
+def router_bwd_kernel(
+    logits_ptr,     # [T, E] float32, contiguous (the forward's router_logits)
+    ids_ptr,        # [T, K] int64, contiguous
+    gw_ptr,         # [T, K] d topk_weights, contiguous; read if HAS_GW
+    gl_ptr,         # [T, E] d router_logits, contiguous; read if HAS_GL
+    gs_ptr,         # [T, E] d scores, contiguous; read if HAS_GS
+    gstats_ptr,     # [B, 2E + 1] d (per-sequence statistics), contiguous; read if HAS_GSTATS
+    dl_ptr,         # [T, E] out: d logits (x's dtype), contiguous
+    T, E, K, S, scale,
+    SIGMOID: tl.constexpr, TOPK_FIRST: tl.constexpr, NORM: tl.constexpr, HAS_GW: tl.constexpr,
+    HAS_GL: tl.constexpr, HAS_GS: tl.constexpr, HAS_GSTATS: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
+):
+    """``d logits`` of the tokens ``pid BM ...``: chain rule through the routing weights, the scores,
+    the per-sequence probability sums and ``sum logsumexp^2``, plus the direct logits gradient."""
+    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    m_mask = rows < T
+    cols = tl.arange(0, E_P2)
+    e_mask = cols < E
+    te = rows[:, None] * E + cols[None, :]
+    te_mask = m_mask[:, None] & e_mask[None, :]
+    l = tl.load(logits_ptr + te, mask=te_mask, other=0.0)
+    l = tl.where(e_mask[None, :], l, float("-inf"))
+    sm, lse = _softmax(l)
+    s = _scores(l, sm, SIGMOID)
+    g, sel = _dense_grad(ids_ptr, gw_ptr, rows, m_mask, cols, K, scale, HAS_GW)
+    ds = tl.zeros((BM, E_P2), tl.float32)
+    dl = tl.zeros((BM, E_P2), tl.float32)
+    if HAS_GW:
+        if TOPK_FIRST and not SIGMOID:
+            v = tl.where(sel, l, float("-inf"))
+            mx = tl.max(v, axis=1)
+            p = tl.exp(v - tl.where(m_mask, mx, 0.0)[:, None])  # rows past T select nothing
+            wk = p / tl.where(m_mask, tl.sum(p, axis=1), 1.0)[:, None]
+            dl += wk * (g - tl.sum(g * wk, axis=1)[:, None])
+        elif TOPK_FIRST:
+            dl += _renorm_grad(g, tl.where(sel, s, 0.0), sel, NORM) * s * (1.0 - s)
+        else:
+            ds += _renorm_grad(g, tl.where(sel, s, 0.0), sel, NORM)
+    if HAS_GS:
+        ds += tl.load(gs_ptr + te, mask=te_mask, other=0.0).to(tl.float32)
+    if HAS_GSTATS:
+        row_stats = gstats_ptr + (rows // S) * (2 * E + 1)
+        gp = tl.load(row_stats[:, None] + E + cols[None, :], mask=te_mask, other=0.0).to(tl.float32)
+        if SIGMOID:
+            q = tl.sum(s, axis=1)[:, None] + EPS
+            gp = gp / q - tl.sum(gp * s, axis=1)[:, None] / (q * q)
+        ds += gp
+        gz = tl.load(row_stats + 2 * E, mask=m_mask, other=0.0).to(tl.float32)
+        dl += (2.0 * lse * gz)[:, None] * sm
+    if SIGMOID:
+        dl += ds * s * (1.0 - s)
+    else:
+        dl += s * (ds - tl.sum(ds * s, axis=1)[:, None])
+    if HAS_GL:
+        dl += tl.load(gl_ptr + te, mask=te_mask, other=0.0).to(tl.float32)
+    tl.store(dl_ptr + te, dl.to(dl_ptr.dtype.element_ty), mask=te_mask)

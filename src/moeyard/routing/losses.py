@@ -1,0 +1,69 @@
+"""The router's load-balancing losses, from dense ``[T, E]`` tensors or from their sufficient statistics.
+
+Formulas and sources: the :mod:`moeyard.routing` module docstring. The ``*_from_stats`` forms take
+per-expert sums (counts of routed pairs, column sums of the probabilities, the sum of
+``logsumexp^2``), which a fused kernel produces without keeping a ``[T, E]`` one-hot; the dense forms
+compute those sums and call them, so both paths share one formula.
+"""
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def balance_loss_from_stats(counts: Tensor, prob_sum: Tensor, num_tokens: int, top_k: int) -> Tensor:
+    """Switch/GShard aux loss ``E * sum_e f_e * P_e`` with ``f_e = counts_e / (T K)`` and
+    ``P_e = prob_sum_e / T``; 0 for T = 0.
+
+    Args:
+        counts: ``[E]`` float32 routed pairs per expert.
+        prob_sum: ``[E]`` float32 ``sum_t probs[t, e]``.
+    """
+    if num_tokens == 0:
+        return prob_sum.sum() * 0
+    E = prob_sum.shape[-1]
+    f = counts / (num_tokens * top_k)
+    return E * (f * (prob_sum / num_tokens)).sum()
+
+
+def sequence_balance_from_stats(counts: Tensor, prob_sum: Tensor, seq_len: int, top_k: int) -> Tensor:
+    """DeepSeek-V3 sequence-wise loss ``mean_b sum_e f_be P_be`` with ``f_be = E / (K S) * counts_be``
+    and ``P_be = prob_sum_be / S``; 0 when there are no tokens.
+
+    Args:
+        counts: ``[B, E]`` float32 routed pairs per sequence and expert.
+        prob_sum: ``[B, E]`` float32 ``sum_{t in b} probs[t, e]`` (probs normalised per token).
+        seq_len: S tokens per sequence.
+    """
+    if seq_len == 0 or prob_sum.shape[0] == 0:
+        return prob_sum.sum() * 0
+    E = prob_sum.shape[-1]
+    f = counts * (E / (top_k * seq_len))
+    return (f * (prob_sum / seq_len)).sum(-1).mean()
+
+
+def z_loss_from_stats(lse_sq_sum: Tensor, num_tokens: int) -> Tensor:
+    """Router z-loss ``mean_t logsumexp(l_t)^2`` from ``lse_sq_sum = sum_t logsumexp(l_t)^2`` (a
+    scalar); 0 for T = 0."""
+    return lse_sq_sum * 0 if num_tokens == 0 else lse_sq_sum / num_tokens
+
+
+def load_balancing_loss(probs: Tensor, tokens_per_expert: Tensor, top_k: int) -> Tensor:
+    """Switch/GShard aux loss ``E * sum_e f_e * P_e`` (module docstring); 0 for T = 0."""
+    return balance_loss_from_stats(tokens_per_expert, probs.sum(0), probs.shape[0], top_k)
+
+
+def sequence_balance_loss(probs: Tensor, topk_ids: Tensor, num_experts: int, top_k: int,
+                          num_sequences: int) -> Tensor:
+    """DeepSeek-V3 sequence-wise balance loss (module docstring); 0 for T = 0."""
+    T = probs.shape[0]
+    B, S = num_sequences, T // num_sequences
+    one_hot = torch.zeros(T, num_experts, device=probs.device, dtype=probs.dtype).scatter_(1, topk_ids, 1.0)
+    return sequence_balance_from_stats(one_hot.view(B, S, num_experts).sum(1),
+                                       probs.view(B, S, num_experts).sum(1), S, top_k)
+
+
+def z_loss(logits: Tensor) -> Tensor:
+    """Router z-loss ``mean_t logsumexp(logits_t)^2`` (ST-MoE); 0 for T = 0."""
+    return z_loss_from_stats(torch.logsumexp(logits, dim=-1).square().sum(), logits.shape[0])
