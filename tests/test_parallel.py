@@ -48,6 +48,13 @@ def test_four_ranks(ep2_checkpoint):
     ep_workers.spawn(ep_workers.worker_4, 4, str(ep2_checkpoint))
 
 
+def test_symm_mem_exchange_emulated():
+    """``sync_free`` with ``exchange="symm_mem"`` on 2 ranks, its NVSHMEM ops emulated on gloo: both
+    paths (2-D at E_l <= 16, 1-D past it), padding, capacity, sentinels, autograd, the barrier between
+    same-direction ops, the layer; the errors of the real ops on gloo."""
+    ep_workers.spawn(ep_workers.worker_symm, 2)
+
+
 @pytest.mark.slow  # ~60 s on 2 cores: 8 processes importing torch
 def test_eight_ranks():
     """One dispatcher (sync_free) on 8 ranks, every routing case."""

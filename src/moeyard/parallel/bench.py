@@ -139,7 +139,7 @@ def _rows_sent(dispatcher: str, d, x: Tensor, ep) -> int:
     if dispatcher == "all_to_all":
         return sum(d.state[1])         # exactly its routed pairs
     if dispatcher == "sync_free":
-        return d.state[0].num_tokens   # W * C slots, empty ones included
+        return d.state.exchange.rows_sent(d.state.handle)  # equal splits: W * C slots, empty ones included
     return d.rows.shape[0]             # all_gather: W * T_max rows
 
 
