@@ -77,6 +77,7 @@ Tensor = torch.Tensor
 MAX_WORLD = 32        # all_to_all_vdev_2d: one warp scans a rank's splits
 MAX_2D_WORLD = 16     # all_to_all_vdev_2d_offset: one tile per rank, 16 tiles
 MAX_2D_EXPERTS = 16   # all_to_all_vdev_2d: one tile per local expert, 16 tiles (pytorch #167966)
+ROW_BYTES = 64        # all_to_all_vdev: each peer's bytes split evenly over <= 64 blocks
 
 
 def use_2d(world_size: int, num_local_experts: int) -> bool:
@@ -273,11 +274,16 @@ def dispatch(x: Tensor, route, ep: EPGroup, align: int) -> tuple[Tensor, Tensor,
     ``W * C + E_l * (align - 1)`` rounded up on the 1-D path). Differentiable w.r.t. ``x``.
 
     Raises:
-        ValueError: as :func:`check_available`; not an NCCL group, ... (checked before any collective).
+        ValueError: as :func:`check_available`; on the 1-D path, rows of ``x`` not a multiple of 64
+            bytes (``all_to_all_vdev`` splits each peer's bytes evenly over up to 64 thread blocks and
+            asserts on the device otherwise). Raised before any collective.
     """
     check_available(ep)
     T, K, E, W, El = route.num_tokens, route.top_k, route.num_experts, route.world_size, route.num_local_experts
     two_d = use_2d(W, El)
+    if not two_d and (x.shape[1] * x.element_size()) % ROW_BYTES:
+        raise ValueError(f"hidden_states: the symmetric-memory exchange at E_l={El} > {MAX_2D_EXPERTS} needs rows of "
+                         f"a multiple of {ROW_BYTES} bytes; got H={x.shape[1]} in {x.dtype}")
     S = route.max_tokens * K
     R = W * route.block_rows + (El * align if two_d else 0)
     bufs = buffers(ep, x.device, x.dtype, x.shape[1], S, R, El, two_d)
