@@ -73,6 +73,11 @@ def _symm(shape, dtype, device, name, fill=None):
     return t
 
 
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _compare(what: str, out, meta_out, expected, rank: int) -> None:
     """``out`` / ``meta_out`` (device) against a reference ``(meta, writes, used)``."""
     meta, writes, used = expected
@@ -98,7 +103,7 @@ def ops_2d(ne: int, align: int, hidden: int = 16, dtype=FP32, high: int = 6):
         s_in.copy_(splits[rank])
         meta = _symm((2, W * ne), torch.int64, device, name, -1)
         symm_mem.OPS.all_to_all_vdev_2d(inp, out, s_in, meta, name, align)
-        torch.cuda.synchronize(device)
+        _sync(device)
         expected = ref.ref_vdev_2d(inputs, splits, rank, align)
         _compare(f"vdev_2d ne={ne} align={align}", out, meta, expected, rank)
         # back: each rank's expert-major result with its splits/offsets (gaps: the padding)
@@ -109,7 +114,7 @@ def ops_2d(ne: int, align: int, hidden: int = 16, dtype=FP32, high: int = 6):
         back = _symm((rows_in, hidden), dtype, device, name, float("nan"))
         meta_back = _symm((2, W * ne), torch.int64, device, name, -1)
         symm_mem.OPS.all_to_all_vdev_2d_offset(out, back, in_so, meta_back, name)
-        torch.cuda.synchronize(device)
+        _sync(device)
         expected = ref.ref_vdev_2d_offset(outs, metas, rank)
         _compare(f"vdev_2d_offset ne={ne} align={align}", back, meta_back, expected, rank)
         w.check(torch.equal(back[:expected[2]].cpu().float(), inputs[rank][:expected[2]].float()),
@@ -136,7 +141,7 @@ def ops_1d(hidden: int, dtype, high: int):
         s_in.copy_(splits[rank])
         meta = _symm((2, W), torch.int64, device, name, -1)
         symm_mem.OPS.all_to_all_vdev(inp, out, s_in, meta, name)
-        torch.cuda.synchronize(device)
+        _sync(device)
         _compare(f"vdev H={hidden} {str(dtype)[6:]}", out, meta, ref.ref_vdev(inputs, splits, rank), rank)
     return run
 

@@ -33,6 +33,7 @@ class ExpertParallel:
     """
 
     def __init__(self, ep: EPGroup, options: EPOptions):
+        """Raises ValueError when ``options.exchange`` cannot run on ``ep`` (``symm_mem`` off CUDA/NCCL/NVSHMEM)."""
         self.ep, self.options = ep, options
         self.dispatcher = DISPATCHERS[options.dispatcher]
         if options.dispatcher == "sync_free":
