@@ -87,10 +87,11 @@ def _layer_counts(W: int) -> list[int]:
     return [LAYER_TOKENS[r % 2] for r in range(W)]
 
 
-def sync_debug_experts(dispatcher: str, backend: str):
-    """ExpertParallel alone (given ids, static ``max_tokens``) under sync debug mode."""
+def sync_debug_experts(dispatcher: str, backend: str, *, num_experts: int = E, exchange: str = "auto"):
+    """ExpertParallel alone (given ids, static ``max_tokens``) under sync debug mode; ``sync_free``
+    rows moved by ``exchange``."""
     def run(rank, W, device):
-        T = 48
+        T, E = 48, num_experts
         g = torch.Generator().manual_seed(5)
         inputs = w.make_functional_inputs(T * W, K, E, H, I, g)
         ids_all = torch.rand(T * W, E, generator=g).argsort(1)[:, :K]
@@ -98,7 +99,8 @@ def sync_debug_experts(dispatcher: str, backend: str):
         # on the device before the strict run: a host-to-device copy is a sync too
         on_device = {k: v.to(device, BF16) for k, v in inputs.items()}
         ids_device = ids_all.to(device)
-        call = ExpertParallel(_group(rank, W), EPOptions(num_experts=E, dispatcher=dispatcher, max_tokens=T + 8))
+        more = {"exchange": exchange} if dispatcher == "sync_free" else {}
+        call = ExpertParallel(_group(rank, W), EPOptions(num_experts=E, dispatcher=dispatcher, max_tokens=T + 8, **more))
         w.run_functional(call, [T] * W, ids_device, on_device, rank, BF16, backend, drop_invalid=True, device=device)
         torch.cuda.synchronize(device)  # compiled kernels and warm allocator before the strict run
         with sync_debug():
@@ -213,11 +215,12 @@ def checks() -> list[tuple[str, object]]:
 
 # ---------------------------------------------------------------- driver
 
-def run_all(rank: int, W: int, device: torch.device, only: str | None) -> list[dict]:
-    """Every check on this rank; each result agreed over ranks (one all-reduce per check)."""
+def run_all(rank: int, W: int, device: torch.device, only: str | None, todo=None) -> list[dict]:
+    """Every check of ``todo`` (default :func:`checks`) on this rank; each result agreed over ranks
+    (one all-reduce per check)."""
     results = []
     w.SOFT_FAILURES = []
-    for name, fn in checks():
+    for name, fn in (checks() if todo is None else todo):
         if only and only not in name:
             continue
         before, t0 = len(w.SOFT_FAILURES), time.perf_counter()
@@ -240,9 +243,9 @@ def run_all(rank: int, W: int, device: torch.device, only: str | None) -> list[d
     return results
 
 
-def report(everyone: list[list[dict]]) -> bool:
+def report(everyone: list[list[dict]], title: str = "ep_check: expert parallelism on CUDA/NCCL") -> bool:
     """Print the table (rank 0); True when every check passed on every rank."""
-    print("\n==== ep_check: expert parallelism on CUDA/NCCL ====")
+    print(f"\n==== {title} ====")
     ok_all = True
     for i, r0 in enumerate(everyone[0]):
         per = [rank_rows[i] for rank_rows in everyone]

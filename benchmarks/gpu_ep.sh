@@ -3,18 +3,24 @@
 #
 #   bash benchmarks/gpu_ep.sh                 # logs and JSON under $OUT (default ./gpu_ep_out)
 #   EP_SHAPES=qwen3-30b-a3b bash benchmarks/gpu_ep.sh   # one shape only
+#   EP_SYMM_ONLY=1 bash benchmarks/gpu_ep.sh            # step 3 only
 #
 # 1. benchmarks/ep_check.py under torchrun: every dispatcher x {triton, grouped_mm} x {bf16, fp32}
 #    against the single-process oracle, sync debug mode, CUDA-graph replay (PASS/FAIL table).
 # 2. moeyard bench --ep 2 at qwen3-30b-a3b and sonic-7b shapes (T per rank = the shape's), balanced
 #    and Zipf routing, every dispatcher: dispatch / experts / combine ms, GB/s next to a plain NCCL
 #    all_to_all_single of the same bytes, per-GPU TFLOP/s next to one GPU on the same local experts.
-# Every step is time-boxed; the whole script stays under 9 minutes. Files in $OUT: ep_check.log,
-# ep_check.json, bench_<shape>.log, bench_<shape>.json, env.txt (5 + 1 summary = 6 files).
+# 3. benchmarks/ep_symm_check.py under torchrun: the NVSHMEM exchange of sync_free (raw ops against
+#    their reference, the layer against the oracle at E_l = 4 and 64, sync debug mode), then dispatch /
+#    combine ms at qwen3-30b-a3b for all_to_all, sync_free + equal splits, sync_free + symm_mem.
+# Every step is time-boxed (steps 1-2 under 9 minutes, step 3 under 5). Files in $OUT: ep_check.log,
+# ep_check.json, bench_<shape>.log, bench_<shape>.json, ep_symm_check.log, ep_symm_check.json, env.txt.
 set -u
 OUT=${OUT:-./gpu_ep_out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0            # no NVLink multicast
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-8G}   # step 3's symmetric buffers
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=3
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=4
@@ -36,16 +42,19 @@ torch.cuda.nccl.version(), 'triton', triton.__version__)"; } > "$OUT/env.txt" 2>
 
 TR="torchrun --standalone --nproc-per-node 2"
 SHAPES=${EP_SHAPES:-qwen3-30b-a3b sonic-7b}
-MOEYARD_TRITON_AUTOTUNE=0 step ep_check 200 $TR benchmarks/ep_check.py --json "$OUT/ep_check.json"
-for shape in $SHAPES; do
-    step "bench_$shape" 150 $TR -m moeyard bench --ep 2 --model "$shape" --dtype bfloat16 \
-        --warmup 3 --iters 10 --json "$OUT/bench_$shape.json"
-done
+if [ "${EP_SYMM_ONLY:-0}" != 1 ]; then
+    MOEYARD_TRITON_AUTOTUNE=0 step ep_check 200 $TR benchmarks/ep_check.py --json "$OUT/ep_check.json"
+    for shape in $SHAPES; do
+        step "bench_$shape" 150 $TR -m moeyard bench --ep 2 --model "$shape" --dtype bfloat16 \
+            --warmup 3 --iters 10 --json "$OUT/bench_$shape.json"
+    done
+fi
+MOEYARD_TRITON_AUTOTUNE=0 step ep_symm_check 300 $TR benchmarks/ep_symm_check.py --json "$OUT/ep_symm_check.json"
 
 echo
 echo "################ summary ################"
 cat "$OUT/env.txt" | head -4
-for name in ep_check $(printf 'bench_%s ' $SHAPES); do echo "$name: ${STATUS[$name]:-not run}"; done
+for name in ep_check $(printf 'bench_%s ' $SHAPES) ep_symm_check; do echo "$name: ${STATUS[$name]:-not run}"; done
 echo "---- ep_check (tail) ----"
 grep -E '^(PASS|FAIL|====)' "$OUT/ep_check.log" || tail -30 "$OUT/ep_check.log"
 grep -E 'Error|error:' "$OUT/ep_check.log" | sort | uniq -c | sort -rn | head -8
@@ -54,4 +63,7 @@ for shape in $SHAPES; do
     # the rich table (slowest rank's ms, rank 0's rates); on failure the log's tail
     grep -E '^[┃│┏┡└]|moeyard bench --ep' "$OUT/bench_$shape.log" | grep -v '━━━━' || tail -25 "$OUT/bench_$shape.log"
 done
-[ "${STATUS[ep_check]%% *}" = "rc=0" ]
+echo "---- ep_symm_check (tail) ----"
+grep -E '^(PASS|FAIL|====)|^routing|^(balanced|zipf) ' "$OUT/ep_symm_check.log" || tail -30 "$OUT/ep_symm_check.log"
+[ "${EP_SYMM_ONLY:-0}" = 1 ] || [ "${STATUS[ep_check]%% *}" = "rc=0" ] || exit 1
+[ "${STATUS[ep_symm_check]%% *}" = "rc=0" ]

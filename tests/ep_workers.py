@@ -189,10 +189,10 @@ def make_functional_inputs(T_all: int, K: int, E: int, H: int, I: int, g: torch.
 def check_functional(rank: int, W: int, *, E: int, K: int, dispatchers=DISPATCHER_NAMES,
                      backends=(("loop", torch.float64), ("bmm_padded", torch.float64),
                                ("grouped_mm", torch.float32)), H: int = 8, I: int = 4, device="cpu",
-                     tol: dict = TOL, extras: bool = True) -> None:
+                     tol: dict = TOL, extras: bool = True, exchange: str = "auto") -> None:
     """Every routing case x dispatcher x backend against the oracle; ``sync_free`` with
-    ``max_tokens`` where counts differ, ``align`` 4 once. With ``extras`` (float64 ``loop`` on the
-    CPU): sentinel ids dropped, capacity drops."""
+    ``max_tokens`` where counts differ, ``align`` 4 once, its rows moved by ``exchange``. With
+    ``extras`` (float64 ``loop`` on the CPU): sentinel ids dropped, capacity drops."""
     g = torch.Generator().manual_seed(1234)
     ep = EPGroup(group=dist.group.WORLD, world_size=W, rank=rank)
     for case, (T_counts, ids_all) in routing_cases(W, E, K, H, g).items():
@@ -203,6 +203,8 @@ def check_functional(rank: int, W: int, *, E: int, K: int, dispatchers=DISPATCHE
             opts = dict(max_tokens=None if (name != "sync_free" or equal) else max(T_counts) + 1)
             if name == "sync_free" and case == "uneven":
                 opts["align"] = 4
+            if name == "sync_free":
+                opts["exchange"] = exchange
             call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, **opts))
             for backend, dtype in backends:
                 got = run_functional(call, T_counts, ids_all, inputs, rank, dtype, backend, device=device)
@@ -220,14 +222,15 @@ def check_functional(rank: int, W: int, *, E: int, K: int, dispatchers=DISPATCHE
     inputs = make_functional_inputs(4 * W, K, E, H, I, g)
     ref = oracle_functional(T_counts, ids_all, inputs, rank, drop_invalid=True)
     for name in dispatchers:
-        call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name))
+        more = {"exchange": exchange} if name == "sync_free" else {}
+        call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, **more))
         got = run_functional(call, T_counts, ids_all, inputs, rank, torch.float64, "loop", drop_invalid=True)
         close(f"sentinels/{name}/rank{rank}", got, ref, TOL[torch.float64])
     if "sync_free" in dispatchers:
-        check_capacity(rank, W, ep, E=E, K=K, H=H, I=I, g=g)
+        check_capacity(rank, W, ep, E=E, K=K, H=H, I=I, g=g, exchange=exchange)
 
 
-def check_capacity(rank, W, ep, *, E, K, H, I, g) -> None:
+def check_capacity(rank, W, ep, *, E, K, H, I, g, exchange: str = "auto") -> None:
     """``sync_free`` with ``capacity_factor``: the pairs past each destination's block (in token
     order) are dropped, counted on the device, and the rest equals the oracle without them."""
     El, T = E // W, 6
@@ -250,7 +253,7 @@ def check_capacity(rank, W, ep, *, E, K, H, I, g) -> None:
     assert sum(dropped) > 0
     ref = oracle_functional(T_counts, ids_all, inputs, rank, weights_all=keep)
     ref["w"] = ref["w"] * keep[slices(T_counts, rank)]  # dropped pairs get no weight gradient
-    call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher="sync_free", capacity_factor=cf))
+    call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher="sync_free", capacity_factor=cf, exchange=exchange))
     got = run_functional(call, T_counts, ids_all, inputs, rank, torch.float64, "loop")
     close(f"capacity/rank{rank}", got, ref, TOL[torch.float64])
     assert call.dropped.dtype == torch.int64 and call.dropped.item() == dropped[rank]
@@ -354,7 +357,8 @@ def layer_oracle(kw: dict, size: dict, T_counts: list[int], x_all, dy_all, dtype
 
 def check_layer(rank: int, W: int, *, mesh=None, dispatchers=DISPATCHER_NAMES, device="cpu",
                 backends=(("loop", torch.float64),), hidden: int = 8, intermediate: int = 4,
-                tol: dict = TOL, T_counts: list[int] | None = None, separated: bool = False) -> None:
+                tol: dict = TOL, T_counts: list[int] | None = None, separated: bool = False,
+                exchange: str = "auto") -> None:
     """The MoE layer (router, shared experts, biases) per dispatcher and (backend, dtype), uneven
     tokens (``T_counts``), a rank with none when W > 2: outputs and every gradient (replicated ones,
     the router's among them, summed over ranks) against the float64 ``loop`` layer on the CPU.
@@ -381,7 +385,8 @@ def check_layer(rank: int, W: int, *, mesh=None, dispatchers=DISPATCHER_NAMES, d
                 m = make_layer(kw, **size).to(device, dtype)
                 m.backend = backend
                 max_tokens = max(T_counts) if name == "sync_free" else None
-                expert_parallel(m, mesh, dispatcher=name, max_tokens=max_tokens)
+                more = {"exchange": exchange} if name == "sync_free" else {}
+                expert_parallel(m, mesh, dispatcher=name, max_tokens=max_tokens, **more)
                 got = layer_results(m, x_all[sl].to(device, dtype), dy_all[sl].to(device, dtype))
                 compare_layer(f"layer {cname}/{name}/{backend}/{str(dtype)[6:]}/rank{rank}", m, got, oracle, sl,
                               slice(rank * El, (rank + 1) * El), tol[dtype])
@@ -490,6 +495,78 @@ def check_errors(rank: int, W: int) -> None:
     assert y.shape == (3, 8) and torch.isfinite(y).all()
 
 
+# ---------------------------------------------------------------- the symmetric-memory exchange, emulated
+
+def check_symm_mem(rank: int, W: int) -> None:
+    """``sync_free`` with ``exchange="symm_mem"``, its NVSHMEM ops replaced by the gloo emulation of
+    their contract (tests/symm_emulation.py): the 2-D path (E_l <= 16: every routing case, align 4,
+    sentinels, capacity drops), the 1-D path (E_l = 18 > 16, and forced at E_l = 4), the barrier
+    when two ops of one direction follow each other, the MoE layer; then the clear errors of the
+    real ops on gloo."""
+    from unittest import mock
+
+    from symm_emulation import EmulatedSymmOps
+
+    from moeyard.parallel import symm_mem
+
+    ops = EmulatedSymmOps()
+    f64 = (("loop", torch.float64),)
+    with mock.patch.object(symm_mem, "OPS", ops):
+        check_functional(rank, W, E=4 * W, K=3, dispatchers=["sync_free"],
+                         backends=f64 + (("grouped_mm", torch.float32),), exchange="symm_mem")
+        assert {c[0] for c in ops.calls} == {"all_to_all_vdev_2d", "all_to_all_vdev_2d_offset"}, ops.calls
+        ops.calls.clear()
+        check_functional(rank, W, E=18 * W, K=4, dispatchers=["sync_free"], backends=f64, exchange="symm_mem",
+                         extras=False)
+        assert {c[0] for c in ops.calls} == {"all_to_all_vdev"} and ops.calls[0][2] == 1, ops.calls
+        with mock.patch.object(symm_mem, "MAX_2D_EXPERTS", 0):
+            check_functional(rank, W, E=4 * W, K=3, dispatchers=["sync_free"], backends=f64, exchange="symm_mem")
+        check_symm_barrier(rank, W, ops)
+        check_layer(rank, W, dispatchers=["sync_free"], exchange="symm_mem")
+    symm_mem.release_buffers()
+    check_symm_errors(rank, W)
+
+
+def check_symm_barrier(rank: int, W: int, ops) -> None:
+    """Input without gradient: combine's backward (send -> recv) is the last op; the next dispatch
+    goes the same way and must wait for a barrier first; buffers are reused, not reallocated."""
+    from moeyard.parallel import symm_mem
+
+    E, K, T = 4 * W, 2, 5
+    g = torch.Generator().manual_seed(77)
+    inputs = make_functional_inputs(T * W, K, E, 8, 4, g)
+    ids_all = torch.rand(T * W, E, generator=g).argsort(1)[:, :K]
+    ref = oracle_functional([T] * W, ids_all, inputs, rank)
+    call = ExpertParallel(EPGroup(group=dist.group.WORLD, world_size=W, rank=rank),
+                          EPOptions(num_experts=E, dispatcher="sync_free", exchange="symm_mem"))
+    sl, El = slices([T] * W, rank), E // W
+    up = inputs["gate_up_proj"][rank * El:(rank + 1) * El].clone().requires_grad_()
+    down = inputs["down_proj"][rank * El:(rank + 1) * El].clone().requires_grad_()
+    for step in range(2):
+        before, keys = ops.barriers, len(symm_mem._BUFFERS)
+        up.grad = down.grad = None
+        out = call(inputs["x"][sl], ids_all[sl], inputs["w"][sl], up, down, backend="loop")
+        out.backward(inputs["dy"][sl])
+        assert ops.barriers == before + step, (step, ops.barriers, before)  # none at first: the cache is new
+        assert step == 0 or len(symm_mem._BUFFERS) == keys
+        close(f"symm barrier/step{step}/rank{rank}", {"out": out.detach(), "up": up.grad, "down": down.grad},
+              {k: ref[k] for k in ("out", "up", "down")}, TOL[torch.float64])
+
+
+def check_symm_errors(rank: int, W: int) -> None:
+    """The real ops on a gloo group: a clear ValueError before any collective, the layer untouched."""
+    import pytest
+
+    from moeyard.parallel.comm import resolve_group
+
+    m = make_layer(LAYER_CONFIGS["qwen3"])
+    with pytest.raises(ValueError, match="exchange: 'symm_mem' needs an NCCL group"):
+        expert_parallel(m, dispatcher="sync_free", exchange="symm_mem")
+    assert m.expert_parallel is None and m.gate_up_proj.shape[0] == 8
+    with pytest.raises(ValueError, match="exchange: 'symm_mem' needs an NCCL group, got backend 'gloo'"):
+        ExpertParallel(resolve_group(None), EPOptions(num_experts=8, dispatcher="sync_free", exchange="symm_mem"))
+
+
 # ---------------------------------------------------------------- per world size
 
 def worker_2(rank: int, W: int, ckpt_dir: str) -> None:
@@ -506,6 +583,10 @@ def worker_4(rank: int, W: int, ckpt_dir: str) -> None:
     check_layer(rank, W, dispatchers=["all_to_all", "sync_free"])
     check_checkpoint_load(rank, W, ckpt_dir)
     check_errors(rank, W)
+
+
+def worker_symm(rank: int, W: int) -> None:
+    check_symm_mem(rank, W)
 
 
 def worker_8(rank: int, W: int) -> None:

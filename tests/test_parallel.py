@@ -48,6 +48,13 @@ def test_four_ranks(ep2_checkpoint):
     ep_workers.spawn(ep_workers.worker_4, 4, str(ep2_checkpoint))
 
 
+def test_symm_mem_exchange_emulated():
+    """``sync_free`` with ``exchange="symm_mem"`` on 2 ranks, its NVSHMEM ops emulated on gloo: both
+    paths (2-D at E_l <= 16, 1-D past it), padding, capacity, sentinels, autograd, the barrier between
+    same-direction ops, the layer; the errors of the real ops on gloo."""
+    ep_workers.spawn(ep_workers.worker_symm, 2)
+
+
 @pytest.mark.slow  # ~60 s on 2 cores: 8 processes importing torch
 def test_eight_ranks():
     """One dispatcher (sync_free) on 8 ranks, every routing case."""
@@ -66,6 +73,10 @@ def test_errors_before_any_collective():
         expert_parallel(layer, dispatcher="all_to_all", max_tokens=16)
     with pytest.raises(ValueError, match="align"):
         expert_parallel(layer, dispatcher="all_gather", align=16)
+    with pytest.raises(ValueError, match="exchange: expected one of"):
+        expert_parallel(layer, dispatcher="sync_free", exchange="nvshmem")
+    with pytest.raises(ValueError, match="exchange: only the sync_free dispatcher"):
+        expert_parallel(layer, dispatcher="all_to_all", exchange="symm_mem")
     with pytest.raises(TypeError, match="module"):
         expert_parallel("not a module")
     with pytest.raises(ValueError, match="module: no moeyard.MoE"):
@@ -124,3 +135,17 @@ def test_nccl_device_check():
         check_device(torch.device("cpu"), "nccl")
     check_device(torch.device("cpu"), "gloo")
     check_device(torch.device("cpu"), "cpu:gloo,cuda:nccl")
+
+
+def test_symm_mem_limits():
+    """The symmetric-memory exchange's checks that need no process group: at most 32 ranks, CUDA,
+    and which path a shape takes (2-D up to 16 local experts and 16 ranks)."""
+    from moeyard.parallel.comm import EPGroup
+    from moeyard.parallel.symm_mem import check_available, use_2d
+
+    with pytest.raises(ValueError, match="at most 32 ranks"):
+        check_available(EPGroup(group=None, world_size=64, rank=0, backend="nccl"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="exchange: 'symm_mem' needs CUDA"):
+            check_available(EPGroup(group=None, world_size=2, rank=0, backend="nccl"))
+    assert use_2d(2, 16) and use_2d(16, 1) and not use_2d(2, 17) and not use_2d(17, 4)

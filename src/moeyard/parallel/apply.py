@@ -9,6 +9,7 @@ import torch.nn as nn
 from .comm import EPGroup, resolve_group
 from .common import EPOptions
 from .experts import DISPATCHERS, ExpertParallel
+from .sync_free import EXCHANGES, check_exchange
 
 # the attribute each kind of module reads instead of calling moeyard.experts itself
 MOE_SEAM = "expert_parallel"                 # moeyard.MoE
@@ -17,7 +18,7 @@ TRANSFORMERS_SEAM = "moeyard_expert_parallel"  # transformers experts modules (m
 
 def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_all",
                     capacity_factor: float | None = None, max_tokens: int | None = None,
-                    align: int = 1) -> nn.Module:
+                    align: int = 1, exchange: str = "auto") -> nn.Module:
     """Split the routed experts of ``module`` over the ranks of ``group``; returns ``module``.
 
     Every :class:`moeyard.MoE` in ``module`` (itself included) and every transformers experts module
@@ -44,12 +45,17 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         capacity_factor: ``sync_free`` only; see :mod:`moeyard.parallel.sync_free`.
         max_tokens: ``sync_free`` / ``all_gather``: static bound on any rank's token count.
         align: ``sync_free`` only: pad each local expert's received rows to a multiple of this.
+        exchange: ``sync_free`` only: ``all_to_all`` (worst-case blocks in equal splits; portable),
+            ``symm_mem`` (only the routed rows, through NVSHMEM symmetric memory: CUDA, NCCL, at
+            most 32 ranks; see :mod:`moeyard.parallel.symm_mem`) or ``auto`` (``all_to_all``: the
+            symmetric path is the default only once ``benchmarks/ep_symm_check.py`` has passed on GPUs).
 
     On NCCL call ``torch.cuda.set_device(local_rank)`` first (the shape check's ``all_gather_object``
     and every exchange use the current device) and keep the layers' tensors on that device.
 
     Raises:
-        ValueError: unknown ``dispatcher``; bad ``capacity_factor``, ``max_tokens`` or ``align``;
+        ValueError: unknown ``dispatcher``; bad ``capacity_factor``, ``max_tokens``, ``align`` or
+            ``exchange`` (``symm_mem`` where it cannot run: not CUDA, not NCCL, no NVSHMEM, W > 32);
             ``group`` not initialised, a mesh not 1-D, or a world size not dividing E; ``module`` with
             no experts, already expert parallel, a transformers experts module not running
             ``"moeyard"``, or expert shapes that differ across ranks (checked with one all-gather);
@@ -57,7 +63,7 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
             merge them first); expert weights on another device type than the mesh's.
         TypeError: ``module`` is not an ``nn.Module``, ``group`` of the wrong kind.
     """
-    _check_options(dispatcher, capacity_factor, max_tokens, align)
+    _check_options(dispatcher, capacity_factor, max_tokens, align, exchange)
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
     targets = find_experts(module)
@@ -70,6 +76,7 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
                              "parallelism (their factors cover all experts); merge_lora() them first")
     ep = resolve_group(group)
     _check_same_on_every_rank(targets, ep)  # first: the checks below then fail alike on every rank
+    check_exchange(ep, EPOptions(num_experts=ep.world_size, dispatcher=dispatcher, exchange=exchange))
     for name, (m, seam) in targets.items():
         if getattr(m, seam, None) is not None:
             raise ValueError(f"module: {name or type(m).__name__} is already expert parallel")
@@ -84,7 +91,7 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         E = _num_experts(m)
         _shard(m, E, ep)
         options = EPOptions(num_experts=E, dispatcher=dispatcher, capacity_factor=capacity_factor,
-                            max_tokens=max_tokens, align=align)
+                            max_tokens=max_tokens, align=align, exchange=exchange)
         setattr(m, seam, ExpertParallel(ep, options))
     return module
 
@@ -157,7 +164,7 @@ def _first_difference(a: list, b: list) -> str:
     return f"{len(a)} vs {len(b)} expert layers"
 
 
-def _check_options(dispatcher, capacity_factor, max_tokens, align) -> None:
+def _check_options(dispatcher, capacity_factor, max_tokens, align, exchange) -> None:
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"dispatcher: expected one of {list(DISPATCHERS)}, got {dispatcher!r}")
     if capacity_factor is not None:
@@ -175,3 +182,7 @@ def _check_options(dispatcher, capacity_factor, max_tokens, align) -> None:
         raise ValueError(f"align: expected a positive int, got {align!r}")
     if align != 1 and dispatcher != "sync_free":
         raise ValueError(f"align: only the sync_free dispatcher places received rows itself, got dispatcher={dispatcher!r}")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange: expected one of {list(EXCHANGES)}, got {exchange!r}")
+    if exchange != "auto" and dispatcher != "sync_free":
+        raise ValueError(f"exchange: only the sync_free dispatcher has a choice of exchange, got dispatcher={dispatcher!r}")

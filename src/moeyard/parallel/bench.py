@@ -82,8 +82,9 @@ def _run(args, command: str, device: torch.device) -> int:
     return 0
 
 
-def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts, device) -> dict:
-    """One rank's numbers for one (shape, routing, dispatcher)."""
+def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts, device, *,
+            exchange: str = "auto") -> dict:
+    """One rank's numbers for one (shape, routing, dispatcher); ``sync_free`` rows moved by ``exchange``."""
     T, E, H, I, K = shape.tokens, config.num_experts, config.hidden_size, config.intermediate_size, config.top_k
     El, dtype = E // ep.world_size, layer_bench.DTYPES[opts.dtype]
     torch.manual_seed(1000 + ep.rank)  # each rank its own tokens
@@ -94,7 +95,9 @@ def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts
     gated = config.activation in GATED
     w_up = torch.randn(El, (2 if gated else 1) * I, H, device=device, dtype=dtype) / H ** 0.5
     w_down = torch.randn(El, H, I, device=device, dtype=dtype) / I ** 0.5
-    options = EPOptions(num_experts=E, dispatcher=dispatcher, max_tokens=None if dispatcher == "all_to_all" else T)
+    more = {"exchange": exchange} if dispatcher == "sync_free" else {}
+    options = EPOptions(num_experts=E, dispatcher=dispatcher, max_tokens=None if dispatcher == "all_to_all" else T,
+                        **more)
     mod = DISPATCHERS[dispatcher]
     kw = dict(activation=config.activation, backend=backend, drop_invalid=True)
 
@@ -116,7 +119,8 @@ def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts
         t_ref = time_ms(lambda: experts(ref_x, ref_ids, torch.ones_like(ref_ids, dtype=dtype), w_up, w_down, **kw))
     flops = (6 if gated else 4) * pairs * H * I
     nbytes = sent * H * dtype.itemsize
-    return {"case": shape.name, "routing": routing, "dispatcher": dispatcher, "rank": ep.rank, "T": T, "H": H, "I": I,
+    return {"case": shape.name, "routing": routing, "dispatcher": dispatcher, "exchange": options.exchange,
+            "rank": ep.rank, "T": T, "H": H, "I": I,
             "E": E, "E_local": El, "k": K, "rows_received": d.rows.shape[0], "pairs_computed": pairs,
             "rows_sent": sent, "dispatch_ms": t_dispatch, "experts_ms": t_experts, "combine_ms": t_combine,
             "dispatch_GBps": nbytes / t_dispatch / 1e6, "plain_all_to_all_ms": plain,
@@ -139,7 +143,7 @@ def _rows_sent(dispatcher: str, d, x: Tensor, ep) -> int:
     if dispatcher == "all_to_all":
         return sum(d.state[1])         # exactly its routed pairs
     if dispatcher == "sync_free":
-        return d.state[0].num_tokens   # W * C slots, empty ones included
+        return d.state.exchange.rows_sent(d.state.handle)  # equal splits: W * C slots, empty ones included
     return d.rows.shape[0]             # all_gather: W * T_max rows
 
 

@@ -27,6 +27,10 @@ class EPOptions:
             None: ``sync_free`` needs the same T on every rank, ``all_gather`` agrees on the largest
             with one host sync per call.
         align: ``sync_free`` only: received rows of each local expert are padded to a multiple of this.
+        exchange: ``sync_free`` only: how the rows travel (:data:`moeyard.parallel.sync_free.EXCHANGES`):
+            ``all_to_all`` (worst-case blocks, ``all_to_all_single`` of equal splits), ``symm_mem``
+            (exact rows through NVSHMEM symmetric memory, :mod:`moeyard.parallel.symm_mem`) or
+            ``auto`` (``all_to_all`` until the symmetric path has been verified on GPUs).
     """
 
     num_experts: int
@@ -34,6 +38,7 @@ class EPOptions:
     capacity_factor: float | None = None
     max_tokens: int | None = None
     align: int = 1
+    exchange: str = "auto"
 
 
 @dataclass(kw_only=True)

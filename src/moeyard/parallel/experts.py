@@ -33,8 +33,11 @@ class ExpertParallel:
     """
 
     def __init__(self, ep: EPGroup, options: EPOptions):
+        """Raises ValueError when ``options.exchange`` cannot run on ``ep`` (``symm_mem`` off CUDA/NCCL/NVSHMEM)."""
         self.ep, self.options = ep, options
         self.dispatcher = DISPATCHERS[options.dispatcher]
+        if options.dispatcher == "sync_free":
+            sync_free.check_exchange(ep, options)
         self.dropped: Tensor | None = None
 
     @property
@@ -85,6 +88,7 @@ class ExpertParallel:
     def __repr__(self) -> str:
         o = self.options
         extra = "".join(f", {k}={getattr(o, k)}" for k in ("capacity_factor", "max_tokens")
-                        if getattr(o, k) is not None) + (f", align={o.align}" if o.align != 1 else "")
+                        if getattr(o, k) is not None) + (f", align={o.align}" if o.align != 1 else "") \
+            + (f", exchange={o.exchange}" if o.exchange != "auto" else "")
         return (f"ExpertParallel(dispatcher={o.dispatcher}, num_experts={o.num_experts}, "
                 f"world_size={self.ep.world_size}, rank={self.ep.rank}{extra})")

@@ -1,0 +1,255 @@
+"""The NVSHMEM exchange of the ``sync_free`` dispatcher on CUDA: raw ops, the layer, timings.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/ep_symm_check.py [--json PATH] [--only TEXT] [--no-timing]
+
+Each rank uses ``cuda:LOCAL_RANK``; NVLink multicast stays off (the caller's NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 are kept); ``NVSHMEM_SYMMETRIC_SIZE``
+defaults to 8G here (the timing's buffers take 3 GiB). Checks (PASS/FAIL table, exit code 1 on any
+failure or mismatch):
+
+(a) ``ops/*``: ``torch.ops.symm_mem.all_to_all_vdev_2d`` (E_l = 4 and 16, ``major_align`` 1 and 8,
+    a rank sending nothing), ``all_to_all_vdev_2d_offset`` (the 2-D result sent back) and
+    ``all_to_all_vdev`` on small tensors and one bf16 H = 2048 case, through moeyard's own wrappers
+    (``symm_mem.OPS``), against the CPU reference of their contract (``tests/symm_emulation.py``,
+    the one the CPU tests' emulation runs): received rows, splits, offsets, and rows past the
+    written ones left alone (the exchange relies on it for its zero row).
+(b) ``functional/*``, ``layer``, ``sync_debug/*``: ``sync_free`` with ``exchange="symm_mem"``
+    against the single-process float64 oracle (``tests/ep_workers.py``: uneven tokens, a rank with
+    0 tokens, all pairs to one rank, one expert hit by every token; outputs, input, routing-weight
+    and expert-weight gradients) at E_l = 4 (2-D path), E_l = 4 forced onto the 1-D path, and
+    E_l = 64 (1-D path), triton and grouped_mm in bf16 and fp32; forward + backward under
+    ``torch.cuda.set_sync_debug_mode("error")`` at E_l = 4 and 64.
+(c) timing at qwen3-30b-a3b per rank (T = 32768, E = 128, K = 8, H = 2048, bf16; balanced and Zipf
+    routing): dispatch and combine ms (slowest rank) of ``all_to_all``, ``sync_free`` + equal
+    splits and ``sync_free`` + ``symm_mem`` (``moeyard.parallel.bench.measure``), one table.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from unittest import mock
+
+os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "8G")  # before NVSHMEM starts (first symmetric allocation)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
+import ep_check  # noqa: E402
+import ep_workers as w  # noqa: E402
+import symm_emulation as ref  # noqa: E402
+
+from moeyard.parallel import symm_mem  # noqa: E402
+
+FP32, BF16 = torch.float32, torch.bfloat16
+K = 3
+
+
+# ---------------------------------------------------------------- (a) the raw ops
+
+def _splits(W: int, n: int, high: int, seed: int) -> list[torch.Tensor]:
+    """Every rank's random in-splits ``[n]`` (all ranks draw all, from one seed); rank 1 sends nothing."""
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randint(0, high, (n,), generator=g) for _ in range(W)]
+    if W > 1:
+        out[1].zero_()
+    return out
+
+
+def _inputs(W: int, rows: int, hidden: int, dtype, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(W)]
+
+
+def _symm(shape, dtype, device, name, fill=None):
+    t = symm_mem.OPS.empty(shape, dtype, device, name)
+    if fill is not None:
+        t.fill_(fill)
+    return t
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _compare(what: str, out, meta_out, expected, rank: int) -> None:
+    """``out`` / ``meta_out`` (device) against a reference ``(meta, writes, used)``."""
+    meta, writes, used = expected
+    w.check(torch.equal(meta_out.cpu(), meta), f"{what}: splits/offsets {meta_out.cpu().tolist()} != {meta.tolist()}")
+    got = out.float().cpu()
+    for at, rows in writes:
+        w.check(torch.equal(got[at:at + rows.shape[0]], rows.float()), f"{what}/rank{rank}: rows at {at} differ")
+    w.check(bool(torch.isnan(got[used:]).all()), f"{what}/rank{rank}: rows past the {used} written ones changed")
+
+
+def ops_2d(ne: int, align: int, hidden: int = 16, dtype=FP32, high: int = 6):
+    """``all_to_all_vdev_2d`` then ``all_to_all_vdev_2d_offset`` of its result, against the reference."""
+    def run(rank, W, device):
+        name = symm_mem.OPS.prepare(dist.group.WORLD, device)
+        splits = _splits(W, W * ne, high, seed=10 + ne + align)
+        rows_in = W * ne * high
+        inputs = _inputs(W, rows_in, hidden, dtype, seed=20 + ne)
+        rows_out = W * rows_in + ne * align
+        inp = _symm((rows_in, hidden), dtype, device, name)
+        inp.copy_(inputs[rank])
+        out = _symm((rows_out + 1, hidden), dtype, device, name, float("nan"))
+        s_in = _symm((W * ne,), torch.int64, device, name)
+        s_in.copy_(splits[rank])
+        meta = _symm((2, W * ne), torch.int64, device, name, -1)
+        symm_mem.OPS.all_to_all_vdev_2d(inp, out, s_in, meta, name, align)
+        _sync(device)
+        expected = ref.ref_vdev_2d(inputs, splits, rank, align)
+        _compare(f"vdev_2d ne={ne} align={align}", out, meta, expected, rank)
+        # back: each rank's expert-major result with its splits/offsets (gaps: the padding)
+        metas = [ref.ref_vdev_2d(inputs, splits, r, align)[0] for r in range(W)]
+        outs = [_expected_out(inputs, splits, r, align, rows_out + 1, hidden, dtype) for r in range(W)]
+        in_so = _symm((2, W * ne), torch.int64, device, name)
+        in_so.copy_(meta)
+        back = _symm((rows_in, hidden), dtype, device, name, float("nan"))
+        meta_back = _symm((2, W * ne), torch.int64, device, name, -1)
+        symm_mem.OPS.all_to_all_vdev_2d_offset(out, back, in_so, meta_back, name)
+        _sync(device)
+        expected = ref.ref_vdev_2d_offset(outs, metas, rank)
+        _compare(f"vdev_2d_offset ne={ne} align={align}", back, meta_back, expected, rank)
+        w.check(torch.equal(back[:expected[2]].cpu().float(), inputs[rank][:expected[2]].float()),
+                f"vdev_2d_offset ne={ne}: the round trip does not give the input back")
+    return run
+
+
+def _expected_out(inputs, splits, rank, align, rows, hidden, dtype):
+    out = torch.full((rows, hidden), float("nan")).to(dtype)
+    for at, chunk in ref.ref_vdev_2d(inputs, splits, rank, align)[1]:
+        out[at:at + chunk.shape[0]] = chunk
+    return out
+
+
+def ops_1d(hidden: int, dtype, high: int):
+    def run(rank, W, device):
+        name = symm_mem.OPS.prepare(dist.group.WORLD, device)
+        splits = _splits(W, W, high, seed=30 + hidden)
+        inputs = _inputs(W, W * high, hidden, dtype, seed=40)
+        inp = _symm((W * high, hidden), dtype, device, name)
+        inp.copy_(inputs[rank])
+        out = _symm((W * W * high + 1, hidden), dtype, device, name, float("nan"))
+        s_in = _symm((W,), torch.int64, device, name)
+        s_in.copy_(splits[rank])
+        meta = _symm((2, W), torch.int64, device, name, -1)
+        symm_mem.OPS.all_to_all_vdev(inp, out, s_in, meta, name)
+        _sync(device)
+        _compare(f"vdev H={hidden} {str(dtype)[6:]}", out, meta, ref.ref_vdev(inputs, splits, rank), rank)
+    return run
+
+
+# ---------------------------------------------------------------- (b) the layer
+
+def functional(num_local: int, force_1d: bool = False):
+    def run(rank, W, device):
+        with mock.patch.object(symm_mem, "MAX_2D_EXPERTS", 0 if force_1d else symm_mem.MAX_2D_EXPERTS):
+            w.check_functional(rank, W, E=num_local * W, K=K, dispatchers=["sync_free"], backends=ep_check.BACKENDS,
+                               H=ep_check.H, I=ep_check.I, device=device, tol=ep_check.TOL, extras=False,
+                               exchange="symm_mem")
+    return run
+
+
+def layer(rank, W, device):
+    w.check_layer(rank, W, dispatchers=["sync_free"], device=device, backends=ep_check.BACKENDS, hidden=ep_check.H,
+                  intermediate=ep_check.I, tol=ep_check.TOL, T_counts=ep_check._layer_counts(W), separated=True,
+                  exchange="symm_mem")
+
+
+def checks() -> list[tuple[str, object]]:
+    out = [(f"ops/vdev_2d/ne{ne}/align{a}", ops_2d(ne, a)) for ne in (4, 16) for a in (1, 8)]
+    out.append(("ops/vdev_2d/bf16_h2048", ops_2d(8, 16, hidden=2048, dtype=BF16, high=64)))
+    out += [("ops/vdev/h16", ops_1d(16, FP32, 6)), ("ops/vdev/bf16_h2048", ops_1d(2048, BF16, 512))]
+    out += [("functional/2d/El4", functional(4)), ("functional/1d/El4", functional(4, force_1d=True)),
+            ("functional/1d/El64", functional(64)), ("layer", layer)]
+    out += [(f"sync_debug/El{n}/{b}", ep_check.sync_debug_experts("sync_free", b, num_experts=n * 2, exchange="symm_mem"))
+            for n in (4, 64) for b in ("triton", "grouped_mm")]
+    return out
+
+
+# ---------------------------------------------------------------- (c) timing
+
+VARIANTS = (("all_to_all", "auto"), ("sync_free", "all_to_all"), ("sync_free", "symm_mem"))
+
+
+def timing(ep, device) -> list[dict]:
+    """Every rank's ``moeyard.parallel.bench.measure`` rows at qwen3-30b-a3b, per routing and variant."""
+    from moeyard import bench as layer_bench
+    from moeyard.parallel import bench as ep_bench
+
+    opts = layer_bench.resolve_options(layer_bench.BenchOptions(models=["qwen3-30b-a3b"], device=str(device),
+                                                                dtype="bfloat16", warmup=3, iters=10))
+    shape = layer_bench.cases(opts)[0]
+    rows = []
+    for routing in ("balanced", "zipf"):
+        for dispatcher, exchange in VARIANTS:
+            rows.append(ep_bench.measure(shape, shape.moe_config(), routing, dispatcher, "auto", ep, opts, device,
+                                         exchange=exchange))
+            torch.cuda.empty_cache()
+    return rows
+
+
+def timing_table(everyone: list[list[dict]]) -> str:
+    lines = ["routing   variant                    rows sent (r0)  rows recv (max)  dispatch ms  combine ms"]
+    for i, r0 in enumerate(everyone[0]):
+        per = [rank_rows[i] for rank_rows in everyone]
+        label = r0["dispatcher"] + ("" if r0["dispatcher"] != "sync_free" else f" + {r0['exchange']}")
+        lines.append(f"{r0['routing']:<9} {label:<26} {r0['rows_sent']:>14} {max(p['rows_received'] for p in per):>16}"
+                     f" {max(p['dispatch_ms'] for p in per):>12.3f} {max(p['combine_ms'] for p in per):>11.3f}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- driver
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", metavar="PATH", help="write every rank's results here")
+    p.add_argument("--only", metavar="TEXT", help="run the checks whose name contains TEXT")
+    p.add_argument("--no-timing", action="store_true", help="skip (c)")
+    args = p.parse_args()
+    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+        print("ep_symm_check: run under torchrun on CUDA: torchrun --nproc-per-node 2 benchmarks/ep_symm_check.py")
+        return 2
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=180), device_id=device)
+    try:
+        from moeyard.parallel.comm import resolve_group
+
+        ep = resolve_group(None)
+        reason = symm_mem.OPS.unavailable(ep)
+        if reason:
+            print(f"ep_symm_check: the symmetric-memory ops cannot run here: {reason}", flush=True)
+            return 1
+        results = ep_check.run_all(ep.rank, ep.world_size, device, args.only, checks())
+        everyone = [None] * ep.world_size
+        dist.all_gather_object(everyone, results)
+        ok = ep.rank != 0 or ep_check.report(everyone, "ep_symm_check: the NVSHMEM exchange of sync_free")
+        timings = None
+        if not args.no_timing and not args.only:
+            rows = timing(ep, device)
+            timings = [None] * ep.world_size
+            dist.all_gather_object(timings, rows)
+            if ep.rank == 0:
+                print("\n==== timing: qwen3-30b-a3b per rank, bf16, slowest rank's ms ====")
+                print(timing_table(timings), flush=True)
+        if ep.rank == 0 and args.json:
+            with open(args.json, "w") as f:
+                json.dump({"world_size": ep.world_size, "torch": torch.__version__, "results": everyone,
+                           "timing": timings}, f, indent=1)
+        flag = torch.tensor([0 if ok else 1], device=device)
+        dist.broadcast(flag, 0)
+        return int(flag.item())
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Compile the ``triton`` backend's kernels for Hopper (sm_90a) on a machine without a GPU, and report
+each autotune config's registers, spills and shared memory as ptxas allocated them.
+
+    PYTHONPATH=src python benchmarks/offline_sm90.py [--shape T,H,I,E,K] [--lora R] [--modes split fused]
+                                                     [--kernels up,down,dh,...] [--json out.json]
+
+How: the backend's Python path runs forward + backward on CPU tensors of the real dtype (bf16) with
+every kernel launch recorded instead of executed (outputs are left uninitialised), then each recorded
+launch is compiled with ``JITFunction.warmup`` once per config of its autotune list, against a stand-in
+Triton driver whose target is ``cuda:90`` (no CUDA needed: Triton ships ptxas). Arguments are
+specialised exactly as a real launch would be (16-byte alignment of the CPU tensors' pointers,
+divisibility of the integer arguments). ``cuobjdump -res-usage`` reads REG (registers per thread),
+LOCAL (spill bytes per thread) and SHARED (static) from the cubin; the dynamic shared memory is the
+kernel's ``metadata.shared``.
+
+Caveat: the installed Triton may differ from the GPU machine's (here 3.9 vs 3.6 there); code
+generation, and so registers and spills, can differ between versions. Treat the numbers as a check of
+the estimates, to be confirmed with the compiled kernels' ``n_regs``/``n_spills`` on the GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.driver import DriverBase  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+
+SMEM_LIMIT = 232448  # bytes: sm_90 opt-in shared memory per block (227 KiB)
+
+
+class _OfflineDriver(DriverBase):
+    """A Triton driver that compiles for ``cuda:90`` and launches nothing."""
+
+    @classmethod
+    def is_active(cls):
+        return True
+
+    def map_python_to_cpp_type(self, ty):
+        return ty
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_benchmarker(self):
+        raise RuntimeError("offline: nothing can be timed")
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def set_current_device(self, device):
+        pass
+
+
+class Launch:
+    """One recorded launch: the tuned launcher's name, kernel, config list and arguments."""
+
+    def __init__(self, name, kernel, configs, args, kwargs):
+        self.name, self.kernel, self.configs, self.args, self.kwargs = name, kernel, configs, args, kwargs
+
+
+class _Recorder:
+    """Stands in for ``schedule.tuned(...)``: records ``launcher[grid](*args, **kwargs)``."""
+
+    def __init__(self, name, kernel, configs, sink):
+        self.name, self.kernel, self.configs, self.sink = name, kernel, configs, sink
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.sink.append(Launch(self.name, self.kernel, self.configs, args, kwargs))
+        return launch
+
+
+@contextmanager
+def recording(sink: list):
+    """Inside: the backend's tuned launchers record their launches into ``sink``."""
+    from moeyard.experts.triton import ops, schedule
+    names = {id(c): n for n, c in vars(schedule).items() if n.endswith("_CONFIGS")}
+    real_tuned = schedule.tuned
+
+    def fake_tuned(kernel, configs, key, *rest, **kw):
+        return _Recorder(names.get(id(configs), kernel.fn.__name__), kernel, configs, sink)
+    real_run = triton.runtime.jit.JITFunction.run
+
+    def direct_run(self, *args, grid, warmup, **kwargs):  # kernels launched without autotuning
+        if warmup:
+            return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        sink.append(Launch(self.fn.__name__, self, [], args, kwargs))
+    saved = dict(ops._LAUNCHERS)
+    ops._LAUNCHERS.clear()
+    ops.tuned = schedule.tuned = fake_tuned
+    triton.runtime.jit.JITFunction.run = direct_run
+    try:
+        yield
+    finally:
+        triton.runtime.jit.JITFunction.run = real_run
+        ops.tuned = schedule.tuned = real_tuned
+        ops._LAUNCHERS.clear()
+        ops._LAUNCHERS.update(saved)
+
+
+def record_step(T, H, I, E, K, dtype, lora_rank, lora_mode) -> list[Launch]:
+    """Launches of one forward + backward (base weights trainable, or frozen with LoRA)."""
+    from moeyard.experts import ExpertLoRA, expert_weights
+    from moeyard.activations import get_activation
+    from moeyard.experts.triton import options
+    from moeyard.experts.triton.function import triton_experts
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g).to(dtype).requires_grad_()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g).to(dtype).requires_grad_()
+    up = torch.randn(E, 2 * I, H, generator=g).to(dtype)
+    down = torch.randn(E, H, I, generator=g).to(dtype)
+    lora = None
+    if lora_rank:
+        r = lora_rank
+        lora = {"gate_up_proj": ExpertLoRA(lora_A=torch.randn(r * E, H).to(dtype).requires_grad_(),
+                                           lora_B=torch.randn(2 * I, r * E).to(dtype).requires_grad_(), scaling=2.0),
+                "down_proj": ExpertLoRA(lora_A=torch.randn(r * E, I).to(dtype).requires_grad_(),
+                                        lora_B=torch.randn(H, r * E).to(dtype).requires_grad_(), scaling=2.0)}
+    else:
+        up.requires_grad_()
+        down.requires_grad_()
+    weights = expert_weights(up, down, lora=lora)
+    sink: list[Launch] = []
+    with recording(sink), options.use_options(lora_mode=lora_mode):
+        out = triton_experts(x, ids, w, weights, get_activation("swiglu"))
+        out.backward(torch.randn_like(out))
+    return sink
+
+
+def res_usage(cubin: bytes) -> dict:
+    """REG / LOCAL / SHARED of the cubin's kernel (``cuobjdump -res-usage``)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return {k.lower(): int(v) for k, v in re.findall(r"(REG|LOCAL|SHARED|STACK):(\d+)", text)}
+
+
+def compile_config(launch: Launch, config) -> dict:
+    """Compile ``launch`` with ``config`` (a ``triton.Config``) for sm_90a; its resource usage."""
+    meta = dict(launch.kwargs)
+    if config is not None:
+        meta.update(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    kernel = launch.kernel.warmup(*launch.args, grid=(1,), **meta)
+    usage = res_usage(kernel.asm["cubin"])
+    return {**usage, "dynamic_smem": kernel.metadata.shared}
+
+
+def label(config) -> str:
+    if config is None:
+        return "(as launched)"
+    k = config.kwargs
+    return f"{k['BM']}x{k['BN']}x{k['BK']} w{config.num_warps} s{config.num_stages}"
+
+
+def unique(launches: list[Launch]) -> list[Launch]:
+    """One launch per (launcher, compile-time variant): constexpr keyword arguments tell them apart."""
+    seen, out = set(), []
+    for launch in launches:
+        key = (launch.name, tuple(sorted((k, repr(v)) for k, v in launch.kwargs.items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(launch)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="256,2048,768,128,8", help="T,H,I,E,K (T only sets the recorded step's size)")
+    p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA rank on both projections, base frozen")
+    p.add_argument("--modes", nargs="+", default=["split"], choices=["split", "fused"], help="LoRA modes")
+    p.add_argument("--kernels", help="comma-separated launcher names to compile (default: all recorded)")
+    p.add_argument("--json", help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    T, H, I, E, K = (int(v) for v in args.shape.split(","))
+    driver.set_active(_OfflineDriver())
+    rows = []
+    for mode in (args.modes if args.lora else ["split"]):
+        launches = unique(record_step(T, H, I, E, K, torch.bfloat16, args.lora, mode))
+        for launch in launches:
+            if args.kernels and launch.name not in args.kernels.split(","):
+                continue
+            for config in launch.configs or [None]:
+                row = {"mode": mode if args.lora else "-", "launcher": launch.name,
+                       "kernel": launch.kernel.fn.__name__, "config": label(config)}
+                try:
+                    row.update(compile_config(launch, config))
+                    row["fits"] = row["dynamic_smem"] <= SMEM_LIMIT
+                except Exception as ex:  # a config that does not compile is a row, not a crash
+                    row["error"] = f"{type(ex).__name__}: {str(ex).splitlines()[0][:120] if str(ex) else ''}"
+                rows.append(row)
+                print(_line(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def _line(r: dict) -> str:
+    head = f"{r['mode']:6s} {r['launcher']:22s} {r['config']:22s}"
+    if "error" in r:
+        return f"{head} error {r['error']}"
+    return (f"{head} regs {r['reg']:3d}  spill {r.get('local', 0):5d} B  smem {r['dynamic_smem'] / 1024:6.1f} KiB"
+            f"{'' if r['fits'] else '  (over 227 KiB)'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
