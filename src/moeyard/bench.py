@@ -315,8 +315,8 @@ def run_one(name: str, shape: ModelShape, config: MoEConfig, inputs: Inputs, opt
 
 
 def case_name(name: str, sizes: tuple[int, ...]) -> str:
-    """A case's name, with its sizes for a custom ``--shape`` (``custom-T,H,I,E,k``): ``--trace`` file names."""
-    return name if name != "custom" else "custom-" + ",".join(str(v) for v in sizes)
+    """A case's name, with its sizes for a custom ``--shape`` (``custom-TxHxIxExk``): ``--trace`` file names."""
+    return name if name != "custom" else "custom-" + "x".join(str(v) for v in sizes)
 
 
 def _free(device: str) -> None:

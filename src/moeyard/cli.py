@@ -226,7 +226,9 @@ def check_bench_arguments(args) -> None:
 
 
 def _error(ex: Exception) -> int:
-    Console(stderr=True).print(f"[red]moeyard bench: {ex}[/red]", highlight=False)
+    from rich.markup import escape
+
+    Console(stderr=True).print(f"[red]moeyard bench: {escape(str(ex))}[/red]", highlight=False, soft_wrap=True)
     return 2
 
 
