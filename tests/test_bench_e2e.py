@@ -33,7 +33,8 @@ def test_e2e_tiny_rows_json_and_table(tmp_path, capsys):
         assert (r["case"], r["layers"], r["batch"] * r["seq"], r["vocab"]) == ("qwen3-30b-a3b", 1, 32, 128)
         assert r["params"] > 0
     assert rows["grouped_mm"]["x_vs_grouped_mm"] == 1.0
-    assert rows["moeyard"]["x_vs_grouped_mm"] == pytest.approx(rows["grouped_mm"]["step_ms"] / rows["moeyard"]["step_ms"])
+    speedup = rows["grouped_mm"]["step_ms"] / rows["moeyard"]["step_ms"]
+    assert rows["moeyard"]["x_vs_grouped_mm"] == pytest.approx(speedup)
     assert rows["moeyard"]["backend"] in ("grouped_mm", "bmm_padded", "loop")
     assert data["env"]["mode"] == "e2e" and data["env"]["command"].startswith("moeyard bench --e2e")
     assert "sonicmoe" in data["env"]["skipped"]
@@ -191,3 +192,13 @@ def test_trace_to_a_file_is_a_clear_error(tmp_path, capsys):
     assert "--trace:" in err and "is not a directory" in err
     with pytest.raises(ValueError, match="--trace: .* is not a directory"):
         bench.resolve_options(bench.BenchOptions(device="cpu", trace=str(f)))
+
+
+def test_trace_lora_with_named_implementations(tmp_path):
+    out = tmp_path / "traces"
+    data = _json(tmp_path, ["bench", "--lora", "4", "--device", "cpu", "--shape", "32,32,16,4,2", "--backends",
+                            "frozen,lora", "--warmup", "0", "--iters", "1", "--trace", str(out)])
+    assert [r["impl"] for r in data["rows"]] == ["frozen", "lora"]
+    for r in data["rows"]:
+        assert r["trace"] == str(out / f"custom-32x32x16x4x2-{r['impl']}.json")
+        _events(r["trace"])

@@ -35,7 +35,7 @@ gradients), and the peak extra GiB of the step (CUDA). Targets of the LoRA desig
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -265,7 +265,8 @@ def run(opts: bench.BenchOptions, rank: int, progress: Callable[[str, int, int],
     if quant and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
         raise ValueError(f"--layers: expected a positive int, got {layers!r}")
     layers = layers if quant else 0
-    opts = bench.resolve_options(opts)
+    # --backends names this benchmark's implementations (checked below), not moeyard backends
+    opts = replace(bench.resolve_options(replace(opts, backends=None)), backends=opts.backends)
     shapes = [get_model(n) for n in opts.models] + [parse_shape(s) for s in opts.shapes]
     shapes = shapes or [get_model(n) for n in LORA_MODELS]
     if opts.tokens is not None:

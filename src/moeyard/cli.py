@@ -316,7 +316,8 @@ def lora_table(result: dict) -> Table:
                f"dense bf16 matmul (8192^3) this run: {dense:.0f} TFLOP/s" if dense else "",
                "step = forward + backward (input gradient; LoRA factor gradients where adapted); FLOPs 12*N*H*I "
                "+ 6*N*r*(in+out) per adapter; x frozen = step / frozen step; x lora = step / lora step; "
-               f"median of {env['iters']} after {env['warmup']} warm-up; peak = extra GiB of the step", _trace_line(result)]
+               f"median of {env['iters']} after {env['warmup']} warm-up; peak = extra GiB of the step",
+               _trace_line(result)]
     table = Table(title=title, caption="\n".join(c for c in caption if c), caption_justify="left")
     for col in ("case (T,H,I,E,k)", "impl", "step ms", "TFLOP/s", "peak GiB", "weights GiB", "x frozen", "x lora"):
         table.add_column(col, justify="left" if col in ("case (T,H,I,E,k)", "impl") else "right")
