@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from .activations import GATED
+from .bench_trace import check_trace_dir, file_stem, trace_step
 from .config import MoEConfig
 from .experts import available_backends, backend_names
 from .layer import MoE
@@ -93,6 +94,7 @@ class BenchOptions:
     iters: int | None = None
     routed_only: bool = False
     command: str = ""
+    trace: str | None = None
 
 
 def default_device() -> str:
@@ -116,6 +118,7 @@ def resolve_options(opts: BenchOptions) -> BenchOptions:
     iters = opts.iters if opts.iters is not None else (20 if cuda else 10)
     if warmup < 0 or iters < 1:
         raise ValueError(f"--warmup/--iters: expected warmup >= 0 and iters >= 1, got {warmup}, {iters}")
+    check_trace_dir(opts.trace)
     for name in opts.backends or []:
         if name not in backend_names() and name not in PEERS:
             raise ValueError(f"--backends: unknown name {name!r}; backends: {backend_names()}, peers: {list(PEERS)}")
@@ -248,8 +251,9 @@ def build(name: str, config: MoEConfig, device, dtype) -> nn.Module:
     return MoE(config, backend=name, device=device, dtype=dtype)
 
 
-def measure(module: nn.Module, inputs: Inputs, opts: BenchOptions) -> dict:
-    """fwd / fwd+bwd milliseconds and peak extra GiB (CUDA) of ``module`` on ``inputs``."""
+def measure(module: nn.Module, inputs: Inputs, opts: BenchOptions, trace_stem: str | None = None) -> dict:
+    """fwd / fwd+bwd milliseconds and peak extra GiB (CUDA) of ``module`` on ``inputs``; with
+    ``opts.trace``, then one profiled fwd+bwd into ``opts.trace/<trace_stem>`` (:mod:`moeyard.bench_trace`)."""
     device, n = torch.device(opts.device), len(inputs.xs)
     params = [p for p in module.parameters() if p.requires_grad]
     with torch.no_grad():
@@ -272,8 +276,11 @@ def measure(module: nn.Module, inputs: Inputs, opts: BenchOptions) -> dict:
     base = _reset_peak(device)
     fwdbwd_ms = time_ms(fwd_bwd, n, opts.warmup, opts.iters, device)
     peak = None if base is None else (torch.cuda.max_memory_allocated(device) - base) / GIB
+    out = {"fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms, "peak_gib": peak}
+    if opts.trace:
+        out.update(trace_step(lambda: fwd_bwd(0), opts.trace, trace_stem or "layer", device))
     clear()
-    return {"fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms, "peak_gib": peak}
+    return out
 
 
 def _reset_peak(device: torch.device) -> int | None:
@@ -295,7 +302,7 @@ def run_one(name: str, shape: ModelShape, config: MoEConfig, inputs: Inputs, opt
     try:
         torch.manual_seed(0)
         module = build(name, config, torch.device(opts.device), DTYPES[opts.dtype])
-        row.update(measure(module, inputs, opts))
+        row.update(measure(module, inputs, opts, trace_stem=file_stem(case_name(shape.name, (row["T"], row["H"], row["I"], row["E"], row["k"])), name)))
         row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
         row["fwdbwd_tflops"] = 3 * flops / row["fwdbwd_ms"] / 1e9
     except Exception as ex:  # a failing implementation is a row, not a crash
@@ -305,6 +312,11 @@ def run_one(name: str, shape: ModelShape, config: MoEConfig, inputs: Inputs, opt
         del module
         _free(opts.device)
     return row
+
+
+def case_name(name: str, sizes: tuple[int, ...]) -> str:
+    """A case's name, with its sizes for a custom ``--shape`` (``custom-TxHxIxExk``): ``--trace`` file names."""
+    return name if name != "custom" else "custom-" + "x".join(str(v) for v in sizes)
 
 
 def _free(device: str) -> None:
@@ -361,7 +373,7 @@ def run(opts: BenchOptions, progress: Callable[[str, int, int], None] | None = N
     names, skipped = implementations(opts)
     total, rows = len(shapes) * len(names), []
     report = progress or (lambda desc, done, total: None)
-    env = {**environment(opts), "skipped": skipped}
+    env = {**environment(opts), "mode": "layer", "skipped": skipped, "trace": opts.trace}
     report("dense bf16 matmul", 0, total)
     env["dense_bf16_tflops"] = dense_tflops(torch.device(opts.device), opts.warmup, opts.iters)
     _free(opts.device)

@@ -35,13 +35,14 @@ gradients), and the peak extra GiB of the step (CUDA). Targets of the LoRA desig
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from . import bench
+from .bench_trace import file_stem, trace_step
 from .experts import ExpertLoRA, experts
 from .models import ModelShape, get_model, parse_shape, with_tokens
 
@@ -222,8 +223,9 @@ def build(impl: str, case: Case, layers: int = 0) -> nn.Module:
 
 # ---------------------------------------------------------------- the run
 
-def measure(module: nn.Module, case: Case, opts: bench.BenchOptions) -> dict:
-    """Median step ms and peak extra GiB (CUDA) of forward + backward."""
+def measure(module: nn.Module, case: Case, opts: bench.BenchOptions, trace_stem: str | None = None) -> dict:
+    """Median step ms and peak extra GiB (CUDA) of forward + backward; with ``opts.trace``, then one
+    profiled step into ``opts.trace/<trace_stem>`` (:mod:`moeyard.bench_trace`)."""
     device, n = torch.device(opts.device), len(case.xs)
     leaves = [x.requires_grad_() for x in case.xs] + module.trainable()
 
@@ -240,8 +242,11 @@ def measure(module: nn.Module, case: Case, opts: bench.BenchOptions) -> dict:
     base = bench._reset_peak(device)
     ms = bench.time_ms(step, n, opts.warmup, opts.iters, device)
     peak = None if base is None else (torch.cuda.max_memory_allocated(device) - base) / bench.GIB
+    out = {"step_ms": ms, "peak_gib": peak}
+    if opts.trace:
+        out.update(trace_step(lambda: step(0), opts.trace, trace_stem or "lora", device))
     clear()
-    return {"step_ms": ms, "peak_gib": peak}
+    return out
 
 
 def run(opts: bench.BenchOptions, rank: int, progress: Callable[[str, int, int], None] | None = None, *,
@@ -260,7 +265,8 @@ def run(opts: bench.BenchOptions, rank: int, progress: Callable[[str, int, int],
     if quant and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
         raise ValueError(f"--layers: expected a positive int, got {layers!r}")
     layers = layers if quant else 0
-    opts = bench.resolve_options(opts)
+    # --backends names this benchmark's implementations (checked below), not moeyard backends
+    opts = replace(bench.resolve_options(replace(opts, backends=None)), backends=opts.backends)
     shapes = [get_model(n) for n in opts.models] + [parse_shape(s) for s in opts.shapes]
     shapes = shapes or [get_model(n) for n in LORA_MODELS]
     if opts.tokens is not None:
@@ -273,7 +279,7 @@ def run(opts: bench.BenchOptions, rank: int, progress: Callable[[str, int, int],
                              f"got {i!r}")
     device, dtype = torch.device(opts.device), bench.DTYPES[opts.dtype]
     report = progress or (lambda desc, done, total: None)
-    env = {**bench.environment(opts), "lora_rank": rank, "quant": quant, "layers": layers,
+    env = {**bench.environment(opts), "mode": "lora", "trace": opts.trace, "lora_rank": rank, "quant": quant, "layers": layers,
            "dense_bf16_tflops": bench.dense_tflops(device, opts.warmup, opts.iters)}
     rows, total = [], len(shapes) * len(impls)
     for shape in shapes:
@@ -298,7 +304,7 @@ def _row(impl: str, case: Case, opts: bench.BenchOptions, layers: int) -> dict:
         module = build(impl, case, layers)
         if layers:
             row["weights_gib"] = module.weight_bytes() / bench.GIB
-        row.update(measure(module, case, opts))
+        row.update(measure(module, case, opts, trace_stem=file_stem(bench.case_name(case.name, case.sizes), impl)))
         row["tflops"] = row["flops"] / row["step_ms"] / 1e9
     except Exception as ex:  # a failing implementation is a row, not a crash
         row["error"] = f"{type(ex).__name__}: {(str(ex).strip().splitlines() or [''])[0][:300]}"

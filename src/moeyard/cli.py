@@ -2,7 +2,9 @@
 
     moeyard info                          versions, device, backends that run here
     moeyard bench                         time the MoE layer (see ``moeyard bench --help``)
-    moeyard bench --model qwen3-30b-a3b --routing zipf --json out.json
+    moeyard bench --model qwen3-30b-a3b --routing zipf --json out.json --plot out.png
+    moeyard bench --e2e --model qwen3-30b-a3b  a training step of a 4-layer transformers decoder stack
+    moeyard bench --plot out.png --from out.json   redraw a saved result
     moeyard verify ...                    correctness checks (``moeyard.verify``)
 """
 from __future__ import annotations
@@ -17,7 +19,8 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from . import bench
+from . import bench, bench_plot
+from .bench_plot import case_label
 from .models import MODELS
 
 
@@ -77,7 +80,25 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "its implementations")
     p.add_argument("--quant", choices=["nf4"], help="with --lora: QLoRA rows (bf16 LoRA, NF4 with selective "
                    "dequantisation, NF4 dequantised whole) on a stack of --layers layers")
-    p.add_argument("--layers", type=int, default=4, metavar="L", help="layers in the --quant stack (default 4)")
+    p.add_argument("--layers", type=int, metavar="L", help="layers of the --quant stack (default 4) or of the --e2e "
+                   "decoder stack (default 4; 2 for mixtral-8x7b, qwen3-235b-a22b, gpt-oss-120b; 1 for deepseek-v3)")
+    p.add_argument("--e2e", action="store_true", help="time a training step (forward, cross-entropy, backward, AdamW) "
+                   "of a --layers decoder stack of the --model's transformers architecture, random weights, per "
+                   "experts implementation (moeyard.bench_e2e); --tokens: tokens per step (default 8192); "
+                   "--backends: transformers experts implementations (default moeyard,grouped_mm[,sonicmoe])")
+    p.add_argument("--seq-len", type=int, metavar="S", help="with --e2e: sequence length (default min(tokens, 2048)); "
+                   "batch = tokens / S")
+    p.add_argument("--vocab", type=int, metavar="V", help="with --e2e: vocabulary size (default 32768, reduced from "
+                   "the model's: the float32 logits of the loss)")
+    p.add_argument("--tiny", action="store_true", help="with --e2e: the tiny configuration of moeyard verify "
+                   "(hidden 64, 8 experts; default on CPU when no --model is given)")
+    p.add_argument("--plot", metavar="PATH", help="draw the results as grouped bars into PATH (.png, .svg, .pdf; "
+                   "needs matplotlib: pip install 'moeyard[plot]')")
+    p.add_argument("--from", dest="from_json", metavar="JSON", help="with --plot: redraw a saved --json result "
+                   "(and print its table) without running anything")
+    p.add_argument("--trace", metavar="DIR", help="after timing, profile one more step per case and implementation: "
+                   "DIR/<case>-<impl>.json (Chrome trace) and, on CUDA, DIR/<case>-<impl>-memory.pickle "
+                   "(allocator snapshot; moeyard.bench_trace)")
     p.add_argument("--list-models", action="store_true", help="list the registered model shapes and exit")
     p.add_argument("--ep", type=int, metavar="N", help="expert parallel over N processes: run under torchrun "
                    "--nproc-per-node N -m moeyard bench --ep N (see moeyard.parallel.bench)")
@@ -134,10 +155,14 @@ def bench_options(args, command: str) -> bench.BenchOptions:
     return bench.BenchOptions(models=args.model, shapes=args.shape, tokens=args.tokens, device=args.device,
                               dtype=args.dtype, backends=backends, peers=args.peers, routing=args.routing,
                               zipf_alpha=args.zipf_alpha, warmup=args.warmup, iters=args.iters,
-                              routed_only=args.routed_only, command=command)
+                              routed_only=args.routed_only, command=command, trace=args.trace)
 
 
 def run_bench(args, command: str) -> int:
+    try:
+        check_bench_arguments(args)
+    except (ValueError, ImportError) as ex:
+        return _error(ex)
     if args.ep:
         from .parallel import bench as ep_bench
         return ep_bench.main(args, command)
@@ -147,22 +172,79 @@ def run_bench(args, command: str) -> int:
         console.print(models_table())
         return 0
     try:
-        if args.quant and args.lora is None:
-            args.lora = 16
-        result = _run_with_progress(bench_options(args, command), lora=args.lora, quant=args.quant,
-                                    layers=args.layers)
-    except ValueError as ex:
-        Console(stderr=True).print(f"[red]moeyard bench: {ex}[/red]", highlight=False)
-        return 2
-    if args.json:
-        text = json.dumps(result, indent=1)
-        if to_stdout:
-            print(text)
+        if args.from_json:
+            result = bench_plot.load_result(args.from_json)
         else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
-    console.print(results_table(result) if args.lora is None else lora_table(result), soft_wrap=False)
+            if args.quant and args.lora is None:
+                args.lora = 16
+            result = _run_with_progress(bench_options(args, command), args)
+    except (ValueError, ImportError) as ex:
+        return _error(ex)
+    if args.json:
+        _write_json(result, args.json)
+    console.print(result_table(result), soft_wrap=False)
+    if args.plot:
+        try:
+            console.print(f"plot: {bench_plot.plot(result, args.plot)}", highlight=False)
+        except (ValueError, ImportError) as ex:
+            return _error(ex)
     return 0 if any("error" not in r for r in result["rows"]) else 1
+
+
+# flags that choose what to run: none of them goes with --from
+_RUN_FLAGS = ("model", "shape", "e2e", "lora", "quant", "trace", "json", "ep", "list_models")
+
+
+def check_bench_arguments(args) -> None:
+    """Reject combinations of ``moeyard bench`` options that do not go together, before running anything.
+
+    Raises:
+        ValueError: naming the flags; ImportError: ``--plot`` without matplotlib.
+    """
+    def given(name):
+        return getattr(args, name) not in (None, False, [])
+
+    if args.from_json:
+        if not args.plot:
+            raise ValueError("--from: redraws a saved result; give --plot PATH too")
+        clash = [f"--{n.replace('_', '-')}" for n in _RUN_FLAGS if given(n)]
+        if clash:
+            raise ValueError(f"--from: redraws a saved result without running; drop {', '.join(clash)}")
+    if args.e2e and (given("lora") or given("quant")):
+        raise ValueError("--e2e: cannot be combined with --lora / --quant (one benchmark mode at a time)")
+    if args.ep and (args.e2e or args.plot or args.trace):
+        raise ValueError("--ep: --e2e, --plot and --trace are not available with expert parallelism")
+    for name in ("tiny", "seq_len", "vocab"):
+        if given(name) and not args.e2e:
+            raise ValueError(f"--{name.replace('_', '-')}: only with --e2e")
+    if args.plot:
+        bench_plot.check_plot_path(args.plot)
+        bench_plot._figure_class()  # matplotlib missing: say so before a long run
+    if args.trace:
+        from .bench_trace import check_trace_dir
+        check_trace_dir(args.trace)
+
+
+def _error(ex: Exception) -> int:
+    from rich.markup import escape
+
+    Console(stderr=True).print(f"[red]moeyard bench: {escape(str(ex))}[/red]", highlight=False, soft_wrap=True)
+    return 2
+
+
+def _write_json(result: dict, path: str) -> None:
+    text = json.dumps(result, indent=1)
+    if path == "-":
+        print(text)
+        return
+    with open(path, "w") as f:
+        f.write(text + "\n")
+
+
+def result_table(result: dict) -> Table:
+    """The table of a result of any mode (:func:`moeyard.bench_plot.result_mode`)."""
+    mode = bench_plot.result_mode(result)
+    return {"layer": results_table, "lora": lora_table, "e2e": e2e_table}[mode](result)
 
 
 def _wide(console: Console) -> Console:
@@ -170,8 +252,7 @@ def _wide(console: Console) -> Console:
     return console if console.is_terminal else Console(stderr=console.stderr, width=180)
 
 
-def _run_with_progress(opts: bench.BenchOptions, lora: int | None = None, quant: str | None = None,
-                       layers: int = 4) -> dict:
+def _run_with_progress(opts: bench.BenchOptions, args) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -180,9 +261,15 @@ def _run_with_progress(opts: bench.BenchOptions, lora: int | None = None, quant:
 
         def report(desc: str, done: int, total: int) -> None:
             progress.update(task, description=desc, completed=done, total=total)
-        if lora is not None:
+        if args.e2e:
+            from . import bench_e2e
+            tiny = args.tiny or (not opts.models and (opts.device or bench.default_device()) == "cpu")
+            return bench_e2e.run(opts, progress=report, layers=args.layers, seq_len=args.seq_len, vocab=args.vocab,
+                                 tiny=tiny, trace=args.trace)
+        if args.lora is not None:
             from . import bench_lora
-            return bench_lora.run(opts, lora, progress=report, quant=quant, layers=layers)
+            return bench_lora.run(opts, args.lora, progress=report, quant=args.quant,
+                                  layers=4 if args.layers is None else args.layers)
         return bench.run(opts, progress=report)
 
 
@@ -203,14 +290,14 @@ def results_table(result: dict) -> Table:
                f"dense bf16 matmul (8192^3) this run: {dense:.0f} TFLOP/s" if dense else "",
                "FLOPs: fwd = 6*T*k*H*I (gated; 4* plain) + shared experts, fwd+bwd = 3x fwd, router not counted; "
                f"median of {env['iters']} after {env['warmup']} warm-up; peak = extra GiB of fwd+bwd",
-               *[f"{name} skipped: {why}" for name, why in env.get("skipped", {}).items()]]
+               *[f"{name} skipped: {why}" for name, why in env.get("skipped", {}).items()], _trace_line(result)]
     table = Table(title=title, caption="\n".join(c for c in caption if c), caption_justify="left")
     for col in ("case (T,H,I,E,k)", "impl", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s",
                 "peak GiB", "load max/mean", "note"):
         table.add_column(col, justify="left" if col in ("case (T,H,I,E,k)", "impl", "note") else "right")
     last = None
     for r in result["rows"]:
-        key = _case_label(r)
+        key = case_label(r)
         if last is not None and key != last:
             table.add_section()
         table.add_row("" if key == last else key, r["impl"], *_cells(r))
@@ -229,13 +316,14 @@ def lora_table(result: dict) -> Table:
                f"dense bf16 matmul (8192^3) this run: {dense:.0f} TFLOP/s" if dense else "",
                "step = forward + backward (input gradient; LoRA factor gradients where adapted); FLOPs 12*N*H*I "
                "+ 6*N*r*(in+out) per adapter; x frozen = step / frozen step; x lora = step / lora step; "
-               f"median of {env['iters']} after {env['warmup']} warm-up; peak = extra GiB of the step"]
+               f"median of {env['iters']} after {env['warmup']} warm-up; peak = extra GiB of the step",
+               _trace_line(result)]
     table = Table(title=title, caption="\n".join(c for c in caption if c), caption_justify="left")
     for col in ("case (T,H,I,E,k)", "impl", "step ms", "TFLOP/s", "peak GiB", "weights GiB", "x frozen", "x lora"):
         table.add_column(col, justify="left" if col in ("case (T,H,I,E,k)", "impl") else "right")
     last = None
     for r in result["rows"]:
-        key = _case_label(r)
+        key = case_label(r)
         if last is not None and key != last:
             table.add_section()
         cells = [f"[red]{r['error'][:120]}[/red]", "", "", "", "", ""] if "error" in r else \
@@ -246,10 +334,53 @@ def lora_table(result: dict) -> Table:
     return table
 
 
-def _case_label(r: dict) -> str:
-    if "T" not in r:
-        return r["case"]
-    return f"{r['case']}\n({r['T']},{r['H']},{r['I']},{r['E']},{r['k']})"
+def e2e_table(result: dict) -> Table:
+    """The ``--e2e`` results (:mod:`moeyard.bench_e2e`) as a rich table."""
+    env = result["env"]
+    cap = f" (sm {env['capability']})" if env["capability"] else ""
+    title = (f"moeyard bench --e2e{' --tiny' if env.get('tiny') else ''} · {env['device']}{cap} · {env['dtype']} · "
+             f"transformers decoder stack, random weights\ntorch {env['torch']} · triton {env['triton']} · "
+             f"transformers {env['transformers']} · moeyard {env['moeyard']} · {env['date']}")
+    vocabs = {(r["case"], r["vocab"], r["real_vocab"]) for r in result["rows"] if "vocab" in r}
+    caption = [f"$ {env['command']}" if env["command"] else "",
+               f"step = forward + cross-entropy on random labels + backward + {env['optimizer']} step + zero_grad; "
+               f"median of {env['iters']} after {env['warmup']} warm-up; tokens/s = batch x seq / step; "
+               "x gmm = grouped_mm step / step (> 1: faster); peak = max allocated in the timed steps (weights, "
+               "gradients, optimizer states, activations)",
+               *[f"{case}: vocabulary {v:,} (the model's: {real:,}; reduced for the float32 logits of the loss)"
+                 for case, v, real in sorted(vocabs) if v != real and not env.get("tiny")],
+               *[f"{name} skipped: {why}" for name, why in env.get("skipped", {}).items()], _trace_line(result)]
+    table = Table(title=title, caption="\n".join(c for c in caption if c), caption_justify="left")
+    for col in ("model (layers, batch x seq)", "impl", "step ms", "tokens/s", "x gmm", "peak GiB", "params M", "note"):
+        table.add_column(col, justify="left" if col in ("model (layers, batch x seq)", "impl", "note") else "right")
+    last = None
+    for r in result["rows"]:
+        key = case_label(r)
+        if last is not None and key != last:
+            table.add_section()
+        table.add_row("" if key == last else key, r["impl"], *_e2e_cells(r))
+        last = key
+    return table
+
+
+def _trace_line(result: dict) -> str:
+    """The caption's line on ``--trace`` output ("" without it)."""
+    trace = result["env"].get("trace")
+    if not trace:
+        return ""
+    notes = sorted({r["trace_note"] for r in result["rows"] if r.get("trace_note")})
+    return f"traces: {trace}/<case>-<impl>.json" + (f" ({'; '.join(notes)})" if notes else
+                                                     " and <case>-<impl>-memory.pickle")
+
+
+def _e2e_cells(r: dict) -> list[str]:
+    params = _fmt(r["params"] / 1e6 if r.get("params") else None, ",.0f" if r.get("params", 0) >= 1e7 else ".3g")
+    if "error" in r:
+        return ["[red]error[/red]", "", "", "", params, f"[red]{r['error'][:160]}[/red]"]
+    note = ", ".join(x for x in (f"backend {r['backend']}" if r.get("backend") else "",
+                                 f"attention {r.get('attn_implementation')}") if x)
+    return [_fmt(r["step_ms"], ".2f"), _fmt(r["tokens_per_s"], ",.0f"), _fmt(r.get("x_vs_grouped_mm"), ".2f"),
+            _fmt(r["peak_gib"], ".2f"), params, note]
 
 
 def _cells(r: dict) -> list[str]:
