@@ -18,7 +18,12 @@ epilogue's live values,
   ``[BN, BK]``), plus ``BM * RP / T`` for the fused LoRA accumulator ``z``. Hopper's wgmma holds a
   ``64 x N`` float32 accumulator of a warpgroup (128 threads) as ``N / 2`` registers per thread
   (PTX ISA, "Register fragments" of ``wgmma.mma_async``), i.e. ``BM * BN / T`` for a tile spread over
-  ``num_warps / 4`` warpgroups; Ampere's ``mma.sync`` fragments spread the same way.
+  ``num_warps / 4`` warpgroups; Ampere's ``mma.sync`` fragments spread the same way. The fused
+  accumulator is counted ``FUSED_Z_FACTOR`` = 3 times: an empirical factor, fitted to the down kernel
+  compiled for sm_90a (Triton 3.9, ``benchmarks/regs_offline.py``: 128 x 128 tiles, 8 warps: 136
+  registers without LoRA; fused 159 at r = 16, 255 at r = 64, 255 and 576 spilled bytes at r = 128),
+  whose fused main loop grows by about 3 registers per register of ``z``'s accumulator (not yet
+  traced to its copies in the generated code).
 - operands: wgmma reads B from shared memory and A from shared memory or registers. The main loops'
   operands are plain loads, which Triton stages through shared memory (``cp.async``), so they cost no
   registers; A comes from registers where it is computed: the LoRA epilogue's ``s * z`` (``BM * RP``
@@ -26,8 +31,9 @@ epilogue's live values,
   gradient (``BN * BM`` elements plus their float32 copy).
 - pointers: each loop-carried operand pointer tensor costs one 64-bit address (2 registers) per
   16-byte vector a thread loads: ``2 * rows * cols * bytes / (16 * T)``.
-- epilogue: LoRA's ``z [BM, RP]`` float32 (read or kept from the main loop); ``Lb [RP, BN]`` goes
-  through shared memory. The LoRA product ``s z Lb^T`` is accumulated into the accumulator itself
+- epilogue: LoRA's ``z [BM, RP]`` float32 (read or kept from the main loop) and ``s * z`` in the
+  input dtype; ``Lb [RP, BN]`` is the epilogue dot's B operand in shared memory, loaded through
+  registers (``RP * BN`` elements: a load outside the pipelined loop is no ``cp.async``). The LoRA product ``s z Lb^T`` is accumulated into the accumulator itself
   (``tl.dot(z, Lb, acc)``: same ``[BM, BN]`` shape and warps, so the same MMA layout), no tile of its
   own. The activation's temporaries are not counted (element-wise, the compiler can reuse the
   accumulator's registers).
@@ -39,8 +45,11 @@ Limits (CUDA C++ Programming Guide, "Technical Specifications per Compute Capabi
 255 registers per thread, 64K 32-bit registers per SM and per block (``32 * num_warps * regs <=
 65536``), 227 KiB of shared memory per block (opt-in) on H100/H200 (163 KiB on A100).
 
-These are estimates: check them against the compiled kernels' ``n_regs`` / ``n_spills``
-(``benchmarks/lora_profile.py --regs``).
+These are estimates of what must be live, not of what the compiler allocates: ptxas used 8-40
+registers more than estimated where nothing spilled (it takes what the limit allows). So the pruner
+drops the configs that cannot fit, and configs that spill anyway lose the autotuner's benchmark.
+Check them against the compiled kernels' ``n_regs`` / ``n_spills`` (``benchmarks/lora_profile.py
+--regs`` on a GPU, ``benchmarks/regs_offline.py`` without one).
 """
 from __future__ import annotations
 
@@ -52,6 +61,7 @@ MAX_REGS_PER_THREAD = 255
 REGS_PER_SM = 65536
 SMEM_OPTIN_HOPPER = 227 * 1024  # H100 / H200 shared memory per block, opt-in
 OVERHEAD = 48
+FUSED_Z_FACTOR = 3
 LORA_NONE, LORA_SPLIT, LORA_FUSED = 0, 1, 2
 
 
@@ -164,10 +174,10 @@ def registers(config, launch: Launch) -> int:
     acc = (1 + launch.dual) * bm * bn / t
     loop = acc + _pointer_regs(bm, bk, launch.a_bytes, t) + (1 + launch.dual) * _pointer_regs(bk, bn, launch.b_bytes, t)
     if launch.lora == LORA_FUSED:
-        loop += bm * launch.rank / t + _pointer_regs(bk, launch.rank, launch.lora_bytes, t)
+        loop += FUSED_Z_FACTOR * bm * launch.rank / t + _pointer_regs(bk, launch.rank, launch.lora_bytes, t)
     epilogue = acc
-    if launch.lora:  # z [BM, RP] float32 and s * z as the epilogue dot's A operand (input dtype)
-        epilogue += bm * launch.rank * (1 + launch.a_bytes / 4) / t
+    if launch.lora:  # z [BM, RP] float32, s * z as the epilogue dot's A operand, Lb [RP, BN] on its way to smem
+        epilogue += (bm * launch.rank * (1 + launch.a_bytes / 4) + launch.rank * bn * launch.lora_bytes / 4) / t
     return math.ceil(max(loop, epilogue)) + OVERHEAD
 
 
