@@ -85,7 +85,7 @@ def main() -> None:
                 if kind != "wgrad":
                     consts.update(LORA=lora, RP=rp)
                 regs, spill, shared = resources(fn, consts, c.num_warps, c.num_stages)
-                launch = tuning.Launch(kind=kind, dual=bool(flags.get("DUAL")), lora=lora, rank=rp if lora else 0)
+                launch = tuning.launch_of(kind, consts)  # bf16
                 mode = ("-", "split", "fused")[lora]
                 print(f"{kind:5} {c.kwargs['BM']:3} {c.kwargs['BN']:3} {c.kwargs['BK']:3} {c.num_warps} {c.num_stages} "
                       f"{rank:3} {mode:5} | {regs:3} {tuning.registers(c, launch):3} | {spill:5} | "

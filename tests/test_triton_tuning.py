@@ -110,6 +110,8 @@ def test_pruner_reads_the_launch_from_its_arguments():
     assert launch == Launch(kind="up", dual=True, lora=LORA_FUSED, rank=64, a_bytes=4, b_bytes=4, lora_bytes=2)
     assert tuning.launch_of("down", dict(a_ptr="*bf16", w_ptr="*fp32", LORA=0, RP=16)) == Launch(
         kind="down", b_bytes=4)
+    # the dh kernel's DUAL flag is a gated activation: one accumulator
+    assert tuning.launch_of("dh", dict(DUAL=True, LORA=1, RP=32)) == Launch(kind="dh", lora=LORA_SPLIT, rank=32)
     fits, over = cfg(64, 128, 64, 4, 3), cfg(128, 128, 64, 8, 4)  # 160 KiB for float32 A and B: 320 KiB
     prune = tuning.pruner("down", lambda: LIMIT)
     f32 = torch.empty(0, dtype=torch.float32)
@@ -125,6 +127,8 @@ def test_bad_arguments_raise():
         tuning.pruner("gemm", lambda: LIMIT)
     with pytest.raises(ValueError, match="lora"):
         Launch(kind="down", lora=3)
+    with pytest.raises(ValueError, match="dual"):
+        Launch(kind="dh", dual=True)
     with pytest.raises(ValueError, match="rank"):
         Launch(kind="down", lora=LORA_FUSED, rank=0)
 

@@ -71,7 +71,7 @@ class Launch:
 
     Attributes:
         kind: a key of :data:`KINDS` (``up``, ``down``, ``dh``, ``wgrad``).
-        dual: gated up projection (two accumulators and two ``B`` tiles).
+        dual: gated up projection (two accumulators and two ``B`` tiles; ``up`` only).
         lora: 0 none, 1 split (``z`` read in the epilogue), 2 fused (``z`` accumulated in the main loop).
         rank: the padded LoRA rank ``RP`` (a power of two >= 16) when ``lora``.
         a_bytes, b_bytes, lora_bytes: element sizes (bytes) of ``A``, ``B`` (or ``L``, ``R``) and ``La``.
@@ -90,6 +90,8 @@ class Launch:
     def __post_init__(self):
         if not isinstance(self.kind, str) or self.kind not in KINDS:
             raise ValueError(f"kind: expected one of {sorted(KINDS)}, got {self.kind!r}")
+        if self.dual and self.kind != "up":
+            raise ValueError(f"dual: only the up kernel has two accumulators, got kind={self.kind!r}")
         if self.lora not in (LORA_NONE, LORA_SPLIT, LORA_FUSED):
             raise ValueError(f"lora: expected 0 (none), 1 (split) or 2 (fused), got {self.lora!r}")
         if self.lora and self.rank < 1:
@@ -131,7 +133,8 @@ def launch_of(kind: str, args: dict) -> Launch:
     signature types, ``"*bf16"``); missing flags default to off, unknown element sizes to 2 bytes."""
     k = KINDS[kind]
     lora = int(args.get("LORA", LORA_NONE))
-    return Launch(kind=kind, dual=bool(args.get("DUAL", False)), lora=lora,
+    # DUAL: two accumulators in the up kernel only (the dh kernel's DUAL means a gated activation)
+    return Launch(kind=kind, dual=kind == "up" and bool(args.get("DUAL", False)), lora=lora,
                   rank=int(args.get("RP", 16)) if lora else 0, a_bytes=_size(args.get(k.a)),
                   b_bytes=_size(args.get(k.b)), lora_bytes=_size(args.get("la_ptr", args.get(k.a))),
                   has_db=bool(args.get("HAS_DB", False)))
