@@ -33,20 +33,22 @@ epilogue's live values,
   16-byte vector a thread loads: ``2 * rows * cols * bytes / (16 * T)``.
 - epilogue: LoRA's ``z [BM, RP]`` float32 (read or kept from the main loop) and ``s * z`` in the
   input dtype; ``Lb [RP, BN]`` is the epilogue dot's B operand in shared memory, loaded through
-  registers (``RP * BN`` elements: a load outside the pipelined loop is no ``cp.async``). The LoRA product ``s z Lb^T`` is accumulated into the accumulator itself
-  (``tl.dot(z, Lb, acc)``: same ``[BM, BN]`` shape and warps, so the same MMA layout), no tile of its
-  own. The activation's temporaries are not counted (element-wise, the compiler can reuse the
-  accumulator's registers).
-- ``OVERHEAD`` registers: kernel arguments (about 30 scalars: pointers, sizes, strides), the tile's
-  row offsets and masks, loop counters and the expert search; calibrated on kernels compiled for
-  sm_90a (``benchmarks/NOTES.md``, round 5 preparation).
+  registers (``RP * BN`` elements: a load outside the pipelined loop is no ``cp.async``). The LoRA
+  product ``s z Lb^T`` is accumulated into the accumulator itself (``tl.dot(z, Lb, acc)``: same
+  ``[BM, BN]`` shape and warps, so the same MMA layout), no tile of its own. The activation's
+  temporaries are not counted (the gated up and dh kernels' epilogues take far more: NOTES).
+- ``OVERHEAD`` = 48 registers: kernel arguments (about 30 scalars: pointers, sizes, strides), the
+  tile's row offsets and masks, loop counters and the expert search; set so the estimate stays at or
+  below the down kernel compiled for sm_90a without LoRA (136 at 128 x 128 x 64, 8 warps: 80 + 48;
+  ``benchmarks/NOTES.md``, round 5 preparation).
 
 Limits (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability", 8.x and 9.0):
 255 registers per thread, 64K 32-bit registers per SM and per block (``32 * num_warps * regs <=
 65536``), 227 KiB of shared memory per block (opt-in) on H100/H200 (163 KiB on A100).
 
-These are estimates of what must be live, not of what the compiler allocates: ptxas used 8-40
-registers more than estimated where nothing spilled (it takes what the limit allows). So the pruner
+These are estimates of what must be live, not of what the compiler allocates: ptxas used 1-38
+registers more than estimated in the down kernel where nothing spilled (it takes what the limit
+allows). So the pruner
 drops the configs that cannot fit, and configs that spill anyway lose the autotuner's benchmark.
 Check them against the compiled kernels' ``n_regs`` / ``n_spills`` (``benchmarks/lora_profile.py
 --regs`` on a GPU, ``benchmarks/regs_offline.py`` without one).
