@@ -1,7 +1,11 @@
 """Where the LoRA step's time goes: per-kernel CUDA time of one ``frozen`` and one ``lora`` step of
 :mod:`moeyard.bench_lora` (torch.profiler), and the tile configs the autotuner picked.
 
-    python benchmarks/lora_profile.py [--model qwen3-30b-a3b] [--rank 16] [--modes split fused]
+    python benchmarks/lora_profile.py [--model qwen3-30b-a3b] [--rank 16] [--modes split fused] [--regs]
+
+``--regs``: also every compiled variant of the grouped GEMM kernels (each config the autotuner tried)
+with its compiled registers per thread and spills (``n_regs``, ``n_spills``) and shared memory next to
+the estimates of :mod:`moeyard.experts.triton.tuning` (``*``: a config an autotuner of that kernel chose).
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import collections
 import torch
 
 from moeyard import bench, bench_lora
-from moeyard.experts.triton import ops, options
+from moeyard.experts.triton import kernels_bwd, kernels_fwd, ops, options, tuning
 from moeyard.models import get_model
 
 
@@ -32,11 +36,55 @@ def kernel_times(module, case, steps: int = 3) -> dict[str, float]:
     return dict(times)
 
 
+KERNELS = {"up": kernels_fwd.up_kernel, "down": kernels_fwd.down_kernel, "dh": kernels_bwd.dh_kernel,
+           "wgrad": kernels_bwd.wgrad_kernel}
+TILE = ("BM", "BN", "BK")
+
+
+def compiled_variants(fn):
+    """``(constexprs by name, argument types by name, CompiledKernel)`` of every variant of the JIT
+    function ``fn`` compiled in this process (Triton 3.6 and 3.9: ``device_caches``' first entry)."""
+    for cache in fn.device_caches.values():
+        for kernel in cache[0].values():
+            src = kernel.src
+            consts = {fn.arg_names[k[0]] if isinstance(k, tuple) else k: v for k, v in src.constants.items()}
+            yield consts, dict(src.signature), kernel
+
+
+def _chosen(fn) -> set:
+    """``(BM, BN, BK, num_warps, num_stages)`` of the configs that autotuners of the JIT function
+    ``fn`` chose (for any of their launches: the ``autotune`` lines say which)."""
+    return {(c.kwargs["BM"], c.kwargs["BN"], c.kwargs["BK"], c.num_warps, c.num_stages)
+            for launcher in ops._LAUNCHERS.values() if getattr(launcher, "fn", None) is fn
+            for c in getattr(launcher, "cache", {}).values()}
+
+
+def print_compiled() -> None:
+    """One line per compiled variant: compiled registers, spills, shared memory vs the estimates."""
+    import triton
+
+    print(f"{'kernel':6} {'BM':>3} {'BN':>3} {'BK':>3} w s LORA  RP DUAL | n_regs est | spills | smem   est")
+    for kind, fn in KERNELS.items():
+        chosen = _chosen(fn)
+        for consts, sig, k in compiled_variants(fn):
+            if not hasattr(k, "n_regs") or k.n_regs is None:
+                k._init_handles()
+            md = k.metadata
+            cfg = triton.Config({m: consts[m] for m in TILE}, num_warps=md.num_warps, num_stages=md.num_stages)
+            launch = tuning.launch_of(kind, {**sig, **consts})
+            mark = "*" if (consts["BM"], consts["BN"], consts["BK"], md.num_warps, md.num_stages) in chosen else " "
+            print(f"{kind:6} {consts['BM']:3} {consts['BN']:3} {consts['BK']:3} {md.num_warps} {md.num_stages} "
+                  f"{consts.get('LORA', 0):4} {consts.get('RP', 0):3} {int(consts.get('DUAL', 0)):4} | "
+                  f"{k.n_regs:6} {tuning.registers(cfg, launch):3} | {k.n_spills:6} | "
+                  f"{md.shared:6} {tuning.smem_bytes(cfg, launch):6} {mark}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3-30b-a3b")
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--modes", nargs="+", default=["auto"])
+    p.add_argument("--modes", nargs="+", default=["split"], choices=options.LORA_MODES)
+    p.add_argument("--regs", action="store_true", help="compiled n_regs / n_spills against the estimates")
     a = p.parse_args()
     torch.manual_seed(0)
     case = bench_lora.make_case(get_model(a.model), a.rank, torch.device("cuda"), torch.bfloat16)
@@ -52,6 +100,8 @@ def main() -> None:
     for name, launcher in ops._LAUNCHERS.items():
         for key, cfg in getattr(launcher, "cache", {}).items():
             print("autotune", name, key[:8], cfg)
+    if a.regs:
+        print_compiled()
     bench._free("cuda")
 
 

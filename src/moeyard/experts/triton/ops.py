@@ -18,8 +18,7 @@ from . import kernels_bwd, kernels_fwd
 from .options import options
 from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, REDUCE_BLOCK, SMALL, THIN_CONFIGS, THIN_WGRAD_CONFIGS,
                        WGRAD_CONFIGS,
-                       dot_precision, gemm_tile, interpreting, max_chunks, max_partial_slots, max_row_tiles,
-                       rank_block, tuned, wgrad_tile)
+                       dot_precision, interpreting, max_chunks, max_partial_slots, max_row_tiles, rank_block, tuned)
 
 Tensor = torch.Tensor
 COMBINE_BH = 1024
@@ -114,12 +113,12 @@ def _kernels():
     """The tuned launchers, built on first use (autotuning needs a GPU; the interpreter does not)."""
     if not _LAUNCHERS:
         _LAUNCHERS.update(
-            up=tuned(kernels_fwd.up_kernel, DUAL_CONFIGS, ["NA", "H", "N1", "E", "R", "LORA"], gemm_tile(2)),
-            up_thin=tuned(kernels_fwd.up_kernel, THIN_CONFIGS, ["NA", "H", "E", "GATHER"], gemm_tile(1)),
-            down=tuned(kernels_fwd.down_kernel, GEMM_CONFIGS, ["KA", "NY", "E", "ATOMIC", "R", "LORA"], gemm_tile(1)),
-            dh=tuned(kernels_bwd.dh_kernel, DH_CONFIGS, ["H", "I", "N1", "E", "R", "LORA"], gemm_tile(1)),
-            wgrad=tuned(kernels_bwd.wgrad_kernel, WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], wgrad_tile),
-            wgrad_thin=tuned(kernels_bwd.wgrad_kernel, THIN_WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], wgrad_tile),
+            up=tuned(kernels_fwd.up_kernel, DUAL_CONFIGS, ["NA", "H", "N1", "E", "R", "LORA"], "up"),
+            up_thin=tuned(kernels_fwd.up_kernel, THIN_CONFIGS, ["NA", "H", "E", "GATHER"], "up"),
+            down=tuned(kernels_fwd.down_kernel, GEMM_CONFIGS, ["KA", "NY", "E", "ATOMIC", "R", "LORA"], "down"),
+            dh=tuned(kernels_bwd.dh_kernel, DH_CONFIGS, ["H", "I", "N1", "E", "R", "LORA"], "dh"),
+            wgrad=tuned(kernels_bwd.wgrad_kernel, WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], "wgrad"),
+            wgrad_thin=tuned(kernels_bwd.wgrad_kernel, THIN_WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], "wgrad"),
         )
     return _LAUNCHERS
 

@@ -17,6 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
+from .tuning import pruner
+
 
 @triton.jit
 def _piece_table(offsets_ptr, E, size, E_P2: tl.constexpr, EMPTY_PIECE: tl.constexpr):
@@ -112,20 +115,26 @@ def _cfg(bm, bn, bk, warps, stages):
     return triton.Config(dict(BM=bm, BN=bn, BK=bk), num_warps=warps, num_stages=stages)
 
 
-# (BM, BN, BK, warps, stages); pruned by shared memory below.
+# (BM, BN, BK, warps, stages); pruned per launch by shared memory and registers (.tuning).
+# Fused LoRA (the last entries of GEMM, DUAL and DH): every column tile recomputes z [BM, r] in its main
+# loop, r / BN more MMA work (100% at r = BN = 128), and adds a [BM, r] float32 accumulator and a
+# [BK, r] tile per stage; BM = 64 with 8 warps keeps the accumulators at 64 registers per thread for a
+# wide BN (fewer recomputations), so every rank up to 128 has candidates that fit (python -m
+# moeyard.experts.triton.schedule).
 GEMM_CONFIGS = [
     _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(128, 256, 64, 8, 4), _cfg(256, 128, 64, 8, 3),
     _cfg(128, 128, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(128, 128, 128, 8, 3), _cfg(128, 256, 128, 8, 2),
+    _cfg(64, 256, 64, 8, 3),
 ]
 DUAL_CONFIGS = [
     _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 64, 64, 8, 4), _cfg(128, 64, 64, 4, 4),
-    _cfg(64, 128, 64, 4, 4),
+    _cfg(64, 128, 64, 4, 4), _cfg(64, 128, 64, 8, 3),
 ]
 # BN >= 64 always: the routing-weight gradient keeps one partial per column tile (see ops._dh_min_bn).
 # BN >= 128 runs the epilogue in two column halves (kernels_bwd.dh_kernel).
 DH_CONFIGS = [
     _cfg(128, 128, 64, 8, 4), _cfg(128, 128, 64, 8, 5), _cfg(128, 128, 64, 8, 3), _cfg(128, 256, 64, 8, 3),
-    _cfg(128, 256, 64, 8, 4), _cfg(128, 64, 64, 8, 4), _cfg(128, 64, 64, 4, 4),
+    _cfg(128, 256, 64, 8, 4), _cfg(128, 64, 64, 8, 4), _cfg(128, 64, 64, 4, 4), _cfg(64, 256, 64, 8, 3),
 ]
 # weight gradients: L [BM, BN]^T @ R [BM, BK] per row step; wide output tiles read fewer operand
 # bytes per FLOP (the row loop streams each expert's rows through L2)
@@ -153,25 +162,9 @@ def _smem_limit(index: int) -> int:
     return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
 
 
-def gemm_tile(operands: int):
-    """Elements staged per pipeline stage of ``A [BM, BK] @ B [BK, BN]`` (``operands`` = 2 when a
-    gated GEMM also loads the up rows of B)."""
-    return lambda k: k["BM"] * k["BK"] + operands * k["BK"] * k["BN"]
-
-
-def wgrad_tile(k) -> int:
-    """Elements staged per stage of the weight-gradient GEMM ``L[BM, BN]^T @ R[BM, BK]``."""
-    return k["BM"] * (k["BN"] + k["BK"])
-
-
-def prune(tile_elems):
-    """An ``early_config_prune`` keeping configs whose pipelined tiles fit in shared memory."""
-    def keep(configs, named_args, **kwargs):
-        limit = _smem_limit(torch.cuda.current_device())
-        # 2 bytes: bf16/fp16; float32 configs that do not fit fail to compile and tuning skips them
-        ok = [c for c in configs if c.num_stages * tile_elems(c.kwargs) * 2 <= limit]
-        return ok or configs[-1:]
-    return keep
+def device_smem_limit() -> int:
+    """Shared memory (bytes) a block may opt in to on the current CUDA device."""
+    return _smem_limit(torch.cuda.current_device())
 
 
 # MOEYARD_TRITON_AUTOTUNE=0: this one config everywhere (fits float32 too; fast start-up, e.g. tests).
@@ -179,14 +172,16 @@ FIXED = dict(BM=64, BN=64, BK=32, num_warps=4, num_stages=3)
 ENV_AUTOTUNE = "MOEYARD_TRITON_AUTOTUNE"
 
 
-def tuned(kernel, configs, key, tile_elems):
-    """``kernel`` autotuned over ``configs`` on a GPU; under the interpreter, the ``SMALL`` config;
-    with ``MOEYARD_TRITON_AUTOTUNE=0``, the ``FIXED`` config."""
+def tuned(kernel, configs, key, kind):
+    """``kernel`` autotuned over ``configs`` on a GPU, pruned before compiling by the shared-memory
+    and register estimates of :mod:`.tuning` for the launch kind ``kind`` (a key of
+    ``tuning.KINDS``); under the interpreter, the ``SMALL`` config; with
+    ``MOEYARD_TRITON_AUTOTUNE=0``, the ``FIXED`` config."""
     if interpreting():
         return _Fixed(kernel, SMALL)
     if os.environ.get(ENV_AUTOTUNE, "1") in ("0", "false", "False"):
         return _Fixed(kernel, FIXED)
-    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune(tile_elems)})(kernel)
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": pruner(kind, device_smem_limit)})(kernel)
 
 
 class _Fixed:
@@ -200,3 +195,49 @@ class _Fixed:
             g = grid(self.meta) if callable(grid) else grid
             return self.kernel[g](*args, **kwargs, **self.meta)
         return launch
+
+
+# ---------------------------------------------------------------- pruning report (no GPU needed)
+
+def _report_lists():
+    """``(title, configs, launch kind, gated, has LoRA variants)`` of every tuned launcher (ops._kernels)."""
+    return [("up (gated: DUAL_CONFIGS)", DUAL_CONFIGS, "up", True, True),
+            ("down / dx (GEMM_CONFIGS)", GEMM_CONFIGS, "down", False, True),
+            ("dh (DH_CONFIGS)", DH_CONFIGS, "dh", False, True),
+            ("wgrad (WGRAD_CONFIGS)", WGRAD_CONFIGS, "wgrad", False, False),
+            ("thin up: LoRA z rows (THIN_CONFIGS)", THIN_CONFIGS, "up", False, False),
+            ("thin wgrad: LoRA factors (THIN_WGRAD_CONFIGS)", THIN_WGRAD_CONFIGS, "wgrad", False, False)]
+
+
+def _cell(config, launch, smem_limit: int) -> str:
+    smem, regs, ok = tuning.fits(config, launch, smem_limit)
+    return f"{regs:3d} {smem / 1024:4.0f}K {'kept' if ok else 'PRUNED':>6}"
+
+
+def report(smem_limit: int = tuning.SMEM_OPTIN_HOPPER, ranks=(16, 64, 128), dtype_bytes: int = 2) -> str:
+    """A table per tuned launcher: each config's estimated registers per thread, shared memory and
+    whether :func:`tuning.prune` keeps it under ``smem_limit`` bytes, without LoRA (r=0) and with
+    LoRA of each rank in ``ranks``, split (``s``) and fused (``f``), for ``dtype_bytes``-byte data."""
+    lines = [f"estimates for {dtype_bytes}-byte data, shared-memory limit {smem_limit} bytes; "
+             "cell: registers/thread, shared memory, kept or pruned"]
+    for title, configs, kind, gated, lora in _report_lists():
+        variants = [("r=0", 0, 0)] + ([(f"r={r} {m[0]}", r, mode) for r in ranks for m, mode in
+                                        (("split", tuning.LORA_SPLIT), ("fused", tuning.LORA_FUSED))] if lora else [])
+        lines += ["", title, f"{'BM  BN  BK w s':18}| " + " | ".join(f"{v[0]:^16}" for v in variants)]
+        for c in configs:
+            k = c.kwargs
+            cells = [_cell(c, tuning.Launch(kind=kind, dual=gated, lora=mode, rank=rank_block(r) if mode else 0,
+                                            a_bytes=dtype_bytes, b_bytes=dtype_bytes, lora_bytes=dtype_bytes),
+                           smem_limit) for _, r, mode in variants]
+            lines.append(f"{k['BM']:3d} {k['BN']:3d} {k['BK']:3d} {c.num_warps} {c.num_stages:<3} | " + " | ".join(cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description="Shared-memory and register estimates of the tuned configs.")
+    p.add_argument("--smem", type=int, default=tuning.SMEM_OPTIN_HOPPER, help="bytes per block (227 KiB: H100/H200)")
+    p.add_argument("--dtype-bytes", type=int, default=2, choices=(1, 2, 4))
+    a = p.parse_args()
+    print(report(a.smem, dtype_bytes=a.dtype_bytes))
