@@ -10,8 +10,9 @@ launch is compiled with ``JITFunction.warmup`` once per config of its autotune l
 Triton driver whose target is ``cuda:90`` (no CUDA needed: Triton ships ptxas). Arguments are
 specialised exactly as a real launch would be (16-byte alignment of the CPU tensors' pointers,
 divisibility of the integer arguments). ``cuobjdump -res-usage`` reads REG (registers per thread),
-LOCAL (spill bytes per thread) and SHARED (static) from the cubin; the dynamic shared memory is the
-kernel's ``metadata.shared``.
+STACK (the per-thread stack frame, where spilled registers go) from the cubin, and the dynamic shared
+memory from the kernel's ``metadata.shared``; next to them, the estimates of
+:mod:`moeyard.experts.triton.tuning` and whether its pruner keeps the config.
 
 Caveat: the installed Triton may differ from the GPU machine's (here 3.9 vs 3.6 there); code
 generation, and so registers and spills, can differ between versions. Treat the numbers as a check of
@@ -70,21 +71,27 @@ class _OfflineDriver(DriverBase):
 
 
 class Launch:
-    """One recorded launch: the tuned launcher's name, kernel, config list and arguments."""
+    """One recorded launch: the tuned launcher's name, kernel, config list, estimate kind
+    (``tuning.KINDS``; None for untuned kernels) and arguments."""
 
-    def __init__(self, name, kernel, configs, args, kwargs):
+    def __init__(self, name, kernel, configs, args, kwargs, kind=None):
         self.name, self.kernel, self.configs, self.args, self.kwargs = name, kernel, configs, args, kwargs
+        self.kind = kind
+
+    def named(self) -> dict:
+        """The arguments by name, as the autotuner's ``early_config_prune`` sees them."""
+        return {**dict(zip(self.kernel.arg_names, self.args)), **self.kwargs}
 
 
 class _Recorder:
     """Stands in for ``schedule.tuned(...)``: records ``launcher[grid](*args, **kwargs)``."""
 
-    def __init__(self, name, kernel, configs, sink):
-        self.name, self.kernel, self.configs, self.sink = name, kernel, configs, sink
+    def __init__(self, name, kernel, configs, kind, sink):
+        self.name, self.kernel, self.configs, self.kind, self.sink = name, kernel, configs, kind, sink
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.sink.append(Launch(self.name, self.kernel, self.configs, args, kwargs))
+            self.sink.append(Launch(self.name, self.kernel, self.configs, args, kwargs, self.kind))
         return launch
 
 
@@ -95,8 +102,8 @@ def recording(sink: list):
     names = {id(c): n for n, c in vars(schedule).items() if n.endswith("_CONFIGS")}
     real_tuned = schedule.tuned
 
-    def fake_tuned(kernel, configs, key, *rest, **kw):
-        return _Recorder(names.get(id(configs), kernel.fn.__name__), kernel, configs, sink)
+    def fake_tuned(kernel, configs, key, kind=None):
+        return _Recorder(names.get(id(configs), kernel.fn.__name__), kernel, configs, kind, sink)
     real_run = triton.runtime.jit.JITFunction.run
 
     def direct_run(self, *args, grid, warmup, **kwargs):  # kernels launched without autotuning
@@ -148,7 +155,8 @@ def record_step(T, H, I, E, K, dtype, lora_rank, lora_mode) -> list[Launch]:
 
 
 def res_usage(cubin: bytes) -> dict:
-    """REG / LOCAL / SHARED of the cubin's kernel (``cuobjdump -res-usage``)."""
+    """REG / STACK / LOCAL / SHARED of the cubin's kernel (``cuobjdump -res-usage``); spilled
+    registers live in the STACK frame."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -164,7 +172,12 @@ def compile_config(launch: Launch, config) -> dict:
         meta.update(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
     kernel = launch.kernel.warmup(*launch.args, grid=(1,), **meta)
     usage = res_usage(kernel.asm["cubin"])
-    return {**usage, "dynamic_smem": kernel.metadata.shared}
+    row = {**usage, "dynamic_smem": kernel.metadata.shared}
+    if config is not None and launch.kind is not None:
+        from moeyard.experts.triton import tuning
+        smem, regs, kept = tuning.fits(config, tuning.launch_of(launch.kind, launch.named()), SMEM_LIMIT)
+        row.update(est_regs=regs, est_smem=smem, kept=kept)
+    return row
 
 
 def label(config) -> str:
@@ -221,8 +234,10 @@ def _line(r: dict) -> str:
     head = f"{r['mode']:6s} {r['launcher']:22s} {r['config']:22s}"
     if "error" in r:
         return f"{head} error {r['error']}"
-    return (f"{head} regs {r['reg']:3d}  spill {r.get('local', 0):5d} B  smem {r['dynamic_smem'] / 1024:6.1f} KiB"
-            f"{'' if r['fits'] else '  (over 227 KiB)'}")
+    est = (f"  | estimate regs {r['est_regs']:3d} smem {r['est_smem'] / 1024:6.1f} KiB "
+           f"{'kept' if r['kept'] else 'pruned'}") if "est_regs" in r else ""
+    return (f"{head} regs {r['reg']:3d}  stack {r.get('stack', 0):5d} B  smem {r['dynamic_smem'] / 1024:6.1f} KiB"
+            f"{'' if r['fits'] else ' (over 227 KiB)'}{est}")
 
 
 if __name__ == "__main__":

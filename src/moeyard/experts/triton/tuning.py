@@ -20,7 +20,7 @@ epilogue's live values,
   (PTX ISA, "Register fragments" of ``wgmma.mma_async``), i.e. ``BM * BN / T`` for a tile spread over
   ``num_warps / 4`` warpgroups; Ampere's ``mma.sync`` fragments spread the same way. The fused
   accumulator is counted ``FUSED_Z_FACTOR`` = 3 times: an empirical factor, fitted to the down kernel
-  compiled for sm_90a (Triton 3.9, ``benchmarks/regs_offline.py``: 128 x 128 tiles, 8 warps: 136
+  compiled for sm_90a (Triton 3.9, ``benchmarks/offline_sm90.py``: 128 x 128 tiles, 8 warps: 136
   registers without LoRA; fused 159 at r = 16, 255 at r = 64, 255 and 576 spilled bytes at r = 128),
   whose fused main loop grows by about 3 registers per register of ``z``'s accumulator (not yet
   traced to its copies in the generated code).
@@ -51,7 +51,7 @@ registers more than estimated in the down kernel where nothing spilled (it takes
 allows). So the pruner
 drops the configs that cannot fit, and configs that spill anyway lose the autotuner's benchmark.
 Check them against the compiled kernels' ``n_regs`` / ``n_spills`` (``benchmarks/lora_profile.py
---regs`` on a GPU, ``benchmarks/regs_offline.py`` without one).
+--regs`` on a GPU, ``benchmarks/offline_sm90.py`` without one).
 """
 from __future__ import annotations
 
