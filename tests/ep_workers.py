@@ -510,3 +510,77 @@ def worker_4(rank: int, W: int, ckpt_dir: str) -> None:
 
 def worker_8(rank: int, W: int) -> None:
     check_functional(rank, W, E=16, K=2, dispatchers=["sync_free"], backends=(("loop", torch.float64),))
+
+
+# ---------------------------------------------------------------- FSDP2 on a 2-D (dp, ep) mesh
+
+class TinyLM(torch.nn.Module):
+    """Embedding -> dense residual block (an attention stand-in) -> residual MoE -> head (float64)."""
+
+    def __init__(self, kw: dict, vocab: int = 11, hidden: int = 8, seed: int = 3):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(vocab, hidden, dtype=torch.float64)
+        self.dense = torch.nn.Linear(hidden, hidden, dtype=torch.float64)
+        self.moe = make_layer(kw, seed=seed + 1, hidden=hidden)
+        self.head = torch.nn.Linear(hidden, vocab, dtype=torch.float64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + torch.tanh(self.dense(h))
+        return self.head(h + self.moe(h))
+
+
+def lm_loss(model: TinyLM, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over this batch's tokens plus 0.01 * the MoE layer's aux loss."""
+    logits = model(ids)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return loss if model.moe.aux_loss is None else loss + 0.01 * model.moe.aux_loss
+
+
+def check_fsdp2(rank: int, W: int, dispatcher: str = "all_to_all", overlap_chunks: int = 1) -> None:
+    """dp = 2 x ep = W / 2 with :func:`moeyard.parallel.fsdp_expert_parallel`: two SGD steps. Each
+    rank's loss, every parameter's gradient (gathered to full tensors) and the parameters after each
+    step against one process running the unsharded model on every rank's batch (mean of the ranks'
+    losses, as FSDP reduces)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from moeyard.parallel import fsdp_expert_parallel
+
+    kw = dict(LAYER_CONFIGS["deepseek_v3"])  # router with a bias buffer, shared expert, sigmoid scores
+    B, S, vocab = 2, 3, 11
+    g = torch.Generator().manual_seed(21)
+    ids = torch.randint(0, vocab, (2, W * B, S), generator=g)      # two steps of the global batch
+    targets = torch.randint(0, vocab, (2, W * B, S), generator=g)
+    ref = TinyLM(kw)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    model = TinyLM(kw)
+    mesh = init_device_mesh("cpu", (2, W // 2), mesh_dim_names=("dp", "ep"))
+    extra = {} if overlap_chunks == 1 else {"overlap_chunks": overlap_chunks}
+    fsdp_expert_parallel(model, mesh, dispatcher=dispatcher, **extra,
+                         max_tokens=B * S if dispatcher == "sync_free" else None)
+    assert isinstance(model.moe.gate_up_proj, DTensor) and model.moe.gate_up_proj.shape[0] == kw["num_experts"]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    mine = slice(rank * B, (rank + 1) * B)
+    for step in range(2):
+        ref_opt.zero_grad()
+        ref_losses = [lm_loss(ref, ids[step, r * B:(r + 1) * B], targets[step, r * B:(r + 1) * B]) for r in range(W)]
+        (sum(ref_losses) / W).backward()
+        opt.zero_grad()
+        loss = lm_loss(model, ids[step, mine], targets[step, mine])
+        loss.backward()
+        check_err(f"fsdp2/{dispatcher}/step{step}/rank{rank}: loss", loss.detach(), ref_losses[rank].detach(), 1e-12)
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            check_err(f"fsdp2/{dispatcher}/step{step}/rank{rank}: grad {name}", p.grad.full_tensor(),
+                      ref_params[name].grad, 1e-12)
+        ref_opt.step()
+        opt.step()
+        for name, p in model.named_parameters():
+            check_err(f"fsdp2/{dispatcher}/step{step}/rank{rank}: {name} after the step", p.detach().full_tensor(),
+                      ref_params[name].detach(), 1e-12)
+
+
+def worker_fsdp(rank: int, W: int) -> None:
+    check_fsdp2(rank, W, "all_to_all")

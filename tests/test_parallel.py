@@ -124,3 +124,10 @@ def test_nccl_device_check():
         check_device(torch.device("cpu"), "nccl")
     check_device(torch.device("cpu"), "gloo")
     check_device(torch.device("cpu"), "cpu:gloo,cuda:nccl")
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_fsdp2_on_a_dp2_ep2_mesh():
+    """FSDP2 x expert parallelism on a (dp=2, ep=2) gloo mesh: losses, full gradients and the
+    parameters after two SGD steps equal one process on the global batch."""
+    ep_workers.spawn(ep_workers.worker_fsdp, 4)

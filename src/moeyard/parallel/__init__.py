@@ -23,9 +23,10 @@ Composing with FSDP2 on a 2-D ``(data, expert)`` mesh (not tested here: no multi
 Gradients of replicated parameters are each rank's own share; DDP/FSDP reduce them.
 """
 from .apply import expert_parallel, find_experts
+from .fsdp import fsdp_expert_parallel
 from .comm import EPGroup
 from .common import Dispatched, EPOptions
 from .experts import DISPATCHERS, ExpertParallel
 
-__all__ = ["DISPATCHERS", "Dispatched", "EPGroup", "EPOptions", "ExpertParallel", "expert_parallel",
+__all__ = ["DISPATCHERS", "Dispatched", "EPGroup", "EPOptions", "ExpertParallel", "expert_parallel", "fsdp_expert_parallel",
            "find_experts"]
