@@ -189,10 +189,10 @@ def make_functional_inputs(T_all: int, K: int, E: int, H: int, I: int, g: torch.
 def check_functional(rank: int, W: int, *, E: int, K: int, dispatchers=DISPATCHER_NAMES,
                      backends=(("loop", torch.float64), ("bmm_padded", torch.float64),
                                ("grouped_mm", torch.float32)), H: int = 8, I: int = 4, device="cpu",
-                     tol: dict = TOL, extras: bool = True) -> None:
+                     tol: dict = TOL, extras: bool = True, overlap_chunks: int = 1) -> None:
     """Every routing case x dispatcher x backend against the oracle; ``sync_free`` with
     ``max_tokens`` where counts differ, ``align`` 4 once. With ``extras`` (float64 ``loop`` on the
-    CPU): sentinel ids dropped, capacity drops."""
+    CPU): sentinel ids dropped, capacity drops (not with ``overlap_chunks`` > 1: refused there)."""
     g = torch.Generator().manual_seed(1234)
     ep = EPGroup(group=dist.group.WORLD, world_size=W, rank=rank)
     for case, (T_counts, ids_all) in routing_cases(W, E, K, H, g).items():
@@ -203,11 +203,12 @@ def check_functional(rank: int, W: int, *, E: int, K: int, dispatchers=DISPATCHE
             opts = dict(max_tokens=None if (name != "sync_free" or equal) else max(T_counts) + 1)
             if name == "sync_free" and case == "uneven":
                 opts["align"] = 4
-            call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, **opts))
+            options = EPOptions(num_experts=E, dispatcher=name, overlap_chunks=overlap_chunks, **opts)
+            call = ExpertParallel(ep, options)
             for backend, dtype in backends:
                 got = run_functional(call, T_counts, ids_all, inputs, rank, dtype, backend, device=device)
                 what = f"{case}/{name}/{backend}/{str(dtype)[6:]}/rank{rank}"
-                close(what, got, ref, tol[dtype])
+                close(f"{what}/overlap{overlap_chunks}", got, ref, tol[dtype])
                 if call.dropped is not None:
                     check(call.dropped.item() == 0, f"{what}: dropped {call.dropped.item()} pairs")
     if not extras:
@@ -220,10 +221,10 @@ def check_functional(rank: int, W: int, *, E: int, K: int, dispatchers=DISPATCHE
     inputs = make_functional_inputs(4 * W, K, E, H, I, g)
     ref = oracle_functional(T_counts, ids_all, inputs, rank, drop_invalid=True)
     for name in dispatchers:
-        call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name))
+        call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, overlap_chunks=overlap_chunks))
         got = run_functional(call, T_counts, ids_all, inputs, rank, torch.float64, "loop", drop_invalid=True)
         close(f"sentinels/{name}/rank{rank}", got, ref, TOL[torch.float64])
-    if "sync_free" in dispatchers:
+    if "sync_free" in dispatchers and overlap_chunks == 1:
         check_capacity(rank, W, ep, E=E, K=K, H=H, I=I, g=g)
 
 
@@ -256,7 +257,7 @@ def check_capacity(rank, W, ep, *, E, K, H, I, g) -> None:
     assert call.dropped.dtype == torch.int64 and call.dropped.item() == dropped[rank]
 
 
-def check_no_host_reads(rank: int, W: int) -> None:
+def check_no_host_reads(rank: int, W: int, overlap_chunks: int = 1) -> None:
     """``sync_free`` and ``all_gather`` with ``max_tokens``, forward and backward with the
     ``grouped_mm`` backend, read nothing back: every host-read method of Tensor raises meanwhile
     (the CPU-only token-count check of ``sync_free`` is stubbed out: on an accelerator it is skipped)."""
@@ -275,12 +276,13 @@ def check_no_host_reads(rank: int, W: int) -> None:
         raise AssertionError("a host read on the sync-free path")
 
     reads = {name: read for name in ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__")}
-    for name in ("sync_free", "all_gather"):
-        call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, max_tokens=T + 2))
+    for name in ("sync_free",) if overlap_chunks > 1 else ("sync_free", "all_gather"):
+        call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, max_tokens=T + 2,
+                                            overlap_chunks=overlap_chunks))
         with mock.patch.object(sync_free, "token_counts", lambda T, ep, device: [T]), \
                 mock.patch.multiple(torch.Tensor, **reads):
             got = run_functional(call, [T] * W, ids_all, inputs, rank, torch.float32, "grouped_mm", drop_invalid=True)
-        close(f"no host reads/{name}/rank{rank}", got, ref, TOL[torch.float32])
+        close(f"no host reads/{name}/overlap{overlap_chunks}/rank{rank}", got, ref, TOL[torch.float32])
 
 
 # ---------------------------------------------------------------- the MoE layer
@@ -354,7 +356,8 @@ def layer_oracle(kw: dict, size: dict, T_counts: list[int], x_all, dy_all, dtype
 
 def check_layer(rank: int, W: int, *, mesh=None, dispatchers=DISPATCHER_NAMES, device="cpu",
                 backends=(("loop", torch.float64),), hidden: int = 8, intermediate: int = 4,
-                tol: dict = TOL, T_counts: list[int] | None = None, separated: bool = False) -> None:
+                tol: dict = TOL, T_counts: list[int] | None = None, separated: bool = False,
+                overlap_chunks: int = 1) -> None:
     """The MoE layer (router, shared experts, biases) per dispatcher and (backend, dtype), uneven
     tokens (``T_counts``), a rank with none when W > 2: outputs and every gradient (replicated ones,
     the router's among them, summed over ranks) against the float64 ``loop`` layer on the CPU.
@@ -381,10 +384,10 @@ def check_layer(rank: int, W: int, *, mesh=None, dispatchers=DISPATCHER_NAMES, d
                 m = make_layer(kw, **size).to(device, dtype)
                 m.backend = backend
                 max_tokens = max(T_counts) if name == "sync_free" else None
-                expert_parallel(m, mesh, dispatcher=name, max_tokens=max_tokens)
+                expert_parallel(m, mesh, dispatcher=name, max_tokens=max_tokens, overlap_chunks=overlap_chunks)
                 got = layer_results(m, x_all[sl].to(device, dtype), dy_all[sl].to(device, dtype))
-                compare_layer(f"layer {cname}/{name}/{backend}/{str(dtype)[6:]}/rank{rank}", m, got, oracle, sl,
-                              slice(rank * El, (rank + 1) * El), tol[dtype])
+                what = f"layer {cname}/{name}/{backend}/{str(dtype)[6:]}/overlap{overlap_chunks}/rank{rank}"
+                compare_layer(what, m, got, oracle, sl, slice(rank * El, (rank + 1) * El), tol[dtype])
 
 
 def compare_layer(what: str, m: MoE, got: dict, oracle: dict, sl: slice, block: slice, tol: float) -> None:
@@ -557,8 +560,7 @@ def check_fsdp2(rank: int, W: int, dispatcher: str = "all_to_all", overlap_chunk
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     model = TinyLM(kw)
     mesh = init_device_mesh("cpu", (2, W // 2), mesh_dim_names=("dp", "ep"))
-    extra = {} if overlap_chunks == 1 else {"overlap_chunks": overlap_chunks}
-    fsdp_expert_parallel(model, mesh, dispatcher=dispatcher, **extra,
+    fsdp_expert_parallel(model, mesh, dispatcher=dispatcher, overlap_chunks=overlap_chunks,
                          max_tokens=B * S if dispatcher == "sync_free" else None)
     assert isinstance(model.moe.gate_up_proj, DTensor) and model.moe.gate_up_proj.shape[0] == kw["num_experts"]
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -584,3 +586,61 @@ def check_fsdp2(rank: int, W: int, dispatcher: str = "all_to_all", overlap_chunk
 
 def worker_fsdp(rank: int, W: int) -> None:
     check_fsdp2(rank, W, "all_to_all")
+    check_fsdp2(rank, W, "sync_free", overlap_chunks=2)
+
+
+# ---------------------------------------------------------------- overlap_chunks
+
+def worker_overlap(rank: int, W: int) -> None:
+    """``overlap_chunks`` 2 and 3 (more chunks than some ranks have tokens) on every routing case,
+    the layer, and with no host reads (``sync_free``)."""
+    overlapping = ["all_to_all", "sync_free"]
+    for n in (2, 3):
+        check_functional(rank, W, E=8, K=3 if W == 2 else 2, dispatchers=overlapping,
+                         backends=(("loop", torch.float64),), overlap_chunks=n)
+    check_layer(rank, W, dispatchers=overlapping, overlap_chunks=2)
+    if W == 2:
+        check_no_host_reads(rank, W, overlap_chunks=2)
+        check_overlap_schedule(rank, W)
+
+
+def check_overlap_schedule(rank: int, W: int) -> None:
+    """The order of exchanges and expert compute with ``overlap_chunks=2``, forward and backward
+    (S: an exchange issued, W: waited, E: experts; backward E< / E>: the experts' backward begins /
+    ends): chunk 1's dispatch and chunk 0's combine are in flight during chunk 1's experts, chunk 0's
+    reverse combine during chunk 1's expert backward, chunk 1's reverse dispatch during chunk 0's."""
+    from unittest import mock
+
+    from moeyard.parallel import experts as ep_experts, overlap
+
+    events = []
+    real_start, real_wait, real_experts = overlap.start, overlap.Pending.wait, ep_experts.experts
+
+    def start(*args, **kwargs):
+        events.append("S")
+        return real_start(*args, **kwargs)
+
+    def wait(self):
+        events.append("W")
+        return real_wait(self)
+
+    def experts(rows, *args, **kwargs):
+        events.append("E")
+        y = real_experts(rows, *args, **kwargs)
+        y.register_hook(lambda g: events.append("E<"))
+        rows.register_hook(lambda g: events.append("E>"))
+        return y
+
+    E, K, T = 8, 2, 5
+    g = torch.Generator().manual_seed(8)
+    inputs = make_functional_inputs(T * W, K, E, 8, 4, g)
+    ids_all = torch.rand(T * W, E, generator=g).argsort(1)[:, :K]
+    ep = EPGroup(group=dist.group.WORLD, world_size=W, rank=rank)
+    for name in ("all_to_all", "sync_free"):
+        call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, overlap_chunks=2))
+        events.clear()
+        with mock.patch.object(overlap, "start", start), mock.patch.object(overlap.Pending, "wait", wait), \
+                mock.patch.object(ep_experts, "experts", experts):
+            run_functional(call, [T] * W, ids_all, inputs, rank, torch.float64, "loop")
+        assert events == ["S", "S", "W", "E", "S", "W", "E", "S", "W", "W",             # forward
+                          "S", "S", "W", "E<", "E>", "S", "W", "E<", "E>", "S", "W", "W"], (name, events)

@@ -66,6 +66,13 @@ def test_errors_before_any_collective():
         expert_parallel(layer, dispatcher="all_to_all", max_tokens=16)
     with pytest.raises(ValueError, match="align"):
         expert_parallel(layer, dispatcher="all_gather", align=16)
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="overlap_chunks: expected a positive int"):
+            expert_parallel(layer, overlap_chunks=bad)
+    with pytest.raises(ValueError, match="overlap_chunks: only the all_to_all and sync_free"):
+        expert_parallel(layer, dispatcher="all_gather", overlap_chunks=2)
+    with pytest.raises(ValueError, match="overlap_chunks: not with capacity_factor"):
+        expert_parallel(layer, dispatcher="sync_free", capacity_factor=2.0, overlap_chunks=2)
     with pytest.raises(TypeError, match="module"):
         expert_parallel("not a module")
     with pytest.raises(ValueError, match="module: no moeyard.MoE"):
@@ -131,3 +138,15 @@ def test_fsdp2_on_a_dp2_ep2_mesh():
     """FSDP2 x expert parallelism on a (dp=2, ep=2) gloo mesh: losses, full gradients and the
     parameters after two SGD steps equal one process on the global batch."""
     ep_workers.spawn(ep_workers.worker_fsdp, 4)
+
+
+def test_overlap_two_ranks():
+    """overlap_chunks 2 and 3: every routing case (uneven, a rank with no tokens, all to one rank),
+    sentinels, the layer, no host reads (sync_free), and the order of exchanges and expert compute
+    forward and backward."""
+    ep_workers.spawn(ep_workers.worker_overlap, 2)
+
+
+def test_overlap_four_ranks():
+    """overlap_chunks 2 and 3 on 4 ranks (one with no tokens in the layer cases)."""
+    ep_workers.spawn(ep_workers.worker_overlap, 4)

@@ -17,7 +17,7 @@ TRANSFORMERS_SEAM = "moeyard_expert_parallel"  # transformers experts modules (m
 
 def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_all",
                     capacity_factor: float | None = None, max_tokens: int | None = None,
-                    align: int = 1) -> nn.Module:
+                    align: int = 1, overlap_chunks: int = 1) -> nn.Module:
     """Split the routed experts of ``module`` over the ranks of ``group``; returns ``module``.
 
     Every :class:`moeyard.MoE` in ``module`` (itself included) and every transformers experts module
@@ -44,12 +44,19 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         capacity_factor: ``sync_free`` only; see :mod:`moeyard.parallel.sync_free`.
         max_tokens: ``sync_free`` / ``all_gather``: static bound on any rank's token count.
         align: ``sync_free`` only: pad each local expert's received rows to a multiple of this.
+        overlap_chunks: ``all_to_all`` / ``sync_free``: split each call's tokens into this many chunks
+            and keep one chunk's exchanges in flight (``async_op=True``) while another chunk's experts
+            run, forward and backward (:mod:`moeyard.parallel.overlap`); 1 (default): one blocking
+            exchange each way. Same results up to float rounding; ``sync_free`` sizes each chunk's
+            blocks at ``ceil(T_max / overlap_chunks)`` tokens (no host sync added). Not with
+            ``capacity_factor`` (capacity would then apply per chunk).
 
     On NCCL call ``torch.cuda.set_device(local_rank)`` first (the shape check's ``all_gather_object``
     and every exchange use the current device) and keep the layers' tensors on that device.
 
     Raises:
-        ValueError: unknown ``dispatcher``; bad ``capacity_factor``, ``max_tokens`` or ``align``;
+        ValueError: unknown ``dispatcher``; bad ``capacity_factor``, ``max_tokens``, ``align`` or
+            ``overlap_chunks`` (not a positive int, or > 1 with ``all_gather`` or ``capacity_factor``);
             ``group`` not initialised, a mesh not 1-D, or a world size not dividing E; ``module`` with
             no experts, already expert parallel, a transformers experts module not running
             ``"moeyard"``, or expert shapes that differ across ranks (checked with one all-gather);
@@ -58,6 +65,7 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         TypeError: ``module`` is not an ``nn.Module``, ``group`` of the wrong kind.
     """
     _check_options(dispatcher, capacity_factor, max_tokens, align)
+    _check_overlap(overlap_chunks, dispatcher, capacity_factor)
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
     targets = find_experts(module)
@@ -84,7 +92,7 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         E = _num_experts(m)
         _shard(m, E, ep)
         options = EPOptions(num_experts=E, dispatcher=dispatcher, capacity_factor=capacity_factor,
-                            max_tokens=max_tokens, align=align)
+                            max_tokens=max_tokens, align=align, overlap_chunks=overlap_chunks)
         setattr(m, seam, ExpertParallel(ep, options))
     return module
 
@@ -175,3 +183,14 @@ def _check_options(dispatcher, capacity_factor, max_tokens, align) -> None:
         raise ValueError(f"align: expected a positive int, got {align!r}")
     if align != 1 and dispatcher != "sync_free":
         raise ValueError(f"align: only the sync_free dispatcher places received rows itself, got dispatcher={dispatcher!r}")
+
+
+def _check_overlap(overlap_chunks, dispatcher, capacity_factor) -> None:
+    if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
+        raise ValueError(f"overlap_chunks: expected a positive int, got {overlap_chunks!r}")
+    if overlap_chunks > 1 and dispatcher == "all_gather":
+        raise ValueError("overlap_chunks: only the all_to_all and sync_free dispatchers overlap their exchanges, "
+                         "got dispatcher='all_gather'")
+    if overlap_chunks > 1 and capacity_factor is not None:
+        raise ValueError("overlap_chunks: not with capacity_factor (its capacity would apply per chunk and drop "
+                         "other pairs than one exchange does)")

@@ -25,6 +25,10 @@ exchange can take its place: :func:`exchange_symm_mem`):
    expert's rows padded to a multiple of ``align``; the local experts compute them;
 4. combine: rows back to their slots, the reverse exchange, then each token's pairs are weighted and
    summed on its own rank.
+
+Stages (:mod:`.overlap` runs them over chunks of the tokens, each chunk with C at its own bound
+``ceil(T_max / chunks)``, with the exchanges in flight): :func:`depart_dispatch` (steps 1-2's
+sends), :func:`arrive_dispatch` (step 3), :func:`depart_combine`, :func:`arrive_combine`.
 """
 from __future__ import annotations
 
@@ -33,8 +37,8 @@ import math
 import torch
 
 from ..dispatch import DispatchPlan, make_plan, permute, unpermute
-from .comm import EPGroup, all_to_all
-from .common import Dispatched, EPOptions, local_experts, token_counts, weighted_sum
+from .comm import EPGroup, exchange
+from .common import Dispatched, EPOptions, Outgoing, chunk_bounds, local_experts, token_counts, weighted_sum
 
 Tensor = torch.Tensor
 
@@ -52,10 +56,32 @@ def block_rows(max_tokens: int, top_k: int, num_local_experts: int, world_size: 
 def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions) -> Dispatched:
     """``x [T, H]``, ``topk_ids [T, K]`` (global ids; others dropped), ``topk_weights [T, K]`` ->
     expert-major rows ``[R, H]`` (R static) with ``[R, 1]`` local ids (``E_l``: an empty row)."""
+    out, = depart_dispatch(x, topk_ids, topk_weights, ep, options)
+    return arrive_dispatch(*exchange(out, ep.group), out, ep, options)
+
+
+def combine(y: Tensor, dispatched: Dispatched) -> Tensor:
+    """``y [R, H]`` (the experts' expert-major rows) -> ``[T, H]`` on the tokens' own rank."""
+    out = depart_combine(y, dispatched)
+    return arrive_combine(exchange(out, dispatched.state[-1])[0], dispatched)
+
+
+def depart_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions,
+                    chunks: int = 1) -> list[Outgoing]:
+    """The tokens in ``chunks`` consecutive chunks of ``ceil(T_max / chunks)`` (static); per chunk
+    the ``[W * C, H]`` slot rows and ``[W * C]`` local ids (``E_l``: empty) of steps 1-2, C from
+    :func:`block_rows` at the chunk's bound."""
+    T, K = topk_ids.shape
+    T_chunk = -(-_max_tokens(T, ep, options, x.device) // chunks)
+    C = block_rows(T_chunk, K, local_experts(options, ep), ep.world_size, options.capacity_factor)
+    return [_slots(x[a:b], topk_ids[a:b], topk_weights[a:b], ep, options, C)
+            for a, b in chunk_bounds(T, T_chunk, chunks)]
+
+
+def _slots(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions, C: int) -> Outgoing:
+    """Step 1: each pair's slot in its destination's block of C rows (stable: in token order)."""
     T, K = topk_ids.shape
     W, El = ep.world_size, local_experts(options, ep)
-    T_max = _max_tokens(T, ep, options, x.device)
-    C = block_rows(T_max, K, El, W, options.capacity_factor)
     flat = topk_ids.reshape(-1).to(torch.int64)
     valid = (flat >= 0) & (flat < options.num_experts)
     dest = torch.where(valid, flat // El, W)  # [N], W: no rank
@@ -69,12 +95,31 @@ def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, opt
     slot_token = torch.where(slot_pair < T * K, slot_pair // K, T)
     send_x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, slot_token)  # [W * C, H]
     local = torch.cat([torch.where(valid, flat % El, El), flat.new_full((1,), El)])
-    send_ids = local.index_select(0, slot_pair)  # [W * C]
-    rows, row_plan = exchange_equal_splits(send_x, send_ids, ep, El, options.align)
     dropped = (valid & (pair_slot == W * C)).sum()
+    return Outgoing(rows=send_x, ids=local.index_select(0, slot_pair), state=(pair_slot, topk_weights, dropped))
+
+
+def arrive_dispatch(recv_x: Tensor, recv_ids: Tensor, out: Outgoing, ep: EPGroup, options: EPOptions) -> Dispatched:
+    """Step 3: the received slots placed expert-major for the local experts."""
+    rows, row_plan = place(recv_x, recv_ids, local_experts(options, ep), options.align)
+    pair_slot, topk_weights, dropped = out.state
     return Dispatched(rows=rows, topk_ids=row_plan.row_experts().unsqueeze(1),
                       topk_weights=rows.new_ones(rows.shape[0], 1),
                       state=(row_plan, pair_slot, topk_weights, ep.group), dropped=dropped)
+
+
+def depart_combine(y: Tensor, dispatched: Dispatched) -> Outgoing:
+    """Step 4, first half: the experts' rows back to their ``[W * C, H]`` slots (empty slots 0)."""
+    return Outgoing(rows=unpermute(y, dispatched.state[0], drop_invalid=True).squeeze(1))
+
+
+def arrive_combine(back: Tensor, dispatched: Dispatched) -> Tensor:
+    """Step 4, second half: the returned slots ``[W * C, H]`` -> ``[T, H]``, each token's pairs
+    weighted and summed."""
+    _, pair_slot, topk_weights, _ = dispatched.state
+    T, K = topk_weights.shape
+    pairs = torch.cat([back, back.new_zeros(1, back.shape[1])]).index_select(0, pair_slot)  # dropped: 0
+    return weighted_sum(pairs.view(T, K, back.shape[1]), topk_weights)
 
 
 def exchange_equal_splits(send_x: Tensor, send_ids: Tensor, ep: EPGroup, num_local_experts: int,
@@ -85,8 +130,12 @@ def exchange_equal_splits(send_x: Tensor, send_ids: Tensor, ep: EPGroup, num_loc
 
     Returns ``(rows [R, H], plan)``, the plan over the received slots (``plan.row_experts()``: the
     expert of each row; :func:`combine` undoes it)."""
-    recv_ids = all_to_all(send_ids, None, None, ep.group)
-    recv_x = all_to_all(send_x, None, None, ep.group)
+    recv_x, recv_ids = exchange(Outgoing(rows=send_x, ids=send_ids), ep.group)
+    return place(recv_x, recv_ids, num_local_experts, align)
+
+
+def place(recv_x: Tensor, recv_ids: Tensor, num_local_experts: int, align: int) -> tuple[Tensor, DispatchPlan]:
+    """Received slots ``[W * C, H]`` with local ids ``[W * C]`` -> expert-major rows and their plan."""
     plan = make_plan(recv_ids.unsqueeze(1), num_local_experts, align=align)
     return permute(recv_x, plan), plan
 
@@ -104,16 +153,6 @@ def exchange_symm_mem(send_x: Tensor, send_ids: Tensor, ep: EPGroup, num_local_e
     """
     raise NotImplementedError("the symmetric-memory (NVSHMEM) exchange is not implemented; "
                               "the sync_free dispatcher uses exchange_equal_splits")
-
-
-def combine(y: Tensor, dispatched: Dispatched) -> Tensor:
-    """``y [R, H]`` (the experts' expert-major rows) -> ``[T, H]`` on the tokens' own rank."""
-    row_plan, pair_slot, topk_weights, group = dispatched.state
-    slots = unpermute(y, row_plan, drop_invalid=True).squeeze(1)  # [W * C, H], empty slots 0
-    back = all_to_all(slots, None, None, group)
-    T, K = topk_weights.shape
-    pairs = torch.cat([back, back.new_zeros(1, back.shape[1])]).index_select(0, pair_slot)  # dropped: 0
-    return weighted_sum(pairs.view(T, K, back.shape[1]), topk_weights)
 
 
 def _max_tokens(T: int, ep: EPGroup, options: EPOptions, device: torch.device) -> int:
