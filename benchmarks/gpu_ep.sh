@@ -5,10 +5,12 @@
 #   EP_SHAPES=qwen3-30b-a3b bash benchmarks/gpu_ep.sh   # one shape only
 #
 # 1. benchmarks/ep_check.py under torchrun: every dispatcher x {triton, grouped_mm} x {bf16, fp32}
-#    against the single-process oracle, sync debug mode, CUDA-graph replay (PASS/FAIL table).
+#    against the single-process oracle, sync debug mode, CUDA-graph replay, overlap_chunks 2 and 3,
+#    FSDP2 on a (dp=1, ep=2) mesh (PASS/FAIL table).
 # 2. moeyard bench --ep 2 at qwen3-30b-a3b and sonic-7b shapes (T per rank = the shape's), balanced
 #    and Zipf routing, every dispatcher: dispatch / experts / combine ms, GB/s next to a plain NCCL
-#    all_to_all_single of the same bytes, per-GPU TFLOP/s next to one GPU on the same local experts.
+#    all_to_all_single of the same bytes, per-GPU TFLOP/s next to one GPU on the same local experts,
+#    and the whole call (forward; forward + backward) with overlap_chunks 1, 2 and 4 (EP_OVERLAP).
 # Every step is time-boxed; the whole script stays under 9 minutes. Files in $OUT: ep_check.log,
 # ep_check.json, bench_<shape>.log, bench_<shape>.json, env.txt (5 + 1 summary = 6 files).
 set -u
@@ -36,10 +38,11 @@ torch.cuda.nccl.version(), 'triton', triton.__version__)"; } > "$OUT/env.txt" 2>
 
 TR="torchrun --standalone --nproc-per-node 2"
 SHAPES=${EP_SHAPES:-qwen3-30b-a3b sonic-7b}
+OVERLAP=${EP_OVERLAP:-1,2,4}
 MOEYARD_TRITON_AUTOTUNE=0 step ep_check 200 $TR benchmarks/ep_check.py --json "$OUT/ep_check.json"
 for shape in $SHAPES; do
-    step "bench_$shape" 150 $TR -m moeyard bench --ep 2 --model "$shape" --dtype bfloat16 \
-        --warmup 3 --iters 10 --json "$OUT/bench_$shape.json"
+    step "bench_$shape" 160 $TR -m moeyard bench --ep 2 --model "$shape" --dtype bfloat16 \
+        --warmup 3 --iters 10 --overlap "$OVERLAP" --json "$OUT/bench_$shape.json"
 done
 
 echo

@@ -541,11 +541,12 @@ def lm_loss(model: TinyLM, ids: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return loss if model.moe.aux_loss is None else loss + 0.01 * model.moe.aux_loss
 
 
-def check_fsdp2(rank: int, W: int, dispatcher: str = "all_to_all", overlap_chunks: int = 1) -> None:
-    """dp = 2 x ep = W / 2 with :func:`moeyard.parallel.fsdp_expert_parallel`: two SGD steps. Each
+def check_fsdp2(rank: int, W: int, dispatcher: str = "all_to_all", overlap_chunks: int = 1, *, dp: int = 2,
+                device="cpu") -> None:
+    """dp x ep = W / dp with :func:`moeyard.parallel.fsdp_expert_parallel`: two SGD steps. Each
     rank's loss, every parameter's gradient (gathered to full tensors) and the parameters after each
-    step against one process running the unsharded model on every rank's batch (mean of the ranks'
-    losses, as FSDP reduces)."""
+    step against one process running the unsharded model on every rank's batch on the CPU (mean of
+    the ranks' losses, as FSDP reduces). Float64 ``loop`` experts: only the summation order differs."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -558,29 +559,29 @@ def check_fsdp2(rank: int, W: int, dispatcher: str = "all_to_all", overlap_chunk
     targets = torch.randint(0, vocab, (2, W * B, S), generator=g)
     ref = TinyLM(kw)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    model = TinyLM(kw)
-    mesh = init_device_mesh("cpu", (2, W // 2), mesh_dim_names=("dp", "ep"))
+    model = TinyLM(kw).to(device)
+    mesh = init_device_mesh(torch.device(device).type, (dp, W // dp), mesh_dim_names=("dp", "ep"))
     fsdp_expert_parallel(model, mesh, dispatcher=dispatcher, overlap_chunks=overlap_chunks,
                          max_tokens=B * S if dispatcher == "sync_free" else None)
     assert isinstance(model.moe.gate_up_proj, DTensor) and model.moe.gate_up_proj.shape[0] == kw["num_experts"]
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     mine = slice(rank * B, (rank + 1) * B)
+    what = f"fsdp2/dp{dp}/{dispatcher}/overlap{overlap_chunks}"
+    ref_params = dict(ref.named_parameters())
     for step in range(2):
         ref_opt.zero_grad()
         ref_losses = [lm_loss(ref, ids[step, r * B:(r + 1) * B], targets[step, r * B:(r + 1) * B]) for r in range(W)]
         (sum(ref_losses) / W).backward()
         opt.zero_grad()
-        loss = lm_loss(model, ids[step, mine], targets[step, mine])
+        loss = lm_loss(model, ids[step, mine].to(device), targets[step, mine].to(device))
         loss.backward()
-        check_err(f"fsdp2/{dispatcher}/step{step}/rank{rank}: loss", loss.detach(), ref_losses[rank].detach(), 1e-12)
-        ref_params = dict(ref.named_parameters())
+        check_err(f"{what}/step{step}/rank{rank}: loss", loss.detach(), ref_losses[rank].detach(), 1e-12)
         for name, p in model.named_parameters():
-            check_err(f"fsdp2/{dispatcher}/step{step}/rank{rank}: grad {name}", p.grad.full_tensor(),
-                      ref_params[name].grad, 1e-12)
+            check_err(f"{what}/step{step}/rank{rank}: grad {name}", p.grad.full_tensor(), ref_params[name].grad, 1e-12)
         ref_opt.step()
         opt.step()
         for name, p in model.named_parameters():
-            check_err(f"fsdp2/{dispatcher}/step{step}/rank{rank}: {name} after the step", p.detach().full_tensor(),
+            check_err(f"{what}/step{step}/rank{rank}: {name} after the step", p.detach().full_tensor(),
                       ref_params[name].detach(), 1e-12)
 
 

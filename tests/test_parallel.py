@@ -84,7 +84,8 @@ def test_errors_before_any_collective():
 
 
 def test_bench_ep_under_torchrun(tmp_path):
-    """``moeyard bench --ep 2`` runs under torchrun with gloo and reports every dispatcher and routing."""
+    """``moeyard bench --ep 2 --overlap 1,2`` runs under torchrun with gloo and reports every dispatcher
+    and routing, and the whole call per overlap_chunks."""
     import json
     import os
     import subprocess
@@ -92,7 +93,8 @@ def test_bench_ep_under_torchrun(tmp_path):
 
     out = tmp_path / "ep.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moeyard",
-           "bench", "--ep", "2", "--shape", "32,16,8,4,2", "--warmup", "0", "--iters", "1", "--json", str(out)]
+           "bench", "--ep", "2", "--shape", "32,16,8,4,2", "--warmup", "0", "--iters", "1", "--overlap", "1,2",
+           "--json", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -101,6 +103,9 @@ def test_bench_ep_under_torchrun(tmp_path):
                                                                for b in ("all_to_all", "sync_free", "all_gather")}
     assert len(rows) == 12 and all(r["dispatch_ms"] > 0 and r["experts_ms"] > 0 for r in rows)
     assert {r["rank"] for r in rows} == {0, 1}
+    for r in rows:  # the whole call per overlap_chunks (all_gather: 1 only)
+        assert set(r["overlap"]) == ({"1"} if r["dispatcher"] == "all_gather" else {"1", "2"}), r["overlap"]
+        assert all(v["fwd_ms"] > 0 and v["fwd_bwd_ms"] > 0 for v in r["overlap"].values())
     # balanced routing: every rank computes exactly its share of the 2 * 32 * 2 pairs
     assert all(r["pairs_computed"] == 32 * 2 for r in rows if r["routing"] == "balanced")
 
