@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import ep_workers
 from moeyard import MoE, MoEConfig
-from moeyard.parallel import expert_parallel
+from moeyard.parallel import expert_parallel, fsdp_expert_parallel
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -73,6 +73,8 @@ def test_errors_before_any_collective():
         expert_parallel(layer, dispatcher="all_gather", overlap_chunks=2)
     with pytest.raises(ValueError, match="overlap_chunks: not with capacity_factor"):
         expert_parallel(layer, dispatcher="sync_free", capacity_factor=2.0, overlap_chunks=2)
+    with pytest.raises(TypeError, match="mesh: expected a 2-D DeviceMesh"):
+        fsdp_expert_parallel(layer, None)
     with pytest.raises(TypeError, match="module"):
         expert_parallel("not a module")
     with pytest.raises(ValueError, match="module: no moeyard.MoE"):
