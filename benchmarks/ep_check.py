@@ -18,7 +18,10 @@ the ``triton`` and ``grouped_mm`` backends in bfloat16 and float32:
 - ``sync_debug/<what>``: ``sync_free`` (and ``all_gather`` with ``max_tokens``) forward + backward
   under ``torch.cuda.set_sync_debug_mode("error")``: any device-to-host sync raises;
 - ``cuda_graph/<backend>``: the ``sync_free`` layer's forward + backward captured once in a CUDA
-  graph, replayed on fresh inputs (static shapes), against eager runs of the same inputs.
+  graph, replayed on fresh inputs (static shapes), against eager runs of the same inputs;
+- ``functional|layer/<dispatcher>/overlap<N>``: the same with ``overlap_chunks`` 2 and 3 (async
+  exchanges on NCCL's stream); ``sync_debug/sync_free/<backend>/overlap2`` adds no host sync;
+- ``fsdp2/dp1_ep2``: :func:`moeyard.parallel.fsdp_expert_parallel` on a CUDA ``(dp, ep)`` mesh.
 
 Numerical mismatches are recorded (every rank keeps issuing the same collectives); an exception in
 one check fails that check. Rank 0 prints a PASS/FAIL table last; the exit code is 1 on any failure.
@@ -60,17 +63,18 @@ def _group(rank: int, W: int) -> EPGroup:
 
 # ---------------------------------------------------------------- checks (rank, W, device)
 
-def functional(dispatcher: str):
+def functional(dispatcher: str, overlap_chunks: int = 1):
     def run(rank, W, device):
         w.check_functional(rank, W, E=E, K=K, dispatchers=[dispatcher], backends=BACKENDS, H=H, I=I,
-                           device=device, tol=TOL, extras=False)
+                           device=device, tol=TOL, extras=False, overlap_chunks=overlap_chunks)
     return run
 
 
-def layer(dispatcher: str):
+def layer(dispatcher: str, overlap_chunks: int = 1):
     def run(rank, W, device):
         w.check_layer(rank, W, dispatchers=[dispatcher], device=device, backends=BACKENDS, hidden=H,
-                      intermediate=I, tol=TOL, T_counts=_layer_counts(W), separated=True)
+                      intermediate=I, tol=TOL, T_counts=_layer_counts(W), separated=True,
+                      overlap_chunks=overlap_chunks)
     return run
 
 
@@ -83,11 +87,18 @@ def mesh(rank, W, device):
                   separated=True)
 
 
+def fsdp2(rank, W, device):
+    """fsdp_expert_parallel on a CUDA (dp, ep) mesh with dp = 1 x ep = W (float64 loop layer and the
+    tests' tiny LM; the 4-process CPU test covers dp = 2): losses, full gradients, two SGD steps."""
+    w.check_fsdp2(rank, W, "sync_free", overlap_chunks=2, dp=1, device=device)
+
+
 def _layer_counts(W: int) -> list[int]:
     return [LAYER_TOKENS[r % 2] for r in range(W)]
 
 
-def sync_debug_experts(dispatcher: str, backend: str, *, num_experts: int = E, exchange: str = "auto"):
+def sync_debug_experts(dispatcher: str, backend: str, overlap_chunks: int = 1, *, num_experts: int = E,
+                       exchange: str = "auto"):
     """ExpertParallel alone (given ids, static ``max_tokens``) under sync debug mode; ``sync_free``
     rows moved by ``exchange``."""
     def run(rank, W, device):
@@ -100,13 +111,14 @@ def sync_debug_experts(dispatcher: str, backend: str, *, num_experts: int = E, e
         on_device = {k: v.to(device, BF16) for k, v in inputs.items()}
         ids_device = ids_all.to(device)
         more = {"exchange": exchange} if dispatcher == "sync_free" else {}
-        call = ExpertParallel(_group(rank, W), EPOptions(num_experts=E, dispatcher=dispatcher, max_tokens=T + 8, **more))
+        call = ExpertParallel(_group(rank, W), EPOptions(num_experts=E, dispatcher=dispatcher, max_tokens=T + 8,
+                                                         overlap_chunks=overlap_chunks, **more))
         w.run_functional(call, [T] * W, ids_device, on_device, rank, BF16, backend, drop_invalid=True, device=device)
         torch.cuda.synchronize(device)  # compiled kernels and warm allocator before the strict run
         with sync_debug():
             got = w.run_functional(call, [T] * W, ids_device, on_device, rank, BF16, backend, drop_invalid=True,
                                    device=device)
-        w.close(f"sync_debug/{dispatcher}/{backend}/rank{rank}", got, ref, TOL[BF16])
+        w.close(f"sync_debug/{dispatcher}/{backend}/overlap{overlap_chunks}/rank{rank}", got, ref, TOL[BF16])
     return run
 
 
@@ -210,6 +222,11 @@ def checks() -> list[tuple[str, object]]:
             for b in ("triton", "grouped_mm")]
     out += [(f"sync_debug/layer/{b}", sync_debug_layer(b)) for b in ("triton", "grouped_mm")]
     out += [(f"cuda_graph/{b}", cuda_graph(b)) for b in ("triton", "grouped_mm")]
+    out += [(f"{kind}/{d}/overlap{n}", fn(d, n)) for kind, fn in (("functional", functional), ("layer", layer))
+            for d in ("all_to_all", "sync_free") for n in (2, 3)]
+    out += [(f"sync_debug/sync_free/{b}/overlap2", sync_debug_experts("sync_free", b, 2))
+            for b in ("triton", "grouped_mm")]
+    out.append(("fsdp2/dp1_ep2", fsdp2))
     return out
 
 

@@ -6,10 +6,12 @@
 #   EP_SYMM_ONLY=1 bash benchmarks/gpu_ep.sh            # step 3 only
 #
 # 1. benchmarks/ep_check.py under torchrun: every dispatcher x {triton, grouped_mm} x {bf16, fp32}
-#    against the single-process oracle, sync debug mode, CUDA-graph replay (PASS/FAIL table).
+#    against the single-process oracle, sync debug mode, CUDA-graph replay, overlap_chunks 2 and 3,
+#    FSDP2 on a (dp=1, ep=2) mesh (PASS/FAIL table).
 # 2. moeyard bench --ep 2 at qwen3-30b-a3b and sonic-7b shapes (T per rank = the shape's), balanced
 #    and Zipf routing, every dispatcher: dispatch / experts / combine ms, GB/s next to a plain NCCL
-#    all_to_all_single of the same bytes, per-GPU TFLOP/s next to one GPU on the same local experts.
+#    all_to_all_single of the same bytes, per-GPU TFLOP/s next to one GPU on the same local experts,
+#    and the whole call (forward; forward + backward) with overlap_chunks 1, 2 and 4 (EP_OVERLAP).
 # 3. benchmarks/ep_symm_check.py under torchrun: the NVSHMEM exchange of sync_free (raw ops against
 #    their reference, the layer against the oracle at E_l = 4 and 64, sync debug mode), then dispatch /
 #    combine ms at qwen3-30b-a3b for all_to_all, sync_free + equal splits, sync_free + symm_mem.
@@ -42,11 +44,12 @@ torch.cuda.nccl.version(), 'triton', triton.__version__)"; } > "$OUT/env.txt" 2>
 
 TR="torchrun --standalone --nproc-per-node 2"
 SHAPES=${EP_SHAPES:-qwen3-30b-a3b sonic-7b}
+OVERLAP=${EP_OVERLAP:-1,2,4}
 if [ "${EP_SYMM_ONLY:-0}" != 1 ]; then
     MOEYARD_TRITON_AUTOTUNE=0 step ep_check 200 $TR benchmarks/ep_check.py --json "$OUT/ep_check.json"
     for shape in $SHAPES; do
-        step "bench_$shape" 150 $TR -m moeyard bench --ep 2 --model "$shape" --dtype bfloat16 \
-            --warmup 3 --iters 10 --json "$OUT/bench_$shape.json"
+        step "bench_$shape" 160 $TR -m moeyard bench --ep 2 --model "$shape" --dtype bfloat16 \
+            --warmup 3 --iters 10 --overlap "$OVERLAP" --json "$OUT/bench_$shape.json"
     done
 fi
 MOEYARD_TRITON_AUTOTUNE=0 step ep_symm_check 300 $TR benchmarks/ep_symm_check.py --json "$OUT/ep_symm_check.json"

@@ -189,10 +189,12 @@ def make_functional_inputs(T_all: int, K: int, E: int, H: int, I: int, g: torch.
 def check_functional(rank: int, W: int, *, E: int, K: int, dispatchers=DISPATCHER_NAMES,
                      backends=(("loop", torch.float64), ("bmm_padded", torch.float64),
                                ("grouped_mm", torch.float32)), H: int = 8, I: int = 4, device="cpu",
-                     tol: dict = TOL, extras: bool = True, exchange: str = "auto") -> None:
+                     tol: dict = TOL, extras: bool = True, exchange: str = "auto",
+                     overlap_chunks: int = 1) -> None:
     """Every routing case x dispatcher x backend against the oracle; ``sync_free`` with
-    ``max_tokens`` where counts differ, ``align`` 4 once, its rows moved by ``exchange``. With
-    ``extras`` (float64 ``loop`` on the CPU): sentinel ids dropped, capacity drops."""
+    ``max_tokens`` where counts differ, ``align`` 4 once, its rows moved by ``exchange``, each call's
+    tokens in ``overlap_chunks`` chunks. With ``extras`` (float64 ``loop`` on the CPU): sentinel ids
+    dropped, capacity drops (not with ``overlap_chunks`` > 1: refused there)."""
     g = torch.Generator().manual_seed(1234)
     ep = EPGroup(group=dist.group.WORLD, world_size=W, rank=rank)
     for case, (T_counts, ids_all) in routing_cases(W, E, K, H, g).items():
@@ -205,11 +207,11 @@ def check_functional(rank: int, W: int, *, E: int, K: int, dispatchers=DISPATCHE
                 opts["align"] = 4
             if name == "sync_free":
                 opts["exchange"] = exchange
-            call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, **opts))
+            call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, overlap_chunks=overlap_chunks, **opts))
             for backend, dtype in backends:
                 got = run_functional(call, T_counts, ids_all, inputs, rank, dtype, backend, device=device)
                 what = f"{case}/{name}/{backend}/{str(dtype)[6:]}/rank{rank}"
-                close(what, got, ref, tol[dtype])
+                close(f"{what}/overlap{overlap_chunks}", got, ref, tol[dtype])
                 if call.dropped is not None:
                     check(call.dropped.item() == 0, f"{what}: dropped {call.dropped.item()} pairs")
     if not extras:
@@ -223,10 +225,10 @@ def check_functional(rank: int, W: int, *, E: int, K: int, dispatchers=DISPATCHE
     ref = oracle_functional(T_counts, ids_all, inputs, rank, drop_invalid=True)
     for name in dispatchers:
         more = {"exchange": exchange} if name == "sync_free" else {}
-        call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, **more))
+        call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, overlap_chunks=overlap_chunks, **more))
         got = run_functional(call, T_counts, ids_all, inputs, rank, torch.float64, "loop", drop_invalid=True)
         close(f"sentinels/{name}/rank{rank}", got, ref, TOL[torch.float64])
-    if "sync_free" in dispatchers:
+    if "sync_free" in dispatchers and overlap_chunks == 1:
         check_capacity(rank, W, ep, E=E, K=K, H=H, I=I, g=g, exchange=exchange)
 
 
@@ -259,7 +261,7 @@ def check_capacity(rank, W, ep, *, E, K, H, I, g, exchange: str = "auto") -> Non
     assert call.dropped.dtype == torch.int64 and call.dropped.item() == dropped[rank]
 
 
-def check_no_host_reads(rank: int, W: int) -> None:
+def check_no_host_reads(rank: int, W: int, overlap_chunks: int = 1) -> None:
     """``sync_free`` and ``all_gather`` with ``max_tokens``, forward and backward with the
     ``grouped_mm`` backend, read nothing back: every host-read method of Tensor raises meanwhile
     (the CPU-only token-count check of ``sync_free`` is stubbed out: on an accelerator it is skipped)."""
@@ -278,12 +280,13 @@ def check_no_host_reads(rank: int, W: int) -> None:
         raise AssertionError("a host read on the sync-free path")
 
     reads = {name: read for name in ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__")}
-    for name in ("sync_free", "all_gather"):
-        call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, max_tokens=T + 2))
+    for name in ("sync_free",) if overlap_chunks > 1 else ("sync_free", "all_gather"):
+        call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, max_tokens=T + 2,
+                                            overlap_chunks=overlap_chunks))
         with mock.patch.object(sync_free, "token_counts", lambda T, ep, device: [T]), \
                 mock.patch.multiple(torch.Tensor, **reads):
             got = run_functional(call, [T] * W, ids_all, inputs, rank, torch.float32, "grouped_mm", drop_invalid=True)
-        close(f"no host reads/{name}/rank{rank}", got, ref, TOL[torch.float32])
+        close(f"no host reads/{name}/overlap{overlap_chunks}/rank{rank}", got, ref, TOL[torch.float32])
 
 
 # ---------------------------------------------------------------- the MoE layer
@@ -358,7 +361,7 @@ def layer_oracle(kw: dict, size: dict, T_counts: list[int], x_all, dy_all, dtype
 def check_layer(rank: int, W: int, *, mesh=None, dispatchers=DISPATCHER_NAMES, device="cpu",
                 backends=(("loop", torch.float64),), hidden: int = 8, intermediate: int = 4,
                 tol: dict = TOL, T_counts: list[int] | None = None, separated: bool = False,
-                exchange: str = "auto") -> None:
+                exchange: str = "auto", overlap_chunks: int = 1) -> None:
     """The MoE layer (router, shared experts, biases) per dispatcher and (backend, dtype), uneven
     tokens (``T_counts``), a rank with none when W > 2: outputs and every gradient (replicated ones,
     the router's among them, summed over ranks) against the float64 ``loop`` layer on the CPU.
@@ -386,10 +389,10 @@ def check_layer(rank: int, W: int, *, mesh=None, dispatchers=DISPATCHER_NAMES, d
                 m.backend = backend
                 max_tokens = max(T_counts) if name == "sync_free" else None
                 more = {"exchange": exchange} if name == "sync_free" else {}
-                expert_parallel(m, mesh, dispatcher=name, max_tokens=max_tokens, **more)
+                expert_parallel(m, mesh, dispatcher=name, max_tokens=max_tokens, overlap_chunks=overlap_chunks, **more)
                 got = layer_results(m, x_all[sl].to(device, dtype), dy_all[sl].to(device, dtype))
-                compare_layer(f"layer {cname}/{name}/{backend}/{str(dtype)[6:]}/rank{rank}", m, got, oracle, sl,
-                              slice(rank * El, (rank + 1) * El), tol[dtype])
+                what = f"layer {cname}/{name}/{backend}/{str(dtype)[6:]}/overlap{overlap_chunks}/rank{rank}"
+                compare_layer(what, m, got, oracle, sl, slice(rank * El, (rank + 1) * El), tol[dtype])
 
 
 def compare_layer(what: str, m: MoE, got: dict, oracle: dict, sl: slice, block: slice, tol: float) -> None:
@@ -591,3 +594,135 @@ def worker_symm(rank: int, W: int) -> None:
 
 def worker_8(rank: int, W: int) -> None:
     check_functional(rank, W, E=16, K=2, dispatchers=["sync_free"], backends=(("loop", torch.float64),))
+
+
+# ---------------------------------------------------------------- FSDP2 on a 2-D (dp, ep) mesh
+
+class TinyLM(torch.nn.Module):
+    """Embedding -> dense residual block (an attention stand-in) -> residual MoE -> head (float64)."""
+
+    def __init__(self, kw: dict, vocab: int = 11, hidden: int = 8, seed: int = 3):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(vocab, hidden, dtype=torch.float64)
+        self.dense = torch.nn.Linear(hidden, hidden, dtype=torch.float64)
+        self.moe = make_layer(kw, seed=seed + 1, hidden=hidden)
+        self.head = torch.nn.Linear(hidden, vocab, dtype=torch.float64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + torch.tanh(self.dense(h))
+        return self.head(h + self.moe(h))
+
+
+def lm_loss(model: TinyLM, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over this batch's tokens plus 0.01 * the MoE layer's aux loss."""
+    logits = model(ids)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return loss if model.moe.aux_loss is None else loss + 0.01 * model.moe.aux_loss
+
+
+def check_fsdp2(rank: int, W: int, dispatcher: str = "all_to_all", overlap_chunks: int = 1, *, dp: int = 2,
+                device="cpu") -> None:
+    """dp x ep = W / dp with :func:`moeyard.parallel.fsdp_expert_parallel`: two SGD steps. Each
+    rank's loss, every parameter's gradient (gathered to full tensors) and the parameters after each
+    step against one process running the unsharded model on every rank's batch on the CPU (mean of
+    the ranks' losses, as FSDP reduces). Float64 ``loop`` experts: only the summation order differs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from moeyard.parallel import fsdp_expert_parallel
+
+    kw = dict(LAYER_CONFIGS["deepseek_v3"])  # router with a bias buffer, shared expert, sigmoid scores
+    B, S, vocab = 2, 3, 11
+    g = torch.Generator().manual_seed(21)
+    ids = torch.randint(0, vocab, (2, W * B, S), generator=g)      # two steps of the global batch
+    targets = torch.randint(0, vocab, (2, W * B, S), generator=g)
+    ref = TinyLM(kw)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    model = TinyLM(kw).to(device)
+    mesh = init_device_mesh(torch.device(device).type, (dp, W // dp), mesh_dim_names=("dp", "ep"))
+    fsdp_expert_parallel(model, mesh, dispatcher=dispatcher, overlap_chunks=overlap_chunks,
+                         max_tokens=B * S if dispatcher == "sync_free" else None)
+    assert isinstance(model.moe.gate_up_proj, DTensor) and model.moe.gate_up_proj.shape[0] == kw["num_experts"]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    mine = slice(rank * B, (rank + 1) * B)
+    what = f"fsdp2/dp{dp}/{dispatcher}/overlap{overlap_chunks}"
+    ref_params = dict(ref.named_parameters())
+    for step in range(2):
+        ref_opt.zero_grad()
+        ref_losses = [lm_loss(ref, ids[step, r * B:(r + 1) * B], targets[step, r * B:(r + 1) * B]) for r in range(W)]
+        (sum(ref_losses) / W).backward()
+        opt.zero_grad()
+        loss = lm_loss(model, ids[step, mine].to(device), targets[step, mine].to(device))
+        loss.backward()
+        check_err(f"{what}/step{step}/rank{rank}: loss", loss.detach(), ref_losses[rank].detach(), 1e-12)
+        for name, p in model.named_parameters():
+            check_err(f"{what}/step{step}/rank{rank}: grad {name}", p.grad.full_tensor(), ref_params[name].grad, 1e-12)
+        ref_opt.step()
+        opt.step()
+        for name, p in model.named_parameters():
+            check_err(f"{what}/step{step}/rank{rank}: {name} after the step", p.detach().full_tensor(),
+                      ref_params[name].detach(), 1e-12)
+
+
+def worker_fsdp(rank: int, W: int) -> None:
+    check_fsdp2(rank, W, "all_to_all")
+    check_fsdp2(rank, W, "sync_free", overlap_chunks=2)
+
+
+# ---------------------------------------------------------------- overlap_chunks
+
+def worker_overlap(rank: int, W: int) -> None:
+    """``overlap_chunks`` 2 and 3 (more chunks than some ranks have tokens) on every routing case,
+    the layer, and with no host reads (``sync_free``)."""
+    overlapping = ["all_to_all", "sync_free"]
+    for n in (2, 3):
+        check_functional(rank, W, E=8, K=3 if W == 2 else 2, dispatchers=overlapping,
+                         backends=(("loop", torch.float64),), overlap_chunks=n)
+    check_layer(rank, W, dispatchers=overlapping, overlap_chunks=2)
+    if W == 2:
+        check_no_host_reads(rank, W, overlap_chunks=2)
+        check_overlap_schedule(rank, W)
+
+
+def check_overlap_schedule(rank: int, W: int) -> None:
+    """The order of exchanges and expert compute with ``overlap_chunks=2``, forward and backward
+    (S: an exchange issued, W: waited, E: experts; backward E< / E>: the experts' backward begins /
+    ends): chunk 1's dispatch and chunk 0's combine are in flight during chunk 1's experts, chunk 0's
+    reverse combine during chunk 1's expert backward, chunk 1's reverse dispatch during chunk 0's."""
+    from unittest import mock
+
+    from moeyard.parallel import experts as ep_experts, overlap
+
+    events = []
+    real_start, real_wait, real_experts = overlap.start, overlap.Pending.wait, ep_experts.experts
+
+    def start(*args, **kwargs):
+        events.append("S")
+        return real_start(*args, **kwargs)
+
+    def wait(self):
+        events.append("W")
+        return real_wait(self)
+
+    def experts(rows, *args, **kwargs):
+        events.append("E")
+        y = real_experts(rows, *args, **kwargs)
+        y.register_hook(lambda g: events.append("E<"))
+        rows.register_hook(lambda g: events.append("E>"))
+        return y
+
+    E, K, T = 8, 2, 5
+    g = torch.Generator().manual_seed(8)
+    inputs = make_functional_inputs(T * W, K, E, 8, 4, g)
+    ids_all = torch.rand(T * W, E, generator=g).argsort(1)[:, :K]
+    ep = EPGroup(group=dist.group.WORLD, world_size=W, rank=rank)
+    for name in ("all_to_all", "sync_free"):
+        call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, overlap_chunks=2))
+        events.clear()
+        with mock.patch.object(overlap, "start", start), mock.patch.object(overlap.Pending, "wait", wait), \
+                mock.patch.object(ep_experts, "experts", experts):
+            run_functional(call, [T] * W, ids_all, inputs, rank, torch.float64, "loop")
+        assert events == ["S", "S", "W", "E", "S", "W", "E", "S", "W", "W",             # forward
+                          "S", "S", "W", "E<", "E>", "S", "W", "E<", "E>", "S", "W", "W"], (name, events)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import ep_workers
 from moeyard import MoE, MoEConfig
-from moeyard.parallel import expert_parallel
+from moeyard.parallel import expert_parallel, fsdp_expert_parallel
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -77,6 +77,17 @@ def test_errors_before_any_collective():
         expert_parallel(layer, dispatcher="sync_free", exchange="nvshmem")
     with pytest.raises(ValueError, match="exchange: only the sync_free dispatcher"):
         expert_parallel(layer, dispatcher="all_to_all", exchange="symm_mem")
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="overlap_chunks: expected a positive int"):
+            expert_parallel(layer, overlap_chunks=bad)
+    with pytest.raises(ValueError, match="overlap_chunks: only the all_to_all and sync_free"):
+        expert_parallel(layer, dispatcher="all_gather", overlap_chunks=2)
+    with pytest.raises(ValueError, match="overlap_chunks: not with capacity_factor"):
+        expert_parallel(layer, dispatcher="sync_free", capacity_factor=2.0, overlap_chunks=2)
+    with pytest.raises(ValueError, match="overlap_chunks: not with exchange='symm_mem'"):
+        expert_parallel(layer, dispatcher="sync_free", exchange="symm_mem", overlap_chunks=2)
+    with pytest.raises(TypeError, match="mesh: expected a 2-D DeviceMesh"):
+        fsdp_expert_parallel(layer, None)
     with pytest.raises(TypeError, match="module"):
         expert_parallel("not a module")
     with pytest.raises(ValueError, match="module: no moeyard.MoE"):
@@ -88,7 +99,8 @@ def test_errors_before_any_collective():
 
 
 def test_bench_ep_under_torchrun(tmp_path):
-    """``moeyard bench --ep 2`` runs under torchrun with gloo and reports every dispatcher and routing."""
+    """``moeyard bench --ep 2 --overlap 1,2`` runs under torchrun with gloo and reports every dispatcher
+    and routing, and the whole call per overlap_chunks."""
     import json
     import os
     import subprocess
@@ -96,7 +108,8 @@ def test_bench_ep_under_torchrun(tmp_path):
 
     out = tmp_path / "ep.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moeyard",
-           "bench", "--ep", "2", "--shape", "32,16,8,4,2", "--warmup", "0", "--iters", "1", "--json", str(out)]
+           "bench", "--ep", "2", "--shape", "32,16,8,4,2", "--warmup", "0", "--iters", "1", "--overlap", "1,2",
+           "--json", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -105,6 +118,9 @@ def test_bench_ep_under_torchrun(tmp_path):
                                                                for b in ("all_to_all", "sync_free", "all_gather")}
     assert len(rows) == 12 and all(r["dispatch_ms"] > 0 and r["experts_ms"] > 0 for r in rows)
     assert {r["rank"] for r in rows} == {0, 1}
+    for r in rows:  # the whole call per overlap_chunks (all_gather: 1 only)
+        assert set(r["overlap"]) == ({"1"} if r["dispatcher"] == "all_gather" else {"1", "2"}), r["overlap"]
+        assert all(v["fwd_ms"] > 0 and v["fwd_bwd_ms"] > 0 for v in r["overlap"].values())
     # balanced routing: every rank computes exactly its share of the 2 * 32 * 2 pairs
     assert all(r["pairs_computed"] == 32 * 2 for r in rows if r["routing"] == "balanced")
 
@@ -139,7 +155,8 @@ def test_nccl_device_check():
 
 def test_symm_mem_limits():
     """The symmetric-memory exchange's checks that need no process group: at most 32 ranks, CUDA,
-    and which path a shape takes (2-D up to 16 local experts and 16 ranks)."""
+    which path a shape takes (2-D up to 16 local experts and 16 ranks), no overlap_chunks > 1."""
+    from moeyard.parallel import EPOptions, ExpertParallel
     from moeyard.parallel.comm import EPGroup
     from moeyard.parallel.symm_mem import check_available, use_2d
 
@@ -149,3 +166,25 @@ def test_symm_mem_limits():
         with pytest.raises(ValueError, match="exchange: 'symm_mem' needs CUDA"):
             check_available(EPGroup(group=None, world_size=2, rank=0, backend="nccl"))
     assert use_2d(2, 16) and use_2d(16, 1) and not use_2d(2, 17) and not use_2d(17, 4)
+    with pytest.raises(ValueError, match="overlap_chunks: not with exchange='symm_mem'"):  # before the CUDA check
+        ExpertParallel(EPGroup(group=None, world_size=2, rank=0, backend="nccl"),
+                       EPOptions(num_experts=4, dispatcher="sync_free", exchange="symm_mem", overlap_chunks=2))
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_fsdp2_on_a_dp2_ep2_mesh():
+    """FSDP2 x expert parallelism on a (dp=2, ep=2) gloo mesh: losses, full gradients and the
+    parameters after two SGD steps equal one process on the global batch."""
+    ep_workers.spawn(ep_workers.worker_fsdp, 4)
+
+
+def test_overlap_two_ranks():
+    """overlap_chunks 2 and 3: every routing case (uneven, a rank with no tokens, all to one rank),
+    sentinels, the layer, no host reads (sync_free), and the order of exchanges and expert compute
+    forward and backward."""
+    ep_workers.spawn(ep_workers.worker_overlap, 2)
+
+
+def test_overlap_four_ranks():
+    """overlap_chunks 2 and 3 on 4 ranks (one with no tokens in the layer cases)."""
+    ep_workers.spawn(ep_workers.worker_overlap, 4)

@@ -102,6 +102,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list-models", action="store_true", help="list the registered model shapes and exit")
     p.add_argument("--ep", type=int, metavar="N", help="expert parallel over N processes: run under torchrun "
                    "--nproc-per-node N -m moeyard bench --ep N (see moeyard.parallel.bench)")
+    p.add_argument("--overlap", default="1", metavar="N,N",
+                   help="with --ep: also time the whole expert-parallel call, forward and forward + backward, with "
+                        "each of these overlap_chunks (e.g. 1,2,4; default 1)")
 
 
 # ---------------------------------------------------------------- info

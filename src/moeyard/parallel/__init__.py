@@ -7,25 +7,32 @@ routed rows to the ranks owning their experts and brings the results back. One m
 
 - :mod:`.comm`: the group and the differentiable collectives;
 - :mod:`.all_to_all`, :mod:`.sync_free`, :mod:`.all_gather`: the dispatchers (dispatch + combine);
+- :mod:`.symm_mem`: ``sync_free``'s NVSHMEM exchange (``exchange="symm_mem"``);
 - :mod:`.experts`: dispatch -> local experts (:func:`moeyard.experts`, any backend) -> combine;
+- :mod:`.overlap`: ``overlap_chunks=N``: the tokens in N chunks, exchanges in flight during experts;
 - :mod:`.apply`: :func:`expert_parallel` (shards the weights, installs the layer's seam);
+- :mod:`.fsdp`: :func:`fsdp_expert_parallel`, composed with FSDP2 on a 2-D ``(dp, ep)`` mesh;
 - :mod:`.bench`: ``moeyard bench --ep N`` under torchrun.
 
-Composing with FSDP2 on a 2-D ``(data, expert)`` mesh (not tested here: no multi-GPU machine)::
+Composing with FSDP2 on a 2-D ``(dp, ep)`` mesh (tested on CPU/gloo at dp = 2 x ep = 2 against one
+process on the global batch: losses, every gradient, two optimizer steps)::
 
     mesh = init_device_mesh("cuda", (dp, ep), mesh_dim_names=("dp", "ep"))
-    expert_parallel(model, mesh["ep"])                 # expert weights: DTensor Shard(0) on "ep"
-    # expert weights are replicated over "dp" only: shard/reduce them over mesh["dp"]
-    # (fully_shard(layer_experts, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(1)) where they
-    # are their own module); every other parameter is replicated over all dp * ep ranks (each EP rank
-    # sees different tokens): shard/reduce it over the flattened mesh, mesh["dp", "ep"]._flatten().
+    fsdp_expert_parallel(model, mesh, blocks=model.model.layers, dispatcher="sync_free", max_tokens=T)
+    optimizer = torch.optim.AdamW(model.parameters())   # afterwards: DTensor parameters
+    loss = loss_fn(model(batch_of_this_rank))            # mean over this rank's tokens
+    loss.backward(); optimizer.step()
 
-Gradients of replicated parameters are each rank's own share; DDP/FSDP reduce them.
+Expert weights are DTensors on the 2-D mesh (``Shard(0)`` over ``ep``, FSDP's shard over ``dp``),
+reduced over ``dp`` with a divide factor of ``dp * ep``; every other parameter is sharded and
+averaged over the flattened mesh (see :mod:`.fsdp` for why). Without FSDP, gradients of replicated
+parameters are each rank's own share; DDP/FSDP reduce them.
 """
 from .apply import expert_parallel, find_experts
 from .comm import EPGroup
 from .common import Dispatched, EPOptions
 from .experts import DISPATCHERS, ExpertParallel
+from .fsdp import fsdp_expert_parallel
 
-__all__ = ["DISPATCHERS", "Dispatched", "EPGroup", "EPOptions", "ExpertParallel", "expert_parallel",
-           "find_experts"]
+__all__ = ["DISPATCHERS", "Dispatched", "EPGroup", "EPOptions", "ExpertParallel", "expert_parallel", "find_experts",
+           "fsdp_expert_parallel"]

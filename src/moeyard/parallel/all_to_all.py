@@ -11,14 +11,18 @@ combine: the reverse all-to-all, then :func:`moeyard.unpermute` weights and sums
 on its own rank (router gradients stay local).
 
 Memory: exactly the routed rows, ``[N, H]`` sent and ``[R, H]`` received per rank.
+
+Stages (:mod:`.overlap` runs them over chunks of the tokens with the exchanges in flight):
+:func:`depart_dispatch` (every chunk's plan, one counts exchange and one host sync for all chunks),
+:func:`arrive_dispatch`, :func:`depart_combine`, :func:`arrive_combine`.
 """
 from __future__ import annotations
 
 import torch
 
 from ..dispatch import make_plan, permute, unpermute
-from .comm import EPGroup, all_to_all
-from .common import Dispatched, EPOptions, local_experts
+from .comm import EPGroup, all_to_all, exchange
+from .common import Dispatched, EPOptions, Outgoing, chunk_bounds, local_experts
 
 Tensor = torch.Tensor
 
@@ -26,22 +30,54 @@ Tensor = torch.Tensor
 def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions) -> Dispatched:
     """``x [T, H]``, ``topk_ids [T, K]`` (global ids; others dropped), ``topk_weights [T, K]`` ->
     the rows this rank's experts compute, ``[R, H]`` with ``[R, 1]`` local ids."""
-    W, El = ep.world_size, local_experts(options, ep)
-    plan = make_plan(topk_ids, options.num_experts)
-    counts = plan.tokens_per_expert.to(torch.int64)  # [E]: to rank d, counts[d * El:(d + 1) * El]
-    received = all_to_all(counts, None, None, ep.group).view(W, El)  # [W, E_l]: from each source
-    sizes = torch.cat([counts.view(W, El).sum(1), received.sum(1)]).tolist()  # the host sync
-    send, recv = sizes[:W], sizes[W:]
-    rows = all_to_all(permute(x, plan)[:sum(send)], recv, send, ep.group)
-    ids = torch.arange(El, device=x.device).repeat(W)
-    row_ids = torch.repeat_interleave(ids, received.reshape(-1), output_size=sum(recv))
-    return Dispatched(rows=rows, topk_ids=row_ids.unsqueeze(1), topk_weights=rows.new_ones(rows.shape[0], 1),
-                      state=(plan, send, recv, topk_weights, ep.group))
+    out, = depart_dispatch(x, topk_ids, topk_weights, ep, options)
+    return arrive_dispatch(*exchange(out, ep.group), out, ep, options)
 
 
 def combine(y: Tensor, dispatched: Dispatched) -> Tensor:
     """``y [R, H]`` (the experts' rows) -> ``[T, H]`` on the tokens' own rank."""
-    plan, send, recv, topk_weights, group = dispatched.state
-    back = all_to_all(y, send, recv, group)  # [sum(send), H], in the plan's sorted order
+    out = depart_combine(y, dispatched)
+    return arrive_combine(exchange(out, dispatched.state[-1])[0], dispatched)
+
+
+def depart_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions,
+                    chunks: int = 1) -> list[Outgoing]:
+    """The tokens in ``chunks`` consecutive chunks of ``ceil(T / chunks)`` (any count per rank); per
+    chunk the rows sorted by global expert id and their exact split sizes. One ``all_to_all_single``
+    of every chunk's per-expert counts and one host read of all sizes (the host sync)."""
+    W, El, n = ep.world_size, local_experts(options, ep), chunks
+    bounds = chunk_bounds(x.shape[0], -(-x.shape[0] // n), n)
+    chunks = [(x[a:b], topk_ids[a:b], topk_weights[a:b]) for a, b in bounds]
+    plans = [make_plan(ids, options.num_experts) for _, ids, _ in chunks]
+    counts = torch.stack([p.tokens_per_expert.to(torch.int64) for p in plans])  # [n, E]
+    by_peer = counts.view(n, W, El).transpose(0, 1).contiguous()               # [W, n, E_l]: to each peer
+    received = all_to_all(by_peer.view(-1), None, None, ep.group).view(W, n, El)  # from each source
+    sizes = torch.cat([by_peer.sum(2).reshape(-1), received.sum(2).reshape(-1)]).view(2, W, n)
+    send, recv = sizes.transpose(1, 2).tolist()  # the host sync: [n][W] each
+    return [Outgoing(rows=permute(x, plan)[:sum(send[c])], out_splits=recv[c], in_splits=send[c],
+                     state=(plan, received[:, c], w))
+            for c, ((x, _, w), plan) in enumerate(zip(chunks, plans))]
+
+
+def arrive_dispatch(rows: Tensor, ids, out: Outgoing, ep: EPGroup, options: EPOptions) -> Dispatched:
+    """The received rows ``[R, H]`` (rank-major, expert ids ascending within each source) -> the
+    :class:`Dispatched` for the local experts."""
+    plan, received, topk_weights = out.state
+    El = local_experts(options, ep)
+    local = torch.arange(El, device=rows.device).repeat(ep.world_size)
+    row_ids = torch.repeat_interleave(local, received.reshape(-1), output_size=rows.shape[0])
+    return Dispatched(rows=rows, topk_ids=row_ids.unsqueeze(1), topk_weights=rows.new_ones(rows.shape[0], 1),
+                      state=(plan, out.in_splits, out.out_splits, topk_weights, ep.group))
+
+
+def depart_combine(y: Tensor, dispatched: Dispatched) -> Outgoing:
+    """The experts' rows ``y [R, H]`` back to their sources: the dispatch's splits swapped."""
+    _, send, recv, _, _ = dispatched.state
+    return Outgoing(rows=y, out_splits=send, in_splits=recv)
+
+
+def arrive_combine(back: Tensor, dispatched: Dispatched) -> Tensor:
+    """``back [sum(send), H]`` in the plan's sorted order -> ``[T, H]`` (pairs weighted and summed)."""
+    plan, _, _, topk_weights, _ = dispatched.state
     rows = torch.cat([back, back.new_zeros(plan.num_rows - back.shape[0], back.shape[1])])  # dropped ids: 0
     return unpermute(rows, plan, topk_weights)

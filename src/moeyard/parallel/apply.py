@@ -9,7 +9,7 @@ import torch.nn as nn
 from .comm import EPGroup, resolve_group
 from .common import EPOptions
 from .experts import DISPATCHERS, ExpertParallel
-from .sync_free import EXCHANGES, check_exchange
+from .sync_free import EXCHANGES, check_exchange, check_overlap
 
 # the attribute each kind of module reads instead of calling moeyard.experts itself
 MOE_SEAM = "expert_parallel"                 # moeyard.MoE
@@ -18,7 +18,7 @@ TRANSFORMERS_SEAM = "moeyard_expert_parallel"  # transformers experts modules (m
 
 def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_all",
                     capacity_factor: float | None = None, max_tokens: int | None = None,
-                    align: int = 1, exchange: str = "auto") -> nn.Module:
+                    align: int = 1, exchange: str = "auto", overlap_chunks: int = 1) -> nn.Module:
     """Split the routed experts of ``module`` over the ranks of ``group``; returns ``module``.
 
     Every :class:`moeyard.MoE` in ``module`` (itself included) and every transformers experts module
@@ -49,6 +49,13 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
             ``symm_mem`` (only the routed rows, through NVSHMEM symmetric memory: CUDA, NCCL, at
             most 32 ranks; see :mod:`moeyard.parallel.symm_mem`) or ``auto`` (``all_to_all``: the
             symmetric path is the default only once ``benchmarks/ep_symm_check.py`` has passed on GPUs).
+        overlap_chunks: ``all_to_all`` / ``sync_free``: split each call's tokens into this many chunks
+            and keep one chunk's exchanges in flight (``async_op=True``) while another chunk's experts
+            run, forward and backward (:mod:`moeyard.parallel.overlap`); 1 (default): one blocking
+            exchange each way. Same results up to float rounding; ``sync_free`` sizes each chunk's
+            blocks at ``ceil(T_max / overlap_chunks)`` tokens (no host sync added). Not with
+            ``capacity_factor`` (capacity would then apply per chunk), nor with ``exchange="symm_mem"``
+            (its NVSHMEM all-to-alls are kernels on the current stream, not async collectives).
 
     On NCCL call ``torch.cuda.set_device(local_rank)`` first (the shape check's ``all_gather_object``
     and every exchange use the current device) and keep the layers' tensors on that device.
@@ -56,6 +63,8 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
     Raises:
         ValueError: unknown ``dispatcher``; bad ``capacity_factor``, ``max_tokens``, ``align`` or
             ``exchange`` (``symm_mem`` where it cannot run: not CUDA, not NCCL, no NVSHMEM, W > 32);
+            ``overlap_chunks`` (not a positive int, or > 1 with ``all_gather``, ``capacity_factor`` or
+            ``exchange="symm_mem"``);
             ``group`` not initialised, a mesh not 1-D, or a world size not dividing E; ``module`` with
             no experts, already expert parallel, a transformers experts module not running
             ``"moeyard"``, or expert shapes that differ across ranks (checked with one all-gather);
@@ -64,6 +73,7 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         TypeError: ``module`` is not an ``nn.Module``, ``group`` of the wrong kind.
     """
     _check_options(dispatcher, capacity_factor, max_tokens, align, exchange)
+    _check_overlap(overlap_chunks, dispatcher, capacity_factor, exchange)
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
     targets = find_experts(module)
@@ -91,7 +101,7 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         E = _num_experts(m)
         _shard(m, E, ep)
         options = EPOptions(num_experts=E, dispatcher=dispatcher, capacity_factor=capacity_factor,
-                            max_tokens=max_tokens, align=align, exchange=exchange)
+                            max_tokens=max_tokens, align=align, exchange=exchange, overlap_chunks=overlap_chunks)
         setattr(m, seam, ExpertParallel(ep, options))
     return module
 
@@ -186,3 +196,15 @@ def _check_options(dispatcher, capacity_factor, max_tokens, align, exchange) -> 
         raise ValueError(f"exchange: expected one of {list(EXCHANGES)}, got {exchange!r}")
     if exchange != "auto" and dispatcher != "sync_free":
         raise ValueError(f"exchange: only the sync_free dispatcher has a choice of exchange, got dispatcher={dispatcher!r}")
+
+
+def _check_overlap(overlap_chunks, dispatcher, capacity_factor, exchange) -> None:
+    if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
+        raise ValueError(f"overlap_chunks: expected a positive int, got {overlap_chunks!r}")
+    if overlap_chunks > 1 and dispatcher == "all_gather":
+        raise ValueError("overlap_chunks: only the all_to_all and sync_free dispatchers overlap their exchanges, "
+                         "got dispatcher='all_gather'")
+    if overlap_chunks > 1 and capacity_factor is not None:
+        raise ValueError("overlap_chunks: not with capacity_factor (its capacity would apply per chunk and drop "
+                         "other pairs than one exchange does)")
+    check_overlap(exchange, overlap_chunks)

@@ -12,7 +12,11 @@ E / N random experts. For each dispatcher it times, forward only (CUDA events on
 - the achieved exchange bandwidth: rows this rank sends in dispatch x H x bytes / dispatch time,
   next to a plain ``all_to_all_single`` of the same bytes in equal splits, in the same run;
 - the experts' TFLOP/s (6 * routed rows * H * I for gated experts, 4 * for plain ones) next to the
-  same backend on the same number of rows per expert, fresh and contiguous (one GPU, no exchange).
+  same backend on the same number of rows per expert, fresh and contiguous (one GPU, no exchange);
+- the whole :class:`ExpertParallel` call (dispatch, experts, combine), forward and forward +
+  backward (gradients of the tokens, routing weights and local expert weights), for each
+  ``overlap_chunks`` of ``--overlap`` (e.g. ``1,2,4``; ``all_gather`` and ``sync_free`` with the
+  ``symm_mem`` exchange: 1 only): what overlapping the exchanges with the experts saves.
 
 Rank 0 prints one row per (routing, dispatcher) with the slowest rank's times (what a step waits
 for) and writes every rank's numbers with ``--json``. Processes use NCCL on CUDA (device
@@ -35,7 +39,8 @@ from ..experts import experts
 from ..routing import route
 from .comm import resolve_group
 from .common import EPOptions
-from .experts import DISPATCHERS
+from .experts import DISPATCHERS, ExpertParallel
+from .sync_free import resolve_exchange
 
 Tensor = torch.Tensor
 
@@ -64,6 +69,7 @@ def _run(args, command: str, device: torch.device) -> int:
         raise SystemExit(f"--ep: {args.ep} but torchrun started {ep.world_size} processes")
     from ..cli import bench_options
 
+    overlaps = parse_overlap(args.overlap)
     opts = layer_bench.resolve_options(_with(bench_options(args, command), device=str(device)))
     backend = (opts.backends or ["auto"])[0]
     routings = [opts.routing] if opts.routing != "random" else ["balanced", "zipf"]
@@ -74,7 +80,7 @@ def _run(args, command: str, device: torch.device) -> int:
             raise SystemExit(f"--ep: {ep.world_size} does not divide num_experts={config.num_experts} of {shape.name}")
         for routing in routings:
             for name in DISPATCHERS:
-                rows.append(measure(shape, config, routing, name, backend, ep, opts, device))
+                rows.append(measure(shape, config, routing, name, backend, ep, opts, device, overlaps))
     everyone = [None] * ep.world_size
     dist.all_gather_object(everyone, rows)
     if ep.rank == 0:
@@ -82,9 +88,25 @@ def _run(args, command: str, device: torch.device) -> int:
     return 0
 
 
-def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts, device, *,
-            exchange: str = "auto") -> dict:
-    """One rank's numbers for one (shape, routing, dispatcher); ``sync_free`` rows moved by ``exchange``."""
+def parse_overlap(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``.
+
+    Raises:
+        SystemExit: not a comma-separated list of positive ints (names ``--overlap``)."""
+    try:
+        values = [int(v) for v in str(text).split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise SystemExit(f"--overlap: expected comma-separated positive ints (overlap_chunks), got {text!r}")
+    return sorted(set(values))
+
+
+def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts, device,
+            overlaps: list[int] = (1,), *, exchange: str = "auto") -> dict:
+    """One rank's numbers for one (shape, routing, dispatcher); ``sync_free`` rows moved by
+    ``exchange``; the whole call timed at each of ``overlaps`` that the options take (1 only for
+    ``all_gather`` and the ``symm_mem`` exchange)."""
     T, E, H, I, K = shape.tokens, config.num_experts, config.hidden_size, config.intermediate_size, config.top_k
     El, dtype = E // ep.world_size, layer_bench.DTYPES[opts.dtype]
     torch.manual_seed(1000 + ep.rank)  # each rank its own tokens
@@ -117,6 +139,9 @@ def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts
         ref_ids = torch.sort(d.topk_ids[live])[0].unsqueeze(1)
         ref_x = torch.randn(pairs, H, device=device, dtype=dtype)
         t_ref = time_ms(lambda: experts(ref_x, ref_ids, torch.ones_like(ref_ids, dtype=dtype), w_up, w_down, **kw))
+    layer = {str(n): measure_layer(ExpertParallel(ep, EPOptions(**{**options.__dict__, "overlap_chunks": n})),
+                                   x, ids, w, w_up, w_down, kw, time_ms)
+             for n in overlaps if n == 1 or _overlaps(options)}
     flops = (6 if gated else 4) * pairs * H * I
     nbytes = sent * H * dtype.itemsize
     return {"case": shape.name, "routing": routing, "dispatcher": dispatcher, "exchange": options.exchange,
@@ -126,7 +151,27 @@ def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts
             "dispatch_GBps": nbytes / t_dispatch / 1e6, "plain_all_to_all_ms": plain,
             "plain_all_to_all_GBps": nbytes / plain / 1e6, "experts_tflops": flops / t_experts / 1e9,
             "one_device_ms": t_ref, "one_device_tflops": flops / t_ref / 1e9,
-            "dropped": None if d.dropped is None else int(d.dropped)}
+            "dropped": None if d.dropped is None else int(d.dropped), "overlap": layer}
+
+
+def measure_layer(call, x, ids, w, w_up, w_down, kw: dict, time_ms) -> dict:
+    """``{"fwd_ms", "fwd_bwd_ms"}`` of the whole expert-parallel call: forward alone, and forward +
+    backward into fresh leaves of the tokens, routing weights and local expert weights."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w_up, w_down)]
+    dy = torch.randn_like(x)
+
+    def step():
+        xl, wl, up, down = leaves
+        call(xl, ids, wl, up, down, **kw).backward(dy)
+
+    with torch.no_grad():
+        fwd = time_ms(lambda: call(x, ids, w, w_up, w_down, **kw))
+    return {"fwd_ms": fwd, "fwd_bwd_ms": time_ms(step)}
+
+
+def _overlaps(options: EPOptions) -> bool:
+    """Whether ``options`` take ``overlap_chunks > 1``: not ``all_gather``, not the ``symm_mem`` exchange."""
+    return options.dispatcher != "all_gather" and resolve_exchange(options.exchange) != "symm_mem"
 
 
 def _time_ms(fn, ep, opts, device) -> float:
@@ -158,6 +203,11 @@ def _with(opts, **changes):
     return layer_bench.BenchOptions(**{**opts.__dict__, **changes})
 
 
+def _slowest(per: list[dict], key: str) -> str:
+    """``"a / b / c"``: the slowest rank's ``key`` for each overlap_chunks measured."""
+    return " / ".join(f"{max(p['overlap'][n][key] for p in per):.3f}" for n in per[0]["overlap"])
+
+
 def _report(everyone: list[list[dict]], opts, args, device) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -166,7 +216,8 @@ def _report(everyone: list[list[dict]], opts, args, device) -> None:
     table = Table(title=f"moeyard bench --ep {W} · {layer_bench.device_info(device)['device']} · {opts.dtype} · "
                         f"slowest rank's ms, rank 0's rates")
     cols = ("case", "routing", "dispatcher", "T/rank", "rows recv (max)", "dispatch ms", "experts ms", "combine ms",
-            "GB/s", "plain a2a GB/s", "TFLOP/s", "1-device TFLOP/s", "dropped")
+            "GB/s", "plain a2a GB/s", "TFLOP/s", "1-device TFLOP/s", "dropped",
+            f"fwd ms (overlap {'/'.join(everyone[0][0]['overlap'])})", "fwd+bwd ms")
     for c in cols:
         table.add_column(c, justify="left" if c in ("case", "routing", "dispatcher") else "right")
     for i, r0 in enumerate(everyone[0]):
@@ -176,8 +227,9 @@ def _report(everyone: list[list[dict]], opts, args, device) -> None:
                       f"{slow['dispatch_ms']:.3f}", f"{slow['experts_ms']:.3f}", f"{slow['combine_ms']:.3f}",
                       f"{r0['dispatch_GBps']:.2f}", f"{r0['plain_all_to_all_GBps']:.2f}",
                       f"{r0['experts_tflops']:.3g}", f"{r0['one_device_tflops']:.3g}",
-                      "-" if r0["dropped"] is None else str(sum(p["dropped"] for p in per)))
-    Console(width=200).print(table)
+                      "-" if r0["dropped"] is None else str(sum(p["dropped"] for p in per)),
+                      _slowest(per, "fwd_ms"), _slowest(per, "fwd_bwd_ms"))
+    Console(width=260).print(table)
     if args.json:
         text = json.dumps({"env": layer_bench.environment(opts), "world_size": W,
                            "rows": [r for rank_rows in everyone for r in rank_rows]}, indent=1)

@@ -88,6 +88,13 @@ def all_to_all(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | N
     return _AllToAll.apply(x, out_splits, in_splits, group, out_rows)
 
 
+def exchange(out, group) -> tuple[Tensor, Tensor | None]:
+    """A blocking exchange of a dispatcher stage's :class:`~moeyard.parallel.common.Outgoing`:
+    ``(rows, ids)`` received (``ids`` None when none were sent; sent first)."""
+    ids = None if out.ids is None else _a2a(out.ids, None, None, group, None)
+    return all_to_all(out.rows, out.out_splits, out.in_splits, group), ids
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group, out_rows):

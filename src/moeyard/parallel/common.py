@@ -31,6 +31,9 @@ class EPOptions:
             ``all_to_all`` (worst-case blocks, ``all_to_all_single`` of equal splits), ``symm_mem``
             (exact rows through NVSHMEM symmetric memory, :mod:`moeyard.parallel.symm_mem`) or
             ``auto`` (``all_to_all`` until the symmetric path has been verified on GPUs).
+        overlap_chunks: ``all_to_all`` / ``sync_free``: the layer's tokens go in this many chunks, each
+            chunk's exchanges in flight while another chunk's experts compute (:mod:`.overlap`); 1: one
+            blocking exchange each way. ``sync_free`` overlaps the ``all_to_all`` exchange only.
     """
 
     num_experts: int
@@ -39,6 +42,25 @@ class EPOptions:
     max_tokens: int | None = None
     align: int = 1
     exchange: str = "auto"
+    overlap_chunks: int = 1
+
+
+@dataclass(kw_only=True)
+class Outgoing:
+    """One exchange's payload, as a dispatcher's stages hand it over (see :mod:`.overlap`).
+
+    Attributes:
+        rows: ``[N, H]`` rows sent with ``all_to_all_single`` (differentiable).
+        out_splits, in_splits: host split sizes (rows from / to each rank); None: equal splits.
+        ids: ``[N]`` int64 exchanged beside ``rows`` with equal splits (not differentiable), or None.
+        state: what the receiving stage needs besides the received tensors.
+    """
+
+    rows: Tensor
+    out_splits: list[int] | None = None
+    in_splits: list[int] | None = None
+    ids: Tensor | None = None
+    state: object = None
 
 
 @dataclass(kw_only=True)
@@ -58,6 +80,12 @@ class Dispatched:
     topk_weights: Tensor
     state: object
     dropped: Tensor | None = None
+
+
+def chunk_bounds(num_tokens: int, chunk_tokens: int, chunks: int) -> list[tuple[int, int]]:
+    """``[(start, stop)]`` of ``chunks`` consecutive chunks of at most ``chunk_tokens`` tokens each
+    out of ``num_tokens`` (trailing chunks may be empty: every rank issues the same exchanges)."""
+    return [(min(c * chunk_tokens, num_tokens), min((c + 1) * chunk_tokens, num_tokens)) for c in range(chunks)]
 
 
 def local_experts(options: EPOptions, ep: EPGroup) -> int:

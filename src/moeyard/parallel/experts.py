@@ -13,9 +13,11 @@ from ..experts import experts
 from . import all_gather, all_to_all, sync_free
 from .comm import EPGroup, check_device
 from .common import EPOptions, local_experts
+from .overlap import pipelined
 
 Tensor = torch.Tensor
 DISPATCHERS = {"all_to_all": all_to_all, "sync_free": sync_free, "all_gather": all_gather}
+REPR_DEFAULTS = {"capacity_factor": None, "max_tokens": None, "align": 1, "exchange": "auto", "overlap_chunks": 1}
 
 
 def to_local(t):
@@ -33,7 +35,8 @@ class ExpertParallel:
     """
 
     def __init__(self, ep: EPGroup, options: EPOptions):
-        """Raises ValueError when ``options.exchange`` cannot run on ``ep`` (``symm_mem`` off CUDA/NCCL/NVSHMEM)."""
+        """Raises ValueError when ``options.exchange`` cannot run on ``ep`` (``symm_mem`` off
+        CUDA/NCCL/NVSHMEM, or with ``overlap_chunks > 1``)."""
         self.ep, self.options = ep, options
         self.dispatcher = DISPATCHERS[options.dispatcher]
         if options.dispatcher == "sync_free":
@@ -78,17 +81,22 @@ class ExpertParallel:
         bad = None
         if not drop_invalid and not check_ids_on_host(topk_ids, E):
             bad = invalid_ids(topk_ids, E).any(1, keepdim=True)  # accelerator: NaN rows, as moeyard.experts
-        d = self.dispatcher.dispatch(hidden_states, topk_ids, topk_weights.to(hidden_states.dtype), self.ep,
-                                     self.options)
-        y = experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down, drop_invalid=True, **kwargs)
-        out = self.dispatcher.combine(y, d)
-        self.dropped = d.dropped
+
+        def compute(d):
+            return experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down, drop_invalid=True, **kwargs)
+
+        weights = topk_weights.to(hidden_states.dtype)
+        if self.options.overlap_chunks > 1:
+            out, self.dropped = pipelined(self.dispatcher, hidden_states, topk_ids, weights, self.ep, self.options,
+                                          compute)
+        else:
+            d = self.dispatcher.dispatch(hidden_states, topk_ids, weights, self.ep, self.options)
+            out = self.dispatcher.combine(compute(d), d)
+            self.dropped = d.dropped
         return out if bad is None else out.masked_fill(bad, float("nan"))
 
     def __repr__(self) -> str:
         o = self.options
-        extra = "".join(f", {k}={getattr(o, k)}" for k in ("capacity_factor", "max_tokens")
-                        if getattr(o, k) is not None) + (f", align={o.align}" if o.align != 1 else "") \
-            + (f", exchange={o.exchange}" if o.exchange != "auto" else "")
+        extra = "".join(f", {k}={getattr(o, k)}" for k, default in REPR_DEFAULTS.items() if getattr(o, k) != default)
         return (f"ExpertParallel(dispatcher={o.dispatcher}, num_experts={o.num_experts}, "
                 f"world_size={self.ep.world_size}, rank={self.ep.rank}{extra})")

@@ -21,20 +21,30 @@ Steps:
 3. combine: the exchange brings each pair's expert output back (``[T, K, H]``, zeros for dropped
    pairs), then each token's pairs are weighted and summed on its own rank.
 
-The exchanges:
+The exchanges (:data:`EXCHANGE_IMPLS`, each an :class:`Exchange`):
 
-- ``all_to_all`` (:func:`exchange_equal_splits`): every rank sends every peer a block of ``C``
-  rows, empty slots included, with ``all_to_all_single`` of equal static splits; the local expert
-  ids travel with them (``E_l`` for an empty slot: this is how the counts travel); a dispatch plan
-  then places the received rows expert-major. Memory per rank: the send and the receive buffer of
-  ``W * C`` rows each, i.e. ``2 * W * T_max * min(K, E_l) * H`` elements (plus the same again for
-  the experts' output and its return), versus ``~2 * T * K * H`` for the exact all-to-all:
-  ``W * min(K, E_l) / K`` times more (8x at W = 8, K = 8, E_l >= 8; W times more at E_l >= K),
-  and as many bytes on the wire.
+- ``all_to_all`` (:func:`exchange_equal_splits`, :func:`combine_equal_splits`): every rank sends
+  every peer a block of ``C`` rows, empty slots included, with ``all_to_all_single`` of equal static
+  splits; the local expert ids travel with them (``E_l`` for an empty slot: this is how the counts
+  travel); a dispatch plan then places the received rows expert-major. Memory per rank: the send
+  and the receive buffer of ``W * C`` rows each, i.e. ``2 * W * T_max * min(K, E_l) * H`` elements
+  (plus the same again for the experts' output and its return), versus ``~2 * T * K * H`` for the
+  exact all-to-all: ``W * min(K, E_l) / K`` times more (8x at W = 8, K = 8, E_l >= 8; W times more
+  at E_l >= K), and as many bytes on the wire. Each direction is a send half and a receive half
+  (:func:`pack_slots` / :func:`place_slots`, :func:`unplace_slots` / :func:`unpack_slots`) around
+  one :func:`moeyard.parallel.comm.exchange`.
 - ``symm_mem`` (:mod:`moeyard.parallel.symm_mem`): only the routed rows travel, through NVSHMEM
   symmetric buffers sized for the same worst case, counts exchanged on the device.
 - ``auto``: ``all_to_all``, until the ``symm_mem`` path has passed ``benchmarks/ep_symm_check.py``
   on GPUs.
+
+Stages (``overlap_chunks=N``: :mod:`.overlap` runs them over N chunks of the tokens, each chunk
+with C at its own bound ``ceil(T_max / N)``, with the exchanges in flight): :func:`depart_dispatch`
+(step 1 and the ``all_to_all`` exchange's send half), :func:`arrive_dispatch` (its receive half),
+:func:`depart_combine`, :func:`arrive_combine`. They run the ``all_to_all`` exchange only: the
+``symm_mem`` ops are kernels on the current stream sharing one set of symmetric buffers, not
+collectives that can stay in flight per chunk, so ``overlap_chunks > 1`` with ``symm_mem`` raises
+ValueError (:func:`check_overlap`).
 """
 from __future__ import annotations
 
@@ -44,10 +54,10 @@ from typing import Callable
 
 import torch
 
-from ..dispatch import make_plan, permute, unpermute
-from . import symm_mem
-from .comm import EPGroup, all_to_all
-from .common import Dispatched, EPOptions, local_experts, token_counts, weighted_sum
+from ..dispatch import DispatchPlan, make_plan, permute, unpermute
+from . import comm, symm_mem
+from .comm import EPGroup
+from .common import Dispatched, EPOptions, Outgoing, chunk_bounds, local_experts, token_counts, weighted_sum
 
 Tensor = torch.Tensor
 EXCHANGES = ("auto", "all_to_all", "symm_mem")
@@ -107,6 +117,17 @@ def route_pairs(topk_ids: Tensor, num_experts: int, world_size: int, max_tokens:
                  pair_slot=pair_slot, dropped=(valid & ~sent).sum())
 
 
+def chunk_routes(topk_ids: Tensor, ep: EPGroup, options: EPOptions, chunks: int = 1) -> list[tuple[slice, Route]]:
+    """The tokens in ``chunks`` consecutive chunks of ``ceil(T_max / chunks)`` tokens (static; trailing
+    ones may be empty), each with its :class:`Route` at C = :func:`block_rows` of the chunk's bound."""
+    T, K = topk_ids.shape
+    W, El = ep.world_size, local_experts(options, ep)
+    T_chunk = -(-_max_tokens(T, ep, options, topk_ids.device) // chunks)
+    C = block_rows(T_chunk, K, El, W, options.capacity_factor)
+    return [(slice(a, b), route_pairs(topk_ids[a:b], options.num_experts, W, T_chunk, C))
+            for a, b in chunk_bounds(T, T_chunk, chunks)]
+
+
 @dataclass(frozen=True)
 class Exchange:
     """One way to move the rows: ``dispatch(x [T, H], route, ep, align) -> (rows [R, H], row
@@ -131,20 +152,21 @@ class State:
 def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions) -> Dispatched:
     """``x [T, H]``, ``topk_ids [T, K]`` (global ids; others dropped), ``topk_weights [T, K]`` ->
     expert-major rows ``[R, H]`` (R static) with ``[R, 1]`` local ids (``E_l``: an empty row)."""
-    T, K = topk_ids.shape
-    W, El = ep.world_size, local_experts(options, ep)
-    T_max = _max_tokens(T, ep, options, x.device)
-    route = route_pairs(topk_ids, options.num_experts, W, T_max, block_rows(T_max, K, El, W, options.capacity_factor))
+    (_, route), = chunk_routes(topk_ids, ep, options)
     exchange = EXCHANGE_IMPLS[resolve_exchange(options.exchange)]
     rows, row_experts, handle = exchange.dispatch(x, route, ep, options.align)
-    return Dispatched(rows=rows, topk_ids=row_experts.unsqueeze(1), topk_weights=rows.new_ones(rows.shape[0], 1),
-                      state=State(exchange, handle, topk_weights), dropped=route.dropped)
+    return _dispatched(rows, row_experts, State(exchange, handle, topk_weights), route)
 
 
 def combine(y: Tensor, dispatched: Dispatched) -> Tensor:
     """``y [R, H]`` (the experts' expert-major rows) -> ``[T, H]`` on the tokens' own rank."""
     state = dispatched.state
     return weighted_sum(state.exchange.combine(y, state.handle), state.topk_weights)
+
+
+def _dispatched(rows: Tensor, row_experts: Tensor, state: State, route: Route) -> Dispatched:
+    return Dispatched(rows=rows, topk_ids=row_experts.unsqueeze(1), topk_weights=rows.new_ones(rows.shape[0], 1),
+                      state=state, dropped=route.dropped)
 
 
 def resolve_exchange(name: str) -> str:
@@ -158,22 +180,92 @@ def check_exchange(ep: EPGroup, options: EPOptions) -> None:
     no collective).
 
     Raises:
-        ValueError: ``symm_mem`` without CUDA, an NCCL group, NVSHMEM, the ``torch.ops.symm_mem``
-            ops, or with more than 32 ranks (see :func:`moeyard.parallel.symm_mem.check_available`).
+        ValueError: as :func:`check_overlap`; ``symm_mem`` without CUDA, an NCCL group, NVSHMEM, the
+            ``torch.ops.symm_mem`` ops, or with more than 32 ranks (see
+            :func:`moeyard.parallel.symm_mem.check_available`).
     """
+    check_overlap(options.exchange, options.overlap_chunks)
     if resolve_exchange(options.exchange) == "symm_mem":
         symm_mem.check_available(ep)
 
 
+def check_overlap(exchange: str, overlap_chunks: int) -> None:
+    """Raise ValueError for ``overlap_chunks > 1`` with the ``symm_mem`` exchange (options only).
+
+    :mod:`.overlap` keeps each chunk's exchange in flight as an ``async_op=True`` collective and
+    waits for it later; the NVSHMEM ops are kernels on the current stream, with a barrier inside,
+    that reuse one set of symmetric buffers per shape, so chunks could neither be in flight together
+    nor keep their rows apart."""
+    if overlap_chunks > 1 and resolve_exchange(exchange) == "symm_mem":
+        raise ValueError("overlap_chunks: not with exchange='symm_mem' (its NVSHMEM all-to-alls are kernels on "
+                         "the current stream sharing one set of symmetric buffers, not async collectives to keep "
+                         "in flight per chunk); use overlap_chunks=1 or exchange='all_to_all'")
+
+
+# ---------------------------------------------------------------- stages (overlap_chunks; all_to_all exchange)
+
+def depart_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions,
+                    chunks: int = 1) -> list[Outgoing]:
+    """Per chunk of :func:`chunk_routes`: its route and the ``all_to_all`` exchange's send half
+    (:func:`pack_slots`: ``[W * C, H]`` slot rows and ``[W * C]`` local ids).
+
+    Raises:
+        ValueError: ``options.exchange`` other than ``all_to_all`` / ``auto``."""
+    if resolve_exchange(options.exchange) != "all_to_all":
+        raise ValueError(f"exchange: the sync_free stages run the all_to_all exchange only, got {options.exchange!r}")
+    return [pack_slots(x[s], route, state=(route, topk_weights[s]))
+            for s, route in chunk_routes(topk_ids, ep, options, chunks)]
+
+
+def arrive_dispatch(recv_x: Tensor, recv_ids: Tensor, out: Outgoing, ep: EPGroup, options: EPOptions) -> Dispatched:
+    """The received slots ``[W * C, H]`` and ids ``[W * C]`` of ``out``'s exchange -> the
+    :class:`Dispatched` for the local experts (:func:`place_slots`)."""
+    route, topk_weights = out.state
+    rows, row_experts, handle = place_slots(recv_x, recv_ids, route, ep.group, options.align)
+    return _dispatched(rows, row_experts, State(EXCHANGE_IMPLS["all_to_all"], handle, topk_weights), route)
+
+
+def depart_combine(y: Tensor, dispatched: Dispatched) -> Outgoing:
+    """The experts' rows ``y [R, H]`` back to their ``[W * C, H]`` slots (:func:`unplace_slots`)."""
+    return unplace_slots(y, dispatched.state.handle)
+
+
+def arrive_combine(back: Tensor, dispatched: Dispatched) -> Tensor:
+    """The returned slots ``[W * C, H]`` -> ``[T, H]``, each token's pairs weighted and summed."""
+    state = dispatched.state
+    return weighted_sum(unpack_slots(back, state.handle), state.topk_weights)
+
+
 # ---------------------------------------------------------------- all_to_all: equal static splits
 
-def exchange_equal_splits(x: Tensor, route: Route, ep: EPGroup, align: int):
+@dataclass(frozen=True)
+class Slots:
+    """The ``all_to_all`` exchange's handle: the plan over the received ``[W * C]`` slots (expert-major
+    placement), this rank's :class:`Route`, the process group."""
+
+    plan: DispatchPlan
+    route: Route
+    group: object
+
+
+def exchange_equal_splits(x: Tensor, route: Route, ep: EPGroup, align: int) -> tuple[Tensor, Tensor, Slots]:
     """The portable exchange: the slots ``[W * C, H]`` and their local ids ``[W * C]`` (``E_l``:
     empty) go out with ``all_to_all_single`` of equal static splits, then the received rows are
     placed expert-major (each expert's rows padded to ``align``).
 
-    Returns ``(rows [R, H], row experts [R], (plan, route, group))``, the plan over the received
-    slots (:func:`combine_equal_splits` undoes it)."""
+    Returns ``(rows [R, H], row experts [R], handle)`` (:func:`combine_equal_splits` undoes it)."""
+    return place_slots(*comm.exchange(pack_slots(x, route), ep.group), route, ep.group, align)
+
+
+def combine_equal_splits(y: Tensor, handle: Slots) -> Tensor:
+    """``y [R, H]`` -> ``[T, K, H]``: rows back to their slots, the reverse exchange, each pair's row
+    (zeros where not sent)."""
+    return unpack_slots(comm.exchange(unplace_slots(y, handle), handle.group)[0], handle)
+
+
+def pack_slots(x: Tensor, route: Route, state: object = None) -> Outgoing:
+    """Dispatch's send half: ``x [T, H]`` -> the ``[W * C, H]`` slot rows (zeros in empty slots) and
+    their ``[W * C]`` local expert ids (``E_l``: empty), ``state`` passed along."""
     T, K, El = route.num_tokens, route.top_k, route.num_local_experts
     slots = route.world_size * route.block_rows
     slot_pair = torch.full((slots + 1,), T * K, device=x.device, dtype=torch.int64)
@@ -181,25 +273,32 @@ def exchange_equal_splits(x: Tensor, route: Route, ep: EPGroup, align: int):
     slot_token = torch.where(slot_pair < T * K, slot_pair // K, T)
     send_x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, slot_token)  # [W * C, H]
     local = torch.cat([torch.where(route.ids < route.num_experts, route.ids % El, El), route.ids.new_full((1,), El)])
-    recv_ids = all_to_all(local.index_select(0, slot_pair), None, None, ep.group)
-    recv_x = all_to_all(send_x, None, None, ep.group)
-    plan = make_plan(recv_ids.unsqueeze(1), El, align=align)
-    return permute(recv_x, plan), plan.row_experts(), (plan, route, ep.group)
+    return Outgoing(rows=send_x, ids=local.index_select(0, slot_pair), state=state)
 
 
-def combine_equal_splits(y: Tensor, handle) -> Tensor:
-    """``y [R, H]`` -> ``[T, K, H]``: rows back to their slots, the reverse exchange, each pair's row
+def place_slots(recv_x: Tensor, recv_ids: Tensor, route: Route, group, align: int) -> tuple[Tensor, Tensor, Slots]:
+    """Dispatch's receive half: the received slots ``[W * C, H]`` with local ids ``[W * C]`` ->
+    ``(rows [R, H] expert-major, row experts [R], handle)``."""
+    plan = make_plan(recv_ids.unsqueeze(1), route.num_local_experts, align=align)
+    return permute(recv_x, plan), plan.row_experts(), Slots(plan, route, group)
+
+
+def unplace_slots(y: Tensor, handle: Slots) -> Outgoing:
+    """Combine's send half: ``y [R, H]`` back to the ``[W * C, H]`` slots they came in (empty slots 0)."""
+    return Outgoing(rows=unpermute(y, handle.plan, drop_invalid=True).squeeze(1))
+
+
+def unpack_slots(back: Tensor, handle: Slots) -> Tensor:
+    """Combine's receive half: the returned slots ``[W * C, H]`` -> ``[T, K, H]``, each pair's row
     (zeros where not sent)."""
-    plan, route, group = handle
-    slots = unpermute(y, plan, drop_invalid=True).squeeze(1)  # [W * C, H], empty slots 0
-    back = all_to_all(slots, None, None, group)
+    route = handle.route
     pairs = torch.cat([back, back.new_zeros(1, back.shape[1])]).index_select(0, route.pair_slot)
     return pairs.view(route.num_tokens, route.top_k, back.shape[1])
 
 
 EXCHANGE_IMPLS = {
     "all_to_all": Exchange(exchange_equal_splits, combine_equal_splits,
-                           lambda handle: handle[0].num_tokens),  # W * C slots, empty ones included
+                           lambda handle: handle.plan.num_tokens),  # W * C slots, empty ones included
     "symm_mem": Exchange(symm_mem.dispatch, symm_mem.combine, symm_mem.rows_sent),
 }
 
