@@ -6,6 +6,9 @@
 #   profile: the triton backend's per-kernel profile with A/B of its options (benchmarks/triton_profile.py).
 #   peers: triton vs torch_gmm vs SonicMoE at qwen3-30b-a3b and sonic-7b (needs .peers, see README).
 #   anchors: sonic-30b-a, sonic-120b, qwen3.5-35b-a3b (PEERS=1: with SonicMoE too).
+#   router: CUDA tests (fused router included), the fused router's benchmark, and auto's choice at
+#           sonic-120b (auto vs triton vs grouped_mm vs the torch pipeline, fwd+bwd).
+#   e2e: a transformers decoder stack's training step (moeyard vs grouped_mm), with plot and a trace.
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 STAGE=${1:-main}
@@ -34,6 +37,14 @@ elif [[ $STAGE == profile ]]; then
 elif [[ $STAGE == peers ]]; then  # SonicMoE compiles for minutes on a fresh machine
   step bench_peers 560 "${BENCH[@]}" --model qwen3-30b-a3b --model sonic-7b --backends triton,torch_gmm,sonicmoe \
     --json "$OUT/bench_peers.json"
+elif [[ $STAGE == router ]]; then
+  MOEYARD_TRITON_AUTOTUNE=0 step pytest_cuda 200 python3 -m pytest -q -p no:cacheprovider tests/cuda
+  step router 150 python3 benchmarks/router_bench.py --json "$OUT/router.json"
+  step bench_auto 200 "${BENCH[@]}" --model sonic-120b --backends auto,triton,grouped_mm,torch_gmm \
+    --json "$OUT/bench_auto.json"
+elif [[ $STAGE == e2e ]]; then
+  step bench_e2e 540 python3 -m moeyard bench --e2e --model qwen3-30b-a3b --model olmoe-1b-7b --warmup 3 --iters 10 \
+    --json "$OUT/bench_e2e.json" --plot "$OUT/bench_e2e.png" --trace "$OUT/traces"
 else  # anchors: the other ANCHORS.md shapes
   step bench_anchors 560 "${BENCH[@]}" --model sonic-30b-a --model sonic-120b --model qwen3.5-35b-a3b \
     --backends triton,torch_gmm${PEERS:+,sonicmoe} --json "$OUT/bench_anchors.json"
