@@ -275,17 +275,33 @@ def report(everyone: list[list[dict]], title: str = "ep_check: expert parallelis
     return ok_all
 
 
+def start_nccl(script: str, timeout_s: int) -> torch.device | None:
+    """This torchrun process's CUDA device with the NCCL default group initialised, or None (after
+    saying how to run ``script``) outside torchrun or without CUDA."""
+    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+        print(f"{script}: run under torchrun on CUDA: torchrun --nproc-per-node 2 benchmarks/{script}.py")
+        return None
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=timeout_s), device_id=device)
+    return device
+
+
+def exit_code(ok: bool, device: torch.device) -> int:
+    """Rank 0's verdict on every rank: 0 when ``ok``, else 1 (a collective)."""
+    flag = torch.tensor([0 if ok else 1], device=device)
+    dist.broadcast(flag, 0)
+    return int(flag.item())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="PATH", help="write every rank's results (all failure messages) here")
     p.add_argument("--only", metavar="TEXT", help="run the checks whose name contains TEXT")
     args = p.parse_args()
-    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
-        print("ep_check: run under torchrun on CUDA: torchrun --nproc-per-node 2 benchmarks/ep_check.py")
+    device = start_nccl("ep_check", 120)
+    if device is None:
         return 2
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120), device_id=device)
     try:
         rank, W = dist.get_rank(), dist.get_world_size()
         results = run_all(rank, W, device, args.only)
@@ -297,9 +313,7 @@ def main() -> int:
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump({"world_size": W, "torch": torch.__version__, "results": everyone}, f, indent=1)
-        flag = torch.tensor([0 if ok else 1], device=device)
-        dist.broadcast(flag, 0)
-        return int(flag.item())
+        return exit_code(ok, device)
     finally:
         dist.destroy_process_group()
 

@@ -26,7 +26,6 @@ failure or mismatch):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -214,12 +213,9 @@ def main() -> int:
     p.add_argument("--only", metavar="TEXT", help="run the checks whose name contains TEXT")
     p.add_argument("--no-timing", action="store_true", help="skip (c)")
     args = p.parse_args()
-    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
-        print("ep_symm_check: run under torchrun on CUDA: torchrun --nproc-per-node 2 benchmarks/ep_symm_check.py")
+    device = ep_check.start_nccl("ep_symm_check", 180)
+    if device is None:
         return 2
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=180), device_id=device)
     try:
         from moeyard.parallel.comm import resolve_group
 
@@ -244,9 +240,7 @@ def main() -> int:
             with open(args.json, "w") as f:
                 json.dump({"world_size": ep.world_size, "torch": torch.__version__, "results": everyone,
                            "timing": timings}, f, indent=1)
-        flag = torch.tensor([0 if ok else 1], device=device)
-        dist.broadcast(flag, 0)
-        return int(flag.item())
+        return ep_check.exit_code(ok, device)
     finally:
         dist.destroy_process_group()
 

@@ -294,18 +294,9 @@ def results_table(result: dict) -> Table:
                "FLOPs: fwd = 6*T*k*H*I (gated; 4* plain) + shared experts, fwd+bwd = 3x fwd, router not counted; "
                f"median of {env['iters']} after {env['warmup']} warm-up; peak = extra GiB of fwd+bwd",
                *[f"{name} skipped: {why}" for name, why in env.get("skipped", {}).items()], _trace_line(result)]
-    table = Table(title=title, caption="\n".join(c for c in caption if c), caption_justify="left")
-    for col in ("case (T,H,I,E,k)", "impl", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s",
-                "peak GiB", "load max/mean", "note"):
-        table.add_column(col, justify="left" if col in ("case (T,H,I,E,k)", "impl", "note") else "right")
-    last = None
-    for r in result["rows"]:
-        key = case_label(r)
-        if last is not None and key != last:
-            table.add_section()
-        table.add_row("" if key == last else key, r["impl"], *_cells(r))
-        last = key
-    return table
+    return _case_table(title, caption, ("case (T,H,I,E,k)", "impl", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms",
+                                        "fwd+bwd TFLOP/s", "peak GiB", "load max/mean", "note"),
+                       result["rows"], _cells)
 
 
 def lora_table(result: dict) -> Table:
@@ -321,20 +312,15 @@ def lora_table(result: dict) -> Table:
                "+ 6*N*r*(in+out) per adapter; x frozen = step / frozen step; x lora = step / lora step; "
                f"median of {env['iters']} after {env['warmup']} warm-up; peak = extra GiB of the step",
                _trace_line(result)]
-    table = Table(title=title, caption="\n".join(c for c in caption if c), caption_justify="left")
-    for col in ("case (T,H,I,E,k)", "impl", "step ms", "TFLOP/s", "peak GiB", "weights GiB", "x frozen", "x lora"):
-        table.add_column(col, justify="left" if col in ("case (T,H,I,E,k)", "impl") else "right")
-    last = None
-    for r in result["rows"]:
-        key = case_label(r)
-        if last is not None and key != last:
-            table.add_section()
-        cells = [f"[red]{r['error'][:120]}[/red]", "", "", "", "", ""] if "error" in r else \
-            [_fmt(r["step_ms"], ".3f"), _fmt(r["tflops"], ".1f"), _fmt(r["peak_gib"], ".2f"),
-             _fmt(r.get("weights_gib"), ".2f"), _fmt(r.get("x_frozen"), ".2f"), _fmt(r.get("lora_speedup"), ".2f")]
-        table.add_row("" if key == last else key, r["impl"], *cells)
-        last = key
-    return table
+    return _case_table(title, caption, ("case (T,H,I,E,k)", "impl", "step ms", "TFLOP/s", "peak GiB", "weights GiB",
+                                        "x frozen", "x lora"), result["rows"], _lora_cells)
+
+
+def _lora_cells(r: dict) -> list[str]:
+    if "error" in r:
+        return [f"[red]{r['error'][:120]}[/red]", "", "", "", "", ""]
+    return [_fmt(r["step_ms"], ".3f"), _fmt(r["tflops"], ".1f"), _fmt(r["peak_gib"], ".2f"),
+            _fmt(r.get("weights_gib"), ".2f"), _fmt(r.get("x_frozen"), ".2f"), _fmt(r.get("lora_speedup"), ".2f")]
 
 
 def e2e_table(result: dict) -> Table:
@@ -353,15 +339,22 @@ def e2e_table(result: dict) -> Table:
                *[f"{case}: vocabulary {v:,} (the model's: {real:,}; reduced for the float32 logits of the loss)"
                  for case, v, real in sorted(vocabs) if v != real and not env.get("tiny")],
                *[f"{name} skipped: {why}" for name, why in env.get("skipped", {}).items()], _trace_line(result)]
+    return _case_table(title, caption, ("model (layers, batch x seq)", "impl", "step ms", "tokens/s", "x gmm",
+                                        "peak GiB", "params M", "note"), result["rows"], _e2e_cells)
+
+
+def _case_table(title: str, caption: list[str], columns: tuple[str, ...], rows: list[dict], cells) -> Table:
+    """A results table: the first column names the case (once per section), the second the
+    implementation, the rest ``cells(row)``; text columns (the first two and ``note``) left-aligned."""
     table = Table(title=title, caption="\n".join(c for c in caption if c), caption_justify="left")
-    for col in ("model (layers, batch x seq)", "impl", "step ms", "tokens/s", "x gmm", "peak GiB", "params M", "note"):
-        table.add_column(col, justify="left" if col in ("model (layers, batch x seq)", "impl", "note") else "right")
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i < 2 or col == "note" else "right")
     last = None
-    for r in result["rows"]:
+    for r in rows:
         key = case_label(r)
         if last is not None and key != last:
             table.add_section()
-        table.add_row("" if key == last else key, r["impl"], *_e2e_cells(r))
+        table.add_row("" if key == last else key, r["impl"], *cells(r))
         last = key
     return table
 
