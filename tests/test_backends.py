@@ -271,11 +271,11 @@ def test_auto_defers_by_workload(scratch_backends):
     from moeyard.experts import expert_weights
     w = expert_weights(torch.randn(4, 16, 8), torch.randn(4, 8, 8))
     cpu = torch.device("cpu")
-    pick = lambda pairs: resolve_backend("auto", cpu, torch.float32, w, None, Workload(pairs, True, True)).name
+    pick = lambda pairs: resolve_backend("auto", cpu, torch.float32, w, None, Workload(pairs, True)).name
     assert pick(10) == "zz_small"
     assert pick(100) == "zz_big"
     assert resolve_backend("auto", cpu, torch.float32, w).name == "zz_small"  # no workload: no deferral
-    assert resolve_backend("zz_small", cpu, torch.float32, w, None, Workload(100, True, True)).name == "zz_small"
+    assert resolve_backend("zz_small", cpu, torch.float32, w, None, Workload(100, True)).name == "zz_small"
     runs["ok"] = "cannot run here"
     assert pick(100) == "zz_small"  # the deferred-to backend must run
 
@@ -293,20 +293,19 @@ def test_triton_defers_large_experts_in_training_on_hopper(monkeypatch):
         return expert_weights(torch.empty(E, 2 * I, H, device="meta"), torch.empty(E, H, I, device="meta"))
     big, small = weights(64, 4096, 2048), weights(128, 4096, 512)
     T = 32768
-    assert _defer(cuda, torch.bfloat16, big, Workload(T * 4, True, True)) == "grouped_mm"      # sonic-120b
-    assert _defer(cuda, torch.bfloat16, small, Workload(T * 8, True, True)) is None            # sonic-30b-a
-    assert _defer(cuda, torch.bfloat16, big, Workload(T * 4, False, False)) is None      # inference
-    assert _defer(cuda, torch.bfloat16, big, Workload(T * 4, True, False)) is None       # LoRA, frozen base
-    assert _defer(cuda, torch.float32, big, Workload(T * 4, True, True)) is None
-    assert _defer(torch.device("cpu"), torch.bfloat16, big, Workload(T * 4, True, True)) is None
+    assert _defer(cuda, torch.bfloat16, big, Workload(T * 4, True)) == "grouped_mm"      # sonic-120b
+    assert _defer(cuda, torch.bfloat16, small, Workload(T * 8, True)) is None            # sonic-30b-a
+    assert _defer(cuda, torch.bfloat16, big, Workload(T * 4, False)) is None             # inference or LoRA on a frozen base
+    assert _defer(cuda, torch.float32, big, Workload(T * 4, True)) is None
+    assert _defer(torch.device("cpu"), torch.bfloat16, big, Workload(T * 4, True)) is None
     cap["v"] = (8, 0)
-    assert _defer(cuda, torch.bfloat16, big, Workload(T * 4, True, True)) is None              # grouped_mm slow pre-Hopper
+    assert _defer(cuda, torch.bfloat16, big, Workload(T * 4, True)) is None              # grouped_mm slow pre-Hopper
     assert 2048 * 4096 * 512 < LARGE_EXPERT_WORK <= 2048 * 4096 * 2048
 
 
 def test_training_flag_of_experts_call(monkeypatch):
-    """``moeyard.experts`` passes the call's pairs and whether a backward (and base weight gradients)
-    will run to the registry."""
+    """``moeyard.experts`` passes the call's pairs and whether base weight gradients will be computed
+    to the registry."""
     import sys
     from moeyard.experts import registry
     seen = []
@@ -323,5 +322,4 @@ def test_training_flag_of_experts_call(monkeypatch):
     moeyard.experts(x, ids, w, up.requires_grad_(), down, backend="loop")
     with torch.no_grad():
         moeyard.experts(x, ids, w, up, down, backend="loop")
-    assert [(s.pairs, s.backward, s.weight_grad) for s in seen] == [
-        (12, False, False), (12, True, False), (12, True, True), (12, False, False)]
+    assert [(s.pairs, s.weight_grad) for s in seen] == [(12, False), (12, False), (12, True), (12, False)]

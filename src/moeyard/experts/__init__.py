@@ -100,19 +100,15 @@ def experts(
                          f"got {hidden_states.device}")
     check_topk(topk_ids, topk_weights, T, weights.num_experts, hidden_states.device)
     chosen = resolve_backend(backend, hidden_states.device, hidden_states.dtype, weights, act,
-                             _workload(hidden_states, topk_ids, weights))
+                             _workload(topk_ids, weights))
     if not drop_invalid and not check_ids_on_host(topk_ids, weights.num_experts):
         # accelerator, no debug: a NaN weight makes the token's output NaN instead of reading ids back
         topk_weights = topk_weights.masked_fill(invalid_ids(topk_ids, weights.num_experts), float("nan"))
     return chosen.forward(hidden_states, topk_ids, topk_weights, weights, act, drop_invalid=drop_invalid)
 
 
-
-def _workload(hidden_states: Tensor, topk_ids: Tensor, weights: ExpertWeights) -> Workload:
-    """The call's pairs, and whether a backward (and base weight gradients) will run."""
-    grad = torch.is_grad_enabled()
-    base = [t for t in (weights.w_up, weights.w_down, weights.b_up, weights.b_down) if t is not None]
-    lora = [t for lr in (weights.lora_up, weights.lora_down) if lr is not None for t in (lr.a, lr.b)]
-    weight_grad = grad and any(t.requires_grad for t in base)
-    backward = weight_grad or (grad and any(t.requires_grad for t in [hidden_states, *lora]))
-    return Workload(pairs=topk_ids.numel(), backward=backward, weight_grad=weight_grad)
+def _workload(topk_ids: Tensor, weights: ExpertWeights) -> Workload:
+    """The call's pairs, and whether the base expert weights will get gradients."""
+    base = (weights.w_up, weights.w_down, weights.b_up, weights.b_down)
+    weight_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in base)
+    return Workload(pairs=topk_ids.numel(), weight_grad=weight_grad)

@@ -8,9 +8,9 @@ A backend computes the routed expert FFN
 
 ``unsupported(device, dtype, weights, activation)`` returns None when the backend runs there, else a
 reason; ``auto`` takes the highest-``priority`` backend that runs, unless that backend's ``defer``
-names another backend that runs and is measured faster for the call's :class:`Workload` (shape-aware
-choice, e.g. ``triton`` defers to ``grouped_mm`` for large experts with weight gradients on Hopper). The process-wide default (used
-where no backend is named, e.g. by the transformers integration) is ``set_backend(name)`` or, before
+names another backend that runs and is measured faster for the call's :class:`Workload` (e.g.
+``triton`` defers to ``grouped_mm`` for large experts with weight gradients on Hopper). The
+process-wide default (used where no backend is named, e.g. by the transformers integration) is ``set_backend(name)`` or, before
 any call, the ``MOEYARD_BACKEND`` environment variable; otherwise ``auto``.
 """
 from __future__ import annotations
@@ -34,13 +34,11 @@ class Workload:
 
     Attributes:
         pairs: routed (token, expert) pairs ``T * K``.
-        backward: a backward will run (grad mode on and an input, weight or adapter requires grad).
-        weight_grad: the base expert weights (or biases) require grad (full fine-tuning, pre-training;
-            not LoRA on a frozen base).
+        weight_grad: grad mode is on and the base expert weights (or biases) require grad (full
+            fine-tuning, pre-training; not inference, not LoRA on a frozen base).
     """
 
     pairs: int
-    backward: bool
     weight_grad: bool
 
 

@@ -15,7 +15,6 @@ Supported: float16 / bfloat16 / float32 inputs, ``E <= 512``, ``K <= 16``, ``n_g
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,7 @@ import triton
 
 from ..checks import check_float
 from ..config import MoEConfig
-from ..experts.triton.schedule import ENV_AUTOTUNE, _smem_limit, dot_precision, interpreting
+from ..experts.triton.schedule import device_smem_limit, dot_precision, interpreting, tuned
 from . import kernels
 from .losses import balance_loss_from_stats, sequence_balance_from_stats, z_loss_from_stats
 
@@ -205,17 +204,16 @@ def _cfg(bk, warps, stages):
 
 
 FWD_CONFIGS = [_cfg(bk, w, s) for bk in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
-FIXED = _cfg(32, 4, 2)  # the interpreter, and MOEYARD_TRITON_AUTOTUNE=0 (fits every E in shared memory)
+FIXED = dict(BK=32, num_warps=4, num_stages=2)  # the interpreter, and MOEYARD_TRITON_AUTOTUNE=0 (fits every E)
 
 
 def _prune(configs, named_args, **kwargs):
     """Keep configs whose pipelined ``x [BM, BK]`` and ``W [BK, E_P2]`` tiles fit in shared memory."""
     args = {**named_args, **kwargs}
     size = args["x_ptr"].element_size()
-    limit = _smem_limit(torch.cuda.current_device())
     ok = [c for c in configs
-          if c.num_stages * c.kwargs["BK"] * (args["BM"] + args["E_P2"]) * size <= limit]
-    return ok or [FIXED]
+          if c.num_stages * c.kwargs["BK"] * (args["BM"] + args["E_P2"]) * size <= device_smem_limit()]
+    return ok or configs[:1]
 
 
 _TUNED = []
@@ -223,23 +221,9 @@ _TUNED = []
 
 def _fwd_launcher():
     """The forward kernel with its block config: autotuned over ``BK``, warps and stages on a GPU
-    (keyed on H, E, K and the scheme), fixed under the interpreter or ``MOEYARD_TRITON_AUTOTUNE=0``."""
-    if interpreting() or os.environ.get(ENV_AUTOTUNE, "1") in ("0", "false", "False"):
-        return _Fixed(kernels.router_fwd_kernel, FIXED)
+    (keyed on H, E, K and the scheme), ``FIXED`` under the interpreter or ``MOEYARD_TRITON_AUTOTUNE=0``
+    (:func:`moeyard.experts.triton.schedule.tuned`; built on first use)."""
     if not _TUNED:
-        _TUNED.append(triton.autotune(configs=FWD_CONFIGS, key=["H", "E", "K", "SIGMOID", "TOPK_FIRST"],
-                                      prune_configs_by={"early_config_prune": _prune})(kernels.router_fwd_kernel))
+        _TUNED.append(tuned(kernels.router_fwd_kernel, FWD_CONFIGS, ["H", "E", "K", "SIGMOID", "TOPK_FIRST"],
+                            prune=_prune, fixed=FIXED))
     return _TUNED[0]
-
-
-class _Fixed:
-    """A launcher that fills in one fixed config."""
-
-    def __init__(self, kernel, config):
-        self.kernel, self.config = kernel, config
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            return self.kernel[grid](*args, **kwargs, **self.config.kwargs, num_warps=self.config.num_warps,
-                                     num_stages=self.config.num_stages)
-        return launch

@@ -16,6 +16,7 @@ from ...activations import GATED
 from ...dispatch import make_plan
 from . import kernels_bwd, kernels_fwd
 from .options import options
+from .tuning import LORA_FUSED, LORA_NONE, LORA_SPLIT
 from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, REDUCE_BLOCK, SMALL, THIN_CONFIGS, THIN_WGRAD_CONFIGS,
                        WGRAD_CONFIGS,
                        dot_precision, interpreting, max_chunks, max_partial_slots, max_row_tiles, rank_block, tuned)
@@ -75,7 +76,6 @@ class ActSpec:
         return (n1 // 2, 2, 1) if self.interleaved else (n1 // 2, 1, n1 // 2)
 
 
-LORA_NONE, LORA_SPLIT, LORA_FUSED = 0, 1, 2
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -172,16 +172,18 @@ FIXED = dict(BM=64, BN=64, BK=32, num_warps=4, num_stages=3)
 ENV_AUTOTUNE = "MOEYARD_TRITON_AUTOTUNE"
 
 
-def tuned(kernel, configs, key, kind):
-    """``kernel`` autotuned over ``configs`` on a GPU, pruned before compiling by the shared-memory
-    and register estimates of :mod:`.tuning` for the launch kind ``kind`` (a key of
-    ``tuning.KINDS``); under the interpreter, the ``SMALL`` config; with
-    ``MOEYARD_TRITON_AUTOTUNE=0``, the ``FIXED`` config."""
+def tuned(kernel, configs, key, kind=None, *, prune=None, fixed=None):
+    """``kernel`` autotuned over ``configs`` on a GPU, pruned before compiling by ``prune`` (an
+    ``early_config_prune``) or, by default, by the shared-memory and register estimates of
+    :mod:`.tuning` for the launch kind ``kind`` (a key of ``tuning.KINDS``). Under the interpreter and
+    with ``MOEYARD_TRITON_AUTOTUNE=0``: the one config ``fixed`` (a meta dict), by default ``SMALL``
+    and ``FIXED``."""
     if interpreting():
-        return _Fixed(kernel, SMALL)
+        return _Fixed(kernel, fixed or SMALL)
     if os.environ.get(ENV_AUTOTUNE, "1") in ("0", "false", "False"):
-        return _Fixed(kernel, FIXED)
-    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": pruner(kind, device_smem_limit)})(kernel)
+        return _Fixed(kernel, fixed or FIXED)
+    prune = prune or pruner(kind, device_smem_limit)
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})(kernel)
 
 
 class _Fixed:
