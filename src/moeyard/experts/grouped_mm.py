@@ -21,13 +21,9 @@ Tensor = torch.Tensor
 
 
 def grouped_gemm(rows: Tensor, w: Tensor, plan: DispatchPlan) -> Tensor:
-    """``rows [R, in] @ w[e].T`` for each expert's rows: ``w [E, out, in]`` -> ``[R, out]``. A weight
-    whose strides ``torch._grouped_mm`` cannot read (PEFT's rank-major ``lora_B`` view) is copied
-    into ``[E, in, out]`` first (LoRA-factor sized)."""
-    wt = w.mT
-    if not _aligned(wt):
-        wt = wt.contiguous()
-    return torch._grouped_mm(rows, wt, offs=plan.padded_offsets[1:])
+    """``rows [R, in] @ w[e].T`` for each expert's rows: ``w [E, out, in]`` (16-byte aligned strides,
+    as ``_unsupported`` checks; LoRA factors come contiguous from ``expert_weights``) -> ``[R, out]``."""
+    return torch._grouped_mm(rows, w.mT, offs=plan.padded_offsets[1:])
 
 
 def grouped_mm_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,

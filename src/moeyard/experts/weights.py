@@ -48,11 +48,17 @@ class ExpertLoRA:
 
 @dataclass(frozen=True, kw_only=True)
 class LowRank:
-    """Canonical views of one projection's LoRA factors (no copies unless a dtype cast is needed).
+    """Canonical forms of one projection's LoRA factors.
 
     Attributes:
         a: ``[E, r, in]`` (a view of ``lora_A``; contiguous for PEFT's layout).
-        b: ``[E, out, r]`` (a view of ``lora_B``: strides ``(1, r*E, E)`` for PEFT's layout).
+        b: ``[E, out, r]``, contiguous: PEFT's ``lora_B [out, r*E]`` (rank-major columns) relaid out
+            expert-major, the one per-call copy of an adapter (``out * r * E`` elements, e.g. 6 MB
+            for Qwen3-30B-A3B's gate_up at r = 16; autograd routes its gradient back to ``lora_B``).
+            As a view its strides would be ``(1, r*E, E)``: no unit stride within one expert, so
+            GEMMs could not load its tiles in vectors (in the Triton kernels compiled for sm_90, the
+            main loops with such a tile waited on every MMA group; ``benchmarks/NOTES.md``, round 5
+            preparation) and ``torch._grouped_mm`` could not read it at all.
         scaling: ``s``.
     """
 
@@ -227,4 +233,4 @@ def low_rank(adapter: ExpertLoRA, E: int, out: int, inp: int, like: Tensor, name
     r = rE // E
     A, B = A.to(like.dtype), B.to(like.dtype)
     return LowRank(a=A.view(E, r, inp) if A.is_contiguous() else A.reshape(E, r, inp),
-                   b=B.unflatten(1, (r, E)).permute(2, 0, 1), scaling=float(s))
+                   b=B.unflatten(1, (r, E)).permute(2, 0, 1).contiguous(), scaling=float(s))

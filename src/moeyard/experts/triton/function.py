@@ -51,16 +51,8 @@ def triton_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: E
 
 
 def _factors(lora: LowRank | None) -> tuple[Tensor | None, Tensor | None, float]:
-    """``(A [E, R, in], B [E, out, R], s)`` or ``(None, None, 0.0)``.
-
-    B comes back contiguous: PEFT's ``lora_B [out, R*E]`` (rank-major columns) views as ``[E, out, R]``
-    with strides ``(1, R*E, E)``, which gives the kernels' ``[BK, R]`` and ``[R, BN]`` tiles of one
-    expert no unit stride, so every element would be a separate 2-byte load and Triton cannot
-    pipeline those loads with the tensor-core MMAs (read in the sm_90 PTX, ``benchmarks/offline_sm90.py``:
-    the GEMMs with ``La = B`` waited on every MMA group). This copy (``out * R * E`` elements, e.g.
-    6 MB at Qwen3-30B-A3B, r = 16) is the one per-call copy of an adapter; autograd routes its
-    gradient back to ``lora_B``'s own layout."""
-    return (None, None, 0.0) if lora is None else (lora.a, lora.b.contiguous(), lora.scaling)
+    """``(A [E, R, in], B [E, out, R] contiguous, s)`` or ``(None, None, 0.0)``."""
+    return (None, None, 0.0) if lora is None else (lora.a, lora.b, lora.scaling)
 
 
 def _forward_term(a: Tensor | None, b: Tensor | None, s: float) -> LoRATerm | None:
