@@ -72,12 +72,12 @@ def arrive_dispatch(rows: Tensor, ids, out: Outgoing, ep: EPGroup, options: EPOp
 
 def depart_combine(y: Tensor, dispatched: Dispatched) -> Outgoing:
     """The experts' rows ``y [R, H]`` back to their sources: the dispatch's splits swapped."""
-    _, send, recv, _, _ = dispatched.state
-    return Outgoing(rows=y, out_splits=send, in_splits=recv)
+    plan, send, recv, _, _ = dispatched.state
+    return Outgoing(rows=y, out_splits=send, in_splits=recv, pad_rows=plan.num_rows - sum(send))
 
 
 def arrive_combine(back: Tensor, dispatched: Dispatched) -> Tensor:
-    """``back [sum(send), H]`` in the plan's sorted order -> ``[T, H]`` (pairs weighted and summed)."""
+    """``back [plan.num_rows, H]`` in the plan's sorted order (the returned rows, then zero rows in
+    the places of pairs with ids outside ``[0, E)``) -> ``[T, H]`` (pairs weighted and summed)."""
     plan, _, _, topk_weights, _ = dispatched.state
-    rows = torch.cat([back, back.new_zeros(plan.num_rows - back.shape[0], back.shape[1])])  # dropped ids: 0
-    return unpermute(rows, plan, topk_weights)
+    return unpermute(back, plan, topk_weights)

@@ -78,37 +78,53 @@ def resolve_group(group) -> EPGroup:
 
 
 def all_to_all(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group, *,
-               out_rows: int | None = None) -> Tensor:
-    """Differentiable ``all_to_all_single`` of ``x [N_in, ...]`` -> ``[N_out, ...]``.
+               out_rows: int | None = None, pad_rows: int = 0) -> Tensor:
+    """Differentiable ``all_to_all_single`` of ``x [N_in, ...]`` -> ``[N_out + pad_rows, ...]``.
 
     ``in_splits[d]`` rows go to rank ``d``; ``out_splits[s]`` rows come from rank ``s`` (host ints).
     With both None the splits are equal (``N_in / W`` each) and ``out_rows`` (default ``N_in``) sets
-    the output size: no host information is needed.
+    the output size: no host information is needed. ``pad_rows`` zero rows follow the received ones
+    in the same buffer (a gather that maps missing rows there needs no copy with a zero row appended).
     """
-    return _AllToAll.apply(x, out_splits, in_splits, group, out_rows)
+    return _AllToAll.apply(x, out_splits, in_splits, group, out_rows, pad_rows)
 
 
 def exchange(out, group) -> tuple[Tensor, Tensor | None]:
     """A blocking exchange of a dispatcher stage's :class:`~moeyard.parallel.common.Outgoing`:
-    ``(rows, ids)`` received (``ids`` None when none were sent; sent first)."""
+    ``(rows, ids)`` received (``rows`` followed by ``out.pad_rows`` zero rows; ``ids`` None when none
+    were sent; sent first)."""
     ids = None if out.ids is None else _a2a(out.ids, None, None, group, None)
-    return all_to_all(out.rows, out.out_splits, out.in_splits, group), ids
+    return all_to_all(out.rows, out.out_splits, out.in_splits, group, pad_rows=out.pad_rows), ids
+
+
+def receive_buffer(x: Tensor, out_splits, out_rows, pad_rows) -> tuple[Tensor, Tensor]:
+    """``(buffer, received)`` for an ``all_to_all_single`` of ``x``: ``received`` (the collective's
+    output, ``sum(out_splits)`` rows, else ``out_rows``, else ``x``'s) is the leading part of
+    ``buffer``, whose ``pad_rows`` trailing rows are zero."""
+    rows = sum(out_splits) if out_splits is not None else (x.shape[0] if out_rows is None else out_rows)
+    buffer = x.new_empty((rows + (pad_rows or 0), *x.shape[1:]))
+    if pad_rows:
+        buffer[rows:].zero_()
+    return buffer, buffer[:rows]
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, out_rows):
+    def forward(ctx, x, out_splits, in_splits, group, out_rows, pad_rows):
         ctx.group, ctx.out_splits, ctx.in_splits, ctx.in_rows = group, out_splits, in_splits, x.shape[0]
-        return _a2a(x, out_splits, in_splits, group, out_rows)
+        buffer, received = receive_buffer(x, out_splits, out_rows, pad_rows)
+        dist.all_to_all_single(received, x.contiguous(), out_splits, in_splits, group=group)
+        ctx.received = received.shape[0]
+        return buffer
 
     @staticmethod
     def backward(ctx, dy):
-        return _a2a(dy, ctx.in_splits, ctx.out_splits, ctx.group, ctx.in_rows), None, None, None, None
+        return (_a2a(dy[:ctx.received], ctx.in_splits, ctx.out_splits, ctx.group, ctx.in_rows),
+                None, None, None, None, None)
 
 
 def _a2a(x: Tensor, out_splits, in_splits, group, out_rows) -> Tensor:
-    rows = sum(out_splits) if out_splits is not None else (x.shape[0] if out_rows is None else out_rows)
-    out = x.new_empty((rows, *x.shape[1:]))
+    out = receive_buffer(x, out_splits, out_rows, 0)[0]
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
 

@@ -54,6 +54,7 @@ class Outgoing:
         out_splits, in_splits: host split sizes (rows from / to each rank); None: equal splits.
         ids: ``[N]`` int64 exchanged beside ``rows`` with equal splits (not differentiable), or None.
         state: what the receiving stage needs besides the received tensors.
+        pad_rows: zero rows the receiver wants after the received rows, in the same buffer (host int).
     """
 
     rows: Tensor
@@ -61,6 +62,7 @@ class Outgoing:
     in_splits: list[int] | None = None
     ids: Tensor | None = None
     state: object = None
+    pad_rows: int = 0
 
 
 @dataclass(kw_only=True)

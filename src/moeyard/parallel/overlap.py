@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .comm import EPGroup
+from .comm import EPGroup, receive_buffer
 from .common import EPOptions, Outgoing
 
 Tensor = torch.Tensor
@@ -55,23 +55,23 @@ class Pending:
 
 
 def start(x: Tensor, out_splits, in_splits, group, out_rows: int | None = None,
-          ids: Tensor | None = None) -> Pending:
+          ids: Tensor | None = None, pad_rows: int = 0) -> Pending:
     """Issue ``all_to_all_single(async_op=True)`` of ``ids`` (equal splits; first) and of ``x``
-    (``in_splits`` rows to each rank, ``out_splits`` from each; None: equal, ``out_rows`` rows)."""
+    (``in_splits`` rows to each rank, ``out_splits`` from each; None: equal, ``out_rows`` rows),
+    received into a buffer with ``pad_rows`` trailing zero rows."""
     p = Pending()
     if ids is not None:
-        p.ids = _issue(p, ids, None, None, group, None)
-    p.rows = _issue(p, x, out_splits, in_splits, group, out_rows)
+        p.ids = _issue(p, ids, None, None, group, None, 0)
+    p.rows = _issue(p, x, out_splits, in_splits, group, out_rows, pad_rows)
     return p
 
 
-def _issue(p: Pending, x: Tensor, out_splits, in_splits, group, out_rows) -> Tensor:
-    rows = sum(out_splits) if out_splits is not None else (x.shape[0] if out_rows is None else out_rows)
+def _issue(p: Pending, x: Tensor, out_splits, in_splits, group, out_rows, pad_rows) -> Tensor:
     src = x.contiguous()
-    out = src.new_empty((rows, *src.shape[1:]))
-    p.works.append(dist.all_to_all_single(out, src, out_splits, in_splits, group=group, async_op=True))
-    p.buffers += [src, out]
-    return out
+    buffer, received = receive_buffer(src, out_splits, out_rows, pad_rows)
+    p.works.append(dist.all_to_all_single(received, src, out_splits, in_splits, group=group, async_op=True))
+    p.buffers += [src, buffer]
+    return buffer
 
 
 @dataclass
@@ -94,7 +94,7 @@ class _Send(torch.autograd.Function):
     @staticmethod
     def forward(ctx, order, rows, link):
         out = link.out
-        link.forward = start(rows, out.out_splits, out.in_splits, link.group, ids=out.ids)
+        link.forward = start(rows, out.out_splits, out.in_splits, link.group, ids=out.ids, pad_rows=out.pad_rows)
         link.rows_sent, link.needs_grad = rows.shape[0], ctx.needs_input_grad[1]
         ctx.link = link
         return order.new_empty(0)
@@ -124,7 +124,9 @@ class _Receive(torch.autograd.Function):
     def backward(ctx, d_rows, d_ids, d_order):
         link = ctx.link
         if link.needs_grad:
-            link.backward = start(d_rows, link.out.in_splits, link.out.out_splits, link.group, link.rows_sent)
+            received = d_rows.shape[0] - link.out.pad_rows
+            link.backward = start(d_rows[:received], link.out.in_splits, link.out.out_splits, link.group,
+                                  link.rows_sent)
         return d_order, None
 
 

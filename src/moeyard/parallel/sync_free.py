@@ -16,8 +16,8 @@ Steps:
 1. :func:`route_pairs`: each pair's destination rank and its slot among this rank's pairs to that
    rank (stable, so in token order), on the device; pairs past ``C`` are dropped;
 2. the exchange (``EPOptions.exchange``, one of :data:`EXCHANGES`) moves the rows and gives the
-   local experts expert-major rows ``[R, H]`` (R static) and each row's local expert (``E_l``: an
-   empty row), each expert's rows padded to a multiple of ``align``;
+   local experts rows ``[R, H]`` (R static) and each row's local expert (``E_l``: an empty row);
+   with ``align > 1`` expert-major, each expert's rows padded to a multiple of ``align``;
 3. combine: the exchange brings each pair's expert output back (``[T, K, H]``, zeros for dropped
    pairs), then each token's pairs are weighted and summed on its own rank.
 
@@ -26,7 +26,8 @@ The exchanges (:data:`EXCHANGE_IMPLS`, each an :class:`Exchange`):
 - ``all_to_all`` (:func:`exchange_equal_splits`, :func:`combine_equal_splits`): every rank sends
   every peer a block of ``C`` rows, empty slots included, with ``all_to_all_single`` of equal static
   splits; the local expert ids travel with them (``E_l`` for an empty slot: this is how the counts
-  travel); a dispatch plan then places the received rows expert-major. Memory per rank: the send
+  travel); the received slots go to the experts as they are, or with ``align > 1`` a dispatch plan
+  places them expert-major. Memory per rank: the send
   and the receive buffer of ``W * C`` rows each, i.e. ``2 * W * T_max * min(K, E_l) * H`` elements
   (plus the same again for the experts' output and its return), versus ``~2 * T * K * H`` for the
   exact all-to-all: ``W * min(K, E_l) / K`` times more (8x at W = 8, K = 8, E_l >= 8; W times more
@@ -151,7 +152,7 @@ class State:
 
 def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions) -> Dispatched:
     """``x [T, H]``, ``topk_ids [T, K]`` (global ids; others dropped), ``topk_weights [T, K]`` ->
-    expert-major rows ``[R, H]`` (R static) with ``[R, 1]`` local ids (``E_l``: an empty row)."""
+    rows ``[R, H]`` (R static) with ``[R, 1]`` local ids (``E_l``: an empty row)."""
     (_, route), = chunk_routes(topk_ids, ep, options)
     exchange = EXCHANGE_IMPLS[resolve_exchange(options.exchange)]
     rows, row_experts, handle = exchange.dispatch(x, route, ep, options.align)
@@ -159,7 +160,7 @@ def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, opt
 
 
 def combine(y: Tensor, dispatched: Dispatched) -> Tensor:
-    """``y [R, H]`` (the experts' expert-major rows) -> ``[T, H]`` on the tokens' own rank."""
+    """``y [R, H]`` (the experts' rows, as dispatched) -> ``[T, H]`` on the tokens' own rank."""
     state = dispatched.state
     return weighted_sum(state.exchange.combine(y, state.handle), state.topk_weights)
 
@@ -241,9 +242,10 @@ def arrive_combine(back: Tensor, dispatched: Dispatched) -> Tensor:
 @dataclass(frozen=True)
 class Slots:
     """The ``all_to_all`` exchange's handle: the plan over the received ``[W * C]`` slots (expert-major
-    placement), this rank's :class:`Route`, the process group."""
+    placement; None when the slots went to the experts as received), this rank's :class:`Route`, the
+    process group."""
 
-    plan: DispatchPlan
+    plan: DispatchPlan | None
     route: Route
     group: object
 
@@ -251,7 +253,7 @@ class Slots:
 def exchange_equal_splits(x: Tensor, route: Route, ep: EPGroup, align: int) -> tuple[Tensor, Tensor, Slots]:
     """The portable exchange: the slots ``[W * C, H]`` and their local ids ``[W * C]`` (``E_l``:
     empty) go out with ``all_to_all_single`` of equal static splits, then the received rows are
-    placed expert-major (each expert's rows padded to ``align``).
+    given to the experts (:func:`place_slots`).
 
     Returns ``(rows [R, H], row experts [R], handle)`` (:func:`combine_equal_splits` undoes it)."""
     return place_slots(*comm.exchange(pack_slots(x, route), ep.group), route, ep.group, align)
@@ -278,27 +280,36 @@ def pack_slots(x: Tensor, route: Route, state: object = None) -> Outgoing:
 
 def place_slots(recv_x: Tensor, recv_ids: Tensor, route: Route, group, align: int) -> tuple[Tensor, Tensor, Slots]:
     """Dispatch's receive half: the received slots ``[W * C, H]`` with local ids ``[W * C]`` ->
-    ``(rows [R, H] expert-major, row experts [R], handle)``."""
+    ``(rows [R, H], row experts [R], handle)``. With ``align == 1`` the slots go to the experts as
+    they arrive (``R = W * C``; every backend groups its rows by expert itself, the triton backend
+    inside its GEMMs' loads), which saves a copy of the rows each way; otherwise they are placed
+    expert-major, each expert's rows padded to a multiple of ``align``."""
+    if align == 1:
+        return recv_x, recv_ids, Slots(None, route, group)
     plan = make_plan(recv_ids.unsqueeze(1), route.num_local_experts, align=align)
     return permute(recv_x, plan), plan.row_experts(), Slots(plan, route, group)
 
 
 def unplace_slots(y: Tensor, handle: Slots) -> Outgoing:
-    """Combine's send half: ``y [R, H]`` back to the ``[W * C, H]`` slots they came in (empty slots 0)."""
-    return Outgoing(rows=unpermute(y, handle.plan, drop_invalid=True).squeeze(1))
+    """Combine's send half: ``y [R, H]`` back to the ``[W * C, H]`` slots they came in. Empty slots
+    get the rows of local id ``E_l`` (the experts' output there is zero) and are not read on return
+    (:func:`unpack_slots` selects the sent pairs' slots only), so no masking pass is needed. The
+    receive buffer gets one zero row after the slots, for the pairs that were not sent."""
+    rows = y if handle.plan is None else unpermute(y, handle.plan).squeeze(1)
+    return Outgoing(rows=rows, pad_rows=1)
 
 
 def unpack_slots(back: Tensor, handle: Slots) -> Tensor:
-    """Combine's receive half: the returned slots ``[W * C, H]`` -> ``[T, K, H]``, each pair's row
-    (zeros where not sent)."""
+    """Combine's receive half: the returned slots and the zero row ``[W * C + 1, H]`` -> ``[T, K, H]``,
+    each pair's row (the zero row where not sent)."""
     route = handle.route
-    pairs = torch.cat([back, back.new_zeros(1, back.shape[1])]).index_select(0, route.pair_slot)
+    pairs = back.index_select(0, route.pair_slot)
     return pairs.view(route.num_tokens, route.top_k, back.shape[1])
 
 
 EXCHANGE_IMPLS = {
     "all_to_all": Exchange(exchange_equal_splits, combine_equal_splits,
-                           lambda handle: handle.plan.num_tokens),  # W * C slots, empty ones included
+                           lambda handle: handle.route.world_size * handle.route.block_rows),  # empty slots too
     "symm_mem": Exchange(symm_mem.dispatch, symm_mem.combine, symm_mem.rows_sent),
 }
 
