@@ -307,6 +307,30 @@ def test_atomic_combine_no_tokens_and_invalid_ids():
         assert out.isnan().any(1).tolist() == [t in (2, 5) for t in range(8)]
 
 
+@pytest.mark.parametrize("atomic", [False, True])
+@pytest.mark.parametrize("custom", [False, True])
+def test_top1_combine_in_place(atomic, custom):
+    # K = 1 (how expert parallelism calls the local experts): the down projection's rows are the output;
+    # only the rows of invalid pairs are written by the combine (poisoned buffers show any other gap)
+    T, E = 23, 4
+    act = Activation(name="custom", fn=torch.tanh, fn_gated=False) if custom else "swiglu"
+    ids = torch.randint(0, E, (T, 1))
+    ids[[2, 7, 8, 22]] = torch.tensor([[-1], [E], [E + 5], [-3]])
+    with use_options(atomic_combine=atomic):
+        check_against_loop(*_problem(T, 16, 16, E, 1, ids=ids, act=act), drop_invalid=True)
+        check_against_loop(*_problem(T, 24, 20, E, 1, act=act, bias=True))
+        p, ids, kw = _problem(8, 16, 16, E, 1)
+        ids[2, 0], ids[5, 0] = E, -1
+        tw = p["topk_weights"].masked_fill((ids < 0) | (ids >= E), float("nan"))
+        out = triton_backend.triton_forward(p["x"], ids, tw, expert_weights(p["gate_up_proj"], p["down_proj"]),
+                                            Activation(), drop_invalid=False)
+        assert out.isnan().any(1).tolist() == [t in (2, 5) for t in range(8)]
+        tw[2, 0] = tw[5, 0] = 0.5  # finite weights of invalid pairs: those tokens are exactly 0
+        out = triton_backend.triton_forward(p["x"], ids, tw, expert_weights(p["gate_up_proj"], p["down_proj"]),
+                                            Activation(), drop_invalid=False)
+        assert (out[[2, 5]] == 0).all() and not out.isnan().any()
+
+
 @pytest.mark.parametrize("chunk", [12, 20])  # chunks shorter than a BM=16 row step, and over one step
 @pytest.mark.parametrize("layout", ["plain", "bias", "gpt_oss"])
 def test_wgrad_chunks(chunk, layout):

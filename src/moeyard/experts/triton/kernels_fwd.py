@@ -142,19 +142,30 @@ def combine_kernel(
     tw_ptr,           # [T, K] routing weights, contiguous; read if NAN_INVALID
     out_ptr,          # [T, H] output dtype, contiguous
     H, E, top_k,
-    NAN_INVALID: tl.constexpr, BH: tl.constexpr,
+    NAN_INVALID: tl.constexpr, IN_PLACE: tl.constexpr, BH: tl.constexpr,
 ):
     """``out[t] = sum_k y[t * K + k]`` in float32, fixed order (deterministic). A pair whose id
-    lies outside ``[0, E)`` adds 0, or ``w * 0`` with ``NAN_INVALID`` (NaN for a NaN weight)."""
+    lies outside ``[0, E)`` adds 0, or ``w * 0`` with ``NAN_INVALID`` (NaN for a NaN weight).
+
+    ``IN_PLACE`` (``K == 1``, ``out`` is ``y``): a valid pair's row already is its token's row and is
+    left alone; only rows of invalid pairs (never written by the down projection) are stored."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     c_mask = cols < H
-    acc = tl.zeros((BH,), tl.float32)
-    for k in range(top_k):
-        pair = t * top_k + k
-        eid = tl.load(ids_ptr + pair + tl.zeros_like(cols))  # the pair's id, broadcast over the columns
-        valid = (eid >= 0) & (eid < E)
-        acc += tl.load(y_ptr + pair * H + cols, mask=c_mask & valid, other=0.0).to(tl.float32)
+    if IN_PLACE:
+        eid = tl.load(ids_ptr + t + tl.zeros_like(cols))  # the pair's id, broadcast over the columns
+        invalid = (eid < 0) | (eid >= E)
+        fill = tl.zeros((BH,), tl.float32)
         if NAN_INVALID:
-            acc += tl.where(valid, 0.0, tl.load(tw_ptr + pair + tl.zeros_like(cols)).to(tl.float32) * 0.0)
-    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
+            fill += tl.load(tw_ptr + t + tl.zeros_like(cols), mask=c_mask & invalid, other=0.0).to(tl.float32) * 0.0
+        tl.store(out_ptr + t * H + cols, fill.to(out_ptr.dtype.element_ty), mask=c_mask & invalid)
+    else:
+        acc = tl.zeros((BH,), tl.float32)
+        for k in range(top_k):
+            pair = t * top_k + k
+            eid = tl.load(ids_ptr + pair + tl.zeros_like(cols))  # the pair's id, broadcast over the columns
+            valid = (eid >= 0) & (eid < E)
+            acc += tl.load(y_ptr + pair * H + cols, mask=c_mask & valid, other=0.0).to(tl.float32)
+            if NAN_INVALID:
+                acc += tl.where(valid, 0.0, tl.load(tw_ptr + pair + tl.zeros_like(cols)).to(tl.float32) * 0.0)
+        tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=c_mask)

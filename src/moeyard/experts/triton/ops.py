@@ -228,11 +228,30 @@ def combine_(y: Tensor, topk_ids: Tensor, topk_weights: Optional[Tensor], num_ex
     grid = (T, triton.cdiv(H, COMBINE_BH))
     kernels_fwd.combine_kernel[grid](
         y, topk_ids, y if topk_weights is None else topk_weights, out, H, num_experts, K,
-        NAN_INVALID=topk_weights is not None, BH=COMBINE_BH)
+        NAN_INVALID=topk_weights is not None, IN_PLACE=False, BH=COMBINE_BH)
 
 
 @combine_.register_fake
 def _(y, topk_ids, topk_weights, num_experts, out):
+    return None
+
+
+@torch.library.custom_op("moeyard::triton_fill_invalid", mutates_args=("y",))
+def fill_invalid_(topk_ids: Tensor, topk_weights: Optional[Tensor], num_experts: int, y: Tensor) -> None:
+    """The combine at ``K == 1``, in place: the rows ``y [T, H]`` of pairs whose id lies outside
+    ``[0, E)`` are set to 0 (``w * 0`` if weights are given); the other rows are already the output
+    and are not touched (reads ``T`` ids, writes only the invalid rows)."""
+    T, H = y.shape
+    if T == 0:
+        return
+    grid = (T, triton.cdiv(H, COMBINE_BH))
+    kernels_fwd.combine_kernel[grid](
+        y, topk_ids, y if topk_weights is None else topk_weights, y, H, num_experts, 1,
+        NAN_INVALID=topk_weights is not None, IN_PLACE=True, BH=COMBINE_BH)
+
+
+@fill_invalid_.register_fake
+def _(topk_ids, topk_weights, num_experts, y):
     return None
 
 
@@ -379,7 +398,12 @@ def down_proj(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor | 
 
 
 def combine(y: Tensor, r: Routing, topk_weights: Tensor | None) -> Tensor:
-    """``y [N, H]`` by pair -> ``[T, H]`` (sum over each token's valid pairs)."""
+    """``y [N, H]`` by pair -> ``[T, H]`` (sum over each token's valid pairs). At ``K == 1`` (as
+    every expert-parallel dispatcher calls the local experts) ``y`` is the output once its invalid
+    pairs' rows are filled (:func:`fill_invalid_`): no second ``[N, H]`` pass."""
+    if r.top_k == 1:
+        fill_invalid_(r.topk_ids, topk_weights, r.num_experts, y)
+        return y
     out = empty((r.topk_ids.shape[0], y.shape[1]), y)
     combine_(y, r.topk_ids, topk_weights, r.num_experts, out)
     return out
@@ -389,10 +413,10 @@ def down_combine(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor
                  nan_weights: Tensor | None, lora: LoRATerm | None = None) -> tuple[Tensor, Tensor | None]:
     """``combine(down_proj(...))``: ``([T, NY] in rows.dtype, LoRA rows z [N, R] | None)``. Invalid
     pairs add ``nan_weights * 0`` when given (NaN for a NaN weight), else nothing. With
-    ``options().atomic_combine`` the pair rows are added into a float32 accumulator by the down
-    projection (no ``[N, NY]`` round trip; not deterministic); otherwise written by pair and combined
-    in a fixed order."""
-    if not options().atomic_combine:
+    ``options().atomic_combine`` (and ``K > 1``) the pair rows are added into a float32 accumulator by
+    the down projection (no ``[N, NY]`` round trip; not deterministic); otherwise written by pair and
+    combined in a fixed order (at ``K == 1`` in place)."""
+    if not options().atomic_combine or r.top_k == 1:
         y, z = down_proj(rows, w, b, topk_weights, r, lora)
         return combine(y, r, nan_weights), z
     T, K = r.topk_ids.shape
