@@ -3,7 +3,8 @@
 # the torch grouped_mm pipeline and, when installed, SonicMoE timed in the same run).
 # Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|anchors]
 #   main: verify, CUDA tests, bench (random and Zipf routing) at qwen3-30b-a3b and sonic-7b.
-#   profile: the triton backend's per-kernel profile with A/B of its options (benchmarks/triton_profile.py).
+#   profile: the TMA CUDA tests, then the triton backend's per-kernel profile with A/B of the TMA-loaded
+#            down projection (benchmarks/triton_profile.py).
 #   peers: triton vs torch_gmm vs SonicMoE at qwen3-30b-a3b and sonic-7b (needs .peers, see README).
 #   anchors: sonic-30b-a, sonic-120b, qwen3.5-35b-a3b (PEERS=1: with SonicMoE too).
 #   router: CUDA tests (fused router included), the fused router's benchmark, and auto's choice at
@@ -32,8 +33,12 @@ if [[ $STAGE == main ]]; then
       --backends triton,grouped_mm,torch_gmm --json "$OUT/bench_$routing.json"
   done
 elif [[ $STAGE == profile ]]; then
-  step profile_qwen 280 python3 benchmarks/triton_profile.py --configs qwen3-30b-a3b --variants --out "$OUT"
-  step profile_sonic 200 python3 benchmarks/triton_profile.py --configs sonic-7b --variants --out "$OUT"
+  # the options measured before (atomic, chunk) lost in round 3; the TMA-loaded down projection is new
+  MOEYARD_TRITON_AUTOTUNE=0 step pytest_tma 90 python3 -m pytest -q -p no:cacheprovider tests/cuda -k tma
+  step profile_qwen 260 python3 benchmarks/triton_profile.py --configs qwen3-30b-a3b --variants default,tma,tma_ws \
+    --out "$OUT"
+  step profile_sonic 200 python3 benchmarks/triton_profile.py --configs sonic-7b --variants default,tma,tma_ws \
+    --out "$OUT"
 elif [[ $STAGE == peers ]]; then  # SonicMoE compiles for minutes on a fresh machine
   step bench_peers 560 "${BENCH[@]}" --model qwen3-30b-a3b --model sonic-7b --backends triton,torch_gmm,sonicmoe \
     --json "$OUT/bench_peers.json"

@@ -102,7 +102,7 @@ def recording(sink: list):
     names = {id(c): n for n, c in vars(schedule).items() if n.endswith("_CONFIGS")}
     real_tuned = schedule.tuned
 
-    def fake_tuned(kernel, configs, key, kind=None):
+    def fake_tuned(kernel, configs, key, kind=None, **_):
         return _Recorder(names.get(id(configs), kernel.fn.__name__), kernel, configs, kind, sink)
     real_run = triton.runtime.jit.JITFunction.run
 
@@ -123,11 +123,12 @@ def recording(sink: list):
         ops._LAUNCHERS.update(saved)
 
 
-def record_step(T, H, I, E, K, dtype, lora_rank, lora_mode) -> list[Launch]:
-    """Launches of one forward + backward (base weights trainable, or frozen with LoRA)."""
+def record_step(T, H, I, E, K, dtype, lora_rank, lora_mode, tma="off", bias=False) -> list[Launch]:
+    """Launches of one forward + backward (base weights trainable, or frozen with LoRA; ``bias``: with
+    both projections' biases); ``tma``: the ``tma`` option (the CPU tensors count as a Hopper device)."""
     from moeyard.experts import ExpertLoRA, expert_weights
     from moeyard.activations import get_activation
-    from moeyard.experts.triton import options
+    from moeyard.experts.triton import ops, options
     from moeyard.experts.triton.function import triton_experts
 
     g = torch.Generator().manual_seed(0)
@@ -146,11 +147,20 @@ def record_step(T, H, I, E, K, dtype, lora_rank, lora_mode) -> list[Launch]:
     else:
         up.requires_grad_()
         down.requires_grad_()
-    weights = expert_weights(up, down, lora=lora)
+    biases = {}
+    if bias:
+        biases = dict(gate_up_bias=torch.randn(E, 2 * I, generator=g).to(dtype).requires_grad_(lora is None),
+                      down_bias=torch.randn(E, H, generator=g).to(dtype).requires_grad_(lora is None))
+    weights = expert_weights(up, down, lora=lora, **biases)
     sink: list[Launch] = []
-    with recording(sink), options.use_options(lora_mode=lora_mode):
-        out = triton_experts(x, ids, w, weights, get_activation("swiglu"))
-        out.backward(torch.randn_like(out))
+    real_device = ops._tma_device
+    ops._tma_device = lambda t: True
+    try:
+        with recording(sink), options.use_options(lora_mode=lora_mode, tma=tma):
+            out = triton_experts(x, ids, w, weights, get_activation("swiglu"))
+            out.backward(torch.randn_like(out))
+    finally:
+        ops._tma_device = real_device
     return sink
 
 
@@ -172,7 +182,9 @@ def compile_config(launch: Launch, config) -> dict:
         meta.update(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
     kernel = launch.kernel.warmup(*launch.args, grid=(1,), **meta)
     usage = res_usage(kernel.asm["cubin"])
-    row = {**usage, "dynamic_smem": kernel.metadata.shared}
+    ptx = kernel.asm["ptx"]
+    row = {**usage, "dynamic_smem": kernel.metadata.shared, "warps": kernel.metadata.num_warps,
+           "ws": "setmaxnreg" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
     if config is not None and launch.kind is not None:
         from moeyard.experts.triton import tuning
         smem, regs, kept = tuning.fits(config, tuning.launch_of(launch.kind, launch.named()), SMEM_LIMIT)
@@ -184,7 +196,7 @@ def label(config) -> str:
     if config is None:
         return "(as launched)"
     k = config.kwargs
-    return f"{k['BM']}x{k['BN']}x{k['BK']} w{config.num_warps} s{config.num_stages}"
+    return f"{k['BM']}x{k['BN']}x{k['BK']} w{config.num_warps} s{config.num_stages}" + (" WS" if k.get("WS") else "")
 
 
 def unique(launches: list[Launch]) -> list[Launch]:
@@ -204,13 +216,15 @@ def main(argv=None) -> int:
     p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA rank on both projections, base frozen")
     p.add_argument("--modes", nargs="+", default=["split"], choices=["split", "fused"], help="LoRA modes")
     p.add_argument("--kernels", help="comma-separated launcher names to compile (default: all recorded)")
+    p.add_argument("--bias", action="store_true", help="both projections with biases")
+    p.add_argument("--tma", default="off", choices=["off", "on", "ws"], help="the triton backend's tma option")
     p.add_argument("--json", help="write the rows as JSON here")
     args = p.parse_args(argv)
     T, H, I, E, K = (int(v) for v in args.shape.split(","))
     driver.set_active(_OfflineDriver())
     rows = []
     for mode in (args.modes if args.lora else ["split"]):
-        launches = unique(record_step(T, H, I, E, K, torch.bfloat16, args.lora, mode))
+        launches = unique(record_step(T, H, I, E, K, torch.bfloat16, args.lora, mode, args.tma, args.bias))
         for launch in launches:
             if args.kernels and launch.name not in args.kernels.split(","):
                 continue
@@ -231,13 +245,14 @@ def main(argv=None) -> int:
 
 
 def _line(r: dict) -> str:
-    head = f"{r['mode']:6s} {r['launcher']:22s} {r['config']:22s}"
+    head = f"{r['mode']:6s} {r['launcher']:22s} {r['config']:25s}"
     if "error" in r:
         return f"{head} error {r['error']}"
     est = (f"  | estimate regs {r['est_regs']:3d} smem {r['est_smem'] / 1024:6.1f} KiB "
            f"{'kept' if r['kept'] else 'pruned'}") if "est_regs" in r else ""
+    lowered = (" TMA" if r.get("tma") else "") + (f" WS({r['warps']} warps)" if r.get("ws") else "")
     return (f"{head} regs {r['reg']:3d}  stack {r.get('stack', 0):5d} B  smem {r['dynamic_smem'] / 1024:6.1f} KiB"
-            f"{'' if r['fits'] else ' (over 227 KiB)'}{est}")
+            f"{'' if r['fits'] else ' (over 227 KiB)'}{lowered}{est}")
 
 
 if __name__ == "__main__":

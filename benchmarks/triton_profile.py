@@ -28,6 +28,8 @@ VARIANTS = {
     "atomic": dict(atomic_combine=True),
     "chunk": dict(wgrad_chunk_rows=4096),
     "all": dict(atomic_combine=True, wgrad_chunk_rows=4096),
+    "tma": dict(tma="on"),       # TMA-loaded down projection and dx (pipelined or warp-specialised, autotuned)
+    "tma_ws": dict(tma="ws"),    # the same, warp-specialised configs only
 }
 DH_PARTIAL_BN = 64  # column tiles of the routing-weight gradient partial (ops.DH_CONFIGS: BN >= 64)
 

@@ -331,6 +331,110 @@ def test_top1_combine_in_place(atomic, custom):
         assert (out[[2, 5]] == 0).all() and not out.isnan().any()
 
 
+@pytest.mark.parametrize("E", [1, 5, 130])
+def test_tile_table_matches_expert_tile(E):
+    # the row-tile table of the TMA kernel: every tile's expert and first row, as the reductions of
+    # schedule.expert_piece find them (random counts, empty experts included)
+    from moeyard.experts.triton import schedule
+    g = torch.Generator().manual_seed(E)
+    counts = torch.randint(0, 40, (E,), generator=g) * (torch.rand(E, generator=g) > 0.3)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+    N, BM = int(offsets[-1]), 16
+    table = schedule.tile_table(offsets, N, BM)
+    M = table.shape[0] // 2
+    assert M == schedule.max_row_tiles(N, E, BM)
+    expected = [(e, int(offsets[e]) + j * BM) for e in range(E) for j in range(-(-int(counts[e]) // BM))]
+    got = [(int(table[t]), int(table[M + t])) for t in range(M) if int(table[t]) < E]
+    assert got == expected
+    assert all(int(table[t]) >= E for t in range(len(expected), M))
+
+
+class _Launches:
+    """Counts the tuned launchers' launches by name (wraps ``ops._kernels()`` entries)."""
+
+    def __init__(self, monkeypatch):
+        self.names = []
+        kernels = ops._kernels()
+        for name, launcher in list(kernels.items()):
+            monkeypatch.setitem(kernels, name, self._wrap(name, launcher))
+
+    def _wrap(self, name, launcher):
+        names = self.names
+
+        class Wrapped:
+            def __getitem__(self, grid):
+                names.append(name)
+                return launcher[grid]
+        return Wrapped()
+
+
+@pytest.mark.parametrize("tma", ["on", "ws"])
+@pytest.mark.parametrize("case", [
+    dict(T=29, H=32, I=16, E=4, K=2),                                     # forward and dx through TMA
+    dict(T=23, H=24, I=40, E=5, K=3, bias=True),                          # bias; row tiles across experts
+    dict(T=9, H=24, I=16, E=4, K=2, act=Activation(name="clamped_swiglu", limit=1.0), bias=True,
+         transposed=True, interleaved=True),                              # gpt-oss layout: the other B orientation
+    dict(T=37, H=16, I=16, E=4, K=1, ids="one_expert"),                   # one expert, several row tiles
+    dict(T=12, H=16, I=16, E=8, K=2, ids="two_experts"),                  # empty experts
+    dict(T=5, H=16, I=16, E=1, K=1),                                      # E = 1
+    dict(T=0, H=16, I=16, E=4, K=2),                                      # no tokens
+])
+def test_tma_down_projection(tma, case, monkeypatch):
+    # the TMA-loaded down projection (forward and input gradient) against the oracle; the interpreter
+    # emulates the descriptors' boxes (zero fill past each bound)
+    case = dict(case)
+    ids = case.pop("ids", None)
+    T, K = case["T"], case["K"]
+    if ids == "one_expert":
+        ids = torch.full((T, K), 2, dtype=torch.int64)
+    elif ids == "two_experts":
+        ids = torch.tensor([[0, 3]] * T)
+    launches = _Launches(monkeypatch)
+    with use_options(tma=tma):
+        check_against_loop(*_problem(**case, ids=ids))
+    if T:
+        assert launches.names.count(f"down_tma_{tma}") == 2 and "down" not in launches.names
+
+
+def test_tma_falls_back(monkeypatch):
+    # strides that are no multiple of 16 bytes (H = 33 float32), the atomic combine and fused LoRA keep
+    # the pointer kernel; a split LoRA term runs the pipelined TMA configs
+    launches = _Launches(monkeypatch)
+    with use_options(tma="ws"):
+        check_against_loop(*_problem(7, 33, 16, 4, 2))
+        with use_options(atomic_combine=True):
+            check_against_loop(*_problem(7, 32, 16, 4, 2))
+    assert launches.names.count("down") == 3 and "down_tma_ws" in launches.names  # dx of the odd H runs TMA
+
+
+@pytest.mark.parametrize("mode", ["split", "fused"])
+def test_tma_with_lora(mode, monkeypatch):
+    from moeyard.experts import ExpertLoRA
+    T, H, I, E, K, r = 19, 32, 16, 4, 2, 5
+    launches = _Launches(monkeypatch)
+    p, ids, kw = _problem(T, H, I, E, K)
+    g = torch.Generator().manual_seed(3)
+    factors = {k: torch.randn(*shape, generator=g) * 0.3 for k, shape in
+               dict(ua=(r * E, H), ub=(2 * I, r * E), da=(r * E, I), db=(H, r * E)).items()}
+
+    def run(backend, dtype):
+        f = {k: v.detach().to(dtype).requires_grad_() for k, v in factors.items()}
+        lora = {"gate_up_proj": ExpertLoRA(lora_A=f["ua"], lora_B=f["ub"], scaling=0.5),
+                "down_proj": ExpertLoRA(lora_A=f["da"], lora_B=f["db"], scaling=0.5)}
+        x = p["x"].detach().to(dtype).requires_grad_()
+        out = moeyard.experts(x, ids, p["topk_weights"].to(dtype), p["gate_up_proj"].to(dtype),
+                              p["down_proj"].to(dtype), backend=backend, lora=lora)
+        out.backward(torch.ones_like(out))
+        return [out, x.grad] + [f[k].grad for k in sorted(f)]
+
+    with use_options(tma="ws", lora_mode=mode):
+        got = run("triton", torch.float32)
+    for g_, r_ in zip(got, run("loop", torch.float64)):
+        assert _rel(g_, r_) < 1e-5
+    expected = "down_tma_pipelined" if mode == "split" else "down"
+    assert launches.names.count(expected) == 2 and "down_tma_ws" not in launches.names
+
+
 @pytest.mark.parametrize("chunk", [12, 20])  # chunks shorter than a BM=16 row step, and over one step
 @pytest.mark.parametrize("layout", ["plain", "bias", "gpt_oss"])
 def test_wgrad_chunks(chunk, layout):
@@ -389,6 +493,12 @@ def test_options_env_and_budget(monkeypatch):
         with use_options(wgrad_chunk_rows=-1):
             pass
     assert options().wgrad_chunk_rows == 256  # restored after the failed override
+    monkeypatch.setenv("MOEYARD_TRITON_TMA", "ws")
+    assert options().tma == "ws"
+    monkeypatch.setenv("MOEYARD_TRITON_TMA", "yes")
+    with pytest.raises(ValueError, match="MOEYARD_TRITON_TMA"):
+        options()
+    monkeypatch.delenv("MOEYARD_TRITON_TMA")
     # budget: 2 N // rows float32 [NL, NR] slots must fit in wgrad_partial_mib
     o = Options(wgrad_chunk_rows=512, wgrad_partial_mib=256)
     n, nl, nr = 262144, 1536, 2048

@@ -80,7 +80,8 @@ def _fwd_bwd(leaves, ids, dout):
     return [out.detach()] + list(torch.autograd.grad(out, list(leaves.values()), dout))
 
 
-@pytest.mark.parametrize("opts", [{}, {"atomic_combine": True, "wgrad_chunk_rows": 64}], ids=["default", "options"])
+@pytest.mark.parametrize("opts", [{}, {"atomic_combine": True, "wgrad_chunk_rows": 64}, {"tma": "ws"}],
+                         ids=["default", "options", "tma"])
 def test_no_host_sync(opts):
     from moeyard.experts.triton.options import use_options
     leaves, ids, dout = _graph_inputs()
@@ -94,7 +95,20 @@ def test_no_host_sync(opts):
             torch.cuda.set_sync_debug_mode("default")
 
 
-def test_cuda_graph_forward_backward():
+@pytest.mark.parametrize("tma", ["off", "ws"])
+def test_cuda_graph_forward_backward(tma):
+    from moeyard.experts.triton.options import use_options
+    with use_options(tma=tma):
+        _graph_round_trip()
+
+
+def test_bf16_gpt_oss_layout_tma():
+    from moeyard.experts.triton.options import use_options
+    with use_options(tma="ws"):
+        test_bf16_gpt_oss_layout()
+
+
+def _graph_round_trip():
     leaves, ids, dout = _graph_inputs()
     eager = _fwd_bwd(leaves, ids, dout)
     stream = torch.cuda.Stream()
@@ -149,6 +163,8 @@ def test_int64_indexing():
     dict(atomic_combine=True),                       # fused combine with float32 atomics (fwd and dx)
     dict(wgrad_chunk_rows=64),                       # every expert (~250 rows) split into chunks
     dict(wgrad_chunk_rows=300, atomic_combine=True),  # some experts split, with the atomic combine
+    dict(tma="on"),                                  # TMA-loaded down projection and dx, pipelined
+    dict(tma="ws"),                                  # the same, warp-specialised
 ])
 def test_bf16_options(opts):
     from moeyard.experts.triton.options import use_options

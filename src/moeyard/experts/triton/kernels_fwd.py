@@ -119,8 +119,20 @@ def down_kernel(
         w_ptr + e64 * stride_we, col_off, col_off, n_mask, stride_wk,
         la_ptr + e64 * stride_lae, r_offs.to(tl.int64) * stride_lar, r_offs < R, stride_lak, KA,
         BK, False, LORA == 2, PRECISION)
+    down_epilogue(acc, acc_z, e64, rows, m_mask, pair, token, cols, n_mask, tl.program_id(0) % tl.cdiv(NY, BN),
+                  b_ptr, tw_ptr, y_ptr, lb_ptr, z_ptr, NY, R, stride_be, stride_bn, stride_lbe, stride_lbn,
+                  stride_lbr, lora_scale, HAS_BIAS, HAS_WEIGHT, ATOMIC, LORA, RP, PRECISION)
+
+
+@triton.jit
+def down_epilogue(acc, acc_z, e64, rows, m_mask, pair, token, cols, n_mask, pid_n,
+                  b_ptr, tw_ptr, y_ptr, lb_ptr, z_ptr, NY, R, stride_be, stride_bn, stride_lbe, stride_lbn,
+                  stride_lbr, lora_scale, HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ATOMIC: tl.constexpr,
+                  LORA: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr):
+    """The down projection's epilogue for the tile ``acc = a[rows] @ W[e].T`` (``[BM, BN]`` float32):
+    LoRA term, bias, routing weight, then the store by pair (or the atomic add by token)."""
     if LORA:
-        z = lora_z(acc_z, z_ptr, rows, m_mask, R, tl.program_id(0) % tl.cdiv(NY, BN), RP, LORA)
+        z = lora_z(acc_z, z_ptr, rows, m_mask, R, pid_n, RP, LORA)
         acc = lora_epilogue(acc, z, lb_ptr + e64 * stride_lbe, cols.to(tl.int64) * stride_lbn, n_mask, stride_lbr,
                             R, lora_scale, PRECISION, RP)
     if HAS_BIAS:

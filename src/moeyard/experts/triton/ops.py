@@ -14,12 +14,13 @@ import triton
 
 from ...activations import GATED
 from ...dispatch import make_plan
-from . import kernels_bwd, kernels_fwd
+from . import kernels_bwd, kernels_fwd, kernels_tma
 from .options import options
 from .tuning import LORA_FUSED, LORA_NONE, LORA_SPLIT
 from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, REDUCE_BLOCK, SMALL, THIN_CONFIGS, THIN_WGRAD_CONFIGS,
-                       WGRAD_CONFIGS,
-                       dot_precision, interpreting, max_chunks, max_partial_slots, max_row_tiles, rank_block, tuned)
+                       TMA_CONFIGS, WGRAD_CONFIGS,
+                       dot_precision, interpreting, max_chunks, max_partial_slots, max_row_tiles, rank_block, tile_table,
+                       tma_block_m, tuned)
 
 Tensor = torch.Tensor
 COMBINE_BH = 1024
@@ -119,11 +120,18 @@ def _kernels():
             dh=tuned(kernels_bwd.dh_kernel, DH_CONFIGS, ["H", "I", "N1", "E", "R", "LORA"], "dh"),
             wgrad=tuned(kernels_bwd.wgrad_kernel, WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], "wgrad"),
             wgrad_thin=tuned(kernels_bwd.wgrad_kernel, THIN_WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], "wgrad"),
+            down_tma_on=tuned(kernels_tma.down_tma_kernel, TMA_CONFIGS, _TMA_KEY, "down_tma",
+                              fixed_extra=dict(WS=False, BM=tma_block_m())),
+            down_tma_ws=tuned(kernels_tma.down_tma_kernel, [c for c in TMA_CONFIGS if c.kwargs["WS"]], _TMA_KEY,
+                              "down_tma", fixed_extra=dict(WS=True, BM=tma_block_m())),
+            down_tma_pipelined=tuned(kernels_tma.down_tma_kernel, [c for c in TMA_CONFIGS if not c.kwargs["WS"]],
+                                     _TMA_KEY, "down_tma", fixed_extra=dict(WS=False, BM=tma_block_m())),
         )
     return _LAUNCHERS
 
 
 _LAUNCHERS: dict = {}
+_TMA_KEY = ["KA", "NY", "E", "R", "LORA", "W_KMAJOR"]
 
 
 def _dh_min_bn() -> int:
@@ -179,12 +187,33 @@ def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la,
         return
     bb = w if b is None else b
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
+    tma = options().tma
+    if tma != "off" and not atomic and lora_mode != LORA_FUSED and _tma_device(rows) and \
+            kernels_tma.tma_ready(rows, w, interpreting()):
+        kernels_tma.ensure_allocator()
+        bm = tma_block_m()
+        table = tile_table(expert_offsets, N, bm)
+        # the LoRA epilogue's second dot does not compile warp-specialised (Triton 3.6, sm_90a)
+        _kernels()["down_tma_pipelined" if lora_mode else f"down_tma_{tma}"][_row_grid(N, E, NY)](
+            rows, w, bb, rows if topk_weights is None else topk_weights, sort_order, expert_offsets, y, lb_, z_,
+            table, N, KA, NY, E, top_k, R, table.shape[0] // 2,
+            w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1), *lora_strides[3:], lora_scale,
+            W_KMAJOR=w.stride(2) == 1, HAS_BIAS=b is not None, HAS_WEIGHT=topk_weights is not None, LORA=lora_mode,
+            RP=RP, PRECISION=dot_precision(rows.dtype))
+        return
     _kernels()["down"][_row_grid(N, E, NY)](
         rows, w, bb, rows if topk_weights is None else topk_weights, sort_order, expert_offsets, y, la_, lb_, z_,
         KA, NY, E, top_k, R,
         w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1), *lora_strides, lora_scale,
         HAS_BIAS=b is not None, HAS_WEIGHT=topk_weights is not None, ATOMIC=atomic, LORA=lora_mode, RP=RP,
         PRECISION=dot_precision(rows.dtype), E_P2=_e_p2(E))
+
+
+def _tma_device(x: Tensor) -> bool:
+    """Hopper or later (TMA), or the CPU interpreter (which emulates descriptor loads)."""
+    if interpreting():
+        return True
+    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 @torch.library.custom_op("moeyard::triton_down_proj", mutates_args=("y", "z"))

@@ -21,6 +21,12 @@ Each defaults to the measured default path; set an environment variable, or over
   at every shape measured on an H200 (Triton 3.6: the fused second dot made the down and dh kernels
   2.3-2.5x slower; ``benchmarks/lora_crossover.py``, ``benchmarks/NOTES.md`` round 4), unlike
   ScatterMoE-LoRA's rule (fused for E >= 64).
+- ``MOEYARD_TRITON_TMA=off|on|ws`` (``tma``): the down projection (forward and input gradient) loads
+  its operands with Hopper TMA descriptors (:mod:`.kernels_tma`; sm_90 and later, bf16/fp16,
+  16-byte-aligned strides; otherwise the pointer-loaded kernel runs). ``on`` autotunes over
+  pipelined and warp-specialised configs, ``ws`` over warp-specialised ones only (with a split LoRA
+  term: pipelined ones, the only ones Triton 3.6 compiles with the epilogue's second dot). Not with
+  the fused LoRA mode or the atomic combine (those keep the pointer kernel). Off until measured faster.
 """
 from __future__ import annotations
 
@@ -29,8 +35,10 @@ import os
 from dataclasses import dataclass
 
 ENV = dict(atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE", wgrad_chunk_rows="MOEYARD_TRITON_WGRAD_CHUNK",
-           wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", lora_mode="MOEYARD_TRITON_LORA")
+           wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", lora_mode="MOEYARD_TRITON_LORA",
+           tma="MOEYARD_TRITON_TMA")
 LORA_MODES = ("split", "fused")
+TMA_MODES = ("off", "on", "ws")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,12 +47,15 @@ class Options:
     wgrad_chunk_rows: int = 0
     wgrad_partial_mib: int = 512
     lora_mode: str = "split"
+    tma: str = "off"
 
     def __post_init__(self):
         if self.wgrad_chunk_rows < 0 or self.wgrad_partial_mib <= 0:
             raise ValueError(f"wgrad_chunk_rows must be >= 0 and wgrad_partial_mib > 0, got {self}")
         if self.lora_mode not in LORA_MODES:
             raise ValueError(f"lora_mode ({ENV['lora_mode']}): expected one of {LORA_MODES}, got {self.lora_mode!r}")
+        if self.tma not in TMA_MODES:
+            raise ValueError(f"tma ({ENV['tma']}): expected one of {TMA_MODES}, got {self.tma!r}")
 
     def chunk_rows(self, num_rows: int, nl: int, nr: int) -> int:
         """Rows per weight-gradient chunk for ``num_rows`` pairs and a ``[NL, NR]`` weight (0: off):

@@ -56,6 +56,34 @@ def expert_piece(pid, offsets_ptr, E, size, E_P2: tl.constexpr, EMPTY_PIECE: tl.
 
 
 @triton.jit
+def tile_table_kernel(offsets_ptr, table_ptr, E, M, BM: tl.constexpr, E_P2: tl.constexpr, BT: tl.constexpr):
+    """The row tiles of ``BM`` rows as a table (one program): ``table[t]`` = the expert of tile ``t``
+    (``>= E``: no such tile) and ``table[M + t]`` = its first sorted row, for ``t < M``
+    (:func:`max_row_tiles`). For kernels that cannot run :func:`expert_tile`'s reductions (Triton 3.6's
+    Hopper warp specialisation rejects a kernel with a reduction's region anywhere)."""
+    e_idx, starts, ends, pieces, last, _ = _piece_table(offsets_ptr, E, BM, E_P2, False)
+    for t0 in range(0, M, BT):
+        t = t0 + tl.arange(0, BT)
+        e = tl.sum((last[None, :] <= t[:, None]).to(tl.int32), 1)
+        here = e_idx[None, :] == e[:, None]
+        first = tl.sum(tl.where(here, (last - pieces)[None, :], 0), 1)
+        row0 = tl.sum(tl.where(here, starts[None, :], 0), 1) + (t - first) * BM
+        tl.store(table_ptr + t, e, mask=t < M)
+        tl.store(table_ptr + M + t, row0, mask=t < M)
+
+
+def tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
+    """``[2 * M]`` int32 on the offsets' device (:func:`tile_table_kernel`), ``M = max_row_tiles``;
+    one small launch, no host sync."""
+    E = expert_offsets.shape[0] - 1
+    M = max_row_tiles(num_rows, E, block_m)
+    table = torch.empty(2 * M, dtype=torch.int32, device=expert_offsets.device)
+    e_p2 = triton.next_power_of_2(max(E, 2))
+    tile_table_kernel[(1,)](expert_offsets, table, E, M, BM=block_m, E_P2=e_p2, BT=max(8, 4096 // e_p2))
+    return table
+
+
+@triton.jit
 def expert_slots(e, offsets_ptr, E, size, E_P2: tl.constexpr):
     """``(n, slot0)`` of expert ``e``: its pieces of ``size`` rows and its first partial slot."""
     e_idx, starts, ends, pieces, last, slot0 = _piece_table(offsets_ptr, E, size, E_P2, False)
@@ -111,8 +139,21 @@ def dot_precision(dtype: torch.dtype) -> str:
 SMALL = dict(BM=16, BN=16, BK=16)
 
 
-def _cfg(bm, bn, bk, warps, stages):
-    return triton.Config(dict(BM=bm, BN=bn, BK=bk), num_warps=warps, num_stages=stages)
+def tma_block_m() -> int:
+    """BM of every TMA config in force: ``SMALL``'s under the interpreter, ``FIXED``'s without
+    autotuning, else ``TMA_BM``."""
+    if interpreting():
+        return SMALL["BM"]
+    return FIXED["BM"] if not autotuning() else TMA_BM
+
+
+def autotuning() -> bool:
+    """False with ``MOEYARD_TRITON_AUTOTUNE=0`` (one fixed config, ``FIXED``)."""
+    return os.environ.get(ENV_AUTOTUNE, "1") not in ("0", "false", "False")
+
+
+def _cfg(bm, bn, bk, warps, stages, **meta):
+    return triton.Config(dict(BM=bm, BN=bn, BK=bk, **meta), num_warps=warps, num_stages=stages)
 
 
 # (BM, BN, BK, warps, stages); pruned per launch by shared memory and registers (.tuning).
@@ -125,6 +166,15 @@ GEMM_CONFIGS = [
     _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(128, 256, 64, 8, 4), _cfg(256, 128, 64, 8, 3),
     _cfg(128, 128, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(128, 128, 128, 8, 3), _cfg(128, 256, 128, 8, 2),
     _cfg(64, 256, 64, 8, 3),
+]
+# The TMA-loaded down projection (kernels_tma): pipelined (8 warps) or warp-specialised (WS: 4 warps
+# asked for, one producer and two consumer warp groups compiled: 12 warps). One BM for all (the row
+# tiles come from a table built for it: tma_block_m).
+TMA_BM = 128
+TMA_CONFIGS = [
+    _cfg(TMA_BM, 128, 64, 8, 4, WS=False), _cfg(TMA_BM, 256, 64, 8, 3, WS=False), _cfg(TMA_BM, 128, 128, 8, 3, WS=False),
+    _cfg(TMA_BM, 128, 64, 4, 4, WS=True), _cfg(TMA_BM, 256, 64, 4, 3, WS=True), _cfg(TMA_BM, 128, 128, 4, 3, WS=True),
+    _cfg(TMA_BM, 256, 64, 4, 4, WS=True),
 ]
 DUAL_CONFIGS = [
     _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 64, 64, 8, 4), _cfg(128, 64, 64, 4, 4),
@@ -172,16 +222,17 @@ FIXED = dict(BM=64, BN=64, BK=32, num_warps=4, num_stages=3)
 ENV_AUTOTUNE = "MOEYARD_TRITON_AUTOTUNE"
 
 
-def tuned(kernel, configs, key, kind=None, *, prune=None, fixed=None):
+def tuned(kernel, configs, key, kind=None, *, prune=None, fixed=None, fixed_extra=None):
     """``kernel`` autotuned over ``configs`` on a GPU, pruned before compiling by ``prune`` (an
     ``early_config_prune``) or, by default, by the shared-memory and register estimates of
     :mod:`.tuning` for the launch kind ``kind`` (a key of ``tuning.KINDS``). Under the interpreter and
     with ``MOEYARD_TRITON_AUTOTUNE=0``: the one config ``fixed`` (a meta dict), by default ``SMALL``
-    and ``FIXED``."""
+    and ``FIXED``, updated with ``fixed_extra`` (constexprs every config sets)."""
+    extra = fixed_extra or {}
     if interpreting():
-        return _Fixed(kernel, fixed or SMALL)
-    if os.environ.get(ENV_AUTOTUNE, "1") in ("0", "false", "False"):
-        return _Fixed(kernel, fixed or FIXED)
+        return _Fixed(kernel, {**(fixed or SMALL), **extra})
+    if not autotuning():
+        return _Fixed(kernel, {**(fixed or FIXED), **extra})
     prune = prune or pruner(kind, device_smem_limit)
     return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})(kernel)
 
@@ -205,6 +256,7 @@ def _report_lists():
     """``(title, configs, launch kind, gated, has LoRA variants)`` of every tuned launcher (ops._kernels)."""
     return [("up (gated: DUAL_CONFIGS)", DUAL_CONFIGS, "up", True, True),
             ("down / dx (GEMM_CONFIGS)", GEMM_CONFIGS, "down", False, True),
+            ("down / dx, TMA loads (TMA_CONFIGS)", TMA_CONFIGS, "down_tma", False, False),
             ("dh (DH_CONFIGS)", DH_CONFIGS, "dh", False, True),
             ("wgrad (WGRAD_CONFIGS)", WGRAD_CONFIGS, "wgrad", False, False),
             ("thin up: LoRA z rows (THIN_CONFIGS)", THIN_CONFIGS, "up", False, False),
@@ -231,7 +283,8 @@ def report(smem_limit: int = tuning.SMEM_OPTIN_HOPPER, ranks=(16, 64, 128), dtyp
             cells = [_cell(c, tuning.Launch(kind=kind, dual=gated, lora=mode, rank=rank_block(r) if mode else 0,
                                             a_bytes=dtype_bytes, b_bytes=dtype_bytes, lora_bytes=dtype_bytes),
                            smem_limit) for _, r, mode in variants]
-            lines.append(f"{k['BM']:3d} {k['BN']:3d} {k['BK']:3d} {c.num_warps} {c.num_stages:<3} | " + " | ".join(cells))
+            ws = "WS" if k.get("WS") else ""
+            lines.append(f"{k['BM']:3d} {k['BN']:3d} {k['BK']:3d} {c.num_warps} {c.num_stages} {ws:<2}| " + " | ".join(cells))
     return "\n".join(lines)
 
 

@@ -30,7 +30,9 @@ epilogue's live values,
   elements at the input's size), and the weight gradient's ``L`` tile when it also feeds the bias
   gradient (``BN * BM`` elements plus their float32 copy).
 - pointers: each loop-carried operand pointer tensor costs one 64-bit address (2 registers) per
-  16-byte vector a thread loads: ``2 * rows * cols * bytes / (16 * T)``.
+  16-byte vector a thread loads: ``2 * rows * cols * bytes / (16 * T)``; none for TMA descriptor
+  loads (``down_tma``). A warp-specialised config (``WS``) spreads the accumulators over two consumer
+  warp groups (:func:`compute_warps`).
 - epilogue: LoRA's ``z [BM, RP]`` float32 (read or kept from the main loop) and ``s * z`` in the
   input dtype; ``Lb [RP, BN]`` is the epilogue dot's B operand in shared memory, loaded through
   registers (``RP * BN`` elements: a load outside the pipelined loop is no ``cp.async``). The LoRA
@@ -107,11 +109,13 @@ class _Kind:
     family: str  # "gemm" (A [BM, BK] @ B [BK, BN]) or "wgrad" (L^T [BN, BM] @ R [BM, BK])
     a: str       # argument holding A (or L)
     b: str       # argument holding B (or R)
+    tma: bool = False  # operands loaded by TMA descriptors: no pointer tensors in the main loop
 
 
 KINDS = {
     "up": _Kind("gemm", "x_ptr", "w_ptr"),
     "down": _Kind("gemm", "a_ptr", "w_ptr"),
+    "down_tma": _Kind("gemm", "a_ptr", "w_ptr", tma=True),
     "dh": _Kind("gemm", "dout_ptr", "w_ptr"),
     "wgrad": _Kind("wgrad", "l_ptr", "r_ptr"),
 }
@@ -156,6 +160,8 @@ def smem_bytes(config, launch: Launch) -> int:
         stage = bm * bk * launch.a_bytes + (1 + launch.dual) * bk * bn * launch.b_bytes
         if launch.lora == LORA_FUSED:
             stage += bk * launch.rank * launch.lora_bytes
+    if config.kwargs.get("WS"):  # the warp-specialised kernel's epilogue staging: BM * BN bytes more
+        return config.num_stages * stage + bm * bn     # (sm_90a, Triton 3.6: benchmarks/offline_sm90.py)
     return config.num_stages * stage
 
 
@@ -169,7 +175,7 @@ def registers(config, launch: Launch) -> int:
     the larger of the main loop's and the epilogue's live values plus ``OVERHEAD`` (see the module
     docstring for the terms and their sources)."""
     bm, bn, bk = _tiles(config)
-    t = 32 * config.num_warps
+    t = 32 * compute_warps(config)
     kind = KINDS[launch.kind]
     if kind.family == "wgrad":
         loop = bn * bk / t + _pointer_regs(bn, bm, launch.a_bytes, t) + _pointer_regs(bm, bk, launch.b_bytes, t)
@@ -177,13 +183,23 @@ def registers(config, launch: Launch) -> int:
             loop += bn * bm * (launch.a_bytes / 4 + 1) / t + bn / t
         return math.ceil(loop) + OVERHEAD
     acc = (1 + launch.dual) * bm * bn / t
-    loop = acc + _pointer_regs(bm, bk, launch.a_bytes, t) + (1 + launch.dual) * _pointer_regs(bk, bn, launch.b_bytes, t)
+    loop = acc
+    if not kind.tma:
+        loop += _pointer_regs(bm, bk, launch.a_bytes, t) + (1 + launch.dual) * _pointer_regs(bk, bn, launch.b_bytes, t)
     if launch.lora == LORA_FUSED:
         loop += FUSED_Z_FACTOR * bm * launch.rank / t + _pointer_regs(bk, launch.rank, launch.lora_bytes, t)
     epilogue = acc
     if launch.lora:  # z [BM, RP] float32, s * z as the epilogue dot's A operand, Lb [RP, BN] on its way to smem
         epilogue += (bm * launch.rank * (1 + launch.a_bytes / 4) + launch.rank * bn * launch.lora_bytes / 4) / t
     return math.ceil(max(loop, epilogue)) + OVERHEAD
+
+
+def compute_warps(config) -> int:
+    """Warps that hold the accumulators: ``num_warps``, or twice that for a warp-specialised config
+    (``WS``: Triton's Hopper partitioning compiles the 4 warps asked for into two consumer warp
+    groups, each with its half of the tile's rows, plus one producer group issuing the loads, which
+    ``setmaxnreg`` leaves few registers)."""
+    return config.num_warps * (2 if config.kwargs.get("WS") else 1)
 
 
 def register_limit(num_warps: int) -> int:
@@ -194,7 +210,7 @@ def register_limit(num_warps: int) -> int:
 def fits(config, launch: Launch, smem_limit: int) -> tuple[int, int, bool]:
     """``(smem bytes, registers per thread, fits)`` of ``config`` for ``launch`` under ``smem_limit``."""
     smem, regs = smem_bytes(config, launch), registers(config, launch)
-    return smem, regs, smem <= smem_limit and regs <= register_limit(config.num_warps)
+    return smem, regs, smem <= smem_limit and regs <= register_limit(compute_warps(config))
 
 
 _WARNED: set = set()

@@ -1,0 +1,107 @@
+"""The down projection (forward ``y = a W_down^T`` and input gradient ``dx = d_h W_up``) with its
+operands loaded by the Hopper tensor-memory accelerator (TMA), optionally warp-specialised.
+
+Both operands of this GEMM are dense: the rows ``a [N, KA]`` are in sorted (expert-major) order and
+each expert's weight is one ``[NY, KA]`` (or ``[KA, NY]``) block, so a row tile is a plain 2-D box at
+``(row0, k0)`` and a weight tile a box of the 3-D weight at ``(e, col0, k0)``; the boxes' bounds
+zero-fill the K tail and the last rows. Rows of a tile past its expert's end belong to the next expert:
+they are computed and not stored. The epilogue (LoRA term, bias, routing weight, store by pair) is
+:func:`.kernels_fwd.down_epilogue`, shared with the pointer-loaded kernel.
+
+``WS``: the K loop is warp-specialised (``tl.range(..., warp_specialize=True)``): with Triton 3.6 on
+sm_90 a producer warp group issues the TMA loads and two consumer warp groups run the wgmma (lowered
+only when every load of the loop is a descriptor load, and with ``num_warps=4``). The gathered GEMMs
+(up projection, activation gradient, weight gradients) read rows at each pair's token, which a Hopper
+TMA box cannot do, so they keep their pointer loads.
+
+Device-side descriptors need a small global scratch per launch: :func:`ensure_allocator`.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .kernels_fwd import down_epilogue
+
+
+@triton.jit
+def down_tma_kernel(
+    a_ptr,            # [N, KA] input dtype, contiguous: rows in sorted order
+    w_ptr,            # [E, NY, KA] input dtype, strides (stride_we, stride_wn, stride_wk); stride_wk == 1
+                      # (W_KMAJOR) or stride_wn == 1
+    b_ptr, tw_ptr, sort_order_ptr, offsets_ptr, y_ptr, lb_ptr, z_ptr,  # as kernels_fwd.down_kernel
+    table_ptr,        # [2 * M] int32: row tile -> expert (>= E: none), then -> first row (schedule.tile_table)
+    N, KA, NY, E, top_k, R, M,
+    stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_lbe, stride_lbn, stride_lbr, lora_scale,
+    W_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, LORA: tl.constexpr,
+    RP: tl.constexpr, PRECISION: tl.constexpr, WS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """``y[pair] = w[pair] * (a[row] @ W[e].T + b[e] (+ s z Lb_e^T))`` for one (row tile, column
+    tile), as :func:`.kernels_fwd.down_kernel` without the atomic and fused-LoRA variants."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(NY, BN)
+    pid_n = pid % n_tiles
+    pid_m = pid // n_tiles
+    # a tile that does not exist (e >= E) runs no K step and stores nothing. Triton 3.6's Hopper warp
+    # specialisation fails to compile a kernel that returns before the loop or holds a reduction
+    # (schedule.expert_tile's), hence the table and no early return.
+    e = tl.load(table_ptr + pid_m)
+    live = e < E
+    e = tl.minimum(e, E - 1)
+    row0 = tl.load(table_ptr + M + pid_m)
+    row_end = tl.where(live, tl.load(offsets_ptr + e + 1), row0)
+    k_steps = tl.where(live, tl.cdiv(KA, BK), 0)
+    col0 = pid_n * BN
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N, KA], strides=[KA, 1], block_shape=[BM, BK])
+    if W_KMAJOR:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E, NY, KA], strides=[stride_we, stride_wn, 1],
+                                           block_shape=[1, BN, BK])
+    else:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E, KA, NY], strides=[stride_we, stride_wk, 1],
+                                           block_shape=[1, BK, BN])
+    acc = tl.zeros((BM, BN), tl.float32)
+    for kt in tl.range(0, k_steps, warp_specialize=WS):
+        a = a_desc.load([row0, kt * BK])
+        if W_KMAJOR:
+            b = tl.trans(tl.reshape(w_desc.load([e, col0, kt * BK]), (BN, BK)))
+        else:
+            b = tl.reshape(w_desc.load([e, kt * BK, col0]), (BK, BN))
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    rows = (row0 + tl.arange(0, BM)).to(tl.int64)
+    m_mask = rows < row_end
+    pair = tl.load(sort_order_ptr + rows, mask=m_mask, other=0)
+    cols = col0 + tl.arange(0, BN)
+    down_epilogue(acc, acc, e.to(tl.int64), rows, m_mask, pair, pair // top_k, cols, cols < NY, pid_n,
+                  b_ptr, tw_ptr, y_ptr, lb_ptr, z_ptr, NY, R, stride_be, stride_bn, stride_lbe, stride_lbn,
+                  stride_lbr, lora_scale, HAS_BIAS, HAS_WEIGHT, False, LORA, RP, PRECISION)
+
+
+def tma_ready(rows: torch.Tensor, w: torch.Tensor, float32: bool = False) -> bool:
+    """Whether :func:`down_tma_kernel` can read ``rows [N, KA]`` and ``w [E, NY, KA]``: a 16-bit
+    float dtype (or float32 with ``float32``: the CPU interpreter's tests), ``rows`` contiguous, ``w``
+    unit-stride along NY or KA, and every other stride and base address a multiple of 16 bytes (the
+    TMA descriptor's rules, CUDA driver API ``cuTensorMapEncodeTiled``). Host metadata only."""
+    dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if float32 else ())
+    if rows.dtype not in dtypes or w.dtype != rows.dtype or not rows.is_contiguous():
+        return False
+    if w.stride(2) != 1 and w.stride(1) != 1:
+        return False
+    size = rows.element_size()
+    strides = (rows.shape[1], w.stride(0), w.stride(1) if w.stride(2) == 1 else w.stride(2))
+    return all(s * size % 16 == 0 for s in strides) and rows.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+
+
+def _torch_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
+
+
+def ensure_allocator() -> None:
+    """Give Triton an allocator for the descriptors' global scratch (CUDA caching allocator, so
+    CUDA-graph capture works) unless one is set already."""
+    try:
+        from triton.runtime._allocation import _NULL_ALLOCATOR, _allocator
+    except ImportError:  # a Triton without the context variable: set ours
+        triton.set_allocator(_torch_scratch)
+        return
+    if _allocator.get() is _NULL_ALLOCATOR:
+        triton.set_allocator(_torch_scratch)
