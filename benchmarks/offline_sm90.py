@@ -196,7 +196,8 @@ def label(config) -> str:
     if config is None:
         return "(as launched)"
     k = config.kwargs
-    return f"{k['BM']}x{k['BN']}x{k['BK']} w{config.num_warps} s{config.num_stages}" + (" WS" if k.get("WS") else "")
+    return (f"{k['BM']}x{k['BN']}x{k['BK']} w{config.num_warps} s{config.num_stages}" + (" WS" if k.get("WS") else "")
+            + (" P" if k.get("PERSISTENT") else ""))
 
 
 def unique(launches: list[Launch]) -> list[Launch]:

@@ -347,6 +347,17 @@ def test_tile_table_matches_expert_tile(E):
     got = [(int(table[t]), int(table[M + t])) for t in range(M) if int(table[t]) < E]
     assert got == expected
     assert all(int(table[t]) >= E for t in range(len(expected), M))
+    assert int(table[2 * M]) == len(expected)
+
+
+def test_tma_persistent(monkeypatch):
+    # the persistent variant: 3 programs (ops.num_sms under the interpreter) loop over every tile
+    from moeyard.experts.triton import kernels_tma, schedule
+    launcher = schedule._Fixed(kernels_tma.down_tma_kernel, dict(schedule.SMALL, WS=False, PERSISTENT=True))
+    monkeypatch.setitem(ops._kernels(), "down_tma_on", launcher)
+    with use_options(tma="on"):
+        check_against_loop(*_problem(41, 32, 24, 5, 3, bias=True))
+        check_against_loop(*_problem(12, 16, 16, 8, 2, ids=torch.tensor([[0, 3]] * 12)))
 
 
 class _Launches:

@@ -29,29 +29,18 @@ def down_tma_kernel(
     w_ptr,            # [E, NY, KA] input dtype, strides (stride_we, stride_wn, stride_wk); stride_wk == 1
                       # (W_KMAJOR) or stride_wn == 1
     b_ptr, tw_ptr, sort_order_ptr, offsets_ptr, y_ptr, lb_ptr, z_ptr,  # as kernels_fwd.down_kernel
-    table_ptr,        # [2 * M] int32: row tile -> expert (>= E: none), then -> first row (schedule.tile_table)
+    table_ptr,        # [2 * M + 1] int32: row tile -> expert (>= E: none), -> first row, tiles (schedule.tile_table)
     N, KA, NY, E, top_k, R, M,
     stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_lbe, stride_lbn, stride_lbr, lora_scale,
     W_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, LORA: tl.constexpr,
-    RP: tl.constexpr, PRECISION: tl.constexpr, WS: tl.constexpr,
+    RP: tl.constexpr, PRECISION: tl.constexpr, WS: tl.constexpr, PERSISTENT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """``y[pair] = w[pair] * (a[row] @ W[e].T + b[e] (+ s z Lb_e^T))`` for one (row tile, column
-    tile), as :func:`.kernels_fwd.down_kernel` without the atomic and fused-LoRA variants."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(NY, BN)
-    pid_n = pid % n_tiles
-    pid_m = pid // n_tiles
-    # a tile that does not exist (e >= E) runs no K step and stores nothing. Triton 3.6's Hopper warp
-    # specialisation fails to compile a kernel that returns before the loop or holds a reduction
-    # (schedule.expert_tile's), hence the table and no early return.
-    e = tl.load(table_ptr + pid_m)
-    live = e < E
-    e = tl.minimum(e, E - 1)
-    row0 = tl.load(table_ptr + M + pid_m)
-    row_end = tl.where(live, tl.load(offsets_ptr + e + 1), row0)
-    k_steps = tl.where(live, tl.cdiv(KA, BK), 0)
-    col0 = pid_n * BN
+    tile), as :func:`.kernels_fwd.down_kernel` without the atomic and fused-LoRA variants; with
+    ``PERSISTENT`` one program per SM loops over the existing tiles ``pid, pid + programs, ...``, all
+    with the same K steps, so Triton flattens the tile and K loops into one pipeline (checked in the
+    sm_90a code of Triton 3.6: one loop, the next tile's loads issued before a tile's epilogue)."""
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N, KA], strides=[KA, 1], block_shape=[BM, BK])
     if W_KMAJOR:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E, NY, KA], strides=[stride_we, stride_wn, 1],
@@ -59,6 +48,43 @@ def down_tma_kernel(
     else:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E, KA, NY], strides=[stride_we, stride_wk, 1],
                                            block_shape=[1, BK, BN])
+    n_tiles = tl.cdiv(NY, BN)
+    if PERSISTENT:  # over the tiles that exist (table[2M]): every tile runs the same K steps
+        for tile in tl.range(tl.program_id(0), tl.load(table_ptr + 2 * M) * n_tiles, tl.num_programs(0),
+                             flatten=True):
+            _down_tile(tile, n_tiles, a_desc, w_desc, b_ptr, tw_ptr, sort_order_ptr, offsets_ptr, y_ptr, lb_ptr,
+                       z_ptr, table_ptr, KA, NY, E, top_k, R, M, stride_be, stride_bn, stride_lbe, stride_lbn,
+                       stride_lbr, lora_scale, W_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, RP, PRECISION, False, True,
+                       BM, BN, BK)
+    else:
+        _down_tile(tl.program_id(0), n_tiles, a_desc, w_desc, b_ptr, tw_ptr, sort_order_ptr, offsets_ptr, y_ptr,
+                   lb_ptr, z_ptr, table_ptr, KA, NY, E, top_k, R, M, stride_be, stride_bn, stride_lbe, stride_lbn,
+                   stride_lbr, lora_scale, W_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, RP, PRECISION, WS, False, BM, BN, BK)
+
+
+@triton.jit
+def _down_tile(tile, n_tiles, a_desc, w_desc, b_ptr, tw_ptr, sort_order_ptr, offsets_ptr, y_ptr, lb_ptr, z_ptr,
+               table_ptr, KA, NY, E, top_k, R, M, stride_be, stride_bn, stride_lbe, stride_lbn, stride_lbr,
+               lora_scale, W_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+               LORA: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr, WS: tl.constexpr,
+               ALL_LIVE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One (row tile, column tile) of :func:`down_tma_kernel`. A tile that does not exist (expert
+    ``>= E`` in the table) runs no K step and stores nothing (``ALL_LIVE``: the caller visits only
+    tiles that exist). Triton 3.6's Hopper warp specialisation
+    fails to compile a kernel that returns before the loop or holds a reduction (as
+    :func:`.schedule.expert_tile` does), hence the table and no early return."""
+    pid_n = tile % n_tiles
+    pid_m = tile // n_tiles
+    e = tl.load(table_ptr + pid_m)
+    live = e < E
+    e = tl.minimum(e, E - 1)
+    row0 = tl.load(table_ptr + M + pid_m)
+    row_end = tl.where(live, tl.load(offsets_ptr + e + 1), row0)
+    if ALL_LIVE:  # the caller visits existing tiles only: the same K steps for all (a loop Triton can flatten)
+        k_steps = tl.cdiv(KA, BK)
+    else:
+        k_steps = tl.where(live, tl.cdiv(KA, BK), 0)
+    col0 = pid_n * BN
     acc = tl.zeros((BM, BN), tl.float32)
     for kt in tl.range(0, k_steps, warp_specialize=WS):
         a = a_desc.load([row0, kt * BK])

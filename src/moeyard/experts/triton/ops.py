@@ -121,11 +121,12 @@ def _kernels():
             wgrad=tuned(kernels_bwd.wgrad_kernel, WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], "wgrad"),
             wgrad_thin=tuned(kernels_bwd.wgrad_kernel, THIN_WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], "wgrad"),
             down_tma_on=tuned(kernels_tma.down_tma_kernel, TMA_CONFIGS, _TMA_KEY, "down_tma",
-                              fixed_extra=dict(WS=False, BM=tma_block_m())),
+                              fixed_extra=dict(WS=False, PERSISTENT=False, BM=tma_block_m())),
             down_tma_ws=tuned(kernels_tma.down_tma_kernel, [c for c in TMA_CONFIGS if c.kwargs["WS"]], _TMA_KEY,
-                              "down_tma", fixed_extra=dict(WS=True, BM=tma_block_m())),
+                              "down_tma", fixed_extra=dict(WS=True, PERSISTENT=False, BM=tma_block_m())),
             down_tma_pipelined=tuned(kernels_tma.down_tma_kernel, [c for c in TMA_CONFIGS if not c.kwargs["WS"]],
-                                     _TMA_KEY, "down_tma", fixed_extra=dict(WS=False, BM=tma_block_m())),
+                                     _TMA_KEY, "down_tma",
+                                     fixed_extra=dict(WS=False, PERSISTENT=False, BM=tma_block_m())),
         )
     return _LAUNCHERS
 
@@ -194,7 +195,7 @@ def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la,
         bm = tma_block_m()
         table = tile_table(expert_offsets, N, bm)
         # the LoRA epilogue's second dot does not compile warp-specialised (Triton 3.6, sm_90a)
-        _kernels()["down_tma_pipelined" if lora_mode else f"down_tma_{tma}"][_row_grid(N, E, NY)](
+        _kernels()["down_tma_pipelined" if lora_mode else f"down_tma_{tma}"][_tma_grid(table, NY, rows.device)](
             rows, w, bb, rows if topk_weights is None else topk_weights, sort_order, expert_offsets, y, lb_, z_,
             table, N, KA, NY, E, top_k, R, table.shape[0] // 2,
             w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1), *lora_strides[3:], lora_scale,
@@ -207,6 +208,20 @@ def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la,
         w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1), *lora_strides, lora_scale,
         HAS_BIAS=b is not None, HAS_WEIGHT=topk_weights is not None, ATOMIC=atomic, LORA=lora_mode, RP=RP,
         PRECISION=dot_precision(rows.dtype), E_P2=_e_p2(E))
+
+
+def _tma_grid(table: Tensor, cols: int, device: torch.device):
+    """Every (row tile, column tile) of the tile table, or one program per SM for a persistent config."""
+    tiles = lambda m: table.shape[0] // 2 * triton.cdiv(cols, m["BN"])  # noqa: E731  (M row tiles at most)
+    return lambda m: (min(tiles(m), num_sms(device)),) if m.get("PERSISTENT") else (tiles(m),)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (host property; 3 under the interpreter, so that a
+    persistent program there loops over several tiles)."""
+    if interpreting() or device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _tma_device(x: Tensor) -> bool:

@@ -59,9 +59,10 @@ def expert_piece(pid, offsets_ptr, E, size, E_P2: tl.constexpr, EMPTY_PIECE: tl.
 def tile_table_kernel(offsets_ptr, table_ptr, E, M, BM: tl.constexpr, E_P2: tl.constexpr, BT: tl.constexpr):
     """The row tiles of ``BM`` rows as a table (one program): ``table[t]`` = the expert of tile ``t``
     (``>= E``: no such tile) and ``table[M + t]`` = its first sorted row, for ``t < M``
-    (:func:`max_row_tiles`). For kernels that cannot run :func:`expert_tile`'s reductions (Triton 3.6's
+    (:func:`max_row_tiles`); ``table[2 * M]`` = the number of tiles that exist (they come first). For kernels that cannot run :func:`expert_tile`'s reductions (Triton 3.6's
     Hopper warp specialisation rejects a kernel with a reduction's region anywhere)."""
     e_idx, starts, ends, pieces, last, _ = _piece_table(offsets_ptr, E, BM, E_P2, False)
+    tl.store(table_ptr + 2 * M, tl.max(last, 0))  # tiles that exist: the first ones
     for t0 in range(0, M, BT):
         t = t0 + tl.arange(0, BT)
         e = tl.sum((last[None, :] <= t[:, None]).to(tl.int32), 1)
@@ -73,11 +74,11 @@ def tile_table_kernel(offsets_ptr, table_ptr, E, M, BM: tl.constexpr, E_P2: tl.c
 
 
 def tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
-    """``[2 * M]`` int32 on the offsets' device (:func:`tile_table_kernel`), ``M = max_row_tiles``;
+    """``[2 * M + 1]`` int32 on the offsets' device (:func:`tile_table_kernel`), ``M = max_row_tiles``;
     one small launch, no host sync."""
     E = expert_offsets.shape[0] - 1
     M = max_row_tiles(num_rows, E, block_m)
-    table = torch.empty(2 * M, dtype=torch.int32, device=expert_offsets.device)
+    table = torch.empty(2 * M + 1, dtype=torch.int32, device=expert_offsets.device)
     e_p2 = triton.next_power_of_2(max(E, 2))
     tile_table_kernel[(1,)](expert_offsets, table, E, M, BM=block_m, E_P2=e_p2, BT=max(8, 4096 // e_p2))
     return table
@@ -171,10 +172,13 @@ GEMM_CONFIGS = [
 # asked for, one producer and two consumer warp groups compiled: 12 warps). One BM for all (the row
 # tiles come from a table built for it: tma_block_m).
 TMA_BM = 128
+# PERSISTENT: one program per SM loops over the tiles, its tile and K loops flattened into one pipeline.
 TMA_CONFIGS = [
-    _cfg(TMA_BM, 128, 64, 8, 4, WS=False), _cfg(TMA_BM, 256, 64, 8, 3, WS=False), _cfg(TMA_BM, 128, 128, 8, 3, WS=False),
-    _cfg(TMA_BM, 128, 64, 4, 4, WS=True), _cfg(TMA_BM, 256, 64, 4, 3, WS=True), _cfg(TMA_BM, 128, 128, 4, 3, WS=True),
-    _cfg(TMA_BM, 256, 64, 4, 4, WS=True),
+    _cfg(TMA_BM, 128, 64, 8, 4, WS=False, PERSISTENT=False), _cfg(TMA_BM, 256, 64, 8, 3, WS=False, PERSISTENT=False),
+    _cfg(TMA_BM, 128, 128, 8, 3, WS=False, PERSISTENT=False),
+    _cfg(TMA_BM, 128, 64, 8, 4, WS=False, PERSISTENT=True), _cfg(TMA_BM, 256, 64, 8, 3, WS=False, PERSISTENT=True),
+    _cfg(TMA_BM, 128, 64, 4, 4, WS=True, PERSISTENT=False), _cfg(TMA_BM, 256, 64, 4, 3, WS=True, PERSISTENT=False),
+    _cfg(TMA_BM, 128, 128, 4, 3, WS=True, PERSISTENT=False), _cfg(TMA_BM, 256, 64, 4, 4, WS=True, PERSISTENT=False),
 ]
 DUAL_CONFIGS = [
     _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 64, 64, 8, 4), _cfg(128, 64, 64, 4, 4),

@@ -160,8 +160,12 @@ def smem_bytes(config, launch: Launch) -> int:
         stage = bm * bk * launch.a_bytes + (1 + launch.dual) * bk * bn * launch.b_bytes
         if launch.lora == LORA_FUSED:
             stage += bk * launch.rank * launch.lora_bytes
-    if config.kwargs.get("WS"):  # the warp-specialised kernel's epilogue staging: BM * BN bytes more
-        return config.num_stages * stage + bm * bn     # (sm_90a, Triton 3.6: benchmarks/offline_sm90.py)
+    # measured in the sm_90a code of Triton 3.6 (benchmarks/offline_sm90.py --tma on): the warp-specialised
+    # kernel stages its epilogue in BM * BN more bytes, the persistent (flattened) one takes 32 KiB more
+    if config.kwargs.get("WS"):
+        return config.num_stages * stage + bm * bn
+    if config.kwargs.get("PERSISTENT"):
+        return config.num_stages * stage + 32768
     return config.num_stages * stage
 
 
