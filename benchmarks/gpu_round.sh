@@ -35,10 +35,9 @@ if [[ $STAGE == main ]]; then
 elif [[ $STAGE == profile ]]; then
   # the options measured before (atomic, chunk) lost in round 3; the TMA-loaded down projection is new
   MOEYARD_TRITON_AUTOTUNE=0 step pytest_tma 90 python3 -m pytest -q -p no:cacheprovider tests/cuda -k tma
-  step profile_qwen 260 python3 benchmarks/triton_profile.py --configs qwen3-30b-a3b --variants default,tma,tma_ws \
-    --out "$OUT"
-  step profile_sonic 200 python3 benchmarks/triton_profile.py --configs sonic-7b --variants default,tma,tma_ws \
-    --out "$OUT"
+  V=default,tma,tma_ws,tma_wgrad
+  step profile_qwen 260 python3 benchmarks/triton_profile.py --configs qwen3-30b-a3b --variants $V --out "$OUT"
+  step profile_sonic 200 python3 benchmarks/triton_profile.py --configs sonic-7b --variants $V --out "$OUT"
 elif [[ $STAGE == peers ]]; then  # SonicMoE compiles for minutes on a fresh machine
   step bench_peers 560 "${BENCH[@]}" --model qwen3-30b-a3b --model sonic-7b --backends triton,torch_gmm,sonicmoe \
     --json "$OUT/bench_peers.json"

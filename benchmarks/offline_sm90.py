@@ -123,7 +123,7 @@ def recording(sink: list):
         ops._LAUNCHERS.update(saved)
 
 
-def record_step(T, H, I, E, K, dtype, lora_rank, lora_mode, tma="off", bias=False) -> list[Launch]:
+def record_step(T, H, I, E, K, dtype, lora_rank, lora_mode, tma="off", bias=False, tma_wgrad=False) -> list[Launch]:
     """Launches of one forward + backward (base weights trainable, or frozen with LoRA; ``bias``: with
     both projections' biases); ``tma``: the ``tma`` option (the CPU tensors count as a Hopper device)."""
     from moeyard.experts import ExpertLoRA, expert_weights
@@ -156,7 +156,7 @@ def record_step(T, H, I, E, K, dtype, lora_rank, lora_mode, tma="off", bias=Fals
     real_device = ops._tma_device
     ops._tma_device = lambda t: True
     try:
-        with recording(sink), options.use_options(lora_mode=lora_mode, tma=tma):
+        with recording(sink), options.use_options(lora_mode=lora_mode, tma=tma, tma_wgrad=tma_wgrad):
             out = triton_experts(x, ids, w, weights, get_activation("swiglu"))
             out.backward(torch.randn_like(out))
     finally:
@@ -218,6 +218,7 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="+", default=["split"], choices=["split", "fused"], help="LoRA modes")
     p.add_argument("--kernels", help="comma-separated launcher names to compile (default: all recorded)")
     p.add_argument("--bias", action="store_true", help="both projections with biases")
+    p.add_argument("--tma-wgrad", action="store_true", help="the triton backend's tma_wgrad option")
     p.add_argument("--tma", default="off", choices=["off", "on", "ws"], help="the triton backend's tma option")
     p.add_argument("--json", help="write the rows as JSON here")
     args = p.parse_args(argv)
@@ -225,7 +226,8 @@ def main(argv=None) -> int:
     driver.set_active(_OfflineDriver())
     rows = []
     for mode in (args.modes if args.lora else ["split"]):
-        launches = unique(record_step(T, H, I, E, K, torch.bfloat16, args.lora, mode, args.tma, args.bias))
+        launches = unique(record_step(T, H, I, E, K, torch.bfloat16, args.lora, mode, args.tma, args.bias,
+                                      args.tma_wgrad))
         for launch in launches:
             if args.kernels and launch.name not in args.kernels.split(","):
                 continue

@@ -364,18 +364,23 @@ class _Launches:
     """Counts the tuned launchers' launches by name (wraps ``ops._kernels()`` entries)."""
 
     def __init__(self, monkeypatch):
-        self.names = []
+        self.names, self.kwargs = [], []
         kernels = ops._kernels()
         for name, launcher in list(kernels.items()):
             monkeypatch.setitem(kernels, name, self._wrap(name, launcher))
 
     def _wrap(self, name, launcher):
-        names = self.names
+        names, kwargs = self.names, self.kwargs
 
         class Wrapped:
             def __getitem__(self, grid):
                 names.append(name)
-                return launcher[grid]
+                launch = launcher[grid]
+
+                def run(*a, **kw):
+                    kwargs.append(kw)
+                    return launch(*a, **kw)
+                return run
         return Wrapped()
 
 
@@ -416,6 +421,28 @@ def test_tma_falls_back(monkeypatch):
         with use_options(atomic_combine=True):
             check_against_loop(*_problem(7, 32, 16, 4, 2))
     assert launches.names.count("down") == 3 and "down_tma_ws" in launches.names  # dx of the odd H runs TMA
+
+
+@pytest.mark.parametrize("case", [
+    dict(T=29, H=32, I=16, E=4, K=2),                                     # both weight gradients
+    dict(T=23, H=24, I=40, E=5, K=3, bias=True),                          # bias gradients from the TMA tile
+    dict(T=9, H=24, I=16, E=4, K=2, act=Activation(name="clamped_swiglu", limit=1.0), bias=True,
+         transposed=True, interleaved=True),                              # gpt-oss layout
+    dict(T=12, H=16, I=16, E=8, K=2, ids="two_experts"),                  # empty experts
+    dict(T=5, H=16, I=16, E=1, K=1),                                      # E = 1
+])
+@pytest.mark.parametrize("chunk", [0, 12])
+def test_tma_weight_gradients(case, chunk, monkeypatch):
+    # the sorted operand of each weight gradient through a descriptor sized to the expert's (or the
+    # chunk's) rows: the box's zero fill past them replaces the row mask
+    case = dict(case)
+    if case.pop("ids", None) == "two_experts":
+        case["ids"] = torch.tensor([[0, 3]] * case["T"])
+    launches = _Launches(monkeypatch)
+    with use_options(tma_wgrad=True, wgrad_chunk_rows=chunk):
+        check_against_loop(*_problem(**case))
+    wgrads = [kw for name, kw in zip(launches.names, launches.kwargs) if name.startswith("wgrad")]
+    assert len(wgrads) == 2 and all(kw["TMA"] for kw in wgrads)
 
 
 @pytest.mark.parametrize("mode", ["split", "fused"])

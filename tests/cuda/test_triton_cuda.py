@@ -80,8 +80,8 @@ def _fwd_bwd(leaves, ids, dout):
     return [out.detach()] + list(torch.autograd.grad(out, list(leaves.values()), dout))
 
 
-@pytest.mark.parametrize("opts", [{}, {"atomic_combine": True, "wgrad_chunk_rows": 64}, {"tma": "ws"}],
-                         ids=["default", "options", "tma"])
+@pytest.mark.parametrize("opts", [{}, {"atomic_combine": True, "wgrad_chunk_rows": 64},
+                                  {"tma": "ws", "tma_wgrad": True}], ids=["default", "options", "tma"])
 def test_no_host_sync(opts):
     from moeyard.experts.triton.options import use_options
     leaves, ids, dout = _graph_inputs()
@@ -98,7 +98,7 @@ def test_no_host_sync(opts):
 @pytest.mark.parametrize("tma", ["off", "ws"])
 def test_cuda_graph_forward_backward(tma):
     from moeyard.experts.triton.options import use_options
-    with use_options(tma=tma):
+    with use_options(tma=tma, tma_wgrad=tma != "off"):
         _graph_round_trip()
 
 
@@ -165,7 +165,9 @@ def test_int64_indexing():
     dict(wgrad_chunk_rows=300, atomic_combine=True),  # some experts split, with the atomic combine
     dict(tma="on"),                                  # TMA-loaded down projection and dx, pipelined
     dict(tma="ws"),                                  # the same, warp-specialised
-])
+    dict(tma_wgrad=True),                            # weight gradients: sorted operand through TMA
+    dict(tma_wgrad=True, wgrad_chunk_rows=64),       # ... with descriptors sized to each chunk
+], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_bf16_options(opts):
     from moeyard.experts.triton.options import use_options
     p, ids = _problem(1000, 512, 192, 16, 4, bias=True)

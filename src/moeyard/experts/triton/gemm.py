@@ -111,10 +111,10 @@ def row_col_tile(NC, offsets_ptr, sort_order_ptr, E, top_k, BM: tl.constexpr, BN
 @triton.jit
 def weight_tile(NL, NR, BN: tl.constexpr, BK: tl.constexpr):
     """This program's (work item, L tile, R tile) of a weight-gradient grid over ``[NL, NR]`` outputs:
-    ``(item, cl [BN], cr [BK], pid_r)``, the tile's L and R columns and its R-tile index."""
+    ``(item, cl [BN], cr [BK], pid_r, pid_l)``, the tile's L and R columns and its R- and L-tile index."""
     pid = tl.program_id(0)
     tiles_l = tl.cdiv(NL, BN)
     tiles_r = tl.cdiv(NR, BK)
     pid_l = (pid // tiles_r) % tiles_l
     pid_r = pid % tiles_r
-    return pid // (tiles_l * tiles_r), pid_l * BN + tl.arange(0, BN), pid_r * BK + tl.arange(0, BK), pid_r
+    return pid // (tiles_l * tiles_r), pid_l * BN + tl.arange(0, BN), pid_r * BK + tl.arange(0, BK), pid_r, pid_l

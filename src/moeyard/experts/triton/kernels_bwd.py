@@ -126,7 +126,7 @@ def wgrad_kernel(
     NL, NR, E, top_k, chunk_rows,
     stride_lm, stride_ln, stride_rm, stride_rn, stride_de, stride_dl, stride_dr, stride_be, stride_bl,
     L_GATHER: tl.constexpr, R_GATHER: tl.constexpr, HAS_DB: tl.constexpr, DB_SCALE: tl.constexpr,
-    CHUNKED: tl.constexpr, PRECISION: tl.constexpr, E_P2: tl.constexpr,
+    CHUNKED: tl.constexpr, PRECISION: tl.constexpr, E_P2: tl.constexpr, TMA: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """``dW[e] = L[rows of e]^T @ R[rows of e]`` and ``db[e] = sum_rows s * L`` (``s`` = routing
@@ -134,8 +134,12 @@ def wgrad_kernel(
 
     One program per (work item, L tile, R tile). A work item is an expert, or with ``CHUNKED`` a
     chunk of ``chunk_rows`` of an expert's rows: an expert with one chunk writes ``dW`` directly,
-    the chunks of a longer expert write float32 partials that :func:`wgrad_reduce_kernel` sums."""
-    item, cl, cr, pid_r = weight_tile(NL, NR, BN, BK)
+    the chunks of a longer expert write float32 partials that :func:`wgrad_reduce_kernel` sums.
+
+    ``TMA``: an operand in sorted rows (not gathered) is loaded by a Hopper TMA descriptor made for
+    this program's rows, ``[end, NL]`` (or ``NR``): the box zero-fills the rows past the work item's
+    end, so no mask and no per-element address arithmetic (the gathered operand keeps its pointer loads)."""
+    item, cl, cr, pid_r, pid_l = weight_tile(NL, NR, BN, BK)
     if CHUNKED:
         e, start, end, j, n, slot0 = expert_piece(item, offsets_ptr, E, chunk_rows, E_P2, True)
         end = tl.minimum(end, start + chunk_rows)
@@ -147,6 +151,12 @@ def wgrad_kernel(
         return
     l_mask = cl < NL
     r_mask = cr < NR
+    if TMA and not L_GATHER:
+        l_desc = tl.make_tensor_descriptor(l_ptr, shape=[tl.maximum(end, 1), NL], strides=[stride_lm, 1],
+                                           block_shape=[BM, BN])
+    if TMA and not R_GATHER:
+        r_desc = tl.make_tensor_descriptor(r_ptr, shape=[tl.maximum(end, 1), NR], strides=[stride_rm, 1],
+                                           block_shape=[BM, BK])
     acc = tl.zeros((BN, BK), tl.float32)
     acc_b = tl.zeros((BN,), tl.float32)
     # the gather index of the next row step is loaded one step ahead (a loop-carried value), so
@@ -161,10 +171,16 @@ def wgrad_kernel(
         next_token = tl.load(sort_order_ptr + next_rows, mask=next_rows < end, other=0) // top_k
         l_rows = token if L_GATHER else rows
         r_rows = token if R_GATHER else rows
-        lt = tl.load(l_ptr + l_rows[None, :] * stride_lm + cl[:, None] * stride_ln,
-                     mask=l_mask[:, None] & m_mask[None, :], other=0.0)  # [BN, BM]
-        r = tl.load(r_ptr + r_rows[:, None] * stride_rm + cr[None, :] * stride_rn,
-                    mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BM, BK]
+        if TMA and not L_GATHER:
+            lt = tl.trans(l_desc.load([r0, pid_l * BN]))  # [BN, BM]
+        else:
+            lt = tl.load(l_ptr + l_rows[None, :] * stride_lm + cl[:, None] * stride_ln,
+                         mask=l_mask[:, None] & m_mask[None, :], other=0.0)  # [BN, BM]
+        if TMA and not R_GATHER:
+            r = r_desc.load([r0, pid_r * BK])  # [BM, BK]
+        else:
+            r = tl.load(r_ptr + r_rows[:, None] * stride_rm + cr[None, :] * stride_rn,
+                        mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BM, BK]
         acc = tl.dot(lt, r, acc, input_precision=PRECISION)
         if HAS_DB:
             if pid_r == 0:
@@ -198,7 +214,7 @@ def wgrad_reduce_kernel(
 ):
     """``dW[e] = sum_j part[slot0 + j]`` in chunk order (deterministic) for every expert cut into
     more than one chunk; programs of the other experts exit at once."""
-    e, cl, cr, pid_r = weight_tile(NL, NR, BN, BK)
+    e, cl, cr, pid_r, _ = weight_tile(NL, NR, BN, BK)
     n, slot0 = expert_slots(e, offsets_ptr, E, chunk_rows, E_P2)
     if n <= 1:
         return

@@ -117,6 +117,15 @@ def tma_ready(rows: torch.Tensor, w: torch.Tensor, float32: bool = False) -> boo
     return all(s * size % 16 == 0 for s in strides) and rows.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
 
 
+def rows_tma_ready(rows: torch.Tensor, float32: bool = False) -> bool:
+    """Whether rows ``[N, C]`` can be read through a TMA descriptor: a 16-bit float dtype (or float32
+    with ``float32``), unit stride along C, row stride and base address multiples of 16 bytes. Host
+    metadata only."""
+    dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if float32 else ())
+    return (rows.dtype in dtypes and rows.dim() == 2 and rows.stride(1) == 1
+            and rows.stride(0) * rows.element_size() % 16 == 0 and rows.data_ptr() % 16 == 0)
+
+
 def _torch_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
 

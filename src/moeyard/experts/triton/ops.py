@@ -355,13 +355,18 @@ def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert
     part_b = part if part_b is None else part_b
     items = max_chunks(N, E, chunk_rows) if chunked else E
     grid = lambda m: (items * triton.cdiv(NL, m["BN"]) * triton.cdiv(NR, m["BK"]),)  # noqa: E731
+    tma = options().tma_wgrad and _tma_device(lhs) and all(
+        kernels_tma.rows_tma_ready(t, interpreting()) for t, gathered in ((lhs, lhs_by_token), (rhs, rhs_by_token))
+        if not gathered)
+    if tma:
+        kernels_tma.ensure_allocator()
     _kernels()["wgrad_thin" if min(NL, NR) <= THIN else "wgrad"][grid](
         lhs, rhs, lhs if scale is None else scale, sort_order, expert_offsets, dw, dbb, part, part_b,
         NL, NR, E, top_k, max(chunk_rows, 1),
         lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
         dbb.stride(0), dbb.stride(1),
         L_GATHER=lhs_by_token, R_GATHER=rhs_by_token, HAS_DB=db is not None, DB_SCALE=scale is not None,
-        CHUNKED=chunked, PRECISION=dot_precision(lhs.dtype), E_P2=_e_p2(E))
+        CHUNKED=chunked, PRECISION=dot_precision(lhs.dtype), E_P2=_e_p2(E), TMA=tma)
 
 
 def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db) -> None:

@@ -27,6 +27,9 @@ Each defaults to the measured default path; set an environment variable, or over
   pipelined and warp-specialised configs, ``ws`` over warp-specialised ones only (with a split LoRA
   term: pipelined ones, the only ones Triton 3.6 compiles with the epilogue's second dot). Not with
   the fused LoRA mode or the atomic combine (those keep the pointer kernel). Off until measured faster.
+- ``MOEYARD_TRITON_TMA_WGRAD=1`` (``tma_wgrad``): the weight gradients load their operand that is in
+  sorted rows (``d_h``, ``w * a``) with a TMA descriptor sized to each expert's rows (zero fill past its
+  end); the operand read at each pair's token keeps its pointer loads. Same conditions as ``tma``.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 
 ENV = dict(atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE", wgrad_chunk_rows="MOEYARD_TRITON_WGRAD_CHUNK",
            wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", lora_mode="MOEYARD_TRITON_LORA",
-           tma="MOEYARD_TRITON_TMA")
+           tma="MOEYARD_TRITON_TMA", tma_wgrad="MOEYARD_TRITON_TMA_WGRAD")
 LORA_MODES = ("split", "fused")
 TMA_MODES = ("off", "on", "ws")
 
@@ -48,6 +51,7 @@ class Options:
     wgrad_partial_mib: int = 512
     lora_mode: str = "split"
     tma: str = "off"
+    tma_wgrad: bool = False
 
     def __post_init__(self):
         if self.wgrad_chunk_rows < 0 or self.wgrad_partial_mib <= 0:
