@@ -33,9 +33,9 @@ if [[ $STAGE == main ]]; then
       --backends triton,grouped_mm,torch_gmm --json "$OUT/bench_$routing.json"
   done
 elif [[ $STAGE == profile ]]; then
-  # the options measured before (atomic, chunk) lost in round 3; the TMA-loaded down projection is new
-  MOEYARD_TRITON_AUTOTUNE=0 step pytest_tma 90 python3 -m pytest -q -p no:cacheprovider tests/cuda -k tma
-  V=default,tma,tma_ws,tma_wgrad
+  # the options measured before (atomic, chunk) lost in round 3; TMA loads against pointer loads
+  MOEYARD_TRITON_AUTOTUNE=0 step pytest_triton 150 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_triton_cuda.py
+  V=default,pointer
   step profile_qwen 260 python3 benchmarks/triton_profile.py --configs qwen3-30b-a3b --variants $V --out "$OUT"
   step profile_sonic 200 python3 benchmarks/triton_profile.py --configs sonic-7b --variants $V --out "$OUT"
 elif [[ $STAGE == peers ]]; then  # SonicMoE compiles for minutes on a fresh machine

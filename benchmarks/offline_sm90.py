@@ -123,9 +123,10 @@ def recording(sink: list):
         ops._LAUNCHERS.update(saved)
 
 
-def record_step(T, H, I, E, K, dtype, lora_rank, lora_mode, tma="off", bias=False, tma_wgrad=False) -> list[Launch]:
+def record_step(T, H, I, E, K, dtype, lora_rank, lora_mode, tma=True, bias=False, tma_wgrad=True) -> list[Launch]:
     """Launches of one forward + backward (base weights trainable, or frozen with LoRA; ``bias``: with
-    both projections' biases); ``tma``: the ``tma`` option (the CPU tensors count as a Hopper device)."""
+    both projections' biases); ``tma``, ``tma_wgrad``: the backend's options (the CPU tensors count as a
+    Hopper device for them)."""
     from moeyard.experts import ExpertLoRA, expert_weights
     from moeyard.activations import get_activation
     from moeyard.experts.triton import ops, options
@@ -218,16 +219,15 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="+", default=["split"], choices=["split", "fused"], help="LoRA modes")
     p.add_argument("--kernels", help="comma-separated launcher names to compile (default: all recorded)")
     p.add_argument("--bias", action="store_true", help="both projections with biases")
-    p.add_argument("--tma-wgrad", action="store_true", help="the triton backend's tma_wgrad option")
-    p.add_argument("--tma", default="off", choices=["off", "on", "ws"], help="the triton backend's tma option")
+    p.add_argument("--pointer", action="store_true", help="no TMA loads (options tma and tma_wgrad off)")
     p.add_argument("--json", help="write the rows as JSON here")
     args = p.parse_args(argv)
     T, H, I, E, K = (int(v) for v in args.shape.split(","))
     driver.set_active(_OfflineDriver())
     rows = []
     for mode in (args.modes if args.lora else ["split"]):
-        launches = unique(record_step(T, H, I, E, K, torch.bfloat16, args.lora, mode, args.tma, args.bias,
-                                      args.tma_wgrad))
+        launches = unique(record_step(T, H, I, E, K, torch.bfloat16, args.lora, mode, not args.pointer, args.bias,
+                                      not args.pointer))
         for launch in launches:
             if args.kernels and launch.name not in args.kernels.split(","):
                 continue

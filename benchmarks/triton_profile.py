@@ -28,10 +28,7 @@ VARIANTS = {
     "atomic": dict(atomic_combine=True),
     "chunk": dict(wgrad_chunk_rows=4096),
     "all": dict(atomic_combine=True, wgrad_chunk_rows=4096),
-    "tma": dict(tma="on"),       # TMA-loaded down projection and dx (pipelined or warp-specialised, autotuned)
-    "tma_ws": dict(tma="ws"),    # the same, warp-specialised configs only
-    "tma_wgrad": dict(tma_wgrad=True),  # weight gradients: the sorted operand through TMA
-    "tma_all": dict(tma="on", tma_wgrad=True),
+    "pointer": dict(tma=False, tma_wgrad=False),  # no TMA loads (the kernels of GPUs before Hopper)
 }
 DH_PARTIAL_BN = 64  # column tiles of the routing-weight gradient partial (ops.DH_CONFIGS: BN >= 64)
 

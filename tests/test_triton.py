@@ -353,9 +353,9 @@ def test_tile_table_matches_expert_tile(E):
 def test_tma_persistent(monkeypatch):
     # the persistent variant: 3 programs (ops.num_sms under the interpreter) loop over every tile
     from moeyard.experts.triton import kernels_tma, schedule
-    launcher = schedule._Fixed(kernels_tma.down_tma_kernel, dict(schedule.SMALL, WS=False, PERSISTENT=True))
-    monkeypatch.setitem(ops._kernels(), "down_tma_on", launcher)
-    with use_options(tma="on"):
+    launcher = schedule._Fixed(kernels_tma.down_tma_kernel, dict(schedule.SMALL, PERSISTENT=True))
+    monkeypatch.setitem(ops._kernels(), "down_tma", launcher)
+    with use_options(tma=True):
         check_against_loop(*_problem(41, 32, 24, 5, 3, bias=True))
         check_against_loop(*_problem(12, 16, 16, 8, 2, ids=torch.tensor([[0, 3]] * 12)))
 
@@ -384,7 +384,7 @@ class _Launches:
         return Wrapped()
 
 
-@pytest.mark.parametrize("tma", ["on", "ws"])
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("case", [
     dict(T=29, H=32, I=16, E=4, K=2),                                     # forward and dx through TMA
     dict(T=23, H=24, I=40, E=5, K=3, bias=True),                          # bias; row tiles across experts
@@ -396,8 +396,8 @@ class _Launches:
     dict(T=0, H=16, I=16, E=4, K=2),                                      # no tokens
 ])
 def test_tma_down_projection(tma, case, monkeypatch):
-    # the TMA-loaded down projection (forward and input gradient) against the oracle; the interpreter
-    # emulates the descriptors' boxes (zero fill past each bound)
+    # the down projection (forward and input gradient) through TMA and through pointer loads against the
+    # oracle; the interpreter emulates the descriptors' boxes (zero fill past each bound)
     case = dict(case)
     ids = case.pop("ids", None)
     T, K = case["T"], case["K"]
@@ -409,18 +409,19 @@ def test_tma_down_projection(tma, case, monkeypatch):
     with use_options(tma=tma):
         check_against_loop(*_problem(**case, ids=ids))
     if T:
-        assert launches.names.count(f"down_tma_{tma}") == 2 and "down" not in launches.names
+        assert launches.names.count("down_tma" if tma else "down") == 2
+        assert ("down" if tma else "down_tma") not in launches.names
 
 
 def test_tma_falls_back(monkeypatch):
-    # strides that are no multiple of 16 bytes (H = 33 float32), the atomic combine and fused LoRA keep
-    # the pointer kernel; a split LoRA term runs the pipelined TMA configs
+    # strides that are no multiple of 16 bytes (H = 33 float32) and the atomic combine keep the pointer
+    # kernel
     launches = _Launches(monkeypatch)
-    with use_options(tma="ws"):
+    with use_options(tma=True):
         check_against_loop(*_problem(7, 33, 16, 4, 2))
         with use_options(atomic_combine=True):
             check_against_loop(*_problem(7, 32, 16, 4, 2))
-    assert launches.names.count("down") == 3 and "down_tma_ws" in launches.names  # dx of the odd H runs TMA
+    assert launches.names.count("down") == 3 and "down_tma" in launches.names  # dx of the odd H runs TMA
 
 
 @pytest.mark.parametrize("case", [
@@ -431,18 +432,19 @@ def test_tma_falls_back(monkeypatch):
     dict(T=12, H=16, I=16, E=8, K=2, ids="two_experts"),                  # empty experts
     dict(T=5, H=16, I=16, E=1, K=1),                                      # E = 1
 ])
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("chunk", [0, 12])
-def test_tma_weight_gradients(case, chunk, monkeypatch):
+def test_tma_weight_gradients(case, chunk, tma, monkeypatch):
     # the sorted operand of each weight gradient through a descriptor sized to the expert's (or the
     # chunk's) rows: the box's zero fill past them replaces the row mask
     case = dict(case)
     if case.pop("ids", None) == "two_experts":
         case["ids"] = torch.tensor([[0, 3]] * case["T"])
     launches = _Launches(monkeypatch)
-    with use_options(tma_wgrad=True, wgrad_chunk_rows=chunk):
+    with use_options(tma_wgrad=tma, wgrad_chunk_rows=chunk):
         check_against_loop(*_problem(**case))
     wgrads = [kw for name, kw in zip(launches.names, launches.kwargs) if name.startswith("wgrad")]
-    assert len(wgrads) == 2 and all(kw["TMA"] for kw in wgrads)
+    assert len(wgrads) == 2 and all(kw["TMA"] == tma for kw in wgrads)
 
 
 @pytest.mark.parametrize("mode", ["split", "fused"])
@@ -465,12 +467,11 @@ def test_tma_with_lora(mode, monkeypatch):
         out.backward(torch.ones_like(out))
         return [out, x.grad] + [f[k].grad for k in sorted(f)]
 
-    with use_options(tma="ws", lora_mode=mode):
+    with use_options(tma=True, lora_mode=mode):
         got = run("triton", torch.float32)
     for g_, r_ in zip(got, run("loop", torch.float64)):
         assert _rel(g_, r_) < 1e-5
-    expected = "down_tma_pipelined" if mode == "split" else "down"
-    assert launches.names.count(expected) == 2 and "down_tma_ws" not in launches.names
+    assert launches.names.count("down_tma" if mode == "split" else "down") == 2  # fused LoRA: pointer kernel
 
 
 @pytest.mark.parametrize("chunk", [12, 20])  # chunks shorter than a BM=16 row step, and over one step
@@ -531,12 +532,12 @@ def test_options_env_and_budget(monkeypatch):
         with use_options(wgrad_chunk_rows=-1):
             pass
     assert options().wgrad_chunk_rows == 256  # restored after the failed override
-    monkeypatch.setenv("MOEYARD_TRITON_TMA", "ws")
-    assert options().tma == "ws"
-    monkeypatch.setenv("MOEYARD_TRITON_TMA", "yes")
-    with pytest.raises(ValueError, match="MOEYARD_TRITON_TMA"):
-        options()
+    assert options().tma and options().tma_wgrad
+    monkeypatch.setenv("MOEYARD_TRITON_TMA", "0")
+    monkeypatch.setenv("MOEYARD_TRITON_TMA_WGRAD", "0")
+    assert not options().tma and not options().tma_wgrad
     monkeypatch.delenv("MOEYARD_TRITON_TMA")
+    monkeypatch.delenv("MOEYARD_TRITON_TMA_WGRAD")
     # budget: 2 N // rows float32 [NL, NR] slots must fit in wgrad_partial_mib
     o = Options(wgrad_chunk_rows=512, wgrad_partial_mib=256)
     n, nl, nr = 262144, 1536, 2048

@@ -81,7 +81,7 @@ def _fwd_bwd(leaves, ids, dout):
 
 
 @pytest.mark.parametrize("opts", [{}, {"atomic_combine": True, "wgrad_chunk_rows": 64},
-                                  {"tma": "ws", "tma_wgrad": True}], ids=["default", "options", "tma"])
+                                  {"tma": False, "tma_wgrad": False}], ids=["default", "options", "pointer"])
 def test_no_host_sync(opts):
     from moeyard.experts.triton.options import use_options
     leaves, ids, dout = _graph_inputs()
@@ -95,16 +95,16 @@ def test_no_host_sync(opts):
             torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("tma", ["off", "ws"])
+@pytest.mark.parametrize("tma", [False, True])
 def test_cuda_graph_forward_backward(tma):
     from moeyard.experts.triton.options import use_options
-    with use_options(tma=tma, tma_wgrad=tma != "off"):
+    with use_options(tma=tma, tma_wgrad=tma):
         _graph_round_trip()
 
 
-def test_bf16_gpt_oss_layout_tma():
+def test_bf16_gpt_oss_layout_pointer():
     from moeyard.experts.triton.options import use_options
-    with use_options(tma="ws"):
+    with use_options(tma=False, tma_wgrad=False):
         test_bf16_gpt_oss_layout()
 
 
@@ -163,10 +163,8 @@ def test_int64_indexing():
     dict(atomic_combine=True),                       # fused combine with float32 atomics (fwd and dx)
     dict(wgrad_chunk_rows=64),                       # every expert (~250 rows) split into chunks
     dict(wgrad_chunk_rows=300, atomic_combine=True),  # some experts split, with the atomic combine
-    dict(tma="on"),                                  # TMA-loaded down projection and dx, pipelined
-    dict(tma="ws"),                                  # the same, warp-specialised
-    dict(tma_wgrad=True),                            # weight gradients: sorted operand through TMA
-    dict(tma_wgrad=True, wgrad_chunk_rows=64),       # ... with descriptors sized to each chunk
+    dict(tma=False, tma_wgrad=False),                # pointer loads everywhere (GPUs before Hopper)
+    dict(tma_wgrad=True, wgrad_chunk_rows=64),       # TMA weight gradients, descriptors sized to each chunk
 ], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_bf16_options(opts):
     from moeyard.experts.triton.options import use_options

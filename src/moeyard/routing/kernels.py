@@ -19,7 +19,7 @@ ids (nothing else is kept).
 import triton
 import triton.language as tl
 
-EPS = 1e-20  # the renormalisation guard of moeyard.routing.route
+EPS = tl.constexpr(1e-20)  # the renormalisation guard of moeyard.routing.route (a constexpr: read in kernels)
 
 
 @triton.jit

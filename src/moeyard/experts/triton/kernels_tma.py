@@ -1,5 +1,5 @@
 """The down projection (forward ``y = a W_down^T`` and input gradient ``dx = d_h W_up``) with its
-operands loaded by the Hopper tensor-memory accelerator (TMA), optionally warp-specialised.
+operands loaded by the Hopper tensor-memory accelerator (TMA), optionally persistent.
 
 Both operands of this GEMM are dense: the rows ``a [N, KA]`` are in sorted (expert-major) order and
 each expert's weight is one ``[NY, KA]`` (or ``[KA, NY]``) block, so a row tile is a plain 2-D box at
@@ -8,11 +8,11 @@ zero-fill the K tail and the last rows. Rows of a tile past its expert's end bel
 they are computed and not stored. The epilogue (LoRA term, bias, routing weight, store by pair) is
 :func:`.kernels_fwd.down_epilogue`, shared with the pointer-loaded kernel.
 
-``WS``: the K loop is warp-specialised (``tl.range(..., warp_specialize=True)``): with Triton 3.6 on
-sm_90 a producer warp group issues the TMA loads and two consumer warp groups run the wgmma (lowered
-only when every load of the loop is a descriptor load, and with ``num_warps=4``). The gathered GEMMs
-(up projection, activation gradient, weight gradients) read rows at each pair's token, which a Hopper
-TMA box cannot do, so they keep their pointer loads.
+Not warp-specialised: Triton 3.6 compiles this kernel with ``tl.range(..., warp_specialize=True)``
+for sm_90a (one producer, two consumer warp groups) but on an H200 its output was wrong (relative
+error 37 against float32) and it was slower (``benchmarks/NOTES.md``, round 6). The gathered GEMMs (up
+projection, activation gradient, weight gradients) read rows at each pair's token, which a Hopper TMA
+box cannot do; the weight gradients load their sorted operand through TMA (``kernels_bwd``).
 
 Device-side descriptors need a small global scratch per launch: :func:`ensure_allocator`.
 """
@@ -33,7 +33,7 @@ def down_tma_kernel(
     N, KA, NY, E, top_k, R, M,
     stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_lbe, stride_lbn, stride_lbr, lora_scale,
     W_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, LORA: tl.constexpr,
-    RP: tl.constexpr, PRECISION: tl.constexpr, WS: tl.constexpr, PERSISTENT: tl.constexpr,
+    RP: tl.constexpr, PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """``y[pair] = w[pair] * (a[row] @ W[e].T + b[e] (+ s z Lb_e^T))`` for one (row tile, column
@@ -54,25 +54,24 @@ def down_tma_kernel(
                              flatten=True):
             _down_tile(tile, n_tiles, a_desc, w_desc, b_ptr, tw_ptr, sort_order_ptr, offsets_ptr, y_ptr, lb_ptr,
                        z_ptr, table_ptr, KA, NY, E, top_k, R, M, stride_be, stride_bn, stride_lbe, stride_lbn,
-                       stride_lbr, lora_scale, W_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, RP, PRECISION, False, True,
+                       stride_lbr, lora_scale, W_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, RP, PRECISION, True,
                        BM, BN, BK)
     else:
         _down_tile(tl.program_id(0), n_tiles, a_desc, w_desc, b_ptr, tw_ptr, sort_order_ptr, offsets_ptr, y_ptr,
                    lb_ptr, z_ptr, table_ptr, KA, NY, E, top_k, R, M, stride_be, stride_bn, stride_lbe, stride_lbn,
-                   stride_lbr, lora_scale, W_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, RP, PRECISION, WS, False, BM, BN, BK)
+                   stride_lbr, lora_scale, W_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, RP, PRECISION, False, BM, BN, BK)
 
 
 @triton.jit
 def _down_tile(tile, n_tiles, a_desc, w_desc, b_ptr, tw_ptr, sort_order_ptr, offsets_ptr, y_ptr, lb_ptr, z_ptr,
                table_ptr, KA, NY, E, top_k, R, M, stride_be, stride_bn, stride_lbe, stride_lbn, stride_lbr,
                lora_scale, W_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-               LORA: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr, WS: tl.constexpr,
+               LORA: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr,
                ALL_LIVE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """One (row tile, column tile) of :func:`down_tma_kernel`. A tile that does not exist (expert
     ``>= E`` in the table) runs no K step and stores nothing (``ALL_LIVE``: the caller visits only
-    tiles that exist). Triton 3.6's Hopper warp specialisation
-    fails to compile a kernel that returns before the loop or holds a reduction (as
-    :func:`.schedule.expert_tile` does), hence the table and no early return."""
+    tiles that exist). The tile's expert and first row come from a table (a persistent program
+    visits many tiles; no search per tile)."""
     pid_n = tile % n_tiles
     pid_m = tile // n_tiles
     e = tl.load(table_ptr + pid_m)
@@ -86,7 +85,7 @@ def _down_tile(tile, n_tiles, a_desc, w_desc, b_ptr, tw_ptr, sort_order_ptr, off
         k_steps = tl.where(live, tl.cdiv(KA, BK), 0)
     col0 = pid_n * BN
     acc = tl.zeros((BM, BN), tl.float32)
-    for kt in tl.range(0, k_steps, warp_specialize=WS):
+    for kt in range(0, k_steps):
         a = a_desc.load([row0, kt * BK])
         if W_KMAJOR:
             b = tl.trans(tl.reshape(w_desc.load([e, col0, kt * BK]), (BN, BK)))

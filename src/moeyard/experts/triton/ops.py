@@ -120,13 +120,8 @@ def _kernels():
             dh=tuned(kernels_bwd.dh_kernel, DH_CONFIGS, ["H", "I", "N1", "E", "R", "LORA"], "dh"),
             wgrad=tuned(kernels_bwd.wgrad_kernel, WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], "wgrad"),
             wgrad_thin=tuned(kernels_bwd.wgrad_kernel, THIN_WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], "wgrad"),
-            down_tma_on=tuned(kernels_tma.down_tma_kernel, TMA_CONFIGS, _TMA_KEY, "down_tma",
-                              fixed_extra=dict(WS=False, PERSISTENT=False, BM=tma_block_m())),
-            down_tma_ws=tuned(kernels_tma.down_tma_kernel, [c for c in TMA_CONFIGS if c.kwargs["WS"]], _TMA_KEY,
-                              "down_tma", fixed_extra=dict(WS=True, PERSISTENT=False, BM=tma_block_m())),
-            down_tma_pipelined=tuned(kernels_tma.down_tma_kernel, [c for c in TMA_CONFIGS if not c.kwargs["WS"]],
-                                     _TMA_KEY, "down_tma",
-                                     fixed_extra=dict(WS=False, PERSISTENT=False, BM=tma_block_m())),
+            down_tma=tuned(kernels_tma.down_tma_kernel, TMA_CONFIGS, _TMA_KEY, "down_tma",
+                           fixed_extra=dict(PERSISTENT=False, BM=tma_block_m())),
         )
     return _LAUNCHERS
 
@@ -188,14 +183,12 @@ def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la,
         return
     bb = w if b is None else b
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
-    tma = options().tma
-    if tma != "off" and not atomic and lora_mode != LORA_FUSED and _tma_device(rows) and \
+    if options().tma and not atomic and lora_mode != LORA_FUSED and _tma_device(rows) and \
             kernels_tma.tma_ready(rows, w, interpreting()):
         kernels_tma.ensure_allocator()
         bm = tma_block_m()
         table = tile_table(expert_offsets, N, bm)
-        # the LoRA epilogue's second dot does not compile warp-specialised (Triton 3.6, sm_90a)
-        _kernels()["down_tma_pipelined" if lora_mode else f"down_tma_{tma}"][_tma_grid(table, NY, rows.device)](
+        _kernels()["down_tma"][_tma_grid(table, NY, rows.device)](
             rows, w, bb, rows if topk_weights is None else topk_weights, sort_order, expert_offsets, y, lb_, z_,
             table, N, KA, NY, E, top_k, R, table.shape[0] // 2,
             w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1), *lora_strides[3:], lora_scale,

@@ -31,8 +31,7 @@ epilogue's live values,
   gradient (``BN * BM`` elements plus their float32 copy).
 - pointers: each loop-carried operand pointer tensor costs one 64-bit address (2 registers) per
   16-byte vector a thread loads: ``2 * rows * cols * bytes / (16 * T)``; none for TMA descriptor
-  loads (``down_tma``). A warp-specialised config (``WS``) spreads the accumulators over two consumer
-  warp groups (:func:`compute_warps`).
+  loads (``down_tma``).
 - epilogue: LoRA's ``z [BM, RP]`` float32 (read or kept from the main loop) and ``s * z`` in the
   input dtype; ``Lb [RP, BN]`` is the epilogue dot's B operand in shared memory, loaded through
   registers (``RP * BN`` elements: a load outside the pipelined loop is no ``cp.async``). The LoRA
@@ -160,10 +159,8 @@ def smem_bytes(config, launch: Launch) -> int:
         stage = bm * bk * launch.a_bytes + (1 + launch.dual) * bk * bn * launch.b_bytes
         if launch.lora == LORA_FUSED:
             stage += bk * launch.rank * launch.lora_bytes
-    # measured in the sm_90a code of Triton 3.6 (benchmarks/offline_sm90.py --tma on): the warp-specialised
-    # kernel stages its epilogue in BM * BN more bytes, the persistent (flattened) one takes 32 KiB more
-    if config.kwargs.get("WS"):
-        return config.num_stages * stage + bm * bn
+    # measured in the sm_90a code of Triton 3.6 (benchmarks/offline_sm90.py): the persistent (flattened)
+    # TMA kernel takes 32 KiB more
     if config.kwargs.get("PERSISTENT"):
         return config.num_stages * stage + 32768
     return config.num_stages * stage
@@ -179,7 +176,7 @@ def registers(config, launch: Launch) -> int:
     the larger of the main loop's and the epilogue's live values plus ``OVERHEAD`` (see the module
     docstring for the terms and their sources)."""
     bm, bn, bk = _tiles(config)
-    t = 32 * compute_warps(config)
+    t = 32 * config.num_warps
     kind = KINDS[launch.kind]
     if kind.family == "wgrad":
         loop = bn * bk / t + _pointer_regs(bn, bm, launch.a_bytes, t) + _pointer_regs(bm, bk, launch.b_bytes, t)
@@ -198,14 +195,6 @@ def registers(config, launch: Launch) -> int:
     return math.ceil(max(loop, epilogue)) + OVERHEAD
 
 
-def compute_warps(config) -> int:
-    """Warps that hold the accumulators: ``num_warps``, or twice that for a warp-specialised config
-    (``WS``: Triton's Hopper partitioning compiles the 4 warps asked for into two consumer warp
-    groups, each with its half of the tile's rows, plus one producer group issuing the loads, which
-    ``setmaxnreg`` leaves few registers)."""
-    return config.num_warps * (2 if config.kwargs.get("WS") else 1)
-
-
 def register_limit(num_warps: int) -> int:
     """Registers per thread a block of ``num_warps`` warps may use: 255, and ``65536`` per block."""
     return min(MAX_REGS_PER_THREAD, REGS_PER_SM // (32 * num_warps))
@@ -214,7 +203,7 @@ def register_limit(num_warps: int) -> int:
 def fits(config, launch: Launch, smem_limit: int) -> tuple[int, int, bool]:
     """``(smem bytes, registers per thread, fits)`` of ``config`` for ``launch`` under ``smem_limit``."""
     smem, regs = smem_bytes(config, launch), registers(config, launch)
-    return smem, regs, smem <= smem_limit and regs <= register_limit(compute_warps(config))
+    return smem, regs, smem <= smem_limit and regs <= register_limit(config.num_warps)
 
 
 _WARNED: set = set()
