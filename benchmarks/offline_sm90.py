@@ -184,8 +184,7 @@ def compile_config(launch: Launch, config) -> dict:
     kernel = launch.kernel.warmup(*launch.args, grid=(1,), **meta)
     usage = res_usage(kernel.asm["cubin"])
     ptx = kernel.asm["ptx"]
-    row = {**usage, "dynamic_smem": kernel.metadata.shared, "warps": kernel.metadata.num_warps,
-           "ws": "setmaxnreg" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
+    row = {**usage, "dynamic_smem": kernel.metadata.shared, "tma": "cp.async.bulk.tensor" in ptx}
     if config is not None and launch.kind is not None:
         from moeyard.experts.triton import tuning
         smem, regs, kept = tuning.fits(config, tuning.launch_of(launch.kind, launch.named()), SMEM_LIMIT)
@@ -197,8 +196,7 @@ def label(config) -> str:
     if config is None:
         return "(as launched)"
     k = config.kwargs
-    return (f"{k['BM']}x{k['BN']}x{k['BK']} w{config.num_warps} s{config.num_stages}" + (" WS" if k.get("WS") else "")
-            + (" P" if k.get("PERSISTENT") else ""))
+    return f"{k['BM']}x{k['BN']}x{k['BK']} w{config.num_warps} s{config.num_stages}" + (" P" if k.get("PERSISTENT") else "")
 
 
 def unique(launches: list[Launch]) -> list[Launch]:
@@ -253,7 +251,7 @@ def _line(r: dict) -> str:
         return f"{head} error {r['error']}"
     est = (f"  | estimate regs {r['est_regs']:3d} smem {r['est_smem'] / 1024:6.1f} KiB "
            f"{'kept' if r['kept'] else 'pruned'}") if "est_regs" in r else ""
-    lowered = (" TMA" if r.get("tma") else "") + (f" WS({r['warps']} warps)" if r.get("ws") else "")
+    lowered = " TMA" if r.get("tma") else ""
     return (f"{head} regs {r['reg']:3d}  stack {r.get('stack', 0):5d} B  smem {r['dynamic_smem'] / 1024:6.1f} KiB"
             f"{'' if r['fits'] else ' (over 227 KiB)'}{lowered}{est}")
 

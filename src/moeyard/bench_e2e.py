@@ -32,7 +32,6 @@ architecture (hidden 64, 8 experts) instead: a quick check on a CPU.
 from __future__ import annotations
 
 import contextlib
-import gc
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -433,8 +432,7 @@ def run_one(impl: str, config, size: StepSize, base: dict, opts: bench.BenchOpti
         row["error"] = f"{type(ex).__name__}: {(str(ex).strip().splitlines() or [''])[0][:300]}"
     finally:
         del trainer
-        gc.collect()
-        bench._free(opts.device)
+        bench._free(opts.device)  # collects garbage, empties the CUDA cache
     return row
 
 

@@ -102,7 +102,7 @@ def receive_buffer(x: Tensor, out_splits, out_rows, pad_rows) -> tuple[Tensor, T
     output, ``sum(out_splits)`` rows, else ``out_rows``, else ``x``'s) is the leading part of
     ``buffer``, whose ``pad_rows`` trailing rows are zero."""
     rows = sum(out_splits) if out_splits is not None else (x.shape[0] if out_rows is None else out_rows)
-    buffer = x.new_empty((rows + (pad_rows or 0), *x.shape[1:]))
+    buffer = x.new_empty((rows + pad_rows, *x.shape[1:]))
     if pad_rows:
         buffer[rows:].zero_()
     return buffer, buffer[:rows]

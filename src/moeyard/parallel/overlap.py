@@ -76,11 +76,15 @@ def _issue(p: Pending, x: Tensor, out_splits, in_splits, group, out_rows, pad_ro
 
 @dataclass
 class Link:
-    """What a :class:`_Send` and its :class:`_Receive` share: the exchange's splits, the forward
+    """What a :class:`_Send` and its :class:`_Receive` share: the exchange's payload until it is sent
+    (then only its splits are kept, so the sent rows are not held until backward), the forward
     exchange in flight, and in backward the reverse exchange of the gradient."""
 
-    out: Outgoing
+    out: Outgoing | None
     group: object
+    out_splits: list[int] | None = None
+    in_splits: list[int] | None = None
+    pad_rows: int = 0
     forward: Pending | None = None
     backward: Pending | None = None
     rows_sent: int = 0
@@ -93,7 +97,8 @@ class _Send(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, order, rows, link):
-        out = link.out
+        out, link.out = link.out, None
+        link.out_splits, link.in_splits, link.pad_rows = out.out_splits, out.in_splits, out.pad_rows
         link.forward = start(rows, out.out_splits, out.in_splits, link.group, ids=out.ids, pad_rows=out.pad_rows)
         link.rows_sent, link.needs_grad = rows.shape[0], ctx.needs_input_grad[1]
         ctx.link = link
@@ -124,9 +129,8 @@ class _Receive(torch.autograd.Function):
     def backward(ctx, d_rows, d_ids, d_order):
         link = ctx.link
         if link.needs_grad:
-            received = d_rows.shape[0] - link.out.pad_rows
-            link.backward = start(d_rows[:received], link.out.in_splits, link.out.out_splits, link.group,
-                                  link.rows_sent)
+            received = d_rows.shape[0] - link.pad_rows
+            link.backward = start(d_rows[:received], link.in_splits, link.out_splits, link.group, link.rows_sent)
         return d_order, None
 
 
@@ -158,10 +162,9 @@ def pipelined(dispatcher, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep:
         d = dispatcher.arrive_dispatch(rows, ids, outs[c], ep, options)
         link, order = send(dispatcher.depart_combine(compute(d), d), ep.group, order)
         combines.append((link, d))
-    results, dropped = [], None
+    results = []
     for link, d in combines:
         back, _, order = receive(link, order)
         results.append(dispatcher.arrive_combine(back, d))
-        if d.dropped is not None:
-            dropped = d.dropped if dropped is None else dropped + d.dropped
-    return torch.cat(results), dropped
+    # overlap is refused with capacity_factor, so no chunk drops pairs: the first chunk's count (0) stands for all
+    return torch.cat(results), combines[0][1].dropped

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..checks import check_float
 from ..config import MoEConfig
-from .losses import load_balancing_loss, sequence_balance_loss, z_loss
+from .losses import EPS, load_balancing_loss, sequence_balance_loss, z_loss
 from .options import router_impl, use_router
 
 Tensor = torch.Tensor
@@ -109,16 +109,16 @@ def route(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None =
         top_logits, ids = logits.topk(config.top_k, dim=-1)
         w = _score(top_logits, config.score_func)
         if config.score_func == "sigmoid" and config.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+            w = w / (w.sum(-1, keepdim=True) + EPS)
     else:
         ids = select_experts(scores, config, correction_bias)
         w = scores.gather(1, ids)
         if config.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+            w = w / (w.sum(-1, keepdim=True) + EPS)
     w = w * config.routed_scaling_factor
     counts = torch.zeros(E, device=x.device, dtype=torch.float32).index_add_(
         0, ids.reshape(-1), torch.ones(ids.numel(), device=x.device, dtype=torch.float32))
-    probs = scores if config.score_func == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    probs = scores if config.score_func == "softmax" else scores / (scores.sum(-1, keepdim=True) + EPS)
     aux = load_balancing_loss(probs, counts, config.top_k)
     seq = sequence_balance_loss(probs, ids, E, config.top_k, num_sequences)
     z = z_loss(logits)

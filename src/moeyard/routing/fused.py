@@ -145,7 +145,7 @@ class _FusedRouter(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx = dl @ weight.to(x.dtype) if need_x else None
         dw = (dl.mT @ x).to(weight.dtype) if need_w else None
-        db = dl.float().sum(0).to(bias.dtype) if need_b else None
+        db = dl.sum(0, dtype=torch.float32).to(bias.dtype) if need_b else None
         return dx, dw, db, None, None
 
 

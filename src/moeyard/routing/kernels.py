@@ -19,7 +19,9 @@ ids (nothing else is kept).
 import triton
 import triton.language as tl
 
-EPS = tl.constexpr(1e-20)  # the renormalisation guard of moeyard.routing.route (a constexpr: read in kernels)
+from . import losses
+
+EPS = tl.constexpr(losses.EPS)  # the renormalisation guard, as a constexpr (kernels read no plain globals)
 
 
 @triton.jit

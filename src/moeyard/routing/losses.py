@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 Tensor = torch.Tensor
+EPS = 1e-20  # the guard of every renormalisation by a sum of scores (torch path and fused kernels)
 
 
 def balance_loss_from_stats(counts: Tensor, prob_sum: Tensor, num_tokens: int, top_k: int) -> Tensor:

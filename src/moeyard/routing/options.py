@@ -1,8 +1,9 @@
 """Which router implementation :func:`moeyard.routing.route` uses, read at every call.
 
 ``MOEYARD_ROUTER=torch|fused`` (environment), or in code :func:`use_router` (a context manager; it
-wins over the environment). Default: ``torch`` (the chain of torch ops), until the fused Triton
-router (:mod:`moeyard.routing.fused`) has been measured on a GPU. ``fused`` is used only where it
+wins over the environment). Default: ``torch`` (the chain of torch ops). The fused Triton router
+(:mod:`moeyard.routing.fused`) measured faster on an H200 at the two models timed so far
+(``benchmarks/NOTES.md`` round 6) and stays opt-in until the others are. ``fused`` is used only where it
 applies (:func:`moeyard.routing.fused.unsupported` says why not); elsewhere the torch path runs.
 """
 from __future__ import annotations

@@ -36,6 +36,8 @@ MAX_LORA_RANK = 128
 # layer fwd+bwd, README's table) triton leads the torch pipeline by 1.3-1.5x at 4.3e9 (sonic-30b-a:
 # 2048 x 4096 x 512) and below, and trails it by 4% at 1.7e10 (sonic-120b: 2048 x 4096 x 2048), where
 # its weight-gradient kernels hold the gap (forward alone: triton 1.2x ahead); the threshold sits between.
+# It defers to moeyard's ``grouped_mm`` backend (torch's grouped GEMM, as in that pipeline), which is not
+# itself measured at those shapes yet (benchmarks/gpu_round.sh router: bench_auto).
 LARGE_EXPERT_WORK = 8e9
 
 

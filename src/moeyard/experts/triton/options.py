@@ -18,9 +18,9 @@ Each defaults to the measured default path; set an environment variable, or over
   (default) computes the low-rank rows ``x A_e^T`` in a thin launch of their own first (memory-bound:
   one more read of the GEMM's input); ``fused`` inside the GEMM's main loop from the tiles it loads
   anyway (a second, R-wide dot). Results agree to rounding. Split is the default because it was faster
-  at every shape measured on an H200 (Triton 3.6: the fused second dot made the down and dh kernels
-  2.3-2.5x slower; ``benchmarks/lora_crossover.py``, ``benchmarks/NOTES.md`` round 4), unlike
-  ScatterMoE-LoRA's rule (fused for E >= 64).
+  at every shape and rank measured on an H200 (Triton 3.6, ``benchmarks/lora_crossover.py``: fused
+  1.01-1.3x split's time at r = 16 and 64, ``benchmarks/NOTES.md`` round 6), unlike ScatterMoE-LoRA's
+  rule (fused for E >= 64).
 - ``MOEYARD_TRITON_TMA=0`` (``tma``, on by default): where it can, the down projection (forward and
   input gradient) loads its operands with Hopper TMA descriptors (:mod:`.kernels_tma`; sm_90 and
   later, bf16/fp16, 16-byte-aligned strides, not with the fused LoRA mode or the atomic combine;

@@ -59,8 +59,9 @@ def expert_piece(pid, offsets_ptr, E, size, E_P2: tl.constexpr, EMPTY_PIECE: tl.
 def tile_table_kernel(offsets_ptr, table_ptr, E, M, BM: tl.constexpr, E_P2: tl.constexpr, BT: tl.constexpr):
     """The row tiles of ``BM`` rows as a table (one program): ``table[t]`` = the expert of tile ``t``
     (``>= E``: no such tile) and ``table[M + t]`` = its first sorted row, for ``t < M``
-    (:func:`max_row_tiles`); ``table[2 * M]`` = the number of tiles that exist (they come first). For kernels that cannot run :func:`expert_tile`'s reductions (Triton 3.6's
-    Hopper warp specialisation rejects a kernel with a reduction's region anywhere)."""
+    (:func:`max_row_tiles`); ``table[2 * M]`` = the number of tiles that exist (they come first).
+    Built once per launch for kernels whose programs visit many tiles (persistent ones), instead of
+    each tile searching the offsets as :func:`expert_tile` does."""
     e_idx, starts, ends, pieces, last, _ = _piece_table(offsets_ptr, E, BM, E_P2, False)
     tl.store(table_ptr + 2 * M, tl.max(last, 0))  # tiles that exist: the first ones
     for t0 in range(0, M, BT):
