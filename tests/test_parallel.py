@@ -171,6 +171,20 @@ def test_symm_mem_limits():
                        EPOptions(num_experts=4, dispatcher="sync_free", exchange="symm_mem", overlap_chunks=2))
 
 
+def test_expert_parallel_checks_its_overlap_options():
+    """Built directly (not through expert_parallel), ExpertParallel refuses the same overlap options."""
+    from moeyard.parallel import EPOptions, ExpertParallel
+    from moeyard.parallel.comm import EPGroup
+
+    ep = EPGroup(group=None, world_size=2, rank=0, backend="gloo")
+    with pytest.raises(ValueError, match="only the all_to_all and sync_free"):
+        ExpertParallel(ep, EPOptions(num_experts=4, dispatcher="all_gather", overlap_chunks=2))
+    with pytest.raises(ValueError, match="not with capacity_factor"):
+        ExpertParallel(ep, EPOptions(num_experts=4, dispatcher="sync_free", capacity_factor=1.0, overlap_chunks=2))
+    with pytest.raises(ValueError, match="positive int"):
+        ExpertParallel(ep, EPOptions(num_experts=4, overlap_chunks=0))
+
+
 @pytest.mark.filterwarnings("ignore")
 def test_fsdp2_on_a_dp2_ep2_mesh():
     """FSDP2 x expert parallelism on a (dp=2, ep=2) gloo mesh: losses, full gradients and the

@@ -8,8 +8,8 @@ import torch.nn as nn
 
 from .comm import EPGroup, resolve_group
 from .common import EPOptions
-from .experts import DISPATCHERS, ExpertParallel
-from .sync_free import EXCHANGES, check_exchange, check_overlap
+from .experts import DISPATCHERS, ExpertParallel, check_overlap_options
+from .sync_free import EXCHANGES, check_exchange
 
 # the attribute each kind of module reads instead of calling moeyard.experts itself
 MOE_SEAM = "expert_parallel"                 # moeyard.MoE
@@ -73,7 +73,7 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         TypeError: ``module`` is not an ``nn.Module``, ``group`` of the wrong kind.
     """
     _check_options(dispatcher, capacity_factor, max_tokens, align, exchange)
-    _check_overlap(overlap_chunks, dispatcher, capacity_factor, exchange)
+    check_overlap_options(overlap_chunks, dispatcher, capacity_factor, exchange)
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
     targets = find_experts(module)
@@ -196,15 +196,3 @@ def _check_options(dispatcher, capacity_factor, max_tokens, align, exchange) -> 
         raise ValueError(f"exchange: expected one of {list(EXCHANGES)}, got {exchange!r}")
     if exchange != "auto" and dispatcher != "sync_free":
         raise ValueError(f"exchange: only the sync_free dispatcher has a choice of exchange, got dispatcher={dispatcher!r}")
-
-
-def _check_overlap(overlap_chunks, dispatcher, capacity_factor, exchange) -> None:
-    if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
-        raise ValueError(f"overlap_chunks: expected a positive int, got {overlap_chunks!r}")
-    if overlap_chunks > 1 and dispatcher == "all_gather":
-        raise ValueError("overlap_chunks: only the all_to_all and sync_free dispatchers overlap their exchanges, "
-                         "got dispatcher='all_gather'")
-    if overlap_chunks > 1 and capacity_factor is not None:
-        raise ValueError("overlap_chunks: not with capacity_factor (its capacity would apply per chunk and drop "
-                         "other pairs than one exchange does)")
-    check_overlap(exchange, overlap_chunks)

@@ -36,9 +36,11 @@ class ExpertParallel:
 
     def __init__(self, ep: EPGroup, options: EPOptions):
         """Raises ValueError when ``options.exchange`` cannot run on ``ep`` (``symm_mem`` off
-        CUDA/NCCL/NVSHMEM, or with ``overlap_chunks > 1``)."""
+        CUDA/NCCL/NVSHMEM) or ``overlap_chunks`` cannot run with the options
+        (:func:`check_overlap_options`)."""
         self.ep, self.options = ep, options
         self.dispatcher = DISPATCHERS[options.dispatcher]
+        check_overlap_options(options.overlap_chunks, options.dispatcher, options.capacity_factor, options.exchange)
         if options.dispatcher == "sync_free":
             sync_free.check_exchange(ep, options)
         self.dropped: Tensor | None = None
@@ -100,3 +102,18 @@ class ExpertParallel:
         extra = "".join(f", {k}={getattr(o, k)}" for k, default in REPR_DEFAULTS.items() if getattr(o, k) != default)
         return (f"ExpertParallel(dispatcher={o.dispatcher}, num_experts={o.num_experts}, "
                 f"world_size={self.ep.world_size}, rank={self.ep.rank}{extra})")
+
+
+def check_overlap_options(overlap_chunks, dispatcher, capacity_factor, exchange) -> None:
+    """Raise ValueError unless ``overlap_chunks`` (a positive int) can run with these options: more than
+    one chunk needs the ``all_to_all`` or ``sync_free`` dispatcher, no ``capacity_factor`` and not the
+    ``symm_mem`` exchange. Host metadata only."""
+    if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
+        raise ValueError(f"overlap_chunks: expected a positive int, got {overlap_chunks!r}")
+    if overlap_chunks > 1 and dispatcher == "all_gather":
+        raise ValueError("overlap_chunks: only the all_to_all and sync_free dispatchers overlap their exchanges, "
+                         "got dispatcher='all_gather'")
+    if overlap_chunks > 1 and capacity_factor is not None:
+        raise ValueError("overlap_chunks: not with capacity_factor (its capacity would apply per chunk and drop "
+                         "other pairs than one exchange does)")
+    sync_free.check_overlap(exchange, overlap_chunks)
