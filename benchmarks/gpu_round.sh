@@ -10,6 +10,9 @@
 #   router: CUDA tests (fused router included), the fused router's benchmark, and auto's choice at
 #           sonic-120b (auto vs triton vs grouped_mm vs the torch pipeline, fwd+bwd).
 #   e2e: a transformers decoder stack's training step (moeyard vs grouped_mm), with plot and a trace.
+#   ab: this tree against BASE=dir (holding an earlier src/, e.g. `git archive REV src | tar -x -C .ab/base`
+#       in a git-ignored folder, carried): the triton and LoRA CUDA tests, then, interleaved per tree, the
+#       LoRA bench (frozen vs lora) and the whole-layer triton bench.
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 STAGE=${1:-main}
@@ -49,10 +52,25 @@ elif [[ $STAGE == router ]]; then
 elif [[ $STAGE == e2e ]]; then
   step bench_e2e 540 python3 -m moeyard bench --e2e --model qwen3-30b-a3b --model olmoe-1b-7b --warmup 3 --iters 10 \
     --json "$OUT/bench_e2e.json" --plot "$OUT/bench_e2e.png" --trace "$OUT/traces"
+elif [[ $STAGE == ab ]]; then
+  BASE=$(cd "${BASE:?BASE=dir with an earlier src/}" && pwd)
+  MOEYARD_TRITON_AUTOTUNE=0 step pytest_triton 150 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_triton_cuda.py \
+    tests/cuda/test_lora_cuda.py
+  for what in lora layer; do
+    for tree in base new; do
+      src=$PWD/src; [[ $tree == base ]] && src=$BASE/src
+      if [[ $what == lora ]]; then
+        PYTHONPATH=$src step "bench_lora_$tree" 170 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 \
+          --backends frozen,lora --model qwen3-30b-a3b --model olmoe-1b-7b --model qwen3.5-35b-a3b
+      else
+        PYTHONPATH=$src step "bench_layer_$tree" 100 "${BENCH[@]}" --model qwen3-30b-a3b --model sonic-7b --backends triton
+      fi
+    done
+  done
 else  # anchors: the other ANCHORS.md shapes
   step bench_anchors 560 "${BENCH[@]}" --model sonic-30b-a --model sonic-120b --model qwen3.5-35b-a3b \
     --backends triton,torch_gmm${PEERS:+,sonicmoe} --json "$OUT/bench_anchors.json"
 fi
 for f in "$OUT"/verify.txt "$OUT"/bench_*.txt "$OUT"/profile_*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 36 "$f"; }; done
-[ -f "$OUT/pytest_cuda.txt" ] && grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cuda.txt" | tail -n 25
+for f in "$OUT"/pytest_*.txt; do grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -n 25; done
 cat "$OUT/gpu.txt"; printf '%s\n' "${summary[@]}"

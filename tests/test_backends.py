@@ -280,29 +280,6 @@ def test_auto_defers_by_workload(scratch_backends):
     assert pick(100) == "zz_small"  # the deferred-to backend must run
 
 
-def test_triton_defers_large_experts_in_training_on_hopper(monkeypatch):
-    """The rule behind ``auto``'s choice on CUDA (no GPU needed: the capability is patched)."""
-    from moeyard.experts.registry import Workload
-    from moeyard.experts import expert_weights
-    from moeyard.experts.triton import LARGE_EXPERT_WORK, _defer
-    cap = {"v": (9, 0)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["v"])
-    cuda = torch.device("cuda")
-
-    def weights(E, H, I):
-        return expert_weights(torch.empty(E, 2 * I, H, device="meta"), torch.empty(E, H, I, device="meta"))
-    big, small = weights(64, 4096, 2048), weights(128, 4096, 512)
-    T = 32768
-    assert _defer(cuda, torch.bfloat16, big, Workload(T * 4, True)) == "grouped_mm"      # sonic-120b
-    assert _defer(cuda, torch.bfloat16, small, Workload(T * 8, True)) is None            # sonic-30b-a
-    assert _defer(cuda, torch.bfloat16, big, Workload(T * 4, False)) is None             # inference or LoRA on a frozen base
-    assert _defer(cuda, torch.float32, big, Workload(T * 4, True)) is None
-    assert _defer(torch.device("cpu"), torch.bfloat16, big, Workload(T * 4, True)) is None
-    cap["v"] = (8, 0)
-    assert _defer(cuda, torch.bfloat16, big, Workload(T * 4, True)) is None              # grouped_mm slow pre-Hopper
-    assert 2048 * 4096 * 512 < LARGE_EXPERT_WORK <= 2048 * 4096 * 2048
-
-
 def test_training_flag_of_experts_call(monkeypatch):
     """``moeyard.experts`` passes the call's pairs and whether base weight gradients will be computed
     to the registry."""

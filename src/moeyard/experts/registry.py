@@ -8,8 +8,8 @@ A backend computes the routed expert FFN
 
 ``unsupported(device, dtype, weights, activation)`` returns None when the backend runs there, else a
 reason; ``auto`` takes the highest-``priority`` backend that runs, unless that backend's ``defer``
-names another backend that runs and is measured faster for the call's :class:`Workload` (e.g.
-``triton`` defers to ``grouped_mm`` for large experts with weight gradients on Hopper). The
+names another backend that runs and is measured faster for the call's :class:`Workload` (no
+built-in backend defers today: ``triton`` measured fastest on CUDA at every benchmark shape). The
 process-wide default (used where no backend is named, e.g. by the transformers integration) is ``set_backend(name)`` or, before
 any call, the ``MOEYARD_BACKEND`` environment variable; otherwise ``auto``.
 """

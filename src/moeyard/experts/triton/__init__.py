@@ -26,19 +26,11 @@ import os
 import torch
 
 from ...activations import Activation
-from ..registry import ExpertBackend, Workload, register_backend
+from ..registry import ExpertBackend, register_backend
 from ..weights import ExpertWeights
 
 Tensor = torch.Tensor
 MAX_LORA_RANK = 128
-# ``auto`` defers to ``grouped_mm`` on Hopper when the base weights need gradients and each expert's
-# GEMM work, mean rows per expert x H x I, reaches this: measured on an H200 (2026-11-23, bf16, whole
-# layer fwd+bwd, README's table) triton leads the torch pipeline by 1.3-1.5x at 4.3e9 (sonic-30b-a:
-# 2048 x 4096 x 512) and below, and trails it by 4% at 1.7e10 (sonic-120b: 2048 x 4096 x 2048), where
-# its weight-gradient kernels hold the gap (forward alone: triton 1.2x ahead); the threshold sits between.
-# It defers to moeyard's ``grouped_mm`` backend (torch's grouped GEMM, as in that pipeline), which is not
-# itself measured at those shapes yet (benchmarks/gpu_round.sh router: bench_auto).
-LARGE_EXPERT_WORK = 8e9
 
 
 def triton_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
@@ -76,21 +68,12 @@ def _unsupported(device: torch.device, dtype: torch.dtype, weights: ExpertWeight
     return f"needs a CUDA GPU (or the CPU interpreter), got {device.type}"
 
 
-def _defer(device: torch.device, dtype: torch.dtype, weights: ExpertWeights, work: Workload) -> str | None:
-    """``grouped_mm`` for large experts with base weight gradients on Hopper or newer in 16-bit
-    (``LARGE_EXPERT_WORK``)."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not work.weight_grad:
-        return None
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        return None
-    rows = work.pairs / weights.num_experts
-    return "grouped_mm" if rows * weights.hidden_size * weights.intermediate_size >= LARGE_EXPERT_WORK else None
-
-
-# Ranked above grouped_mm (20) for ``auto`` on CUDA: measured faster on an H200 (README's benchmark table),
-# except for large experts with weight gradients (``_defer``).
+# Ranked above grouped_mm (20) for ``auto`` on CUDA: measured faster on an H200 at every benchmark shape
+# (README's benchmark table), also for large experts with weight gradients: at sonic-120b (32768 tokens,
+# H 4096, I 2048, E 64, k 4; 2026-11-23) triton 44.3 ms fwd+bwd, the torch grouped_mm pipeline 46.1 ms,
+# moeyard's grouped_mm 57.5 ms.
 register_backend(ExpertBackend(
-    name="triton", forward=triton_forward, unsupported=_unsupported, priority={"cuda": 30}, defer=_defer,
+    name="triton", forward=triton_forward, unsupported=_unsupported, priority={"cuda": 30},
     description="fused Triton grouped GEMMs: gather in the loads, activation/bias/weight in epilogues; "
                 "deterministic combine; no host sync",
 ))
