@@ -57,31 +57,32 @@ def expert_piece(pid, offsets_ptr, E, size, E_P2: tl.constexpr, EMPTY_PIECE: tl.
 
 @triton.jit
 def tile_table_kernel(offsets_ptr, table_ptr, E, M, BM: tl.constexpr, E_P2: tl.constexpr, BT: tl.constexpr):
-    """The row tiles of ``BM`` rows as a table (one program): ``table[t]`` = the expert of tile ``t``
-    (``>= E``: no such tile) and ``table[M + t]`` = its first sorted row, for ``t < M``
+    """The row tiles of ``BM`` rows as a table, ``BT`` tiles per program: ``table[t]`` = the expert of
+    tile ``t`` (``>= E``: no such tile) and ``table[M + t]`` = its first sorted row, for ``t < M``
     (:func:`max_row_tiles`); ``table[2 * M]`` = the number of tiles that exist (they come first).
     Built once per launch for kernels whose programs visit many tiles (persistent ones), instead of
     each tile searching the offsets as :func:`expert_tile` does."""
     e_idx, starts, ends, pieces, last, _ = _piece_table(offsets_ptr, E, BM, E_P2, False)
-    tl.store(table_ptr + 2 * M, tl.max(last, 0))  # tiles that exist: the first ones
-    for t0 in range(0, M, BT):
-        t = t0 + tl.arange(0, BT)
-        e = tl.sum((last[None, :] <= t[:, None]).to(tl.int32), 1)
-        here = e_idx[None, :] == e[:, None]
-        first = tl.sum(tl.where(here, (last - pieces)[None, :], 0), 1)
-        row0 = tl.sum(tl.where(here, starts[None, :], 0), 1) + (t - first) * BM
-        tl.store(table_ptr + t, e, mask=t < M)
-        tl.store(table_ptr + M + t, row0, mask=t < M)
+    if tl.program_id(0) == 0:
+        tl.store(table_ptr + 2 * M, tl.max(last, 0))  # tiles that exist: the first ones
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    e = tl.sum((last[None, :] <= t[:, None]).to(tl.int32), 1)
+    here = e_idx[None, :] == e[:, None]
+    first = tl.sum(tl.where(here, (last - pieces)[None, :], 0), 1)
+    row0 = tl.sum(tl.where(here, starts[None, :], 0), 1) + (t - first) * BM
+    tl.store(table_ptr + t, e, mask=t < M)
+    tl.store(table_ptr + M + t, row0, mask=t < M)
 
 
 def tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
     """``[2 * M + 1]`` int32 on the offsets' device (:func:`tile_table_kernel`), ``M = max_row_tiles``;
-    one small launch, no host sync."""
+    one small launch (``ceil(M / BT)`` programs, at least one), no host sync."""
     E = expert_offsets.shape[0] - 1
     M = max_row_tiles(num_rows, E, block_m)
     table = torch.empty(2 * M + 1, dtype=torch.int32, device=expert_offsets.device)
     e_p2 = triton.next_power_of_2(max(E, 2))
-    tile_table_kernel[(1,)](expert_offsets, table, E, M, BM=block_m, E_P2=e_p2, BT=max(8, 4096 // e_p2))
+    bt = max(8, 4096 // e_p2)
+    tile_table_kernel[(max(1, triton.cdiv(M, bt)),)](expert_offsets, table, E, M, BM=block_m, E_P2=e_p2, BT=bt)
     return table
 
 
