@@ -57,12 +57,20 @@ def load_balancing_loss(probs: Tensor, tokens_per_expert: Tensor, top_k: int) ->
 
 def sequence_balance_loss(probs: Tensor, topk_ids: Tensor, num_experts: int, top_k: int,
                           num_sequences: int) -> Tensor:
-    """DeepSeek-V3 sequence-wise balance loss (module docstring); 0 for T = 0."""
+    """DeepSeek-V3 sequence-wise balance loss (module docstring); 0 for T = 0.
+
+    Args:
+        probs: ``[T, E]`` float32 probabilities (normalised per token), T = B * S in sequence order.
+        topk_ids: ``[T, K]`` integer expert ids.
+        num_sequences: B.
+    """
     T = probs.shape[0]
     B, S = num_sequences, T // num_sequences
-    one_hot = torch.zeros(T, num_experts, device=probs.device, dtype=probs.dtype).scatter_(1, topk_ids, 1.0)
-    return sequence_balance_from_stats(one_hot.view(B, S, num_experts).sum(1),
-                                       probs.view(B, S, num_experts).sum(1), S, top_k)
+    seq = torch.arange(T, device=topk_ids.device).div_(max(S, 1), rounding_mode="floor").unsqueeze(1)
+    slots = (seq * num_experts + topk_ids).reshape(-1)  # (sequence, expert) of every pair: no [T, E] one-hot
+    counts = torch.zeros(B * num_experts, device=probs.device, dtype=probs.dtype).index_add_(
+        0, slots, torch.ones(slots.numel(), device=probs.device, dtype=probs.dtype))
+    return sequence_balance_from_stats(counts.view(B, num_experts), probs.view(B, S, num_experts).sum(1), S, top_k)
 
 
 def z_loss(logits: Tensor) -> Tensor:
