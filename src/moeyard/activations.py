@@ -75,7 +75,12 @@ def split_gate_up(h: Tensor, *, interleaved: bool) -> tuple[Tensor, Tensor]:
 
 
 def glu(name: str, gate: Tensor, up: Tensor, *, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
-    """The gated function ``act(gate) * up`` (or gpt-oss's clamped form) on ``[..., I]`` inputs."""
+    """The gated function ``act(gate) * up`` (or gpt-oss's clamped form) on ``[..., I]`` inputs of one
+    float dtype; returns ``[..., I]`` in that dtype.
+
+    Raises:
+        ValueError: ``name`` is not a gated activation (swiglu, geglu, reglu, clamped_swiglu).
+    """
     if name == "swiglu":
         return F.silu(gate) * up
     if name == "geglu":

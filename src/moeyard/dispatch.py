@@ -148,6 +148,9 @@ def unpermute(rows: Tensor, plan: DispatchPlan, topk_weights: Tensor | None = No
     Rows of pairs with an invalid expert id may hold anything (a grouped GEMM does not write them):
     with ``drop_invalid`` they are zeroed first (one extra pass over the pairs), otherwise the caller
     must keep them out. Differentiable w.r.t. ``rows`` and ``topk_weights``.
+
+    Raises:
+        ValueError: ``rows`` is not ``[plan.num_rows, H]`` or ``topk_weights`` not ``[T, K]``.
     """
     T, K = plan.num_tokens, plan.top_k
     if rows.dim() != 2 or rows.shape[0] != plan.num_rows:

@@ -28,6 +28,8 @@ def grouped_gemm(rows: Tensor, w: Tensor, plan: DispatchPlan) -> Tensor:
 
 def grouped_mm_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
                        activation: Activation, *, drop_invalid: bool = False) -> Tensor:
+    """The routed expert FFN on ``torch._grouped_mm`` (shapes, dtypes and semantics as
+    :func:`moeyard.experts`): ``x [T, H]``, ``topk_ids`` / ``topk_weights`` ``[T, K]`` -> ``[T, H]``."""
     return routed_ffn(x, topk_ids, topk_weights, weights, activation, grouped_gemm, drop_invalid=drop_invalid)
 
 

@@ -27,7 +27,13 @@ Tensor = torch.Tensor
 
 def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions) -> Dispatched:
     """``x [T, H]``, ``topk_ids [T, K]`` (global ids), ``topk_weights [T, K]`` -> ``[W * T_max, H]``
-    rows with ``[W * T_max, K]`` local ids and the routing weights."""
+    rows with ``[W * T_max, K]`` local ids and the routing weights. ``T_max`` is
+    ``options.max_tokens``, or else every rank's token count read on the host (one device-to-host
+    sync per call: set ``max_tokens`` to avoid it).
+
+    Raises:
+        ValueError: this rank has more than ``options.max_tokens`` tokens.
+    """
     T = x.shape[0]
     T_max = options.max_tokens if options.max_tokens is not None else max(token_counts(T, ep, x.device))
     if T > T_max:

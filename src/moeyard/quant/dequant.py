@@ -110,7 +110,12 @@ def dequantize_reference(storage, active: Tensor | None = None) -> Tensor:
 
 
 def check_active(storage, active: Tensor | None) -> None:
-    """Shape, dtype and device of ``active`` (never its values)."""
+    """Shape, dtype and device of ``active`` (never its values: no host sync).
+
+    Raises:
+        TypeError: ``active`` is not a bool or integer tensor.
+        ValueError: its shape is not ``[E]`` or its device is not the storage's.
+    """
     if active is None:
         return
     if not isinstance(active, Tensor) or active.dtype.is_floating_point or active.is_complex():
@@ -123,7 +128,12 @@ def check_active(storage, active: Tensor | None) -> None:
 
 
 def check_out(storage, out: Tensor) -> None:
-    """Shape, dtype, device and contiguity of the workspace ``out``."""
+    """Shape, dtype, device and contiguity of the workspace ``out``.
+
+    Raises:
+        TypeError: ``out`` is not a tensor or not of the storage's compute dtype.
+        ValueError: its shape or device differs from the storage's, or it is not contiguous.
+    """
     if not isinstance(out, Tensor):
         raise TypeError(f"out: expected a tensor, got {type(out).__name__}")
     if out.dtype != storage.dtype:

@@ -45,6 +45,12 @@ LORA_MODES = ("split", "fused")
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
+    """The triton backend's speed options (module docstring; environment names in ``ENV``).
+
+    Raises:
+        ValueError: ``wgrad_chunk_rows < 0``, ``wgrad_partial_mib <= 0`` (MiB) or an unknown ``lora_mode``.
+    """
+
     atomic_combine: bool = False
     wgrad_chunk_rows: int = 0
     wgrad_partial_mib: int = 512
@@ -93,7 +99,11 @@ def options() -> Options:
 
 @contextlib.contextmanager
 def use_options(**kwargs):
-    """Override options inside a ``with`` block (e.g. ``use_options(atomic_combine=True)``)."""
+    """Override options inside a ``with`` block (e.g. ``use_options(atomic_combine=True)``).
+
+    Raises:
+        ValueError: an unknown option name, or a value :class:`Options` rejects.
+    """
     unknown = set(kwargs) - set(ENV)
     if unknown:
         raise ValueError(f"unknown triton options {sorted(unknown)}; known: {sorted(ENV)}")
