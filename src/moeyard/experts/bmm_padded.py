@@ -12,7 +12,7 @@ import torch
 
 from ..activations import Activation
 from ..dispatch import make_plan
-from .registry import ExpertBackend, register_backend
+from .registry import ExpertBackend, floating_only, register_backend
 from .weights import ExpertWeights, Projection
 
 Tensor = torch.Tensor
@@ -56,14 +56,8 @@ def _bmm(a: Tensor, proj: Projection) -> Tensor:
     return y
 
 
-def _unsupported(device, dtype, weights, activation):
-    if not dtype.is_floating_point:
-        return f"needs a floating dtype, got {dtype}"
-    return None
-
-
 register_backend(ExpertBackend(
-    name="bmm_padded", forward=bmm_padded_forward, unsupported=_unsupported,
+    name="bmm_padded", forward=bmm_padded_forward, unsupported=floating_only,
     priority={"cuda": 10, "cpu": 10, "mps": 10, "xpu": 10},
     description="pads to [E, max_tokens, H] and uses torch.bmm; any device and float dtype; one host sync",
 ))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..activations import Activation
 from ..checks import raise_invalid_ids
-from .registry import ExpertBackend, register_backend
+from .registry import ExpertBackend, floating_only, register_backend
 from .weights import ExpertWeights, Projection
 
 Tensor = torch.Tensor
@@ -48,13 +48,7 @@ def expert_linear(x: Tensor, proj: Projection, e: int) -> Tensor:
     return y
 
 
-def _unsupported(device, dtype, weights, activation):
-    if not dtype.is_floating_point:
-        return f"needs a floating dtype, got {dtype}"
-    return None
-
-
 register_backend(ExpertBackend(
-    name="loop", forward=loop_forward, unsupported=_unsupported, priority={},
+    name="loop", forward=loop_forward, unsupported=floating_only, priority={},
     description="reference: per-expert loop, any device and float dtype (float64 too); host syncs",
 ))

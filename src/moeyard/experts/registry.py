@@ -60,6 +60,12 @@ _BACKENDS: dict[str, ExpertBackend] = {}
 _default: list[str | None] = [None]
 
 
+def floating_only(device: torch.device, dtype: torch.dtype, weights: ExpertWeights | None,
+                  activation: Activation | None) -> str | None:
+    """An ``unsupported`` check for backends built from torch ops: any device, any floating dtype."""
+    return None if dtype.is_floating_point else f"needs a floating dtype, got {dtype}"
+
+
 def register_backend(backend: ExpertBackend) -> ExpertBackend:
     """Add ``backend`` to the registry (replacing one of the same name)."""
     _BACKENDS[backend.name] = backend
