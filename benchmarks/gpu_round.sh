@@ -10,6 +10,8 @@
 #   router: CUDA tests (fused router included), the fused router's benchmark, and auto's choice at
 #           sonic-120b (auto vs triton vs grouped_mm vs the torch pipeline, fwd+bwd).
 #   e2e: a transformers decoder stack's training step (moeyard vs grouped_mm), with plot and a trace.
+#   gaps: the per-kernel profile at qwen3.5-35b-a3b, sonic-30b-a and sonic-120b (where each shape's gap to
+#         SonicMoE sits), then the layer at qwen3-30b-a3b and sonic-7b against the torch pipeline.
 #   ab: this tree against BASE=dir (holding an earlier src/, e.g. `git archive REV src | tar -x -C .ab/base`
 #       in a git-ignored folder, carried): the triton and LoRA CUDA tests, then, interleaved per tree, the
 #       LoRA bench (frozen vs lora) and the whole-layer triton bench.
@@ -52,6 +54,10 @@ elif [[ $STAGE == router ]]; then
 elif [[ $STAGE == e2e ]]; then
   step bench_e2e 540 python3 -m moeyard bench --e2e --model qwen3-30b-a3b --model olmoe-1b-7b --warmup 3 --iters 10 \
     --json "$OUT/bench_e2e.json" --plot "$OUT/bench_e2e.png" --trace "$OUT/traces"
+elif [[ $STAGE == gaps ]]; then
+  step profile_anchors 420 python3 benchmarks/triton_profile.py --configs qwen3.5-35b-a3b,sonic-30b-a,sonic-120b \
+    --out "$OUT"
+  step bench_layer 150 "${BENCH[@]}" --model qwen3-30b-a3b --model sonic-7b --backends triton,torch_gmm
 elif [[ $STAGE == ab ]]; then
   BASE=$(cd "${BASE:?BASE=dir with an earlier src/}" && pwd)
   MOEYARD_TRITON_AUTOTUNE=0 step pytest_triton 150 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_triton_cuda.py \
