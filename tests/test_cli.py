@@ -93,3 +93,13 @@ def test_python_m_moeyard():
     proc = subprocess.run([sys.executable, "-m", "moeyard", "info"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "registered backends" in proc.stdout
+
+
+def test_peer_ratio_lines():
+    """The layer bench's caption gives each moeyard row's speed-up over each peer of the same case."""
+    row = lambda case, impl, kind, fwd, fb: dict(case=case, impl=impl, kind=kind, fwd_ms=fwd, fwdbwd_ms=fb)
+    rows = [row("a", "triton", "moeyard", 2.0, 5.0), row("a", "torch_gmm", "peer", 4.0, 10.0),
+            row("a", "sonicmoe", "peer", 1.0, 4.0), row("b", "triton", "moeyard", 1.0, 3.0),
+            dict(case="b", impl="sonicmoe", kind="peer", error="boom")]
+    assert cli.peer_ratio_lines(rows) == [
+        "a: triton vs torch_gmm 2.00x (2.00x), sonicmoe 0.80x (0.50x) (fwd+bwd (fwd) speed-up, > 1: triton faster)"]

@@ -293,10 +293,26 @@ def results_table(result: dict) -> Table:
                f"dense bf16 matmul (8192^3) this run: {dense:.0f} TFLOP/s" if dense else "",
                "FLOPs: fwd = 6*T*k*H*I (gated; 4* plain) + shared experts, fwd+bwd = 3x fwd, router not counted; "
                f"median of {env['iters']} after {env['warmup']} warm-up; peak = extra GiB of fwd+bwd",
-               *[f"{name} skipped: {why}" for name, why in env.get("skipped", {}).items()], _trace_line(result)]
+               *[f"{name} skipped: {why}" for name, why in env.get("skipped", {}).items()], _trace_line(result),
+               *peer_ratio_lines(result["rows"])]
     return _case_table(title, caption, ("case (T,H,I,E,k)", "impl", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms",
                                         "fwd+bwd TFLOP/s", "peak GiB", "load max/mean", "note"),
                        result["rows"], _cells)
+
+
+def peer_ratio_lines(rows: list[dict]) -> list[str]:
+    """One caption line per case with moeyard and peer rows: each moeyard implementation's speed-up
+    over each peer, ``peer ms / moeyard ms`` for forward+backward (and forward), > 1: moeyard faster."""
+    lines = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        ok = [r for r in rows if r["case"] == case and "error" not in r and r.get("fwdbwd_ms")]
+        ours = [r for r in ok if r.get("kind") == "moeyard"]
+        peers = [r for r in ok if r.get("kind") == "peer"]
+        for r in ours if peers else []:
+            vs = ", ".join(f"{p['impl']} {p['fwdbwd_ms'] / r['fwdbwd_ms']:.2f}x ({p['fwd_ms'] / r['fwd_ms']:.2f}x)"
+                           for p in peers)
+            lines.append(f"{case}: {r['impl']} vs {vs} (fwd+bwd (fwd) speed-up, > 1: {r['impl']} faster)")
+    return lines
 
 
 def lora_table(result: dict) -> Table:
