@@ -14,7 +14,8 @@
 #         SonicMoE sits), then the layer at qwen3-30b-a3b and sonic-7b against the torch pipeline.
 #   ab: this tree against BASE=dir (holding an earlier src/, e.g. `git archive REV src | tar -x -C .ab/base`
 #       in a git-ignored folder, carried): the triton and LoRA CUDA tests, then, interleaved per tree, the
-#       LoRA bench (frozen vs lora) and the whole-layer triton bench.
+#       LoRA bench (frozen vs lora at LORA_MODEL, default qwen3-30b-a3b; about 80 s a tree) and the
+#       whole-layer triton bench (qwen3-30b-a3b, sonic-7b; about 40 s a tree).
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 STAGE=${1:-main}
@@ -66,10 +67,10 @@ elif [[ $STAGE == ab ]]; then
     for tree in base new; do
       src=$PWD/src; [[ $tree == base ]] && src=$BASE/src
       if [[ $what == lora ]]; then
-        PYTHONPATH=$src step "bench_lora_$tree" 170 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 \
-          --backends frozen,lora --model qwen3-30b-a3b --model olmoe-1b-7b --model qwen3.5-35b-a3b
+        PYTHONPATH=$src step "bench_lora_$tree" 140 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 \
+          --backends frozen,lora --model "${LORA_MODEL:-qwen3-30b-a3b}"
       else
-        PYTHONPATH=$src step "bench_layer_$tree" 100 "${BENCH[@]}" --model qwen3-30b-a3b --model sonic-7b --backends triton
+        PYTHONPATH=$src step "bench_layer_$tree" 80 "${BENCH[@]}" --model qwen3-30b-a3b --model sonic-7b --backends triton
       fi
     done
   done
