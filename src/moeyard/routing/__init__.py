@@ -120,7 +120,8 @@ def route(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None =
         0, ids.reshape(-1), torch.ones(ids.numel(), device=x.device, dtype=torch.float32))
     probs = scores if config.score_func == "softmax" else scores / (scores.sum(-1, keepdim=True) + EPS)
     aux = load_balancing_loss(probs, counts, config.top_k)
-    seq = sequence_balance_loss(probs, ids, E, config.top_k, num_sequences)
+    # one sequence (B = 1, S = T): E / (K T^2) * sum_e counts_e * prob_sum_e, the aux loss itself
+    seq = aux if num_sequences == 1 else sequence_balance_loss(probs, ids, E, config.top_k, num_sequences)
     z = z_loss(logits)
     return finish(config, ids, w, logits, scores, counts, aux, seq, z)
 
