@@ -11,7 +11,7 @@
 #           sonic-120b (auto vs triton vs grouped_mm vs the torch pipeline, fwd+bwd).
 #   e2e: a transformers decoder stack's training step (moeyard vs grouped_mm), with plot and a trace.
 #   gaps: the per-kernel profile at qwen3.5-35b-a3b, sonic-30b-a and sonic-120b (where each shape's gap to
-#         SonicMoE sits), then the layer at qwen3-30b-a3b and sonic-7b against the torch pipeline.
+#         SonicMoE sits), then LoRA split vs fused at mixtral-8x7b (benchmarks/lora_crossover.py).
 #   ab: this tree against BASE=dir (holding an earlier src/, e.g. `git archive REV src | tar -x -C .ab/base`
 #       in a git-ignored folder, carried): the triton and LoRA CUDA tests, then, interleaved per tree, the
 #       LoRA bench (frozen vs lora at LORA_MODEL, default qwen3-30b-a3b; about 80 s a tree) and the
@@ -56,9 +56,9 @@ elif [[ $STAGE == e2e ]]; then
   step bench_e2e 540 python3 -m moeyard bench --e2e --model qwen3-30b-a3b --model olmoe-1b-7b --warmup 3 --iters 10 \
     --json "$OUT/bench_e2e.json" --plot "$OUT/bench_e2e.png" --trace "$OUT/traces"
 elif [[ $STAGE == gaps ]]; then
-  step profile_anchors 420 python3 benchmarks/triton_profile.py --configs qwen3.5-35b-a3b,sonic-30b-a,sonic-120b \
+  step profile_anchors 400 python3 benchmarks/triton_profile.py --configs qwen3.5-35b-a3b,sonic-30b-a,sonic-120b \
     --out "$OUT"
-  step bench_layer 150 "${BENCH[@]}" --model qwen3-30b-a3b --model sonic-7b --backends triton,torch_gmm
+  step crossover_mixtral 170 python3 benchmarks/lora_crossover.py --models mixtral-8x7b --json "$OUT/crossover.json"
 elif [[ $STAGE == ab ]]; then
   BASE=$(cd "${BASE:?BASE=dir with an earlier src/}" && pwd)
   MOEYARD_TRITON_AUTOTUNE=0 step pytest_triton 150 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_triton_cuda.py \
@@ -78,6 +78,6 @@ else  # anchors: the other ANCHORS.md shapes
   step bench_anchors 560 "${BENCH[@]}" --model sonic-30b-a --model sonic-120b --model qwen3.5-35b-a3b \
     --backends triton,torch_gmm${PEERS:+,sonicmoe} --json "$OUT/bench_anchors.json"
 fi
-for f in "$OUT"/verify.txt "$OUT"/bench_*.txt "$OUT"/profile_*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 36 "$f"; }; done
+for f in "$OUT"/verify.txt "$OUT"/bench_*.txt "$OUT"/profile_*.txt "$OUT"/crossover_*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 36 "$f"; }; done
 for f in "$OUT"/pytest_*.txt; do grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -n 25; done
 cat "$OUT/gpu.txt"; printf '%s\n' "${summary[@]}"

@@ -24,7 +24,8 @@ Losses (all scalars, float32, differentiable w.r.t. the router weight):
 Implementations (:mod:`.options`): the torch path below (the reference), and a fused Triton router
 (:mod:`.fused`: logits GEMM, scores, top-k, weights and the loss statistics in one kernel, its
 backward in one more), chosen with ``MOEYARD_ROUTER=fused`` or ``use_router("fused")``. The default
-is ``torch`` until the fused router has been measured on a GPU.
+is ``torch``: the fused router's forward is faster on an H200 but, with its backward, it is slower
+(``benchmarks/NOTES.md`` round 8).
 """
 from __future__ import annotations
 

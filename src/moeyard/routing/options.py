@@ -2,8 +2,9 @@
 
 ``MOEYARD_ROUTER=torch|fused`` (environment), or in code :func:`use_router` (a context manager; it
 wins over the environment). Default: ``torch`` (the chain of torch ops). The fused Triton router
-(:mod:`moeyard.routing.fused`) measured faster on an H200 at the two models timed so far
-(``benchmarks/NOTES.md`` round 6) and stays opt-in until the others are. ``fused`` is used only where it
+(:mod:`moeyard.routing.fused`) has the faster forward on an H200 at qwen3-30b-a3b and qwen3.5-35b-a3b
+but the slower forward + backward at those and OLMoE (``benchmarks/NOTES.md`` round 8), so it stays
+opt-in. ``fused`` is used only where it
 applies (:func:`moeyard.routing.fused.unsupported` says why not); elsewhere the torch path runs.
 """
 from __future__ import annotations
