@@ -8,7 +8,9 @@ values and gradients; then the bench dtype at T: agreement of ids, a tie-aware c
 CUDA events, median of ``--iters`` runs, inputs rotating over three fresh ``randn`` sets. The table
 gives ms, the GB/s of reading x once (``T * H`` elements), and the floor: x's bytes at the device's
 measured copy bandwidth. Shapes the fused router does not cover (grouped top-k) show ``fallback``:
-``route`` runs the torch path there. Exit status 1 when a pre-check fails.
+``route`` runs the torch path there. ``--kernels N``: after the timings of each shape, the N costliest
+GPU kernels of one forward + backward per implementation (``torch.profiler``), to see where each one's
+time goes. Exit status 1 when a pre-check fails.
 """
 from __future__ import annotations
 
@@ -101,6 +103,24 @@ def time_case(cfg, T: int, dtype, device, warmup: int, iters: int) -> dict:
     return out
 
 
+def kernel_table(cfg, T: int, dtype, device, top: int) -> str:
+    """The ``top`` costliest GPU kernels of one forward + backward per implementation (after one
+    untimed call), as ``torch.profiler``'s table sorted by device time."""
+    inp = make_inputs(cfg, T, dtype, device, 1, seed=9)[0]
+    cuda = device.type == "cuda"
+    acts = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
+    out = []
+    for impl in ("torch", "fused"):
+        for _ in range(2):  # the first call untimed (compiles), the second profiled
+            with torch.profiler.profile(activities=acts) as prof:
+                run_route(cfg, inp, impl, True)
+                if cuda:
+                    torch.cuda.synchronize(device)
+        out.append(f"-- {impl}\n" + prof.key_averages().table(
+            sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=top, max_name_column_width=60))
+    return "\n".join(out)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODELS))
@@ -108,6 +128,8 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="print the N costliest GPU kernels of one fwd+bwd per implementation")
     p.add_argument("--json")
     a = p.parse_args()
     device = torch.device("cuda")
@@ -132,6 +154,8 @@ def main() -> int:
         print(f"{name:16} {row['E']:>4} {row['K']:>3} {path:9} {note:28} {t['torch_fwd_ms']:9.3f} "
               f"{t['fused_fwd_ms']:9.3f} {x_gb / t['fused_fwd_ms'] * 1e3:6.0f} {row['floor_ms']:6.3f} "
               f"{t['torch_fwd_bwd_ms']:9.3f} {t['fused_fwd_bwd_ms']:9.3f}", flush=True)
+        if a.kernels > 0:
+            print(kernel_table(cfg, a.tokens, dtype, device, a.kernels), flush=True)
         bench._free("cuda")
     if a.json:
         with open(a.json, "w") as f:
