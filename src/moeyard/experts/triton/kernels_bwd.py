@@ -117,13 +117,14 @@ def wgrad_kernel(
     l_ptr,            # rows of L [*, NL]: row r's column n at l_ptr + r_off + n * stride_ln (input dtype)
     r_ptr,            # rows of R [*, NR], likewise with stride_rn
     scale_ptr,        # [N] routing weight by pair (any float dtype); read if DB_SCALE
-    sort_order_ptr,   # [N] int64: sorted position -> flat pair index
+    sort_order_ptr,   # [N] int64: sorted position -> flat pair index; read if DB_SCALE
+    token_ptr,        # [N] int32: sorted position -> token (sort_order // top_k)
     offsets_ptr,      # [E + 1] int32: expert_offsets
     dw_ptr,           # [E, NL, NR] weight gradient, strides (stride_de, stride_dl, stride_dr) (out)
     db_ptr,           # [E, NL] bias gradient, strides (stride_be, stride_bl); written if HAS_DB (out)
     part_ptr,         # [S, NL, NR] float32, contiguous: partial dW of split experts' chunks (out, if CHUNKED)
     part_b_ptr,       # [S, NL] float32, contiguous: partial db likewise (out, if CHUNKED and HAS_DB)
-    NL, NR, E, top_k, chunk_rows,
+    NL, NR, E, chunk_rows,
     stride_lm, stride_ln, stride_rm, stride_rn, stride_de, stride_dl, stride_dr, stride_be, stride_bl,
     L_GATHER: tl.constexpr, R_GATHER: tl.constexpr, HAS_DB: tl.constexpr, DB_SCALE: tl.constexpr,
     CHUNKED: tl.constexpr, PRECISION: tl.constexpr, E_P2: tl.constexpr, TMA: tl.constexpr,
@@ -160,15 +161,16 @@ def wgrad_kernel(
     acc = tl.zeros((BN, BK), tl.float32)
     acc_b = tl.zeros((BN,), tl.float32)
     # the gather index of the next row step is loaded one step ahead (a loop-carried value), so
-    # Triton pipelines the gathered loads with all of num_stages' buffers
+    # Triton pipelines the gathered loads with all of num_stages' buffers; it is used as loaded (a
+    # precomputed token, no division), so nothing in the step waits for that load
     next_rows = (start + tl.arange(0, BM)).to(tl.int64)
-    next_token = tl.load(sort_order_ptr + next_rows, mask=next_rows < end, other=0) // top_k
+    next_token = tl.load(token_ptr + next_rows, mask=next_rows < end, other=0)
     for r0 in range(start, end, BM):
         rows = next_rows
         m_mask = rows < end
-        token = next_token
+        token = next_token.to(tl.int64)
         next_rows = rows + BM
-        next_token = tl.load(sort_order_ptr + next_rows, mask=next_rows < end, other=0) // top_k
+        next_token = tl.load(token_ptr + next_rows, mask=next_rows < end, other=0)
         l_rows = token if L_GATHER else rows
         r_rows = token if R_GATHER else rows
         if TMA and not L_GATHER:

@@ -34,12 +34,15 @@ class Routing:
     Attributes:
         topk_ids: ``[T, K]`` integer ids (contiguous). sort_order: ``[N]`` int64, sorted position
         -> flat pair. expert_offsets: ``[E + 1]`` int32. num_experts: E.
+        sorted_token: ``[N]`` int32, sorted position -> token (``sort_order // K``): the weight
+        gradients' gather index, loaded as is inside their row loop.
     """
 
     topk_ids: Tensor
     sort_order: Tensor
     expert_offsets: Tensor
     num_experts: int
+    sorted_token: Tensor
 
     @property
     def top_k(self) -> int:
@@ -53,8 +56,10 @@ class Routing:
 def routing(topk_ids: Tensor, num_experts: int) -> Routing:
     """Sort the ``[T, K]`` pairs by expert (stable) and find each expert's rows."""
     plan = make_plan(topk_ids, num_experts)
+    K = max(topk_ids.shape[1], 1)
     return Routing(topk_ids=topk_ids.contiguous(), sort_order=plan.sort_order,
-                   expert_offsets=plan.expert_offsets, num_experts=num_experts)
+                   expert_offsets=plan.expert_offsets, num_experts=num_experts,
+                   sorted_token=(plan.sort_order // K).to(torch.int32))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,19 +330,20 @@ def _(dout, w, b, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha
 
 @torch.library.custom_op("moeyard::triton_wgrad", mutates_args=("dw", "db", "part", "part_b"))
 def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, scale: Optional[Tensor],
-           sort_order: Tensor, expert_offsets: Tensor, top_k: int, chunk_rows: int,
+           sort_order: Tensor, sorted_token: Tensor, expert_offsets: Tensor, chunk_rows: int,
            dw: Tensor, db: Optional[Tensor], part: Optional[Tensor], part_b: Optional[Tensor]) -> None:
     """``dw[e] = lhs[rows of e]^T @ rhs[rows of e]``, ``db[e] = sum scale * lhs[rows of e]``.
-    An operand ``*_by_token`` is ``[T, *]`` read at each row's token, else ``[N, *]`` by sorted row.
+    An operand ``*_by_token`` is ``[T, *]`` read at each row's token (``sorted_token [N]`` int32),
+    else ``[N, *]`` by sorted row; ``scale [N]`` is read by pair (``sort_order``).
     ``chunk_rows > 0``: experts longer than that are split into chunks whose float32 partials go to
     ``part [S, NL, NR]`` (``part_b [S, NL]``) and are summed per expert in a second launch."""
-    launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert_offsets, top_k, chunk_rows,
+    launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, sorted_token, expert_offsets, chunk_rows,
                  dw, db, part, part_b)
     if chunk_rows > 0:
         launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db)
 
 
-def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert_offsets, top_k, chunk_rows,
+def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, sorted_token, expert_offsets, chunk_rows,
                  dw, db, part, part_b) -> None:
     """The first stage of :func:`wgrad_` (every chunk, or every expert when ``chunk_rows == 0``)."""
     E, NL, NR = dw.shape
@@ -354,8 +360,8 @@ def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert
     if tma:
         kernels_tma.ensure_allocator()
     _kernels()["wgrad_thin" if min(NL, NR) <= THIN else "wgrad"][grid](
-        lhs, rhs, lhs if scale is None else scale, sort_order, expert_offsets, dw, dbb, part, part_b,
-        NL, NR, E, top_k, max(chunk_rows, 1),
+        lhs, rhs, lhs if scale is None else scale, sort_order, sorted_token, expert_offsets, dw, dbb, part, part_b,
+        NL, NR, E, max(chunk_rows, 1),
         lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
         dbb.stride(0), dbb.stride(1),
         L_GATHER=lhs_by_token, R_GATHER=rhs_by_token, HAS_DB=db is not None, DB_SCALE=scale is not None,
@@ -376,7 +382,7 @@ def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db) -> Non
 
 
 @wgrad_.register_fake
-def _(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, expert_offsets, top_k, chunk_rows, dw, db,
+def _(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, sorted_token, expert_offsets, chunk_rows, dw, db,
       part, part_b):
     return None
 
@@ -502,6 +508,6 @@ def wgrad(lhs: Tensor, rhs: Tensor, *, lhs_by_token: bool, rhs_by_token: bool, s
         slots = max_partial_slots(N, chunk)
         part = empty((slots, NL, NR), lhs, torch.float32)
         part_b = None if db is None else empty((slots, NL), lhs, torch.float32)
-    wgrad_(lhs, rhs, lhs_by_token, rhs_by_token, scale, r.sort_order, r.expert_offsets, r.top_k, chunk,
+    wgrad_(lhs, rhs, lhs_by_token, rhs_by_token, scale, r.sort_order, r.sorted_token, r.expert_offsets, chunk,
            dw, db, part, part_b)
     return dw, db
