@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round per stage, each time-boxed to fit one 10-minute device call (bf16, routed experts only,
 # the torch grouped_mm pipeline and, when installed, SonicMoE timed in the same run).
-# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|anchors|router|e2e|gaps|ab]
+# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|anchors|router|e2e|gaps|ab|abprof]
 #   main: verify, CUDA tests, bench (random and Zipf routing) at qwen3-30b-a3b and sonic-7b.
 #   profile: the TMA CUDA tests, then the triton backend's per-kernel profile with A/B of the TMA-loaded
 #            down projection (benchmarks/triton_profile.py).
@@ -16,6 +16,9 @@
 #       in a git-ignored folder, carried): the triton and LoRA CUDA tests, then, interleaved per tree, the
 #       LoRA bench (frozen vs lora at LORA_MODEL, default qwen3-30b-a3b; about 80 s a tree) and the
 #       whole-layer triton bench (qwen3-30b-a3b, sonic-7b; about 40 s a tree).
+#   abprof: the per-kernel profile (benchmarks/triton_profile.py) of this tree and of BASE, interleaved, at
+#       qwen3-30b-a3b and sonic-7b (about 50 s a tree and shape); BASE holds src/ and benchmarks/
+#       (`git archive REV src benchmarks | tar -x -C .ab/base`).
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 STAGE=${1:-main}
@@ -72,6 +75,15 @@ elif [[ $STAGE == ab ]]; then
       else
         PYTHONPATH=$src step "bench_layer_$tree" 80 "${BENCH[@]}" --model qwen3-30b-a3b --model sonic-7b --backends triton
       fi
+    done
+  done
+elif [[ $STAGE == abprof ]]; then
+  BASE=$(cd "${BASE:?BASE=dir with an earlier src/}" && pwd)
+  for shape in qwen3-30b-a3b sonic-7b; do
+    for tree in base new; do
+      root=$PWD; [[ $tree == base ]] && root=$BASE  # each tree's own profile script (it calls the kernels' launchers)
+      PYTHONPATH=$root/src step "profile_${shape}_$tree" 140 python3 "$root/benchmarks/triton_profile.py" --configs $shape \
+        --out "$OUT/profile_${shape}_$tree"
     done
   done
 else  # anchors: the other ANCHORS.md shapes
