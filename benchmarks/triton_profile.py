@@ -226,7 +226,7 @@ def launches(s: Shape, inputs, opts: dict) -> list[Cost]:
     def wgrad_runs(lhs, rhs, l_tok, r_tok, like, chunk):
         dw = torch.empty_like(like)
         part = torch.empty((max_partial_slots(N, chunk), *like.shape[1:]), device=dev) if chunk else None
-        main = lambda: ops.launch_wgrad(lhs, rhs, l_tok, r_tok, None, so, r.sorted_token, off, chunk,  # noqa: E731
+        main = lambda: ops.launch_wgrad(lhs, rhs, l_tok, r_tok, None, r.sorted_token, off, chunk,  # noqa: E731
                                         dw, None, part, None)
         return [main, lambda: ops.launch_wgrad_reduce(part, None, off, chunk, dw, None)] if chunk else [main]
 

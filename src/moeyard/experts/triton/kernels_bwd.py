@@ -116,8 +116,7 @@ def _rows_dot_bias(d_ptr, row_off, m_mask, stride_dh, b_ptr, stride_bh, H, BM: t
 def wgrad_kernel(
     l_ptr,            # rows of L [*, NL]: row r's column n at l_ptr + r_off + n * stride_ln (input dtype)
     r_ptr,            # rows of R [*, NR], likewise with stride_rn
-    scale_ptr,        # [N] routing weight by pair (any float dtype); read if DB_SCALE
-    sort_order_ptr,   # [N] int64: sorted position -> flat pair index; read if DB_SCALE
+    scale_ptr,        # [N] routing weight by sorted row (any float dtype); read if DB_SCALE
     token_ptr,        # [N] int32: sorted position -> token (sort_order // top_k)
     offsets_ptr,      # [E + 1] int32: expert_offsets
     dw_ptr,           # [E, NL, NR] weight gradient, strides (stride_de, stride_dl, stride_dr) (out)
@@ -188,8 +187,7 @@ def wgrad_kernel(
             if pid_r == 0:
                 s = lt.to(tl.float32)
                 if DB_SCALE:
-                    pair = tl.load(sort_order_ptr + rows, mask=m_mask, other=0)
-                    s *= tl.load(scale_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)[None, :]
+                    s *= tl.load(scale_ptr + rows, mask=m_mask, other=0.0).to(tl.float32)[None, :]
                 acc_b += tl.sum(s, 1)
     mask = l_mask[:, None] & r_mask[None, :]
     if n > 1:  # a chunk of a split expert (only with CHUNKED): float32 partial in slot slot0 + j

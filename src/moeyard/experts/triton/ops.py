@@ -330,24 +330,24 @@ def _(dout, w, b, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha
 
 @torch.library.custom_op("moeyard::triton_wgrad", mutates_args=("dw", "db", "part", "part_b"))
 def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, scale: Optional[Tensor],
-           sort_order: Tensor, sorted_token: Tensor, expert_offsets: Tensor, chunk_rows: int,
+           sorted_token: Tensor, expert_offsets: Tensor, chunk_rows: int,
            dw: Tensor, db: Optional[Tensor], part: Optional[Tensor], part_b: Optional[Tensor]) -> None:
     """``dw[e] = lhs[rows of e]^T @ rhs[rows of e]``, ``db[e] = sum scale * lhs[rows of e]``.
     An operand ``*_by_token`` is ``[T, *]`` read at each row's token (``sorted_token [N]`` int32),
-    else ``[N, *]`` by sorted row; ``scale [N]`` is read by pair (``sort_order``).
+    else ``[N, *]`` by sorted row; ``scale [N]`` is in sorted-row order too.
     ``chunk_rows > 0``: experts longer than that are split into chunks whose float32 partials go to
     ``part [S, NL, NR]`` (``part_b [S, NL]``) and are summed per expert in a second launch."""
-    launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, sorted_token, expert_offsets, chunk_rows,
+    launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows,
                  dw, db, part, part_b)
     if chunk_rows > 0:
         launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db)
 
 
-def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, sorted_token, expert_offsets, chunk_rows,
+def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows,
                  dw, db, part, part_b) -> None:
     """The first stage of :func:`wgrad_` (every chunk, or every expert when ``chunk_rows == 0``)."""
     E, NL, NR = dw.shape
-    N = sort_order.shape[0]
+    N = sorted_token.shape[0]
     dbb = dw[:, :, 0] if db is None else db
     chunked = chunk_rows > 0
     part = dw if part is None else part
@@ -360,7 +360,7 @@ def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, sorted
     if tma:
         kernels_tma.ensure_allocator()
     _kernels()["wgrad_thin" if min(NL, NR) <= THIN else "wgrad"][grid](
-        lhs, rhs, lhs if scale is None else scale, sort_order, sorted_token, expert_offsets, dw, dbb, part, part_b,
+        lhs, rhs, lhs if scale is None else scale, sorted_token, expert_offsets, dw, dbb, part, part_b,
         NL, NR, E, max(chunk_rows, 1),
         lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
         dbb.stride(0), dbb.stride(1),
@@ -382,7 +382,7 @@ def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db) -> Non
 
 
 @wgrad_.register_fake
-def _(lhs, rhs, lhs_by_token, rhs_by_token, scale, sort_order, sorted_token, expert_offsets, chunk_rows, dw, db,
+def _(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows, dw, db,
       part, part_b):
     return None
 
@@ -494,7 +494,8 @@ def act_grad(dout: Tensor, w: Tensor, b: Tensor | None, h: Tensor, topk_weights:
 
 def wgrad(lhs: Tensor, rhs: Tensor, *, lhs_by_token: bool, rhs_by_token: bool, scale: Tensor | None,
           r: Routing, like_w: Tensor, like_b: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """Grouped weight (and bias) gradient shaped and strided like ``like_w [E, NL, NR]`` (and ``like_b``).
+    """Grouped weight (and bias) gradient shaped and strided like ``like_w [E, NL, NR]`` (and ``like_b``);
+    ``scale``: ``[N]`` by pair (the routing weights) or None, the bias gradient's row weights.
     ``options()``: chunked experts (float32 partials of at most ``wgrad_partial_mib``)."""
     dw = empty_like(like_w)
     db = None if like_b is None else empty_like(like_b)
@@ -508,6 +509,8 @@ def wgrad(lhs: Tensor, rhs: Tensor, *, lhs_by_token: bool, rhs_by_token: bool, s
         slots = max_partial_slots(N, chunk)
         part = empty((slots, NL, NR), lhs, torch.float32)
         part_b = None if db is None else empty((slots, NL), lhs, torch.float32)
-    wgrad_(lhs, rhs, lhs_by_token, rhs_by_token, scale, r.sort_order, r.sorted_token, r.expert_offsets, chunk,
+    if scale is not None:  # by pair -> by sorted row: the kernel reads it without the pair index
+        scale = scale.reshape(-1).index_select(0, r.sort_order)
+    wgrad_(lhs, rhs, lhs_by_token, rhs_by_token, scale, r.sorted_token, r.expert_offsets, chunk,
            dw, db, part, part_b)
     return dw, db
