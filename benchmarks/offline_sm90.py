@@ -2,7 +2,7 @@
 each autotune config's registers, spills and shared memory as ptxas allocated them.
 
     PYTHONPATH=src python benchmarks/offline_sm90.py [--shape T,H,I,E,K] [--lora R] [--modes split fused]
-                                                     [--kernels up,down,dh,...] [--json out.json]
+                                                     [--kernels up,down,dh,...] [--loops] [--json out.json]
 
 How: the backend's Python path runs forward + backward on CPU tensors of the real dtype (bf16) with
 every kernel launch recorded instead of executed (outputs are left uninitialised), then each recorded
@@ -12,7 +12,9 @@ specialised exactly as a real launch would be (16-byte alignment of the CPU tens
 divisibility of the integer arguments). ``cuobjdump -res-usage`` reads REG (registers per thread),
 STACK (the per-thread stack frame, where spilled registers go) from the cubin, and the dynamic shared
 memory from the kernel's ``metadata.shared``; next to them, the estimates of
-:mod:`moeyard.experts.triton.tuning` and whether its pruner keeps the config.
+:mod:`moeyard.experts.triton.tuning` and whether its pruner keeps the config. ``--loops`` adds, from
+the disassembly (``nvdisasm``), the main loop's instructions, tensor-core MMAs, global loads and 64-bit
+divisions per K step: what each step issues besides its MMAs.
 
 Caveat: the installed Triton may differ from the GPU machine's (here 3.9 vs 3.6 there); code
 generation, and so registers and spills, can differ between versions. Treat the numbers as a check of
@@ -176,8 +178,42 @@ def res_usage(cubin: bytes) -> dict:
     return {k.lower(): int(v) for k, v in re.findall(r"(REG|LOCAL|SHARED|STACK):(\d+)", text)}
 
 
-def compile_config(launch: Launch, config) -> dict:
-    """Compile ``launch`` with ``config`` (a ``triton.Config``) for sm_90a; its resource usage."""
+def disassemble(cubin: bytes) -> str:
+    """The cubin's SASS (``nvdisasm -c``, shipped with Triton)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/")
+
+
+def mma_loops(sass: str) -> list[dict]:
+    """Each innermost backward-branching loop of ``sass`` that issues tensor-core MMAs (``HGMMA`` /
+    ``HMMA``): its instruction count, MMA count, global loads (``LDG``: what a step waits for when
+    used at once) and 64-bit integer divisions (``I2F.U32.RP`` starts each one's fast path). The
+    instructions per MMA tell how much else every K step issues."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if not (m and labels.get(m.group(1), i) < i):
+            continue
+        body = [b for b in lines[labels[m.group(1)]:i + 1] if _INSTR.search(b)]
+        mma = sum(" HGMMA" in b or " HMMA" in b for b in body)
+        if mma:
+            loops.append(dict(instructions=len(body), mma=mma, ldg=sum(re.search(r"\sLDG\.", b) is not None for b in body),
+                              div64=sum("I2F.U32.RP" in b for b in body)))
+    # nested branches give several spans ending in the loop; keep the innermost (shortest) per MMA count
+    return sorted(loops, key=lambda d: d["instructions"])[:1]
+
+
+def compile_config(launch: Launch, config, loops: bool = False) -> dict:
+    """Compile ``launch`` with ``config`` (a ``triton.Config``) for sm_90a; its resource usage (and with
+    ``loops`` its main loop's instruction counts, :func:`mma_loops`)."""
     meta = dict(launch.kwargs)
     if config is not None:
         meta.update(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -185,6 +221,10 @@ def compile_config(launch: Launch, config) -> dict:
     usage = res_usage(kernel.asm["cubin"])
     ptx = kernel.asm["ptx"]
     row = {**usage, "dynamic_smem": kernel.metadata.shared, "tma": "cp.async.bulk.tensor" in ptx}
+    if loops:
+        found = mma_loops(disassemble(kernel.asm["cubin"]))
+        if found:
+            row["loop"] = found[0]
     if config is not None and launch.kind is not None:
         from moeyard.experts.triton import tuning
         smem, regs, kept = tuning.fits(config, tuning.launch_of(launch.kind, launch.named()), SMEM_LIMIT)
@@ -218,6 +258,8 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", help="comma-separated launcher names to compile (default: all recorded)")
     p.add_argument("--bias", action="store_true", help="both projections with biases")
     p.add_argument("--pointer", action="store_true", help="no TMA loads (options tma and tma_wgrad off)")
+    p.add_argument("--loops", action="store_true",
+                   help="also disassemble each kernel and count its main loop's instructions per MMA")
     p.add_argument("--json", help="write the rows as JSON here")
     args = p.parse_args(argv)
     T, H, I, E, K = (int(v) for v in args.shape.split(","))
@@ -233,7 +275,7 @@ def main(argv=None) -> int:
                 row = {"mode": mode if args.lora else "-", "launcher": launch.name,
                        "kernel": launch.kernel.fn.__name__, "config": label(config)}
                 try:
-                    row.update(compile_config(launch, config))
+                    row.update(compile_config(launch, config, args.loops))
                     row["fits"] = row["dynamic_smem"] <= SMEM_LIMIT
                 except Exception as ex:  # a config that does not compile is a row, not a crash
                     row["error"] = f"{type(ex).__name__}: {str(ex).splitlines()[0][:120] if str(ex) else ''}"
@@ -252,8 +294,11 @@ def _line(r: dict) -> str:
     est = (f"  | estimate regs {r['est_regs']:3d} smem {r['est_smem'] / 1024:6.1f} KiB "
            f"{'kept' if r['kept'] else 'pruned'}") if "est_regs" in r else ""
     lowered = " TMA" if r.get("tma") else ""
+    loop = r.get("loop")
+    loop = (f"  | loop {loop['instructions']} instr / {loop['mma']} MMA, {loop['ldg']} LDG, {loop['div64']} div64"
+            if loop else "")
     return (f"{head} regs {r['reg']:3d}  stack {r.get('stack', 0):5d} B  smem {r['dynamic_smem'] / 1024:6.1f} KiB"
-            f"{'' if r['fits'] else ' (over 227 KiB)'}{lowered}{est}")
+            f"{'' if r['fits'] else ' (over 227 KiB)'}{lowered}{est}{loop}")
 
 
 if __name__ == "__main__":
