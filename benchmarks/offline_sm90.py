@@ -191,15 +191,16 @@ _INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/")
 
 
 def mma_loops(sass: str) -> list[dict]:
-    """Each innermost backward-branching loop of ``sass`` that issues tensor-core MMAs (``HGMMA`` /
-    ``HMMA``): its instruction count, MMA count, global loads (``LDG``: what a step waits for when
-    used at once) and 64-bit integer divisions (``I2F.U32.RP`` starts each one's fast path). The
-    instructions per MMA tell how much else every K step issues."""
+    """The main loop of ``sass``: of the spans closed by a conditional backward branch that issue
+    tensor-core MMAs (``HGMMA`` / ``HMMA``), the innermost, as a one-element list (empty if none): its
+    instruction count, MMA count, global loads (``LDG``: what a step waits for when used at once) and
+    64-bit integer divisions (``I2F.U32.RP`` starts each one's fast path). The instructions per MMA
+    tell how much else every K step issues. In a persistent kernel the span holds the epilogue too."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
     loops = []
     for i, line in enumerate(lines):
-        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        m = re.search(r"@!?P\d\s+BRA `\((\.L_x_\d+)\)", line)  # a loop's conditional back edge
         if not (m and labels.get(m.group(1), i) < i):
             continue
         body = [b for b in lines[labels[m.group(1)]:i + 1] if _INSTR.search(b)]
@@ -207,7 +208,8 @@ def mma_loops(sass: str) -> list[dict]:
         if mma:
             loops.append(dict(instructions=len(body), mma=mma, ldg=sum(re.search(r"\sLDG\.", b) is not None for b in body),
                               div64=sum("I2F.U32.RP" in b for b in body)))
-    # nested branches give several spans ending in the loop; keep the innermost (shortest) per MMA count
+    # (unconditional back jumps, from the barrier-wait retry blocks placed after the kernel's body, are
+    # not loops of their own); of several loops, the innermost
     return sorted(loops, key=lambda d: d["instructions"])[:1]
 
 
