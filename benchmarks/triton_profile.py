@@ -115,11 +115,12 @@ def _down_combine_costs(phase, s: Shape, *, KA, NY, b, atomic, weighted) -> list
 
 
 def _wgrad_costs(tag, s: Shape, *, NL, NR, b, operands, slots, split, chunked=False) -> list[Cost]:
-    """A weight gradient ``[E, NL, NR]``: its GEMM over every pair, and (``chunked``) the partials'
-    float32 writes plus the second-stage sum (launched even when no expert is split)."""
+    """A weight gradient ``[E, NL, NR]``: its GEMM over every pair (the gather index: int32 tokens), and
+    (``chunked``) the partials' float32 writes plus the second-stage sum (launched even when no expert
+    is split)."""
     N, E = s.N, s.E
     main = Cost(name=tag, phase="bwd", flops=2 * N * NL * NR,
-                bytes=b * operands + 8 * N + b * (E - split) * NL * NR + 4 * slots * NL * NR)
+                bytes=b * operands + 4 * N + b * (E - split) * NL * NR + 4 * slots * NL * NR)
     if not chunked:
         return [main]
     return [main, Cost(name=f"{tag} reduce", phase="bwd", flops=slots * NL * NR,
