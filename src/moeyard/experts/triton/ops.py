@@ -34,8 +34,9 @@ class Routing:
     Attributes:
         topk_ids: ``[T, K]`` integer ids (contiguous). sort_order: ``[N]`` int64, sorted position
         -> flat pair. expert_offsets: ``[E + 1]`` int32. num_experts: E.
-        sorted_token: ``[N]`` int32, sorted position -> token (``sort_order // K``): the weight
-        gradients' gather index, loaded as is inside their row loop.
+        sorted_token: ``[N]`` int32, sorted position -> token (``sort_order // K``; int32 holds any
+        T < 2**31): the weight gradients' gather index, loaded as is inside their row loop. Made in
+        every forward (two small ops over N), also when no backward follows.
     """
 
     topk_ids: Tensor
