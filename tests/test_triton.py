@@ -538,6 +538,10 @@ def test_options_env_and_budget(monkeypatch):
     assert not options().tma and not options().tma_wgrad
     monkeypatch.delenv("MOEYARD_TRITON_TMA")
     monkeypatch.delenv("MOEYARD_TRITON_TMA_WGRAD")
+    assert not options().prefetch_h  # opt-in until measured
+    monkeypatch.setenv("MOEYARD_TRITON_PREFETCH", "1")
+    assert options().prefetch_h
+    monkeypatch.delenv("MOEYARD_TRITON_PREFETCH")
     # budget: 2 N // rows float32 [NL, NR] slots must fit in wgrad_partial_mib
     o = Options(wgrad_chunk_rows=512, wgrad_partial_mib=256)
     n, nl, nr = 262144, 1536, 2048

@@ -81,7 +81,8 @@ def _fwd_bwd(leaves, ids, dout):
 
 
 @pytest.mark.parametrize("opts", [{}, {"atomic_combine": True, "wgrad_chunk_rows": 64},
-                                  {"tma": False, "tma_wgrad": False}], ids=["default", "options", "pointer"])
+                                  {"tma": False, "tma_wgrad": False}, {"prefetch_h": True}],
+                         ids=["default", "options", "pointer", "prefetch"])
 def test_no_host_sync(opts):
     from moeyard.experts.triton.options import use_options
     leaves, ids, dout = _graph_inputs()
@@ -105,6 +106,16 @@ def test_cuda_graph_forward_backward(tma):
 def test_bf16_gpt_oss_layout_pointer():
     from moeyard.experts.triton.options import use_options
     with use_options(tma=False, tma_wgrad=False):
+        test_bf16_gpt_oss_layout()
+
+
+@pytest.mark.parametrize("act", ["relu2", "geglu"])
+def test_bf16_prefetch_h(act):
+    """The dh kernel's L2 prefetch over every h layout: plain, gated, interleaved (gpt-oss)."""
+    from moeyard.experts.triton.options import use_options
+    with use_options(prefetch_h=True):
+        p, ids = _problem(1000, 512, 192, 16, 4, gated=Activation(name=act).gated)
+        _check(p, ids, torch.bfloat16, activation=act)
         test_bf16_gpt_oss_layout()
 
 
@@ -165,6 +176,7 @@ def test_int64_indexing():
     dict(wgrad_chunk_rows=300, atomic_combine=True),  # some experts split, with the atomic combine
     dict(tma=False, tma_wgrad=False),                # pointer loads everywhere (GPUs before Hopper)
     dict(tma_wgrad=True, wgrad_chunk_rows=64),       # TMA weight gradients, descriptors sized to each chunk
+    dict(prefetch_h=True),                           # dh prefetches its h rows into L2
 ], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_bf16_options(opts):
     from moeyard.experts.triton.options import use_options

@@ -34,16 +34,20 @@ def dh_kernel(
     stride_lae, stride_lak, stride_lar, stride_lbe, stride_lbn, stride_lbr,
     gate_step, up_offset, alpha, limit, lora_scale,
     ACT: tl.constexpr, DUAL: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr, RP: tl.constexpr,
-    PRECISION: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PRECISION: tl.constexpr, E_P2: tl.constexpr, PREFETCH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """``g = dout[token] @ W_down[e] (+ s (dout[token] @ B_e) A_e)``; ``d_a = w * g``;
-    ``d_h = act'(h) * d_a``; ``d_w = g . act(h) (+ dout[token] . b_down[e])`` split over column tiles."""
+    ``d_h = act'(h) * d_a``; ``d_w = g . act(h) (+ dout[token] . b_down[e])`` split over column tiles.
+    ``PREFETCH``: the tile's ``h`` rows are prefetched into L2 before the main loop (:func:`_prefetch_h`)."""
     e, rows, m_mask, pair, token, cols, n_mask = row_col_tile(
         I, offsets_ptr, sort_order_ptr, E, top_k, BM, BN, E_P2)
     if e >= E:
         return
     e64 = e.to(tl.int64)
     pid_n = tl.program_id(0) % tl.cdiv(I, BN)  # column tile: one d_w partial per tile
+    if PREFETCH:
+        _prefetch_h(h_ptr, rows, m_mask, pid_n * BN, N1, gate_step, up_offset, DUAL, BN)
     col_off = cols.to(tl.int64) * stride_wi
     r_offs = tl.arange(0, RP)
     acc = tl.zeros((BM, BN), tl.float32)
@@ -62,12 +66,12 @@ def dh_kernel(
         acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
         cols0 = pid_n * BN + tl.arange(0, BN // 2)
         d_w = _dh_epilogue(acc0, w, cols0, rows, m_mask, h_ptr, dh_ptr, aw_ptr, I, N1, gate_step, up_offset,
-                           alpha, limit, ACT, DUAL)
+                           alpha, limit, ACT, DUAL, PREFETCH)
         d_w += _dh_epilogue(acc1, w, cols0 + BN // 2, rows, m_mask, h_ptr, dh_ptr, aw_ptr, I, N1, gate_step,
-                            up_offset, alpha, limit, ACT, DUAL)
+                            up_offset, alpha, limit, ACT, DUAL, PREFETCH)
     else:
         d_w = _dh_epilogue(acc, w, cols, rows, m_mask, h_ptr, dh_ptr, aw_ptr, I, N1, gate_step, up_offset,
-                           alpha, limit, ACT, DUAL)
+                           alpha, limit, ACT, DUAL, PREFETCH)
     if HAS_BIAS:
         if pid_n == 0:
             d_w += _rows_dot_bias(dout_ptr, token * stride_dt, m_mask, stride_dh,
@@ -76,18 +80,49 @@ def dh_kernel(
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """``prefetch.global.L2::evict_last`` of every address in ``ptrs`` (PTX ISA 7.4+, sm_80+,
+    "prefetch"): a hint, no result; the lines are kept ahead of streamed data until read."""
+    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2::evict_last [$1];", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_h(h_ptr, rows, m_mask, c0, N1, gate_step, up_offset, DUAL: tl.constexpr, BN: tl.constexpr):
+    """Prefetch into L2 the 128-byte lines of ``h`` the epilogue of the column tile starting at ``c0``
+    reads: its ``[BM, BN]`` gate (and up) columns of the tile's sorted ``rows``. Issued before the main
+    loop, these reads overlap it instead of stalling the epilogue (one CTA per SM leaves nothing else
+    to run meanwhile). The lines are prefetched ``evict_last`` (the main loop streams more gathered rows
+    than L2 holds) and read ``evict_first`` by the epilogue, which releases them. Masked-off addresses
+    become ``h``'s first element, so none lies outside ``h``."""
+    LINE: tl.constexpr = 1024 // h_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
+    SPAN: tl.constexpr = 2 * BN if DUAL else BN  # elements per row: gate and up, adjacent or apart
+    NL: tl.constexpr = (SPAN + LINE - 1) // LINE
+    j = tl.arange(0, NL) * LINE
+    if DUAL:  # interleaved (gate_step 2): one span of 2 BN; else two spans of BN, up_offset apart
+        half = j >= BN
+        col = tl.where(gate_step == 2, c0 * 2 + j, c0 + j + tl.where(half, up_offset - BN, 0))
+    else:
+        col = c0 + j
+    ok = m_mask[:, None] & (col < N1)[None, :]
+    _prefetch_l2(h_ptr + tl.where(ok, rows.to(tl.int64)[:, None] * N1 + col[None, :], 0))
+
+
+@triton.jit
 def _dh_epilogue(acc, w, cols, rows, m_mask, h_ptr, dh_ptr, aw_ptr, I, N1, gate_step, up_offset, alpha, limit,
-                 ACT: tl.constexpr, DUAL: tl.constexpr):
+                 ACT: tl.constexpr, DUAL: tl.constexpr, PREFETCHED: tl.constexpr):
     """For the output columns ``cols`` of ``acc = dout[token] @ W_down[e]`` (``[BM, len(cols)]``
     float32) and routing weights ``w [BM, 1]``: store ``d_h`` and ``w * act(h)``; return this
     block's ``[BM]`` share of ``d w = sum_cols acc * act(h)``."""
     mask = m_mask[:, None] & (cols < I)[None, :]
     col_g = cols.to(tl.int64) * gate_step
     h_rows = h_ptr + rows[:, None] * N1
-    g = tl.load(h_rows + col_g[None, :], mask=mask, other=0.0).to(tl.float32)
+    # PREFETCHED: the rows were prefetched evict_last (_prefetch_h); read once, here, evict_first releases them
+    policy: tl.constexpr = "evict_first" if PREFETCHED else ""
+    g = tl.load(h_rows + col_g[None, :], mask=mask, other=0.0, eviction_policy=policy).to(tl.float32)
     u = g
     if DUAL:
-        u = tl.load(h_rows + (col_g + up_offset)[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_rows + (col_g + up_offset)[None, :], mask=mask, other=0.0, eviction_policy=policy).to(tl.float32)
     a, da_dg, da_du = act_grad(g, u, alpha, limit, ACT)
     d_a = acc * w
     dh_rows = dh_ptr + rows[:, None] * N1

@@ -320,7 +320,7 @@ def act_grad_(dout: Tensor, w: Tensor, b: Optional[Tensor], h: Tensor, topk_weig
         dout.stride(0), dout.stride(1), w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1),
         *lora_strides, gate_step, up_offset, alpha, limit, lora_scale,
         ACT=act, DUAL=spec.gated, HAS_BIAS=b is not None, LORA=lora_mode, RP=RP, PRECISION=dot_precision(h.dtype),
-        E_P2=_e_p2(E))
+        E_P2=_e_p2(E), PREFETCH=options().prefetch_h and not interpreting())
 
 
 @act_grad_.register_fake

@@ -30,6 +30,10 @@ Each defaults to the measured default path; set an environment variable, or over
   operand that is in sorted rows (``d_h``, ``w * a``) with a TMA descriptor sized to each expert's rows
   (zero fill past its end); the operand read at each pair's token keeps its pointer loads. Same
   conditions as ``tma``. Measured: weight gradients 2.36 -> 2.18 ms (down), 4.55 -> 4.39 ms (up).
+- ``MOEYARD_TRITON_PREFETCH=1`` (``prefetch_h``, off by default: not yet measured): the activation
+  gradient's kernel (dh) prefetches its tile's pre-activation rows into L2 before its main loop
+  (``prefetch.global.L2::evict_last``), so its epilogue's reads of ``h`` hit L2 instead of stalling on
+  HBM (``kernels_bwd._prefetch_h``). On CUDA only (the interpreter has no inline assembly).
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 
 ENV = dict(atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE", wgrad_chunk_rows="MOEYARD_TRITON_WGRAD_CHUNK",
            wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", lora_mode="MOEYARD_TRITON_LORA",
-           tma="MOEYARD_TRITON_TMA", tma_wgrad="MOEYARD_TRITON_TMA_WGRAD")
+           tma="MOEYARD_TRITON_TMA", tma_wgrad="MOEYARD_TRITON_TMA_WGRAD", prefetch_h="MOEYARD_TRITON_PREFETCH")
 LORA_MODES = ("split", "fused")
 
 
@@ -57,6 +61,7 @@ class Options:
     lora_mode: str = "split"
     tma: bool = True
     tma_wgrad: bool = True
+    prefetch_h: bool = False
 
     def __post_init__(self):
         if self.wgrad_chunk_rows < 0 or self.wgrad_partial_mib <= 0:
