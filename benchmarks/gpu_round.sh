@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round per stage, each time-boxed to fit one 10-minute device call (bf16, routed experts only,
 # the torch grouped_mm pipeline and, when installed, SonicMoE timed in the same run).
-# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|anchors|router|e2e|gaps|ab|abprof]
+# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|anchors|router|e2e|gaps|ab|abprof|prefetch|host]
 #   main: verify, CUDA tests, bench (random and Zipf routing) at qwen3-30b-a3b and sonic-7b.
 #   profile: the TMA CUDA tests, then the triton backend's per-kernel profile with A/B of the TMA-loaded
 #            down projection (benchmarks/triton_profile.py).
@@ -19,6 +19,12 @@
 #   abprof: the per-kernel profile (benchmarks/triton_profile.py) of this tree and of BASE, interleaved, at
 #       qwen3-30b-a3b and sonic-7b (about 50 s a tree and shape); BASE holds src/ and benchmarks/
 #       (`git archive REV src benchmarks | tar -x -C .ab/base`).
+#   prefetch: the dh kernel's L2 prefetch of h (option prefetch_h): its CUDA tests, the per-kernel profile
+#       with and without it (qwen3-30b-a3b, sonic-7b), then the whole-layer bench at qwen3-30b-a3b with
+#       MOEYARD_TRITON_PREFETCH=0/1 interleaved, twice each (about 35 s a run).
+#   host: where a bench step's time goes at sonic-7b: one traced step per implementation (moeyard bench
+#       --trace) summarised by benchmarks/trace_summary.py (host span, device busy time, launches, waits),
+#       then the whole layer at qwen3-30b-a3b with the torch and the fused router, interleaved, twice each.
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 STAGE=${1:-main}
@@ -86,10 +92,28 @@ elif [[ $STAGE == abprof ]]; then
         --out "$OUT/profile_${shape}_$tree"
     done
   done
+elif [[ $STAGE == prefetch ]]; then
+  MOEYARD_TRITON_AUTOTUNE=0 step pytest_prefetch 150 python3 -m pytest -q -p no:cacheprovider \
+    tests/cuda/test_triton_cuda.py -k "prefetch or options or graph or sync"
+  step profile_prefetch 300 python3 benchmarks/triton_profile.py --configs qwen3-30b-a3b,sonic-7b \
+    --variants default,prefetch --out "$OUT"
+  for run in 1 2; do
+    for v in 0 1; do
+      MOEYARD_TRITON_PREFETCH=$v step "bench_prefetch${v}_$run" 70 "${BENCH[@]}" --model qwen3-30b-a3b --backends triton
+    done
+  done
+elif [[ $STAGE == host ]]; then
+  step bench_trace 200 "${BENCH[@]}" --model sonic-7b --backends triton,torch_gmm --trace "$OUT/traces"
+  step trace_summary 30 python3 benchmarks/trace_summary.py "$OUT"/traces/*.json
+  for run in 1 2; do
+    for r in torch fused; do
+      MOEYARD_ROUTER=$r step "bench_router_${r}_$run" 70 "${BENCH[@]}" --model qwen3-30b-a3b --backends triton
+    done
+  done
 else  # anchors: the other ANCHORS.md shapes
   step bench_anchors 560 "${BENCH[@]}" --model sonic-30b-a --model sonic-120b --model qwen3.5-35b-a3b \
     --backends triton,torch_gmm${PEERS:+,sonicmoe} --json "$OUT/bench_anchors.json"
 fi
-for f in "$OUT"/verify.txt "$OUT"/bench_*.txt "$OUT"/profile_*.txt "$OUT"/crossover_*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 36 "$f"; }; done
+for f in "$OUT"/verify.txt "$OUT"/bench_*.txt "$OUT"/profile_*.txt "$OUT"/crossover_*.txt "$OUT"/trace_*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 36 "$f"; }; done
 for f in "$OUT"/pytest_*.txt; do grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -n 25; done
 cat "$OUT/gpu.txt"; printf '%s\n' "${summary[@]}"

@@ -241,3 +241,41 @@ def test_quant_bench_rows():
     assert len(rows["qlora"][2]) == 8
     # float32 base here (0.13x asymptotically); the fixed 1 KiB code tables of each storage add 0.02x at this size
     assert rows["qlora"][0].weight_bytes() <= 0.16 * rows["lora"][0].weight_bytes()
+
+
+def _trace_summary_module():
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "trace_summary.py"
+    spec = importlib.util.spec_from_file_location("trace_summary", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_trace_summary_host_against_device(tmp_path):
+    ts = _trace_summary_module()
+    ev = lambda cat, name, t, d: dict(ph="X", cat=cat, name=name, ts=t, dur=d)  # noqa: E731
+    trace = {"traceEvents": [
+        ev("cpu_op", "aten::mm", 0.0, 1000.0),
+        *[ev("cuda_runtime", "cudaLaunchKernel", t, 5.0) for t in (10.0, 20.0)],
+        ev("cuda_driver", "cuLaunchKernelEx", 30.0, 5.0),
+        ev("cuda_runtime", "cudaStreamSynchronize", 500.0, 300.0),
+        ev("kernel", "a", 100.0, 200.0), ev("kernel", "b", 250.0, 150.0),  # overlap: 100..400
+        ev("gpu_memset", "m", 900.0, 100.0),
+        dict(ph="M", name="process_name", ts=0.0, pid=1),  # metadata: ignored
+    ]}
+    s = ts.summarize(trace)
+    assert s["host_ms"] == pytest.approx(1.0) and s["device_busy_ms"] == pytest.approx(0.4)
+    assert s["device_span_ms"] == pytest.approx(0.9) and s["launches"] == 3
+    assert s["waits"] == {"cudaStreamSynchronize": 1}
+    with pytest.raises(ValueError, match="traceEvents"):
+        ts.summarize({"events": []})
+    # a real CPU-only profiler export: host time, no device events
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.randn(64, 64).matmul(torch.randn(64, 64))
+    path = tmp_path / "cpu.json"
+    prof.export_chrome_trace(str(path))
+    assert ts.main([str(path)]) == 0
+    import json
+    s = ts.summarize(json.loads(path.read_text()))
+    assert s["host_ms"] > 0 and s["device_busy_ms"] == 0 and s["launches"] == 0
