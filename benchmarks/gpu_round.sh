@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One GPU round per stage, each time-boxed to fit one 10-minute device call (bf16, routed experts only,
 # the torch grouped_mm pipeline and, when installed, SonicMoE timed in the same run).
-# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|anchors|router|e2e|gaps|ab|abprof|prefetch|host]
+# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host]
 #   main: verify, CUDA tests, bench (random and Zipf routing) at qwen3-30b-a3b and sonic-7b.
 #   profile: the TMA CUDA tests, then the triton backend's per-kernel profile with A/B of the TMA-loaded
 #            down projection (benchmarks/triton_profile.py).
 #   peers: triton vs torch_gmm vs SonicMoE at qwen3-30b-a3b and sonic-7b (needs .peers, see README).
+#   peer: the same at one shape, MODEL=<name> (SonicMoE compiles one shape in ~7 min on a fresh machine).
 #   anchors: sonic-30b-a, sonic-120b, qwen3.5-35b-a3b (PEERS=1: with SonicMoE too).
 #   router: CUDA tests (fused router included), the fused router's benchmark, and auto's choice at
 #           sonic-120b (auto vs triton vs grouped_mm vs the torch pipeline, fwd+bwd).
@@ -30,7 +31,7 @@ set -uo pipefail
 STAGE=${1:-main}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-[[ ( $STAGE == peers || -n ${PEERS:-} ) && -f .peers/install.sh ]] && source .peers/install.sh
+[[ ( $STAGE == peers || $STAGE == peer || -n ${PEERS:-} ) && -f .peers/install.sh ]] && source .peers/install.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 python3 -m moeyard info > "$OUT/info.txt" 2>&1
 summary=()
@@ -56,6 +57,9 @@ elif [[ $STAGE == profile ]]; then
 elif [[ $STAGE == peers ]]; then  # SonicMoE compiles for minutes on a fresh machine
   step bench_peers 560 "${BENCH[@]}" --model qwen3-30b-a3b --model sonic-7b --backends triton,torch_gmm,sonicmoe \
     --json "$OUT/bench_peers.json"
+elif [[ $STAGE == peer ]]; then
+  step "bench_peer_${MODEL:?MODEL=<shape name>}" 570 "${BENCH[@]}" --model "$MODEL" --backends triton,torch_gmm,sonicmoe \
+    --json "$OUT/bench_peer_$MODEL.json"
 elif [[ $STAGE == router ]]; then
   MOEYARD_TRITON_AUTOTUNE=0 step pytest_cuda 200 python3 -m pytest -q -p no:cacheprovider tests/cuda
   step router 150 python3 benchmarks/router_bench.py --json "$OUT/router.json"
