@@ -190,9 +190,9 @@ def disassemble(cubin: bytes) -> str:
 _INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/")
 
 
-def mma_loops(sass: str) -> list[dict]:
+def mma_loop(sass: str) -> dict | None:
     """The main loop of ``sass``: of the spans closed by a conditional backward branch that issue
-    tensor-core MMAs (``HGMMA`` / ``HMMA``), the innermost, as a one-element list (empty if none): its
+    tensor-core MMAs (``HGMMA`` / ``HMMA``), the innermost (None if none): its
     instruction count, MMA count, global loads (``LDG``: what a step waits for when used at once) and
     64-bit integer divisions (``I2F.U32.RP`` starts each one's fast path). The instructions per MMA
     tell how much else every K step issues. In a persistent kernel the span holds the epilogue too."""
@@ -210,12 +210,12 @@ def mma_loops(sass: str) -> list[dict]:
                               div64=sum("I2F.U32.RP" in b for b in body)))
     # (unconditional back jumps, from the barrier-wait retry blocks placed after the kernel's body, are
     # not loops of their own); of several loops, the innermost
-    return sorted(loops, key=lambda d: d["instructions"])[:1]
+    return min(loops, key=lambda d: d["instructions"], default=None)
 
 
 def compile_config(launch: Launch, config, loops: bool = False) -> dict:
     """Compile ``launch`` with ``config`` (a ``triton.Config``) for sm_90a; its resource usage (and with
-    ``loops`` its main loop's instruction counts, :func:`mma_loops`)."""
+    ``loops`` its main loop's instruction counts, :func:`mma_loop`)."""
     meta = dict(launch.kwargs)
     if config is not None:
         meta.update(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -224,9 +224,9 @@ def compile_config(launch: Launch, config, loops: bool = False) -> dict:
     ptx = kernel.asm["ptx"]
     row = {**usage, "dynamic_smem": kernel.metadata.shared, "tma": "cp.async.bulk.tensor" in ptx}
     if loops:
-        found = mma_loops(disassemble(kernel.asm["cubin"]))
-        if found:
-            row["loop"] = found[0]
+        loop = mma_loop(disassemble(kernel.asm["cubin"]))
+        if loop:
+            row["loop"] = loop
     if config is not None and launch.kind is not None:
         from moeyard.experts.triton import tuning
         smem, regs, kept = tuning.fits(config, tuning.launch_of(launch.kind, launch.named()), SMEM_LIMIT)

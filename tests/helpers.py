@@ -10,7 +10,10 @@ the largest absolute difference divided by the largest absolute value of the ora
 """
 from __future__ import annotations
 
+import importlib.util
 import math
+import pathlib
+import sys
 
 import torch
 
@@ -209,3 +212,14 @@ def bnb_dequantize(storage) -> Tensor:
     qs = storage.quant_state()
     qs.shape = torch.Size((storage.shape.numel() // storage.blocksize, storage.blocksize))
     return F.dequantize_4bit(storage.data, qs).view(storage.shape)
+
+
+def load_benchmark(name: str):
+    """The module ``benchmarks/<name>.py`` (scripts, not a package), imported once per call and
+    registered in ``sys.modules`` (dataclasses look their module up there)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -8,6 +8,7 @@ import torch
 import moeyard
 from moeyard import bench, models
 from moeyard.peers import TorchGroupedMM, peer_config, peer_note
+from helpers import load_benchmark
 
 TINY = dict(warmup=1, iters=2, peers=True)
 REQUIRED = ["mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b",
@@ -243,17 +244,8 @@ def test_quant_bench_rows():
     assert rows["qlora"][0].weight_bytes() <= 0.16 * rows["lora"][0].weight_bytes()
 
 
-def _trace_summary_module():
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "trace_summary.py"
-    spec = importlib.util.spec_from_file_location("trace_summary", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_trace_summary_host_against_device(tmp_path):
-    ts = _trace_summary_module()
+    ts = load_benchmark("trace_summary")
     ev = lambda cat, name, t, d: dict(ph="X", cat=cat, name=name, ts=t, dur=d)  # noqa: E731
     trace = {"traceEvents": [
         ev("cpu_op", "aten::mm", 0.0, 1000.0),

@@ -18,6 +18,7 @@ from moeyard.experts import triton as triton_backend  # noqa: E402,F401  (regist
 from moeyard.experts.registry import resolve_backend  # noqa: E402
 from moeyard.experts.triton import ops  # noqa: E402
 from moeyard.experts.weights import expert_weights  # noqa: E402
+from helpers import load_benchmark  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU tests run under Triton's interpreter (tests/cuda covers the GPU)")
@@ -551,15 +552,7 @@ def test_options_env_and_budget(monkeypatch):
 
 
 def _profile_module():
-    import importlib.util
-    import pathlib
-    import sys
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "triton_profile.py"
-    spec = importlib.util.spec_from_file_location("triton_profile", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("triton_profile")
 
 
 def test_profile_flop_and_byte_counts():

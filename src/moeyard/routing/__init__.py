@@ -24,8 +24,9 @@ Losses (all scalars, float32, differentiable w.r.t. the router weight):
 Implementations (:mod:`.options`): the torch path below (the reference), and a fused Triton router
 (:mod:`.fused`: logits GEMM, scores, top-k, weights and the loss statistics in one kernel, its
 backward in one more), chosen with ``MOEYARD_ROUTER=fused`` or ``use_router("fused")``. The default
-is ``torch``: the fused router's forward is faster on an H200 but, with its backward, it is slower
-(``benchmarks/NOTES.md`` round 8).
+is ``torch``: the fused router's kernels take half the torch path's device time (``benchmarks/NOTES.md``
+round 9), but its forward + backward timed slower in the router-only bench (round 8, host-bound), and
+whole-layer runs have not yet shown the gain.
 """
 from __future__ import annotations
 

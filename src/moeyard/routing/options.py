@@ -2,9 +2,9 @@
 
 ``MOEYARD_ROUTER=torch|fused`` (environment), or in code :func:`use_router` (a context manager; it
 wins over the environment). Default: ``torch`` (the chain of torch ops). The fused Triton router
-(:mod:`moeyard.routing.fused`) has the faster forward on an H200 at qwen3-30b-a3b and qwen3.5-35b-a3b
-but the slower forward + backward at those and OLMoE (``benchmarks/NOTES.md`` round 8), so it stays
-opt-in. ``fused`` is used only where it
+(:mod:`moeyard.routing.fused`) takes half the torch path's device time per forward + backward
+(``benchmarks/NOTES.md`` round 9) but timed slower with backward in the router-only bench (round 8,
+host-bound), so it stays opt-in until whole-layer runs show the gain. ``fused`` is used only where it
 applies (:func:`moeyard.routing.fused.unsupported` says why not); elsewhere the torch path runs.
 """
 from __future__ import annotations
