@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round per stage, each time-boxed to fit one 10-minute device call (bf16, routed experts only,
 # the torch grouped_mm pipeline and, when installed, SonicMoE timed in the same run).
-# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host]
+# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|routerab]
 #   main: verify, CUDA tests, bench (random and Zipf routing) at qwen3-30b-a3b and sonic-7b.
 #   profile: the TMA CUDA tests, then the triton backend's per-kernel profile with A/B of the TMA-loaded
 #            down projection (benchmarks/triton_profile.py).
@@ -26,6 +26,13 @@
 #   host: where a bench step's time goes at sonic-7b: one traced step per implementation (moeyard bench
 #       --trace) summarised by benchmarks/trace_summary.py (host span, device busy time, launches, waits),
 #       then the whole layer at qwen3-30b-a3b with the torch and the fused router, interleaved, twice each.
+#   hosttime: host ms vs device ms of one fwd+bwd step, each alone (benchmarks/host_time.py), at sonic-7b and
+#       qwen3-30b-a3b, triton and torch_gmm, torch and fused router, with a cProfile of each row's host work;
+#       then the whole-layer bench at both shapes.
+#   routerab: the CUDA tests, then the whole-layer bench (sonic-7b, qwen3-30b-a3b) with MOEYARD_ROUTER=torch and
+#       auto (the default: the fused router on CUDA), interleaved, twice each.
+#   hostab: host_time.py of this tree and of BASE (an earlier src/, carried), interleaved, twice each (sonic-7b,
+#       qwen3-30b-a3b, triton, torch and fused router), then this tree's cProfile at sonic-7b (raw stats kept).
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 STAGE=${1:-main}
@@ -114,10 +121,33 @@ elif [[ $STAGE == host ]]; then
       MOEYARD_ROUTER=$r step "bench_router_${r}_$run" 70 "${BENCH[@]}" --model qwen3-30b-a3b --backends triton
     done
   done
+elif [[ $STAGE == hosttime ]]; then
+  step host_time 300 python3 benchmarks/host_time.py --models sonic-7b,qwen3-30b-a3b --backends triton,torch_gmm \
+    --routers torch,fused --top 30 --json "$OUT/host_time.json"
+  step bench_host 150 "${BENCH[@]}" --model sonic-7b --model qwen3-30b-a3b --backends triton,torch_gmm
+elif [[ $STAGE == hostab ]]; then
+  BASE=$(cd "${BASE:?BASE=dir with an earlier src/}" && pwd)
+  for run in 1 2; do
+    for tree in "$BASE" "$PWD"; do
+      name=host_ab_$([[ $tree == "$BASE" ]] && echo base || echo new)_$run
+      PYTHONPATH="$tree/src" step "$name" 140 python3 benchmarks/host_time.py --models sonic-7b,qwen3-30b-a3b \
+        --backends triton --routers torch,fused --iters 30
+    done
+  done
+  step host_profile 120 python3 benchmarks/host_time.py --models sonic-7b --backends triton --routers torch \
+    --top 60 --pstats "$OUT/pstats"
+elif [[ $STAGE == routerab ]]; then
+  MOEYARD_TRITON_AUTOTUNE=0 step pytest_cuda 240 python3 -m pytest -q -p no:cacheprovider tests/cuda
+  for run in 1 2; do
+    for r in torch auto; do
+      MOEYARD_ROUTER=$r step "bench_router_${r}_$run" 80 "${BENCH[@]}" --model sonic-7b --model qwen3-30b-a3b \
+        --backends triton
+    done
+  done
 else  # anchors: the other ANCHORS.md shapes
   step bench_anchors 560 "${BENCH[@]}" --model sonic-30b-a --model sonic-120b --model qwen3.5-35b-a3b \
     --backends triton,torch_gmm${PEERS:+,sonicmoe} --json "$OUT/bench_anchors.json"
 fi
-for f in "$OUT"/verify.txt "$OUT"/bench_*.txt "$OUT"/profile_*.txt "$OUT"/crossover_*.txt "$OUT"/trace_*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 36 "$f"; }; done
+for f in "$OUT"/verify.txt "$OUT"/bench_*.txt "$OUT"/profile_*.txt "$OUT"/crossover_*.txt "$OUT"/trace_*.txt "$OUT"/host_*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 36 "$f"; }; done
 for f in "$OUT"/pytest_*.txt; do grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -n 25; done
 cat "$OUT/gpu.txt"; printf '%s\n' "${summary[@]}"

@@ -1,0 +1,146 @@
+"""Host time against device time of one MoE layer step, each measured alone, without a profiler.
+
+    python benchmarks/host_time.py [--models sonic-7b,qwen3-30b-a3b] [--backends triton,torch_gmm]
+        [--routers torch,fused] [--iters 20] [--top 25] [--json PATH]
+
+A step is the benchmark's forward + backward (``moeyard bench``: routed experts only, bf16, fresh
+``randn`` inputs, gradients set to None first). Per (shape, backend, router):
+
+- **host ms**: ``time.perf_counter`` around the step's Python while the GPU is held busy by a
+  ``torch.cuda._sleep`` queued before it, so no launch waits for the device: the time the host needs to
+  issue the step. A step that synchronises with the device would wait out the sleep and show it here
+  (the ``sync?`` column flags host ms above half the sleep).
+- **device ms**: CUDA events around the same step queued behind the sleep, so the device runs its
+  kernels back to back: the time the GPU needs.
+- Both are medians of ``--iters`` steps after warm-up. ``host / device`` above 1 means a benchmark that
+  times steps one after another (as ``moeyard bench`` does) measures host time, and a training step
+  whose layers are this small is host-bound too.
+
+Then, with ``--top N``, a ``cProfile`` of ``--iters`` host-only steps of each row (the GPU again held
+busy; autograd's backward on the calling thread, so its Python shows) sorted by own time: where the
+host time goes (and the top N by cumulative time). Needs CUDA.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+from moeyard import bench
+from moeyard.models import get_model, routed_only
+from moeyard.routing import use_router
+
+SLEEP_CYCLES = 200_000_000  # ~0.1 s at H100 clocks: longer than any step's host time
+
+
+def _step(module, inputs, params, i: int) -> None:
+    for t in params + inputs.xs:
+        t.grad = None
+    module(inputs.xs[i]).backward(inputs.dys[i])
+
+
+def measure(module, inputs, iters: int, warmup: int = 3) -> dict:
+    """``host_ms``, ``device_ms`` (medians) and ``sleep_ms`` of the step (module docstring)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    n = len(inputs.xs)
+    for i in range(warmup):
+        _step(module, inputs, params, i % n)
+    torch.cuda.synchronize()
+    s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s0.record(); torch.cuda._sleep(SLEEP_CYCLES); s1.record(); torch.cuda.synchronize()
+    sleep_ms = s0.elapsed_time(s1)
+    host, device = [], []
+    for i in range(iters):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        _step(module, inputs, params, i % n)
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        torch.cuda.synchronize()
+        device.append(start.elapsed_time(end))
+    return dict(host_ms=statistics.median(host), device_ms=statistics.median(device), sleep_ms=sleep_ms)
+
+
+def profile_host(module, inputs, iters: int, top: int, dump: str | None = None) -> str:
+    """``cProfile`` of ``iters`` steps' host work (GPU held busy): the ``top`` functions by own time,
+    then by cumulative time; the raw stats into file ``dump`` when given (``pstats.Stats(dump)``)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    prof = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):  # backward on this thread: cProfile sees it
+        for i in range(iters):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            prof.enable()
+            _step(module, inputs, params, i % len(inputs.xs))
+            prof.disable()
+            torch.cuda.synchronize()
+    if dump:
+        prof.dump_stats(dump)
+    buf = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+    return buf.getvalue()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="sonic-7b,qwen3-30b-a3b")
+    p.add_argument("--backends", default="triton,torch_gmm")
+    p.add_argument("--routers", default="torch", help="comma list of routers (moeyard.routing.use_router)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--top", type=int, default=0, help="cProfile: print the N functions with most own time")
+    p.add_argument("--pstats", default=None, help="directory: each row's raw cProfile stats (with --top)")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("host_time.py needs CUDA", file=sys.stderr)
+        return 2
+    if a.iters < 1:
+        raise ValueError(f"--iters: expected >= 1, got {a.iters}")
+    if a.pstats:
+        os.makedirs(a.pstats, exist_ok=True)
+    rows, profiles = [], []
+    for model in a.models.split(","):
+        shape = get_model(model)
+        opts = bench.resolve_options(bench.BenchOptions(models=[model], routed_only=True, device="cuda"))
+        torch.manual_seed(0)
+        inputs = bench.make_inputs(shape, opts)
+        for backend in a.backends.split(","):
+            torch.manual_seed(0)
+            module = bench.build(backend, routed_only(shape.moe_config()), "cuda", torch.bfloat16)
+            with torch.no_grad():
+                module.router.weight.copy_(inputs.router_weight)
+            for router in a.routers.split(","):
+                with use_router(router):
+                    r = measure(module, inputs, a.iters)
+                    if a.top:
+                        dump = a.pstats and os.path.join(a.pstats, f"{model}-{backend}-{router}.pstats")
+                        text = profile_host(module, inputs, a.iters, a.top, dump)
+                        profiles.append((f"{model} {backend} router={router}", text))
+                rows.append(dict(model=model, backend=backend, router=router, **r))
+            del module
+            torch.cuda.empty_cache()
+    for name, text in profiles:
+        print(f"## cProfile {name} ({a.iters} steps)\n{text}")
+    print(f"{'model':16} {'backend':10} {'router':7} {'host ms':>8} {'device ms':>9} {'host/dev':>8}  sync?")
+    for r in rows:
+        sync = "yes" if r["host_ms"] > r["sleep_ms"] / 2 else "no"
+        print(f"{r['model']:16} {r['backend']:10} {r['router']:7} {r['host_ms']:8.3f} {r['device_ms']:9.3f} "
+              f"{r['host_ms'] / r['device_ms']:8.2f}  {sync}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
