@@ -222,13 +222,13 @@ def test_custom_ops_opcheck(mode):
         return torch.randn(T * K, R) if mode else None
 
     a, y = torch.randn(T * K, I), torch.empty(T * K, H)
-    torch.library.opcheck(ops.down_proj_, (a, torch.randn(E, H, I), None, tw, r.sort_order, r.expert_offsets, K,
+    torch.library.opcheck(ops.down_proj_.op, (a, torch.randn(E, H, I), None, tw, r.sort_order, r.expert_offsets, K,
                                            *lora(I, H), y, z()))
-    torch.library.opcheck(ops.combine_, (y, r.topk_ids, tw.view(T, K), E, torch.empty(T, H)))
-    torch.library.opcheck(ops.up_proj_, (torch.randn(T, H), torch.randn(E, 2 * I, H), None, r.sort_order,
+    torch.library.opcheck(ops.combine_.op, (y, r.topk_ids, tw.view(T, K), E, torch.empty(T, H)))
+    torch.library.opcheck(ops.up_proj_.op, (torch.randn(T, H), torch.randn(E, 2 * I, H), None, r.sort_order,
                                          r.expert_offsets, K, "swiglu", 1.702, 7.0, False, True, *lora(H, 2 * I),
                                          torch.empty(T * K, 2 * I), torch.empty(T * K, I), z()))
-    torch.library.opcheck(ops.act_grad_, (torch.randn(T, H), torch.randn(E, H, I), None, torch.randn(T * K, 2 * I),
+    torch.library.opcheck(ops.act_grad_.op, (torch.randn(T, H), torch.randn(E, H, I), None, torch.randn(T * K, 2 * I),
                                           tw, r.sort_order, r.expert_offsets, K, "swiglu", 1.702, 7.0, False,
                                           *lora(H, I), torch.empty(T * K, 2 * I), torch.empty(T * K, I),
                                           torch.zeros(1, T * K), z()))

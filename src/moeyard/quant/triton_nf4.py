@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernel_op import kernel_op
 from ._bnb import NESTED_BLOCKSIZE
 
 Tensor = torch.Tensor
@@ -74,7 +75,7 @@ def nf4_dequant_kernel(
         tl.store(p_out, b_vals.to(out_ptr.dtype.element_ty), mask=m_blk[:, None])
 
 
-@torch.library.custom_op("moeyard::nf4_dequantize_", mutates_args=("out",))
+@kernel_op("moeyard::nf4_dequantize_", mutates_args=("out",))
 def nf4_dequantize_(data: Tensor, absmax: Tensor, absmax2: Optional[Tensor], code2: Optional[Tensor],
                     offset: Optional[Tensor], code: Tensor, active: Optional[Tensor], blocksize: int,
                     out: Tensor) -> None:

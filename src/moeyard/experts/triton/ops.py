@@ -1,5 +1,6 @@
-"""Custom ops around the kernels (``torch.library.custom_op``, writing into preallocated outputs,
-with fake registrations so ``torch.compile`` can trace them) and the allocating wrappers.
+"""Custom ops around the kernels (:func:`moeyard.kernel_op.kernel_op`: ``torch.library`` custom ops,
+called directly in eager mode; writing into preallocated outputs, with fake registrations so
+``torch.compile`` can trace them) and the allocating wrappers.
 
 Legend: T tokens, H hidden, I intermediate, N1 = 2I (gated) or I, E experts, K top-k, N = T*K
 pairs. Weights are ``[E, out, in]`` views of any strides (never copied).
@@ -14,6 +15,7 @@ import triton
 
 from ...activations import GATED
 from ...dispatch import make_plan
+from ...kernel_op import kernel_op
 from . import kernels_bwd, kernels_fwd, kernels_tma
 from .options import options
 from .tuning import LORA_FUSED, LORA_NONE, LORA_SPLIT
@@ -150,7 +152,7 @@ def _row_grid(n: int, e: int, cols: int):
 
 # ---------------------------------------------------------------- custom ops (write into outputs)
 
-@torch.library.custom_op("moeyard::triton_up_proj", mutates_args=("h", "a", "z"))
+@kernel_op("moeyard::triton_up_proj", mutates_args=("h", "a", "z"))
 def up_proj_(x: Tensor, w: Tensor, b: Optional[Tensor], sort_order: Tensor, expert_offsets: Tensor,
              top_k: int, act: str, alpha: float, limit: float, interleaved: bool, gather: bool,
              la: Optional[Tensor], lb: Optional[Tensor], lora_mode: int, lora_scale: float,
@@ -230,7 +232,7 @@ def _tma_device(x: Tensor) -> bool:
     return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-@torch.library.custom_op("moeyard::triton_down_proj", mutates_args=("y", "z"))
+@kernel_op("moeyard::triton_down_proj", mutates_args=("y", "z"))
 def down_proj_(rows: Tensor, w: Tensor, b: Optional[Tensor], topk_weights: Optional[Tensor], sort_order: Tensor,
                expert_offsets: Tensor, top_k: int, la: Optional[Tensor], lb: Optional[Tensor], lora_mode: int,
                lora_scale: float, y: Tensor, z: Optional[Tensor]) -> None:
@@ -245,7 +247,7 @@ def _(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_
     return None
 
 
-@torch.library.custom_op("moeyard::triton_down_proj_atomic", mutates_args=("acc", "z"))
+@kernel_op("moeyard::triton_down_proj_atomic", mutates_args=("acc", "z"))
 def down_proj_atomic_(rows: Tensor, w: Tensor, b: Optional[Tensor], topk_weights: Optional[Tensor],
                       sort_order: Tensor, expert_offsets: Tensor, top_k: int, la: Optional[Tensor],
                       lb: Optional[Tensor], lora_mode: int, lora_scale: float, acc: Tensor,
@@ -261,7 +263,7 @@ def _(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_
     return None
 
 
-@torch.library.custom_op("moeyard::triton_combine", mutates_args=("out",))
+@kernel_op("moeyard::triton_combine", mutates_args=("out",))
 def combine_(y: Tensor, topk_ids: Tensor, topk_weights: Optional[Tensor], num_experts: int, out: Tensor) -> None:
     """``out[t] = sum_k y[t * K + k]`` over valid pairs (invalid: ``w * 0`` if weights are given)."""
     T, K = topk_ids.shape
@@ -279,7 +281,7 @@ def _(y, topk_ids, topk_weights, num_experts, out):
     return None
 
 
-@torch.library.custom_op("moeyard::triton_fill_invalid", mutates_args=("y",))
+@kernel_op("moeyard::triton_fill_invalid", mutates_args=("y",))
 def fill_invalid_(topk_ids: Tensor, topk_weights: Optional[Tensor], num_experts: int, y: Tensor) -> None:
     """The combine at ``K == 1``, in place: the rows ``y [T, H]`` of pairs whose id lies outside
     ``[0, E)`` are set to 0 (``w * 0`` if weights are given); the other rows are already the output
@@ -298,7 +300,7 @@ def _(topk_ids, topk_weights, num_experts, y):
     return None
 
 
-@torch.library.custom_op("moeyard::triton_act_grad", mutates_args=("dh", "aw", "dw", "z"))
+@kernel_op("moeyard::triton_act_grad", mutates_args=("dh", "aw", "dw", "z"))
 def act_grad_(dout: Tensor, w: Tensor, b: Optional[Tensor], h: Tensor, topk_weights: Tensor, sort_order: Tensor,
               expert_offsets: Tensor, top_k: int, act: str, alpha: float, limit: float, interleaved: bool,
               la: Optional[Tensor], lb: Optional[Tensor], lora_mode: int, lora_scale: float,
@@ -329,7 +331,7 @@ def _(dout, w, b, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha
     return None
 
 
-@torch.library.custom_op("moeyard::triton_wgrad", mutates_args=("dw", "db", "part", "part_b"))
+@kernel_op("moeyard::triton_wgrad", mutates_args=("dw", "db", "part", "part_b"))
 def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, scale: Optional[Tensor],
            sorted_token: Tensor, expert_offsets: Tensor, chunk_rows: int,
            dw: Tensor, db: Optional[Tensor], part: Optional[Tensor], part_b: Optional[Tensor]) -> None:
