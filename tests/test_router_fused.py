@@ -140,8 +140,8 @@ def test_route_selects_fused(monkeypatch):
     calls = []
     real = fused.route_fused
     monkeypatch.setattr(fused, "route_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
-    assert router_impl() == "torch"
-    route(x, w, cfg)
+    assert router_impl() == "auto"
+    route(x, w, cfg)  # auto: CPU tensors take the torch path
     assert calls == []
     with use_router("fused"):
         out = route(x, w, cfg)
@@ -164,6 +164,25 @@ def test_route_falls_back_to_torch(monkeypatch, case):
     with use_router("fused"):
         out = route(x.to(dtype), w.to(dtype), cfg, training=case == "jitter")
     assert out.topk_ids.shape == (20, 2)
+
+
+def test_auto_picks_fused_for_cuda_tensors(monkeypatch):
+    import types
+    from moeyard import routing
+    cuda_like, cpu_like = types.SimpleNamespace(is_cuda=True), types.SimpleNamespace(is_cuda=False)
+    assert routing._pick_fused(cuda_like) is fused and routing._pick_fused(cpu_like) is None
+    with use_router("torch"):
+        assert routing._pick_fused(cuda_like) is None
+    with use_router("fused"):
+        assert routing._pick_fused(cpu_like) is fused
+
+    def no_triton():
+        raise ImportError("no triton")
+
+    monkeypatch.setattr(routing, "_fused_module", no_triton)
+    assert routing._pick_fused(cuda_like) is None  # auto without triton: the torch path
+    with use_router("fused"), pytest.raises(ImportError):
+        routing._pick_fused(cpu_like)
 
 
 def test_options_reject_unknown(monkeypatch):

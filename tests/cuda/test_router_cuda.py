@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moeyard import MoEConfig
-from moeyard.routing import fused, route
+from moeyard.routing import fused, route, use_router
 from moeyard.routing.losses import balance_loss_from_stats
 
 pytestmark = pytest.mark.cuda
@@ -46,6 +46,12 @@ def _run(fn, cfg, x, w, bias, corr, B=4, use=("topk_weights", "loss", "router_lo
     return out, torch.autograd.grad(total, leaves)
 
 
+def torch_route(*args, **kwargs):
+    """The torch path (the reference; the default router on CUDA is the fused one)."""
+    with use_router("torch"):
+        return route(*args, **kwargs)
+
+
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -53,7 +59,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("kw", SCHEMES)
 def test_float32_parity(kw):
     problem = _problem(kw)
-    (a, ga), (b, gb) = _run(fused.route_fused, *problem), _run(route, *problem)
+    (a, ga), (b, gb) = _run(fused.route_fused, *problem), _run(torch_route, *problem)
     assert torch.equal(a.topk_ids, b.topk_ids) and torch.equal(a.tokens_per_expert, b.tokens_per_expert)
     for n in ("topk_weights", "router_logits", "scores", "aux_loss", "seq_aux_loss", "z_loss", "loss"):
         assert _rel(getattr(a, n), getattr(b, n)) < 1e-5, n
@@ -65,7 +71,7 @@ def test_float32_parity(kw):
 def test_bfloat16_selection_and_values(kw):
     cfg, x, w, bias, corr = _problem(kw, T=4096, H=2048, dtype=torch.bfloat16)
     out = fused.route_fused(x, w, cfg, bias=bias, correction_bias=corr)
-    want = route(x, w, cfg, bias=bias, correction_bias=corr)
+    want = torch_route(x, w, cfg, bias=bias, correction_bias=corr)
     torch.testing.assert_close(out.router_logits, want.router_logits, rtol=2 ** -7, atol=1e-3)
     l, s = out.router_logits, out.scores
     torch.testing.assert_close(s, l.softmax(-1) if cfg.score_func == "softmax" else l.sigmoid(), rtol=1e-5, atol=1e-6)
@@ -88,7 +94,7 @@ def test_bfloat16_gradients(kw):
     """Outputs that do not depend on the selection (ties differ between the paths in bfloat16)."""
     problem = _problem(kw, T=4096, H=2048, dtype=torch.bfloat16)
     use = ("router_logits", "scores", "z_loss")
-    (_, ga), (_, gb) = _run(fused.route_fused, *problem, use=use), _run(route, *problem, use=use)
+    (_, ga), (_, gb) = _run(fused.route_fused, *problem, use=use), _run(torch_route, *problem, use=use)
     for u, v in zip(ga, gb):
         assert u.dtype == v.dtype and _rel(u, v) < 2e-2
 
@@ -105,3 +111,15 @@ def test_reproducible_and_no_host_sync():
     for n in ("topk_ids", "topk_weights", "tokens_per_expert", "aux_loss", "seq_aux_loss", "z_loss", "loss"):
         assert torch.equal(getattr(first[0], n), getattr(second[0], n)), n
     assert all(torch.equal(u, v) for u, v in zip(first[1], second[1]))
+
+
+def test_default_router_on_cuda_is_fused(monkeypatch):
+    cfg, x, w, bias, corr = _problem(SCHEMES[0].values[0], T=64)
+    calls = []
+    real = fused.route_fused
+    monkeypatch.setattr(fused, "route_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.delenv("MOEYARD_ROUTER", raising=False)
+    route(x, w, cfg)
+    assert calls == [1]
+    route(x.double(), w.double(), cfg)  # float64: the fused router does not apply, the torch path runs
+    assert calls == [1]

@@ -23,10 +23,8 @@ Losses (all scalars, float32, differentiable w.r.t. the router weight):
 
 Implementations (:mod:`.options`): the torch path below (the reference), and a fused Triton router
 (:mod:`.fused`: logits GEMM, scores, top-k, weights and the loss statistics in one kernel, its
-backward in one more), chosen with ``MOEYARD_ROUTER=fused`` or ``use_router("fused")``. The default
-is ``torch``: the fused router's kernels take half the torch path's device time (``benchmarks/NOTES.md``
-round 9), but its forward + backward timed slower in the router-only bench (round 8, host-bound), and
-whole-layer runs have not yet shown the gain.
+backward in one more). The default, ``auto``, runs the fused router on CUDA when triton is installed
+and the torch path elsewhere; ``MOEYARD_ROUTER=torch|fused`` or ``use_router(...)`` choose one.
 """
 from __future__ import annotations
 
@@ -76,10 +74,10 @@ def route(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None =
           correction_bias: Tensor | None = None, num_sequences: int = 1, training: bool = False) -> RoutingOutput:
     """Route ``x [T, H]`` with router ``weight [E, H]`` (and ``bias [E]``) as ``config`` says.
 
-    Runs the torch ops below, or the fused Triton router when ``MOEYARD_ROUTER=fused`` (or
-    ``use_router("fused")``) and it applies (CUDA tensors of float16/bfloat16/float32, ``E <= 512``,
-    ``K <= 16``, no grouped top-k, no jitter: :func:`moeyard.routing.fused.unsupported`); else the
-    torch path. Default: ``torch``.
+    Runs the fused Triton router where the implementation in force (:mod:`.options`; default
+    ``auto``: CUDA tensors with triton installed) picks it and it applies (float16/bfloat16/float32,
+    ``E <= 512``, ``K <= 16``, no grouped top-k, no jitter: :func:`moeyard.routing.fused.unsupported`);
+    else the torch ops below.
 
     Args:
         correction_bias: ``[E]`` DeepSeek-V3 score-correction bias (selection only), or None.
@@ -87,6 +85,7 @@ def route(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None =
         training: enables ``config.router_jitter``.
     Raises:
         TypeError / ValueError: bad shapes, dtypes or ``num_sequences``.
+        ImportError: ``MOEYARD_ROUTER=fused`` without triton.
     """
     check_float("x", x, dim=2)
     check_float("weight", weight, dim=2)
@@ -97,8 +96,8 @@ def route(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None =
     T = x.shape[0]
     if not isinstance(num_sequences, int) or num_sequences < 1 or T % num_sequences:
         raise ValueError(f"num_sequences: expected a positive divisor of T={T}, got {num_sequences!r}")
-    if router_impl() == "fused":
-        fused = _fused_module()
+    fused = _pick_fused(x)
+    if fused is not None:
         if fused.unsupported(x, config, training=training) is None:
             return fused.route_fused(x, weight, config, bias=bias, correction_bias=correction_bias,
                                      num_sequences=num_sequences)
@@ -134,6 +133,19 @@ def finish(config: MoEConfig, ids: Tensor, w: Tensor, logits: Tensor, scores: Te
     loss = config.aux_loss_coef * aux + config.seq_aux_loss_coef * seq + config.z_loss_coef * z
     return RoutingOutput(topk_ids=ids, topk_weights=w, router_logits=logits, scores=scores,
                          tokens_per_expert=counts, aux_loss=aux, seq_aux_loss=seq, z_loss=z, loss=loss)
+
+
+def _pick_fused(x: Tensor):
+    """:mod:`.fused` when the implementation in force picks it for ``x``, else None."""
+    impl = router_impl()
+    if impl == "fused":
+        return _fused_module()
+    if impl == "auto" and x.is_cuda:
+        try:
+            return _fused_module()
+        except ImportError:  # no triton: the torch path
+            return None
+    return None
 
 
 def _fused_module():
