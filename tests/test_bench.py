@@ -271,3 +271,49 @@ def test_trace_summary_host_against_device(tmp_path):
     import json
     s = ts.summarize(json.loads(path.read_text()))
     assert s["host_ms"] > 0 and s["device_busy_ms"] == 0 and s["launches"] == 0
+
+
+def test_host_time_rows_and_profile(monkeypatch, tmp_path, capsys):
+    # the script's logic on CPU: CUDA's clock, sleep and events replaced by host stand-ins
+    import pstats
+    import time as _time
+
+    from moeyard import bench
+    from moeyard.models import parse_shape
+
+    ht = load_benchmark("host_time")
+
+    class Event:
+        def __init__(self, **_):
+            self.t = None
+
+        def record(self):
+            self.t = _time.perf_counter()
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    sleeps = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: sleeps.append(cycles))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    resolve, build = bench.resolve_options, bench.build
+    monkeypatch.setattr(bench, "resolve_options",
+                        lambda o: resolve(bench.BenchOptions(**{**o.__dict__, "device": "cpu", "dtype": "float32"})))
+    monkeypatch.setattr(bench, "build", lambda n, c, d, dt: build(n, c, "cpu", torch.float32))
+    monkeypatch.setattr(ht, "get_model", lambda name: parse_shape("64,32,16,4,2"))
+    out = tmp_path / "rows.json"
+    assert ht.main(["--models", "tiny", "--backends", "loop,grouped_mm", "--routers", "torch,fused", "--iters", "2",
+                    "--top", "5", "--pstats", str(tmp_path / "ps"), "--json", str(out)]) == 0
+    import json
+    rows = json.loads(out.read_text())
+    assert [(r["backend"], r["router"]) for r in rows] == [
+        ("loop", "torch"), ("loop", "fused"), ("grouped_mm", "torch"), ("grouped_mm", "fused")]
+    assert all(r["host_ms"] > 0 and r["device_ms"] >= r["host_ms"] for r in rows)
+    assert len(sleeps) == 4 * (1 + 2 + 2)  # per row: the sleep's calibration, then one per timed and profiled step
+    stats = pstats.Stats(str(tmp_path / "ps" / "tiny-loop-torch.pstats"))
+    assert any("forward" in fn for _, _, fn in stats.stats)
+    text = capsys.readouterr().out
+    assert "## cProfile tiny grouped_mm router=fused" in text and "host/dev" in text
