@@ -179,6 +179,7 @@ def test_run_rows_for_every_cpu_backend_and_torch_gmm():
         assert r["flops_fwd"] == 6 * 64 * 2 * 32 * 16
     assert "sonicmoe" in result["env"]["skipped"]
     assert result["env"]["dense_bf16_tflops"] is None  # CUDA only
+    assert result["env"]["router"] == moeyard.routing.router_impl()  # the router in force is recorded
 
 
 def test_failing_backend_is_an_error_row():

@@ -48,7 +48,7 @@ from .experts import available_backends, backend_names
 from .layer import MoE
 from .models import ANCHOR_MODELS, ModelShape, get_model, parse_shape, routed_only, with_tokens
 from .peers import PEERS, peer_config, peer_note, peer_status
-from .routing import route
+from .routing import route, router_impl
 
 Tensor = torch.Tensor
 GIB = 2 ** 30
@@ -356,7 +356,8 @@ def environment(opts: BenchOptions) -> dict:
     return {**versions(), **device_info(opts.device), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": opts.command, "dtype": opts.dtype, "routing": opts.routing,
             "zipf_alpha": opts.zipf_alpha if opts.routing == "zipf" else None, "warmup": opts.warmup,
-            "iters": opts.iters, "routed_only": opts.routed_only, "platform": platform.platform()}
+            "iters": opts.iters, "routed_only": opts.routed_only, "router": router_impl(),
+            "platform": platform.platform()}
 
 
 def run(opts: BenchOptions, progress: Callable[[str, int, int], None] | None = None) -> dict:
