@@ -6,15 +6,20 @@
 A step is the benchmark's forward + backward (``moeyard bench``: routed experts only, bf16, fresh
 ``randn`` inputs, gradients set to None first). Per (shape, backend, router):
 
-- **host ms**: ``time.perf_counter`` around the step's Python while the GPU is held busy by a
-  ``torch.cuda._sleep`` queued before it, so no launch waits for the device: the time the host needs to
-  issue the step. A step that synchronises with the device would wait out the sleep and show it here
-  (the ``sync?`` column flags host ms above half the sleep).
-- **device ms**: CUDA events around the same step queued behind the sleep, so the device runs its
-  kernels back to back: the time the GPU needs.
-- Both are medians of ``--iters`` steps after warm-up. ``host / device`` above 1 means a benchmark that
-  times steps one after another (as ``moeyard bench`` does) measures host time, and a training step
-  whose layers are this small is host-bound too.
+- **host ms**: ``time.perf_counter`` around the step's Python after a synchronisation, the GPU free to
+  run each kernel as it arrives: the time the host needs to issue the step (launches are
+  asynchronous, so it waits on the device only at a host sync).
+- **held host ms**: the same while the GPU is held busy by a ``torch.cuda._sleep`` queued before the
+  step. A step that synchronises with the device waits out the sleep here (the ``sync?`` column flags
+  held host ms above half the sleep). It exceeds host ms: issuing behind a busy GPU costs the host more.
+- **device ms**: CUDA events around the step queued behind the sleep, so the device runs its kernels
+  back to back: the time the GPU needs, optimistic (the kernels start after the sleep's spin, likely at
+  higher clocks than under sustained load: 1.6-2.0 ms below the bench step at qwen3-30b-a3b on an H100).
+- **step ms**: the step as ``moeyard bench`` times it (CUDA events, steps back to back,
+  :func:`moeyard.bench.time_ms`): about the larger of host ms and device ms.
+- All are medians of ``--iters`` steps after warm-up. ``host / device`` above 1 means a benchmark that
+  times steps one after another measures host time, and a training step whose layers are this small
+  is host-bound too.
 
 Then, with ``--top N``, a ``cProfile`` of ``--iters`` host-only steps of each row (the GPU again held
 busy; autograd's backward on the calling thread, so its Python shows) sorted by own time: where the
@@ -48,7 +53,8 @@ def _step(module, inputs, params, i: int) -> None:
 
 
 def measure(module, inputs, iters: int, warmup: int = 3) -> dict:
-    """``host_ms``, ``device_ms`` (medians) and ``sleep_ms`` of the step (module docstring)."""
+    """``host_ms``, ``held_host_ms``, ``device_ms``, ``step_ms`` (medians) and ``sleep_ms`` of the step
+    (module docstring)."""
     params = [p for p in module.parameters() if p.requires_grad]
     n = len(inputs.xs)
     for i in range(warmup):
@@ -68,7 +74,16 @@ def measure(module, inputs, iters: int, warmup: int = 3) -> dict:
         end.record()
         torch.cuda.synchronize()
         device.append(start.elapsed_time(end))
-    return dict(host_ms=statistics.median(host), device_ms=statistics.median(device), sleep_ms=sleep_ms)
+    free = []
+    for i in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _step(module, inputs, params, i % n)
+        free.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    step_ms = bench.time_ms(lambda i: _step(module, inputs, params, i % n), n, 0, iters, torch.device("cuda"))
+    return dict(host_ms=statistics.median(free), held_host_ms=statistics.median(host),
+                device_ms=statistics.median(device), step_ms=step_ms, sleep_ms=sleep_ms)
 
 
 def profile_host(module, inputs, iters: int, top: int, dump: str | None = None) -> str:
@@ -131,11 +146,12 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     for name, text in profiles:
         print(f"## cProfile {name} ({a.iters} steps)\n{text}")
-    print(f"{'model':16} {'backend':10} {'router':7} {'host ms':>8} {'device ms':>9} {'host/dev':>8}  sync?")
+    print(f"{'model':16} {'backend':10} {'router':7} {'host ms':>8} {'held host':>9} {'device ms':>9} "
+          f"{'step ms':>8} {'host/dev':>8}  sync?")
     for r in rows:
-        sync = "yes" if r["host_ms"] > r["sleep_ms"] / 2 else "no"
-        print(f"{r['model']:16} {r['backend']:10} {r['router']:7} {r['host_ms']:8.3f} {r['device_ms']:9.3f} "
-              f"{r['host_ms'] / r['device_ms']:8.2f}  {sync}")
+        sync = "yes" if r["held_host_ms"] > r["sleep_ms"] / 2 else "no"
+        print(f"{r['model']:16} {r['backend']:10} {r['router']:7} {r['host_ms']:8.3f} {r['held_host_ms']:9.3f} "
+              f"{r['device_ms']:9.3f} {r['step_ms']:8.3f} {r['host_ms'] / r['device_ms']:8.2f}  {sync}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

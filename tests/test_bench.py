@@ -312,7 +312,7 @@ def test_host_time_rows_and_profile(monkeypatch, tmp_path, capsys):
     rows = json.loads(out.read_text())
     assert [(r["backend"], r["router"]) for r in rows] == [
         ("loop", "torch"), ("loop", "fused"), ("grouped_mm", "torch"), ("grouped_mm", "fused")]
-    assert all(r["host_ms"] > 0 and r["device_ms"] >= r["host_ms"] for r in rows)
+    assert all(r["host_ms"] > 0 and r["step_ms"] > 0 and r["device_ms"] >= r["held_host_ms"] > 0 for r in rows)
     assert len(sleeps) == 4 * (1 + 2 + 2)  # per row: the sleep's calibration, then one per timed and profiled step
     stats = pstats.Stats(str(tmp_path / "ps" / "tiny-loop-torch.pstats"))
     assert any("forward" in fn for _, _, fn in stats.stats)
