@@ -234,9 +234,11 @@ def launches(s: Shape, inputs, opts: dict) -> list[Cost]:
 
     def down_runs(rows, w, weights):
         if o.atomic_combine:
-            return [acc.zero_, lambda: ops.launch_down(rows, w, None, weights, so, off, K, *NO_LORA, acc, None, True),
+            return [acc.zero_, lambda: ops.launch_down(rows, w, None, weights, so, off, K, *NO_LORA, acc, None, None,
+                                                       True),
                     lambda: out.copy_(acc)]
-        return [lambda: ops.launch_down(rows, w, None, weights, so, off, K, *NO_LORA, y, None, False),
+        table = ops._down_table(rows, r, 0)  # made once per routing, as in a step
+        return [lambda: ops.launch_down(rows, w, None, weights, so, off, K, *NO_LORA, y, None, table, False),
                 lambda: ops.combine_(y, r.topk_ids, None, s.E, out)]
 
     runs = [lambda: ops.up_proj_(x, w_up, None, so, off, K, "swiglu", 1.702, 7.0, False, True, *NO_LORA, h, a, None)]

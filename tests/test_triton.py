@@ -222,8 +222,11 @@ def test_custom_ops_opcheck(mode):
         return torch.randn(T * K, R) if mode else None
 
     a, y = torch.randn(T * K, I), torch.empty(T * K, H)
-    torch.library.opcheck(ops.down_proj_.op, (a, torch.randn(E, H, I), None, tw, r.sort_order, r.expert_offsets, K,
-                                           *lora(I, H), y, z()))
+    tables = [None] + ([r.tile_table(16)] if mode != 2 else [])  # pointer loads; TMA loads over the table
+    for table in tables:
+        torch.library.opcheck(ops.down_proj_.op, (a, torch.randn(E, H, I), None, tw, r.sort_order, r.expert_offsets,
+                                                  K, *lora(I, H), table, y, z()))
+    torch.library.opcheck(ops.tile_table_.op, (r.expert_offsets, 16, torch.empty_like(r.tile_table(16))))
     torch.library.opcheck(ops.combine_.op, (y, r.topk_ids, tw.view(T, K), E, torch.empty(T, H)))
     torch.library.opcheck(ops.up_proj_.op, (torch.randn(T, H), torch.randn(E, 2 * I, H), None, r.sort_order,
                                          r.expert_offsets, K, "swiglu", 1.702, 7.0, False, True, *lora(H, 2 * I),
@@ -349,6 +352,30 @@ def test_tile_table_matches_expert_tile(E):
     assert got == expected
     assert all(int(table[t]) >= E for t in range(len(expected), M))
     assert int(table[2 * M]) == len(expected)
+
+
+def test_tile_table_made_once_per_step(monkeypatch):
+    # the TMA down projection (forward) and its input gradient (backward) share one table per routing
+    calls = []
+    real = ops.fill_tile_table
+    monkeypatch.setattr(ops, "fill_tile_table", lambda *a: calls.append(a[1]) or real(*a))
+    with use_options(tma=True):
+        check_against_loop(*_problem(41, 32, 24, 5, 3, bias=True))
+    n_steps = len(calls)
+    calls.clear()
+    with use_options(tma=True):
+        p, ids, kw = _problem(9, 16, 16, 3, 2)
+        leaves = {k: v.requires_grad_() for k, v in p.items()}
+        out = triton_backend.triton_forward(leaves["x"], ids, leaves["topk_weights"],
+                                            expert_weights(leaves["gate_up_proj"], leaves["down_proj"]),
+                                            Activation(), drop_invalid=True)
+        assert len(calls) == 1
+        out.sum().backward()
+    assert len(calls) == 1 and n_steps >= 1
+    with use_options(tma=False):
+        triton_backend.triton_forward(p["x"], ids, p["topk_weights"], expert_weights(p["gate_up_proj"], p["down_proj"]),
+                                      Activation(), drop_invalid=True)
+    assert len(calls) == 1  # pointer loads: no table
 
 
 def test_tma_persistent(monkeypatch):

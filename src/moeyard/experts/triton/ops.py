@@ -7,7 +7,7 @@ pairs. Weights are ``[E, out, in]`` views of any strides (never copied).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -21,7 +21,7 @@ from .options import options
 from .tuning import LORA_FUSED, LORA_NONE, LORA_SPLIT
 from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, REDUCE_BLOCK, SMALL, THIN_CONFIGS, THIN_WGRAD_CONFIGS,
                        TMA_CONFIGS, WGRAD_CONFIGS,
-                       dot_precision, interpreting, max_chunks, max_partial_slots, max_row_tiles, rank_block, tile_table,
+                       dot_precision, fill_tile_table, interpreting, max_chunks, max_partial_slots, max_row_tiles, rank_block,
                        tma_block_m, tuned)
 
 Tensor = torch.Tensor
@@ -39,6 +39,8 @@ class Routing:
         sorted_token: ``[N]`` int32, sorted position -> token (``sort_order // K``; int32 holds any
         T < 2**31): the weight gradients' gather index, loaded as is inside their row loop. Made in
         every forward (two small ops over N), also when no backward follows.
+        tables: the tile tables made so far by :meth:`tile_table`, by block size (the TMA down
+        projection's forward and its input gradient in backward share one).
     """
 
     topk_ids: Tensor
@@ -46,6 +48,22 @@ class Routing:
     expert_offsets: Tensor
     num_experts: int
     sorted_token: Tensor
+    tables: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def tile_table(self, block_m: int) -> Tensor:
+        """The ``[2 * M + 1]`` int32 row-tile table of ``block_m`` rows
+        (:func:`moeyard.experts.triton.schedule.tile_table_kernel`), made on first use (one small
+        launch, no host sync) and kept for later launches over the same routing (in eager mode: while
+        ``torch.compile`` traces, each call makes its own, as a side effect on the routing would not
+        survive the autograd function's traced forward)."""
+        table = self.tables.get(block_m)
+        if table is None:
+            M = max_row_tiles(self.num_pairs, self.num_experts, block_m)
+            table = torch.empty(2 * M + 1, dtype=torch.int32, device=self.expert_offsets.device)
+            tile_table_(self.expert_offsets, block_m, table)
+            if not torch.compiler.is_compiling():
+                self.tables[block_m] = table
+        return table
 
     @property
     def top_k(self) -> int:
@@ -183,19 +201,26 @@ def _(x, w, b, sort_order, expert_offsets, top_k, act, alpha, limit, interleaved
     return None
 
 
+def _down_table(rows: Tensor, r: Routing, lora_mode: int) -> Tensor | None:
+    """The tile table when the TMA-loaded down projection may apply (Hopper or the interpreter, option
+    ``tma``, no fused LoRA; the launch checks the operands' strides and addresses), else None."""
+    if r.num_pairs and options().tma and lora_mode != LORA_FUSED and _tma_device(rows):
+        return r.tile_table(tma_block_m())
+    return None
+
+
 def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, y, z,
-                atomic: bool) -> None:
+                table, atomic: bool) -> None:
+    """The down projection's launch: TMA-loaded over the tile ``table`` when given (not with
+    ``atomic``) and the operands suit TMA (:func:`kernels_tma.tma_ready`), else pointer loads."""
     E, NY, KA = w.shape
     N = sort_order.shape[0]
     if N == 0:
         return
     bb = w if b is None else b
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
-    if options().tma and not atomic and lora_mode != LORA_FUSED and _tma_device(rows) and \
-            kernels_tma.tma_ready(rows, w, interpreting()):
+    if table is not None and not atomic and kernels_tma.tma_ready(rows, w, interpreting()):
         kernels_tma.ensure_allocator()
-        bm = tma_block_m()
-        table = tile_table(expert_offsets, N, bm)
         _kernels()["down_tma"][_tma_grid(table, NY, rows.device)](
             rows, w, bb, rows if topk_weights is None else topk_weights, sort_order, expert_offsets, y, lb_, z_,
             table, N, KA, NY, E, top_k, R, table.shape[0] // 2,
@@ -232,18 +257,30 @@ def _tma_device(x: Tensor) -> bool:
     return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
+@kernel_op("moeyard::triton_tile_table", mutates_args=("table",))
+def tile_table_(expert_offsets: Tensor, block_m: int, table: Tensor) -> None:
+    """Write the row-tile ``table [2 * M + 1]`` int32 of ``block_m`` rows over ``expert_offsets``."""
+    fill_tile_table(expert_offsets, block_m, table)
+
+
+@tile_table_.register_fake
+def _(expert_offsets, block_m, table):
+    return None
+
+
 @kernel_op("moeyard::triton_down_proj", mutates_args=("y", "z"))
 def down_proj_(rows: Tensor, w: Tensor, b: Optional[Tensor], topk_weights: Optional[Tensor], sort_order: Tensor,
                expert_offsets: Tensor, top_k: int, la: Optional[Tensor], lb: Optional[Tensor], lora_mode: int,
-               lora_scale: float, y: Tensor, z: Optional[Tensor]) -> None:
+               lora_scale: float, table: Optional[Tensor], y: Tensor, z: Optional[Tensor]) -> None:
     """``y[pair] = topk_weights[pair] * (rows[sorted row] @ w[e].T + b[e] (+ s z lb[e]^T))``;
-    ``w [E, NY, KA]``; LoRA ``z = rows @ la[e]`` read (split) or written (fused)."""
+    ``w [E, NY, KA]``; LoRA ``z = rows @ la[e]`` read (split) or written (fused); TMA loads over the
+    tile ``table`` when given."""
     launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, y, z,
-                False)
+                table, False)
 
 
 @down_proj_.register_fake
-def _(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, y, z):
+def _(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, table, y, z):
     return None
 
 
@@ -255,7 +292,7 @@ def down_proj_atomic_(rows: Tensor, w: Tensor, b: Optional[Tensor], topk_weights
     """``acc[token] += topk_weights[pair] * (rows[sorted row] @ w[e].T + b[e] (+ LoRA))`` with float32
     atomics (``acc [T, NY]`` float32; not deterministic)."""
     launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, acc, z,
-                True)
+                None, True)
 
 
 @down_proj_atomic_.register_fake
@@ -444,7 +481,7 @@ def down_proj(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor | 
     y = empty((r.num_pairs, w.shape[1]), rows)
     mode, z, la, lb = _lora_rows(rows, lora, r, False, w.shape[1])
     down_proj_(rows, w, b, topk_weights, r.sort_order, r.expert_offsets, r.top_k, la, lb, mode,
-               0.0 if lora is None else lora.scale, y, z)
+               0.0 if lora is None else lora.scale, _down_table(rows, r, mode), y, z)
     return y, z
 
 

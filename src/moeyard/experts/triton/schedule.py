@@ -74,15 +74,21 @@ def tile_table_kernel(offsets_ptr, table_ptr, E, M, BM: tl.constexpr, E_P2: tl.c
     tl.store(table_ptr + M + t, row0, mask=t < M)
 
 
-def tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
-    """``[2 * M + 1]`` int32 on the offsets' device (:func:`tile_table_kernel`), ``M = max_row_tiles``;
-    one small launch (``ceil(M / BT)`` programs, at least one), no host sync."""
+def fill_tile_table(expert_offsets: torch.Tensor, block_m: int, table: torch.Tensor) -> None:
+    """Write ``table [2 * M + 1]`` int32 (``M = max_row_tiles``, on the offsets' device) by
+    :func:`tile_table_kernel`: one small launch (``ceil(M / BT)`` programs, at least one), no host sync."""
     E = expert_offsets.shape[0] - 1
-    M = max_row_tiles(num_rows, E, block_m)
-    table = torch.empty(2 * M + 1, dtype=torch.int32, device=expert_offsets.device)
+    M = (table.shape[0] - 1) // 2
     e_p2 = triton.next_power_of_2(max(E, 2))
     bt = max(8, 4096 // e_p2)
     tile_table_kernel[(max(1, triton.cdiv(M, bt)),)](expert_offsets, table, E, M, BM=block_m, E_P2=e_p2, BT=bt)
+
+
+def tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
+    """``[2 * M + 1]`` int32 on the offsets' device (:func:`fill_tile_table`), ``M = max_row_tiles``."""
+    M = max_row_tiles(num_rows, expert_offsets.shape[0] - 1, block_m)
+    table = torch.empty(2 * M + 1, dtype=torch.int32, device=expert_offsets.device)
+    fill_tile_table(expert_offsets, block_m, table)
     return table
 
 
