@@ -21,8 +21,8 @@ from .options import options
 from .tuning import LORA_FUSED, LORA_NONE, LORA_SPLIT
 from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, REDUCE_BLOCK, SMALL, THIN_CONFIGS, THIN_WGRAD_CONFIGS,
                        TMA_CONFIGS, WGRAD_CONFIGS,
-                       dot_precision, fill_tile_table, interpreting, max_chunks, max_partial_slots, max_row_tiles, rank_block,
-                       tma_block_m, tuned)
+                       dot_precision, fill_tile_table, interpreting, max_chunks, max_partial_slots, max_row_tiles,
+                       rank_block, tma_block_m, tuned)
 
 Tensor = torch.Tensor
 COMBINE_BH = 1024
