@@ -180,6 +180,7 @@ def test_auto_picks_fused_for_cuda_tensors(monkeypatch):
         raise ImportError("no triton")
 
     monkeypatch.setattr(routing, "_fused_module", no_triton)
+    monkeypatch.setattr(routing, "_triton_missing", False)
     assert routing._pick_fused(cuda_like) is None  # auto without triton: the torch path
     with use_router("fused"), pytest.raises(ImportError):
         routing._pick_fused(cpu_like)
@@ -220,3 +221,19 @@ def test_bad_input(i):
     err, name, args, kw = _bad_inputs()[i]
     with pytest.raises(err, match=name):
         fused.route_fused(*args, **kw)
+
+
+def test_auto_stops_retrying_a_failed_import(monkeypatch):
+    import types
+    from moeyard import routing
+    tries = []
+
+    def no_triton():
+        tries.append(1)
+        raise ImportError("no triton")
+
+    monkeypatch.setattr(routing, "_fused_module", no_triton)
+    monkeypatch.setattr(routing, "_triton_missing", False)
+    cuda_like = types.SimpleNamespace(is_cuda=True)
+    assert routing._pick_fused(cuda_like) is None and routing._pick_fused(cuda_like) is None
+    assert tries == [1]

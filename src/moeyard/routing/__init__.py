@@ -140,12 +140,16 @@ def _pick_fused(x: Tensor):
     impl = router_impl()
     if impl == "fused":
         return _fused_module()
-    if impl == "auto" and x.is_cuda:
+    global _triton_missing
+    if impl == "auto" and x.is_cuda and not _triton_missing:
         try:
             return _fused_module()
-        except ImportError:  # no triton: the torch path
-            return None
+        except ImportError:  # no triton: the torch path, without retrying the import on every call
+            _triton_missing = True
     return None
+
+
+_triton_missing = False  # set once the fused router failed to import under ``auto``
 
 
 def _fused_module():

@@ -29,7 +29,7 @@ def down_tma_kernel(
     w_ptr,            # [E, NY, KA] input dtype, strides (stride_we, stride_wn, stride_wk); stride_wk == 1
                       # (W_KMAJOR) or stride_wn == 1
     b_ptr, tw_ptr, sort_order_ptr, offsets_ptr, y_ptr, lb_ptr, z_ptr,  # as kernels_fwd.down_kernel
-    table_ptr,        # [2 * M + 1] int32: row tile -> expert (>= E: none), -> first row, tiles (schedule.tile_table)
+    table_ptr,        # [2 * M + 1] int32: row tile -> expert (>= E: none), -> first row, tiles (ops.Routing.tile_table)
     N, KA, NY, E, top_k, R, M,
     stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_lbe, stride_lbn, stride_lbr, lora_scale,
     W_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, LORA: tl.constexpr,

@@ -30,10 +30,11 @@ Each defaults to the measured default path; set an environment variable, or over
   operand that is in sorted rows (``d_h``, ``w * a``) with a TMA descriptor sized to each expert's rows
   (zero fill past its end); the operand read at each pair's token keeps its pointer loads. Same
   conditions as ``tma``. Measured: weight gradients 2.36 -> 2.18 ms (down), 4.55 -> 4.39 ms (up).
-- ``MOEYARD_TRITON_PREFETCH=1`` (``prefetch_h``, off by default: not yet measured): the activation
-  gradient's kernel (dh) prefetches its tile's pre-activation rows into L2 before its main loop
-  (``prefetch.global.L2::evict_last``), so its epilogue's reads of ``h`` hit L2 instead of stalling on
-  HBM (``kernels_bwd._prefetch_h``). On CUDA only (the interpreter has no inline assembly).
+- ``MOEYARD_TRITON_PREFETCH=1`` (``prefetch_h``, off by default): the activation gradient's kernel
+  (dh) prefetches its tile's pre-activation rows into L2 before its main loop
+  (``prefetch.global.L2::evict_last``), so its epilogue's reads of ``h`` hit L2 instead of HBM
+  (``kernels_bwd._prefetch_h``). On CUDA only (the interpreter has no inline assembly). Measured on an
+  H100: dh 2.29 -> 2.23 ms at qwen3-30b-a3b, unchanged at sonic-7b, whole layer within its spread.
 """
 from __future__ import annotations
 

@@ -84,13 +84,6 @@ def fill_tile_table(expert_offsets: torch.Tensor, block_m: int, table: torch.Ten
     tile_table_kernel[(max(1, triton.cdiv(M, bt)),)](expert_offsets, table, E, M, BM=block_m, E_P2=e_p2, BT=bt)
 
 
-def tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
-    """``[2 * M + 1]`` int32 on the offsets' device (:func:`fill_tile_table`), ``M = max_row_tiles``."""
-    M = max_row_tiles(num_rows, expert_offsets.shape[0] - 1, block_m)
-    table = torch.empty(2 * M + 1, dtype=torch.int32, device=expert_offsets.device)
-    fill_tile_table(expert_offsets, block_m, table)
-    return table
-
 
 @triton.jit
 def expert_slots(e, offsets_ptr, E, size, E_P2: tl.constexpr):
