@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round per stage, each time-boxed to fit one 10-minute device call (bf16, routed experts only,
 # the torch grouped_mm pipeline and, when installed, SonicMoE timed in the same run).
-# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|routerab]
+# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|routerab|lora]
 #   main: verify, CUDA tests, bench (random and Zipf routing) at qwen3-30b-a3b and sonic-7b.
 #   profile: the TMA CUDA tests, then the triton backend's per-kernel profile with A/B of the TMA-loaded
 #            down projection (benchmarks/triton_profile.py).
@@ -33,6 +33,9 @@
 #       auto (the default: the fused router on CUDA), interleaved, twice each.
 #   hostab: host_time.py of this tree and of BASE (an earlier src/, carried), interleaved, twice each (sonic-7b,
 #       qwen3-30b-a3b, triton, torch and fused router), then this tree's cProfile at sonic-7b (raw stats kept).
+#   lora: the triton and LoRA CUDA tests, the LoRA step's kernels in launch order (benchmarks/lora_profile.py
+#       --sequence) at LORA_MODEL (default qwen3-30b-a3b), then frozen vs LoRA step at qwen3-30b-a3b and
+#       qwen3.5-35b-a3b.
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 STAGE=${1:-main}
@@ -144,10 +147,17 @@ elif [[ $STAGE == routerab ]]; then
         --backends triton
     done
   done
+elif [[ $STAGE == lora ]]; then
+  MOEYARD_TRITON_AUTOTUNE=0 step pytest_triton 170 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_triton_cuda.py \
+    tests/cuda/test_lora_cuda.py
+  step lora_profile 150 python3 benchmarks/lora_profile.py --model "${LORA_MODEL:-qwen3-30b-a3b}" --sequence
+  step bench_lora 200 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 --backends frozen,lora \
+    --model qwen3-30b-a3b --model qwen3.5-35b-a3b --json "$OUT/bench_lora.json"
 else  # anchors: the other ANCHORS.md shapes
   step bench_anchors 560 "${BENCH[@]}" --model sonic-30b-a --model sonic-120b --model qwen3.5-35b-a3b \
     --backends triton,torch_gmm${PEERS:+,sonicmoe} --json "$OUT/bench_anchors.json"
 fi
 for f in "$OUT"/verify.txt "$OUT"/bench_*.txt "$OUT"/profile_*.txt "$OUT"/crossover_*.txt "$OUT"/trace_*.txt "$OUT"/host_*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 36 "$f"; }; done
+[ -f "$OUT/lora_profile.txt" ] && grep -v "^autotune" "$OUT/lora_profile.txt" | tail -n 120
 for f in "$OUT"/pytest_*.txt; do grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -n 25; done
 cat "$OUT/gpu.txt"; printf '%s\n' "${summary[@]}"

@@ -1,11 +1,13 @@
 """Where the LoRA step's time goes: per-kernel CUDA time of one ``frozen`` and one ``lora`` step of
 :mod:`moeyard.bench_lora` (torch.profiler), and the tile configs the autotuner picked.
 
-    python benchmarks/lora_profile.py [--model qwen3-30b-a3b] [--rank 16] [--modes split fused] [--regs]
+    python benchmarks/lora_profile.py [--model qwen3-30b-a3b] [--rank 16] [--modes split fused] [--regs] [--sequence]
 
 ``--regs``: also every compiled variant of the grouped GEMM kernels (each config the autotuner tried)
 with its compiled registers per thread and spills (``n_regs``, ``n_spills``) and shared memory next to
 the estimates of :mod:`moeyard.experts.triton.tuning` (``*``: a config an autotuner of that kernel chose).
+``--sequence``: each column's kernels of one step in launch order (tells the LoRA rows' thin passes
+from the main GEMMs of the same kernel).
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from moeyard.experts.triton import kernels_bwd, kernels_fwd, ops, options, tunin
 from moeyard.models import get_model
 
 
-def kernel_times(module, case, steps: int = 3) -> dict[str, float]:
-    """``{kernel name: ms per step}`` over ``steps`` profiled steps."""
+def kernel_times(module, case, steps: int = 3) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """``({kernel name: ms per step}, [(kernel name, ms)] of one step in launch order)`` over
+    ``steps`` profiled steps."""
     x, dy = case.xs[0].requires_grad_(), case.dys[0]
     for _ in range(3):
         module(x).backward(dy)
@@ -30,10 +33,12 @@ def kernel_times(module, case, steps: int = 3) -> dict[str, float]:
             module(x).backward(dy)
         torch.cuda.synchronize()
     times = collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            times[e.name[:60]] += e.device_time_total / 1e3 / steps
-    return dict(times)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    for e in events:
+        times[e.name[:60]] += e.device_time_total / 1e3 / steps
+    events.sort(key=lambda e: e.time_range.start)
+    one_step = [(e.name[:60], e.device_time_total / 1e3) for e in events[-(len(events) // steps):]]
+    return dict(times), one_step
 
 
 KERNELS = {"up": kernels_fwd.up_kernel, "down": kernels_fwd.down_kernel, "dh": kernels_bwd.dh_kernel,
@@ -85,13 +90,15 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--modes", nargs="+", default=["split"], choices=options.LORA_MODES)
     p.add_argument("--regs", action="store_true", help="compiled n_regs / n_spills against the estimates")
+    p.add_argument("--sequence", action="store_true", help="each column's kernels of one step in launch order")
     a = p.parse_args()
     torch.manual_seed(0)
     case = bench_lora.make_case(get_model(a.model), a.rank, torch.device("cuda"), torch.bfloat16)
-    cols = {"frozen": kernel_times(bench_lora.build("frozen", case), case)}
+    cols, seqs = {}, {}
+    cols["frozen"], seqs["frozen"] = kernel_times(bench_lora.build("frozen", case), case)
     for mode in a.modes:
         with options.use_options(lora_mode=mode):
-            cols[f"lora/{mode}"] = kernel_times(bench_lora.build("lora", case), case)
+            cols[f"lora/{mode}"], seqs[f"lora/{mode}"] = kernel_times(bench_lora.build("lora", case), case)
     names = sorted({k for c in cols.values() for k in c}, key=lambda k: -max(c.get(k, 0) for c in cols.values()))
     print(f"{'kernel':60} " + " ".join(f"{c:>12}" for c in cols))
     for k in names:
@@ -102,6 +109,11 @@ def main() -> None:
             print("autotune", name, key[:8], cfg)
     if a.regs:
         print_compiled()
+    if a.sequence:
+        for col, seq in seqs.items():
+            print(f"-- {col}: one step in launch order (ms)")
+            for name, ms in seq:
+                print(f"   {ms:8.3f}  {name}")
     bench._free("cuda")
 
 
