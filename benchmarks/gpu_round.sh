@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round per stage, each time-boxed to fit one 10-minute device call (bf16, routed experts only,
 # the torch grouped_mm pipeline and, when installed, SonicMoE timed in the same run).
-# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|routerab|lora]
+# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|routerab|lora|lorapointer]
 #   main: verify, CUDA tests, bench (random and Zipf routing) at qwen3-30b-a3b and sonic-7b.
 #   profile: the TMA CUDA tests, then the triton backend's per-kernel profile with A/B of the TMA-loaded
 #            down projection (benchmarks/triton_profile.py).
@@ -36,6 +36,8 @@
 #   lora: the triton and LoRA CUDA tests, the LoRA step's kernels in launch order (benchmarks/lora_profile.py
 #       --sequence) at LORA_MODEL (default qwen3-30b-a3b), then frozen vs LoRA step at qwen3-30b-a3b and
 #       qwen3.5-35b-a3b.
+#   lorapointer: the LoRA step with the pointer-loaded down projection (MOEYARD_TRITON_TMA=0) against the
+#       default TMA one, interleaved: per-kernel sums (lora_profile.py), then frozen vs LoRA at LORA_MODEL.
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 STAGE=${1:-main}
@@ -153,6 +155,18 @@ elif [[ $STAGE == lora ]]; then
   step lora_profile 150 python3 benchmarks/lora_profile.py --model "${LORA_MODEL:-qwen3-30b-a3b}" --sequence
   step bench_lora 200 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 --backends frozen,lora \
     --model qwen3-30b-a3b --model qwen3.5-35b-a3b --json "$OUT/bench_lora.json"
+elif [[ $STAGE == lorapointer ]]; then
+  for tma in 1 0; do
+    MOEYARD_TRITON_TMA=$tma step "lora_kernels_tma$tma" 120 python3 benchmarks/lora_profile.py \
+      --model "${LORA_MODEL:-qwen3-30b-a3b}"
+  done
+  for run in 1 2; do
+    for tma in 0 1; do
+      MOEYARD_TRITON_TMA=$tma step "bench_lora_tma${tma}_$run" 90 python3 -m moeyard bench --lora 16 --warmup 3 \
+        --iters 10 --backends frozen,lora --model "${LORA_MODEL:-qwen3-30b-a3b}"
+    done
+  done
+  for f in "$OUT"/lora_kernels_tma*.txt; do echo "== $f"; grep -E "^(down|up_|dh_|wgrad|total|autotune down)" "$f"; done
 else  # anchors: the other ANCHORS.md shapes
   step bench_anchors 560 "${BENCH[@]}" --model sonic-30b-a --model sonic-120b --model qwen3.5-35b-a3b \
     --backends triton,torch_gmm${PEERS:+,sonicmoe} --json "$OUT/bench_anchors.json"
