@@ -43,7 +43,14 @@ set -uo pipefail
 STAGE=${1:-main}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-[[ ( $STAGE == peers || $STAGE == peer || -n ${PEERS:-} ) && -f .peers/install.sh ]] && source .peers/install.sh
+if [[ ( $STAGE == peers || $STAGE == peer || -n ${PEERS:-} ) && -f .peers/install.sh ]]; then
+  source .peers/install.sh
+  # SonicMoE's GEMMs (QuACK) autotune on first use, minutes per shape on a fresh machine; QuACK keeps each
+  # kernel's result under $QUACK_HOME/.quack as it finishes. Kept in .peers-cache (git-ignored) and sent back
+  # as $OUT/quack_home.tgz, so a later call can carry it (untar into .peers-cache) and skip what is done.
+  export QUACK_HOME=$PWD/.peers-cache; mkdir -p "$QUACK_HOME"
+  trap 'tar czf "$OUT/quack_home.tgz" -C "$QUACK_HOME" . 2>/dev/null' EXIT
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 python3 -m moeyard info > "$OUT/info.txt" 2>&1
 summary=()
