@@ -103,8 +103,6 @@ class ActSpec:
         return (n1 // 2, 2, 1) if self.interleaved else (n1 // 2, 1, n1 // 2)
 
 
-
-
 @dataclass(frozen=True, kw_only=True)
 class LoRATerm:
     """The low-rank term ``s * (A La_e) Lb_e^T`` a grouped GEMM ``A W_e^T`` gains.

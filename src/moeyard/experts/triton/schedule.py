@@ -84,7 +84,6 @@ def fill_tile_table(expert_offsets: torch.Tensor, block_m: int, table: torch.Ten
     tile_table_kernel[(max(1, triton.cdiv(M, bt)),)](expert_offsets, table, E, M, BM=block_m, E_P2=e_p2, BT=bt)
 
 
-
 @triton.jit
 def expert_slots(e, offsets_ptr, E, size, E_P2: tl.constexpr):
     """``(n, slot0)`` of expert ``e``: its pieces of ``size`` rows and its first partial slot."""
