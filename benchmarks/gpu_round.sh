@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round per stage, each time-boxed to fit one 10-minute device call (bf16, routed experts only,
 # the torch grouped_mm pipeline and, when installed, SonicMoE timed in the same run).
-# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|routerab|lora|lorapointer]
+# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|routerab|lora|loraab|lorapointer]
 #   main: verify, CUDA tests, bench (random and Zipf routing) at qwen3-30b-a3b and sonic-7b.
 #   profile: the TMA CUDA tests, then the triton backend's per-kernel profile with A/B of the TMA-loaded
 #            down projection (benchmarks/triton_profile.py).
@@ -36,8 +36,11 @@
 #   lora: the triton and LoRA CUDA tests, the LoRA step's kernels in launch order (benchmarks/lora_profile.py
 #       --sequence) at LORA_MODEL (default qwen3-30b-a3b), then frozen vs LoRA step at qwen3-30b-a3b and
 #       qwen3.5-35b-a3b.
+#   loraab: this tree against BASE (src/ and benchmarks/, carried): the triton and LoRA CUDA tests, then per tree,
+#       interleaved: the LoRA step's kernels (lora_profile.py --sequence, once) and frozen vs LoRA (twice) at LORA_MODEL.
 #   lorapointer: the LoRA step with the pointer-loaded down projection (MOEYARD_TRITON_TMA=0) against the
-#       default TMA one, interleaved: per-kernel sums (lora_profile.py), then frozen vs LoRA at LORA_MODEL.
+#       default TMA one, interleaved: kernels in launch order, split and fused (lora_profile.py), then frozen
+#       vs LoRA at LORA_MODEL.
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 STAGE=${1:-main}
@@ -48,8 +51,11 @@ if [[ ( $STAGE == peers || $STAGE == peer || -n ${PEERS:-} ) && -f .peers/instal
   # SonicMoE's GEMMs (QuACK) autotune on first use, minutes per shape on a fresh machine; QuACK keeps each
   # kernel's result under $QUACK_HOME/.quack as it finishes. Kept in .peers-cache (git-ignored) and sent back
   # as $OUT/quack_home.tgz, so a later call can carry it (untar into .peers-cache) and skip what is done.
-  export QUACK_HOME=$PWD/.peers-cache; mkdir -p "$QUACK_HOME"
-  trap 'tar czf "$OUT/quack_home.tgz" -C "$QUACK_HOME" . 2>/dev/null' EXIT
+  # Its compiled kernels (.o, QUACK_CACHE_DIR) go to .peers-cache/objects, sent back apart ($OUT/quack_objects.tgz).
+  export QUACK_HOME=$PWD/.peers-cache QUACK_CACHE_DIR=$PWD/.peers-cache/objects QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-16}
+  mkdir -p "$QUACK_CACHE_DIR"
+  trap 'tar czf "$OUT/quack_home.tgz" -C "$QUACK_HOME" --exclude=./objects . 2>/dev/null;
+        tar czf "$OUT/quack_objects.tgz" -C "$QUACK_CACHE_DIR" . 2>/dev/null' EXIT
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 python3 -m moeyard info > "$OUT/info.txt" 2>&1
@@ -77,7 +83,7 @@ elif [[ $STAGE == peers ]]; then  # SonicMoE compiles for minutes on a fresh mac
   step bench_peers 560 "${BENCH[@]}" --model qwen3-30b-a3b --model sonic-7b --backends triton,torch_gmm,sonicmoe \
     --json "$OUT/bench_peers.json"
 elif [[ $STAGE == peer ]]; then
-  step "bench_peer_${MODEL:?MODEL=<shape name>}" 570 "${BENCH[@]}" --model "$MODEL" --backends triton,torch_gmm,sonicmoe \
+  step "bench_peer_${MODEL:?MODEL=<shape name>}" ${PEER_SECS:-560} "${BENCH[@]}" --model "$MODEL" --backends triton,torch_gmm,sonicmoe \
     --json "$OUT/bench_peer_$MODEL.json"
 elif [[ $STAGE == router ]]; then
   MOEYARD_TRITON_AUTOTUNE=0 step pytest_cuda 200 python3 -m pytest -q -p no:cacheprovider tests/cuda
@@ -106,6 +112,20 @@ elif [[ $STAGE == ab ]]; then
       fi
     done
   done
+elif [[ $STAGE == loraab ]]; then
+  BASE=$(cd "${BASE:?BASE=dir with an earlier src/ and benchmarks/}" && pwd)
+  MOEYARD_TRITON_AUTOTUNE=0 step pytest_triton 170 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_triton_cuda.py \
+    tests/cuda/test_lora_cuda.py -k "${TESTS_K:-tma or down or lora}"
+  for run in 1 2; do
+    for tree in new base; do
+      root=$PWD; [[ $tree == base ]] && root=$BASE
+      [[ $run == 1 ]] && PYTHONPATH=$root/src step "lora_kernels_$tree" 120 python3 "$root/benchmarks/lora_profile.py" \
+        --model "${LORA_MODEL:-qwen3-30b-a3b}" --sequence
+      PYTHONPATH=$root/src step "bench_lora_${tree}_$run" 90 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 \
+        --backends frozen,lora --model "${LORA_MODEL:-qwen3-30b-a3b}"
+    done
+  done
+  for f in "$OUT"/lora_kernels_*.txt; do echo "== $f"; grep -E "^(down|up_|dh_|wgrad|total)" "$f"; done
 elif [[ $STAGE == abprof ]]; then
   BASE=$(cd "${BASE:?BASE=dir with an earlier src/}" && pwd)
   for shape in qwen3-30b-a3b sonic-7b; do
@@ -164,8 +184,8 @@ elif [[ $STAGE == lora ]]; then
     --model qwen3-30b-a3b --model qwen3.5-35b-a3b --json "$OUT/bench_lora.json"
 elif [[ $STAGE == lorapointer ]]; then
   for tma in 1 0; do
-    MOEYARD_TRITON_TMA=$tma step "lora_kernels_tma$tma" 120 python3 benchmarks/lora_profile.py \
-      --model "${LORA_MODEL:-qwen3-30b-a3b}"
+    MOEYARD_TRITON_TMA=$tma step "lora_kernels_tma$tma" 150 python3 benchmarks/lora_profile.py \
+      --model "${LORA_MODEL:-qwen3-30b-a3b}" --modes split fused --sequence
   done
   for run in 1 2; do
     for tma in 0 1; do
