@@ -1,10 +1,11 @@
 """Host time against device time of one MoE layer step, each measured alone, without a profiler.
 
     python benchmarks/host_time.py [--models sonic-7b,qwen3-30b-a3b] [--backends triton,torch_gmm]
-        [--routers torch,fused] [--iters 20] [--top 25] [--json PATH]
+        [--routers torch,fused] [--iters 20] [--top 25] [--forward] [--json PATH]
 
 A step is the benchmark's forward + backward (``moeyard bench``: routed experts only, bf16, fresh
-``randn`` inputs, gradients set to None first). Per (shape, backend, router):
+``randn`` inputs, gradients set to None first); with ``--forward``, its forward alone (inputs still
+requiring grad, as ``moeyard bench`` times the forward). Per (shape, backend, router):
 
 - **host ms**: ``time.perf_counter`` around the step's Python after a synchronisation, the GPU free to
   run each kernel as it arrives: the time the host needs to issue the step (launches are
@@ -46,19 +47,21 @@ from moeyard.routing import use_router
 SLEEP_CYCLES = 200_000_000  # ~0.1 s at H100 clocks: longer than any step's host time
 
 
-def _step(module, inputs, params, i: int) -> None:
+def _step(module, inputs, params, i: int, forward_only: bool = False) -> None:
     for t in params + inputs.xs:
         t.grad = None
-    module(inputs.xs[i]).backward(inputs.dys[i])
+    out = module(inputs.xs[i])
+    if not forward_only:
+        out.backward(inputs.dys[i])
 
 
-def measure(module, inputs, iters: int, warmup: int = 3) -> dict:
+def measure(module, inputs, iters: int, warmup: int = 3, forward_only: bool = False) -> dict:
     """``host_ms``, ``held_host_ms``, ``device_ms``, ``step_ms`` (medians) and ``sleep_ms`` of the step
     (module docstring)."""
     params = [p for p in module.parameters() if p.requires_grad]
     n = len(inputs.xs)
     for i in range(warmup):
-        _step(module, inputs, params, i % n)
+        _step(module, inputs, params, i % n, forward_only)
     torch.cuda.synchronize()
     s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s0.record(); torch.cuda._sleep(SLEEP_CYCLES); s1.record(); torch.cuda.synchronize()
@@ -69,7 +72,7 @@ def measure(module, inputs, iters: int, warmup: int = 3) -> dict:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t0 = time.perf_counter()
-        _step(module, inputs, params, i % n)
+        _step(module, inputs, params, i % n, forward_only)
         host.append((time.perf_counter() - t0) * 1e3)
         end.record()
         torch.cuda.synchronize()
@@ -78,15 +81,17 @@ def measure(module, inputs, iters: int, warmup: int = 3) -> dict:
     for i in range(iters):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        _step(module, inputs, params, i % n)
+        _step(module, inputs, params, i % n, forward_only)
         free.append((time.perf_counter() - t0) * 1e3)
     torch.cuda.synchronize()
-    step_ms = bench.time_ms(lambda i: _step(module, inputs, params, i % n), n, 0, iters, torch.device("cuda"))
+    step = lambda i: _step(module, inputs, params, i % n, forward_only)  # noqa: E731
+    step_ms = bench.time_ms(step, n, 0, iters, torch.device("cuda"))
     return dict(host_ms=statistics.median(free), held_host_ms=statistics.median(host),
                 device_ms=statistics.median(device), step_ms=step_ms, sleep_ms=sleep_ms)
 
 
-def profile_host(module, inputs, iters: int, top: int, dump: str | None = None) -> str:
+def profile_host(module, inputs, iters: int, top: int, dump: str | None = None,
+                 forward_only: bool = False) -> str:
     """``cProfile`` of ``iters`` steps' host work (GPU held busy): the ``top`` functions by own time,
     then by cumulative time; the raw stats into file ``dump`` when given (``pstats.Stats(dump)``)."""
     params = [p for p in module.parameters() if p.requires_grad]
@@ -95,7 +100,7 @@ def profile_host(module, inputs, iters: int, top: int, dump: str | None = None) 
         for i in range(iters):
             torch.cuda._sleep(SLEEP_CYCLES)
             prof.enable()
-            _step(module, inputs, params, i % len(inputs.xs))
+            _step(module, inputs, params, i % len(inputs.xs), forward_only)
             prof.disable()
             torch.cuda.synchronize()
     if dump:
@@ -114,6 +119,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--top", type=int, default=0, help="cProfile: print the N functions with most own time")
     p.add_argument("--pstats", default=None, help="directory: each row's raw cProfile stats (with --top)")
+    p.add_argument("--forward", action="store_true", help="time the forward alone")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -136,10 +142,10 @@ def main(argv=None) -> int:
                 module.router.weight.copy_(inputs.router_weight)
             for router in a.routers.split(","):
                 with use_router(router):
-                    r = measure(module, inputs, a.iters)
+                    r = measure(module, inputs, a.iters, forward_only=a.forward)
                     if a.top:
                         dump = a.pstats and os.path.join(a.pstats, f"{model}-{backend}-{router}.pstats")
-                        text = profile_host(module, inputs, a.iters, a.top, dump)
+                        text = profile_host(module, inputs, a.iters, a.top, dump, a.forward)
                         profiles.append((f"{model} {backend} router={router}", text))
                 rows.append(dict(model=model, backend=backend, router=router, **r))
             del module
