@@ -48,14 +48,13 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [[ ( $STAGE == peers || $STAGE == peer || -n ${PEERS:-} ) && -f .peers/install.sh ]]; then
   source .peers/install.sh
-  # SonicMoE's GEMMs (QuACK) autotune on first use, minutes per shape on a fresh machine; QuACK keeps each
-  # kernel's result under $QUACK_HOME/.quack as it finishes. Kept in .peers-cache (git-ignored) and sent back
-  # as $OUT/quack_home.tgz, so a later call can carry it (untar into .peers-cache) and skip what is done.
-  # Its compiled kernels (.o, QUACK_CACHE_DIR) go to .peers-cache/objects, sent back apart ($OUT/quack_objects.tgz).
-  export QUACK_HOME=$PWD/.peers-cache QUACK_CACHE_DIR=$PWD/.peers-cache/objects QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-16}
+  # SonicMoE's GEMMs (QuACK) autotune on first use, compiling every candidate: minutes per shape on a fresh
+  # machine. QuACK keeps each GEMM's autotune pick and compiled kernels (.o) under QUACK_CACHE_DIR as it
+  # finishes: .peers-cache (git-ignored), sent back as $OUT/quack_cache.tgz. Untarred into .peers-cache and
+  # carried with .peers, a later call compiles only what is missing (sonic-7b: two calls, NOTES round 12).
+  export QUACK_CACHE_DIR=$PWD/.peers-cache QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-16}
   mkdir -p "$QUACK_CACHE_DIR"
-  trap 'tar czf "$OUT/quack_home.tgz" -C "$QUACK_HOME" --exclude=./objects . 2>/dev/null;
-        tar czf "$OUT/quack_objects.tgz" -C "$QUACK_CACHE_DIR" . 2>/dev/null' EXIT
+  trap 'tar czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" . 2>/dev/null' EXIT
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 python3 -m moeyard info > "$OUT/info.txt" 2>&1
