@@ -28,7 +28,7 @@
 #       then the whole layer at qwen3-30b-a3b with the torch and the fused router, interleaved, twice each.
 #   hosttime: host ms vs device ms of one fwd+bwd step, each alone (benchmarks/host_time.py), at sonic-7b and
 #       qwen3-30b-a3b, triton and torch_gmm, torch and fused router, with a cProfile of each row's host work;
-#       then the whole-layer bench at both shapes.
+#       the same for the forward alone (fused router); then the whole-layer bench at both shapes.
 #   routerab: the CUDA tests, then the whole-layer bench (sonic-7b, qwen3-30b-a3b) with MOEYARD_ROUTER=torch and
 #       auto (the default: the fused router on CUDA), interleaved, twice each.
 #   hostab: host_time.py of this tree and of BASE (an earlier src/, carried), interleaved, twice each (sonic-7b,
@@ -155,7 +155,9 @@ elif [[ $STAGE == host ]]; then
 elif [[ $STAGE == hosttime ]]; then
   step host_time 300 python3 benchmarks/host_time.py --models sonic-7b,qwen3-30b-a3b --backends triton,torch_gmm \
     --routers torch,fused --top 30 --json "$OUT/host_time.json"
-  step bench_host 150 "${BENCH[@]}" --model sonic-7b --model qwen3-30b-a3b --backends triton,torch_gmm
+  step host_time_fwd 120 python3 benchmarks/host_time.py --models sonic-7b,qwen3-30b-a3b --backends triton,torch_gmm \
+    --routers fused --forward --top 30 --json "$OUT/host_time_fwd.json"
+  step bench_host 120 "${BENCH[@]}" --model sonic-7b --model qwen3-30b-a3b --backends triton,torch_gmm
 elif [[ $STAGE == hostab ]]; then
   BASE=$(cd "${BASE:?BASE=dir with an earlier src/}" && pwd)
   for run in 1 2; do
