@@ -318,3 +318,17 @@ def test_host_time_rows_and_profile(monkeypatch, tmp_path, capsys):
     assert any("forward" in fn for _, _, fn in stats.stats)
     text = capsys.readouterr().out
     assert "## cProfile tiny grouped_mm router=fused" in text and "host/dev" in text
+
+
+@pytest.mark.parametrize("forward_only", [True, False])
+def test_host_time_forward_step_runs_no_backward(forward_only):
+    from moeyard import bench
+    from moeyard.models import parse_shape
+
+    ht = load_benchmark("host_time")
+    opts = bench.resolve_options(bench.BenchOptions(device="cpu", shapes=["32,32,16,4,2"]))
+    inputs = bench.make_inputs(parse_shape("32,32,16,4,2"), opts)
+    module = bench.build("loop", parse_shape("32,32,16,4,2").moe_config(), "cpu", torch.float32)
+    params = [p for p in module.parameters() if p.requires_grad]
+    ht._step(module, inputs, params, 0, forward_only)
+    assert all((p.grad is None) == forward_only for p in params + inputs.xs[:1])
