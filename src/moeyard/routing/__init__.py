@@ -128,9 +128,11 @@ def route(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None =
 
 
 def finish(config: MoEConfig, ids: Tensor, w: Tensor, logits: Tensor, scores: Tensor, counts: Tensor,
-           aux: Tensor, seq: Tensor, z: Tensor) -> RoutingOutput:
-    """The :class:`RoutingOutput` of these tensors, with the coefficient-weighted ``loss``."""
-    loss = config.aux_loss_coef * aux + config.seq_aux_loss_coef * seq + config.z_loss_coef * z
+           aux: Tensor, seq: Tensor, z: Tensor, loss: Tensor | None = None) -> RoutingOutput:
+    """The :class:`RoutingOutput` of these tensors, with the coefficient-weighted ``loss`` (computed
+    here unless given)."""
+    if loss is None:
+        loss = config.aux_loss_coef * aux + config.seq_aux_loss_coef * seq + config.z_loss_coef * z
     return RoutingOutput(topk_ids=ids, topk_weights=w, router_logits=logits, scores=scores,
                          tokens_per_expert=counts, aux_loss=aux, seq_aux_loss=seq, z_loss=z, loss=loss)
 

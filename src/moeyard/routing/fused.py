@@ -1,11 +1,13 @@
 """The fused router: :func:`moeyard.routing.route` in two Triton kernels (forward, backward).
 
 Forward: one kernel computes the logits GEMM, the scores, the top-k ids and weights and per-block
-partial statistics (:mod:`.kernels`); one torch sum reduces the partials in a fixed order, and the
-losses come from those statistics (:mod:`.losses`, the same formulas as the torch path). Backward:
-one kernel yields ``d logits [T, E]`` (x's dtype); then ``dx = d logits @ W``,
+partial statistics (:mod:`.kernels`); a second, one program, reduces the partials in a fixed order and
+computes the three losses and their weighted sum from them (the formulas of :mod:`.losses`, as the
+torch path). Backward: one kernel yields ``d logits [T, E]`` (x's dtype); then ``dx = d logits @ W``,
 ``dW = d logits^T @ x`` and ``d bias = sum_t d logits`` are torch matmuls and a sum. Kept for
-backward: x, the weight, the logits and the ids. No host synchronisation.
+backward: x, the weight, the logits, the ids and the ``[B, 2E + 1]`` per-sequence statistics. No host
+synchronisation; 2 launches and no other device op in the forward (besides allocations), so that the
+host issues it quickly (``benchmarks/NOTES.md``, round 13).
 
 Values equal the torch path's to float32 rounding; the ids are identical except where two keys tie
 exactly (or, after rounding, within an ulp): among equal keys the lower expert id is picked.
@@ -24,7 +26,6 @@ from ..checks import check_float
 from ..config import MoEConfig
 from ..experts.triton.schedule import device_smem_limit, dot_precision, interpreting, tuned
 from . import kernels
-from .losses import balance_loss_from_stats, sequence_balance_from_stats, z_loss_from_stats
 
 Tensor = torch.Tensor
 MAX_EXPERTS = 512
@@ -51,6 +52,30 @@ class Spec:
 
     def flags(self) -> dict:
         return dict(SIGMOID=self.sigmoid, TOPK_FIRST=self.topk_first, NORM=self.norm)
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The losses' scale factors (``aux = c_aux sum_e counts_e P_e``, ``seq = c_seq sum_be counts_be
+    P_be``, ``z = c_z sum_t lse_t^2``: :mod:`.losses` factored; 0 without tokens) and coefficients."""
+
+    c_aux: float
+    c_seq: float
+    c_z: float
+    w_aux: float
+    w_seq: float
+    w_z: float
+
+    @staticmethod
+    def of(config: MoEConfig, num_tokens: int, num_sequences: int) -> "LossSpec":
+        T, B, E, K = num_tokens, num_sequences, config.num_experts, config.top_k
+        S = T // B
+        return LossSpec(c_aux=E / (T * T * K) if T else 0.0, c_seq=E / (K * S * S * B) if S else 0.0,
+                        c_z=1.0 / T if T else 0.0, w_aux=float(config.aux_loss_coef),
+                        w_seq=float(config.seq_aux_loss_coef), w_z=float(config.z_loss_coef))
+
+    def args(self) -> tuple:
+        return self.c_aux, self.c_seq, self.c_z, self.w_aux, self.w_seq, self.w_z
 
 
 def unsupported(x: Tensor, config: MoEConfig, *, training: bool = False) -> str | None:
@@ -89,15 +114,10 @@ def route_fused(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | 
     from . import finish  # the package imports this module lazily
 
     _check(x, weight, config, bias, correction_bias, num_sequences)
-    spec = Spec.of(config, num_sequences)
-    logits, scores, ids, w, stats = _FusedRouter.apply(x, weight, bias, correction_bias, spec)
-    E, T, B = config.num_experts, x.shape[0], num_sequences
-    counts_seq, prob_seq = stats[:, :E].detach(), stats[:, E:2 * E]
-    counts = counts_seq.sum(0)
-    aux = balance_loss_from_stats(counts, prob_seq.sum(0), T, config.top_k)
-    seq = sequence_balance_from_stats(counts_seq, prob_seq, T // B, config.top_k)
-    z = z_loss_from_stats(stats[:, 2 * E].sum(), T)
-    return finish(config, ids, w, logits, scores, counts, aux, seq, z)
+    spec, loss_spec = Spec.of(config, num_sequences), LossSpec.of(config, x.shape[0], num_sequences)
+    logits, scores, ids, w, counts, losses = _FusedRouter.apply(x, weight, bias, correction_bias, spec, loss_spec)
+    aux, seq, z, loss = losses.unbind()
+    return finish(config, ids, w, logits, scores, counts, aux, seq, z, loss)
 
 
 def _check(x, weight, config, bias, correction_bias, num_sequences) -> None:
@@ -130,23 +150,25 @@ def _check(x, weight, config, bias, correction_bias, num_sequences) -> None:
 
 class _FusedRouter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, corr, spec: Spec):
+    def forward(ctx, x, weight, bias, corr, spec: Spec, loss_spec: LossSpec):
         logits, scores, ids, w, stats = _forward(x, weight, bias, corr, spec)
-        ctx.mark_non_differentiable(ids)
+        seq_stats, counts, losses = _losses(stats, loss_spec)
+        ctx.mark_non_differentiable(ids, counts)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x, weight, bias, logits, ids)
-        ctx.spec = spec
-        return logits, scores, ids, w, stats
+        ctx.save_for_backward(x, weight, bias, logits, ids, seq_stats, counts)
+        ctx.spec, ctx.loss_spec = spec, loss_spec
+        return logits, scores, ids, w, counts, losses
 
     @staticmethod
-    def backward(ctx, g_logits, g_scores, _g_ids, g_w, g_stats):
-        x, weight, bias, logits, ids = ctx.saved_tensors
-        dl = _backward(logits, ids, g_w, g_logits, g_scores, g_stats, ctx.spec, x.dtype)
+    def backward(ctx, g_logits, g_scores, _g_ids, g_w, _g_counts, g_losses):
+        x, weight, bias, logits, ids, seq_stats, counts = ctx.saved_tensors
+        dl = _backward(logits, ids, g_w, g_logits, g_scores, (g_losses, counts, seq_stats), ctx.spec,
+                       ctx.loss_spec, x.dtype)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx = dl @ weight.to(x.dtype) if need_x else None
         dw = (dl.mT @ x).to(weight.dtype) if need_w else None
         db = dl.sum(0, dtype=torch.float32).to(bias.dtype) if need_b else None
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def empty(shape: tuple, *, device, dtype) -> Tensor:
@@ -180,22 +202,39 @@ def _forward(x, weight, bias, corr, spec: Spec):
             HAS_BIAS=bias is not None, HAS_CORR=corr is not None and not spec.topk_first,
             PRECISION=dot_precision(x.dtype), E_P2=e_p2, K_P2=max(2, triton.next_power_of_2(K)), BM=bm,
             **spec.flags())
-    return logits, scores, ids, w, stats.sum(1)
+    return logits, scores, ids, w, stats
 
 
-def _backward(logits, ids, g_w, g_logits, g_scores, g_stats, spec: Spec, dtype):
+def _losses(stats: Tensor, loss_spec: LossSpec) -> tuple[Tensor, Tensor, Tensor]:
+    """``(seq_stats [B, 2E + 1], counts [E], losses [4])`` float32 from the ``[B, NS, 2E + 1]`` partial
+    statistics (:func:`.kernels.router_losses_kernel`; with no tokens, zeros)."""
+    B, NS, _ = stats.shape
+    E = (stats.shape[2] - 1) // 2
+    f32 = dict(device=stats.device, dtype=torch.float32)
+    if NS == 0:
+        return torch.zeros((B, 2 * E + 1), **f32), torch.zeros(E, **f32), torch.zeros(4, **f32)
+    seq_stats, counts, losses = empty((B, 2 * E + 1), **f32), empty((E,), **f32), empty((4,), **f32)
+    kernels.router_losses_kernel[(1,)](stats, seq_stats, counts, losses, B, NS, E, *loss_spec.args(),
+                                      E_P2=max(16, triton.next_power_of_2(E)), BJ=4 if interpreting() else 32,
+                                      num_warps=4)
+    return seq_stats, counts, losses
+
+
+def _backward(logits, ids, g_w, g_logits, g_scores, loss_grad, spec: Spec, loss_spec: LossSpec, dtype):
+    """``d logits [T, E]``; ``loss_grad = (d losses [4] or None, counts, seq_stats)``."""
     T, E = logits.shape
     dl = empty((T, E), device=logits.device, dtype=dtype)
     if T == 0:
         return dl
     e_p2 = max(16, triton.next_power_of_2(E))
     bm = max(1, min(64, 4096 // e_p2))
-    grads = [logits if g is None else g.contiguous() for g in (g_w, g_logits, g_scores, g_stats)]  # unread if None
+    g_losses, counts, seq_stats = loss_grad
+    grads = [logits if g is None else g.contiguous() for g in (g_w, g_logits, g_scores, g_losses)]  # unread if None
     has = dict(HAS_GW=g_w is not None, HAS_GL=g_logits is not None, HAS_GS=g_scores is not None,
-               HAS_GSTATS=g_stats is not None)
+               HAS_GLOSS=g_losses is not None)
     kernels.router_bwd_kernel[(triton.cdiv(T, bm),)](
-        logits, ids, *grads, dl, T, E, spec.top_k, T // spec.num_sequences, spec.scale,
-        E_P2=e_p2, BM=bm, num_warps=4 if e_p2 <= 128 else 8, **has, **spec.flags())
+        logits, ids, *grads, counts, seq_stats, dl, T, E, spec.top_k, T // spec.num_sequences, spec.scale,
+        *loss_spec.args(), E_P2=e_p2, BM=bm, num_warps=4 if e_p2 <= 128 else 8, **has, **spec.flags())
     return dl
 
 

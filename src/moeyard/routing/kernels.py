@@ -12,9 +12,12 @@ its own slot; the caller sums the slots in a fixed order (no atomics: bit-reprod
 Top-k: K passes of a row-wise argmax; among equal keys the lowest expert id wins (``tl.max`` with
 ``return_indices_tie_break_left``), so the ids come out ordered by decreasing key, as ``torch.topk``.
 
+Losses (one program): the per-program statistics summed in a fixed order, per sequence and over all,
+and from them the three losses and their coefficient-weighted sum (:func:`router_losses_kernel`).
+
 Backward (one program per block of BM tokens): ``d logits`` from the gradients of the weights, the
-logits, the scores and the statistics, recomputing scores and the selection mask from the logits and
-ids (nothing else is kept).
+logits, the scores and the losses, recomputing scores and the selection mask from the logits and
+ids (the per-sequence statistics are kept too).
 """
 import triton
 import triton.language as tl
@@ -157,6 +160,57 @@ def router_fwd_kernel(
 
 
 @triton.jit
+def router_losses_kernel(
+    stats_ptr,      # [B, NS, 2E + 1] float32 per-program statistics (router_fwd_kernel)
+    seq_ptr,        # [B, 2E + 1] out: per-sequence statistics (counts, probability sums, sum lse^2)
+    counts_ptr,     # [E] out: routed pairs per expert
+    loss_ptr,       # [4] out: aux, seq_aux, z and their coefficient-weighted sum (w_aux, w_seq, w_z)
+    B, NS, E,
+    c_aux, c_seq, c_z,  # E / (T^2 K), E / (K S^2 B), 1 / T (0 for T = 0): the losses' scale factors
+    w_aux, w_seq, w_z,
+    E_P2: tl.constexpr, BJ: tl.constexpr,
+):
+    """One program: ``aux = c_aux sum_e counts_e P_e``, ``seq = c_seq sum_be counts_be P_be``,
+    ``z = c_z sum_t lse_t^2`` (the formulas of :mod:`.losses`, factored), summing the NS slots of each
+    sequence BJ at a time in a fixed order (bit-reproducible)."""
+    cols = tl.arange(0, E_P2)
+    e_mask = cols < E
+    js = tl.arange(0, BJ)
+    counts = tl.zeros((E_P2,), tl.float32)
+    probs = tl.zeros((E_P2,), tl.float32)
+    seq = tl.zeros((E_P2,), tl.float32)
+    z = tl.zeros((E_P2,), tl.float32)
+    for b in range(B):
+        cb = tl.zeros((BJ, E_P2), tl.float32)
+        pb = tl.zeros((BJ, E_P2), tl.float32)
+        zb = tl.zeros((BJ, E_P2), tl.float32)
+        for j0 in range(0, NS, BJ):
+            j_mask = (j0 + js) < NS
+            slot = stats_ptr + ((b * NS + j0 + js).to(tl.int64) * (2 * E + 1))[:, None]
+            mask = j_mask[:, None] & e_mask[None, :]
+            cb += tl.load(slot + cols[None, :], mask=mask, other=0.0)
+            pb += tl.load(slot + E + cols[None, :], mask=mask, other=0.0)
+            zb += tl.load(slot + 2 * E + cols[None, :] * 0, mask=j_mask[:, None] & (cols == 0)[None, :], other=0.0)
+        cs, ps, zs = tl.sum(cb, axis=0), tl.sum(pb, axis=0), tl.sum(zb, axis=0)
+        out = seq_ptr + b * (2 * E + 1)
+        tl.store(out + cols, cs, mask=e_mask)
+        tl.store(out + E + cols, ps, mask=e_mask)
+        tl.store(out + 2 * E + cols, zs, mask=cols == 0)
+        counts += cs
+        probs += ps
+        seq += cs * ps
+        z += zs
+    tl.store(counts_ptr + cols, counts, mask=e_mask)
+    aux = c_aux * tl.sum(counts * probs, axis=0)
+    seq_aux = c_seq * tl.sum(seq, axis=0)
+    z_loss = c_z * tl.sum(z, axis=0)
+    tl.store(loss_ptr, aux)
+    tl.store(loss_ptr + 1, seq_aux)
+    tl.store(loss_ptr + 2, z_loss)
+    tl.store(loss_ptr + 3, w_aux * aux + w_seq * seq_aux + w_z * z_loss)
+
+
+@triton.jit
 def _dense_grad(ids_ptr, gw_ptr, rows, m_mask, cols, K, scale, HAS_GW: tl.constexpr):
     """``d topk_weights * scale`` scattered to ``[BM, E_P2]`` (0 where not selected) and the
     selection mask, from ``ids [T, K]`` and ``gw [T, K]`` (contiguous)."""
@@ -189,14 +243,18 @@ def router_bwd_kernel(
     gw_ptr,         # [T, K] d topk_weights, contiguous; read if HAS_GW
     gl_ptr,         # [T, E] d router_logits, contiguous; read if HAS_GL
     gs_ptr,         # [T, E] d scores, contiguous; read if HAS_GS
-    gstats_ptr,     # [B, 2E + 1] d (per-sequence statistics), contiguous; read if HAS_GSTATS
+    gloss_ptr,      # [4] d (aux, seq_aux, z, weighted sum), float32; read if HAS_GLOSS
+    counts_ptr,     # [E] float32 routed pairs per expert (router_losses_kernel); read if HAS_GLOSS
+    seq_ptr,        # [B, 2E + 1] float32 per-sequence statistics (router_losses_kernel); read if HAS_GLOSS
     dl_ptr,         # [T, E] out: d logits (x's dtype), contiguous
     T, E, K, S, scale,
+    c_aux, c_seq, c_z, w_aux, w_seq, w_z,  # as router_losses_kernel
     SIGMOID: tl.constexpr, TOPK_FIRST: tl.constexpr, NORM: tl.constexpr, HAS_GW: tl.constexpr,
-    HAS_GL: tl.constexpr, HAS_GS: tl.constexpr, HAS_GSTATS: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
+    HAS_GL: tl.constexpr, HAS_GS: tl.constexpr, HAS_GLOSS: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
 ):
     """``d logits`` of the tokens ``pid BM ...``: chain rule through the routing weights, the scores,
-    the per-sequence probability sums and ``sum logsumexp^2``, plus the direct logits gradient."""
+    the losses (through the per-sequence probability sums and ``sum logsumexp^2``), plus the direct
+    logits gradient."""
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     m_mask = rows < T
     cols = tl.arange(0, E_P2)
@@ -223,15 +281,19 @@ def router_bwd_kernel(
             ds += _renorm_grad(g, tl.where(sel, s, 0.0), sel, NORM)
     if HAS_GS:
         ds += tl.load(gs_ptr + te, mask=te_mask, other=0.0).to(tl.float32)
-    if HAS_GSTATS:
-        row_stats = gstats_ptr + (rows // S) * (2 * E + 1)
-        gp = tl.load(row_stats[:, None] + E + cols[None, :], mask=te_mask, other=0.0).to(tl.float32)
+    if HAS_GLOSS:
+        g_sum = tl.load(gloss_ptr + 3)
+        g_aux = (tl.load(gloss_ptr) + w_aux * g_sum) * c_aux  # aux = c_aux sum_e counts_e P_e
+        g_seq = (tl.load(gloss_ptr + 1) + w_seq * g_sum) * c_seq  # seq = c_seq sum_be counts_be P_be
+        gz = (tl.load(gloss_ptr + 2) + w_z * g_sum) * c_z  # z = c_z sum_t lse_t^2
+        counts = tl.load(counts_ptr + cols, mask=e_mask, other=0.0)
+        counts_seq = tl.load(seq_ptr + (rows // S)[:, None] * (2 * E + 1) + cols[None, :], mask=te_mask, other=0.0)
+        gp = g_aux * counts[None, :] + g_seq * counts_seq  # d loss / d probs[t, e]
         if SIGMOID:
             q = tl.sum(s, axis=1)[:, None] + EPS
             gp = gp / q - tl.sum(gp * s, axis=1)[:, None] / (q * q)
         ds += gp
-        gz = tl.load(row_stats + 2 * E, mask=m_mask, other=0.0).to(tl.float32)
-        dl += (2.0 * lse * gz)[:, None] * sm
+        dl += (2.0 * gz * lse)[:, None] * sm
     if SIGMOID:
         dl += ds * s * (1.0 - s)
     else:
