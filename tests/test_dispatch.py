@@ -203,3 +203,19 @@ def test_plan_is_frozen():
     with pytest.raises(Exception):
         plan.align = 2
     assert isinstance(plan, moeyard.DispatchPlan) and plan.num_pairs == 8
+
+
+@pytest.mark.parametrize("T,K,E,case,align", [c for c in CASES if c.values[4] == 1])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
+def test_sort_by_expert_is_the_plan_core(T, K, E, case, align, id_dtype):
+    """The triton backend's four-op sort gives make_plan's order and offsets, invalid ids last."""
+    from moeyard.dispatch import sort_by_expert
+    ids = _ids(T, K, E, case).to(id_dtype)
+    if case == "invalid":
+        ids[0, 0] = torch.iinfo(id_dtype).min
+        ids[-1, -1] = torch.iinfo(id_dtype).max
+    plan = make_plan(ids, E)
+    keys, order, offsets = sort_by_expert(ids, E)
+    assert torch.equal(order, plan.sort_order) and torch.equal(offsets, plan.expert_offsets)
+    assert offsets.dtype == torch.int32 and keys.dtype == torch.int64
+    assert ((keys == E) == ~plan.valid[order]).all()

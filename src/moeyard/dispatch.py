@@ -16,6 +16,7 @@ The pipeline (the MaxText decomposition, separate composable steps so backends c
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,37 @@ class DispatchPlan:
         return torch.searchsorted(self.padded_offsets[1:], rows, right=True)
 
 
+def sort_keys(topk_ids: Tensor, num_experts: int) -> Tensor:
+    """``[N]`` int64 sort keys of the flattened ids: the id, or E for an id outside ``[0, E)``."""
+    return topk_ids.reshape(-1).to(torch.int64).clamp(-1, num_experts).remainder(num_experts + 1)
+
+
+def sort_by_expert(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The core of :func:`make_plan` in four device ops (a backend that needs no more calls it
+    directly): ``(sorted_keys [N] int64, sort_order [N] int64, expert_offsets [E + 1] int32)``. Pairs
+    with an id outside ``[0, E)`` sort to the tail, past ``expert_offsets[E]``. No host sync."""
+    return _sort(sort_keys(topk_ids, num_experts), num_experts)
+
+
+def _sort(keys: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    sorted_keys, sort_order = torch.sort(keys, stable=True)
+    bounds = _bounds(num_experts, keys.device)
+    return sorted_keys, sort_order, torch.searchsorted(sorted_keys, bounds, out_int32=True)
+
+
+def _bounds(num_experts: int, device: torch.device) -> Tensor:
+    """``arange(E + 1)`` int64 on ``device``: searchsorted's needles (each expert's first row). Made once
+    per (E, device) in eager mode; fresh while ``torch.compile`` traces (a traced tensor must not be kept)."""
+    if torch.compiler.is_compiling():
+        return torch.arange(num_experts + 1, device=device, dtype=torch.int64)
+    return _cached_bounds(num_experts, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_bounds(num_experts: int, device: torch.device) -> Tensor:
+    return torch.arange(num_experts + 1, device=device, dtype=torch.int64)
+
+
 def make_plan(topk_ids: Tensor, num_experts: int, *, align: int = 1) -> DispatchPlan:
     """Build the dispatch plan for ``topk_ids [T, K]`` (any integer dtype) on its device.
 
@@ -101,12 +133,9 @@ def make_plan(topk_ids: Tensor, num_experts: int, *, align: int = 1) -> Dispatch
         raise ValueError(f"align: expected a positive int, got {align!r}")
     T, K = topk_ids.shape
     N, E, dev = T * K, num_experts, topk_ids.device
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    valid = (flat >= 0) & (flat < E)
-    keys = torch.where(valid, flat, E)
-    sorted_keys, sort_order = torch.sort(keys, stable=True)
-    bounds = torch.arange(E + 1, device=dev, dtype=torch.int64)
-    expert_offsets = torch.searchsorted(sorted_keys, bounds).to(torch.int32)
+    keys = sort_keys(topk_ids, E)
+    sorted_keys, sort_order, expert_offsets = _sort(keys, E)
+    valid = keys < E
     tokens_per_expert = expert_offsets.diff()
     positions = torch.arange(N, device=dev, dtype=torch.int64)
     if align == 1:

@@ -14,7 +14,7 @@ import torch
 import triton
 
 from ...activations import GATED
-from ...dispatch import make_plan
+from ...dispatch import sort_by_expert
 from ...kernel_op import kernel_op
 from . import kernels_bwd, kernels_fwd, kernels_tma
 from .options import options
@@ -31,39 +31,51 @@ THIN = 64  # weight gradients with a side this small (LoRA factors) use the thin
 
 @dataclass(frozen=True, kw_only=True)
 class Routing:
-    """Device-side routing metadata (from :func:`moeyard.dispatch.make_plan`; no host sync).
+    """Device-side routing metadata (from :func:`moeyard.dispatch.sort_by_expert`; no host sync).
 
     Attributes:
         topk_ids: ``[T, K]`` integer ids (contiguous). sort_order: ``[N]`` int64, sorted position
         -> flat pair. expert_offsets: ``[E + 1]`` int32. num_experts: E.
-        sorted_token: ``[N]`` int32, sorted position -> token (``sort_order // K``; int32 holds any
-        T < 2**31): the weight gradients' gather index, loaded as is inside their row loop. Made in
-        every forward (two small ops over N), also when no backward follows.
-        tables: the tile tables made so far by :meth:`tile_table`, by block size (the TMA down
-        projection's forward and its input gradient in backward share one).
+        made: what :meth:`tile_table` and :attr:`sorted_token` made so far (the TMA down projection's
+        forward and its input gradient in backward share one table; the weight gradients share the
+        token index).
     """
 
     topk_ids: Tensor
     sort_order: Tensor
     expert_offsets: Tensor
     num_experts: int
-    sorted_token: Tensor
-    tables: dict = field(default_factory=dict, compare=False, repr=False)
+    made: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def _keep(self, key, value: Tensor) -> Tensor:
+        """Keep ``value`` for later launches over the same routing, in eager mode (while
+        ``torch.compile`` traces, each call makes its own: a side effect on the routing would not
+        survive the autograd function's traced forward)."""
+        if not torch.compiler.is_compiling():
+            self.made[key] = value
+        return value
 
     def tile_table(self, block_m: int) -> Tensor:
         """The ``[2 * M + 1]`` int32 row-tile table of ``block_m`` rows
         (:func:`moeyard.experts.triton.schedule.tile_table_kernel`), made on first use (one small
-        launch, no host sync) and kept for later launches over the same routing (in eager mode: while
-        ``torch.compile`` traces, each call makes its own, as a side effect on the routing would not
-        survive the autograd function's traced forward)."""
-        table = self.tables.get(block_m)
+        launch, no host sync)."""
+        table = self.made.get(block_m)
         if table is None:
             M = max_row_tiles(self.num_pairs, self.num_experts, block_m)
             table = torch.empty(2 * M + 1, dtype=torch.int32, device=self.expert_offsets.device)
             tile_table_(self.expert_offsets, block_m, table)
-            if not torch.compiler.is_compiling():
-                self.tables[block_m] = table
+            table = self._keep(block_m, table)
         return table
+
+    @property
+    def sorted_token(self) -> Tensor:
+        """``[N]`` int32, sorted position -> token (``sort_order // K``; int32 holds any T < 2**31):
+        the weight gradients' gather index, loaded as is inside their row loop. Made on first use
+        (two small ops over N: in backward, not in a forward that no backward follows)."""
+        tokens = self.made.get("sorted_token")
+        if tokens is None:
+            tokens = self._keep("sorted_token", (self.sort_order // max(self.top_k, 1)).to(torch.int32))
+        return tokens
 
     @property
     def top_k(self) -> int:
@@ -75,12 +87,11 @@ class Routing:
 
 
 def routing(topk_ids: Tensor, num_experts: int) -> Routing:
-    """Sort the ``[T, K]`` pairs by expert (stable) and find each expert's rows."""
-    plan = make_plan(topk_ids, num_experts)
-    K = max(topk_ids.shape[1], 1)
-    return Routing(topk_ids=topk_ids.contiguous(), sort_order=plan.sort_order,
-                   expert_offsets=plan.expert_offsets, num_experts=num_experts,
-                   sorted_token=(plan.sort_order // K).to(torch.int32))
+    """Sort the ``[T, K]`` pairs by expert (stable) and find each expert's rows
+    (:func:`moeyard.dispatch.sort_by_expert`: four device ops, no host sync)."""
+    _, sort_order, expert_offsets = sort_by_expert(topk_ids, num_experts)
+    return Routing(topk_ids=topk_ids.contiguous(), sort_order=sort_order, expert_offsets=expert_offsets,
+                   num_experts=num_experts)
 
 
 @dataclass(frozen=True, kw_only=True)
