@@ -76,6 +76,17 @@ def test_ids_out_of_range_on_cpu(backend, bad_id):
     assert _call(d, backend=backend, drop_invalid=True).isfinite().all()
 
 
+@pytest.mark.parametrize("backend", ALL)
+def test_check_ids_false_skips_the_check(backend):
+    """``check_ids=False`` (the caller vouches for the ids): no check, the same output for valid ids."""
+    d = _inputs()
+    torch.testing.assert_close(_call(d, backend=backend, check_ids=False), _call(d, backend=backend))
+    if backend in ("grouped_mm", "triton"):  # the others check the ids they index with themselves
+        d["topk_ids"] = d["topk_ids"].clone()
+        d["topk_ids"][2, 1] = -1
+        _call(d, backend=backend, check_ids=False)  # would raise ValueError with the check
+
+
 def test_unknown_backend_and_activation(monkeypatch):
     d = _inputs()
     with pytest.raises(ValueError, match=r"^backend: .*'nope'"):

@@ -151,7 +151,7 @@ class MoE(nn.Module):
         run = experts if self.expert_parallel is None else self.expert_parallel
         out = run(x2, routing.topk_ids, routing.topk_weights.to(x.dtype), self.gate_up_proj, self.down_proj,
                   activation=self.activation, backend=self.backend, gate_up_bias=self.gate_up_proj_bias,
-                  down_bias=self.down_proj_bias,
+                  down_bias=self.down_proj_bias, check_ids=False,  # the router's ids lie in [0, E)
                   lora=None if self.lora is None else {n: a.expert_lora() for n, a in self.lora.items()})
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)

@@ -39,6 +39,7 @@ def experts(
     interleaved: bool = False,
     drop_invalid: bool = False,
     lora: dict[str, ExpertLoRA] | None = None,
+    check_ids: bool = True,
 ) -> Tensor:
     """The routed expert FFN: ``out[t] = sum_k topk_weights[t, k] * FFN_e(hidden_states[t])`` with
     ``e = topk_ids[t, k]`` and ``FFN_e(x) = down_e(act(up_e(x)))``.
@@ -70,6 +71,10 @@ def experts(
             ``lora_A [r*E, in]``, ``lora_B [out, r*E]`` (see :class:`moeyard.ExpertLoRA`). Each
             projection computes ``x W_e^T + b_e + s (x A_e^T) B_e^T``; ``W + dW`` is never formed. With
             the base weights frozen (``requires_grad=False``) no base weight gradient is computed.
+        check_ids: False where the caller guarantees every id lies in ``[0, E)`` (as moeyard's router
+            does): skips the check of ``drop_invalid`` (on an accelerator, four small device ops per
+            call that make the rows of invalid ids NaN). An id outside the range then gives a wrong
+            result (``grouped_mm``, ``triton``) or the backend's own error (``loop``, ``bmm_padded``).
 
     Returns:
         ``[T, H]`` in ``hidden_states.dtype``; differentiable w.r.t. ``hidden_states``, both weights,
@@ -86,7 +91,7 @@ def experts(
         with dequantized((gate_up_proj, down_proj), topk_ids) as (up, down):
             return experts(hidden_states, topk_ids, topk_weights, up, down, activation=act, backend=backend,
                            gate_up_bias=gate_up_bias, down_bias=down_bias, transposed=transposed,
-                           interleaved=interleaved, drop_invalid=drop_invalid, lora=lora)
+                           interleaved=interleaved, drop_invalid=drop_invalid, lora=lora, check_ids=check_ids)
     weights = expert_weights(gate_up_proj, down_proj, gate_up_bias=gate_up_bias, down_bias=down_bias,
                              transposed=transposed, interleaved=interleaved, gated=act.gated, lora=lora)
     T, H = hidden_states.shape
@@ -101,7 +106,7 @@ def experts(
     check_topk(topk_ids, topk_weights, T, weights.num_experts, hidden_states.device)
     chosen = resolve_backend(backend, hidden_states.device, hidden_states.dtype, weights, act,
                              _workload(topk_ids, weights))
-    if not drop_invalid and not check_ids_on_host(topk_ids, weights.num_experts):
+    if check_ids and not drop_invalid and not check_ids_on_host(topk_ids, weights.num_experts):
         # accelerator, no debug: a NaN weight makes the token's output NaN instead of reading ids back
         topk_weights = topk_weights.masked_fill(invalid_ids(topk_ids, weights.num_experts), float("nan"))
     return chosen.forward(hidden_states, topk_ids, topk_weights, weights, act, drop_invalid=drop_invalid)

@@ -51,7 +51,7 @@ class ExpertParallel:
         return self.options.num_experts
 
     def __call__(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Tensor,
-                 down_proj: Tensor, *, drop_invalid: bool = False, **kwargs) -> Tensor:
+                 down_proj: Tensor, *, drop_invalid: bool = False, check_ids: bool = True, **kwargs) -> Tensor:
         """As :func:`moeyard.experts`, with ``topk_ids [T, K]`` global ids in ``[0, E)`` and the local
         weights ``gate_up_proj [E_l, 2I, H]``, ``down_proj [E_l, H, I]`` (or their DTensors); the
         other keyword arguments go to the local :func:`moeyard.experts` call (DTensors made local).
@@ -81,7 +81,7 @@ class ExpertParallel:
         check_float("hidden_states", hidden_states, dim=2)
         check_topk(topk_ids, topk_weights, hidden_states.shape[0], E, hidden_states.device)
         bad = None
-        if not drop_invalid and not check_ids_on_host(topk_ids, E):
+        if check_ids and not drop_invalid and not check_ids_on_host(topk_ids, E):
             bad = invalid_ids(topk_ids, E).any(1, keepdim=True)  # accelerator: NaN rows, as moeyard.experts
 
         def compute(d):
