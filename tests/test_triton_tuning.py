@@ -176,3 +176,40 @@ def test_tma_estimates_by_hand():
     assert smem_bytes(persistent, tma) == 3 * (128 * 64 + 64 * 256) * 2 + 32768  # 176 KiB: as compiled, sm_90a
     assert all(tuning.fits(c, tma, LIMIT)[2] for c in schedule.TMA_CONFIGS)
     assert {c.kwargs["BM"] for c in schedule.TMA_CONFIGS} == {schedule.TMA_BM}  # one tile table for all
+
+
+class _FakeAutotuner:
+    """What :class:`schedule._Tuned` uses of ``triton.runtime.Autotuner``: ``arg_names``, ``run`` (tunes,
+    sets ``best_config``), ``fn.run`` (launches with a config's kwargs)."""
+
+    def __init__(self):
+        self.arg_names = ["x_ptr", "M", "N", "HAS_BIAS"]
+        self.calls, self.best_config = [], None
+        outer = self
+
+        class Fn:
+            def run(self, *args, grid, warmup, **kwargs):
+                outer.calls.append(("launch", args, kwargs))
+        self.fn = Fn()
+
+    def run(self, *args, grid, warmup, **kwargs):
+        self.best_config = cfg(64, 64 + len(self.calls), 32, 4, 3)
+        self.calls.append(("tune", args, kwargs))
+
+
+def test_tuned_launcher_tunes_each_key_once():
+    fake = _FakeAutotuner()
+    launcher = schedule._Tuned(fake, ["M", "N"])
+    f32, bf16 = torch.empty(4), torch.empty(4, dtype=torch.bfloat16)
+    grid = (1,)
+    launcher[grid](f32, 128, 256, HAS_BIAS=True)
+    pick = fake.best_config
+    launcher[grid](f32, 128, 256, HAS_BIAS=False)  # a constexpr outside the key: the same pick
+    assert [c[0] for c in fake.calls] == ["tune", "launch"]
+    assert fake.calls[1][2] == {"HAS_BIAS": False, **pick.all_kwargs()}
+    launcher[grid](f32, 128, 512, HAS_BIAS=True)  # another key value
+    launcher[grid](bf16, 128, 256, HAS_BIAS=True)  # another dtype
+    assert [c[0] for c in fake.calls] == ["tune", "launch", "tune", "tune"]
+    launcher[grid](bf16, 128, 256, HAS_BIAS=True)
+    assert fake.calls[-1][0] == "launch" and fake.best_config == launcher.picks[((128, 256), (torch.bfloat16,), ())]
+    assert launcher.arg_names is fake.arg_names  # other attributes are the autotuner's

@@ -97,10 +97,20 @@ _DEFAULTS = Options()
 
 
 def options() -> Options:
-    """The options in force now: :func:`use_options` overrides, else the environment, else defaults."""
-    values = {name: _from_env(name, getattr(_DEFAULTS, name)) for name in ENV}
-    values.update(_OVERRIDE)
-    return Options(**values)
+    """The options in force now: :func:`use_options` overrides, else the environment, else defaults.
+    (Called at every launch: the environment is read each time, the :class:`Options` built once per
+    distinct setting.)"""
+    key = (tuple(map(os.environ.get, _NAMES)), tuple(_OVERRIDE.items()))
+    opts = _BUILT.get(key)
+    if opts is None:
+        values = {name: _from_env(name, getattr(_DEFAULTS, name)) for name in ENV}
+        values.update(_OVERRIDE)
+        opts = _BUILT[key] = Options(**values)
+    return opts
+
+
+_NAMES = tuple(ENV.values())
+_BUILT: dict = {}
 
 
 @contextlib.contextmanager

@@ -236,7 +236,46 @@ def tuned(kernel, configs, key, kind=None, *, prune=None, fixed=None, fixed_extr
     if not autotuning():
         return _Fixed(kernel, {**(fixed or FIXED), **extra})
     prune = prune or pruner(kind, device_smem_limit)
-    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})(kernel)
+    return _Tuned(triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})(kernel),
+                  key)
+
+
+class _Tuned:
+    """A ``triton.autotune`` launcher with a quicker path once a key is tuned.
+
+    ``Autotuner.run`` derives its key anew at every launch: a dict of all the kernel's arguments (about
+    40 here), a list scan per argument, ``hasattr`` on each: tens of microseconds of host time per launch,
+    several launches per layer step (``benchmarks/NOTES.md``, round 13). This launcher looks the pick up
+    by the key arguments' values and the tensor arguments' dtypes (as fine a key as the autotuner's) and
+    launches the JIT function with it; a key not seen yet goes through the autotuner, which tunes it.
+    Other attributes (``fn``, ``cache``, ``best_config``) are the autotuner's.
+    """
+
+    def __init__(self, autotuner, key):
+        self.autotuner = autotuner
+        self.picks = {}
+        self._key = [(autotuner.arg_names.index(k), k) for k in key]
+
+    def __getattr__(self, name):
+        return getattr(self.autotuner, name)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _launch(self, grid, args, kwargs):
+        n = len(args)
+        key = (tuple(args[i] if i < n else kwargs.get(k) for i, k in self._key),
+               tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),
+               tuple(v.dtype for v in kwargs.values() if isinstance(v, torch.Tensor)))
+        config = self.picks.get(key)
+        if config is None:
+            ret = self.autotuner.run(*args, grid=grid, warmup=False, **kwargs)
+            config = getattr(self.autotuner, "best_config", None)
+            if config is not None and config.pre_hook is None:
+                self.picks[key] = config
+            return ret
+        self.autotuner.best_config = config
+        return self.autotuner.fn.run(*args, grid=grid, warmup=False, **kwargs, **config.all_kwargs())
 
 
 class _Fixed:
