@@ -31,8 +31,9 @@
 #       the same for the forward alone (fused router); then the whole-layer bench at both shapes.
 #   routerab: the CUDA tests, then the whole-layer bench (sonic-7b, qwen3-30b-a3b) with MOEYARD_ROUTER=torch and
 #       auto (the default: the fused router on CUDA), interleaved, twice each.
-#   hostab: host_time.py of this tree and of BASE (an earlier src/, carried), interleaved, twice each (sonic-7b,
-#       qwen3-30b-a3b, triton, torch and fused router), then this tree's cProfile at sonic-7b (raw stats kept).
+#   hostab: the router, triton and parity CUDA tests, then this tree against BASE (an earlier src/, carried),
+#       interleaved, twice each: host_time.py (sonic-7b, qwen3-30b-a3b, triton, fused router, forward and
+#       forward + backward) and the whole-layer bench at both shapes; then this tree's cProfile at sonic-7b.
 #   lora: the triton and LoRA CUDA tests, the LoRA step's kernels in launch order (benchmarks/lora_profile.py
 #       --sequence) at LORA_MODEL (default qwen3-30b-a3b), then frozen vs LoRA step at qwen3-30b-a3b and
 #       qwen3.5-35b-a3b.
@@ -160,15 +161,17 @@ elif [[ $STAGE == hosttime ]]; then
   step bench_host 120 "${BENCH[@]}" --model sonic-7b --model qwen3-30b-a3b --backends triton,torch_gmm
 elif [[ $STAGE == hostab ]]; then
   BASE=$(cd "${BASE:?BASE=dir with an earlier src/}" && pwd)
-  for run in 1 2; do
-    for tree in "$BASE" "$PWD"; do
-      name=host_ab_$([[ $tree == "$BASE" ]] && echo base || echo new)_$run
-      PYTHONPATH="$tree/src" step "$name" 140 python3 benchmarks/host_time.py --models sonic-7b,qwen3-30b-a3b \
-        --backends triton --routers torch,fused --iters 30
-    done
+  MOEYARD_TRITON_AUTOTUNE=0 step pytest_cuda 200 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_router_cuda.py \
+    tests/cuda/test_triton_cuda.py tests/cuda/test_cuda_parity.py
+  run=0
+  for tree in "$BASE" "$PWD" "$BASE" "$PWD"; do  # interleaved, twice each
+    run=$((run + 1)); name=$([[ $tree == "$BASE" ]] && echo base || echo new)_$run
+    PYTHONPATH="$tree/src" step "host_ab_$name" 110 python3 benchmarks/host_time.py --models sonic-7b,qwen3-30b-a3b \
+      --backends triton --routers fused --steps fwd,fwdbwd --iters 30
+    PYTHONPATH="$tree/src" step "bench_ab_$name" 70 "${BENCH[@]}" --model sonic-7b --model qwen3-30b-a3b --backends triton
   done
-  step host_profile 120 python3 benchmarks/host_time.py --models sonic-7b --backends triton --routers torch \
-    --top 60 --pstats "$OUT/pstats"
+  step host_profile 60 python3 benchmarks/host_time.py --models sonic-7b --backends triton --routers fused \
+    --steps fwd,fwdbwd --top 50 --pstats "$OUT/pstats"
 elif [[ $STAGE == routerab ]]; then
   MOEYARD_TRITON_AUTOTUNE=0 step pytest_cuda 240 python3 -m pytest -q -p no:cacheprovider tests/cuda
   for run in 1 2; do

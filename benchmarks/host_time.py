@@ -1,11 +1,12 @@
 """Host time against device time of one MoE layer step, each measured alone, without a profiler.
 
     python benchmarks/host_time.py [--models sonic-7b,qwen3-30b-a3b] [--backends triton,torch_gmm]
-        [--routers torch,fused] [--iters 20] [--top 25] [--forward] [--json PATH]
+        [--routers torch,fused] [--iters 20] [--top 25] [--steps fwd,fwdbwd] [--forward] [--json PATH]
 
 A step is the benchmark's forward + backward (``moeyard bench``: routed experts only, bf16, fresh
-``randn`` inputs, gradients set to None first); with ``--forward``, its forward alone (inputs still
-requiring grad, as ``moeyard bench`` times the forward). Per (shape, backend, router):
+``randn`` inputs, gradients set to None first: ``fwdbwd``); ``fwd``, its forward alone (inputs still
+requiring grad, as ``moeyard bench`` times the forward). ``--steps`` lists the steps to time (default
+``fwdbwd``; ``--forward`` is ``--steps fwd``). Per (shape, backend, router, step):
 
 - **host ms**: ``time.perf_counter`` around the step's Python after a synchronisation, the GPU free to
   run each kernel as it arrives: the time the host needs to issue the step (launches are
@@ -119,7 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--top", type=int, default=0, help="cProfile: print the N functions with most own time")
     p.add_argument("--pstats", default=None, help="directory: each row's raw cProfile stats (with --top)")
-    p.add_argument("--forward", action="store_true", help="time the forward alone")
+    p.add_argument("--steps", default="fwdbwd", help="comma list of fwd (the forward alone), fwdbwd")
+    p.add_argument("--forward", action="store_true", help="time the forward alone (--steps fwd)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -127,6 +129,9 @@ def main(argv=None) -> int:
         return 2
     if a.iters < 1:
         raise ValueError(f"--iters: expected >= 1, got {a.iters}")
+    steps = ["fwd"] if a.forward else a.steps.split(",")
+    if not steps or set(steps) - {"fwd", "fwdbwd"}:
+        raise ValueError(f"--steps: expected a comma list of fwd, fwdbwd, got {a.steps!r}")
     if a.pstats:
         os.makedirs(a.pstats, exist_ok=True)
     rows, profiles = [], []
@@ -141,22 +146,25 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 module.router.weight.copy_(inputs.router_weight)
             for router in a.routers.split(","):
-                with use_router(router):
-                    r = measure(module, inputs, a.iters, forward_only=a.forward)
-                    if a.top:
-                        dump = a.pstats and os.path.join(a.pstats, f"{model}-{backend}-{router}.pstats")
-                        text = profile_host(module, inputs, a.iters, a.top, dump, a.forward)
-                        profiles.append((f"{model} {backend} router={router}", text))
-                rows.append(dict(model=model, backend=backend, router=router, **r))
+                for step in steps:
+                    fwd = step == "fwd"
+                    with use_router(router):
+                        r = measure(module, inputs, a.iters, forward_only=fwd)
+                        if a.top:
+                            name = f"{model}-{backend}-{router}" + ("-fwd" if fwd else "")
+                            dump = a.pstats and os.path.join(a.pstats, f"{name}.pstats")
+                            text = profile_host(module, inputs, a.iters, a.top, dump, fwd)
+                            profiles.append((f"{model} {backend} router={router} step={step}", text))
+                    rows.append(dict(model=model, backend=backend, router=router, step=step, **r))
             del module
             torch.cuda.empty_cache()
     for name, text in profiles:
         print(f"## cProfile {name} ({a.iters} steps)\n{text}")
-    print(f"{'model':16} {'backend':10} {'router':7} {'host ms':>8} {'held host':>9} {'device ms':>9} "
+    print(f"{'model':16} {'backend':10} {'router':7} {'step':6} {'host ms':>8} {'held host':>9} {'device ms':>9} "
           f"{'step ms':>8} {'host/dev':>8}  sync?")
     for r in rows:
         sync = "yes" if r["held_host_ms"] > r["sleep_ms"] / 2 else "no"
-        print(f"{r['model']:16} {r['backend']:10} {r['router']:7} {r['host_ms']:8.3f} {r['held_host_ms']:9.3f} "
+        print(f"{r['model']:16} {r['backend']:10} {r['router']:7} {r['step']:6} {r['host_ms']:8.3f} {r['held_host_ms']:9.3f} "
               f"{r['device_ms']:9.3f} {r['step_ms']:8.3f} {r['host_ms'] / r['device_ms']:8.2f}  {sync}")
     if a.json:
         with open(a.json, "w") as f:

@@ -307,17 +307,22 @@ def test_host_time_rows_and_profile(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(ht, "get_model", lambda name: parse_shape("64,32,16,4,2"))
     out = tmp_path / "rows.json"
     assert ht.main(["--models", "tiny", "--backends", "loop,grouped_mm", "--routers", "torch,fused", "--iters", "2",
-                    "--top", "5", "--pstats", str(tmp_path / "ps"), "--json", str(out)]) == 0
+                    "--top", "5", "--pstats", str(tmp_path / "ps"), "--json", str(out), "--steps", "fwdbwd,fwd"]) == 0
     import json
     rows = json.loads(out.read_text())
-    assert [(r["backend"], r["router"]) for r in rows] == [
-        ("loop", "torch"), ("loop", "fused"), ("grouped_mm", "torch"), ("grouped_mm", "fused")]
+    assert [(r["backend"], r["router"], r["step"]) for r in rows] == [
+        (b, r, s) for b in ("loop", "grouped_mm") for r in ("torch", "fused") for s in ("fwdbwd", "fwd")]
     assert all(r["host_ms"] > 0 and r["step_ms"] > 0 and r["device_ms"] >= r["held_host_ms"] > 0 for r in rows)
-    assert len(sleeps) == 4 * (1 + 2 + 2)  # per row: the sleep's calibration, then one per timed and profiled step
+    assert len(sleeps) == 8 * (1 + 2 + 2)  # per row: the sleep's calibration, then one per timed and profiled step
     stats = pstats.Stats(str(tmp_path / "ps" / "tiny-loop-torch.pstats"))
+    assert any("backward" in fn for _, _, fn in stats.stats)
+    stats = pstats.Stats(str(tmp_path / "ps" / "tiny-loop-torch-fwd.pstats"))
     assert any("forward" in fn for _, _, fn in stats.stats)
+    assert not any("backward" in fn for _, _, fn in stats.stats)
     text = capsys.readouterr().out
-    assert "## cProfile tiny grouped_mm router=fused" in text and "host/dev" in text
+    assert "## cProfile tiny grouped_mm router=fused step=fwd" in text and "host/dev" in text
+    with pytest.raises(ValueError, match="^--steps"):
+        ht.main(["--models", "tiny", "--steps", "bwd"])
 
 
 @pytest.mark.parametrize("forward_only", [True, False])
