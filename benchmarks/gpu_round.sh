@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round per stage, each time-boxed to fit one 10-minute device call (bf16, routed experts only,
 # the torch grouped_mm pipeline and, when installed, SonicMoE timed in the same run).
-# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|routerab|lora|loraab|lorapointer]
+# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|tmaup|routerab|lora|loraab|lorapointer]
 #   main: verify, CUDA tests, bench (random and Zipf routing) at qwen3-30b-a3b and sonic-7b.
 #   profile: the TMA CUDA tests, then the triton backend's per-kernel profile with A/B of the TMA-loaded
 #            down projection (benchmarks/triton_profile.py).
@@ -29,6 +29,8 @@
 #   hosttime: host ms vs device ms of one fwd+bwd step, each alone (benchmarks/host_time.py), at sonic-7b and
 #       qwen3-30b-a3b, triton and torch_gmm, torch and fused router, with a cProfile of each row's host work;
 #       the same for the forward alone (fused router); then the whole-layer bench at both shapes.
+#   tmaup: the triton, parity, LoRA and router CUDA tests, then the per-kernel profile with the up projection's weight
+#       tiles through TMA (default) and by pointer loads (qwen3-30b-a3b, sonic-120b).
 #   routerab: the CUDA tests, then the whole-layer bench (sonic-7b, qwen3-30b-a3b) with MOEYARD_ROUTER=torch and
 #       auto (the default: the fused router on CUDA), interleaved, twice each.
 #   hostab: the router, triton and parity CUDA tests, then this tree against BASE (an earlier src/, carried),
@@ -172,6 +174,11 @@ elif [[ $STAGE == hostab ]]; then
   done
   step host_profile 60 python3 benchmarks/host_time.py --models sonic-7b --backends triton --routers fused \
     --steps fwd,fwdbwd --top 50 --pstats "$OUT/pstats"
+elif [[ $STAGE == tmaup ]]; then
+  MOEYARD_TRITON_AUTOTUNE=0 step pytest_cuda 300 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_triton_cuda.py \
+    tests/cuda/test_cuda_parity.py tests/cuda/test_lora_cuda.py tests/cuda/test_router_cuda.py
+  step profile_tmaup 200 python3 benchmarks/triton_profile.py --configs qwen3-30b-a3b,sonic-120b \
+    --variants default,pointer_up --out "$OUT"
 elif [[ $STAGE == routerab ]]; then
   MOEYARD_TRITON_AUTOTUNE=0 step pytest_cuda 240 python3 -m pytest -q -p no:cacheprovider tests/cuda
   for run in 1 2; do

@@ -28,8 +28,9 @@ VARIANTS = {
     "atomic": dict(atomic_combine=True),
     "chunk": dict(wgrad_chunk_rows=4096),
     "all": dict(atomic_combine=True, wgrad_chunk_rows=4096),
-    "pointer": dict(tma=False, tma_wgrad=False),  # no TMA loads (the kernels of GPUs before Hopper)
+    "pointer": dict(tma=False, tma_wgrad=False, tma_up=False),  # no TMA loads (the kernels of GPUs before Hopper)
     "prefetch": dict(prefetch_h=True),  # dh prefetches its h rows into L2 before its main loop
+    "pointer_up": dict(tma_up=False),  # the up projection's weight tiles by pointer loads
 }
 DH_PARTIAL_BN = 64  # column tiles of the routing-weight gradient partial (ops.DH_CONFIGS: BN >= 64)
 

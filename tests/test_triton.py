@@ -442,6 +442,32 @@ def test_tma_down_projection(tma, case, monkeypatch):
         assert ("down" if tma else "down_tma") not in launches.names
 
 
+@pytest.mark.parametrize("case,w_tma", [
+    (dict(T=29, H=32, I=16, E=4, K=2), True),                             # gate and up boxes of one tile
+    (dict(T=23, H=24, I=40, E=5, K=3, bias=True), True),                  # last column tile past I: its gate
+                                                                          # box reads up rows (not stored)
+    (dict(T=11, H=16, I=80, E=3, K=2, act="gelu"), True),                 # plain activation, one box
+    (dict(T=12, H=16, I=16, E=8, K=2, ids="two_experts"), True),          # empty experts
+    (dict(T=9, H=24, I=16, E=4, K=2, act=Activation(name="clamped_swiglu", limit=1.0), bias=True,
+          transposed=True, interleaved=True), False),                     # gpt-oss layout: pointer loads
+])
+def test_tma_up_weights(case, w_tma, monkeypatch):
+    # option tma_up (default): the up projection's weight tiles through a descriptor, x's rows gathered by
+    # pointer loads; off: pointer loads for both
+    case = dict(case)
+    if case.pop("ids", None) == "two_experts":
+        case["ids"] = torch.tensor([[0, 3]] * case["T"])
+    launches = _Launches(monkeypatch)
+    with use_options(tma_up=True):
+        check_against_loop(*_problem(**case))
+    ups = [kw["W_TMA"] for name, kw in zip(launches.names, launches.kwargs) if name == "up"]
+    assert ups and all(w is w_tma for w in ups)
+    with use_options(tma_up=False):
+        check_against_loop(*_problem(**case))
+    ups = [kw["W_TMA"] for name, kw in zip(launches.names, launches.kwargs) if name == "up"][len(ups):]
+    assert ups and not any(ups)
+
+
 def test_tma_falls_back(monkeypatch):
     # strides that are no multiple of 16 bytes (H = 33 float32) and the atomic combine keep the pointer
     # kernel

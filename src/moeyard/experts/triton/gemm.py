@@ -54,6 +54,26 @@ def gathered_mainloop(acc_g, acc_u, acc_z,
 
 
 @triton.jit
+def gathered_mainloop_tma_b(acc_g, acc_u, a_ptr, a_row_off, m_mask, stride_ak,
+                            b_desc,      # descriptor of B [E, NB, K] (unit stride along K), boxes [1, BN, BK]
+                            e, col_g0, col_u0,  # B rows col_g0 ... (acc_g) and col_u0 ... (acc_u, when DUAL)
+                            K, BN: tl.constexpr, BK: tl.constexpr, DUAL: tl.constexpr, PRECISION: tl.constexpr):
+    """:func:`gathered_mainloop` (no fused LoRA) with B's tiles loaded through a TMA descriptor: boxes
+    past B's rows or K are zero-filled; columns past the output's end are computed and not stored."""
+    ks = tl.arange(0, BK)
+    a_ptrs = a_ptr + a_row_off[:, None] + ks[None, :] * stride_ak
+    for k0 in range(0, K, BK):
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+        b = tl.trans(tl.reshape(b_desc.load([e, col_g0, k0]), (BN, BK)))
+        acc_g = tl.dot(a, b, acc_g, input_precision=PRECISION)
+        if DUAL:
+            b = tl.trans(tl.reshape(b_desc.load([e, col_u0, k0]), (BN, BK)))
+            acc_u = tl.dot(a, b, acc_u, input_precision=PRECISION)
+        a_ptrs += BK * stride_ak
+    return acc_g, acc_u
+
+
+@triton.jit
 def lora_z(acc_z, z_ptr, rows, m_mask, R, pid_n, RP: tl.constexpr, LORA: tl.constexpr):
     """The tile's LoRA rows ``z [BM, RP]`` (float32): with ``LORA == 1`` (split) read from
     ``z [N, R]`` (sorted rows, computed by an earlier launch); with ``LORA == 2`` (fused) the

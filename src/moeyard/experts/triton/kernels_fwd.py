@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .act import act_fwd
-from .gemm import gathered_mainloop, lora_epilogue, lora_z, row_col_tile
+from .gemm import gathered_mainloop, gathered_mainloop_tma_b, lora_epilogue, lora_z, row_col_tile
 
 
 @triton.jit
@@ -39,9 +39,12 @@ def up_kernel(
     ACT: tl.constexpr, DUAL: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, GATHER: tl.constexpr,
     LORA: tl.constexpr, RP: tl.constexpr,
     PRECISION: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    W_TMA: tl.constexpr = False,
 ):
     """``h = x[token] @ W_up[e].T + b (+ s z Lb_e^T)``, ``a = act(h)`` for one (row tile, column
-    tile). ``GATHER``: row r reads ``x[token of r]``; else ``x[r]`` (x already in sorted order)."""
+    tile). ``GATHER``: row r reads ``x[token of r]``; else ``x[r]`` (x already in sorted order).
+    ``W_TMA``: W's tiles come through a TMA descriptor (``stride_wh == 1``, ``gate_step == 1``, no fused
+    LoRA; 16-byte aligned strides and base), the rows of x by pointer loads as before."""
     e, rows, m_mask, pair, token, cols, n_mask = row_col_tile(
         NA, offsets_ptr, sort_order_ptr, E, top_k, BM, BN, E_P2)
     if e >= E:
@@ -53,11 +56,19 @@ def up_kernel(
     acc_g = tl.zeros((BM, BN), tl.float32)
     acc_u = tl.zeros((BM, BN), tl.float32)
     acc_z = tl.zeros((BM, RP), tl.float32)
-    acc_g, acc_u, acc_z = gathered_mainloop(
-        acc_g, acc_u, acc_z, x_ptr, (token if GATHER else rows) * stride_xt, m_mask, stride_xh,
-        w_ptr + e64 * stride_we, col_g * stride_wn, col_u * stride_wn, n_mask, stride_wh,
-        la_ptr + e64 * stride_lae, r_offs.to(tl.int64) * stride_lar, r_offs < R, stride_lak, H,
-        BK, DUAL, LORA == 2, PRECISION)
+    a_row_off = (token if GATHER else rows) * stride_xt
+    if W_TMA:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E, N1, H], strides=[stride_we, stride_wn, 1],
+                                           block_shape=[1, BN, BK])
+        col0 = (tl.program_id(0) % tl.cdiv(NA, BN)) * BN
+        acc_g, acc_u = gathered_mainloop_tma_b(acc_g, acc_u, x_ptr, a_row_off, m_mask, stride_xh, w_desc, e, col0,
+                                               col0 + up_offset, H, BN, BK, DUAL, PRECISION)
+    else:
+        acc_g, acc_u, acc_z = gathered_mainloop(
+            acc_g, acc_u, acc_z, x_ptr, a_row_off, m_mask, stride_xh,
+            w_ptr + e64 * stride_we, col_g * stride_wn, col_u * stride_wn, n_mask, stride_wh,
+            la_ptr + e64 * stride_lae, r_offs.to(tl.int64) * stride_lar, r_offs < R, stride_lak, H,
+            BK, DUAL, LORA == 2, PRECISION)
     if LORA:
         z = lora_z(acc_z, z_ptr, rows, m_mask, R, tl.program_id(0) % tl.cdiv(NA, BN), RP, LORA)
         lb_e = lb_ptr + e64 * stride_lbe

@@ -12,7 +12,8 @@ Not warp-specialised: Triton 3.6 compiles this kernel with ``tl.range(..., warp_
 for sm_90a (one producer, two consumer warp groups) but on an H200 its output was wrong (relative
 error 37 against float32) and it was slower (``benchmarks/NOTES.md``, round 6). The gathered GEMMs (up
 projection, activation gradient, weight gradients) read rows at each pair's token, which a Hopper TMA
-box cannot do; the weight gradients load their sorted operand through TMA (``kernels_bwd``).
+box cannot do; the weight gradients load their sorted operand through TMA (``kernels_bwd``), the up
+projection its weight (``kernels_fwd.up_kernel`` with ``W_TMA``, :func:`weight_tma_ready`).
 
 Device-side descriptors need a small global scratch per launch: :func:`ensure_allocator`.
 """
@@ -114,6 +115,16 @@ def tma_ready(rows: torch.Tensor, w: torch.Tensor, float32: bool = False) -> boo
     size = rows.element_size()
     strides = (rows.shape[1], w.stride(0), w.stride(1) if w.stride(2) == 1 else w.stride(2))
     return all(s * size % 16 == 0 for s in strides) and rows.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+
+
+def weight_tma_ready(w: torch.Tensor, float32: bool = False) -> bool:
+    """Whether a 3-D weight can be read through a TMA descriptor over its own layout: a 16-bit float dtype
+    (or float32 with ``float32``), unit stride along its last dimension, the other strides and the base
+    address multiples of 16 bytes. Host metadata only."""
+    dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if float32 else ())
+    size = w.element_size()
+    return (w.dtype in dtypes and w.dim() == 3 and w.stride(2) == 1 and w.stride(0) * size % 16 == 0
+            and w.stride(1) * size % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
 def rows_tma_ready(rows: torch.Tensor, float32: bool = False) -> bool:

@@ -195,13 +195,24 @@ def up_proj_(x: Tensor, w: Tensor, b: Optional[Tensor], sort_order: Tensor, expe
     bb = w if b is None else b
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
     thin = N1 <= THIN and not spec.gated and not lora_mode
+    w_tma = not thin and gate_step == 1 and lora_mode != LORA_FUSED and _up_weight_tma(w, x)
     _kernels()["up_thin" if thin else "up"][_row_grid(N, E, NA)](
         x, w, bb, sort_order, expert_offsets, a if h is None else h, a, la_, lb_, z_,
         H, NA, N1, E, top_k, R,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1),
         *lora_strides, gate_step, up_offset, alpha, limit, lora_scale,
         ACT=act, DUAL=spec.gated, HAS_BIAS=b is not None, STORE_H=h is not None, GATHER=gather,
-        LORA=lora_mode, RP=RP, PRECISION=dot_precision(x.dtype), E_P2=_e_p2(E))
+        LORA=lora_mode, RP=RP, PRECISION=dot_precision(x.dtype), E_P2=_e_p2(E), W_TMA=w_tma)
+
+
+def _up_weight_tma(w: Tensor, x: Tensor) -> bool:
+    """Whether the up projection loads its weight ``w [E, N1, H]`` through TMA: option ``tma_up``, Hopper
+    or the interpreter, ``x`` in w's dtype and ``w`` as :func:`kernels_tma.weight_tma_ready` asks."""
+    if not (options().tma_up and _tma_device(w) and x.dtype == w.dtype
+            and kernels_tma.weight_tma_ready(w, interpreting())):
+        return False
+    kernels_tma.ensure_allocator()
+    return True
 
 
 @up_proj_.register_fake

@@ -35,6 +35,13 @@ Each defaults to the measured default path; set an environment variable, or over
   (``prefetch.global.L2::evict_last``), so its epilogue's reads of ``h`` hit L2 instead of HBM
   (``kernels_bwd._prefetch_h``). On CUDA only (the interpreter has no inline assembly). Measured on an
   H100: dh 2.29 -> 2.23 ms at qwen3-30b-a3b, unchanged at sonic-7b, whole layer within its spread.
+- ``MOEYARD_TRITON_TMA_UP=0`` (``tma_up``, on by default): the up projection loads its weight tiles
+  (gate and up rows) through a TMA descriptor; the rows of ``x`` it gathers by token keep their pointer
+  loads. Needs the weight in transformers' ``[E, 2I, H]`` layout (unit stride along H, 16-byte aligned
+  strides and base, bf16/fp16); not with the fused LoRA mode or gpt-oss's interleaved or transposed
+  weights. Measured on an H100 (round 13 of ``benchmarks/NOTES.md``, results bit-identical): up 3.59 ->
+  3.47 ms at qwen3-30b-a3b, 4.56 -> 4.30 ms at sonic-30b-a. The same for the activation gradient's
+  weight (dh) was slower (2.31 -> 2.50 ms, 2.62 -> 2.82 ms) and is not offered.
 """
 from __future__ import annotations
 
@@ -44,7 +51,8 @@ from dataclasses import dataclass
 
 ENV = dict(atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE", wgrad_chunk_rows="MOEYARD_TRITON_WGRAD_CHUNK",
            wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", lora_mode="MOEYARD_TRITON_LORA",
-           tma="MOEYARD_TRITON_TMA", tma_wgrad="MOEYARD_TRITON_TMA_WGRAD", prefetch_h="MOEYARD_TRITON_PREFETCH")
+           tma="MOEYARD_TRITON_TMA", tma_wgrad="MOEYARD_TRITON_TMA_WGRAD", prefetch_h="MOEYARD_TRITON_PREFETCH",
+           tma_up="MOEYARD_TRITON_TMA_UP")
 LORA_MODES = ("split", "fused")
 
 
@@ -63,6 +71,7 @@ class Options:
     tma: bool = True
     tma_wgrad: bool = True
     prefetch_h: bool = False
+    tma_up: bool = True
 
     def __post_init__(self):
         if self.wgrad_chunk_rows < 0 or self.wgrad_partial_mib <= 0:
