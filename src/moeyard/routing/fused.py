@@ -208,15 +208,16 @@ def _forward(x, weight, bias, corr, spec: Spec):
 def _losses(stats: Tensor, loss_spec: LossSpec) -> tuple[Tensor, Tensor, Tensor]:
     """``(seq_stats [B, 2E + 1], counts [E], losses [4])`` float32 from the ``[B, NS, 2E + 1]`` partial
     statistics (:func:`.kernels.router_losses_kernel`; with no tokens, zeros)."""
-    B, NS, _ = stats.shape
-    E = (stats.shape[2] - 1) // 2
+    B, NS, width = stats.shape
+    E = (width - 1) // 2
     f32 = dict(device=stats.device, dtype=torch.float32)
     if NS == 0:
-        return torch.zeros((B, 2 * E + 1), **f32), torch.zeros(E, **f32), torch.zeros(4, **f32)
-    seq_stats, counts, losses = empty((B, 2 * E + 1), **f32), empty((E,), **f32), empty((4,), **f32)
-    kernels.router_losses_kernel[(1,)](stats, seq_stats, counts, losses, B, NS, E, *loss_spec.args(),
-                                      E_P2=max(16, triton.next_power_of_2(E)), BJ=4 if interpreting() else 32,
-                                      num_warps=4)
+        return torch.zeros((B, width), **f32), torch.zeros(E, **f32), torch.zeros(4, **f32)
+    seq_stats, counts, losses = empty((B, width), **f32), empty((E,), **f32), empty((4,), **f32)
+    e_p2 = max(16, triton.next_power_of_2(E))
+    bj = 4 if interpreting() else max(1, min(32, 4096 // e_p2))  # three [BJ, E_P2] float32 tiles in registers
+    kernels.router_losses_kernel[(1,)](stats, seq_stats, counts, losses, B, NS, E, *loss_spec.args(), E_P2=e_p2,
+                                      BJ=bj, num_warps=4)
     return seq_stats, counts, losses
 
 
