@@ -219,3 +219,18 @@ def test_sort_by_expert_is_the_plan_core(T, K, E, case, align, id_dtype):
     assert torch.equal(order, plan.sort_order) and torch.equal(offsets, plan.expert_offsets)
     assert offsets.dtype == torch.int32 and keys.dtype == torch.int64
     assert ((keys == E) == ~plan.valid[order]).all()
+
+
+def test_searchsorted_needles_not_cached_during_a_graph_capture(monkeypatch):
+    """A tensor made while a CUDA graph is captured holds its values only after a replay: the cached
+    ``arange`` needles of the sort are made outside captures only."""
+    from moeyard import dispatch
+    dispatch._cached_bounds.cache_clear()
+    dispatch._bounds(7, torch.device("cpu"))
+    assert dispatch._cached_bounds.cache_info().currsize == 1  # eager: made once, kept
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(dispatch, "_cached_bounds", lambda *a: pytest.fail("kept a tensor made during a capture"))
+    made, real = [], torch.arange
+    monkeypatch.setattr(torch, "arange", lambda *a, **kw: made.append(kw.pop("device")) or real(*a, **kw))
+    assert torch.equal(dispatch._bounds(7, torch.device("cuda")), real(8))
+    assert made == [torch.device("cuda")]

@@ -75,16 +75,18 @@ class DispatchPlan:
         return torch.searchsorted(self.padded_offsets[1:], rows, right=True)
 
 
-def sort_keys(topk_ids: Tensor, num_experts: int) -> Tensor:
+def _sort_keys(topk_ids: Tensor, num_experts: int) -> Tensor:
     """``[N]`` int64 sort keys of the flattened ids: the id, or E for an id outside ``[0, E)``."""
     return topk_ids.reshape(-1).to(torch.int64).clamp(-1, num_experts).remainder(num_experts + 1)
 
 
 def sort_by_expert(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """The core of :func:`make_plan` in four device ops (a backend that needs no more calls it
-    directly): ``(sorted_keys [N] int64, sort_order [N] int64, expert_offsets [E + 1] int32)``. Pairs
-    with an id outside ``[0, E)`` sort to the tail, past ``expert_offsets[E]``. No host sync."""
-    return _sort(sort_keys(topk_ids, num_experts), num_experts)
+    directly): ``(sorted_keys [N] int64, sort_order [N] int64, expert_offsets [E + 1] int32)`` for
+    ``topk_ids [T, K]`` (any integer dtype). Pairs with an id outside ``[0, E)`` sort to the tail, past
+    ``expert_offsets[E]``. No host sync. Its arguments are not checked (:func:`make_plan` and
+    :func:`moeyard.experts` check theirs before calling it)."""
+    return _sort(_sort_keys(topk_ids, num_experts), num_experts)
 
 
 def _sort(keys: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -95,8 +97,9 @@ def _sort(keys: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
 
 def _bounds(num_experts: int, device: torch.device) -> Tensor:
     """``arange(E + 1)`` int64 on ``device``: searchsorted's needles (each expert's first row). Made once
-    per (E, device) in eager mode; fresh while ``torch.compile`` traces (a traced tensor must not be kept)."""
-    if torch.compiler.is_compiling():
+    per (E, device) in eager mode; fresh while ``torch.compile`` traces (a traced tensor must not be kept)
+    or a CUDA graph is being captured (a captured ``arange`` fills its tensor only when the graph replays)."""
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.arange(num_experts + 1, device=device, dtype=torch.int64)
     return _cached_bounds(num_experts, device)
 
@@ -133,7 +136,7 @@ def make_plan(topk_ids: Tensor, num_experts: int, *, align: int = 1) -> Dispatch
         raise ValueError(f"align: expected a positive int, got {align!r}")
     T, K = topk_ids.shape
     N, E, dev = T * K, num_experts, topk_ids.device
-    keys = sort_keys(topk_ids, E)
+    keys = _sort_keys(topk_ids, E)
     sorted_keys, sort_order, expert_offsets = _sort(keys, E)
     valid = keys < E
     tokens_per_expert = expert_offsets.diff()

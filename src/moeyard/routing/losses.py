@@ -2,8 +2,10 @@
 
 Formulas and sources: the :mod:`moeyard.routing` module docstring. The ``*_from_stats`` forms take
 per-expert sums (counts of routed pairs, column sums of the probabilities, the sum of
-``logsumexp^2``), which a fused kernel produces without keeping a ``[T, E]`` one-hot; the dense forms
-compute those sums and call them, so both paths share one formula.
+``logsumexp^2``) without keeping a ``[T, E]`` one-hot; the dense forms compute those sums and call them,
+so the torch path has one formula. The fused router computes the same formulas from the same sums in its
+losses kernel, with the constant factors folded (:class:`moeyard.routing.fused.LossSpec`); its tests
+compare every loss and gradient with the torch path.
 """
 from __future__ import annotations
 
