@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_ep.sh                 # logs and JSON under $OUT (default ./gpu_ep_out)
 #   EP_SHAPES=qwen3-30b-a3b bash benchmarks/gpu_ep.sh   # one shape only
 #   EP_SYMM_ONLY=1 bash benchmarks/gpu_ep.sh            # step 3 only
+#   EP_STEPS="symm check" bash benchmarks/gpu_ep.sh     # any of: check bench symm (default: all three)
 #
 # 1. benchmarks/ep_check.py under torchrun: every dispatcher x {triton, grouped_mm} x {bf16, fp32}
 #    against the single-process oracle, sync debug mode, CUDA-graph replay, overlap_chunks 2 and 3,
@@ -45,28 +46,36 @@ torch.cuda.nccl.version(), 'triton', triton.__version__)"; } > "$OUT/env.txt" 2>
 TR="torchrun --standalone --nproc-per-node 2"
 SHAPES=${EP_SHAPES:-qwen3-30b-a3b sonic-7b}
 OVERLAP=${EP_OVERLAP:-1,2,4}
-if [ "${EP_SYMM_ONLY:-0}" != 1 ]; then
-    MOEYARD_TRITON_AUTOTUNE=0 step ep_check 200 $TR benchmarks/ep_check.py --json "$OUT/ep_check.json"
+STEPS=${EP_STEPS:-check bench symm}
+[ "${EP_SYMM_ONLY:-0}" = 1 ] && STEPS=symm
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+# the NVSHMEM step first when asked for: it is the least tried
+has symm && MOEYARD_TRITON_AUTOTUNE=0 step ep_symm_check 300 $TR benchmarks/ep_symm_check.py --json "$OUT/ep_symm_check.json"
+has check && MOEYARD_TRITON_AUTOTUNE=0 step ep_check 200 $TR benchmarks/ep_check.py --json "$OUT/ep_check.json"
+if has bench; then
     for shape in $SHAPES; do
         step "bench_$shape" 160 $TR -m moeyard bench --ep 2 --model "$shape" --dtype bfloat16 \
             --warmup 3 --iters 10 --overlap "$OVERLAP" --json "$OUT/bench_$shape.json"
     done
 fi
-MOEYARD_TRITON_AUTOTUNE=0 step ep_symm_check 300 $TR benchmarks/ep_symm_check.py --json "$OUT/ep_symm_check.json"
 
 echo
 echo "################ summary ################"
 cat "$OUT/env.txt" | head -4
 for name in ep_check $(printf 'bench_%s ' $SHAPES) ep_symm_check; do echo "$name: ${STATUS[$name]:-not run}"; done
-echo "---- ep_check (tail) ----"
-grep -E '^(PASS|FAIL|====)' "$OUT/ep_check.log" || tail -30 "$OUT/ep_check.log"
-grep -E 'Error|error:' "$OUT/ep_check.log" | sort | uniq -c | sort -rn | head -8
-for shape in $SHAPES; do
+if has check; then
+    echo "---- ep_check (tail) ----"
+    grep -E '^(PASS|FAIL|====)' "$OUT/ep_check.log" || tail -30 "$OUT/ep_check.log"
+    grep -E 'Error|error:' "$OUT/ep_check.log" | sort | uniq -c | sort -rn | head -8
+fi
+has bench && for shape in $SHAPES; do
     echo "---- bench --ep 2 $shape ----"
     # the rich table (slowest rank's ms, rank 0's rates); on failure the log's tail
     grep -E '^[┃│┏┡└]|moeyard bench --ep' "$OUT/bench_$shape.log" | grep -v '━━━━' || tail -25 "$OUT/bench_$shape.log"
 done
-echo "---- ep_symm_check (tail) ----"
-grep -E '^(PASS|FAIL|====)|^routing|^(balanced|zipf) ' "$OUT/ep_symm_check.log" || tail -30 "$OUT/ep_symm_check.log"
-[ "${EP_SYMM_ONLY:-0}" = 1 ] || [ "${STATUS[ep_check]%% *}" = "rc=0" ] || exit 1
-[ "${STATUS[ep_symm_check]%% *}" = "rc=0" ]
+if has symm; then
+    echo "---- ep_symm_check (tail) ----"
+    grep -E '^(PASS|FAIL|====)|^routing|^(balanced|zipf) ' "$OUT/ep_symm_check.log" || tail -30 "$OUT/ep_symm_check.log"
+fi
+! has check || [ "${STATUS[ep_check]%% *}" = "rc=0" ] || exit 1
+! has symm || [ "${STATUS[ep_symm_check]%% *}" = "rc=0" ]

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 import moeyard
 from moeyard import MoE, MoEConfig
 from moeyard.parallel import expert_parallel
-from moeyard.parallel.comm import EPGroup
+from moeyard.parallel.comm import resolve_group
 from moeyard.parallel.common import EPOptions
 from moeyard.parallel.experts import DISPATCHERS, ExpertParallel
 
@@ -196,7 +196,7 @@ def check_functional(rank: int, W: int, *, E: int, K: int, dispatchers=DISPATCHE
     tokens in ``overlap_chunks`` chunks. With ``extras`` (float64 ``loop`` on the CPU): sentinel ids
     dropped, capacity drops (not with ``overlap_chunks`` > 1: refused there)."""
     g = torch.Generator().manual_seed(1234)
-    ep = EPGroup(group=dist.group.WORLD, world_size=W, rank=rank)
+    ep = resolve_group(None)
     for case, (T_counts, ids_all) in routing_cases(W, E, K, H, g).items():
         inputs = make_functional_inputs(sum(T_counts), K, E, H, I, g)
         ref = oracle_functional(T_counts, ids_all, inputs, rank)
@@ -273,7 +273,7 @@ def check_no_host_reads(rank: int, W: int, overlap_chunks: int = 1) -> None:
     g = torch.Generator().manual_seed(5)
     inputs = make_functional_inputs(T * W, K, E, H, I, g)
     ids_all = torch.rand(T * W, E, generator=g).argsort(1)[:, :K]
-    ep = EPGroup(group=dist.group.WORLD, world_size=W, rank=rank)
+    ep = resolve_group(None)
     ref = oracle_functional([T] * W, ids_all, inputs, rank)
 
     def read(*args, **kwargs):
@@ -540,7 +540,7 @@ def check_symm_barrier(rank: int, W: int, ops) -> None:
     inputs = make_functional_inputs(T * W, K, E, 8, 4, g)
     ids_all = torch.rand(T * W, E, generator=g).argsort(1)[:, :K]
     ref = oracle_functional([T] * W, ids_all, inputs, rank)
-    call = ExpertParallel(EPGroup(group=dist.group.WORLD, world_size=W, rank=rank),
+    call = ExpertParallel(resolve_group(None),
                           EPOptions(num_experts=E, dispatcher="sync_free", exchange="symm_mem"))
     sl, El = slices([T] * W, rank), E // W
     up = inputs["gate_up_proj"][rank * El:(rank + 1) * El].clone().requires_grad_()
@@ -560,7 +560,6 @@ def check_symm_errors(rank: int, W: int) -> None:
     """The real ops on a gloo group: a clear ValueError before any collective, the layer untouched."""
     import pytest
 
-    from moeyard.parallel.comm import resolve_group
 
     m = make_layer(LAYER_CONFIGS["qwen3"])
     with pytest.raises(ValueError, match="exchange: 'symm_mem' needs an NCCL group"):
@@ -671,6 +670,10 @@ def worker_fsdp(rank: int, W: int) -> None:
     check_fsdp2(rank, W, "sync_free", overlap_chunks=2)
 
 
+def worker_fsdp_dp1(rank: int, W: int) -> None:
+    check_fsdp2(rank, W, "sync_free", overlap_chunks=2, dp=1)
+
+
 # ---------------------------------------------------------------- overlap_chunks
 
 def worker_overlap(rank: int, W: int) -> None:
@@ -717,7 +720,7 @@ def check_overlap_schedule(rank: int, W: int) -> None:
     g = torch.Generator().manual_seed(8)
     inputs = make_functional_inputs(T * W, K, E, 8, 4, g)
     ids_all = torch.rand(T * W, E, generator=g).argsort(1)[:, :K]
-    ep = EPGroup(group=dist.group.WORLD, world_size=W, rank=rank)
+    ep = resolve_group(None)
     for name in ("all_to_all", "sync_free"):
         call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, overlap_chunks=2))
         events.clear()

@@ -192,6 +192,13 @@ def test_fsdp2_on_a_dp2_ep2_mesh():
     ep_workers.spawn(ep_workers.worker_fsdp, 4)
 
 
+@pytest.mark.filterwarnings("ignore")
+def test_fsdp2_on_a_dp1_ep2_mesh():
+    """dp = 1: FSDP's single-rank reduce (no collective) still divides the expert gradients by dp * ep
+    exactly once, in float64 too."""
+    ep_workers.spawn(ep_workers.worker_fsdp_dp1, 2)
+
+
 def test_overlap_two_ranks():
     """overlap_chunks 2 and 3: every routing case (uneven, a rank with no tokens, all to one rank),
     sentinels, the layer, no host reads (sync_free), and the order of exchanges and expert compute

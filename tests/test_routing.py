@@ -3,6 +3,7 @@ papers' formulas (values and gradients w.r.t. the router weight), and the correc
 
 Legend: T tokens, H hidden size, E experts, K top-k, B sequences of S tokens.
 """
+import dataclasses
 import math
 
 import pytest
@@ -114,6 +115,20 @@ def test_router_formula(kw):
     counts = torch.bincount(out.topk_ids.reshape(-1), minlength=cfg.num_experts)
     assert torch.equal(out.tokens_per_expert, counts.float())
     assert (out.topk_ids.sort(1).values.diff(1) > 0).all(), "an expert chosen twice for one token"
+
+
+def test_routing_output_is_a_pytree():
+    """FSDP2 (before torch 2.13), torch.compile and export find the router's tensors by flattening its
+    output: every field, in order, and back."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    cfg = MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2)
+    out = route(torch.randn(5, 8), torch.randn(4, 8, requires_grad=True), cfg)
+    leaves, spec = tree_flatten(out)
+    assert len(leaves) == len(dataclasses.fields(out))
+    assert all(a is getattr(out, f.name) for a, f in zip(leaves, dataclasses.fields(out)))
+    back = tree_unflatten(leaves, spec)
+    assert type(back) is type(out) and all(getattr(back, f.name) is getattr(out, f.name) for f in dataclasses.fields(out))
 
 
 def test_deepseek_bias_changes_selection_not_weights():

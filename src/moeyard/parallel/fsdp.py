@@ -11,8 +11,10 @@ Gradient scale: each rank's loss is the mean over its own tokens, FSDP averages 
 parameters' gradients over the ``dp * ep`` ranks of the flattened mesh, i.e. the gradient of the
 mean of the ranks' losses. A rank's expert block already holds the gradient of the losses of its
 whole EP group (the combine's backward brings them back), so the sum over ``dp`` holds all
-``dp * ep`` ranks' losses: it is divided by ``dp * ep`` (``set_gradient_divide_factor``), not by the
-``dp`` of its own mesh.
+``dp * ep`` ranks' losses: FSDP averages it over ``dp`` as usual, and the layer's all-reduce hook
+(``set_all_reduce_hook``, run on the reduce-scatter's output) divides it by ``ep``. (A gradient
+divide factor of ``dp * ep`` would say the same, but torch divides twice by it when ``dp`` is 1 and
+the reduce dtype is float64 or float16: its single-rank copy divides after the pre-division.)
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ def fsdp_expert_parallel(model: nn.Module, mesh, *, dp_dim: str = "dp", ep_dim: 
     Steps: :func:`expert_parallel` ``(model, mesh[ep_dim], **ep_kwargs)``; then for every expert layer
     (a ``moeyard.MoE`` or a transformers experts module): ``fully_shard`` each child module holding
     parameters (a ``MoE``'s router and shared expert) over the flattened ``(dp, ep)`` mesh, then the
-    layer itself (its own expert weights) over ``mesh[dp_dim]`` with a gradient divide factor of
-    ``dp * ep`` (see the module docstring); then each module of ``blocks`` (e.g. the decoder layers,
+    layer itself (its own expert weights) over ``mesh[dp_dim]``, its gradients divided by ``dp * ep``
+    in all (see the module docstring); then each module of ``blocks`` (e.g. the decoder layers,
     each its own all-gather) and ``model`` over the flattened mesh.
 
     Each rank passes its own batch; its loss must be the mean over its own tokens (as with plain
@@ -73,8 +75,16 @@ def fsdp_expert_parallel(model: nn.Module, mesh, *, dp_dim: str = "dp", ep_dim: 
                 if any(True for _ in child.parameters()):
                     fully_shard(child, mesh=flat, **kw)
         fully_shard(layer, mesh=dp_mesh, **kw)
-        layer.set_gradient_divide_factor(float(mesh.size()))
+        if mesh[ep_dim].size() > 1:
+            layer.set_all_reduce_hook(_divide_by(mesh[ep_dim].size()))
     for block in blocks:
         fully_shard(block, mesh=flat, **kw)
     fully_shard(model, mesh=flat, **kw)
     return model
+
+
+def _divide_by(n: int):
+    """An FSDP all-reduce hook dividing the reduced gradient by ``n`` in place."""
+    def hook(grad):
+        grad.div_(n)
+    return hook

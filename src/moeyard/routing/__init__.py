@@ -70,6 +70,12 @@ class RoutingOutput:
     loss: Tensor
 
 
+# A pytree node, so that torch.utils._pytree (FSDP2's pre-backward hooks, torch.compile, export) sees
+# its tensors: before torch 2.13, FSDP2 found no tensor in a router's output that it did not flatten,
+# hooked none, and its backward read the router's freed (resharded) weight.
+torch.utils._pytree.register_dataclass(RoutingOutput)
+
+
 def route(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None = None,
           correction_bias: Tensor | None = None, num_sequences: int = 1, training: bool = False) -> RoutingOutput:
     """Route ``x [T, H]`` with router ``weight [E, H]`` (and ``bias [E]``) as ``config`` says.
