@@ -19,7 +19,8 @@ failure or mismatch):
     and expert-weight gradients) at E_l = 4 (2-D path), E_l = 4 forced onto the 1-D path, and
     E_l = 64 (1-D path), triton and grouped_mm in bf16 and fp32; forward + backward under
     ``torch.cuda.set_sync_debug_mode("error")`` at E_l = 4 and 64.
-(c) timing at qwen3-30b-a3b per rank (T = 32768, E = 128, K = 8, H = 2048, bf16; balanced and Zipf
+(c) the bare exchanges of 262144 x 2048 bf16 per rank with equal splits (``all_to_all_vdev``, NCCL's
+    ``all_to_all_single``, a local copy: ms and GB/s), then timing at qwen3-30b-a3b per rank (T = 32768, E = 128, K = 8, H = 2048, bf16; balanced and Zipf
     routing): dispatch and combine ms (slowest rank) of ``all_to_all``, ``sync_free`` + equal
     splits and ``sync_free`` + ``symm_mem`` (``moeyard.parallel.bench.measure``), one table.
 """
@@ -195,6 +196,45 @@ def timing(ep, device) -> list[dict]:
     return rows
 
 
+def _median_ms(fn, device, warmup: int = 3, iters: int = 10) -> float:
+    """Median CUDA-event ms of ``fn()`` (each call on its own pair of events, after ``warmup`` calls)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier(device_ids=[device.index])
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def raw_timing(ep, device, rows: int = 262144, hidden: int = 2048) -> dict:
+    """The bare exchanges of ``rows x hidden`` bf16 per rank (qwen3-30b-a3b's pairs at EP = 2), equal
+    splits: ``all_to_all_vdev`` on symmetric buffers, NCCL ``all_to_all_single`` on plain ones, and
+    a local copy of the same rows; ms (median) and GB/s of the bytes each rank sends."""
+    W, name = ep.world_size, symm_mem.OPS.prepare(dist.group.WORLD, device)
+    x = torch.randn(rows, hidden, device=device).to(BF16)
+    inp = _symm((rows, hidden), BF16, device, name)
+    inp.copy_(x)
+    out = _symm((rows + 1, hidden), BF16, device, name)
+    s_in = _symm((W,), torch.int64, device, name)
+    s_in.fill_(rows // W)
+    meta = _symm((2, W), torch.int64, device, name)
+    plain_out = torch.empty_like(x)
+    gb = rows * hidden * 2 / 1e9
+    res = {"rows": rows, "hidden": hidden, "GB": gb}
+    res["vdev_ms"] = _median_ms(lambda: symm_mem.OPS.all_to_all_vdev(inp, out, s_in, meta, name), device)
+    res["nccl_ms"] = _median_ms(lambda: dist.all_to_all_single(plain_out, x), device)
+    res["copy_ms"] = _median_ms(lambda: plain_out.copy_(x), device)
+    for k in ("vdev", "nccl", "copy"):
+        res[f"{k}_GBps"] = gb / res[f"{k}_ms"] * 1e3
+    return res
+
+
 def timing_table(everyone: list[list[dict]]) -> str:
     lines = ["routing   variant                    rows sent (r0)  rows recv (max)  dispatch ms  combine ms"]
     for i, r0 in enumerate(everyone[0]):
@@ -228,8 +268,19 @@ def main() -> int:
         everyone = [None] * ep.world_size
         dist.all_gather_object(everyone, results)
         ok = ep.rank != 0 or ep_check.report(everyone, "ep_symm_check: the NVSHMEM exchange of sync_free")
-        timings = None
+        timings = raws = None
         if not args.no_timing and not args.only:
+            raw = raw_timing(ep, device)
+            torch.cuda.empty_cache()
+            raws = [None] * ep.world_size
+            dist.all_gather_object(raws, raw)
+            if ep.rank == 0:
+                print("\n==== raw exchange, equal splits, per rank: "
+                      f"{raw['rows']} x {raw['hidden']} bf16 ({raw['GB']:.2f} GB), slowest rank ====")
+                for k, label in (("vdev", "all_to_all_vdev (NVSHMEM)"), ("nccl", "all_to_all_single (NCCL)"),
+                                 ("copy", "local copy")):
+                    ms = max(r[f"{k}_ms"] for r in raws)
+                    print(f"raw {label:<28} {ms:8.3f} ms {raw['GB'] / ms * 1e3:8.1f} GB/s", flush=True)
             rows = timing(ep, device)
             timings = [None] * ep.world_size
             dist.all_gather_object(timings, rows)
@@ -239,7 +290,7 @@ def main() -> int:
         if ep.rank == 0 and args.json:
             with open(args.json, "w") as f:
                 json.dump({"world_size": ep.world_size, "torch": torch.__version__, "results": everyone,
-                           "timing": timings}, f, indent=1)
+                           "raw": raws, "timing": timings}, f, indent=1)
         return ep_check.exit_code(ok, device)
     finally:
         dist.destroy_process_group()

@@ -75,7 +75,7 @@ has bench && for shape in $SHAPES; do
 done
 if has symm; then
     echo "---- ep_symm_check (tail) ----"
-    grep -E '^(PASS|FAIL|====)|^routing|^(balanced|zipf) ' "$OUT/ep_symm_check.log" || tail -30 "$OUT/ep_symm_check.log"
+    grep -E "^(PASS|FAIL|====)|^routing|^(balanced|zipf) |^raw " "$OUT/ep_symm_check.log" || tail -30 "$OUT/ep_symm_check.log"
 fi
 ! has check || [ "${STATUS[ep_check]%% *}" = "rc=0" ] || exit 1
 ! has symm || [ "${STATUS[ep_symm_check]%% *}" = "rc=0" ]
