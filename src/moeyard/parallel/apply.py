@@ -48,7 +48,7 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         exchange: ``sync_free`` only: ``all_to_all`` (worst-case blocks in equal splits; portable),
             ``symm_mem`` (only the routed rows, through NVSHMEM symmetric memory: CUDA, NCCL, at
             most 32 ranks; see :mod:`moeyard.parallel.symm_mem`) or ``auto`` (``all_to_all``: the
-            symmetric path is the default only once ``benchmarks/ep_symm_check.py`` has passed on GPUs).
+            symmetric path passed on 2 H200s but its forward was no faster; ``benchmarks/NOTES.md`` round 14).
         overlap_chunks: ``all_to_all`` / ``sync_free``: split each call's tokens into this many chunks
             and keep one chunk's exchanges in flight (``async_op=True``) while another chunk's experts
             run, forward and backward (:mod:`moeyard.parallel.overlap`); 1 (default): one blocking

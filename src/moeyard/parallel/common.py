@@ -30,7 +30,7 @@ class EPOptions:
         exchange: ``sync_free`` only: how the rows travel (:data:`moeyard.parallel.sync_free.EXCHANGES`):
             ``all_to_all`` (worst-case blocks, ``all_to_all_single`` of equal splits), ``symm_mem``
             (exact rows through NVSHMEM symmetric memory, :mod:`moeyard.parallel.symm_mem`) or
-            ``auto`` (``all_to_all`` until the symmetric path has been verified on GPUs).
+            ``auto`` (``all_to_all``; the symmetric path was no faster on 2 H200s, NOTES round 14).
         overlap_chunks: ``all_to_all`` / ``sync_free``: the layer's tokens go in this many chunks, each
             chunk's exchanges in flight while another chunk's experts compute (:mod:`.overlap`); 1: one
             blocking exchange each way. ``sync_free`` overlaps the ``all_to_all`` exchange only.

@@ -36,8 +36,8 @@ The exchanges (:data:`EXCHANGE_IMPLS`, each an :class:`Exchange`):
   one :func:`moeyard.parallel.comm.exchange`.
 - ``symm_mem`` (:mod:`moeyard.parallel.symm_mem`): only the routed rows travel, through NVSHMEM
   symmetric buffers sized for the same worst case, counts exchanged on the device.
-- ``auto``: ``all_to_all``, until the ``symm_mem`` path has passed ``benchmarks/ep_symm_check.py``
-  on GPUs.
+- ``auto``: ``all_to_all``. The ``symm_mem`` path passes ``benchmarks/ep_symm_check.py`` on 2 H200s,
+  but its forward exchange was no faster there (``benchmarks/NOTES.md``, round 14).
 
 Stages (``overlap_chunks=N``: :mod:`.overlap` runs them over N chunks of the tokens, each chunk
 with C at its own bound ``ceil(T_max / N)``, with the exchanges in flight): :func:`depart_dispatch`
