@@ -560,7 +560,6 @@ def check_symm_errors(rank: int, W: int) -> None:
     """The real ops on a gloo group: a clear ValueError before any collective, the layer untouched."""
     import pytest
 
-
     m = make_layer(LAYER_CONFIGS["qwen3"])
     with pytest.raises(ValueError, match="exchange: 'symm_mem' needs an NCCL group"):
         expert_parallel(m, dispatcher="sync_free", exchange="symm_mem")
