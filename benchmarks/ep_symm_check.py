@@ -20,7 +20,8 @@ failure or mismatch):
     E_l = 64 (1-D path), triton and grouped_mm in bf16 and fp32; forward + backward under
     ``torch.cuda.set_sync_debug_mode("error")`` at E_l = 4 and 64.
 (c) the bare exchanges of 262144 x 2048 bf16 per rank with equal splits (``all_to_all_vdev``, NCCL's
-    ``all_to_all_single``, a local copy: ms and GB/s), then timing at qwen3-30b-a3b per rank (T = 32768, E = 128, K = 8, H = 2048, bf16; balanced and Zipf
+    ``all_to_all_single``, a local copy: ms and GB/s); the device kernels of three dispatch + combine
+    calls (``torch.profiler``, rank 0) of ``sync_free`` + ``symm_mem`` and of ``all_to_all``; then timing at qwen3-30b-a3b per rank (T = 32768, E = 128, K = 8, H = 2048, bf16; balanced and Zipf
     routing): dispatch and combine ms (slowest rank) of ``all_to_all``, ``sync_free`` + equal
     splits and ``sync_free`` + ``symm_mem`` (``moeyard.parallel.bench.measure``), one table.
 """
@@ -235,6 +236,41 @@ def raw_timing(ep, device, rows: int = 262144, hidden: int = 2048) -> dict:
     return res
 
 
+def profile_exchange(ep, device, dispatcher: str, exchange: str, steps: int = 3) -> str:
+    """The device kernels of ``steps`` dispatch + combine calls (no experts in between: the
+    dispatched rows go straight back) at qwen3-30b-a3b per rank, balanced routing, as
+    ``torch.profiler``'s table (top 10 by device time), for rank 0 to print."""
+    from moeyard import bench as layer_bench
+    from moeyard.parallel.common import EPOptions
+    from moeyard.parallel.experts import DISPATCHERS
+    from moeyard.routing import route
+
+    opts = layer_bench.resolve_options(layer_bench.BenchOptions(models=["qwen3-30b-a3b"], device=str(device),
+                                                                dtype="bfloat16", warmup=1, iters=1))
+    shape = layer_bench.cases(opts)[0]
+    config = shape.moe_config()
+    torch.manual_seed(1000 + ep.rank)
+    inputs = layer_bench.make_inputs(shape, opts)
+    more = {"exchange": exchange} if dispatcher == "sync_free" else {}
+    options = EPOptions(num_experts=config.num_experts, dispatcher=dispatcher,
+                        max_tokens=None if dispatcher == "all_to_all" else shape.tokens, **more)
+    mod = DISPATCHERS[dispatcher]
+    with torch.no_grad():
+        r = route(inputs.xs[0], inputs.router_weight, config)
+        x, ids, wt = inputs.xs[0], r.topk_ids, r.topk_weights.to(BF16)
+        d = mod.dispatch(x, ids, wt, ep, options)  # warm-up (the symmetric buffers' allocation)
+        mod.combine(d.rows, d)
+        torch.cuda.synchronize(device)
+        act = torch.profiler.ProfilerActivity
+        with torch.profiler.profile(activities=[act.CUDA if device.type == "cuda" else act.CPU]) as prof:
+            for _ in range(steps):
+                d = mod.dispatch(x, ids, wt, ep, options)
+                mod.combine(d.rows, d)
+            torch.cuda.synchronize(device)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=10, max_name_column_width=50)
+
+
 def timing_table(everyone: list[list[dict]]) -> str:
     lines = ["routing   variant                    rows sent (r0)  rows recv (max)  dispatch ms  combine ms"]
     for i, r0 in enumerate(everyone[0]):
@@ -281,6 +317,12 @@ def main() -> int:
                                  ("copy", "local copy")):
                     ms = max(r[f"{k}_ms"] for r in raws)
                     print(f"raw {label:<28} {ms:8.3f} ms {raw['GB'] / ms * 1e3:8.1f} GB/s", flush=True)
+            for dispatcher, exchange in (("sync_free", "symm_mem"), ("all_to_all", "auto")):
+                table = profile_exchange(ep, device, dispatcher, exchange)
+                torch.cuda.empty_cache()
+                if ep.rank == 0:
+                    print(f"\n==== profile: 3 x (dispatch + combine), {dispatcher} ({exchange}), qwen3-30b-a3b, "
+                          f"balanced, rank 0 ====\n{table}\n==== end profile ====", flush=True)
             rows = timing(ep, device)
             timings = [None] * ep.world_size
             dist.all_gather_object(timings, rows)

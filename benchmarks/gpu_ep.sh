@@ -14,8 +14,9 @@
 #    all_to_all_single of the same bytes, per-GPU TFLOP/s next to one GPU on the same local experts,
 #    and the whole call (forward; forward + backward) with overlap_chunks 1, 2 and 4 (EP_OVERLAP).
 # 3. benchmarks/ep_symm_check.py under torchrun: the NVSHMEM exchange of sync_free (raw ops against
-#    their reference, the layer against the oracle at E_l = 4 and 64, sync debug mode), then dispatch /
-#    combine ms at qwen3-30b-a3b for all_to_all, sync_free + equal splits, sync_free + symm_mem.
+#    their reference, the layer against the oracle at E_l = 4 and 64, sync debug mode), the bare
+#    exchanges' GB/s, a kernel profile of dispatch + combine, then dispatch / combine ms at
+#    qwen3-30b-a3b for all_to_all, sync_free + equal splits, sync_free + symm_mem.
 # Every step is time-boxed (steps 1-2 under 9 minutes, step 3 under 5). Files in $OUT: ep_check.log,
 # ep_check.json, bench_<shape>.log, bench_<shape>.json, ep_symm_check.log, ep_symm_check.json, env.txt.
 set -u
@@ -76,6 +77,7 @@ done
 if has symm; then
     echo "---- ep_symm_check (tail) ----"
     grep -E "^(PASS|FAIL|====)|^routing|^(balanced|zipf) |^raw " "$OUT/ep_symm_check.log" || tail -30 "$OUT/ep_symm_check.log"
+    sed -n '/^==== profile/,/^==== end profile/p' "$OUT/ep_symm_check.log" | grep -vE '^-+|^$|end profile'
 fi
 ! has check || [ "${STATUS[ep_check]%% *}" = "rc=0" ] || exit 1
 ! has symm || [ "${STATUS[ep_symm_check]%% *}" = "rc=0" ]
