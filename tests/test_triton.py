@@ -651,3 +651,22 @@ def test_profile_launches_run(variant, chunk):
             c.run()
     names = [c.name.split(" [")[0] for c in costs]
     assert ("wgrad up reduce" in names) == (variant != "default") and ("down cast" in names) == (variant == "all")
+
+
+def test_tma_descriptor_rules():
+    """The three TMA predicates share one rule set: 16-bit floats (float32 only when asked), unit stride
+    along the boxed dimension, other strides and the base 16-byte aligned."""
+    from moeyard.experts.triton import kernels_tma as k
+
+    bf = dict(dtype=torch.bfloat16)
+    rows, w = torch.zeros(64, 32, **bf), torch.zeros(4, 48, 32, **bf)
+    assert k.rows_tma_ready(rows) and k.weight_tma_ready(w) and k.tma_ready(rows, w)
+    assert k.tma_ready(rows, w.mT.contiguous().mT)                     # unit stride along NY
+    assert not k.rows_tma_ready(rows.float()) and k.rows_tma_ready(rows.float(), float32=True)
+    assert not k.rows_tma_ready(torch.zeros(64, 36, **bf)[:, :33])      # row stride 72 bytes
+    assert not k.rows_tma_ready(rows.mT)                                # no unit stride along C
+    assert not k.rows_tma_ready(torch.zeros(64 * 32 + 1, **bf)[1:].view(64, 32))  # base off by 2 bytes
+    assert not k.weight_tma_ready(w.mT)                                 # unit stride not last
+    assert not k.weight_tma_ready(torch.zeros(4, 48, 36, **bf)[:, :, :33])
+    assert not k.tma_ready(rows, w.half())                              # dtypes differ
+    assert not k.tma_ready(rows.mT.contiguous().mT, w)                  # rows not contiguous

@@ -103,37 +103,34 @@ def _down_tile(tile, n_tiles, a_desc, w_desc, b_ptr, tw_ptr, sort_order_ptr, off
 
 
 def tma_ready(rows: torch.Tensor, w: torch.Tensor, float32: bool = False) -> bool:
-    """Whether :func:`down_tma_kernel` can read ``rows [N, KA]`` and ``w [E, NY, KA]``: a 16-bit
-    float dtype (or float32 with ``float32``: the CPU interpreter's tests), ``rows`` contiguous, ``w``
-    unit-stride along NY or KA, and every other stride and base address a multiple of 16 bytes (the
-    TMA descriptor's rules, CUDA driver API ``cuTensorMapEncodeTiled``). Host metadata only."""
-    dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if float32 else ())
-    if rows.dtype not in dtypes or w.dtype != rows.dtype or not rows.is_contiguous():
-        return False
-    if w.stride(2) != 1 and w.stride(1) != 1:
-        return False
-    size = rows.element_size()
-    strides = (rows.shape[1], w.stride(0), w.stride(1) if w.stride(2) == 1 else w.stride(2))
-    return all(s * size % 16 == 0 for s in strides) and rows.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+    """Whether :func:`down_tma_kernel` can read ``rows [N, KA]`` and ``w [E, NY, KA]``: ``rows``
+    contiguous and :func:`rows_tma_ready`, ``w`` in its dtype with unit stride along NY or KA and the
+    descriptor's other rules (:func:`_descriptor_ready`). Host metadata only."""
+    return (rows.is_contiguous() and rows_tma_ready(rows, float32) and w.dtype == rows.dtype and w.dim() == 3
+            and (_descriptor_ready(w, 2, float32) or _descriptor_ready(w, 1, float32)))
 
 
 def weight_tma_ready(w: torch.Tensor, float32: bool = False) -> bool:
-    """Whether a 3-D weight can be read through a TMA descriptor over its own layout: a 16-bit float dtype
-    (or float32 with ``float32``), unit stride along its last dimension, the other strides and the base
-    address multiples of 16 bytes. Host metadata only."""
-    dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if float32 else ())
-    size = w.element_size()
-    return (w.dtype in dtypes and w.dim() == 3 and w.stride(2) == 1 and w.stride(0) * size % 16 == 0
-            and w.stride(1) * size % 16 == 0 and w.data_ptr() % 16 == 0)
+    """Whether a 3-D weight can be read through a TMA descriptor over its own layout, unit stride along
+    its last dimension (:func:`_descriptor_ready`). Host metadata only."""
+    return w.dim() == 3 and _descriptor_ready(w, 2, float32)
 
 
 def rows_tma_ready(rows: torch.Tensor, float32: bool = False) -> bool:
-    """Whether rows ``[N, C]`` can be read through a TMA descriptor: a 16-bit float dtype (or float32
-    with ``float32``), unit stride along C, row stride and base address multiples of 16 bytes. Host
-    metadata only."""
-    dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if float32 else ())
-    return (rows.dtype in dtypes and rows.dim() == 2 and rows.stride(1) == 1
-            and rows.stride(0) * rows.element_size() % 16 == 0 and rows.data_ptr() % 16 == 0)
+    """Whether rows ``[N, C]`` can be read through a TMA descriptor, unit stride along C
+    (:func:`_descriptor_ready`). Host metadata only."""
+    return rows.dim() == 2 and _descriptor_ready(rows, 1, float32)
+
+
+def _descriptor_ready(t: torch.Tensor, unit_dim: int, float32: bool) -> bool:
+    """The TMA descriptor's rules for ``t`` as laid out (CUDA driver API ``cuTensorMapEncodeTiled``): a
+    16-bit float dtype (or float32 with ``float32``: the CPU interpreter's tests), unit stride along
+    ``unit_dim``, every other stride and the base address multiples of 16 bytes."""
+    if t.dtype not in (torch.bfloat16, torch.float16) + ((torch.float32,) if float32 else ()):
+        return False
+    size = t.element_size()
+    return (t.stride(unit_dim) == 1 and t.data_ptr() % 16 == 0
+            and all(t.stride(d) * size % 16 == 0 for d in range(t.dim()) if d != unit_dim))
 
 
 def _torch_scratch(size: int, alignment: int, stream):
