@@ -180,14 +180,20 @@ def checks() -> list[tuple[str, object]]:
 VARIANTS = (("all_to_all", "auto"), ("sync_free", "all_to_all"), ("sync_free", "symm_mem"))
 
 
-def timing(ep, device) -> list[dict]:
-    """Every rank's ``moeyard.parallel.bench.measure`` rows at qwen3-30b-a3b, per routing and variant."""
+def _qwen3(device):
+    """``(options, shape)`` of ``moeyard bench`` at qwen3-30b-a3b, bf16, 3 warm-up and 10 timed runs."""
     from moeyard import bench as layer_bench
-    from moeyard.parallel import bench as ep_bench
 
     opts = layer_bench.resolve_options(layer_bench.BenchOptions(models=["qwen3-30b-a3b"], device=str(device),
                                                                 dtype="bfloat16", warmup=3, iters=10))
-    shape = layer_bench.cases(opts)[0]
+    return opts, layer_bench.cases(opts)[0]
+
+
+def timing(ep, device) -> list[dict]:
+    """Every rank's ``moeyard.parallel.bench.measure`` rows at qwen3-30b-a3b, per routing and variant."""
+    from moeyard.parallel import bench as ep_bench
+
+    opts, shape = _qwen3(device)
     rows = []
     for routing in ("balanced", "zipf"):
         for dispatcher, exchange in VARIANTS:
@@ -197,26 +203,14 @@ def timing(ep, device) -> list[dict]:
     return rows
 
 
-def _median_ms(fn, device, warmup: int = 3, iters: int = 10) -> float:
-    """Median CUDA-event ms of ``fn()`` (each call on its own pair of events, after ``warmup`` calls)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        dist.barrier(device_ids=[device.index])
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 def raw_timing(ep, device, rows: int = 262144, hidden: int = 2048) -> dict:
     """The bare exchanges of ``rows x hidden`` bf16 per rank (qwen3-30b-a3b's pairs at EP = 2), equal
     splits: ``all_to_all_vdev`` on symmetric buffers, NCCL ``all_to_all_single`` on plain ones, and
-    a local copy of the same rows; ms (median) and GB/s of the bytes each rank sends."""
+    a local copy of the same rows; ms (median, ``moeyard.parallel.bench``'s timer) and GB/s of the bytes
+    each rank sends."""
+    from moeyard.parallel import bench as ep_bench
+
+    opts, _ = _qwen3(device)
     W, name = ep.world_size, symm_mem.OPS.prepare(dist.group.WORLD, device)
     x = torch.randn(rows, hidden, device=device).to(BF16)
     inp = _symm((rows, hidden), BF16, device, name)
@@ -228,9 +222,12 @@ def raw_timing(ep, device, rows: int = 262144, hidden: int = 2048) -> dict:
     plain_out = torch.empty_like(x)
     gb = rows * hidden * 2 / 1e9
     res = {"rows": rows, "hidden": hidden, "GB": gb}
-    res["vdev_ms"] = _median_ms(lambda: symm_mem.OPS.all_to_all_vdev(inp, out, s_in, meta, name), device)
-    res["nccl_ms"] = _median_ms(lambda: dist.all_to_all_single(plain_out, x), device)
-    res["copy_ms"] = _median_ms(lambda: plain_out.copy_(x), device)
+    def ms(fn) -> float:
+        return ep_bench._time_ms(fn, ep, opts, device)
+
+    res["vdev_ms"] = ms(lambda: symm_mem.OPS.all_to_all_vdev(inp, out, s_in, meta, name))
+    res["nccl_ms"] = ms(lambda: dist.all_to_all_single(plain_out, x))
+    res["copy_ms"] = ms(lambda: plain_out.copy_(x))
     for k in ("vdev", "nccl", "copy"):
         res[f"{k}_GBps"] = gb / res[f"{k}_ms"] * 1e3
     return res
@@ -245,9 +242,7 @@ def profile_exchange(ep, device, dispatcher: str, exchange: str, steps: int = 3)
     from moeyard.parallel.experts import DISPATCHERS
     from moeyard.routing import route
 
-    opts = layer_bench.resolve_options(layer_bench.BenchOptions(models=["qwen3-30b-a3b"], device=str(device),
-                                                                dtype="bfloat16", warmup=1, iters=1))
-    shape = layer_bench.cases(opts)[0]
+    opts, shape = _qwen3(device)
     config = shape.moe_config()
     torch.manual_seed(1000 + ep.rank)
     inputs = layer_bench.make_inputs(shape, opts)
