@@ -146,7 +146,6 @@ def test_parameters_and_repr():
     assert "num_experts=4" in repr(m) and "backend=auto" in repr(m)
 
 
-
 @pytest.mark.skipif("triton" not in moeyard.available_backends("cpu", torch.float32),
                     reason="needs the triton backend (Triton's interpreter on CPU)")
 def test_forward_issues_few_device_ops(monkeypatch):
