@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The LoRA GPU round, in two stages that each fit one 10-minute device call.
-# Usage (repository root, GPU machine):  bash benchmarks/gpu_lora.sh [check|bench|quant] [MODEL ...]
+# Usage (repository root, GPU machine):  bash benchmarks/gpu_lora.sh [check|bench|quant|gluon] [MODEL ...]
 #   check: CUDA LoRA and NF4 tests; with ALL=1 also the rest of tests/cuda and verify --lora (PEFT parity,
 #          27 architectures)
 #   bench: moeyard bench --lora 16 at MODEL... (default: the four LoRA shapes); with ALL=1 also the per-kernel
 #          profile, the split/fused crossover and a no-LoRA triton check
+#   gluon: the CUDA LoRA tests, then the Gluon LoRA down projection against the Triton one
+#          (MOEYARD_TRITON_GLUON_LORA=1/0): the LoRA step's kernels in launch order, then frozen vs lora steps
+#          interleaved, at MODEL (default qwen3-30b-a3b)
 #   quant: CUDA LoRA, QLoRA and NF4 tests, then moeyard bench --quant nf4 --lora 16 (4-layer stacks) at MODEL...
 #          (default qwen3-30b-a3b); bitsandbytes comes from the wheel in .whl (carried)
 # Full logs go to $OUT (default ./out); short summaries are printed last.
@@ -26,6 +29,16 @@ if [[ $STAGE == check ]]; then
   [[ -n ${ALL:-} ]] && step pytest_cuda 200 python3 -m pytest -q -p no:cacheprovider tests/cuda \
     --deselect tests/cuda/test_lora_cuda.py
   [[ -n ${ALL:-} ]] && step verify_lora 150 python3 -m moeyard verify --device cuda --lora 8 --fuse-lora
+elif [[ $STAGE == gluon ]]; then
+  (( ${#margs[@]} )) || margs=(--model qwen3-30b-a3b)
+  MOEYARD_TRITON_AUTOTUNE=0 step pytest_lora 200 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_lora_cuda.py
+  for g in 1 0; do
+    MOEYARD_TRITON_GLUON_LORA=$g step "profile_g$g" 120 python3 benchmarks/lora_profile.py --sequence "${margs[@]:0:2}"
+  done
+  for run in 1 2; do for g in 1 0; do
+    MOEYARD_TRITON_GLUON_LORA=$g step "bench_g${g}_$run" 150 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 \
+      --backends frozen,lora "${margs[@]}"
+  done; done
 elif [[ $STAGE == quant ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
@@ -42,6 +55,6 @@ else
   [[ -n ${ALL:-} ]] && step bench_triton 60 python3 -m moeyard bench --routed-only --model qwen3-30b-a3b --backends triton,torch_gmm \
     --warmup 5 --iters 20
 fi
-for f in "$OUT"/verify_lora.txt "$OUT"/bench_*.txt "$OUT"/profile.txt "$OUT"/crossover.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 40 "$f"; }; done
+for f in "$OUT"/verify_lora.txt "$OUT"/bench_*.txt "$OUT"/profile*.txt "$OUT"/crossover.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 40 "$f"; }; done
 for f in "$OUT"/pytest_*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed|Error" "$f" | tail -n 20; }; done
 cat "$OUT/gpu.txt"; printf '%s\n' "${summary[@]}"

@@ -43,6 +43,31 @@ def test_triton_edge_cases(case):
         check_backend("triton", add_lora(make_inputs(300, 128, 64, E, K, bias=True), 16), torch.bfloat16, device=DEV)
 
 
+@pytest.mark.parametrize("case", ["ragged", "one_hot_expert", "bias", "rank24"])
+def test_gluon_down_projection(case, monkeypatch):
+    """The Gluon down projection with its LoRA term (sm_90): it runs for the forward and the input
+    gradient, and every output and gradient matches the oracle. Cases: outputs and K not multiples of
+    the tile (H 320, I 200: a 64-wide last column tile, a 8-wide last K step), rank 8 (half the padded
+    box), empty experts and three long ones, biases, rank 24 (padded to 32)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is for sm_90")
+    from moeyard.experts.triton import kernels_gluon
+    calls = []
+    real = kernels_gluon.launch
+    monkeypatch.setattr(kernels_gluon, "launch", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    E, K = 10, 3
+    if case == "ragged":
+        inp = add_lora(make_inputs(777, 320, 200, E, K), 8)
+    elif case == "one_hot_expert":
+        inp = add_lora(make_inputs(600, 256, 192, E, K, ids=torch.stack([torch.arange(K)] * 600)), 16)
+    elif case == "bias":
+        inp = add_lora(make_inputs(500, 256, 192, E, K, bias=True), 16)
+    else:
+        inp = add_lora(make_inputs(500, 256, 256, E, K), 24)
+    check_backend("triton", inp, torch.bfloat16, device=DEV, frozen=FROZEN)
+    assert len(calls) == 2, "the forward and the input gradient each launch the Gluon kernel once"
+
+
 def _leaves(seed=0):
     g = torch.Generator().manual_seed(seed)
     inp = add_lora(make_inputs(512, 256, 128, 16, 4), 16)

@@ -239,6 +239,12 @@ def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la,
         return
     bb = w if b is None else b
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
+    if table is not None and lora_mode == LORA_SPLIT and not atomic and (gluon := _gluon_lora()) is not None \
+            and gluon.ready(rows, w, lb, z, RP):
+        kernels_tma.ensure_allocator()
+        gluon.launch(rows, w, b, topk_weights, sort_order, expert_offsets, y, lb, z, table, lora_scale, RP,
+                     tma_block_m(), num_sms(rows.device))
+        return
     if table is not None and not atomic and kernels_tma.tma_ready(rows, w, interpreting()):
         kernels_tma.ensure_allocator()
         _kernels()["down_tma"][_tma_grid(table, NY, rows.device)](
@@ -254,6 +260,18 @@ def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la,
         w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1), *lora_strides, lora_scale,
         HAS_BIAS=b is not None, HAS_WEIGHT=topk_weights is not None, ATOMIC=atomic, LORA=lora_mode, RP=RP,
         PRECISION=dot_precision(rows.dtype), E_P2=_e_p2(E))
+
+
+def _gluon_lora():
+    """:mod:`.kernels_gluon` when the option ``gluon_lora`` is on and this Triton has Gluon's Hopper
+    language (Triton >= 3.5), else None. Never under the interpreter (Gluon has none)."""
+    if interpreting() or not options().gluon_lora:
+        return None
+    try:
+        from . import kernels_gluon
+    except ImportError:
+        return None
+    return kernels_gluon
 
 
 def _tma_grid(table: Tensor, cols: int, device: torch.device):

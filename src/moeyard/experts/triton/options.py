@@ -42,6 +42,11 @@ Each defaults to the measured default path; set an environment variable, or over
   weights. Measured on an H100 (round 13 of ``benchmarks/NOTES.md``, results bit-identical): up 3.59 ->
   3.47 ms at qwen3-30b-a3b, 4.56 -> 4.30 ms at sonic-30b-a. The same for the activation gradient's
   weight (dh) was slower (2.31 -> 2.50 ms, 2.62 -> 2.82 ms) and is not offered.
+- ``MOEYARD_TRITON_GLUON_LORA=0`` (``gluon_lora``, on by default): with a split-mode LoRA term, the TMA
+  down projection (forward and input gradient) runs the Gluon kernel of :mod:`.kernels_gluon`, whose
+  pipeline loads each tile's LoRA operands while the tile's K loop runs, instead of the Triton kernel
+  that waits on them after it. Same conditions as ``tma``, plus sm_90, a rank that is a multiple of 8
+  and at most 32, and at least two K steps of 64; otherwise the Triton kernel runs.
 """
 from __future__ import annotations
 
@@ -52,7 +57,7 @@ from dataclasses import dataclass
 ENV = dict(atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE", wgrad_chunk_rows="MOEYARD_TRITON_WGRAD_CHUNK",
            wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", lora_mode="MOEYARD_TRITON_LORA",
            tma="MOEYARD_TRITON_TMA", tma_wgrad="MOEYARD_TRITON_TMA_WGRAD", prefetch_h="MOEYARD_TRITON_PREFETCH",
-           tma_up="MOEYARD_TRITON_TMA_UP")
+           tma_up="MOEYARD_TRITON_TMA_UP", gluon_lora="MOEYARD_TRITON_GLUON_LORA")
 LORA_MODES = ("split", "fused")
 
 
@@ -72,6 +77,7 @@ class Options:
     tma_wgrad: bool = True
     prefetch_h: bool = False
     tma_up: bool = True
+    gluon_lora: bool = True
 
     def __post_init__(self):
         if self.wgrad_chunk_rows < 0 or self.wgrad_partial_mib <= 0:
