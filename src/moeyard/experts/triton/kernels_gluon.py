@@ -217,14 +217,19 @@ def down_lora_kernel(
 
 
 BN, BK, STAGES = 256, 64, 3  # the measured tile (as the Triton kernel's best config) and pipeline depth
+# Measured on an H200 (benchmarks/NOTES.md, round 15): against the Triton kernel with its LoRA epilogue this
+# kernel saves 0.28 ms at 12 K steps (Qwen3-30B-A3B's down projection) and 0.05 ms at 24 (its input
+# gradient); at 224 and 448 (Mixtral-8x7B) its main loop is the slower and the LoRA step lost 7 ms
+MAX_K_STEPS = 24
 MAX_RP = 32  # the LoRA ring, 2 (BM + BN) RP * 2 bytes, is 48 KiB at RP = 32: 224 KiB of shared memory in all
 
 
 def ready(rows, w, lb, z, rp: int) -> bool:
     """Whether :func:`launch` can run: Hopper (sm_90), 16-bit rows, ``W`` and LoRA factors
     that suit TMA descriptors (:func:`.kernels_tma.tma_ready`; ``z [N, R]`` and ``Lb`` with a unit
-    stride along ``R`` or ``NY``, so ``R`` a multiple of 8), ``RP <= 32`` and enough K steps for the
-    pipeline. Host metadata only."""
+    stride along ``R`` or ``NY``, so ``R`` a multiple of 8), ``RP <= 32`` and from ``STAGES - 1`` (the
+    pipeline's depth) to ``MAX_K_STEPS`` K steps of 64 (longer loops run faster in the Triton kernel).
+    Host metadata only."""
     import torch
 
     from .kernels_tma import _descriptor_ready, rows_tma_ready, tma_ready
@@ -234,7 +239,7 @@ def ready(rows, w, lb, z, rp: int) -> bool:
         return False
     lb_ok = _descriptor_ready(lb, 2, False) if lb.stride(2) == 1 else _descriptor_ready(lb.mT, 2, False)
     return (tma_ready(rows, w) and rows_tma_ready(z) and z.is_contiguous() and lb_ok and rp <= MAX_RP
-            and -(-rows.shape[1] // BK) >= STAGES - 1)
+            and STAGES - 1 <= -(-rows.shape[1] // BK) <= MAX_K_STEPS)
 
 
 def launch(rows, w, b, topk_weights, sort_order, expert_offsets, y, lb, z, table, lora_scale: float, rp: int,
