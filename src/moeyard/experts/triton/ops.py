@@ -232,7 +232,9 @@ def _down_table(rows: Tensor, r: Routing, lora_mode: int) -> Tensor | None:
 def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, y, z,
                 table, atomic: bool) -> None:
     """The down projection's launch: TMA-loaded over the tile ``table`` when given (not with
-    ``atomic``) and the operands suit TMA (:func:`kernels_tma.tma_ready`), else pointer loads."""
+    ``atomic``) and the operands suit TMA (:func:`kernels_tma.tma_ready`), else pointer loads. A split
+    LoRA term on sm_90 runs the Gluon kernel instead where :func:`kernels_gluon.ready` holds (option
+    ``gluon_lora``)."""
     E, NY, KA = w.shape
     N = sort_order.shape[0]
     if N == 0:
