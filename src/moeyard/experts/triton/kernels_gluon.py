@@ -233,12 +233,12 @@ def ready(rows, w, lb, z, rp: int) -> bool:
     Host metadata only."""
     import torch
 
-    from .kernels_tma import _descriptor_ready, rows_tma_ready, tma_ready
+    from .kernels_tma import rows_tma_ready, tma_ready, weight_tma_ready
     if not (rows.is_cuda and torch.cuda.get_device_capability(rows.device) == (9, 0)):
         return False
     if rows.dtype not in (torch.bfloat16, torch.float16) or z.dtype != rows.dtype or lb.dtype != rows.dtype:
         return False
-    lb_ok = _descriptor_ready(lb, 2, False) if lb.stride(2) == 1 else _descriptor_ready(lb.mT, 2, False)
+    lb_ok = weight_tma_ready(lb) if lb.stride(2) == 1 else weight_tma_ready(lb.mT)
     return (tma_ready(rows, w) and rows_tma_ready(z) and z.is_contiguous() and lb_ok and rp <= MAX_RP
             and STAGES - 1 <= -(-rows.shape[1] // BK) <= MAX_K_STEPS)
 

@@ -7,6 +7,7 @@ pairs. Weights are ``[E, out, in]`` views of any strides (never copied).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -269,6 +270,12 @@ def _gluon_lora():
     language (Triton >= 3.5), else None. Never under the interpreter (Gluon has none)."""
     if interpreting() or not options().gluon_lora:
         return None
+    return _gluon_module()
+
+
+@functools.cache
+def _gluon_module():
+    """The import, once (a Triton without Gluon would otherwise retry it at every launch)."""
     try:
         from . import kernels_gluon
     except ImportError:
