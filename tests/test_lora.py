@@ -131,18 +131,31 @@ def test_triton_split_and_fused_agree(monkeypatch):
         torch.testing.assert_close(results["split"][k], results["fused"][k], rtol=1e-5, atol=1e-5)
 
 
-def test_triton_frozen_base_runs_no_base_weight_gradient(monkeypatch):
+@pytest.mark.parametrize("one_pass", [True, False])  # False: the row partials over budget, two passes over d_y
+def test_triton_frozen_base_runs_no_base_weight_gradient(monkeypatch, one_pass):
     if "triton" not in FP32_BACKENDS:
         pytest.skip("triton runs only under its interpreter on CPU")
     from moeyard.experts.triton import ops
-    shapes = []
-    real = ops.wgrad
+    if not one_pass:
+        monkeypatch.setattr(ops, "wgrad_rows_fits", lambda *a: False)
+    shapes, fused_rows, thin_passes = [], [], []
+    real, real_rows, real_thin = ops.wgrad, ops.wgrad_rows, ops.low_rank_rows
     monkeypatch.setattr(ops, "wgrad", lambda *a, **k: shapes.append(tuple(k["like_w"].shape)) or real(*a, **k))
+    monkeypatch.setattr(ops, "wgrad_rows", lambda *a, **k: fused_rows.append(tuple(a[2].shape)) or real_rows(*a, **k))
+    monkeypatch.setattr(ops, "low_rank_rows", lambda *a, **k: thin_passes.append(a[1].shape) or real_thin(*a, **k))
     E, r = 3, 4
-    inp = add_lora(make_inputs(10, 16, 16, E, 2), r)
+    inp = add_lora(make_inputs(10, 16, 12, E, 2), r)
+    check_backend("triton", inp, torch.float32, frozen=FROZEN)
+    shapes.clear(), fused_rows.clear(), thin_passes.clear()
     run_experts(inp, torch.float32, "triton", torch.randn(10, 16, dtype=torch.float64), frozen=FROZEN)
-    assert shapes and all(r in s[1:] for s in shapes), shapes  # only the [E, r, in] / [E, out, r] factor gradients
-    assert len(shapes) == 4
+    # only the factor gradients: dA by wgrad ([E, r, in]), dB with the rows d_y B_e by wgrad_rows ([E, out, r])
+    if one_pass:
+        assert sorted(shapes) == [(E, r, 12), (E, r, 16)], shapes
+        assert sorted(fused_rows) == [(E, 16, r), (E, 24, r)], fused_rows
+        assert len(thin_passes) == 2  # the forward's x A_up^T and a A_down^T: backward reads each d_y once
+    else:
+        assert sorted(shapes) == [(E, r, 12), (E, r, 16), (E, 16, r), (E, 24, r)], shapes
+        assert not fused_rows and len(thin_passes) == 4
 
 
 @pytest.mark.parametrize("bad,match,err", [

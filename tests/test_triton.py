@@ -529,6 +529,30 @@ def test_tma_with_lora(mode, monkeypatch):
     assert launches.names.count("down_tma" if mode == "split" else "down") == 2  # fused LoRA: pointer kernel
 
 
+@pytest.mark.parametrize("by_token", [True, False])  # d out read at each row's token; d_h in sorted rows
+@pytest.mark.parametrize("chunk", [0, 12])
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("ids", ["random", "skewed", "two_experts"])
+def test_wgrad_rows(by_token, chunk, tma, ids):
+    # dB_e = L[rows of e]^T zw and the rows L[row] @ B_e from one pass over L: NL = 40 (three 16-wide
+    # partials, the last 8 wide), R = 5 (no tile's multiple), a long expert cut into chunks, empty experts
+    T, K, E, NL, R = 20, 2, 5, 40, 5
+    topk = dict(random=torch.stack([torch.randperm(E)[:K] for _ in range(T)]), skewed=_skewed_ids(T, K, E),
+                two_experts=torch.tensor([[1, 3]] * T))[ids]
+    r = ops.routing(topk, E)
+    N = T * K
+    lhs = torch.randn(T if by_token else N, NL)
+    zw, factor = torch.randn(N, R), torch.randn(E, NL, R)
+    with use_options(tma_wgrad=tma, wgrad_chunk_rows=chunk):
+        dw, rows = ops.wgrad_rows(lhs, zw, factor, lhs_by_token=by_token, r=r)
+    ell = lhs.double()[r.sort_order // K] if by_token else lhs.double()
+    expert = topk.reshape(-1)[r.sort_order]
+    want_rows = torch.einsum("nl,nlr->nr", ell, factor.double()[expert])
+    want_dw = torch.stack([ell[expert == e].T @ zw.double()[expert == e] for e in range(E)])
+    assert rows.shape == (N, R) and rows.dtype == lhs.dtype and dw.shape == factor.shape
+    assert _rel(rows, want_rows) < 1e-6 and _rel(dw, want_dw) < 1e-6
+
+
 @pytest.mark.parametrize("chunk", [12, 20])  # chunks shorter than a BM=16 row step, and over one step
 @pytest.mark.parametrize("layout", ["plain", "bias", "gpt_oss"])
 def test_wgrad_chunks(chunk, layout):

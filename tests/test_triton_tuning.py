@@ -152,10 +152,10 @@ def test_tuned_uses_the_pruner(monkeypatch):
 @pytest.mark.parametrize("mode", [LORA_SPLIT, LORA_FUSED])
 def test_every_list_keeps_a_config(rank, mode):
     """bf16 on H100/H200: each launcher keeps candidates without LoRA and with LoRA of every rank."""
-    for _, configs, kind, gated, lora in schedule._report_lists():
+    for _, configs, kind, gated, lora, rows in schedule._report_lists():
         if rank and not lora:
             continue
-        launch = Launch(kind=kind, dual=gated, lora=mode if rank else 0, rank=rank)
+        launch = Launch(kind=kind, dual=gated, lora=mode if rank else 0, rank=rank, has_rows=rows)
         assert any(tuning.fits(c, launch, LIMIT)[2] for c in configs), (kind, rank, mode)
 
 
@@ -164,6 +164,15 @@ def test_report_lists_every_launcher():
     for title, configs, *_ in schedule._report_lists():
         assert title in text
     assert "PRUNED" in text and "kept" in text and "r=128 f" in text
+
+
+def test_row_product_estimates_by_hand():
+    # the factor's [BN, BK] tile once, the [BM, BK] float32 product and its store pointers
+    c = cfg(64, 256, 16, 4, 4)
+    plain, rows = Launch(kind="wgrad"), Launch(kind="wgrad", has_rows=True)
+    assert smem_bytes(c, rows) == smem_bytes(c, plain) + 256 * 16 * 2
+    assert registers(c, rows) == registers(c, plain) + 64 * 16 // 128 + 2 * 64 * 16 * 4 // (16 * 128)
+    assert tuning.launch_of("wgrad", dict(ROWS=True, l_ptr="*bf16", r_ptr="*bf16")).has_rows
 
 
 def test_tma_estimates_by_hand():

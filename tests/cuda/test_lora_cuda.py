@@ -68,6 +68,31 @@ def test_gluon_down_projection(case, monkeypatch):
     assert len(calls) == 2, "the forward and the input gradient each launch the Gluon kernel once"
 
 
+@pytest.mark.parametrize("by_token", [True, False])
+@pytest.mark.parametrize("chunk", [0, 96])
+def test_wgrad_rows_bf16(by_token, chunk):
+    """``dB`` and the rows ``d_y B_e`` from one pass over ``d_y`` (the split mode's backward), autotuned:
+    NL 640 (three 256-wide partials, the last 128 wide), rank 16, one long expert cut into chunks and
+    empty ones; against float64, within bfloat16 rounding of the inputs' products."""
+    from moeyard.experts.triton import ops
+    from moeyard.experts.triton.options import use_options
+    T, K, E, NL, R = 600, 2, 9, 640, 16
+    topk = torch.stack([torch.tensor([0, 1 + i % 4]) for i in range(T)]).to(DEV)  # experts 5..8 empty
+    r = ops.routing(topk, E)
+    N = T * K
+    lhs = torch.randn(T if by_token else N, NL, device=DEV).bfloat16()
+    zw, factor = torch.randn(N, R, device=DEV).bfloat16(), torch.randn(E, NL, R, device=DEV).bfloat16()
+    with use_options(wgrad_chunk_rows=chunk):
+        dw, rows = ops.wgrad_rows(lhs, zw, factor, lhs_by_token=by_token, r=r)
+    ell = lhs.double()[r.sort_order // K] if by_token else lhs.double()
+    expert = topk.reshape(-1)[r.sort_order]
+    want_rows = torch.einsum("nl,nlr->nr", ell, factor.double()[expert])
+    want_dw = torch.stack([ell[expert == e].T @ zw.double()[expert == e] for e in range(E)])
+    for got, want in ((rows, want_rows), (dw, want_dw)):
+        err = (got.double() - want).norm() / want.norm()
+        assert got.dtype == torch.bfloat16 and err < 1e-2, err
+
+
 def _leaves(seed=0):
     g = torch.Generator().manual_seed(seed)
     inp = add_lora(make_inputs(512, 256, 128, 16, 4), 16)

@@ -16,6 +16,8 @@ its low-rank term in the epilogue (:class:`.ops.LoRATerm`): the forward GEMM wit
 with ``La = B``, ``Lb = A^T``. Each GEMM also yields its low-rank rows ``z = rows @ La_e`` (``[N, R]``),
 from which the factor gradients are thin grouped weight gradients (deterministic, no atomics):
 ``dA_e = s (d_y B_e)^T x`` and ``dB_e = s d_y^T (x A_e^T)``. Kept for backward: the forward ``z`` rows.
+In split mode the input-gradient GEMM's rows ``d_y B_e`` come from the same pass over ``d_y`` as
+``dB_e`` (:func:`.ops.wgrad_rows`), so backward reads each ``d_y`` once for its LoRA terms.
 No ``W + dW`` is formed, and with frozen base weights no base weight gradient is computed.
 
 Legend: T tokens, H hidden, I intermediate, N1 = 2I (gated) or I, E experts, K top-k, N = T*K, R rank.
@@ -28,6 +30,7 @@ from ...activations import Activation
 from ..weights import ExpertWeights, LowRank
 from . import ops
 from .ops import ActSpec, LoRATerm, Routing
+from .tuning import LORA_SPLIT
 
 Tensor = torch.Tensor
 NONE = ActSpec(name="none")
@@ -139,14 +142,18 @@ def _down_backward(dout, h, tw, w_down, b_down, lora, r, spec, need_w, need_b, n
     """``(d_h, d tw [N] float32, d W_down, d b_down, d A_down, d B_down)``; ``h`` is the activation's
     input; ``lora = (A, B, s, z)`` with ``z = a @ A_e^T`` from the forward."""
     a_dn, bl_dn, s, z_dn = lora
-    dh, aw, d_tw, g_dn = ops.act_grad(dout, w_down, b_down, h, tw, r, spec, _input_grad_term(a_dn, bl_dn, s))
-    dw = db = da = dbl = None
+    dbl = g_dn = None
+    if need_bl and _one_pass(bl_dn, r):  # dB_e = s (w * dout)^T (a A_e^T) and the rows dout B_e: one pass over dout
+        zw = z_dn * tw.index_select(0, r.sort_order).to(z_dn.dtype).unsqueeze(1)
+        dbl, g_dn = _b_grad_and_rows(dout, zw, bl_dn, s, r, True)
+    dh, aw, d_tw, g_dn = ops.act_grad(dout, w_down, b_down, h, tw, r, spec, _input_grad_term(a_dn, bl_dn, s), g_dn)
+    dw = db = da = None
     if need_w or need_b:
         dw, db = ops.wgrad(dout, aw, lhs_by_token=True, rhs_by_token=False, scale=tw if need_b else None, r=r,
                            like_w=w_down, like_b=b_down if need_b else None)
     if need_a:  # dA_e = s (w * dout B_e)^T a = s (dout B_e)^T (w a)
         da = _thin_wgrad(g_dn, aw, False, False, r, a_dn, s)
-    if need_bl:  # dB_e = s (w * dout)^T (a A_e^T)
+    if need_bl and dbl is None:  # dB_e = s (w * dout)^T (a A_e^T)
         zw = z_dn * tw.index_select(0, r.sort_order).to(z_dn.dtype).unsqueeze(1)
         dbl = _thin_wgrad(dout, zw, True, False, r, bl_dn, s)
     return dh, d_tw, dw if need_w else None, db, da, dbl
@@ -157,18 +164,35 @@ def _up_backward(dh, x, w_up, b_up, lora, r, need_x, need_w, need_b, need_a, nee
     ``lora = (A, B, s, z)`` with ``z = x @ A_e^T`` from the forward."""
     a_up, bl_up, s, z_up = lora
     dx = dw = db = da = dbl = g_up = None
+    if need_bl and (need_x or need_a) and _one_pass(bl_up, r):  # dB_e = s d_h^T (x A_e^T) and the rows d_h B_e
+        dbl, g_up = _b_grad_and_rows(dh, z_up, bl_up, s, r, False)
     if need_x:
-        dx, g_up = ops.down_combine(dh, w_up.mT, None, None, r, None, _input_grad_term(a_up, bl_up, s))
-    elif need_a:
+        dx, g_up = ops.down_combine(dh, w_up.mT, None, None, r, None, _input_grad_term(a_up, bl_up, s), g_up)
+    elif need_a and g_up is None:
         g_up = ops.low_rank_rows(dh, bl_up, r, gather=False)
     if need_w or need_b:
         dw, db = ops.wgrad(dh, x, lhs_by_token=False, rhs_by_token=True, scale=None, r=r, like_w=w_up,
                            like_b=b_up if need_b else None)
     if need_a:  # dA_e = s (d_h B_e)^T x
         da = _thin_wgrad(g_up, x, False, True, r, a_up, s)
-    if need_bl:  # dB_e = s d_h^T (x A_e^T)
+    if need_bl and dbl is None:  # dB_e = s d_h^T (x A_e^T)
         dbl = _thin_wgrad(dh, z_up, False, False, r, bl_up, s)
     return dx, dw if need_w else None, db, da, dbl
+
+
+def _one_pass(b: Tensor | None, r: Routing) -> bool:
+    """Whether ``dB`` and the rows ``d_y B_e`` come from one pass over ``d_y`` (``b = B [E, out, R]``):
+    a LoRA term in split mode (its rows made before the GEMM that reads them) whose float32 partials fit
+    the budget (:func:`.ops.wgrad_rows_fits`)."""
+    return (b is not None and LoRATerm.mode() == LORA_SPLIT
+            and ops.wgrad_rows_fits(r.num_pairs, b.shape[1], b.shape[2]))
+
+
+def _b_grad_and_rows(d_y: Tensor, zw: Tensor, b: Tensor, s: float, r: Routing, by_token: bool):
+    """``(dB = s d_y^T zw per expert (shaped like b), rows d_y B_e [N, R])`` from one pass over ``d_y``
+    (:func:`.ops.wgrad_rows`): the split mode's two uses of ``B`` in backward."""
+    dbl, rows = ops.wgrad_rows(d_y, zw, b, lhs_by_token=by_token, r=r)
+    return dbl.mul_(s), rows
 
 
 def _thin_wgrad(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, r: Routing, like: Tensor,

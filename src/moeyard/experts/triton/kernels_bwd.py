@@ -158,14 +158,21 @@ def wgrad_kernel(
     db_ptr,           # [E, NL] bias gradient, strides (stride_be, stride_bl); written if HAS_DB (out)
     part_ptr,         # [S, NL, NR] float32, contiguous: partial dW of split experts' chunks (out, if CHUNKED)
     part_b_ptr,       # [S, NL] float32, contiguous: partial db likewise (out, if CHUNKED and HAS_DB)
+    f_ptr,            # [E, NL, NR] factor F, strides (stride_fe, stride_fl, stride_fr); read if ROWS
+    rows_ptr,         # [cdiv(NL, BN), N, NR] float32, contiguous: row-product partials by L tile (out, if ROWS)
     NL, NR, E, chunk_rows,
     stride_lm, stride_ln, stride_rm, stride_rn, stride_de, stride_dl, stride_dr, stride_be, stride_bl,
+    stride_fe, stride_fl, stride_fr, stride_pl,
     L_GATHER: tl.constexpr, R_GATHER: tl.constexpr, HAS_DB: tl.constexpr, DB_SCALE: tl.constexpr,
-    CHUNKED: tl.constexpr, PRECISION: tl.constexpr, E_P2: tl.constexpr, TMA: tl.constexpr,
+    CHUNKED: tl.constexpr, PRECISION: tl.constexpr, E_P2: tl.constexpr, TMA: tl.constexpr, ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """``dW[e] = L[rows of e]^T @ R[rows of e]`` and ``db[e] = sum_rows s * L`` (``s`` = routing
     weight with ``DB_SCALE``, else 1). A gathered operand is indexed by token, else by sorted row.
+
+    ``ROWS``: the same pass over ``L`` also yields the row product ``L[row] @ F_e`` (``[N, NR]``, e.g.
+    the LoRA rows ``d_y B_e`` next to ``dB_e``), as float32 partials over this program's ``BN`` columns
+    of ``L`` (``rows_ptr[pid_l]``, stride ``stride_pl``), which the caller sums in L-tile order.
 
     One program per (work item, L tile, R tile). A work item is an expert, or with ``CHUNKED`` a
     chunk of ``chunk_rows`` of an expert's rows: an expert with one chunk writes ``dW`` directly,
@@ -194,6 +201,10 @@ def wgrad_kernel(
                                            block_shape=[BM, BK])
     acc = tl.zeros((BN, BK), tl.float32)
     acc_b = tl.zeros((BN,), tl.float32)
+    if ROWS:  # F_e's tile, read once
+        f = tl.load(f_ptr + e.to(tl.int64) * stride_fe + cl[:, None] * stride_fl + cr[None, :] * stride_fr,
+                    mask=l_mask[:, None] & r_mask[None, :], other=0.0)  # [BN, BK]
+        rows_ptr += pid_l.to(tl.int64) * stride_pl
     # the gather index of the next row step is loaded one step ahead (a loop-carried value), so
     # Triton pipelines the gathered loads with all of num_stages' buffers; it is used as loaded (a
     # precomputed token, no division), so nothing in the step waits for that load
@@ -218,6 +229,9 @@ def wgrad_kernel(
             r = tl.load(r_ptr + r_rows[:, None] * stride_rm + cr[None, :] * stride_rn,
                         mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BM, BK]
         acc = tl.dot(lt, r, acc, input_precision=PRECISION)
+        if ROWS:
+            p = tl.dot(tl.trans(lt), f, input_precision=PRECISION)  # [BM, BK]
+            tl.store(rows_ptr + rows[:, None] * NR + cr[None, :], p, mask=m_mask[:, None] & r_mask[None, :])
         if HAS_DB:
             if pid_r == 0:
                 s = lt.to(tl.float32)

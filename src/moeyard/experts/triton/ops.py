@@ -20,10 +20,10 @@ from ...kernel_op import kernel_op
 from . import kernels_bwd, kernels_fwd, kernels_tma
 from .options import options
 from .tuning import LORA_FUSED, LORA_NONE, LORA_SPLIT
-from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, REDUCE_BLOCK, SMALL, THIN_CONFIGS, THIN_WGRAD_CONFIGS,
-                       TMA_CONFIGS, WGRAD_CONFIGS,
+from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, REDUCE_BLOCK, ROWS_WGRAD_CONFIGS, SMALL, THIN_CONFIGS,
+                       THIN_WGRAD_CONFIGS, TMA_CONFIGS, WGRAD_CONFIGS,
                        dot_precision, fill_tile_table, interpreting, max_chunks, max_partial_slots, max_row_tiles,
-                       rank_block, tma_block_m, tuned)
+                       rank_block, rows_block, tma_block_m, tuned)
 
 Tensor = torch.Tensor
 COMBINE_BH = 1024
@@ -156,6 +156,8 @@ def _kernels():
             dh=tuned(kernels_bwd.dh_kernel, DH_CONFIGS, ["H", "I", "N1", "E", "R", "LORA"], "dh"),
             wgrad=tuned(kernels_bwd.wgrad_kernel, WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], "wgrad"),
             wgrad_thin=tuned(kernels_bwd.wgrad_kernel, THIN_WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], "wgrad"),
+            wgrad_rows=tuned(kernels_bwd.wgrad_kernel, ROWS_WGRAD_CONFIGS, ["NL", "NR", "CHUNKED", "L_GATHER"],
+                             "wgrad", fixed_extra=dict(BN=rows_block())),
             down_tma=tuned(kernels_tma.down_tma_kernel, TMA_CONFIGS, _TMA_KEY, "down_tma",
                            fixed_extra=dict(PERSISTENT=False, BM=tma_block_m())),
         )
@@ -415,23 +417,27 @@ def _(dout, w, b, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha
     return None
 
 
-@kernel_op("moeyard::triton_wgrad", mutates_args=("dw", "db", "part", "part_b"))
+@kernel_op("moeyard::triton_wgrad", mutates_args=("dw", "db", "part", "part_b", "rows_part"))
 def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, scale: Optional[Tensor],
            sorted_token: Tensor, expert_offsets: Tensor, chunk_rows: int,
-           dw: Tensor, db: Optional[Tensor], part: Optional[Tensor], part_b: Optional[Tensor]) -> None:
+           dw: Tensor, db: Optional[Tensor], part: Optional[Tensor], part_b: Optional[Tensor],
+           factor: Optional[Tensor] = None, rows_part: Optional[Tensor] = None) -> None:
     """``dw[e] = lhs[rows of e]^T @ rhs[rows of e]``, ``db[e] = sum scale * lhs[rows of e]``.
     An operand ``*_by_token`` is ``[T, *]`` read at each row's token (``sorted_token [N]`` int32),
     else ``[N, *]`` by sorted row; ``scale [N]`` is in sorted-row order too.
     ``chunk_rows > 0``: experts longer than that are split into chunks whose float32 partials go to
-    ``part [S, NL, NR]`` (``part_b [S, NL]``) and are summed per expert in a second launch."""
+    ``part [S, NL, NR]`` (``part_b [S, NL]``) and are summed per expert in a second launch.
+    ``factor [E, NL, NR]`` (with ``rows_part [rows_tiles(NL), N, NR]`` float32): the same pass over
+    ``lhs`` writes the partials of the row product ``lhs[row] @ factor[e]`` by ``ROWS_BN`` columns of
+    ``lhs`` (summed by the caller, :func:`wgrad_rows`)."""
     launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows,
-                 dw, db, part, part_b)
+                 dw, db, part, part_b, factor, rows_part)
     if chunk_rows > 0:
         launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db)
 
 
 def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows,
-                 dw, db, part, part_b) -> None:
+                 dw, db, part, part_b, factor=None, rows_part=None) -> None:
     """The first stage of :func:`wgrad_` (every chunk, or every expert when ``chunk_rows == 0``)."""
     E, NL, NR = dw.shape
     N = sorted_token.shape[0]
@@ -439,6 +445,8 @@ def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expe
     chunked = chunk_rows > 0
     part = dw if part is None else part
     part_b = part if part_b is None else part_b
+    with_rows = factor is not None
+    f = dw if factor is None else factor
     items = max_chunks(N, E, chunk_rows) if chunked else E
     grid = lambda m: (items * triton.cdiv(NL, m["BN"]) * triton.cdiv(NR, m["BK"]),)  # noqa: E731
     tma = options().tma_wgrad and _tma_device(lhs) and all(
@@ -446,13 +454,15 @@ def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expe
         if not gathered)
     if tma:
         kernels_tma.ensure_allocator()
-    _kernels()["wgrad_thin" if min(NL, NR) <= THIN else "wgrad"][grid](
+    launcher = "wgrad_rows" if with_rows else "wgrad_thin" if min(NL, NR) <= THIN else "wgrad"
+    _kernels()[launcher][grid](
         lhs, rhs, lhs if scale is None else scale, sorted_token, expert_offsets, dw, dbb, part, part_b,
+        f, part if rows_part is None else rows_part,
         NL, NR, E, max(chunk_rows, 1),
         lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-        dbb.stride(0), dbb.stride(1),
+        dbb.stride(0), dbb.stride(1), f.stride(0), f.stride(1), f.stride(2), N * NR,
         L_GATHER=lhs_by_token, R_GATHER=rhs_by_token, HAS_DB=db is not None, DB_SCALE=scale is not None,
-        CHUNKED=chunked, PRECISION=dot_precision(lhs.dtype), E_P2=_e_p2(E), TMA=tma)
+        CHUNKED=chunked, PRECISION=dot_precision(lhs.dtype), E_P2=_e_p2(E), TMA=tma, ROWS=with_rows)
 
 
 def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db) -> None:
@@ -470,7 +480,7 @@ def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db) -> Non
 
 @wgrad_.register_fake
 def _(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows, dw, db,
-      part, part_b):
+      part, part_b, factor=None, rows_part=None):
     return None
 
 
@@ -508,25 +518,26 @@ def low_rank_rows(x: Tensor, la: Tensor, r: Routing, *, gather: bool) -> Tensor:
     return z
 
 
-def _lora_rows(x: Tensor, lora: LoRATerm | None, r: Routing, gather: bool, num_out: int):
-    """``(mode, z, la, lb)`` for a GEMM over ``x``'s rows: split mode computes ``z`` here; fused mode
-    hands the kernel an empty ``z`` to fill."""
+def _lora_rows(x: Tensor, lora: LoRATerm | None, r: Routing, gather: bool, num_out: int, z: Tensor | None = None):
+    """``(mode, z, la, lb)`` for a GEMM over ``x``'s rows: split mode computes ``z`` here (unless
+    given: ``z [N, R] = x[row] @ la[e]`` made already, e.g. by :func:`wgrad_rows`); fused mode hands
+    the kernel an empty ``z`` to fill."""
     if lora is None:
         return LORA_NONE, None, None, None
     mode = lora.mode()
     if mode == LORA_SPLIT:
-        z = low_rank_rows(x, lora.la, r, gather=gather)
+        z = low_rank_rows(x, lora.la, r, gather=gather) if z is None else z
     else:
         z = empty((r.num_pairs, lora.rank), x)
     return mode, z, lora.la, lora.lb
 
 
 def down_proj(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor | None, r: Routing,
-              lora: LoRATerm | None = None) -> tuple[Tensor, Tensor | None]:
+              lora: LoRATerm | None = None, z: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Sorted ``rows [N, KA]``, ``w [E, NY, KA]`` -> ``(y [N, NY] by pair (optionally weighted),
-    z [N, R] | None)``."""
+    z [N, R] | None)``; ``z``: the LoRA rows when made already (split mode)."""
     y = empty((r.num_pairs, w.shape[1]), rows)
-    mode, z, la, lb = _lora_rows(rows, lora, r, False, w.shape[1])
+    mode, z, la, lb = _lora_rows(rows, lora, r, False, w.shape[1], z)
     down_proj_(rows, w, b, topk_weights, r.sort_order, r.expert_offsets, r.top_k, la, lb, mode,
                0.0 if lora is None else lora.scale, _down_table(rows, r, mode), y, z)
     return y, z
@@ -545,18 +556,19 @@ def combine(y: Tensor, r: Routing, topk_weights: Tensor | None) -> Tensor:
 
 
 def down_combine(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor | None, r: Routing,
-                 nan_weights: Tensor | None, lora: LoRATerm | None = None) -> tuple[Tensor, Tensor | None]:
+                 nan_weights: Tensor | None, lora: LoRATerm | None = None,
+                 z: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """``combine(down_proj(...))``: ``([T, NY] in rows.dtype, LoRA rows z [N, R] | None)``. Invalid
     pairs add ``nan_weights * 0`` when given (NaN for a NaN weight), else nothing. With
     ``options().atomic_combine`` (and ``K > 1``) the pair rows are added into a float32 accumulator by
     the down projection (no ``[N, NY]`` round trip; not deterministic); otherwise written by pair and
-    combined in a fixed order (at ``K == 1`` in place)."""
+    combined in a fixed order (at ``K == 1`` in place). ``z``: the LoRA rows when made already."""
     if not options().atomic_combine or r.top_k == 1:
-        y, z = down_proj(rows, w, b, topk_weights, r, lora)
+        y, z = down_proj(rows, w, b, topk_weights, r, lora, z)
         return combine(y, r, nan_weights), z
     T, K = r.topk_ids.shape
     acc = torch.zeros((T, w.shape[1]), dtype=torch.float32, device=rows.device)
-    mode, z, la, lb = _lora_rows(rows, lora, r, False, w.shape[1])
+    mode, z, la, lb = _lora_rows(rows, lora, r, False, w.shape[1], z)
     down_proj_atomic_(rows, w, b, topk_weights, r.sort_order, r.expert_offsets, r.top_k, la, lb, mode,
                       0.0 if lora is None else lora.scale, acc, z)
     if nan_weights is not None:
@@ -566,14 +578,16 @@ def down_combine(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor
 
 
 def act_grad(dout: Tensor, w: Tensor, b: Tensor | None, h: Tensor, topk_weights: Tensor, r: Routing,
-             spec: ActSpec, lora: LoRATerm | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+             spec: ActSpec, lora: LoRATerm | None = None,
+             z: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """``(d_h [N, N1], w * a [N, I], d topk_weights [N] float32, z [N, R] | None)`` from
-    ``dout [T, H]``, ``w [E, H, I]`` (``z = dout[token] @ la[e]``, the LoRA term's rows)."""
+    ``dout [T, H]``, ``w [E, H, I]`` (``z = dout[token] @ la[e]``, the LoRA term's rows; given when
+    made already)."""
     N, I = r.num_pairs, w.shape[2]
     dh = empty(tuple(h.shape), h)
     aw = empty((N, I), h)
     partial = torch.zeros((triton.cdiv(I, _dh_min_bn()), N), dtype=torch.float32, device=h.device)
-    mode, z, la, lb = _lora_rows(dout, lora, r, True, I)
+    mode, z, la, lb = _lora_rows(dout, lora, r, True, I, z)
     act_grad_(dout, w, b, h, topk_weights, r.sort_order, r.expert_offsets, r.top_k, spec.name, spec.alpha,
               spec.limit, spec.interleaved, la, lb, mode, 0.0 if lora is None else lora.scale, dh, aw, partial, z)
     return dh, aw, partial.sum(0), z
@@ -584,6 +598,31 @@ def wgrad(lhs: Tensor, rhs: Tensor, *, lhs_by_token: bool, rhs_by_token: bool, s
     """Grouped weight (and bias) gradient shaped and strided like ``like_w [E, NL, NR]`` (and ``like_b``);
     ``scale``: ``[N]`` by pair (the routing weights) or None, the bias gradient's row weights.
     ``options()``: chunked experts (float32 partials of at most ``wgrad_partial_mib``)."""
+    dw, db, _ = _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, None)
+    return dw, db
+
+
+def wgrad_rows(lhs: Tensor, rhs: Tensor, factor: Tensor, *, lhs_by_token: bool, r: Routing) -> tuple[Tensor, Tensor]:
+    """One pass over ``lhs`` for both of a LoRA factor ``B``'s uses in backward: ``(dw, rows)`` with
+    ``dw[e] = lhs[rows of e]^T @ rhs[rows of e]`` shaped and strided like ``factor [E, NL, R]`` (``dB``
+    unscaled, from ``rhs [N, R]`` in sorted rows) and ``rows [N, R] = lhs[row] @ factor[e]`` in
+    ``lhs``'s dtype and sorted rows (``d_y B_e``); ``lhs`` is ``[T, NL]`` read by token with
+    ``lhs_by_token``, else ``[N, NL]``. The row product is summed from float32 partials over
+    ``rows_block()`` columns of ``lhs`` in a fixed order (deterministic): at Qwen3-30B-A3B's ``d out``
+    (``NL`` = 2048, R = 16) they are 8 x ``[N, R]``, an eighth of the bytes of the second pass over
+    ``lhs`` they replace."""
+    dw, _, part = _wgrad(lhs, rhs, lhs_by_token, False, None, r, factor, None, factor)
+    return dw, part.sum(0).to(lhs.dtype)
+
+
+def wgrad_rows_fits(num_pairs: int, nl: int, rank: int) -> bool:
+    """Whether :func:`wgrad_rows`'s float32 partials (``cdiv(NL, rows_block())`` of ``[N, R]``) fit the
+    ``wgrad_partial_mib`` budget of the weight gradients' partials (:mod:`.options`)."""
+    return triton.cdiv(nl, rows_block()) * num_pairs * rank * 4 <= options().wgrad_partial_mib * 2 ** 20
+
+
+def _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, factor):
+    """``(dw, db, row-product partials | None)`` (see :func:`wgrad`, :func:`wgrad_rows`)."""
     dw = empty_like(like_w)
     db = None if like_b is None else empty_like(like_b)
     opts = options()
@@ -598,6 +637,9 @@ def wgrad(lhs: Tensor, rhs: Tensor, *, lhs_by_token: bool, rhs_by_token: bool, s
         part_b = None if db is None else empty((slots, NL), lhs, torch.float32)
     if scale is not None:  # by pair -> by sorted row: the kernel reads it without the pair index
         scale = scale.reshape(-1).index_select(0, r.sort_order)
+    rows_part = None
+    if factor is not None:
+        rows_part = empty((triton.cdiv(NL, rows_block()), N, NR), lhs, torch.float32)
     wgrad_(lhs, rhs, lhs_by_token, rhs_by_token, scale, r.sorted_token, r.expert_offsets, chunk,
-           dw, db, part, part_b)
-    return dw, db
+           dw, db, part, part_b, factor, rows_part)
+    return dw, db, rows_part

@@ -140,6 +140,12 @@ def dot_precision(dtype: torch.dtype) -> str:
 SMALL = dict(BM=16, BN=16, BK=16)
 
 
+def rows_block() -> int:
+    """The ``d_y`` columns of one row-product partial (``wgrad_kernel`` with ``ROWS``): ``ROWS_BN``,
+    ``SMALL``'s under the interpreter (so small test shapes have several)."""
+    return SMALL["BN"] if interpreting() else ROWS_BN
+
+
 def tma_block_m() -> int:
     """BM of every TMA config in force: ``SMALL``'s under the interpreter, ``FIXED``'s without
     autotuning, else ``TMA_BM``."""
@@ -204,6 +210,14 @@ THIN_CONFIGS = [
 THIN_WGRAD_CONFIGS = [
     _cfg(64, 16, 256, 4, 4), _cfg(64, 32, 256, 8, 4), _cfg(128, 16, 128, 4, 4), _cfg(64, 64, 128, 4, 4),
     _cfg(64, 256, 16, 4, 4), _cfg(64, 256, 32, 8, 4), _cfg(128, 128, 16, 4, 4),
+]
+# weight gradients of a LoRA factor B that also yield the rows d_y B_e from the same pass over d_y
+# (wgrad_kernel with ROWS): every config has BN = ROWS_BN, so the row product's partials (one per BN
+# columns of d_y) are counted before the launch
+ROWS_BN = 256
+ROWS_WGRAD_CONFIGS = [
+    _cfg(64, ROWS_BN, 16, 4, 4), _cfg(64, ROWS_BN, 16, 8, 4), _cfg(32, ROWS_BN, 16, 4, 6), _cfg(128, ROWS_BN, 16, 8, 3),
+    _cfg(64, ROWS_BN, 32, 8, 4), _cfg(64, ROWS_BN, 64, 8, 3),
 ]
 # the second-stage sum of weight-gradient partials (memory-bound; BN x BK float32 tiles)
 REDUCE_BLOCK = dict(BN=64, BK=64, num_warps=4)
@@ -294,14 +308,16 @@ class _Fixed:
 # ---------------------------------------------------------------- pruning report (no GPU needed)
 
 def _report_lists():
-    """``(title, configs, launch kind, gated, has LoRA variants)`` of every tuned launcher (ops._kernels)."""
-    return [("up (gated: DUAL_CONFIGS)", DUAL_CONFIGS, "up", True, True),
-            ("down / dx (GEMM_CONFIGS)", GEMM_CONFIGS, "down", False, True),
-            ("down / dx, TMA loads (TMA_CONFIGS)", TMA_CONFIGS, "down_tma", False, False),
-            ("dh (DH_CONFIGS)", DH_CONFIGS, "dh", False, True),
-            ("wgrad (WGRAD_CONFIGS)", WGRAD_CONFIGS, "wgrad", False, False),
-            ("thin up: LoRA z rows (THIN_CONFIGS)", THIN_CONFIGS, "up", False, False),
-            ("thin wgrad: LoRA factors (THIN_WGRAD_CONFIGS)", THIN_WGRAD_CONFIGS, "wgrad", False, False)]
+    """``(title, configs, launch kind, gated, has LoRA variants, with the row product)`` of every tuned
+    launcher (ops._kernels)."""
+    return [("up (gated: DUAL_CONFIGS)", DUAL_CONFIGS, "up", True, True, False),
+            ("down / dx (GEMM_CONFIGS)", GEMM_CONFIGS, "down", False, True, False),
+            ("down / dx, TMA loads (TMA_CONFIGS)", TMA_CONFIGS, "down_tma", False, False, False),
+            ("dh (DH_CONFIGS)", DH_CONFIGS, "dh", False, True, False),
+            ("wgrad (WGRAD_CONFIGS)", WGRAD_CONFIGS, "wgrad", False, False, False),
+            ("thin up: LoRA z rows (THIN_CONFIGS)", THIN_CONFIGS, "up", False, False, False),
+            ("thin wgrad: LoRA factors (THIN_WGRAD_CONFIGS)", THIN_WGRAD_CONFIGS, "wgrad", False, False, False),
+            ("LoRA dB with the rows d_y B (ROWS_WGRAD_CONFIGS)", ROWS_WGRAD_CONFIGS, "wgrad", False, False, True)]
 
 
 def _cell(config, launch, smem_limit: int) -> str:
@@ -315,14 +331,15 @@ def report(smem_limit: int = tuning.SMEM_OPTIN_HOPPER, ranks=(16, 64, 128), dtyp
     LoRA of each rank in ``ranks``, split (``s``) and fused (``f``), for ``dtype_bytes``-byte data."""
     lines = [f"estimates for {dtype_bytes}-byte data, shared-memory limit {smem_limit} bytes; "
              "cell: registers/thread, shared memory, kept or pruned"]
-    for title, configs, kind, gated, lora in _report_lists():
+    for title, configs, kind, gated, lora, rows in _report_lists():
         variants = [("r=0", 0, 0)] + ([(f"r={r} {m[0]}", r, mode) for r in ranks for m, mode in
                                         (("split", tuning.LORA_SPLIT), ("fused", tuning.LORA_FUSED))] if lora else [])
         lines += ["", title, f"{'BM  BN  BK w s':18}| " + " | ".join(f"{v[0]:^16}" for v in variants)]
         for c in configs:
             k = c.kwargs
             cells = [_cell(c, tuning.Launch(kind=kind, dual=gated, lora=mode, rank=rank_block(r) if mode else 0,
-                                            a_bytes=dtype_bytes, b_bytes=dtype_bytes, lora_bytes=dtype_bytes),
+                                            a_bytes=dtype_bytes, b_bytes=dtype_bytes, lora_bytes=dtype_bytes,
+                                            has_rows=rows),
                            smem_limit) for _, r, mode in variants]
             flag = "P" if k.get("PERSISTENT") else ""
             lines.append(f"{k['BM']:3d} {k['BN']:3d} {k['BK']:3d} {c.num_warps} {c.num_stages} {flag:<2}| " + " | ".join(cells))

@@ -7,7 +7,8 @@ before compiling them (:func:`pruner`), with the launch's actual dtype, LoRA ran
 
 Shared memory (bytes): the operand tiles staged per pipeline stage times ``num_stages``:
 ``A [BM, BK]`` + one ``B [BK, BN]`` per accumulator (+ ``La [BK, RP]`` when LoRA is fused), each at
-its tensor's element size; weight gradients ``L^T [BN, BM]`` + ``R [BM, BK]``. The epilogue's buffers
+its tensor's element size; weight gradients ``L^T [BN, BM]`` + ``R [BM, BK]`` (with ``ROWS``, once more
+the factor's ``[BN, BK]`` tile, read before the loop). The epilogue's buffers
 (the LoRA factor ``Lb [RP, BN]``, layout conversions) are not added: Triton's shared-memory allocator
 reuses the pipeline's buffers once the main loop is done.
 
@@ -15,7 +16,7 @@ Registers (32-bit, per thread; ``T = 32 * num_warps`` threads): the larger of th
 epilogue's live values,
 
 - float32 accumulators: ``BM * BN / T`` each (2 for a gated up projection; the weight gradient's
-  ``[BN, BK]``), plus ``BM * RP / T`` for the fused LoRA accumulator ``z``. Hopper's wgmma holds a
+  ``[BN, BK]`` and, with ``ROWS``, its row product's ``[BM, BK]`` and that tile's store pointers), plus ``BM * RP / T`` for the fused LoRA accumulator ``z``. Hopper's wgmma holds a
   ``64 x N`` float32 accumulator of a warpgroup (128 threads) as ``N / 2`` registers per thread
   (PTX ISA, "Register fragments" of ``wgmma.mma_async``), i.e. ``BM * BN / T`` for a tile spread over
   ``num_warps / 4`` warpgroups; Ampere's ``mma.sync`` fragments spread the same way. The fused
@@ -79,6 +80,7 @@ class Launch:
         rank: the padded LoRA rank ``RP`` (a power of two >= 16) when ``lora``.
         a_bytes, b_bytes, lora_bytes: element sizes (bytes) of ``A``, ``B`` (or ``L``, ``R``) and ``La``.
         has_db: weight gradient that also sums the bias gradient from the ``L`` tile.
+        has_rows: weight gradient that also yields the row product ``L @ F_e`` (``ROWS``).
     """
 
     kind: str
@@ -89,6 +91,7 @@ class Launch:
     b_bytes: int = 2
     lora_bytes: int = 2
     has_db: bool = False
+    has_rows: bool = False
 
     def __post_init__(self):
         if not isinstance(self.kind, str) or self.kind not in KINDS:
@@ -142,7 +145,7 @@ def launch_of(kind: str, args: dict) -> Launch:
     return Launch(kind=kind, dual=kind == "up" and bool(args.get("DUAL", False)), lora=lora,
                   rank=int(args.get("RP", 16)) if lora else 0, a_bytes=_size(args.get(k.a)),
                   b_bytes=_size(args.get(k.b)), lora_bytes=_size(args.get("la_ptr", args.get(k.a))),
-                  has_db=bool(args.get("HAS_DB", False)))
+                  has_db=bool(args.get("HAS_DB", False)), has_rows=bool(args.get("ROWS", False)))
 
 
 def _tiles(c) -> tuple[int, int, int]:
@@ -155,6 +158,8 @@ def smem_bytes(config, launch: Launch) -> int:
     bm, bn, bk = _tiles(config)
     if KINDS[launch.kind].family == "wgrad":
         stage = bm * bn * launch.a_bytes + bm * bk * launch.b_bytes
+        if launch.has_rows:  # the factor's [BN, BK] tile, read once (no stage of its own)
+            return config.num_stages * stage + bn * bk * launch.a_bytes
     else:
         stage = bm * bk * launch.a_bytes + (1 + launch.dual) * bk * bn * launch.b_bytes
         if launch.lora == LORA_FUSED:
@@ -182,6 +187,8 @@ def registers(config, launch: Launch) -> int:
         loop = bn * bk / t + _pointer_regs(bn, bm, launch.a_bytes, t) + _pointer_regs(bm, bk, launch.b_bytes, t)
         if launch.has_db:  # L read into registers for the bias gradient: its elements and a float32 copy
             loop += bn * bm * (launch.a_bytes / 4 + 1) / t + bn / t
+        if launch.has_rows:  # the row product's [BM, BK] float32 tile and its store's pointers
+            loop += bm * bk / t + _pointer_regs(bm, bk, 4, t)
         return math.ceil(loop) + OVERHEAD
     acc = (1 + launch.dual) * bm * bn / t
     loop = acc
