@@ -5,7 +5,8 @@ Why a second kernel: :func:`.kernels_tma.down_tma_kernel` adds the LoRA term ``s
 K loop, and Triton's pipeliner does not prefetch operands used only there, so every tile waited on its
 ``z [BM, R]`` and ``Lb [BN, R]`` loads and the extra MMA in series (0.34 ms of the down projection's
 1.72 ms and 0.36 ms of the input gradient's at Qwen3-30B-A3B on an H200, ``benchmarks/NOTES.md``,
-round 14). Measured on an H200: down 1.79 -> 1.51 ms, input gradient 2.83 -> 2.78 ms (round 15). Here
+round 14). Measured on an H200: down 1.79 -> 1.51 ms, input gradient 2.83 -> 2.78 ms (round 15); at
+OLMoE-1B-7B's input gradient (32 K steps) 3.69 -> 3.60 ms (round 16). Here
 one persistent program per SM runs a software pipeline over all its (tile, K step)
 pairs: the TMA loads of ``STAGES - 1`` steps ahead are in flight while the tensor cores work, the
 first step of each tile also loads that tile's ``z`` and ``Lb`` boxes (a ring of two), so by the
@@ -218,10 +219,11 @@ def down_lora_kernel(
 
 
 BN, BK, STAGES = 256, 64, 3  # the measured tile (as the Triton kernel's best config) and pipeline depth
-# Measured on an H200 (benchmarks/NOTES.md, round 15): against the Triton kernel with its LoRA epilogue this
-# kernel saves 0.28 ms at 12 K steps (Qwen3-30B-A3B's down projection) and 0.05 ms at 24 (its input
-# gradient); at 224 and 448 (Mixtral-8x7B) its main loop is the slower and the LoRA step lost 7 ms
-MAX_K_STEPS = 24
+# Measured on an H200 (benchmarks/NOTES.md, rounds 15 and 16): against the Triton kernel with its LoRA epilogue
+# this kernel saves 0.28 ms at 12 K steps (Qwen3-30B-A3B's down projection), 0.05-0.12 ms at 24 (its input
+# gradient) and 0.09 ms at 32 (OLMoE-1B-7B's input gradient); at 224 and 448 (Mixtral-8x7B) its main loop
+# is the slower (down 11.5 -> 12.7 ms, input gradient 22.7 -> 26.1 ms)
+MAX_K_STEPS = 32
 MAX_RP = 32  # the LoRA ring, 2 (BM + BN) RP * 2 bytes, is 48 KiB at RP = 32: 224 KiB of shared memory in all
 
 
@@ -229,7 +231,8 @@ def ready(rows, w, lb, z, rp: int) -> bool:
     """Whether :func:`launch` can run: Hopper (sm_90), 16-bit rows, ``W`` and LoRA factors
     that suit TMA descriptors (:func:`.kernels_tma.tma_ready`; ``z [N, R]`` and ``Lb`` with a unit
     stride along ``R`` or ``NY``, so ``R`` a multiple of 8), ``RP <= 32`` and from ``STAGES - 1`` (the
-    pipeline's depth) to ``MAX_K_STEPS`` K steps of 64 (longer loops run faster in the Triton kernel).
+    pipeline's depth) to ``MAX_K_STEPS`` K steps of 64 (measured: much longer loops run faster in the
+    Triton kernel).
     Host metadata only."""
     import torch
 

@@ -46,9 +46,10 @@ Each defaults to the measured default path; set an environment variable, or over
   down projection (forward and input gradient) runs the Gluon kernel of :mod:`.kernels_gluon`, whose
   pipeline loads each tile's LoRA operands while the tile's K loop runs, instead of the Triton kernel
   that waits on them after it. Same conditions as ``tma``, plus sm_90, a rank that is a multiple of 8
-  and at most 32, and 2 to 24 K steps of 64 (a reduction of at most 1536: at Mixtral-8x7B's 14336 the
-  Triton kernel's main loop is the faster); otherwise the Triton kernel runs. Measured on an H200 (round 15
-  of ``benchmarks/NOTES.md``): down 1.79 -> 1.51 ms, dx 2.83 -> 2.78 ms at qwen3-30b-a3b, r = 16.
+  and at most 32, and 2 to 32 K steps of 64 (a reduction of at most 2048: at Mixtral-8x7B's 14336 the
+  Triton kernel's main loop is the faster); otherwise the Triton kernel runs. Measured on an H200 (rounds 15
+  and 16 of ``benchmarks/NOTES.md``): down 1.79 -> 1.51 ms, dx 2.83 -> 2.78 ms at qwen3-30b-a3b, r = 16; dx
+  3.69 -> 3.60 ms at olmoe-1b-7b.
 """
 from __future__ import annotations
 
