@@ -8,6 +8,9 @@
 #   gluon: the CUDA LoRA tests, then the Gluon LoRA down projection against the Triton one
 #          (MOEYARD_TRITON_GLUON_LORA=1/0): the LoRA step's kernels in launch order, then frozen vs lora steps
 #          interleaved, at MODEL (default qwen3-30b-a3b)
+#   kernels: the CUDA LoRA tests, then benchmarks/lora_kernels.py (the TMA down projections, Triton and Gluon,
+#          with and without LoRA, 3 and 4 stages; B's backward in one pass or two) at qwen3-30b-a3b, olmoe-1b-7b
+#          and mixtral-8x7b, then the LoRA step's kernels in launch order at MODEL (default qwen3-30b-a3b)
 #   quant: CUDA LoRA, QLoRA and NF4 tests, then moeyard bench --quant nf4 --lora 16 (4-layer stacks) at MODEL...
 #          (default qwen3-30b-a3b); bitsandbytes comes from the wheel in .whl (carried)
 # Full logs go to $OUT (default ./out); short summaries are printed last.
@@ -39,6 +42,11 @@ elif [[ $STAGE == gluon ]]; then
     MOEYARD_TRITON_GLUON_LORA=$g step "bench_g${g}_$run" 150 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 \
       --backends frozen,lora "${margs[@]}"
   done; done
+elif [[ $STAGE == kernels ]]; then
+  (( ${#margs[@]} )) || margs=(--model qwen3-30b-a3b)
+  MOEYARD_TRITON_AUTOTUNE=0 step pytest_lora 200 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_lora_cuda.py
+  step kernels 240 python3 benchmarks/lora_kernels.py
+  step profile 100 python3 benchmarks/lora_profile.py --sequence "${margs[@]:0:2}"
 elif [[ $STAGE == quant ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
@@ -55,6 +63,6 @@ else
   [[ -n ${ALL:-} ]] && step bench_triton 60 python3 -m moeyard bench --routed-only --model qwen3-30b-a3b --backends triton,torch_gmm \
     --warmup 5 --iters 20
 fi
-for f in "$OUT"/verify_lora.txt "$OUT"/bench_*.txt "$OUT"/profile*.txt "$OUT"/crossover.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 40 "$f"; }; done
+for f in "$OUT"/verify_lora.txt "$OUT"/bench_*.txt "$OUT"/profile*.txt "$OUT"/crossover.txt "$OUT"/kernels.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 40 "$f"; }; done
 for f in "$OUT"/pytest_*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed|Error" "$f" | tail -n 20; }; done
 cat "$OUT/gpu.txt"; printf '%s\n' "${summary[@]}"

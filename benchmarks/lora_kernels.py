@@ -1,0 +1,133 @@
+"""Kernel-level A/B of the LoRA step's TMA down projections and of its B-factor backward passes, at
+real model shapes, bf16, on one GPU (CUDA events after warm-up, median of ``--iters`` launches, random
+inputs, uniform routing):
+
+- ``down`` (forward, ``a [N, I] @ W_down^T``, K = I) and ``dx`` (input gradient, ``d_h [N, 2I] @ W_up``,
+  K = 2I): the Triton TMA kernel (autotuned; its pick printed) without and with the split LoRA term,
+  and the Gluon kernel with it (:mod:`moeyard.experts.triton.kernels_gluon`, where it is ready);
+- ``dB + rows``: the LoRA factor B's two uses in backward, ``d_y B_e`` (the input-gradient GEMM's low
+  rank rows) and ``dB_e = d_y^T z``, as two passes over ``d_y`` (thin GEMM + thin weight gradient) and
+  as one (:func:`moeyard.experts.triton.ops.wgrad_rows`), for ``d out`` (gathered by token) and ``d_h``.
+
+    python benchmarks/lora_kernels.py [--models qwen3-30b-a3b olmoe-1b-7b mixtral-8x7b] [--rank 16]
+
+Prints one table per model (ms), then the GPU and software versions.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from moeyard.experts.triton import kernels_gluon, kernels_tma, ops
+from moeyard.experts.triton.options import use_options
+from moeyard.experts.triton.schedule import tma_block_m
+from moeyard.experts.triton.tuning import LORA_NONE, LORA_SPLIT
+from moeyard.models import get_model
+
+
+def timed(fn, iters: int, reps: int = 5, warmup: int = 3) -> float:
+    """Median ms of one ``fn()`` over ``iters`` samples of ``reps`` launches back to back, CUDA events
+    around each sample, queued behind a sleep kernel so the host's launch time is not counted."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)  # ~1 ms: the launches below are queued before the GPU reaches them
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def _problem(model: str, rank: int, tokens: int | None):
+    shape = get_model(model)
+    c = shape.config
+    T = tokens or shape.tokens
+    H, I, E, K = c["hidden_size"], c["intermediate_size"], c["num_experts"], c["top_k"]
+    dev, bf = "cuda", torch.bfloat16
+    ids = torch.rand(T, E, device=dev).topk(K, dim=1).indices
+    r = ops.routing(ids, E)
+    N = T * K
+    g = lambda *s: torch.randn(*s, device=dev, dtype=bf) / 4  # noqa: E731
+    return dict(T=T, H=H, I=I, E=E, K=K, N=N, r=r, tw=torch.rand(N, device=dev, dtype=bf),
+                a=g(N, I), w_down=g(E, H, I), dh=g(N, 2 * I), w_up=g(E, 2 * I, H),
+                z=g(N, rank), b_down=g(E, H, rank).contiguous(), a_up=g(E, rank, H), b_up=g(E, 2 * I, rank),
+                dout=g(T, H), x=g(T, H))
+
+
+def _down_cases(p):
+    """``(name, rows, w, topk weights, lb)`` of the two TMA GEMMs."""
+    return [("down", p["a"], p["w_down"], p["tw"], p["b_down"]), ("dx", p["dh"], p["w_up"].mT, None, p["a_up"].mT)]
+
+
+def down_rows(p, rank: int, iters: int) -> list[tuple[str, str, float]]:
+    r = p["r"]
+    table = r.tile_table(tma_block_m())
+    out = []
+    for name, rows, w, tw, lb in _down_cases(p):
+        y = torch.empty(p["N"], w.shape[1], device="cuda", dtype=rows.dtype)
+        for label, lora in (("Triton, frozen", False), ("Triton, LoRA", True)):
+            def run(lora=lora):
+                # the split term's epilogue reads only z and Lb (la is the thin pass's, made outside)
+                mode, z = (LORA_SPLIT, p["z"]) if lora else (LORA_NONE, None)
+                ops.launch_down(rows, w, None, tw, r.sort_order, r.expert_offsets, r.top_k, lb if lora else None,
+                                lb if lora else None, mode, 0.5, y, z, table, False)
+            with use_options(gluon_lora=False):
+                out.append((name, label, timed(run, iters)))
+                pick = getattr(ops._kernels()["down_tma"], "best_config", None)
+                out[-1] = (name, f"{label} [{pick}]", out[-1][2])
+        limit = kernels_gluon.MAX_K_STEPS
+        ready = kernels_gluon.ready(rows, w, lb, p["z"], max(16, rank))
+        if not ready:  # past the K-step limit: run it anyway, to measure that limit
+            kernels_gluon.MAX_K_STEPS = 10 ** 9
+        with use_options(gluon_lora=True):
+            def run():
+                ops.launch_down(rows, w, None, tw, r.sort_order, r.expert_offsets, r.top_k, lb, lb, LORA_SPLIT, 0.5,
+                                y, p["z"], table, False)
+            label = "Gluon, LoRA" + ("" if ready else f" (past its limit of {limit} K steps)")
+            out.append((name, label, timed(run, iters)))
+        kernels_gluon.MAX_K_STEPS = limit
+    return out
+
+
+def fold_rows(p, iters: int) -> list[tuple[str, str, float]]:
+    r = p["r"]
+    out = []
+    for name, d, z, b, by_token in (("dB + rows, d out", p["dout"], p["z"], p["b_down"], True),
+                                    ("dB + rows, d_h", p["dh"], p["z"], p["b_up"], False)):
+        def two():
+            ops.low_rank_rows(d, b, r, gather=by_token)
+            ops.wgrad(d, z, lhs_by_token=by_token, rhs_by_token=False, scale=None, r=r, like_w=b, like_b=None)
+        out.append((name, "two passes (thin GEMM + weight gradient)", timed(two, iters)))
+        out.append((name, "one pass (wgrad_rows)", timed(lambda: ops.wgrad_rows(d, z, b, lhs_by_token=by_token, r=r),
+                                                          iters)))
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b"])
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default: the model's bench size)")
+    args = ap.parse_args(argv)
+    kernels_tma.ensure_allocator()
+    for model in args.models:
+        p = _problem(model, args.rank, args.tokens)
+        rows = down_rows(p, args.rank, args.iters) + fold_rows(p, args.iters)
+        print(f"\n{model}: T {p['T']}, H {p['H']}, I {p['I']}, E {p['E']}, k {p['K']}, r {args.rank} "
+              f"(K steps of 64: down {-(-p['I'] // 64)}, dx {-(-2 * p['I'] // 64)})")
+        for name, label, ms in rows:
+            print(f"  {name:18s} {label:70s} {ms:8.3f} ms")
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+          f"{__import__('triton').__version__}")
+
+
+if __name__ == "__main__":
+    main()
