@@ -66,7 +66,7 @@ def _down_cases(p):
     return [("down", p["a"], p["w_down"], p["tw"], p["b_down"]), ("dx", p["dh"], p["w_up"].mT, None, p["a_up"].mT)]
 
 
-def down_rows(p, rank: int, iters: int) -> list[tuple[str, str, float]]:
+def down_rows(p, rank: int, iters: int, variants: bool) -> list[tuple[str, str, float]]:
     r = p["r"]
     table = r.tile_table(tma_block_m())
     out = []
@@ -90,9 +90,30 @@ def down_rows(p, rank: int, iters: int) -> list[tuple[str, str, float]]:
             def run():
                 ops.launch_down(rows, w, None, tw, r.sort_order, r.expert_offsets, r.top_k, lb, lb, LORA_SPLIT, 0.5,
                                 y, p["z"], table, False)
-            label = "Gluon, LoRA" + ("" if ready else f" (past its limit of {limit} K steps)")
+            label = "Gluon, LoRA, as launched" + ("" if ready else f" (past its limit of {limit} K steps)")
             out.append((name, label, timed(run, iters)))
         kernels_gluon.MAX_K_STEPS = limit
+        if variants:
+            out += _gluon_variants(p, name, rows, w, tw, lb, table, y, rank, iters)
+    return out
+
+
+def _gluon_variants(p, name, rows, w, tw, lb, table, y, rank, iters):
+    """The Gluon kernel at 3 and 4 stages, with and without LoRA, its epilogue's layout conversion
+    through shared memory or within warps (``kernels_gluon.SHUFFLE``)."""
+    r, out = p["r"], []
+    saved = kernels_gluon.STAGES, kernels_gluon.SHUFFLE
+    for stages, shuffle, lora in ((3, False, True), (3, True, True), (4, True, True), (3, True, False),
+                                  (4, True, False)):
+        kernels_gluon.STAGES, kernels_gluon.SHUFFLE = stages, shuffle
+        def run(lora=lora):
+            kernels_gluon.launch(rows, w, None, tw, r.sort_order, r.expert_offsets, y, lb if lora else None,
+                                 p["z"] if lora else None, table, 0.5, max(16, rank), tma_block_m(),
+                                 ops.num_sms(rows.device))
+        label = (f"Gluon, {'LoRA' if lora else 'frozen'}, {stages} stages, "
+                 f"{'warp shuffles' if shuffle else 'shared memory'} in the epilogue")
+        out.append((name, label, timed(run, iters)))
+    kernels_gluon.STAGES, kernels_gluon.SHUFFLE = saved
     return out
 
 
@@ -116,11 +137,12 @@ def main(argv=None) -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default: the model's bench size)")
+    ap.add_argument("--variants", action="store_true", help="also the Gluon kernel's stage and epilogue variants")
     args = ap.parse_args(argv)
     kernels_tma.ensure_allocator()
     for model in args.models:
         p = _problem(model, args.rank, args.tokens)
-        rows = down_rows(p, args.rank, args.iters) + fold_rows(p, args.iters)
+        rows = down_rows(p, args.rank, args.iters, args.variants) + fold_rows(p, args.iters)
         print(f"\n{model}: T {p['T']}, H {p['H']}, I {p['I']}, E {p['E']}, k {p['K']}, r {args.rank} "
               f"(K steps of 64: down {-(-p['I'] // 64)}, dx {-(-2 * p['I'] // 64)})")
         for name, label, ms in rows:

@@ -11,7 +11,10 @@ one persistent program per SM runs a software pipeline over all its (tile, K ste
 pairs: the TMA loads of ``STAGES - 1`` steps ahead are in flight while the tensor cores work, the
 first step of each tile also loads that tile's ``z`` and ``Lb`` boxes (a ring of two), so by the
 tile's last step they have long arrived, and the LoRA product is one more MMA on the accumulator.
-Same contract and epilogue as the Triton kernel (bias, routing weight, store by pair).
+Same contract and epilogue as the Triton kernel (bias, routing weight, store by pair); the epilogue
+moves the accumulator to 16-byte row vectors within each warp (:func:`store_layout`), so 4 stages fit.
+Without a LoRA term (``lb`` None) it is a plain persistent down projection, timed against the Triton
+kernel in ``benchmarks/lora_kernels.py``.
 
 Operands (``N`` sorted rows, ``KA`` reduction, ``NY`` outputs, ``R`` rank, ``RP`` its padded size):
 - ``a_desc``: rows ``[N, KA]``, boxes ``[BM, BK]``.
@@ -38,7 +41,7 @@ def _tile_of(t, pid, nprog, n_tiles_n, table_ptr, M, BN: gl.constexpr):
 
 @gluon.jit
 def _issue_step(s, k0, slot, e, row0, col0, a_desc, w_desc, z_desc, lb_desc, a_bufs, w_bufs, z_bufs, lb_bufs,
-                bars, lbars, pred, W_KMAJOR: gl.constexpr, LB_KMAJOR: gl.constexpr):
+                bars, lbars, pred, W_KMAJOR: gl.constexpr, LB_KMAJOR: gl.constexpr, LORA: gl.constexpr):
     """Issue the TMA loads of one pipeline step (K offset ``k0`` of the tile at ``(e, row0, col0)``)
     into stage ``s``; at a tile's first step (``k0 == 0``) also its LoRA boxes into ring slot ``slot``.
     ``pred``: the step exists."""
@@ -49,7 +52,7 @@ def _issue_step(s, k0, slot, e, row0, col0, a_desc, w_desc, z_desc, lb_desc, a_b
         tma.async_copy_global_to_shared(w_desc, [e, col0, k0], bar, w_bufs.index(s), pred)
     else:
         tma.async_copy_global_to_shared(w_desc, [e, k0, col0], bar, w_bufs.index(s), pred)
-    if pred & (k0 == 0):
+    if LORA and pred & (k0 == 0):
         lbar = lbars.index(slot)
         mbarrier.expect(lbar, z_desc.block_type.nbytes + lb_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(z_desc, [row0, 0], lbar, z_bufs.index(slot))
@@ -60,11 +63,9 @@ def _issue_step(s, k0, slot, e, row0, col0, a_desc, w_desc, z_desc, lb_desc, a_b
 
 
 @gluon.jit
-def _store_tile(out, pair, rows_ok, c0, NY, y_ptr, BN: gl.constexpr, num_warps: gl.constexpr):
+def _store_tile(out, pair, rows_ok, c0, NY, y_ptr, BN: gl.constexpr, st: gl.constexpr):
     """Store the output tile (columns ``c0 ...``) by pair in 16-byte vectors: rounded to the output
-    dtype, then moved from the MMA layout to a row-vector layout through shared memory."""
-    st: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[num_warps, 1],
-                                        order=[1, 0])
+    dtype, then moved from the MMA layout to the store layout ``st`` (:func:`store_layout`)."""
     out = gl.convert_layout(out.to(y_ptr.dtype.element_ty), st)
     pair = gl.convert_layout(pair, gl.SliceLayout(1, st))
     ok = gl.convert_layout(rows_ok, gl.SliceLayout(1, st))
@@ -83,12 +84,12 @@ def down_lora_kernel(
     table_ptr,        # [2 * M + 1] int32 tile table (ops.Routing.tile_table)
     N, KA, NY, E, M, stride_be, stride_bn, lora_scale,
     W_KMAJOR: gl.constexpr, LB_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_WEIGHT: gl.constexpr,
-    BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, RP: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    LORA: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, RP: gl.constexpr,
+    STAGES: gl.constexpr, ST: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """``y[pair] = w[pair] * (a[row] @ W[e].T + b[e] + s z[row] @ Lb_e^T)`` for every existing tile
-    (see the module docstring); one program per SM, tiles ``pid, pid + programs, ...``. Needs
-    ``cdiv(KA, BK) >= STAGES - 1`` (the LoRA ring holds two tiles)."""
+    """``y[pair] = w[pair] * (a[row] @ W[e].T + b[e] (+ s z[row] @ Lb_e^T with LORA))`` for every
+    existing tile (see the module docstring); one program per SM, tiles ``pid, pid + programs, ...``.
+    Needs ``cdiv(KA, BK) >= STAGES - 1`` (the LoRA ring holds two tiles)."""
     dtype: gl.constexpr = a_desc.dtype
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BN, 16])
@@ -101,18 +102,23 @@ def down_lora_kernel(
     else:
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BN], a_sl)
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_sl)
-    r_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(2 * RP, 128), element_bitwidth=16, rank=2)
-    z_bufs = gl.allocate_shared_memory(dtype, [2, BM, RP], r_sl)
-    if LB_KMAJOR:
-        lb_bufs = gl.allocate_shared_memory(dtype, [2, BN, RP], r_sl)
-    else:
-        lb_bufs = gl.allocate_shared_memory(dtype, [2, RP, BN], a_sl)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    lbars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(lbars.index(i), count=1)
+    if LORA:
+        r_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(2 * RP, 128), element_bitwidth=16, rank=2)
+        z_bufs = gl.allocate_shared_memory(dtype, [2, BM, RP], r_sl)
+        if LB_KMAJOR:
+            lb_bufs = gl.allocate_shared_memory(dtype, [2, BN, RP], r_sl)
+        else:
+            lb_bufs = gl.allocate_shared_memory(dtype, [2, RP, BN], a_sl)
+        lbars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(lbars.index(i), count=1)
+    else:  # placeholders, never read
+        z_bufs = a_bufs
+        lb_bufs = a_bufs
+        lbars = bars
 
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -129,7 +135,7 @@ def down_lora_kernel(
     ne, nrow0, ncol0 = _tile_of(gl.minimum(1, last_t), pid, nprog, n_tiles_n, table_ptr, M, BN)
     for q in gl.static_range(STAGES - 1):
         _issue_step(q, q * BK, 0, pe, prow0, pcol0, a_desc, w_desc, z_desc, lb_desc, a_bufs, w_bufs, z_bufs,
-                    lb_bufs, bars, lbars, q < steps, W_KMAJOR, LB_KMAJOR)
+                    lb_bufs, bars, lbars, q < steps, W_KMAJOR, LB_KMAJOR, LORA)
     pk = STAGES - 1
     ptile = 0
     ps = STAGES - 1
@@ -173,7 +179,7 @@ def down_lora_kernel(
             pe, prow0, pcol0 = ne, nrow0, ncol0
             ne, nrow0, ncol0 = _tile_of(gl.minimum(ptile + 1, last_t), pid, nprog, n_tiles_n, table_ptr, M, BN)
         _issue_step(ps, pk * BK, pslot, pe, prow0, pcol0, a_desc, w_desc, z_desc, lb_desc, a_bufs, w_bufs, z_bufs,
-                    lb_bufs, bars, lbars, c + STAGES - 1 < steps, W_KMAJOR, LB_KMAJOR)
+                    lb_bufs, bars, lbars, c + STAGES - 1 < steps, W_KMAJOR, LB_KMAJOR, LORA)
         pk += 1
         ps += 1
         if ps == STAGES:
@@ -183,16 +189,22 @@ def down_lora_kernel(
                 rows = crow0 + gl.arange(0, BM, rows_l)
                 w = gl.load(tw_ptr + pair, mask=rows < row_end, other=0.0).to(gl.float32)
         if kt == k_steps - 1:
-            mbarrier.wait(lbars.index(lslot), lphase)
-            z = z_bufs.index(lslot).load(z_reg)
-            z = (z.to(gl.float32) * lora_scale).to(dtype)
-            if LB_KMAJOR:
-                lb_s = lb_bufs.index(lslot).permute((1, 0))
+            if LORA:
+                mbarrier.wait(lbars.index(lslot), lphase)
+                z = z_bufs.index(lslot).load(z_reg)
+                z = (z.to(gl.float32) * lora_scale).to(dtype)
+                if LB_KMAJOR:
+                    lb_s = lb_bufs.index(lslot).permute((1, 0))
+                else:
+                    lb_s = lb_bufs.index(lslot)
+                # synchronous (z's registers are free after it); the result stays in acc's registers (the
+                # next tile's first MMA ignores them), so no second accumulator is live
+                acc = warpgroup_mma(z, lb_s, acc)
+                lslot ^= 1
+                if lslot == 0:
+                    lphase ^= 1
             else:
-                lb_s = lb_bufs.index(lslot)
-            # synchronous (z's registers are free after it); the result stays in acc's registers (the
-            # next tile's first MMA ignores them), so no second accumulator is live
-            acc = warpgroup_mma(z, lb_s, acc)
+                acc = warpgroup_mma_wait(0, deps=[acc])
             rows = crow0 + gl.arange(0, BM, rows_l)
             if HAS_BIAS:
                 cols = ccol0 + gl.arange(0, BN, cols_l)
@@ -200,10 +212,7 @@ def down_lora_kernel(
                 acc = acc + bias.to(gl.float32)[None, :]
             if HAS_WEIGHT:
                 acc = acc * w[:, None]
-            _store_tile(acc, pair, rows < row_end, ccol0, NY, y_ptr, BN, num_warps)
-            lslot ^= 1
-            if lslot == 0:
-                lphase ^= 1
+            _store_tile(acc, pair, rows < row_end, ccol0, NY, y_ptr, BN, ST)
         kt += 1
         cs += 1
         if cs == STAGES:
@@ -214,23 +223,34 @@ def down_lora_kernel(
             t += 1
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-    for i in gl.static_range(2):
-        mbarrier.invalidate(lbars.index(i))
+    if LORA:
+        for i in gl.static_range(2):
+            mbarrier.invalidate(lbars.index(i))
 
 
-BN, BK, STAGES = 256, 64, 3  # the measured tile (as the Triton kernel's best config) and pipeline depth
+BN, BK = 256, 64  # the measured tile (as the Triton kernel's best config)
+# pipeline depth: 4 stages of 48 KiB where the LoRA ring fits beside them (RP <= 16: 220 KiB of shared
+# memory in all), else 3; the epilogue's layout conversion within warps (SHUFFLE, store_layout) takes no
+# shared memory of its own (through shared memory it took 32 KiB: then 3 stages at most)
+STAGES = 4
+SHUFFLE = True
 # Measured on an H200 (benchmarks/NOTES.md, rounds 15 and 16): against the Triton kernel with its LoRA epilogue
 # this kernel saves 0.28 ms at 12 K steps (Qwen3-30B-A3B's down projection), 0.05-0.12 ms at 24 (its input
 # gradient) and 0.09 ms at 32 (OLMoE-1B-7B's input gradient); at 224 and 448 (Mixtral-8x7B) its main loop
 # is the slower (down 11.5 -> 12.7 ms, input gradient 22.7 -> 26.1 ms)
 MAX_K_STEPS = 32
-MAX_RP = 32  # the LoRA ring, 2 (BM + BN) RP * 2 bytes, is 48 KiB at RP = 32: 224 KiB of shared memory in all
+MAX_RP = 32  # the LoRA ring, 2 (BM + BN) RP * 2 bytes, is 48 KiB at RP = 32: 3 stages, 200 KiB in all
+
+
+def stages(rp: int) -> int:
+    """The pipeline's stages at padded rank ``rp`` (shared memory, see ``STAGES``)."""
+    return STAGES if rp <= 16 else min(STAGES, 3)
 
 
 def ready(rows, w, lb, z, rp: int) -> bool:
     """Whether :func:`launch` can run: Hopper (sm_90), 16-bit rows, ``W`` and LoRA factors
     that suit TMA descriptors (:func:`.kernels_tma.tma_ready`; ``z [N, R]`` and ``Lb`` with a unit
-    stride along ``R`` or ``NY``, so ``R`` a multiple of 8), ``RP <= 32`` and from ``STAGES - 1`` (the
+    stride along ``R`` or ``NY``, so ``R`` a multiple of 8), ``RP <= 32`` and from ``stages(RP) - 1`` (the
     pipeline's depth) to ``MAX_K_STEPS`` K steps of 64 (measured: much longer loops run faster in the
     Triton kernel).
     Host metadata only."""
@@ -243,35 +263,59 @@ def ready(rows, w, lb, z, rp: int) -> bool:
         return False
     lb_ok = weight_tma_ready(lb) if lb.stride(2) == 1 else weight_tma_ready(lb.mT)
     return (tma_ready(rows, w) and rows_tma_ready(z) and z.is_contiguous() and lb_ok and rp <= MAX_RP
-            and STAGES - 1 <= -(-rows.shape[1] // BK) <= MAX_K_STEPS)
+            and stages(rp) - 1 <= -(-rows.shape[1] // BK) <= MAX_K_STEPS)
 
 
 def launch(rows, w, b, topk_weights, sort_order, expert_offsets, y, lb, z, table, lora_scale: float, rp: int,
            block_m: int, num_sms: int) -> None:
     """:func:`down_lora_kernel` over the tile ``table`` (rows of ``block_m``); one program per SM at
-    most. Arguments as ``kernels_tma.down_tma_kernel``'s; :func:`ready` must hold."""
+    most. Arguments as ``kernels_tma.down_tma_kernel``'s; :func:`ready` must hold (``lb`` and ``z``
+    None: no LoRA term)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     E, NY, KA = w.shape
-    N, R = z.shape
+    N = rows.shape[0]
     M = table.shape[0] // 2
     wide = _layout(3, 128)
     a_d = TensorDescriptor(rows, [N, KA], [KA, 1], [block_m, BK], _layout(2, 128))
     w_kmajor = w.stride(2) == 1
     wt = w if w_kmajor else w.mT
     w_d = TensorDescriptor(wt, list(wt.shape), list(wt.stride()), [1, BN, BK] if w_kmajor else [1, BK, BN], wide)
-    narrow = min(2 * rp, 128)
-    z_d = TensorDescriptor(z, [N, R], [R, 1], [block_m, rp], _layout(2, narrow))
-    lb_kmajor = lb.stride(2) == 1
-    lbt = lb if lb_kmajor else lb.mT
-    lb_d = TensorDescriptor(lbt, list(lbt.shape), list(lbt.stride()), [1, BN, rp] if lb_kmajor else [1, rp, BN],
-                            _layout(3, narrow) if lb_kmajor else wide)
+    z_d, lb_d, lb_kmajor = a_d, w_d, True
+    if lb is not None:
+        R = z.shape[1]
+        narrow = min(2 * rp, 128)
+        z_d = TensorDescriptor(z, [N, R], [R, 1], [block_m, rp], _layout(2, narrow))
+        lb_kmajor = lb.stride(2) == 1
+        lbt = lb if lb_kmajor else lb.mT
+        lb_d = TensorDescriptor(lbt, list(lbt.shape), list(lbt.stride()), [1, BN, rp] if lb_kmajor else [1, rp, BN],
+                                _layout(3, narrow) if lb_kmajor else wide)
     bb = w if b is None else b
     grid = (min(M * -(-NY // BN), num_sms),)
+    warps = 8 if block_m >= 128 else 4
     down_lora_kernel[grid](
         a_d, w_d, z_d, lb_d, bb, rows if topk_weights is None else topk_weights, sort_order, expert_offsets, y,
         table, N, KA, NY, E, M, bb.stride(0), bb.stride(-1), lora_scale,
         W_KMAJOR=w_kmajor, LB_KMAJOR=lb_kmajor, HAS_BIAS=b is not None, HAS_WEIGHT=topk_weights is not None,
-        BM=block_m, BN=BN, BK=BK, RP=rp, STAGES=STAGES, num_warps=8 if block_m >= 128 else 4)
+        LORA=lb is not None, BM=block_m, BN=BN, BK=BK, RP=rp, STAGES=stages(rp),
+        ST=store_layout(block_m, BN, warps, SHUFFLE),
+        num_warps=warps)
+
+
+def store_layout(bm: int, bn: int, warps: int, shuffle: bool = True):
+    """The epilogue's store layout for a ``[bm, bn]`` tile of ``warps`` warps (``bm = 16 warps``): each
+    thread holds 8 consecutive columns of a row (16-byte stores). With ``shuffle``, the MMA
+    accumulator's layout (``instr_shape [16, bn]``: a thread holds column pairs ``2 (lane % 4) + 8 j``
+    of rows ``lane // 4`` and ``+ 8``) with two lane bits (columns 2, 4) swapped for two register bits
+    (columns 8, 16): the conversion stays within each warp (shuffles, no shared memory). Else a blocked
+    layout, reached through shared memory."""
+    if not shuffle:
+        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[warps, 1],
+                                order=[1, 0])
+    cols = [[0, 1 << i] for i in range(5, bn.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + cols,
+                                      lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)],
+                                      block_bases=[], shape=[bm, bn])
 
 
 def _layout(rank: int, swizzle: int):
