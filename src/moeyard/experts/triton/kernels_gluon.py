@@ -5,8 +5,9 @@ Why a second kernel: :func:`.kernels_tma.down_tma_kernel` adds the LoRA term ``s
 K loop, and Triton's pipeliner does not prefetch operands used only there, so every tile waited on its
 ``z [BM, R]`` and ``Lb [BN, R]`` loads and the extra MMA in series (0.34 ms of the down projection's
 1.72 ms and 0.36 ms of the input gradient's at Qwen3-30B-A3B on an H200, ``benchmarks/NOTES.md``,
-round 14). Measured on an H200: down 1.79 -> 1.51 ms, input gradient 2.83 -> 2.78 ms (round 15); at
-OLMoE-1B-7B's input gradient (32 K steps) 3.69 -> 3.60 ms (round 16). Here
+round 14). Measured on an H200: down 1.79 -> 1.51 ms, input gradient 2.83 -> 2.78 ms (round 15); with
+the in-warp epilogue and 4 stages, in the step, 1.44 and 2.55 ms against the frozen step's 1.37 and 2.32
+(round 16); at OLMoE-1B-7B's input gradient (32 K steps) 3.69 -> 3.60 ms. Here
 one persistent program per SM runs a software pipeline over all its (tile, K step)
 pairs: the TMA loads of ``STAGES - 1`` steps ahead are in flight while the tensor cores work, the
 first step of each tile also loads that tile's ``z`` and ``Lb`` boxes (a ring of two), so by the
