@@ -158,6 +158,22 @@ def test_triton_frozen_base_runs_no_base_weight_gradient(monkeypatch, one_pass):
         assert not fused_rows and len(thin_passes) == 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # the same dtype, and a cast
+def test_lora_b_expert_major_relayout(dtype):
+    # PEFT's lora_B [out, r*E] (column k*E + e: expert e, rank k) -> [E, out, r] contiguous; the gradient
+    # back in lora_B's layout and dtype
+    from moeyard.experts.relayout import expert_major
+    out, r, E = 7, 3, 5
+    B = torch.randn(out, r * E, dtype=torch.float64, requires_grad=True)
+    b = expert_major(B, r, E, dtype)
+    assert b.shape == (E, out, r) and b.is_contiguous() and b.dtype == dtype
+    assert torch.equal(b, B.detach().view(out, r, E).permute(2, 0, 1).to(dtype))
+    g = torch.randn(E, out, r, dtype=dtype)
+    (grad,) = torch.autograd.grad(b, B, g)
+    assert grad.dtype == torch.float64 and grad.is_contiguous()
+    assert torch.equal(grad, g.double().permute(1, 2, 0).reshape(out, r * E))
+
+
 @pytest.mark.parametrize("bad,match,err", [
     (dict(lora_A=torch.randn(7, 16)), r"lora_A: expected shape \[r\*3, 16\]", ValueError),   # 7 rows: not r*E
     (dict(lora_B=torch.randn(32, 9)), r"lora_B: expected shape \[32, 6\]", ValueError),     # rank of B != A's

@@ -529,6 +529,15 @@ def test_tma_with_lora(mode, monkeypatch):
     assert launches.names.count("down_tma" if mode == "split" else "down") == 2  # fused LoRA: pointer kernel
 
 
+@pytest.mark.parametrize("shape", [(100, 70), (64, 64), (1, 5), (3, 130)])  # partial tiles in both dims
+def test_transpose_kernel(shape):
+    from moeyard.experts.triton.transpose import launch
+    x = torch.randn(*shape, dtype=torch.float64)
+    y = torch.full(shape[::-1], float("nan"), dtype=torch.float32)
+    launch(x, y)
+    assert torch.equal(y, x.t().float())
+
+
 @pytest.mark.parametrize("by_token", [True, False])  # d out read at each row's token; d_h in sorted rows
 @pytest.mark.parametrize("chunk", [0, 12])
 @pytest.mark.parametrize("tma", [False, True])

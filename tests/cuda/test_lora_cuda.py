@@ -93,6 +93,19 @@ def test_wgrad_rows_bf16(by_token, chunk):
         assert got.dtype == torch.bfloat16 and err < 1e-2, err
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lora_b_relayout_kernel(dtype):
+    """lora_B's expert-major relayout through the Triton transpose (forward and gradient), exact."""
+    from moeyard.experts.relayout import expert_major
+    out, r, E = 1000, 16, 37
+    B = torch.randn(out, r * E, device=DEV, requires_grad=True)
+    b = expert_major(B, r, E, dtype)
+    assert torch.equal(b, B.detach().view(out, r, E).permute(2, 0, 1).to(dtype)) and b.is_contiguous()
+    g = torch.randn(E, out, r, device=DEV, dtype=dtype)
+    (grad,) = torch.autograd.grad(b, B, g)
+    assert grad.dtype == torch.float32 and torch.equal(grad, g.float().permute(1, 2, 0).reshape(out, r * E))
+
+
 def _leaves(seed=0):
     g = torch.Generator().manual_seed(seed)
     inp = add_lora(make_inputs(512, 256, 128, 16, 4), 16)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_float, kind
+from .relayout import expert_major
 
 Tensor = torch.Tensor
 
@@ -236,8 +237,5 @@ def low_rank(adapter: ExpertLoRA, E: int, out: int, inp: int, like: Tensor, name
     r = rE // E
     A = A.to(like.dtype)
     # lora_B relaid out expert-major in one copy (cast included): [out, r*E] -> [E, out, r] contiguous
-    b = B.unflatten(1, (r, E)).permute(2, 0, 1)
-    # one copy either way: .to makes a contiguous one when the dtype changes; with the same dtype it
-    # returns the strided view, and .contiguous copies
-    b = b.to(like.dtype, memory_format=torch.contiguous_format).contiguous()
+    b = expert_major(B, r, E, like.dtype)
     return LowRank(a=A.view(E, r, inp) if A.is_contiguous() else A.reshape(E, r, inp), b=b, scaling=float(s))
