@@ -7,7 +7,8 @@ inputs, uniform routing):
   and the Gluon kernel with it (:mod:`moeyard.experts.triton.kernels_gluon`, where it is ready);
 - ``dB + rows``: the LoRA factor B's two uses in backward, ``d_y B_e`` (the input-gradient GEMM's low
   rank rows) and ``dB_e = d_y^T z``, as two passes over ``d_y`` (thin GEMM + thin weight gradient) and
-  as one (:func:`moeyard.experts.triton.ops.wgrad_rows`), for ``d out`` (gathered by token) and ``d_h``.
+  as one (:func:`moeyard.experts.triton.ops.wgrad_rows`), for ``d out`` (gathered by token) and ``d_h``;
+- ``lora_B`` relaid out expert-major: torch's copy against the Triton transpose.
 
     python benchmarks/lora_kernels.py [--models qwen3-30b-a3b olmoe-1b-7b mixtral-8x7b] [--rank 16]
 
@@ -131,6 +132,20 @@ def fold_rows(p, iters: int) -> list[tuple[str, str, float]]:
     return out
 
 
+def relayout_rows(p, rank: int, iters: int) -> list[tuple[str, str, float]]:
+    """``lora_B [out, r*E]`` relaid out expert-major (:mod:`moeyard.experts.relayout`): torch's copy of the
+    permuted view against the Triton transpose, for both projections' factors."""
+    from moeyard.experts.relayout import expert_major
+    out = []
+    E = p["E"]
+    for name, n_out in (("lora_B relayout, up", 2 * p["I"]), ("lora_B relayout, down", p["H"])):
+        b = torch.randn(n_out, rank * E, device="cuda", dtype=torch.bfloat16)
+        out.append((name, "torch copy of the permuted view",
+                    timed(lambda: b.unflatten(1, (rank, E)).permute(2, 0, 1).contiguous(), iters)))
+        out.append((name, "Triton transpose (expert_major)", timed(lambda: expert_major(b, rank, E, b.dtype), iters)))
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b"])
@@ -142,7 +157,8 @@ def main(argv=None) -> None:
     kernels_tma.ensure_allocator()
     for model in args.models:
         p = _problem(model, args.rank, args.tokens)
-        rows = down_rows(p, args.rank, args.iters, args.variants) + fold_rows(p, args.iters)
+        rows = (down_rows(p, args.rank, args.iters, args.variants) + fold_rows(p, args.iters)
+                + relayout_rows(p, args.rank, args.iters))
         print(f"\n{model}: T {p['T']}, H {p['H']}, I {p['I']}, E {p['E']}, k {p['K']}, r {args.rank} "
               f"(K steps of 64: down {-(-p['I'] // 64)}, dx {-(-2 * p['I'] // 64)})")
         for name, label, ms in rows:
