@@ -166,6 +166,11 @@ def test_report_lists_every_launcher():
     assert "PRUNED" in text and "kept" in text and "r=128 f" in text
 
 
+def test_row_product_configs_share_one_column_block():
+    # ops.wgrad_rows allocates cdiv(NL, rows_block()) partials before the autotuner picks a config
+    assert {c.kwargs["BN"] for c in schedule.ROWS_WGRAD_CONFIGS} == {schedule.ROWS_BN}
+
+
 def test_row_product_estimates_by_hand():
     # the factor's [BN, BK] tile once, the [BM, BK] float32 product and its store pointers
     c = cfg(64, 256, 16, 4, 4)
