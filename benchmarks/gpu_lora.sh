@@ -9,7 +9,7 @@
 #          (MOEYARD_TRITON_GLUON_LORA=1/0): the LoRA step's kernels in launch order, then frozen vs lora steps
 #          interleaved, at MODEL (default qwen3-30b-a3b)
 #   kernels: the CUDA LoRA tests, then benchmarks/lora_kernels.py (the TMA down projections, Triton and Gluon,
-#          with and without LoRA, 3 and 4 stages; B's backward in one pass or two) at qwen3-30b-a3b, olmoe-1b-7b
+#          with and without LoRA; B's backward in one pass or two; lora_B's relayout) at qwen3-30b-a3b, olmoe-1b-7b
 #          and mixtral-8x7b, then the LoRA step's kernels in launch order at MODEL (default qwen3-30b-a3b)
 #   quant: CUDA LoRA, QLoRA and NF4 tests, then moeyard bench --quant nf4 --lora 16 (4-layer stacks) at MODEL...
 #          (default qwen3-30b-a3b); bitsandbytes comes from the wheel in .whl (carried)

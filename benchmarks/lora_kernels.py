@@ -100,21 +100,17 @@ def down_rows(p, rank: int, iters: int, variants: bool) -> list[tuple[str, str, 
 
 
 def _gluon_variants(p, name, rows, w, tw, lb, table, y, rank, iters):
-    """The Gluon kernel at 3 and 4 stages, with and without LoRA, its epilogue's layout conversion
-    through shared memory or within warps (``kernels_gluon.SHUFFLE``)."""
+    """The Gluon kernel at 3 and 4 stages (``kernels_gluon.STAGES``), with and without LoRA."""
     r, out = p["r"], []
-    saved = kernels_gluon.STAGES, kernels_gluon.SHUFFLE
-    for stages, shuffle, lora in ((3, False, True), (3, True, True), (4, True, True), (3, True, False),
-                                  (4, True, False)):
-        kernels_gluon.STAGES, kernels_gluon.SHUFFLE = stages, shuffle
+    saved = kernels_gluon.STAGES
+    for stages, lora in ((3, True), (4, True), (3, False), (4, False)):
+        kernels_gluon.STAGES = stages
         def run(lora=lora):
             kernels_gluon.launch(rows, w, None, tw, r.sort_order, r.expert_offsets, y, lb if lora else None,
                                  p["z"] if lora else None, table, 0.5, max(16, rank), tma_block_m(),
                                  ops.num_sms(rows.device))
-        label = (f"Gluon, {'LoRA' if lora else 'frozen'}, {stages} stages, "
-                 f"{'warp shuffles' if shuffle else 'shared memory'} in the epilogue")
-        out.append((name, label, timed(run, iters)))
-    kernels_gluon.STAGES, kernels_gluon.SHUFFLE = saved
+        out.append((name, f"Gluon, {'LoRA' if lora else 'frozen'}, {stages} stages", timed(run, iters)))
+    kernels_gluon.STAGES = saved
     return out
 
 
@@ -152,7 +148,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default: the model's bench size)")
-    ap.add_argument("--variants", action="store_true", help="also the Gluon kernel's stage and epilogue variants")
+    ap.add_argument("--variants", action="store_true", help="also the Gluon kernel at 3 and 4 stages, with and without LoRA")
     args = ap.parse_args(argv)
     kernels_tma.ensure_allocator()
     for model in args.models:

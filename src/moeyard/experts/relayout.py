@@ -16,7 +16,8 @@ Tensor = torch.Tensor
 
 def expert_major(b: Tensor, rank: int, num_experts: int, dtype: torch.dtype) -> Tensor:
     """``b [out, r*E]`` -> ``[E, out, r]`` contiguous in ``dtype`` (one copy, the cast included);
-    differentiable, the gradient returned in ``b``'s dtype as ``[out, r*E]`` contiguous."""
+    differentiable, the gradient returned in ``b``'s dtype as ``[out, r*E]`` contiguous. Raises nothing
+    of its own: :func:`moeyard.experts.weights.low_rank` has checked the shapes (``b.shape[1] == r * E``)."""
     return _ExpertMajor.apply(b, rank, num_experts, dtype)
 
 

@@ -142,9 +142,10 @@ def _down_backward(dout, h, tw, w_down, b_down, lora, r, spec, need_w, need_b, n
     """``(d_h, d tw [N] float32, d W_down, d b_down, d A_down, d B_down)``; ``h`` is the activation's
     input; ``lora = (A, B, s, z)`` with ``z = a @ A_e^T`` from the forward."""
     a_dn, bl_dn, s, z_dn = lora
-    dbl = g_dn = None
-    if need_bl and _one_pass(bl_dn, r):  # dB_e = s (w * dout)^T (a A_e^T) and the rows dout B_e: one pass over dout
+    dbl = g_dn = zw = None
+    if need_bl:  # dB_e = s (w * dout)^T (a A_e^T), from zw = w * (a A_e^T)
         zw = z_dn * tw.index_select(0, r.sort_order).to(z_dn.dtype).unsqueeze(1)
+    if need_bl and _one_pass(bl_dn, r):  # dB_e and the rows dout B_e: one pass over dout
         dbl, g_dn = _b_grad_and_rows(dout, zw, bl_dn, s, r, True)
     dh, aw, d_tw, g_dn = ops.act_grad(dout, w_down, b_down, h, tw, r, spec, _input_grad_term(a_dn, bl_dn, s), g_dn)
     dw = db = da = None
@@ -153,8 +154,7 @@ def _down_backward(dout, h, tw, w_down, b_down, lora, r, spec, need_w, need_b, n
                            like_w=w_down, like_b=b_down if need_b else None)
     if need_a:  # dA_e = s (w * dout B_e)^T a = s (dout B_e)^T (w a)
         da = _thin_wgrad(g_dn, aw, False, False, r, a_dn, s)
-    if need_bl and dbl is None:  # dB_e = s (w * dout)^T (a A_e^T)
-        zw = z_dn * tw.index_select(0, r.sort_order).to(z_dn.dtype).unsqueeze(1)
+    if need_bl and dbl is None:
         dbl = _thin_wgrad(dout, zw, True, False, r, bl_dn, s)
     return dh, d_tw, dw if need_w else None, db, da, dbl
 

@@ -231,10 +231,9 @@ def down_lora_kernel(
 
 BN, BK = 256, 64  # the measured tile (as the Triton kernel's best config)
 # pipeline depth: 4 stages of 48 KiB where the LoRA ring fits beside them (RP <= 16: 220 KiB of shared
-# memory in all), else 3; the epilogue's layout conversion within warps (SHUFFLE, store_layout) takes no
-# shared memory of its own (through shared memory it took 32 KiB: then 3 stages at most)
+# memory in all), else 3; the epilogue's layout conversion within warps (store_layout) takes no shared
+# memory of its own (through a blocked layout it took 32 KiB: then 3 stages at most; NOTES round 16)
 STAGES = 4
-SHUFFLE = True
 # Measured on an H200 (benchmarks/NOTES.md, rounds 15 and 16): against the Triton kernel with its LoRA epilogue
 # this kernel saves 0.28 ms at 12 K steps (Qwen3-30B-A3B's down projection), 0.05-0.12 ms at 24 (its input
 # gradient) and 0.09 ms at 32 (OLMoE-1B-7B's input gradient); at 224 and 448 (Mixtral-8x7B) its main loop
@@ -298,20 +297,16 @@ def launch(rows, w, b, topk_weights, sort_order, expert_offsets, y, lb, z, table
         table, N, KA, NY, E, M, bb.stride(0), bb.stride(-1), lora_scale,
         W_KMAJOR=w_kmajor, LB_KMAJOR=lb_kmajor, HAS_BIAS=b is not None, HAS_WEIGHT=topk_weights is not None,
         LORA=lb is not None, BM=block_m, BN=BN, BK=BK, RP=rp, STAGES=stages(rp),
-        ST=store_layout(block_m, BN, warps, SHUFFLE),
+        ST=store_layout(block_m, BN, warps),
         num_warps=warps)
 
 
-def store_layout(bm: int, bn: int, warps: int, shuffle: bool = True):
+def store_layout(bm: int, bn: int, warps: int):
     """The epilogue's store layout for a ``[bm, bn]`` tile of ``warps`` warps (``bm = 16 warps``): each
-    thread holds 8 consecutive columns of a row (16-byte stores). With ``shuffle``, the MMA
-    accumulator's layout (``instr_shape [16, bn]``: a thread holds column pairs ``2 (lane % 4) + 8 j``
-    of rows ``lane // 4`` and ``+ 8``) with two lane bits (columns 2, 4) swapped for two register bits
-    (columns 8, 16): the conversion stays within each warp (shuffles, no shared memory). Else a blocked
-    layout, reached through shared memory."""
-    if not shuffle:
-        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[warps, 1],
-                                order=[1, 0])
+    thread holds 8 consecutive columns of a row (16-byte stores). It is the MMA accumulator's layout
+    (``instr_shape [16, bn]``: a thread holds column pairs ``2 (lane % 4) + 8 j`` of rows ``lane // 4``
+    and ``+ 8``) with two lane bits (columns 2, 4) swapped for two register bits (columns 8, 16), so the
+    conversion stays within each warp (no block-wide shared-memory buffer)."""
     cols = [[0, 1 << i] for i in range(5, bn.bit_length() - 1)]
     return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + cols,
                                       lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],

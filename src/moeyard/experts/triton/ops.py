@@ -427,9 +427,9 @@ def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, sca
     else ``[N, *]`` by sorted row; ``scale [N]`` is in sorted-row order too.
     ``chunk_rows > 0``: experts longer than that are split into chunks whose float32 partials go to
     ``part [S, NL, NR]`` (``part_b [S, NL]``) and are summed per expert in a second launch.
-    ``factor [E, NL, NR]`` (with ``rows_part [rows_tiles(NL), N, NR]`` float32): the same pass over
-    ``lhs`` writes the partials of the row product ``lhs[row] @ factor[e]`` by ``ROWS_BN`` columns of
-    ``lhs`` (summed by the caller, :func:`wgrad_rows`)."""
+    ``factor [E, NL, NR]`` (with ``rows_part [cdiv(NL, rows_block()), N, NR]`` float32): the same pass
+    over ``lhs`` writes the partials of the row product ``lhs[row] @ factor[e]``, one per
+    ``rows_block()`` columns of ``lhs`` (summed by the caller, :func:`wgrad_rows`)."""
     launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows,
                  dw, db, part, part_b, factor, rows_part)
     if chunk_rows > 0:
