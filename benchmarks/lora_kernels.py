@@ -8,9 +8,12 @@ inputs, uniform routing):
 - ``dB + rows``: the LoRA factor B's two uses in backward, ``d_y B_e`` (the input-gradient GEMM's low
   rank rows) and ``dB_e = d_y^T z``, as two passes over ``d_y`` (thin GEMM + thin weight gradient) and
   as one (:func:`moeyard.experts.triton.ops.wgrad_rows`), for ``d out`` (gathered by token) and ``d_h``;
-- ``lora_B`` relaid out expert-major: torch's copy against the Triton transpose.
+- ``lora_B`` relaid out expert-major: torch's copy against the Triton transpose;
+- ``order``: the LoRA-factor gradients that read an operand by token (``d out``, ``x``), their programs
+  expert-major and tile-major (``options().wgrad_tile_major``, :func:`moeyard.experts.triton.gemm.weight_tile`).
 
     python benchmarks/lora_kernels.py [--models qwen3-30b-a3b olmoe-1b-7b mixtral-8x7b] [--rank 16]
+        [--groups down fold relayout order]
 
 Prints one table per model (ms), then the GPU and software versions.
 """
@@ -121,7 +124,8 @@ def fold_rows(p, iters: int) -> list[tuple[str, str, float]]:
                                     ("dB + rows, d_h", p["dh"], p["z"], p["b_up"], False)):
         def two():
             ops.low_rank_rows(d, b, r, gather=by_token)
-            ops.wgrad(d, z, lhs_by_token=by_token, rhs_by_token=False, scale=None, r=r, like_w=b, like_b=None)
+            ops.wgrad(d, z, lhs_by_token=by_token, rhs_by_token=False, scale=None, r=r, like_w=b, like_b=None,
+                      low_rank=True)
         out.append((name, "two passes (thin GEMM + weight gradient)", timed(two, iters)))
         out.append((name, "one pass (wgrad_rows)", timed(lambda: ops.wgrad_rows(d, z, b, lhs_by_token=by_token, r=r),
                                                           iters)))
@@ -142,6 +146,24 @@ def relayout_rows(p, rank: int, iters: int) -> list[tuple[str, str, float]]:
     return out
 
 
+def order_rows(p, iters: int) -> list[tuple[str, str, float]]:
+    """The LoRA-factor gradients with an operand gathered by token, expert-major against tile-major:
+    B's one pass over ``d out`` and ``dA_up = (d_h B_e)^T x`` (the base weight gradients stay
+    expert-major: tile-major ran slower, NOTES round 17)."""
+    r, out = p["r"], []
+    cases = (("dB + rows, d out", lambda: ops.wgrad_rows(p["dout"], p["z"], p["b_down"], lhs_by_token=True, r=r)),
+             ("dA_up (g^T x)", lambda: ops.wgrad(p["z"], p["x"], lhs_by_token=False, rhs_by_token=True, scale=None,
+                                                 r=r, like_w=p["a_up"], like_b=None, low_rank=True)))
+    for name, fn in cases:
+        for major in (False, True):
+            with use_options(wgrad_tile_major=major):
+                out.append((name, "tile-major" if major else "expert-major", timed(fn, iters)))
+    return out
+
+
+GROUPS = ("down", "fold", "relayout", "order")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b"])
@@ -149,12 +171,15 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default: the model's bench size)")
     ap.add_argument("--variants", action="store_true", help="also the Gluon kernel at 3 and 4 stages, with and without LoRA")
+    ap.add_argument("--groups", nargs="+", choices=GROUPS, default=list(GROUPS))
     args = ap.parse_args(argv)
     kernels_tma.ensure_allocator()
     for model in args.models:
         p = _problem(model, args.rank, args.tokens)
-        rows = (down_rows(p, args.rank, args.iters, args.variants) + fold_rows(p, args.iters)
-                + relayout_rows(p, args.rank, args.iters))
+        groups = dict(down=lambda: down_rows(p, args.rank, args.iters, args.variants),
+                      fold=lambda: fold_rows(p, args.iters), relayout=lambda: relayout_rows(p, args.rank, args.iters),
+                      order=lambda: order_rows(p, args.iters))
+        rows = [row for g in args.groups for row in groups[g]()]
         print(f"\n{model}: T {p['T']}, H {p['H']}, I {p['I']}, E {p['E']}, k {p['K']}, r {args.rank} "
               f"(K steps of 64: down {-(-p['I'] // 64)}, dx {-(-2 * p['I'] // 64)})")
         for name, label, ms in rows:

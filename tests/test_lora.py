@@ -138,9 +138,10 @@ def test_triton_frozen_base_runs_no_base_weight_gradient(monkeypatch, one_pass):
     from moeyard.experts.triton import ops
     if not one_pass:
         monkeypatch.setattr(ops, "wgrad_rows_fits", lambda *a: False)
-    shapes, fused_rows, thin_passes = [], [], []
+    shapes, fused_rows, thin_passes, low_rank = [], [], [], []
     real, real_rows, real_thin = ops.wgrad, ops.wgrad_rows, ops.low_rank_rows
-    monkeypatch.setattr(ops, "wgrad", lambda *a, **k: shapes.append(tuple(k["like_w"].shape)) or real(*a, **k))
+    monkeypatch.setattr(ops, "wgrad", lambda *a, **k: shapes.append(tuple(k["like_w"].shape))
+                        or low_rank.append(k.get("low_rank")) or real(*a, **k))
     monkeypatch.setattr(ops, "wgrad_rows", lambda *a, **k: fused_rows.append(tuple(a[2].shape)) or real_rows(*a, **k))
     monkeypatch.setattr(ops, "low_rank_rows", lambda *a, **k: thin_passes.append(a[1].shape) or real_thin(*a, **k))
     E, r = 3, 4
@@ -148,7 +149,9 @@ def test_triton_frozen_base_runs_no_base_weight_gradient(monkeypatch, one_pass):
     check_backend("triton", inp, torch.float32, frozen=FROZEN)
     shapes.clear(), fused_rows.clear(), thin_passes.clear()
     run_experts(inp, torch.float32, "triton", torch.randn(10, 16, dtype=torch.float64), frozen=FROZEN)
-    # only the factor gradients: dA by wgrad ([E, r, in]), dB with the rows d_y B_e by wgrad_rows ([E, out, r])
+    # only the factor gradients: dA by wgrad ([E, r, in]), dB with the rows d_y B_e by wgrad_rows ([E, out, r]),
+    # each a low-rank one (tile-major where it reads by token)
+    assert low_rank and all(low_rank)
     if one_pass:
         assert sorted(shapes) == [(E, r, 12), (E, r, 16)], shapes
         assert sorted(fused_rows) == [(E, 16, r), (E, 24, r)], fused_rows

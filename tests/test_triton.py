@@ -500,6 +500,7 @@ def test_tma_weight_gradients(case, chunk, tma, monkeypatch):
         check_against_loop(*_problem(**case))
     wgrads = [kw for name, kw in zip(launches.names, launches.kwargs) if name.startswith("wgrad")]
     assert len(wgrads) == 2 and all(kw["TMA"] == tma for kw in wgrads)
+    assert not any(kw["TILE_MAJOR"] for kw in wgrads)  # the base weight gradients stay expert-major
 
 
 @pytest.mark.parametrize("mode", ["split", "fused"])
@@ -542,9 +543,11 @@ def test_transpose_kernel(shape):
 @pytest.mark.parametrize("chunk", [0, 12])
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("ids", ["random", "skewed", "two_experts"])
-def test_wgrad_rows(by_token, chunk, tma, ids):
+@pytest.mark.parametrize("tile_major", [False, True])
+def test_wgrad_rows(by_token, chunk, tma, ids, tile_major, monkeypatch):
     # dB_e = L[rows of e]^T zw and the rows L[row] @ B_e from one pass over L: NL = 40 (three 16-wide
-    # partials, the last 8 wide), R = 5 (no tile's multiple), a long expert cut into chunks, empty experts
+    # partials, the last 8 wide), R = 5 (no tile's multiple), a long expert cut into chunks, empty experts;
+    # the programs in either order (tile-major only where L is read by token)
     T, K, E, NL, R = 20, 2, 5, 40, 5
     topk = dict(random=torch.stack([torch.randperm(E)[:K] for _ in range(T)]), skewed=_skewed_ids(T, K, E),
                 two_experts=torch.tensor([[1, 3]] * T))[ids]
@@ -552,8 +555,10 @@ def test_wgrad_rows(by_token, chunk, tma, ids):
     N = T * K
     lhs = torch.randn(T if by_token else N, NL)
     zw, factor = torch.randn(N, R), torch.randn(E, NL, R)
-    with use_options(tma_wgrad=tma, wgrad_chunk_rows=chunk):
+    launches = _Launches(monkeypatch)
+    with use_options(tma_wgrad=tma, wgrad_chunk_rows=chunk, wgrad_tile_major=tile_major):
         dw, rows = ops.wgrad_rows(lhs, zw, factor, lhs_by_token=by_token, r=r)
+    assert launches.kwargs[0]["TILE_MAJOR"] == (tile_major and by_token)
     ell = lhs.double()[r.sort_order // K] if by_token else lhs.double()
     expert = topk.reshape(-1)[r.sort_order]
     want_rows = torch.einsum("nl,nlr->nr", ell, factor.double()[expert])

@@ -200,5 +200,5 @@ def _thin_wgrad(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool
     """``s * lhs[rows of e]^T @ rhs[rows of e]`` shaped like the LoRA factor ``like`` (an operand
     ``*_by_token`` is ``[T, *]`` read at each row's token, else ``[N, *]`` in sorted rows)."""
     dw, _ = ops.wgrad(lhs, rhs, lhs_by_token=lhs_by_token, rhs_by_token=rhs_by_token, scale=None, r=r,
-                      like_w=like, like_b=None)
+                      like_w=like, like_b=None, low_rank=True)
     return dw.mul_(s)

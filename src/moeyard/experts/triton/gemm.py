@@ -129,12 +129,24 @@ def row_col_tile(NC, offsets_ptr, sort_order_ptr, E, top_k, BM: tl.constexpr, BN
 
 
 @triton.jit
-def weight_tile(NL, NR, BN: tl.constexpr, BK: tl.constexpr):
+def weight_tile(NL, NR, BN: tl.constexpr, BK: tl.constexpr, TILE_MAJOR: tl.constexpr = False):
     """This program's (work item, L tile, R tile) of a weight-gradient grid over ``[NL, NR]`` outputs:
-    ``(item, cl [BN], cr [BK], pid_r, pid_l)``, the tile's L and R columns and its R- and L-tile index."""
+    ``(item, cl [BN], cr [BK], pid_r, pid_l)``, the tile's L and R columns and its R- and L-tile index.
+    Programs run item-major (all tiles of one expert, then the next: concurrent programs share the
+    expert's rows in L2), or with ``TILE_MAJOR`` tile-major (one tile of every item, then the next
+    tile: concurrent programs read the same columns of an operand gathered by token, so a token's
+    slice read by one expert is in L2 for its others; used by the thin LoRA-factor gradients,
+    ``options().wgrad_tile_major``)."""
     pid = tl.program_id(0)
     tiles_l = tl.cdiv(NL, BN)
     tiles_r = tl.cdiv(NR, BK)
-    pid_l = (pid // tiles_r) % tiles_l
-    pid_r = pid % tiles_r
-    return pid // (tiles_l * tiles_r), pid_l * BN + tl.arange(0, BN), pid_r * BK + tl.arange(0, BK), pid_r, pid_l
+    if TILE_MAJOR:
+        items = tl.num_programs(0) // (tiles_l * tiles_r)
+        item = pid % items
+        tile = pid // items
+    else:
+        item = pid // (tiles_l * tiles_r)
+        tile = pid % (tiles_l * tiles_r)
+    pid_l = tile // tiles_r
+    pid_r = tile % tiles_r
+    return item, pid_l * BN + tl.arange(0, BN), pid_r * BK + tl.arange(0, BK), pid_r, pid_l

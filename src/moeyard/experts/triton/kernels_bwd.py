@@ -165,7 +165,7 @@ def wgrad_kernel(
     stride_fe, stride_fl, stride_fr, stride_pl,
     L_GATHER: tl.constexpr, R_GATHER: tl.constexpr, HAS_DB: tl.constexpr, DB_SCALE: tl.constexpr,
     CHUNKED: tl.constexpr, PRECISION: tl.constexpr, E_P2: tl.constexpr, TMA: tl.constexpr, ROWS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TILE_MAJOR: tl.constexpr = False,
 ):
     """``dW[e] = L[rows of e]^T @ R[rows of e]`` and ``db[e] = sum_rows s * L`` (``s`` = routing
     weight with ``DB_SCALE``, else 1). A gathered operand is indexed by token, else by sorted row.
@@ -180,8 +180,10 @@ def wgrad_kernel(
 
     ``TMA``: an operand in sorted rows (not gathered) is loaded by a Hopper TMA descriptor made for
     this program's rows, ``[end, NL]`` (or ``NR``): the box zero-fills the rows past the work item's
-    end, so no mask and no per-element address arithmetic (the gathered operand keeps its pointer loads)."""
-    item, cl, cr, pid_r, pid_l = weight_tile(NL, NR, BN, BK)
+    end, so no mask and no per-element address arithmetic (the gathered operand keeps its pointer loads).
+
+    ``TILE_MAJOR``: the programs' order (:func:`.gemm.weight_tile`)."""
+    item, cl, cr, pid_r, pid_l = weight_tile(NL, NR, BN, BK, TILE_MAJOR)
     if CHUNKED:
         e, start, end, j, n, slot0 = expert_piece(item, offsets_ptr, E, chunk_rows, E_P2, True)
         end = tl.minimum(end, start + chunk_rows)

@@ -421,7 +421,7 @@ def _(dout, w, b, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha
 def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, scale: Optional[Tensor],
            sorted_token: Tensor, expert_offsets: Tensor, chunk_rows: int,
            dw: Tensor, db: Optional[Tensor], part: Optional[Tensor], part_b: Optional[Tensor],
-           factor: Optional[Tensor] = None, rows_part: Optional[Tensor] = None) -> None:
+           factor: Optional[Tensor] = None, rows_part: Optional[Tensor] = None, tile_major: bool = False) -> None:
     """``dw[e] = lhs[rows of e]^T @ rhs[rows of e]``, ``db[e] = sum scale * lhs[rows of e]``.
     An operand ``*_by_token`` is ``[T, *]`` read at each row's token (``sorted_token [N]`` int32),
     else ``[N, *]`` by sorted row; ``scale [N]`` is in sorted-row order too.
@@ -429,15 +429,16 @@ def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, sca
     ``part [S, NL, NR]`` (``part_b [S, NL]``) and are summed per expert in a second launch.
     ``factor [E, NL, NR]`` (with ``rows_part [cdiv(NL, rows_block()), N, NR]`` float32): the same pass
     over ``lhs`` writes the partials of the row product ``lhs[row] @ factor[e]``, one per
-    ``rows_block()`` columns of ``lhs`` (summed by the caller, :func:`wgrad_rows`)."""
+    ``rows_block()`` columns of ``lhs`` (summed by the caller, :func:`wgrad_rows`).
+    ``tile_major``: the programs in tile-major order (:func:`.gemm.weight_tile`)."""
     launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows,
-                 dw, db, part, part_b, factor, rows_part)
+                 dw, db, part, part_b, factor, rows_part, tile_major)
     if chunk_rows > 0:
         launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db)
 
 
 def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows,
-                 dw, db, part, part_b, factor=None, rows_part=None) -> None:
+                 dw, db, part, part_b, factor=None, rows_part=None, tile_major=False) -> None:
     """The first stage of :func:`wgrad_` (every chunk, or every expert when ``chunk_rows == 0``)."""
     E, NL, NR = dw.shape
     N = sorted_token.shape[0]
@@ -462,7 +463,8 @@ def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expe
         lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
         dbb.stride(0), dbb.stride(1), f.stride(0), f.stride(1), f.stride(2), N * NR,
         L_GATHER=lhs_by_token, R_GATHER=rhs_by_token, HAS_DB=db is not None, DB_SCALE=scale is not None,
-        CHUNKED=chunked, PRECISION=dot_precision(lhs.dtype), E_P2=_e_p2(E), TMA=tma, ROWS=with_rows)
+        CHUNKED=chunked, PRECISION=dot_precision(lhs.dtype), E_P2=_e_p2(E), TMA=tma, ROWS=with_rows,
+        TILE_MAJOR=tile_major)
 
 
 def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db) -> None:
@@ -480,7 +482,7 @@ def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db) -> Non
 
 @wgrad_.register_fake
 def _(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows, dw, db,
-      part, part_b, factor=None, rows_part=None):
+      part, part_b, factor=None, rows_part=None, tile_major=False):
     return None
 
 
@@ -594,11 +596,13 @@ def act_grad(dout: Tensor, w: Tensor, b: Tensor | None, h: Tensor, topk_weights:
 
 
 def wgrad(lhs: Tensor, rhs: Tensor, *, lhs_by_token: bool, rhs_by_token: bool, scale: Tensor | None,
-          r: Routing, like_w: Tensor, like_b: Tensor | None) -> tuple[Tensor, Tensor | None]:
+          r: Routing, like_w: Tensor, like_b: Tensor | None, low_rank: bool = False) -> tuple[Tensor, Tensor | None]:
     """Grouped weight (and bias) gradient shaped and strided like ``like_w [E, NL, NR]`` (and ``like_b``);
     ``scale``: ``[N]`` by pair (the routing weights) or None, the bias gradient's row weights.
+    ``low_rank``: a LoRA factor's gradient (thin: with an operand read by token, its programs run
+    tile-major, ``options().wgrad_tile_major``).
     ``options()``: chunked experts (float32 partials of at most ``wgrad_partial_mib``)."""
-    dw, db, _ = _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, None)
+    dw, db, _ = _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, None, low_rank)
     return dw, db
 
 
@@ -611,7 +615,7 @@ def wgrad_rows(lhs: Tensor, rhs: Tensor, factor: Tensor, *, lhs_by_token: bool, 
     ``rows_block()`` columns of ``lhs`` in a fixed order (deterministic): at Qwen3-30B-A3B's ``d out``
     (``NL`` = 2048, R = 16) they are 8 x ``[N, R]``, an eighth of the bytes of the second pass over
     ``lhs`` they replace."""
-    dw, _, part = _wgrad(lhs, rhs, lhs_by_token, False, None, r, factor, None, factor)
+    dw, _, part = _wgrad(lhs, rhs, lhs_by_token, False, None, r, factor, None, factor, True)
     return dw, part.sum(0).to(lhs.dtype)
 
 
@@ -621,7 +625,7 @@ def wgrad_rows_fits(num_pairs: int, nl: int, rank: int) -> bool:
     return triton.cdiv(nl, rows_block()) * num_pairs * rank * 4 <= options().wgrad_partial_mib * 2 ** 20
 
 
-def _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, factor):
+def _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, factor, low_rank):
     """``(dw, db, row-product partials | None)`` (see :func:`wgrad`, :func:`wgrad_rows`)."""
     dw = empty_like(like_w)
     db = None if like_b is None else empty_like(like_b)
@@ -641,5 +645,6 @@ def _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, facto
     if factor is not None:
         rows_part = empty((triton.cdiv(NL, rows_block()), N, NR), lhs, torch.float32)
     wgrad_(lhs, rhs, lhs_by_token, rhs_by_token, scale, r.sorted_token, r.expert_offsets, chunk,
-           dw, db, part, part_b, factor, rows_part)
+           dw, db, part, part_b, factor, rows_part,
+           low_rank and opts.wgrad_tile_major and (lhs_by_token or rhs_by_token))
     return dw, db, rows_part

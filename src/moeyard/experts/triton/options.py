@@ -50,6 +50,16 @@ Each defaults to the measured default path; set an environment variable, or over
   Triton kernel's main loop is the faster); otherwise the Triton kernel runs. Measured on an H200 (rounds 15
   and 16 of ``benchmarks/NOTES.md``): down 1.79 -> 1.51 ms, dx 2.83 -> 2.78 ms at qwen3-30b-a3b, r = 16; dx
   3.69 -> 3.60 ms at olmoe-1b-7b; the LoRA step at qwen3-30b-a3b 12.77 -> 12.34-12.38 ms.
+- ``MOEYARD_TRITON_WGRAD_TILE_MAJOR=0`` (``wgrad_tile_major``, on by default): a thin weight gradient
+  (a LoRA factor's: ``r`` wide on one side) with an operand read at each pair's token (``d out``,
+  ``x``) orders its programs tile-major: one column tile of every expert, then the next
+  (:func:`.gemm.weight_tile`). The programs running at once then read the same column slice of that
+  operand (``T`` rows of one tile's width), which stays in L2, so each token's slice comes from HBM
+  about once instead of once per routed pair. 0: expert-major, as the other weight gradients.
+  Measured on an H200 (round 17 of ``benchmarks/NOTES.md``), expert-major -> tile-major: B's one pass
+  over ``d out`` 0.463 -> 0.439 ms, ``dA_up`` 0.219 -> 0.180 ms at qwen3.5-35b-a3b; the base weight
+  gradients (full fine-tuning), whose programs of one expert share both operands' rows, got slower
+  (``dW_up`` 2.31 -> 3.27 ms) and stay expert-major.
 """
 from __future__ import annotations
 
@@ -60,7 +70,8 @@ from dataclasses import dataclass
 ENV = dict(atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE", wgrad_chunk_rows="MOEYARD_TRITON_WGRAD_CHUNK",
            wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", lora_mode="MOEYARD_TRITON_LORA",
            tma="MOEYARD_TRITON_TMA", tma_wgrad="MOEYARD_TRITON_TMA_WGRAD", prefetch_h="MOEYARD_TRITON_PREFETCH",
-           tma_up="MOEYARD_TRITON_TMA_UP", gluon_lora="MOEYARD_TRITON_GLUON_LORA")
+           tma_up="MOEYARD_TRITON_TMA_UP", gluon_lora="MOEYARD_TRITON_GLUON_LORA",
+           wgrad_tile_major="MOEYARD_TRITON_WGRAD_TILE_MAJOR")
 LORA_MODES = ("split", "fused")
 
 
@@ -81,6 +92,7 @@ class Options:
     prefetch_h: bool = False
     tma_up: bool = True
     gluon_lora: bool = True
+    wgrad_tile_major: bool = True
 
     def __post_init__(self):
         if self.wgrad_chunk_rows < 0 or self.wgrad_partial_mib <= 0:
