@@ -191,8 +191,7 @@ def _one_pass(b: Tensor | None, r: Routing) -> bool:
 def _b_grad_and_rows(d_y: Tensor, zw: Tensor, b: Tensor, s: float, r: Routing, by_token: bool):
     """``(dB = s d_y^T zw per expert (shaped like b), rows d_y B_e [N, R])`` from one pass over ``d_y``
     (:func:`.ops.wgrad_rows`): the split mode's two uses of ``B`` in backward."""
-    dbl, rows = ops.wgrad_rows(d_y, zw, b, lhs_by_token=by_token, r=r)
-    return dbl.mul_(s), rows
+    return ops.wgrad_rows(d_y, zw, b, lhs_by_token=by_token, r=r, alpha=s)
 
 
 def _thin_wgrad(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, r: Routing, like: Tensor,
@@ -200,5 +199,5 @@ def _thin_wgrad(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool
     """``s * lhs[rows of e]^T @ rhs[rows of e]`` shaped like the LoRA factor ``like`` (an operand
     ``*_by_token`` is ``[T, *]`` read at each row's token, else ``[N, *]`` in sorted rows)."""
     dw, _ = ops.wgrad(lhs, rhs, lhs_by_token=lhs_by_token, rhs_by_token=rhs_by_token, scale=None, r=r,
-                      like_w=like, like_b=None, low_rank=True)
-    return dw.mul_(s)
+                      like_w=like, like_b=None, low_rank=True, alpha=s)
+    return dw

@@ -160,15 +160,15 @@ def wgrad_kernel(
     part_b_ptr,       # [S, NL] float32, contiguous: partial db likewise (out, if CHUNKED and HAS_DB)
     f_ptr,            # [E, NL, NR] factor F, strides (stride_fe, stride_fl, stride_fr); read if ROWS
     rows_ptr,         # [cdiv(NL, BN), N, NR] float32, contiguous: row-product partials by L tile (out, if ROWS)
-    NL, NR, E, chunk_rows,
+    NL, NR, E, chunk_rows, alpha,
     stride_lm, stride_ln, stride_rm, stride_rn, stride_de, stride_dl, stride_dr, stride_be, stride_bl,
     stride_fe, stride_fl, stride_fr, stride_pl,
     L_GATHER: tl.constexpr, R_GATHER: tl.constexpr, HAS_DB: tl.constexpr, DB_SCALE: tl.constexpr,
     CHUNKED: tl.constexpr, PRECISION: tl.constexpr, E_P2: tl.constexpr, TMA: tl.constexpr, ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TILE_MAJOR: tl.constexpr = False,
 ):
-    """``dW[e] = L[rows of e]^T @ R[rows of e]`` and ``db[e] = sum_rows s * L`` (``s`` = routing
-    weight with ``DB_SCALE``, else 1). A gathered operand is indexed by token, else by sorted row.
+    """``dW[e] = alpha * L[rows of e]^T @ R[rows of e]`` and ``db[e] = alpha * sum_rows s * L`` (``s`` =
+    routing weight with ``DB_SCALE``, else 1). A gathered operand is indexed by token, else by sorted row.
 
     ``ROWS``: the same pass over ``L`` also yields the row product ``L[row] @ F_e`` (``[N, NR]``, e.g.
     the LoRA rows ``d_y B_e`` next to ``dB_e``), as float32 partials over this program's ``BN`` columns
@@ -222,9 +222,9 @@ def wgrad_kernel(
         r_rows = token if R_GATHER else rows
         if TMA and not L_GATHER:
             lt = tl.trans(l_desc.load([r0, pid_l * BN]))  # [BN, BM]
-        else:
-            lt = tl.load(l_ptr + l_rows[None, :] * stride_lm + cl[:, None] * stride_ln,
-                         mask=l_mask[:, None] & m_mask[None, :], other=0.0)  # [BN, BM]
+        else:  # loaded row-major, [BM, BN] (each row's columns contiguous: coalesced), then transposed
+            lt = tl.trans(tl.load(l_ptr + l_rows[:, None] * stride_lm + cl[None, :] * stride_ln,
+                                  mask=m_mask[:, None] & l_mask[None, :], other=0.0))  # [BN, BM]
         if TMA and not R_GATHER:
             r = r_desc.load([r0, pid_r * BK])  # [BM, BK]
         else:
@@ -248,7 +248,7 @@ def wgrad_kernel(
             if pid_r == 0:
                 tl.store(part_b_ptr + slot * NL + cl, acc_b, mask=l_mask)
     else:
-        _store_expert_grads(dw_ptr, db_ptr, e, acc, acc_b, cl, cr, mask, l_mask, pid_r,
+        _store_expert_grads(dw_ptr, db_ptr, e, acc * alpha, acc_b * alpha, cl, cr, mask, l_mask, pid_r,
                             stride_de, stride_dl, stride_dr, stride_be, stride_bl, HAS_DB)
 
 
@@ -259,11 +259,11 @@ def wgrad_reduce_kernel(
     offsets_ptr,      # [E + 1] int32: expert_offsets
     dw_ptr,           # [E, NL, NR] weight gradient, strides (stride_de, stride_dl, stride_dr) (out)
     db_ptr,           # [E, NL] bias gradient, strides (stride_be, stride_bl); written if HAS_DB (out)
-    NL, NR, E, chunk_rows,
+    NL, NR, E, chunk_rows, alpha,
     stride_de, stride_dl, stride_dr, stride_be, stride_bl,
     HAS_DB: tl.constexpr, E_P2: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """``dW[e] = sum_j part[slot0 + j]`` in chunk order (deterministic) for every expert cut into
+    """``dW[e] = alpha * sum_j part[slot0 + j]`` in chunk order (deterministic) for every expert cut into
     more than one chunk; programs of the other experts exit at once."""
     e, cl, cr, pid_r, _ = weight_tile(NL, NR, BN, BK)
     n, slot0 = expert_slots(e, offsets_ptr, E, chunk_rows, E_P2)
@@ -279,7 +279,7 @@ def wgrad_reduce_kernel(
         if HAS_DB:
             if pid_r == 0:  # the bias row is summed by the first column tile
                 acc_b += tl.load(part_b_ptr + slot * NL + cl, mask=l_mask, other=0.0)
-    _store_expert_grads(dw_ptr, db_ptr, e, acc, acc_b, cl, cr, mask, l_mask, pid_r,
+    _store_expert_grads(dw_ptr, db_ptr, e, acc * alpha, acc_b * alpha, cl, cr, mask, l_mask, pid_r,
                         stride_de, stride_dl, stride_dr, stride_be, stride_bl, HAS_DB)
 
 

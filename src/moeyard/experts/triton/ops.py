@@ -421,8 +421,9 @@ def _(dout, w, b, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha
 def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, scale: Optional[Tensor],
            sorted_token: Tensor, expert_offsets: Tensor, chunk_rows: int,
            dw: Tensor, db: Optional[Tensor], part: Optional[Tensor], part_b: Optional[Tensor],
-           factor: Optional[Tensor] = None, rows_part: Optional[Tensor] = None, tile_major: bool = False) -> None:
-    """``dw[e] = lhs[rows of e]^T @ rhs[rows of e]``, ``db[e] = sum scale * lhs[rows of e]``.
+           factor: Optional[Tensor] = None, rows_part: Optional[Tensor] = None, tile_major: bool = False,
+           alpha: float = 1.0) -> None:
+    """``dw[e] = alpha * lhs[rows of e]^T @ rhs[rows of e]``, ``db[e] = alpha * sum scale * lhs[rows of e]``.
     An operand ``*_by_token`` is ``[T, *]`` read at each row's token (``sorted_token [N]`` int32),
     else ``[N, *]`` by sorted row; ``scale [N]`` is in sorted-row order too.
     ``chunk_rows > 0``: experts longer than that are split into chunks whose float32 partials go to
@@ -432,13 +433,13 @@ def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, sca
     ``rows_block()`` columns of ``lhs`` (summed by the caller, :func:`wgrad_rows`).
     ``tile_major``: the programs in tile-major order (:func:`.gemm.weight_tile`)."""
     launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows,
-                 dw, db, part, part_b, factor, rows_part, tile_major)
+                 dw, db, part, part_b, factor, rows_part, tile_major, alpha)
     if chunk_rows > 0:
-        launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db)
+        launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db, alpha)
 
 
 def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows,
-                 dw, db, part, part_b, factor=None, rows_part=None, tile_major=False) -> None:
+                 dw, db, part, part_b, factor=None, rows_part=None, tile_major=False, alpha=1.0) -> None:
     """The first stage of :func:`wgrad_` (every chunk, or every expert when ``chunk_rows == 0``)."""
     E, NL, NR = dw.shape
     N = sorted_token.shape[0]
@@ -459,7 +460,7 @@ def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expe
     _kernels()[launcher][grid](
         lhs, rhs, lhs if scale is None else scale, sorted_token, expert_offsets, dw, dbb, part, part_b,
         f, part if rows_part is None else rows_part,
-        NL, NR, E, max(chunk_rows, 1),
+        NL, NR, E, max(chunk_rows, 1), alpha,
         lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
         dbb.stride(0), dbb.stride(1), f.stride(0), f.stride(1), f.stride(2), N * NR,
         L_GATHER=lhs_by_token, R_GATHER=rhs_by_token, HAS_DB=db is not None, DB_SCALE=scale is not None,
@@ -467,14 +468,14 @@ def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expe
         TILE_MAJOR=tile_major)
 
 
-def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db) -> None:
+def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db, alpha=1.0) -> None:
     """The second stage of a chunked :func:`wgrad_`: each split expert's partials summed in order."""
     E, NL, NR = dw.shape
     dbb = dw[:, :, 0] if db is None else db
     blk = SMALL if interpreting() else REDUCE_BLOCK
     grid = (E * triton.cdiv(NL, blk["BN"]) * triton.cdiv(NR, blk["BK"]),)
     kernels_bwd.wgrad_reduce_kernel[grid](
-        part, part if part_b is None else part_b, expert_offsets, dw, dbb, NL, NR, E, chunk_rows,
+        part, part if part_b is None else part_b, expert_offsets, dw, dbb, NL, NR, E, chunk_rows, alpha,
         dw.stride(0), dw.stride(1), dw.stride(2), dbb.stride(0), dbb.stride(1),
         HAS_DB=db is not None, E_P2=_e_p2(E), BN=blk["BN"], BK=blk["BK"],
         **({} if interpreting() else dict(num_warps=blk["num_warps"])))
@@ -482,7 +483,7 @@ def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db) -> Non
 
 @wgrad_.register_fake
 def _(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows, dw, db,
-      part, part_b, factor=None, rows_part=None, tile_major=False):
+      part, part_b, factor=None, rows_part=None, tile_major=False, alpha=1.0):
     return None
 
 
@@ -596,27 +597,30 @@ def act_grad(dout: Tensor, w: Tensor, b: Tensor | None, h: Tensor, topk_weights:
 
 
 def wgrad(lhs: Tensor, rhs: Tensor, *, lhs_by_token: bool, rhs_by_token: bool, scale: Tensor | None,
-          r: Routing, like_w: Tensor, like_b: Tensor | None, low_rank: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Grouped weight (and bias) gradient shaped and strided like ``like_w [E, NL, NR]`` (and ``like_b``);
-    ``scale``: ``[N]`` by pair (the routing weights) or None, the bias gradient's row weights.
+          r: Routing, like_w: Tensor, like_b: Tensor | None, low_rank: bool = False,
+          alpha: float = 1.0) -> tuple[Tensor, Tensor | None]:
+    """Grouped weight (and bias) gradient shaped and strided like ``like_w [E, NL, NR]`` (and ``like_b``),
+    times ``alpha`` (e.g. a LoRA scaling); ``scale``: ``[N]`` by pair (the routing weights) or None, the
+    bias gradient's row weights.
     ``low_rank``: a LoRA factor's gradient (thin: with an operand read by token, its programs run
     tile-major, ``options().wgrad_tile_major``).
     ``options()``: chunked experts (float32 partials of at most ``wgrad_partial_mib``)."""
-    dw, db, _ = _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, None, low_rank)
+    dw, db, _ = _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, None, low_rank, alpha)
     return dw, db
 
 
-def wgrad_rows(lhs: Tensor, rhs: Tensor, factor: Tensor, *, lhs_by_token: bool, r: Routing) -> tuple[Tensor, Tensor]:
+def wgrad_rows(lhs: Tensor, rhs: Tensor, factor: Tensor, *, lhs_by_token: bool, r: Routing,
+               alpha: float = 1.0) -> tuple[Tensor, Tensor]:
     """One pass over ``lhs`` for both of a LoRA factor ``B``'s uses in backward: ``(dw, rows)`` with
-    ``dw[e] = lhs[rows of e]^T @ rhs[rows of e]`` shaped and strided like ``factor [E, NL, R]`` (``dB``
-    unscaled, from ``rhs [N, R]`` in sorted rows) and ``rows [N, R] = lhs[row] @ factor[e]`` in
+    ``dw[e] = alpha * lhs[rows of e]^T @ rhs[rows of e]`` shaped and strided like ``factor [E, NL, R]``
+    (``dB``, from ``rhs [N, R]`` in sorted rows) and ``rows [N, R] = lhs[row] @ factor[e]`` in
     ``lhs``'s dtype and sorted rows (``d_y B_e``); ``lhs`` is ``[T, NL]`` read by token with
     ``lhs_by_token``, else ``[N, NL]``. The row product is summed from float32 partials over
     ``rows_block()`` columns of ``lhs`` in a fixed order (deterministic): at Qwen3-30B-A3B's ``d out``
     (``NL`` = 2048, R = 16) they are 8 x ``[N, R]``, an eighth of the bytes of the second pass over
-    ``lhs`` they replace."""
-    dw, _, part = _wgrad(lhs, rhs, lhs_by_token, False, None, r, factor, None, factor, True)
-    return dw, part.sum(0).to(lhs.dtype)
+    ``lhs`` they replace; the sum is cast as it is written."""
+    dw, _, part = _wgrad(lhs, rhs, lhs_by_token, False, None, r, factor, None, factor, True, alpha)
+    return dw, torch.sum(part, 0, out=empty((r.num_pairs, factor.shape[2]), lhs))
 
 
 def wgrad_rows_fits(num_pairs: int, nl: int, rank: int) -> bool:
@@ -625,7 +629,7 @@ def wgrad_rows_fits(num_pairs: int, nl: int, rank: int) -> bool:
     return triton.cdiv(nl, rows_block()) * num_pairs * rank * 4 <= options().wgrad_partial_mib * 2 ** 20
 
 
-def _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, factor, low_rank):
+def _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, factor, low_rank, alpha):
     """``(dw, db, row-product partials | None)`` (see :func:`wgrad`, :func:`wgrad_rows`)."""
     dw = empty_like(like_w)
     db = None if like_b is None else empty_like(like_b)
@@ -646,5 +650,5 @@ def _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, facto
         rows_part = empty((triton.cdiv(NL, rows_block()), N, NR), lhs, torch.float32)
     wgrad_(lhs, rhs, lhs_by_token, rhs_by_token, scale, r.sorted_token, r.expert_offsets, chunk,
            dw, db, part, part_b, factor, rows_part,
-           low_rank and opts.wgrad_tile_major and (lhs_by_token or rhs_by_token))
+           low_rank and opts.wgrad_tile_major and (lhs_by_token or rhs_by_token), alpha)
     return dw, db, rows_part
