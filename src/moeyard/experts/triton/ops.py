@@ -618,9 +618,10 @@ def wgrad_rows(lhs: Tensor, rhs: Tensor, factor: Tensor, *, lhs_by_token: bool, 
     ``lhs_by_token``, else ``[N, NL]``. The row product is summed from float32 partials over
     ``rows_block()`` columns of ``lhs`` in a fixed order (deterministic): at Qwen3-30B-A3B's ``d out``
     (``NL`` = 2048, R = 16) they are 8 x ``[N, R]``, an eighth of the bytes of the second pass over
-    ``lhs`` they replace; the sum is cast as it is written."""
+    ``lhs`` they replace. (Summing straight into the output dtype, ``torch.sum(out=)``, measured slower
+    than the sum and a cast on an H200: 0.46 against 0.44 ms at qwen3.5-35b-a3b's ``d out``.)"""
     dw, _, part = _wgrad(lhs, rhs, lhs_by_token, False, None, r, factor, None, factor, True, alpha)
-    return dw, torch.sum(part, 0, out=empty((r.num_pairs, factor.shape[2]), lhs))
+    return dw, part.sum(0).to(lhs.dtype)
 
 
 def wgrad_rows_fits(num_pairs: int, nl: int, rank: int) -> bool:
