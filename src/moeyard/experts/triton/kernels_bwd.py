@@ -222,9 +222,9 @@ def wgrad_kernel(
         r_rows = token if R_GATHER else rows
         if TMA and not L_GATHER:
             lt = tl.trans(l_desc.load([r0, pid_l * BN]))  # [BN, BM]
-        else:  # loaded row-major, [BM, BN] (each row's columns contiguous: coalesced), then transposed
-            lt = tl.trans(tl.load(l_ptr + l_rows[:, None] * stride_lm + cl[None, :] * stride_ln,
-                                  mask=m_mask[:, None] & l_mask[None, :], other=0.0))  # [BN, BM]
+        else:
+            lt = tl.load(l_ptr + l_rows[None, :] * stride_lm + cl[:, None] * stride_ln,
+                         mask=l_mask[:, None] & m_mask[None, :], other=0.0)  # [BN, BM]
         if TMA and not R_GATHER:
             r = r_desc.load([r0, pid_r * BK])  # [BM, BK]
         else:
