@@ -625,7 +625,10 @@ def check_fsdp2(rank: int, W: int, dispatcher: str = "all_to_all", overlap_chunk
     """dp x ep = W / dp with :func:`moeyard.parallel.fsdp_expert_parallel`: two SGD steps. Each
     rank's loss, every parameter's gradient (gathered to full tensors) and the parameters after each
     step against one process running the unsharded model on every rank's batch on the CPU (mean of
-    the ranks' losses, as FSDP reduces). Float64 ``loop`` experts: only the summation order differs."""
+    the ranks' losses, as FSDP reduces). Float64 ``loop`` experts: only the summation order differs.
+    On CUDA the tolerance is float32's: the router computes its logits and weights in float32 by
+    design, and CUDA's float32 GEMM sums in another order than the CPU's (measured on two H200s:
+    loss 2.5e-10, gradients 2.5e-8 relative)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -646,6 +649,7 @@ def check_fsdp2(rank: int, W: int, dispatcher: str = "all_to_all", overlap_chunk
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     mine = slice(rank * B, (rank + 1) * B)
     what = f"fsdp2/dp{dp}/{dispatcher}/overlap{overlap_chunks}"
+    tol = 1e-12 if torch.device(device).type == "cpu" else 1e-6
     ref_params = dict(ref.named_parameters())
     for step in range(2):
         ref_opt.zero_grad()
@@ -654,14 +658,14 @@ def check_fsdp2(rank: int, W: int, dispatcher: str = "all_to_all", overlap_chunk
         opt.zero_grad()
         loss = lm_loss(model, ids[step, mine].to(device), targets[step, mine].to(device))
         loss.backward()
-        check_err(f"{what}/step{step}/rank{rank}: loss", loss.detach(), ref_losses[rank].detach(), 1e-12)
+        check_err(f"{what}/step{step}/rank{rank}: loss", loss.detach(), ref_losses[rank].detach(), tol)
         for name, p in model.named_parameters():
-            check_err(f"{what}/step{step}/rank{rank}: grad {name}", p.grad.full_tensor(), ref_params[name].grad, 1e-12)
+            check_err(f"{what}/step{step}/rank{rank}: grad {name}", p.grad.full_tensor(), ref_params[name].grad, tol)
         ref_opt.step()
         opt.step()
         for name, p in model.named_parameters():
             check_err(f"{what}/step{step}/rank{rank}: {name} after the step", p.detach().full_tensor(),
-                      ref_params[name].detach(), 1e-12)
+                      ref_params[name].detach(), tol)
 
 
 def worker_fsdp(rank: int, W: int) -> None:
