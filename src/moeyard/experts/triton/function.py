@@ -146,7 +146,7 @@ def _down_backward(dout, h, tw, w_down, b_down, lora, r, spec, need_w, need_b, n
     if need_bl:  # dB_e = s (w * dout)^T (a A_e^T), from zw = w * (a A_e^T)
         zw = z_dn * tw.index_select(0, r.sort_order).to(z_dn.dtype).unsqueeze(1)
     if need_bl and _one_pass(bl_dn, r):  # dB_e and the rows dout B_e: one pass over dout
-        dbl, g_dn = _b_grad_and_rows(dout, zw, bl_dn, s, r, True)
+        dbl, g_dn = ops.wgrad_rows(dout, zw, bl_dn, lhs_by_token=True, r=r, alpha=s)
     dh, aw, d_tw, g_dn = ops.act_grad(dout, w_down, b_down, h, tw, r, spec, _input_grad_term(a_dn, bl_dn, s), g_dn)
     dw = db = da = None
     if need_w or need_b:
@@ -165,7 +165,7 @@ def _up_backward(dh, x, w_up, b_up, lora, r, need_x, need_w, need_b, need_a, nee
     a_up, bl_up, s, z_up = lora
     dx = dw = db = da = dbl = g_up = None
     if need_bl and (need_x or need_a) and _one_pass(bl_up, r):  # dB_e = s d_h^T (x A_e^T) and the rows d_h B_e
-        dbl, g_up = _b_grad_and_rows(dh, z_up, bl_up, s, r, False)
+        dbl, g_up = ops.wgrad_rows(dh, z_up, bl_up, lhs_by_token=False, r=r, alpha=s)
     if need_x:
         dx, g_up = ops.down_combine(dh, w_up.mT, None, None, r, None, _input_grad_term(a_up, bl_up, s), g_up)
     elif need_a and g_up is None:
@@ -188,16 +188,9 @@ def _one_pass(b: Tensor | None, r: Routing) -> bool:
             and ops.wgrad_rows_fits(r.num_pairs, b.shape[1], b.shape[2]))
 
 
-def _b_grad_and_rows(d_y: Tensor, zw: Tensor, b: Tensor, s: float, r: Routing, by_token: bool):
-    """``(dB = s d_y^T zw per expert (shaped like b), rows d_y B_e [N, R])`` from one pass over ``d_y``
-    (:func:`.ops.wgrad_rows`): the split mode's two uses of ``B`` in backward."""
-    return ops.wgrad_rows(d_y, zw, b, lhs_by_token=by_token, r=r, alpha=s)
-
-
 def _thin_wgrad(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, r: Routing, like: Tensor,
                 s: float) -> Tensor:
     """``s * lhs[rows of e]^T @ rhs[rows of e]`` shaped like the LoRA factor ``like`` (an operand
     ``*_by_token`` is ``[T, *]`` read at each row's token, else ``[N, *]`` in sorted rows)."""
-    dw, _ = ops.wgrad(lhs, rhs, lhs_by_token=lhs_by_token, rhs_by_token=rhs_by_token, scale=None, r=r,
-                      like_w=like, like_b=None, low_rank=True, alpha=s)
-    return dw
+    return ops.wgrad(lhs, rhs, lhs_by_token=lhs_by_token, rhs_by_token=rhs_by_token, scale=None, r=r,
+                     like_w=like, like_b=None, low_rank=True, alpha=s)[0]
