@@ -152,13 +152,14 @@ class sync_debug:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def cuda_graph(backend: str, dtype=BF16):
-    """Capture forward + backward of the ``sync_free`` layer once; replay on two fresh inputs and
-    compare output, input gradient and every local gradient with an eager twin on the same inputs."""
+def cuda_graph(backend: str, dtype=BF16, exchange: str = "auto"):
+    """Capture forward + backward of the ``sync_free`` layer (rows moved by ``exchange``) once; replay
+    on two fresh inputs and compare output, input gradient and every local gradient with an eager
+    twin on the same inputs."""
     def run(rank, W, device):
         T, kw, size = 64, w.LAYER_CONFIGS["qwen3"], dict(hidden=H, intermediate=I)
-        graphed = _ep_layer(kw, size, backend, dtype, device, max_tokens=T)
-        eager = _ep_layer(kw, size, backend, dtype, device, max_tokens=T)
+        graphed = _ep_layer(kw, size, backend, dtype, device, max_tokens=T, exchange=exchange)
+        eager = _ep_layer(kw, size, backend, dtype, device, max_tokens=T, exchange=exchange)
         static_x = torch.randn(T, H, device=device, dtype=dtype, requires_grad=True)
         static_dy = torch.randn(T, H, device=device, dtype=dtype)
 
@@ -197,10 +198,10 @@ def cuda_graph(backend: str, dtype=BF16):
     return run
 
 
-def _ep_layer(kw, size, backend, dtype, device, *, max_tokens):
+def _ep_layer(kw, size, backend, dtype, device, *, max_tokens, exchange: str = "auto"):
     m = w.make_layer(kw, **size).to(device, dtype)
     m.backend = backend
-    return expert_parallel(m, dispatcher="sync_free", max_tokens=max_tokens)
+    return expert_parallel(m, dispatcher="sync_free", max_tokens=max_tokens, exchange=exchange)
 
 
 def _layer_inputs(n: int, seed: int):

@@ -1,6 +1,13 @@
-"""The NVSHMEM exchange of the ``sync_free`` dispatcher on CUDA: raw ops, the layer, timings.
+"""The symmetric-memory exchanges of the ``sync_free`` dispatcher on CUDA: raw ops, the layer, timings.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/ep_symm_check.py [--json PATH] [--only TEXT] [--no-timing]
+    torchrun --standalone --nproc-per-node 2 benchmarks/ep_symm_check.py [--exchange symm_mem|p2p]
+        [--json PATH] [--only TEXT] [--no-timing]
+
+``--exchange symm_mem`` (default; NVSHMEM) runs (a) to (c) below. ``--exchange p2p`` (torch's CUDA
+symmetric-memory backend; one backend per process, so a separate run) runs ``copy_rows/*`` (the
+row-copy kernel on CUDA, local and peer memory, against its torch reference), (b) with
+``exchange="p2p"`` plus CUDA-graph capture and replay of the layer, and (c)'s timing table with
+``sync_free`` + ``p2p`` in place of the NVSHMEM rows (no raw ops, no NVSHMEM profile).
 
 Each rank uses ``cuda:LOCAL_RANK``; NVLink multicast stays off (the caller's NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 are kept); ``NVSHMEM_SYMMETRIC_SIZE``
@@ -149,27 +156,78 @@ def ops_1d(hidden: int, dtype, high: int):
 
 # ---------------------------------------------------------------- (b) the layer
 
-def functional(num_local: int, force_1d: bool = False):
+def functional(num_local: int, force_1d: bool = False, exchange: str = "symm_mem"):
     def run(rank, W, device):
         with mock.patch.object(symm_mem, "MAX_2D_EXPERTS", 0 if force_1d else symm_mem.MAX_2D_EXPERTS):
             w.check_functional(rank, W, E=num_local * W, K=K, dispatchers=["sync_free"], backends=ep_check.BACKENDS,
                                H=ep_check.H, I=ep_check.I, device=device, tol=ep_check.TOL, extras=False,
-                               exchange="symm_mem")
+                               exchange=exchange)
     return run
 
 
-def layer(rank, W, device):
-    w.check_layer(rank, W, dispatchers=["sync_free"], device=device, backends=ep_check.BACKENDS, hidden=ep_check.H,
-                  intermediate=ep_check.I, tol=ep_check.TOL, T_counts=ep_check._layer_counts(W), separated=True,
-                  exchange="symm_mem")
+def layer(exchange: str):
+    def run(rank, W, device):
+        w.check_layer(rank, W, dispatchers=["sync_free"], device=device, backends=ep_check.BACKENDS, hidden=ep_check.H,
+                      intermediate=ep_check.I, tol=ep_check.TOL, T_counts=ep_check._layer_counts(W), separated=True,
+                      exchange=exchange)
+    return run
 
 
-def checks() -> list[tuple[str, object]]:
+def copy_rows_check(indexed: str, peer: bool):
+    """The row-copy kernel on CUDA (bf16, H = 2048 and 40) against its torch reference, between this
+    rank's memory and, with ``peer``, the other rank's (a symmetric tensor's peer view)."""
+    def run(rank, W, device):
+        from moeyard.parallel import p2p
+        from moeyard.parallel.row_copy import copy_rows_reference
+        from moeyard.parallel.row_copy_triton import copy_rows_triton
+
+        g = torch.Generator().manual_seed(40 + rank)
+        for H in (2048, 40):
+            views, handle = p2p.OPS.symmetric((300, H), BF16, device, dist.group.WORLD)
+            other = views[(rank + 1) % W] if peer else views[rank]
+            views[rank].copy_(torch.randn(300, H, generator=g).to(BF16))
+            p2p.OPS.barrier(handle)
+            src_plain = torch.randn(300, H, generator=g).to(device, BF16)
+            rows = torch.randperm(280, generator=g)[:257].to(device)
+            for count, base in ((0, 0), (1, 5), (200, 40), (257, 42)):
+                b, n = torch.tensor(base, device=device), torch.tensor(count, device=device)
+                src = other if indexed == "dst" else src_plain
+                ref = torch.full((301, H), float("nan"), device=device, dtype=BF16)
+                got = ref.clone()
+                copy_rows_reference(ref, src, rows, b, n, indexed=indexed)
+                copy_rows_triton(got, src, rows, b, n, indexed=indexed)
+                w.check(torch.equal(got[:-1].nan_to_num(7.0), ref[:-1].nan_to_num(7.0)),
+                        f"copy_rows/{indexed}/peer{peer}/H{H}/count{count}/rank{rank}: differs from the reference")
+                if indexed == "src":  # into the peer's memory, then read back here
+                    before = other.clone()
+                    copy_rows_triton(other, src_plain, rows, b, n, indexed="src")
+                    torch.cuda.synchronize(device)
+                    w.check(torch.equal(other[base:base + count], src_plain[rows[:count]])
+                            and torch.equal(other[base + count:], before[base + count:])
+                            and torch.equal(other[:base], before[:base]),
+                            f"copy_rows/src into peer/H{H}/count{count}/rank{rank}: wrong rows")
+                    p2p.OPS.barrier(handle)
+            p2p.OPS.barrier(handle)
+            torch.cuda.synchronize(device)
+            dist.barrier()
+    return run
+
+
+def checks(exchange: str = "symm_mem") -> list[tuple[str, object]]:
+    if exchange == "p2p":
+        out = [(f"copy_rows/{i}/{'peer' if peer else 'local'}", copy_rows_check(i, peer))
+               for i in ("dst", "src") for peer in (False, True)]
+        out += [("functional/El4", functional(4, exchange="p2p")), ("functional/El64", functional(64, exchange="p2p")),
+                ("layer", layer("p2p"))]
+        out += [(f"sync_debug/El{n}/{b}", ep_check.sync_debug_experts("sync_free", b, num_experts=n * 2, exchange="p2p"))
+                for n in (4, 64) for b in ("triton", "grouped_mm")]
+        out += [(f"cuda_graph/{b}", ep_check.cuda_graph(b, exchange="p2p")) for b in ("triton", "grouped_mm")]
+        return out
     out = [(f"ops/vdev_2d/ne{ne}/align{a}", ops_2d(ne, a)) for ne in (4, 16) for a in (1, 8)]
     out.append(("ops/vdev_2d/bf16_h2048", ops_2d(8, 16, hidden=2048, dtype=BF16, high=64)))
     out += [("ops/vdev/h16", ops_1d(16, FP32, 6)), ("ops/vdev/bf16_h2048", ops_1d(2048, BF16, 512))]
     out += [("functional/2d/El4", functional(4)), ("functional/1d/El4", functional(4, force_1d=True)),
-            ("functional/1d/El64", functional(64)), ("layer", layer)]
+            ("functional/1d/El64", functional(64)), ("layer", layer("symm_mem"))]
     out += [(f"sync_debug/El{n}/{b}", ep_check.sync_debug_experts("sync_free", b, num_experts=n * 2, exchange="symm_mem"))
             for n in (4, 64) for b in ("triton", "grouped_mm")]
     return out
@@ -177,7 +235,8 @@ def checks() -> list[tuple[str, object]]:
 
 # ---------------------------------------------------------------- (c) timing
 
-VARIANTS = (("all_to_all", "auto"), ("sync_free", "all_to_all"), ("sync_free", "symm_mem"))
+VARIANTS = {"symm_mem": (("all_to_all", "auto"), ("sync_free", "all_to_all"), ("sync_free", "symm_mem")),
+            "p2p": (("all_to_all", "auto"), ("sync_free", "all_to_all"), ("sync_free", "p2p"))}
 
 
 def _qwen3(device):
@@ -189,14 +248,14 @@ def _qwen3(device):
     return opts, layer_bench.cases(opts)[0]
 
 
-def timing(ep, device) -> list[dict]:
+def timing(ep, device, variants) -> list[dict]:
     """Every rank's ``moeyard.parallel.bench.measure`` rows at qwen3-30b-a3b, per routing and variant."""
     from moeyard.parallel import bench as ep_bench
 
     opts, shape = _qwen3(device)
     rows = []
     for routing in ("balanced", "zipf"):
-        for dispatcher, exchange in VARIANTS:
+        for dispatcher, exchange in variants:
             rows.append(ep_bench.measure(shape, shape.moe_config(), routing, dispatcher, "auto", ep, opts, device,
                                          exchange=exchange))
             torch.cuda.empty_cache()
@@ -283,6 +342,7 @@ def main() -> int:
     p.add_argument("--json", metavar="PATH", help="write every rank's results here")
     p.add_argument("--only", metavar="TEXT", help="run the checks whose name contains TEXT")
     p.add_argument("--no-timing", action="store_true", help="skip (c)")
+    p.add_argument("--exchange", choices=("symm_mem", "p2p"), default="symm_mem", help="which exchange to check")
     args = p.parse_args()
     device = ep_check.start_nccl("ep_symm_check", 180)
     if device is None:
@@ -291,16 +351,26 @@ def main() -> int:
         from moeyard.parallel.comm import resolve_group
 
         ep = resolve_group(None)
-        reason = symm_mem.OPS.unavailable(ep)
+        from moeyard.parallel import p2p
+
+        p2p_run = args.exchange == "p2p"
+        reason = (p2p if p2p_run else symm_mem).OPS.unavailable(ep)
         if reason:
-            print(f"ep_symm_check: the symmetric-memory ops cannot run here: {reason}", flush=True)
+            print(f"ep_symm_check: the {args.exchange} exchange cannot run here: {reason}", flush=True)
             return 1
-        results = ep_check.run_all(ep.rank, ep.world_size, device, args.only, checks())
+        results = ep_check.run_all(ep.rank, ep.world_size, device, args.only, checks(args.exchange))
         everyone = [None] * ep.world_size
         dist.all_gather_object(everyone, results)
-        ok = ep.rank != 0 or ep_check.report(everyone, "ep_symm_check: the NVSHMEM exchange of sync_free")
+        ok = ep.rank != 0 or ep_check.report(everyone, f"ep_symm_check: the {args.exchange} exchange of sync_free")
         timings = raws = None
-        if not args.no_timing and not args.only:
+        if p2p_run and not args.no_timing and not args.only:
+            rows = timing(ep, device, VARIANTS["p2p"])
+            timings = [None] * ep.world_size
+            dist.all_gather_object(timings, rows)
+            if ep.rank == 0:
+                print("\n==== timing: qwen3-30b-a3b per rank, bf16, slowest rank's ms ====")
+                print(timing_table(timings), flush=True)
+        elif not args.no_timing and not args.only:
             raw = raw_timing(ep, device)
             torch.cuda.empty_cache()
             raws = [None] * ep.world_size
@@ -318,7 +388,7 @@ def main() -> int:
                 if ep.rank == 0:
                     print(f"\n==== profile: 3 x (dispatch + combine), {dispatcher} ({exchange}), qwen3-30b-a3b, "
                           f"balanced, rank 0 ====\n{table}\n==== end profile ====", flush=True)
-            rows = timing(ep, device)
+            rows = timing(ep, device, VARIANTS["symm_mem"])
             timings = [None] * ep.world_size
             dist.all_gather_object(timings, rows)
             if ep.rank == 0:

@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_ep.sh                 # logs and JSON under $OUT (default ./gpu_ep_out)
 #   EP_SHAPES=qwen3-30b-a3b bash benchmarks/gpu_ep.sh   # one shape only
 #   EP_SYMM_ONLY=1 bash benchmarks/gpu_ep.sh            # step 3 only
-#   EP_STEPS="symm check" bash benchmarks/gpu_ep.sh     # any of: check bench symm (default: all three)
+#   EP_STEPS="symm check" bash benchmarks/gpu_ep.sh     # any of: check bench symm p2p (default: all four)
 #
 # 1. benchmarks/ep_check.py under torchrun: every dispatcher x {triton, grouped_mm} x {bf16, fp32}
 #    against the single-process oracle, sync debug mode, CUDA-graph replay, overlap_chunks 2 and 3,
@@ -17,8 +17,12 @@
 #    their reference, the layer against the oracle at E_l = 4 and 64, sync debug mode), the bare
 #    exchanges' GB/s, a kernel profile of dispatch + combine, then dispatch / combine ms at
 #    qwen3-30b-a3b for all_to_all, sync_free + equal splits, sync_free + symm_mem.
+# 4. benchmarks/ep_symm_check.py --exchange p2p: the peer-to-peer exchange of sync_free (the row-copy
+#    kernel on local and peer memory, the layer against the oracle at E_l = 4 and 64, sync debug mode,
+#    CUDA-graph replay), then dispatch / combine ms at qwen3-30b-a3b next to all_to_all.
 # Every step is time-boxed (steps 1-2 under 9 minutes, step 3 under 5). Files in $OUT: ep_check.log,
-# ep_check.json, bench_<shape>.log, bench_<shape>.json, ep_symm_check.log, ep_symm_check.json, env.txt.
+# ep_check.json, bench_<shape>.log, bench_<shape>.json, ep_symm_check.log, ep_symm_check.json,
+# ep_p2p_check.log, ep_p2p_check.json, env.txt.
 set -u
 OUT=${OUT:-./gpu_ep_out}
 mkdir -p "$OUT"
@@ -47,11 +51,12 @@ torch.cuda.nccl.version(), 'triton', triton.__version__)"; } > "$OUT/env.txt" 2>
 TR="torchrun --standalone --nproc-per-node 2"
 SHAPES=${EP_SHAPES:-qwen3-30b-a3b sonic-7b}
 OVERLAP=${EP_OVERLAP:-1,2,4}
-STEPS=${EP_STEPS:-check bench symm}
+STEPS=${EP_STEPS:-check bench symm p2p}
 [ "${EP_SYMM_ONLY:-0}" = 1 ] && STEPS=symm
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # the NVSHMEM step first when asked for: it is the least tried
 has symm && MOEYARD_TRITON_AUTOTUNE=0 step ep_symm_check 300 $TR benchmarks/ep_symm_check.py --json "$OUT/ep_symm_check.json"
+has p2p && MOEYARD_TRITON_AUTOTUNE=0 step ep_p2p_check 300 $TR benchmarks/ep_symm_check.py --exchange p2p --json "$OUT/ep_p2p_check.json"
 has check && MOEYARD_TRITON_AUTOTUNE=0 step ep_check 200 $TR benchmarks/ep_check.py --json "$OUT/ep_check.json"
 if has bench; then
     for shape in $SHAPES; do
@@ -63,7 +68,7 @@ fi
 echo
 echo "################ summary ################"
 cat "$OUT/env.txt" | head -4
-for name in ep_check $(printf 'bench_%s ' $SHAPES) ep_symm_check; do echo "$name: ${STATUS[$name]:-not run}"; done
+for name in ep_check $(printf 'bench_%s ' $SHAPES) ep_symm_check ep_p2p_check; do echo "$name: ${STATUS[$name]:-not run}"; done
 if has check; then
     echo "---- ep_check (tail) ----"
     grep -E '^(PASS|FAIL|====)' "$OUT/ep_check.log" || tail -30 "$OUT/ep_check.log"
@@ -79,5 +84,10 @@ if has symm; then
     grep -E "^(PASS|FAIL|====)|^routing|^(balanced|zipf) |^raw " "$OUT/ep_symm_check.log" || tail -30 "$OUT/ep_symm_check.log"
     sed -n '/^==== profile/,/^==== end profile/p' "$OUT/ep_symm_check.log" | grep -vE '^-+|^$|end profile'
 fi
+if has p2p; then
+    echo "---- ep_p2p_check (tail) ----"
+    grep -E "^(PASS|FAIL|====)|^routing|^(balanced|zipf) " "$OUT/ep_p2p_check.log" || tail -30 "$OUT/ep_p2p_check.log"
+fi
 ! has check || [ "${STATUS[ep_check]%% *}" = "rc=0" ] || exit 1
+! has p2p || [ "${STATUS[ep_p2p_check]%% *}" = "rc=0" ] || exit 1
 ! has symm || [ "${STATUS[ep_symm_check]%% *}" = "rc=0" ]

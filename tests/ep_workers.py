@@ -261,7 +261,7 @@ def check_capacity(rank, W, ep, *, E, K, H, I, g, exchange: str = "auto") -> Non
     assert call.dropped.dtype == torch.int64 and call.dropped.item() == dropped[rank]
 
 
-def check_no_host_reads(rank: int, W: int, overlap_chunks: int = 1) -> None:
+def check_no_host_reads(rank: int, W: int, overlap_chunks: int = 1, exchange: str = "auto") -> None:
     """``sync_free`` and ``all_gather`` with ``max_tokens``, forward and backward with the
     ``grouped_mm`` backend, read nothing back: every host-read method of Tensor raises meanwhile
     (the CPU-only token-count check of ``sync_free`` is stubbed out: on an accelerator it is skipped)."""
@@ -281,8 +281,9 @@ def check_no_host_reads(rank: int, W: int, overlap_chunks: int = 1) -> None:
 
     reads = {name: read for name in ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__")}
     for name in ("sync_free",) if overlap_chunks > 1 else ("sync_free", "all_gather"):
+        more = {"exchange": exchange} if name == "sync_free" else {}
         call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, max_tokens=T + 2,
-                                            overlap_chunks=overlap_chunks))
+                                            overlap_chunks=overlap_chunks, **more))
         with mock.patch.object(sync_free, "token_counts", lambda T, ep, device: [T]), \
                 mock.patch.multiple(torch.Tensor, **reads):
             got = run_functional(call, [T] * W, ids_all, inputs, rank, torch.float32, "grouped_mm", drop_invalid=True)
@@ -568,6 +569,77 @@ def check_symm_errors(rank: int, W: int) -> None:
         ExpertParallel(resolve_group(None), EPOptions(num_experts=8, dispatcher="sync_free", exchange="symm_mem"))
 
 
+# ---------------------------------------------------------------- the peer-to-peer exchange, emulated
+
+def check_p2p(rank: int, W: int) -> None:
+    """``sync_free`` with ``exchange="p2p"``, its symmetric memory emulated by shared files
+    (tests/peer_emulation.py) and its fresh rows NaN-filled (so a backend reading a row the exchange
+    did not write fails): every routing case, align 4, sentinels, capacity drops, E_l = 18, two
+    barriers per op and buffers allocated once, no host reads, the MoE layer;
+    then the clear errors of the real ops on gloo."""
+    from unittest import mock
+
+    from peer_emulation import EmulatedPeerOps
+
+    from moeyard.parallel import p2p
+
+    tag = [f"{os.getpid()}"]
+    dist.broadcast_object_list(tag, src=0)
+    ops = EmulatedPeerOps(tag[0])
+
+    def nan_rows(rows, like):
+        return torch.full((rows + 1, like.shape[1]), float("nan"), dtype=like.dtype, device=like.device)
+
+    f64 = (("loop", torch.float64),)
+    try:
+        with mock.patch.object(p2p, "OPS", ops), mock.patch.object(p2p, "new_rows", nan_rows):
+            check_functional(rank, W, E=4 * W, K=3, dispatchers=["sync_free"],
+                             backends=f64 + (("bmm_padded", torch.float64), ("grouped_mm", torch.float32)),
+                             exchange="p2p")
+            check_functional(rank, W, E=18 * W, K=4, dispatchers=["sync_free"], backends=f64, exchange="p2p",
+                             extras=False)
+            check_p2p_ops(rank, W, ops)
+            check_no_host_reads(rank, W, exchange="p2p")
+            check_layer(rank, W, dispatchers=["sync_free"], exchange="p2p")
+        p2p.release_buffers()
+    finally:
+        ops.close()
+    m = make_layer(LAYER_CONFIGS["qwen3"])
+    import pytest
+    with pytest.raises(ValueError, match="exchange: 'p2p' needs an NCCL group, got backend 'gloo'"):
+        expert_parallel(m, dispatcher="sync_free", exchange="p2p")
+    assert m.expert_parallel is None and m.gate_up_proj.shape[0] == 8
+
+
+def check_p2p_ops(rank: int, W: int, ops) -> None:
+    """Forward + backward is four ops, two barriers each, on buffers allocated once; steps without
+    the input's gradient (three ops) between full ones are still exact."""
+    from moeyard.parallel import p2p
+
+    E, K, T = 4 * W, 2, 5
+    g = torch.Generator().manual_seed(78)
+    inputs = make_functional_inputs(T * W, K, E, 8, 4, g)
+    ids_all = torch.rand(T * W, E, generator=g).argsort(1)[:, :K]
+    ref = oracle_functional([T] * W, ids_all, inputs, rank)
+    call = ExpertParallel(resolve_group(None), EPOptions(num_experts=E, dispatcher="sync_free", exchange="p2p"))
+    sl, El = slices([T] * W, rank), E // W
+    up = inputs["gate_up_proj"][rank * El:(rank + 1) * El].clone().requires_grad_()
+    down = inputs["down_proj"][rank * El:(rank + 1) * El].clone().requires_grad_()
+    for step, x_grad in enumerate((True, False, False, True)):
+        before, allocated = ops.barriers, ops.allocations
+        up.grad = down.grad = None
+        x = inputs["x"][sl].clone().requires_grad_(x_grad)
+        out = call(x, ids_all[sl], inputs["w"][sl], up, down, backend="loop")
+        out.backward(inputs["dy"][sl])
+        assert ops.barriers == before + 2 * (4 if x_grad else 3), (step, ops.barriers, before)
+        assert step == 0 or ops.allocations == allocated
+        got = {"out": out.detach(), "up": up.grad, "down": down.grad}
+        want = {k: ref[k] for k in ("out", "up", "down")}
+        if x_grad:
+            got["x"], want["x"] = x.grad, ref["x"]
+        close(f"p2p ops/step{step}/rank{rank}", got, want, TOL[torch.float64])
+
+
 # ---------------------------------------------------------------- per world size
 
 def worker_2(rank: int, W: int, ckpt_dir: str) -> None:
@@ -588,6 +660,10 @@ def worker_4(rank: int, W: int, ckpt_dir: str) -> None:
 
 def worker_symm(rank: int, W: int) -> None:
     check_symm_mem(rank, W)
+
+
+def worker_p2p(rank: int, W: int) -> None:
+    check_p2p(rank, W)
 
 
 def worker_8(rank: int, W: int) -> None:

@@ -16,7 +16,9 @@ E / N random experts. For each dispatcher it times, forward only (CUDA events on
 - the whole :class:`ExpertParallel` call (dispatch, experts, combine), forward and forward +
   backward (gradients of the tokens, routing weights and local expert weights), for each
   ``overlap_chunks`` of ``--overlap`` (e.g. ``1,2,4``; ``all_gather`` and ``sync_free`` with the
-  ``symm_mem`` exchange: 1 only): what overlapping the exchanges with the experts saves.
+  ``symm_mem`` or ``p2p`` exchange: 1 only): what overlapping the exchanges with the experts saves.
+
+On CUDA/NCCL ``sync_free`` is timed twice: with its default exchange and with ``exchange="p2p"``.
 
 Rank 0 prints one row per (routing, dispatcher) with the slowest rank's times (what a step waits
 for) and writes every rank's numbers with ``--json``. Processes use NCCL on CUDA (device
@@ -40,7 +42,7 @@ from ..routing import route
 from .comm import resolve_group
 from .common import EPOptions
 from .experts import DISPATCHERS, ExpertParallel
-from .sync_free import resolve_exchange
+from .sync_free import DEVICE_EXCHANGES, resolve_exchange
 
 Tensor = torch.Tensor
 
@@ -79,13 +81,25 @@ def _run(args, command: str, device: torch.device) -> int:
         if config.num_experts % ep.world_size:
             raise SystemExit(f"--ep: {ep.world_size} does not divide num_experts={config.num_experts} of {shape.name}")
         for routing in routings:
-            for name in DISPATCHERS:
-                rows.append(measure(shape, config, routing, name, backend, ep, opts, device, overlaps))
+            for name, exchange in _variants(ep):
+                rows.append(measure(shape, config, routing, name, backend, ep, opts, device, overlaps,
+                                    exchange=exchange))
     everyone = [None] * ep.world_size
     dist.all_gather_object(everyone, rows)
     if ep.rank == 0:
         _report(everyone, opts, args, device)
     return 0
+
+
+def _variants(ep) -> list[tuple[str, str]]:
+    """``(dispatcher, exchange)`` to time: every dispatcher, and ``sync_free`` once more with the
+    ``p2p`` exchange where it can run (CUDA, NCCL)."""
+    from . import p2p
+
+    out = [(name, "auto") for name in DISPATCHERS]
+    if p2p.OPS.unavailable(ep) is None:
+        out.insert(out.index(("sync_free", "auto")) + 1, ("sync_free", "p2p"))
+    return out
 
 
 def parse_overlap(text: str) -> list[int]:
@@ -170,8 +184,9 @@ def measure_layer(call, x, ids, w, w_up, w_down, kw: dict, time_ms) -> dict:
 
 
 def _overlaps(options: EPOptions) -> bool:
-    """Whether ``options`` take ``overlap_chunks > 1``: not ``all_gather``, not the ``symm_mem`` exchange."""
-    return options.dispatcher != "all_gather" and resolve_exchange(options.exchange) != "symm_mem"
+    """Whether ``options`` take ``overlap_chunks > 1``: not ``all_gather``, not the ``symm_mem`` or ``p2p``
+    exchange."""
+    return options.dispatcher != "all_gather" and resolve_exchange(options.exchange) not in DEVICE_EXCHANGES
 
 
 def _time_ms(fn, ep, opts, device) -> float:
@@ -223,7 +238,8 @@ def _report(everyone: list[list[dict]], opts, args, device) -> None:
     for i, r0 in enumerate(everyone[0]):
         per = [rank_rows[i] for rank_rows in everyone]
         slow = {k: max(p[k] for p in per) for k in ("dispatch_ms", "experts_ms", "combine_ms", "rows_received")}
-        table.add_row(r0["case"], r0["routing"], r0["dispatcher"], str(r0["T"]), str(slow["rows_received"]),
+        label = r0["dispatcher"] + (f" ({r0['exchange']})" if r0["exchange"] not in ("auto", None) else "")
+        table.add_row(r0["case"], r0["routing"], label, str(r0["T"]), str(slow["rows_received"]),
                       f"{slow['dispatch_ms']:.3f}", f"{slow['experts_ms']:.3f}", f"{slow['combine_ms']:.3f}",
                       f"{r0['dispatch_GBps']:.2f}", f"{r0['plain_all_to_all_GBps']:.2f}",
                       f"{r0['experts_tflops']:.3g}", f"{r0['one_device_tflops']:.3g}",

@@ -56,12 +56,13 @@ from typing import Callable
 import torch
 
 from ..dispatch import DispatchPlan, make_plan, permute, unpermute
-from . import comm, symm_mem
+from . import comm, p2p, symm_mem
 from .comm import EPGroup
 from .common import Dispatched, EPOptions, Outgoing, chunk_bounds, local_experts, token_counts, weighted_sum
 
 Tensor = torch.Tensor
-EXCHANGES = ("auto", "all_to_all", "symm_mem")
+EXCHANGES = ("auto", "all_to_all", "symm_mem", "p2p")
+DEVICE_EXCHANGES = ("symm_mem", "p2p")  # kernels on the current stream over one set of buffers
 
 
 def block_rows(max_tokens: int, top_k: int, num_local_experts: int, world_size: int,
@@ -186,21 +187,25 @@ def check_exchange(ep: EPGroup, options: EPOptions) -> None:
             :func:`moeyard.parallel.symm_mem.check_available`).
     """
     check_overlap(options.exchange, options.overlap_chunks)
-    if resolve_exchange(options.exchange) == "symm_mem":
+    name = resolve_exchange(options.exchange)
+    if name == "symm_mem":
         symm_mem.check_available(ep)
+    elif name == "p2p":
+        p2p.check_available(ep)
 
 
 def check_overlap(exchange: str, overlap_chunks: int) -> None:
-    """Raise ValueError for ``overlap_chunks > 1`` with the ``symm_mem`` exchange (options only).
+    """Raise ValueError for ``overlap_chunks > 1`` with the ``symm_mem`` or ``p2p`` exchange (options only).
 
     :mod:`.overlap` keeps each chunk's exchange in flight as an ``async_op=True`` collective and
-    waits for it later; the NVSHMEM ops are kernels on the current stream, with a barrier inside,
+    waits for it later; those two exchanges are kernels on the current stream, with a device barrier,
     that reuse one set of symmetric buffers per shape, so chunks could neither be in flight together
     nor keep their rows apart."""
-    if overlap_chunks > 1 and resolve_exchange(exchange) == "symm_mem":
-        raise ValueError("overlap_chunks: not with exchange='symm_mem' (its NVSHMEM all-to-alls are kernels on "
-                         "the current stream sharing one set of symmetric buffers, not async collectives to keep "
-                         "in flight per chunk); use overlap_chunks=1 or exchange='all_to_all'")
+    name = resolve_exchange(exchange)
+    if overlap_chunks > 1 and name in DEVICE_EXCHANGES:
+        raise ValueError(f"overlap_chunks: not with exchange={name!r} (its exchanges are kernels on the current "
+                         "stream sharing one set of symmetric buffers, not async collectives to keep in flight "
+                         "per chunk); use overlap_chunks=1 or exchange='all_to_all'")
 
 
 # ---------------------------------------------------------------- stages (overlap_chunks; all_to_all exchange)
@@ -311,6 +316,7 @@ EXCHANGE_IMPLS = {
     "all_to_all": Exchange(exchange_equal_splits, combine_equal_splits,
                            lambda handle: handle.route.world_size * handle.route.block_rows),  # empty slots too
     "symm_mem": Exchange(symm_mem.dispatch, symm_mem.combine, symm_mem.rows_sent),
+    "p2p": Exchange(p2p.dispatch, p2p.combine, p2p.rows_sent),
 }
 
 

@@ -1,0 +1,310 @@
+"""The peer-to-peer exchange of the ``sync_free`` dispatcher: only the routed rows travel, read and
+written straight in the peers' memory, counts and offsets never leave the device.
+
+Selected with ``expert_parallel(model, dispatcher="sync_free", exchange="p2p")``. Every rank holds
+one symmetric buffer ``X`` (``[S + 2, H]``, ``S = T_max * K``: this rank's pairs, then a zero row
+and a scratch row) and a count vector (``[W * E_l]`` int64), allocated with
+``torch.distributed._symmetric_memory`` (CUDA; every peer's buffer is mapped into this process, so
+a kernel reads and writes it over NVLink). Each exchange op is: device barrier (every peer has
+finished reading ``X`` in the previous op), writes, device barrier (every write has landed),
+reads; no host wait, and nothing depends on which op came before, so it holds for any order of
+ops, ops skipped (an input without gradient) and CUDA-graph replays between eager calls:
+
+- **dispatch** (pull): the rank writes its pairs' rows into its own ``X`` sorted by (destination
+  rank, local expert, token) and its counts; barrier; it reads every peer's counts (``[W, W, E_l]``:
+  rows from s to rank d's expert e), lays out its expert-major rows (each expert's rows from rank
+  0, 1, ... back to back, padded to a multiple of ``align``) and copies each peer's window of rows
+  for it out of the peer's ``X`` into a fresh ``[R, H]`` tensor
+  (:func:`moeyard.parallel.row_copy.copy_rows`, ``indexed="dst"``);
+- **combine** (push): the rank copies the experts' output rows into the ``X`` of the rank each row
+  came from, at the row's position in that rank's sorted order (``indexed="src"``); barrier; each
+  rank reads its pairs' rows out of its own ``X`` (the zero row for pairs not sent).
+
+The backward of dispatch is a combine (the rows' gradients pushed home, each token's pairs
+summed), the backward of combine a dispatch (pair gradients packed, pulled expert-major) that
+reuses the forward's layout.
+
+Against the ``all_to_all`` exchange (equal splits) this moves ``N_recv * H`` elements each way
+instead of ``W * C * H`` (half at W = 2, K = 8, E_l >= 8); against the NVSHMEM ``symm_mem``
+exchange it needs no ``torch.ops.symm_mem`` all-to-all and lays the rows out as it copies them.
+
+Memory per rank (symmetric heap): ``(S + 2) * H * itemsize`` for the buffer, e.g. 1.07 GB at
+qwen3-30b-a3b on 2 ranks (T_max = 32768, K = 8, H = 2048, bf16), plus the fresh ``[R, H]`` rows
+(``R = W * C + E_l * (align - 1)``, rounded up to ``align``: the static worst case of
+:func:`moeyard.parallel.sync_free.block_rows`). Rows past the received ones (and their pad) are
+not written: they belong to no expert (local id ``E_l``), which every backend skips, so no pass
+writes bytes that carry nothing. Pad rows inside an expert's block are zeroed.
+
+Buffers are allocated on first use per (group, device, dtype, H, S, E_l) (a host-side collective,
+once) and kept for the process (:func:`release_buffers`). Tested with torch's default (CUDA)
+symmetric-memory backend; ``benchmarks/ep_symm_check.py`` checks it on two GPUs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..dispatch import make_plan
+from .comm import EPGroup
+from .row_copy import copy_rows
+
+Tensor = torch.Tensor
+
+
+class TorchPeerOps:
+    """Symmetric tensors of ``torch.distributed._symmetric_memory`` and their device barrier (the one
+    place that touches them; tests substitute an emulation with the same contract for :data:`OPS`)."""
+
+    def unavailable(self, ep: EPGroup) -> str | None:
+        """Why the exchange cannot run on ``ep`` (a phrase), or None. Host metadata only."""
+        if "nccl" not in ep.backend:
+            return f"needs an NCCL group, got backend {ep.backend or 'unknown'!r}"
+        if not torch.cuda.is_available():
+            return "needs CUDA"
+        try:
+            import torch.distributed._symmetric_memory  # noqa: F401
+        except ImportError:
+            return f"needs torch.distributed._symmetric_memory (torch >= 2.5), torch {torch.__version__} has none"
+        return None
+
+    def symmetric(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, group) -> tuple[list[Tensor], object]:
+        """``(views, handle)``: a symmetric tensor of ``shape`` on every rank (collective), ``views[s]``
+        rank s's copy as mapped into this process (``views[rank]`` the local one)."""
+        import warnings
+
+        import torch.distributed._symmetric_memory as symm
+
+        name = group.group_name
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # no longer needed in newer torch
+            if not symm.is_symm_mem_enabled_for_group(name):
+                symm.enable_symm_mem_for_group(name)
+        local = symm.empty(shape, dtype=dtype, device=device)
+        handle = symm.rendezvous(local, name)
+        views = [local if s == handle.rank else handle.get_buffer(s, list(shape), dtype) for s in range(handle.world_size)]
+        return views, handle
+
+    def barrier(self, handle) -> None:
+        """Every rank of the group reaches this point of its stream (a device barrier, no host wait)."""
+        handle.barrier(channel=0)
+
+
+OPS = TorchPeerOps()
+
+
+def check_available(ep: EPGroup) -> None:
+    """Raise ValueError when the exchange cannot run on ``ep`` (host metadata only).
+
+    Raises:
+        ValueError: not an NCCL group, no CUDA, no ``torch.distributed._symmetric_memory``.
+    """
+    reason = OPS.unavailable(ep)
+    if reason:
+        raise ValueError(f"exchange: 'p2p' {reason}; use exchange='all_to_all'")
+
+
+# ---------------------------------------------------------------- buffers
+
+@dataclass(eq=False)
+class Buffers:
+    """One key's symmetric tensors (module docstring).
+
+    Attributes:
+        rows: ``[S + 2, H]`` views by rank: row S zero, row S + 1 scratch.
+        counts: ``[W * E_l]`` int64 views by rank: rows to rank d's expert e at ``d * E_l + e``.
+        handle: what :meth:`TorchPeerOps.barrier` takes.
+    """
+
+    rows: list[Tensor]
+    counts: list[Tensor]
+    handle: object
+
+
+_BUFFERS: dict[tuple, Buffers] = {}
+
+
+def buffers(ep: EPGroup, device: torch.device, dtype: torch.dtype, hidden: int, pairs: int,
+            num_local_experts: int) -> Buffers:
+    """The cached :class:`Buffers` of this key, allocated on first use (collective: every rank in
+    the same order)."""
+    key = (ep.group.group_name, device, dtype, hidden, pairs, num_local_experts)
+    if key not in _BUFFERS:
+        rows, handle = OPS.symmetric((pairs + 2, hidden), dtype, device, ep.group)
+        counts, _ = OPS.symmetric((ep.world_size * num_local_experts,), torch.int64, device, ep.group)
+        rows[ep.rank][pairs].zero_()
+        _BUFFERS[key] = Buffers(rows=rows, counts=counts, handle=handle)
+    return _BUFFERS[key]
+
+
+def release_buffers() -> None:
+    """Drop every cached symmetric buffer (call on every rank, between steps, when no exchange is
+    in flight)."""
+    _BUFFERS.clear()
+
+
+# ---------------------------------------------------------------- the layout
+
+@dataclass(eq=False, kw_only=True)
+class Handle:
+    """What one dispatch leaves for its combine and both backwards (device tensors; ``N = T * K``).
+
+    Attributes:
+        route: the ``sync_free.Route``. bufs: the :class:`Buffers`. rank, align: as given.
+        send_counts: ``[W * E_l]`` int64, rows this rank sends rank d's expert e at ``d * E_l + e``.
+        sort_order: ``[N]`` int64, sorted position -> its pair (sent pairs first).
+        pair_row: ``[N]`` int64, pair -> its sorted position (S, the zero row, where not sent).
+        num_rows: R, the static expert-major rows.
+        dst_rows: ``[W, C]`` int64, row j of the window peer s sends here -> its expert-major row.
+        window: ``[W]`` int64, where that window starts in peer s's sorted order.
+        received: ``[W]`` int64, rows peer s sends here.
+        pad_rows: ``[E_l * (align - 1)]`` int64, the pad rows inside the experts' blocks (R: none).
+        row_experts: ``[R]`` int64, local expert of each row (``E_l``: none).
+    """
+
+    route: object
+    bufs: Buffers
+    rank: int
+    align: int
+    send_counts: Tensor
+    sort_order: Tensor
+    pair_row: Tensor
+    num_rows: int = 0
+    dst_rows: Tensor | None = None
+    window: Tensor | None = None
+    received: Tensor | None = None
+    pad_rows: Tensor | None = None
+    row_experts: Tensor | None = None
+
+
+def num_rows(world_size: int, block: int, num_local_experts: int, align: int) -> int:
+    """R: ``W * C`` received rows at most, plus ``align - 1`` pad rows per expert, rounded up to ``align``."""
+    return -(-(world_size * block + num_local_experts * (align - 1)) // align) * align
+
+
+def layout(h: Handle, all_counts: Tensor) -> None:
+    """Fill ``h``'s layout from ``all_counts [W, W, E_l]`` (rows from s to rank d's expert e)."""
+    route, align, me = h.route, h.align, h.rank
+    W, El, C = route.world_size, route.num_local_experts, route.block_rows
+    dev = all_counts.device
+    cin = all_counts[:, me, :]                                   # [W, E_l] rows from s to my expert e
+    per_expert = cin.sum(0)
+    padded = (per_expert + align - 1) // align * align
+    ends = padded.cumsum(0)
+    starts = ends - padded                                       # [E_l] block starts
+    inside = cin.cumsum(1)                                       # [W, E_l] ends of e in s's window
+    j = torch.arange(C, device=dev).expand(W, C).contiguous()
+    e = torch.searchsorted(inside, j, right=True).clamp(max=El - 1)  # [W, C] expert of window row j
+    before = cin.cumsum(0) - cin                                 # [W, E_l] rows from ranks < s
+    h.dst_rows = starts.index_select(0, e.view(-1)).view(W, C) + before.gather(1, e) + j - (inside - cin).gather(1, e)
+    h.window = all_counts[:, :me, :].sum((1, 2))
+    h.received = cin.sum(1)
+    h.num_rows = R = num_rows(W, C, El, align)
+    rows = torch.arange(R, device=dev)
+    h.row_experts = torch.searchsorted(ends, rows, right=True)
+    if align > 1:
+        q = torch.arange(align - 1, device=dev)
+        pad = (starts + per_expert).unsqueeze(1) + q                 # [E_l, align - 1]
+        h.pad_rows = torch.where(pad < ends.unsqueeze(1), pad, R).view(-1)
+
+
+# ---------------------------------------------------------------- the exchange
+
+def dispatch(x: Tensor, route, ep: EPGroup, align: int) -> tuple[Tensor, Tensor, Handle]:
+    """``x [T, H]`` and a ``sync_free.Route`` -> ``(rows [R, H], row experts [R] int64, handle)``:
+    the rows this rank's experts compute, expert-major, each expert's rows padded to a multiple of
+    ``align`` (pad rows zero; rows past the last block unwritten, local id ``E_l``). Differentiable
+    w.r.t. ``x``.
+
+    Raises:
+        ValueError: as :func:`check_available`. Raised before any collective.
+    """
+    check_available(ep)
+    T, K, E, El = route.num_tokens, route.top_k, route.num_experts, route.num_local_experts
+    bufs = buffers(ep, x.device, x.dtype, x.shape[1], route.max_tokens * K, El)
+    plan = make_plan(route.ids.view(T, K), E)  # sorted by global expert: by rank, then local expert
+    S = route.max_tokens * K
+    h = Handle(route=route, bufs=bufs, rank=ep.rank, align=align,
+               send_counts=plan.tokens_per_expert.to(torch.int64), sort_order=plan.sort_order,
+               pair_row=torch.where(route.ids < E, plan.pair_rows, S))
+    rows = _Dispatch.apply(x, h)
+    return rows, h.row_experts, h
+
+
+def combine(y: Tensor, h: Handle) -> Tensor:
+    """``y [R, H]`` (the experts' rows, as :func:`dispatch` gave them) -> ``[T, K, H]``: each pair's
+    row back on its own rank (zeros where not sent). Differentiable w.r.t. ``y``."""
+    return _Combine.apply(y, h)
+
+
+def rows_sent(h: Handle) -> int:
+    """Rows this rank sent in the dispatch (reads the device: benchmarks only)."""
+    return int(h.send_counts.sum())
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, h):
+        ctx.h = h
+        K = h.route.top_k
+        return _pull(h, lambda send: torch.index_select(x, 0, h.sort_order // K, out=send[:h.sort_order.numel()]))
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        h = ctx.h
+        pairs = _push(h, grad_rows)
+        return pairs.view(h.route.num_tokens, h.route.top_k, pairs.shape[1]).sum(1), None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, h):
+        ctx.h = h
+        pairs = _push(h, y)
+        return pairs.view(h.route.num_tokens, h.route.top_k, pairs.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_pairs):
+        h = ctx.h
+        flat = grad_pairs.reshape(-1, grad_pairs.shape[-1])
+        return _pull(h, lambda send: torch.index_select(flat, 0, h.sort_order, out=send[:flat.shape[0]])), None
+
+
+def new_rows(rows: int, like: Tensor) -> Tensor:
+    """The fresh expert-major rows (plus a scratch row), left unwritten but for what the copies and
+    the pad fill write (tests substitute a NaN-filled tensor to check no backend reads the rest)."""
+    return like.new_empty(rows + 1, like.shape[1])
+
+
+def _pull(h: Handle, fill) -> Tensor:
+    """Barrier, write this rank's rows into its buffer (``fill(send)``), barrier, copy each peer's
+    window for this rank into fresh expert-major rows ``[R, H]``. The first pull of a handle
+    (dispatch's forward) also sends the counts and lays out the rows."""
+    b = h.bufs
+    me, W = h.rank, h.route.world_size
+    OPS.barrier(b.handle)
+    fill(b.rows[me])
+    first = h.dst_rows is None
+    if first:
+        b.counts[me].copy_(h.send_counts)
+    OPS.barrier(b.handle)
+    if first:
+        layout(h, torch.stack(b.counts).view(W, W, h.route.num_local_experts))
+    out = new_rows(h.num_rows, b.rows[me])
+    for s in range(W):
+        copy_rows(out, b.rows[s], h.dst_rows[s], h.window[s], h.received[s], indexed="dst")
+    if h.pad_rows is not None:
+        out.index_fill_(0, h.pad_rows, 0)
+    return out[:h.num_rows]
+
+
+def _push(h: Handle, rows: Tensor) -> Tensor:
+    """Barrier, copy ``rows [R, H]`` (expert-major, as dispatched) into the buffers of the ranks they
+    came from, barrier; returns ``[N, H]``, each of this rank's pairs' rows (zeros where not sent)."""
+    b = h.bufs
+    rows = rows.contiguous()
+    OPS.barrier(b.handle)
+    for s in range(h.route.world_size):
+        copy_rows(b.rows[s], rows, h.dst_rows[s], h.window[s], h.received[s], indexed="src")
+    OPS.barrier(b.handle)
+    return b.rows[h.rank].index_select(0, h.pair_row)
