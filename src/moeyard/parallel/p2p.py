@@ -63,7 +63,7 @@ class TorchPeerOps:
         if not torch.cuda.is_available():
             return "needs CUDA"
         try:
-            import torch.distributed._symmetric_memory  # noqa: F401
+            from torch.distributed import _symmetric_memory  # noqa: F401
         except ImportError:
             return f"needs torch.distributed._symmetric_memory (torch >= 2.5), torch {torch.__version__} has none"
         return None
