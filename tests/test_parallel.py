@@ -120,6 +120,8 @@ def test_errors_before_any_collective():
         expert_parallel(layer, dispatcher="sync_free", capacity_factor=2.0, overlap_chunks=2)
     with pytest.raises(ValueError, match="overlap_chunks: not with exchange='symm_mem'"):
         expert_parallel(layer, dispatcher="sync_free", exchange="symm_mem", overlap_chunks=2)
+    with pytest.raises(ValueError, match="overlap_chunks: not with exchange='p2p'"):
+        expert_parallel(layer, dispatcher="sync_free", exchange="p2p", overlap_chunks=2)
     with pytest.raises(TypeError, match="mesh: expected a 2-D DeviceMesh"):
         fsdp_expert_parallel(layer, None)
     with pytest.raises(TypeError, match="module"):
@@ -185,6 +187,23 @@ def test_nccl_device_check():
         check_device(torch.device("cpu"), "nccl")
     check_device(torch.device("cpu"), "gloo")
     check_device(torch.device("cpu"), "cpu:gloo,cuda:nccl")
+
+
+def test_p2p_limits():
+    """The peer-to-peer exchange's checks that need no process group: NCCL, CUDA, no overlap_chunks > 1."""
+    from moeyard.parallel import EPOptions, ExpertParallel
+    from moeyard.parallel.comm import EPGroup
+    from moeyard.parallel.p2p import check_available, num_rows
+
+    with pytest.raises(ValueError, match="exchange: 'p2p' needs an NCCL group, got backend 'gloo'"):
+        check_available(EPGroup(group=None, world_size=2, rank=0, backend="gloo"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="exchange: 'p2p' needs CUDA"):
+            check_available(EPGroup(group=None, world_size=2, rank=0, backend="nccl"))
+    with pytest.raises(ValueError, match="overlap_chunks: not with exchange='p2p'"):
+        ExpertParallel(EPGroup(group=None, world_size=2, rank=0, backend="nccl"),
+                       EPOptions(num_experts=4, dispatcher="sync_free", exchange="p2p", overlap_chunks=2))
+    assert num_rows(2, 10, 4, 1) == 20 and num_rows(2, 10, 4, 4) == 32 and num_rows(2, 9, 3, 8) == 40
 
 
 def test_symm_mem_limits():

@@ -47,24 +47,26 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         align: ``sync_free`` only: pad each local expert's received rows to a multiple of this.
         exchange: ``sync_free`` only: ``all_to_all`` (worst-case blocks in equal splits; portable),
             ``symm_mem`` (only the routed rows, through NVSHMEM symmetric memory: CUDA, NCCL, at
-            most 32 ranks; see :mod:`moeyard.parallel.symm_mem`) or ``auto`` (``all_to_all``: the
-            symmetric path passed on 2 H200s but its forward was no faster; ``benchmarks/NOTES.md`` round 14).
+            most 32 ranks; see :mod:`moeyard.parallel.symm_mem`), ``p2p`` (only the routed rows,
+            copied by kernels straight from and into the peers' symmetric buffers and laid out
+            expert-major on the way: CUDA, NCCL; see :mod:`moeyard.parallel.p2p`) or ``auto``
+            (``all_to_all``; ``benchmarks/NOTES.md`` rounds 14 and 18).
         overlap_chunks: ``all_to_all`` / ``sync_free``: split each call's tokens into this many chunks
             and keep one chunk's exchanges in flight (``async_op=True``) while another chunk's experts
             run, forward and backward (:mod:`moeyard.parallel.overlap`); 1 (default): one blocking
             exchange each way. Same results up to float rounding; ``sync_free`` sizes each chunk's
             blocks at ``ceil(T_max / overlap_chunks)`` tokens (no host sync added). Not with
             ``capacity_factor`` (capacity would then apply per chunk), nor with ``exchange="symm_mem"``
-            (its NVSHMEM all-to-alls are kernels on the current stream, not async collectives).
+            or ``"p2p"`` (their exchanges are kernels on the current stream, not async collectives).
 
     On NCCL call ``torch.cuda.set_device(local_rank)`` first (the shape check's ``all_gather_object``
     and every exchange use the current device) and keep the layers' tensors on that device.
 
     Raises:
         ValueError: unknown ``dispatcher``; bad ``capacity_factor``, ``max_tokens``, ``align`` or
-            ``exchange`` (``symm_mem`` where it cannot run: not CUDA, not NCCL, no NVSHMEM, W > 32);
-            ``overlap_chunks`` (not a positive int, or > 1 with ``all_gather``, ``capacity_factor`` or
-            ``exchange="symm_mem"``);
+            ``exchange`` (``symm_mem`` where it cannot run: not CUDA, not NCCL, no NVSHMEM, W > 32;
+            ``p2p``: not CUDA, not NCCL); ``overlap_chunks`` (not a positive int, or > 1 with
+            ``all_gather``, ``capacity_factor`` or ``exchange`` ``symm_mem`` / ``p2p``);
             ``group`` not initialised, a mesh not 1-D, or a world size not dividing E; ``module`` with
             no experts, already expert parallel, a transformers experts module not running
             ``"moeyard"``, or expert shapes that differ across ranks (checked with one all-gather);

@@ -29,8 +29,9 @@ class EPOptions:
         align: ``sync_free`` only: received rows of each local expert are padded to a multiple of this.
         exchange: ``sync_free`` only: how the rows travel (:data:`moeyard.parallel.sync_free.EXCHANGES`):
             ``all_to_all`` (worst-case blocks, ``all_to_all_single`` of equal splits), ``symm_mem``
-            (exact rows through NVSHMEM symmetric memory, :mod:`moeyard.parallel.symm_mem`) or
-            ``auto`` (``all_to_all``; the symmetric path was no faster on 2 H200s, NOTES round 14).
+            (exact rows through NVSHMEM symmetric memory, :mod:`moeyard.parallel.symm_mem`), ``p2p``
+            (exact rows copied in the peers' symmetric buffers, :mod:`moeyard.parallel.p2p`) or
+            ``auto`` (``all_to_all``).
         overlap_chunks: ``all_to_all`` / ``sync_free``: the layer's tokens go in this many chunks, each
             chunk's exchanges in flight while another chunk's experts compute (:mod:`.overlap`); 1: one
             blocking exchange each way. ``sync_free`` overlaps the ``all_to_all`` exchange only.

@@ -36,6 +36,9 @@ The exchanges (:data:`EXCHANGE_IMPLS`, each an :class:`Exchange`):
   one :func:`moeyard.parallel.comm.exchange`.
 - ``symm_mem`` (:mod:`moeyard.parallel.symm_mem`): only the routed rows travel, through NVSHMEM
   symmetric buffers sized for the same worst case, counts exchanged on the device.
+- ``p2p`` (:mod:`moeyard.parallel.p2p`): only the routed rows travel, copied by kernels straight out
+  of and into the peers' symmetric buffers (torch's CUDA symmetric memory, NVLink), laid out
+  expert-major as they are copied, counts exchanged on the device.
 - ``auto``: ``all_to_all``. The ``symm_mem`` path passes ``benchmarks/ep_symm_check.py`` on 2 H200s,
   but its forward exchange was no faster there (``benchmarks/NOTES.md``, round 14).
 
@@ -43,9 +46,9 @@ Stages (``overlap_chunks=N``: :mod:`.overlap` runs them over N chunks of the tok
 with C at its own bound ``ceil(T_max / N)``, with the exchanges in flight): :func:`depart_dispatch`
 (step 1 and the ``all_to_all`` exchange's send half), :func:`arrive_dispatch` (its receive half),
 :func:`depart_combine`, :func:`arrive_combine`. They run the ``all_to_all`` exchange only: the
-``symm_mem`` ops are kernels on the current stream sharing one set of symmetric buffers, not
-collectives that can stay in flight per chunk, so ``overlap_chunks > 1`` with ``symm_mem`` raises
-ValueError (:func:`check_overlap`).
+``symm_mem`` and ``p2p`` exchanges are kernels on the current stream sharing one set of symmetric
+buffers, not collectives that can stay in flight per chunk, so ``overlap_chunks > 1`` with either
+raises ValueError (:func:`check_overlap`).
 """
 from __future__ import annotations
 
