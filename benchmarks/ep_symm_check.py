@@ -5,7 +5,7 @@
 
 ``--exchange symm_mem`` (default; NVSHMEM) runs (a) to (c) below. ``--exchange p2p`` (torch's CUDA
 symmetric-memory backend; one backend per process, so a separate run) runs ``copy_rows/*`` (the
-row-copy kernel on CUDA, local and peer memory, against its torch reference), (b) with
+row-copy kernel on CUDA over every rank's symmetric buffer at once, both directions), (b) with
 ``exchange="p2p"`` plus CUDA-graph capture and replay of the layer, and (c)'s timing table with
 ``sync_free`` + ``p2p`` in place of the NVSHMEM rows (no raw ops, no NVSHMEM profile).
 
@@ -173,40 +173,54 @@ def layer(exchange: str):
     return run
 
 
-def copy_rows_check(indexed: str, peer: bool):
-    """The row-copy kernel on CUDA (bf16, H = 2048 and 40) against its torch reference, between this
-    rank's memory and, with ``peer``, the other rank's (a symmetric tensor's peer view)."""
+def _copy_case(rank: int, W: int, H: int, device):
+    """Rank ``rank``'s inputs of the row-copy check (any rank can make any rank's): local rows
+    ``[300 W, H]``, indices ``[W, 257]`` into them (disjoint across peers, as a layout's), and
+    per-peer counts (0, 1, 200, 257, ...)."""
+    g = torch.Generator().manual_seed(40 + rank)
+    local = torch.randn(300 * W, H, generator=g).to(device, BF16)
+    rows = torch.randperm(280 * W, generator=g)[:257 * W].view(W, 257).to(device)
+    count = torch.tensor([(0, 1, 200, 257)[(rank + s) % 4] for s in range(W)], device=device)
+    return local, rows, count
+
+
+def copy_rows_check(direction: str):
+    """The row-copy kernel on CUDA over real symmetric memory (every peer's buffer at once, bf16,
+    H = 2048 and 40) against its torch reference (pull), or against the rows each writer sent,
+    rebuilt from its seed (push: rank r writes rows ``[300 r, 300 r + count)`` of every peer)."""
     def run(rank, W, device):
         from moeyard.parallel import p2p
         from moeyard.parallel.row_copy import copy_rows_reference
         from moeyard.parallel.row_copy_triton import copy_rows_triton
 
-        g = torch.Generator().manual_seed(40 + rank)
         for H in (2048, 40):
-            views, handle = p2p.OPS.symmetric((300, H), BF16, device, dist.group.WORLD)
-            other = views[(rank + 1) % W] if peer else views[rank]
-            views[rank].copy_(torch.randn(300, H, generator=g).to(BF16))
-            p2p.OPS.barrier(handle)
-            src_plain = torch.randn(300, H, generator=g).to(device, BF16)
-            rows = torch.randperm(280, generator=g)[:257].to(device)
-            for count, base in ((0, 0), (1, 5), (200, 40), (257, 42)):
-                b, n = torch.tensor(base, device=device), torch.tensor(count, device=device)
-                src = other if indexed == "dst" else src_plain
-                ref = torch.full((301, H), float("nan"), device=device, dtype=BF16)
+            views, handle = p2p.OPS.symmetric((300 * W + 2, H), BF16, device, dist.group.WORLD)
+            table = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=device)
+            local, rows, count = _copy_case(rank, W, H, device)
+            what = f"copy_rows/{direction}/H{H}/rank{rank}"
+            if direction == "pull":
+                views[rank].copy_(torch.randn(300 * W + 2, H, generator=torch.Generator().manual_seed(rank)).to(BF16))
+                p2p.OPS.barrier(handle)
+                base = torch.tensor([(5 * s + 3 * rank) % 40 for s in range(W)], device=device)
+                ref = torch.full((300 * W + 1, H), float("nan"), device=device, dtype=BF16)
                 got = ref.clone()
-                copy_rows_reference(ref, src, rows, b, n, indexed=indexed)
-                copy_rows_triton(got, src, rows, b, n, indexed=indexed)
-                w.check(torch.equal(got[:-1].nan_to_num(7.0), ref[:-1].nan_to_num(7.0)),
-                        f"copy_rows/{indexed}/peer{peer}/H{H}/count{count}/rank{rank}: differs from the reference")
-                if indexed == "src":  # into the peer's memory, then read back here
-                    before = other.clone()
-                    copy_rows_triton(other, src_plain, rows, b, n, indexed="src")
-                    torch.cuda.synchronize(device)
-                    w.check(torch.equal(other[base:base + count], src_plain[rows[:count]])
-                            and torch.equal(other[base + count:], before[base + count:])
-                            and torch.equal(other[:base], before[:base]),
-                            f"copy_rows/src into peer/H{H}/count{count}/rank{rank}: wrong rows")
-                    p2p.OPS.barrier(handle)
+                copy_rows_reference(ref, views, rows, base, count, direction="pull")
+                copy_rows_triton(got, views[0], table, rows, base, count, pull=True)
+                w.check(torch.equal(got[:-1].nan_to_num(7.0), ref[:-1].nan_to_num(7.0)), f"{what}: differs")
+            else:
+                views[rank].fill_(float("nan"))
+                p2p.OPS.barrier(handle)
+                base = torch.full((W,), 300 * rank, device=device)
+                copy_rows_triton(local, views[0], table, rows, base, count, pull=False)
+                p2p.OPS.barrier(handle)
+                torch.cuda.synchronize(device)
+                mine = views[rank].clone()
+                for writer in range(W):
+                    src, rws, cnt = _copy_case(writer, W, H, device)
+                    n = int(cnt[rank])
+                    region = mine[300 * writer:300 * (writer + 1)]
+                    w.check(torch.equal(region[:n], src[rws[rank, :n]]) and bool(region[n:].isnan().all()),
+                            f"{what}: rows from rank {writer} wrong")
             p2p.OPS.barrier(handle)
             torch.cuda.synchronize(device)
             dist.barrier()
@@ -215,8 +229,7 @@ def copy_rows_check(indexed: str, peer: bool):
 
 def checks(exchange: str = "symm_mem") -> list[tuple[str, object]]:
     if exchange == "p2p":
-        out = [(f"copy_rows/{i}/{'peer' if peer else 'local'}", copy_rows_check(i, peer))
-               for i in ("dst", "src") for peer in (False, True)]
+        out = [(f"copy_rows/{d}", copy_rows_check(d)) for d in ("pull", "push")]
         out += [("functional/El4", functional(4, exchange="p2p")), ("functional/El64", functional(64, exchange="p2p")),
                 ("layer", layer("p2p"))]
         out += [(f"sync_debug/El{n}/{b}", ep_check.sync_debug_experts("sync_free", b, num_experts=n * 2, exchange="p2p"))

@@ -62,31 +62,45 @@ def test_p2p_exchange_emulated():
     ep_workers.spawn(ep_workers.worker_p2p, 2)
 
 
-@pytest.mark.parametrize("indexed", ["dst", "src"])
-def test_copy_rows_kernel_matches_reference(indexed):
-    """The Triton row copy under the interpreter against the torch reference: counts 0, partial
-    blocks and the full bound, a row stride wider than H; nothing past ``count`` written."""
+@pytest.mark.parametrize("direction", ["pull", "push"])
+def test_copy_rows_kernel_matches_reference(direction):
+    """The Triton row copy under the interpreter (three peers' buffers in one launch, through the
+    address table) against the torch reference: counts 0, partial blocks and the full bound, a row
+    stride wider than H; nothing past a peer's count written."""
     pytest.importorskip("triton")
     import os
     from unittest import mock
 
-    from moeyard.parallel.row_copy import copy_rows_reference
+    from moeyard.parallel.row_copy import copy_rows, copy_rows_reference
 
     g = torch.Generator().manual_seed(3)
-    C, H = 21, 40
-    src = torch.randn(64, H + 8, generator=g)[:, :H]
-    rows = torch.randperm(48, generator=g)[:C]
+    W, C, H = 3, 21, 40
+    rows = torch.randperm(64, generator=g)[:W * C].view(W, C)  # disjoint across peers, as a layout
+    base, count = torch.tensor([40, 3, 17]), torch.tensor([C, 0, 13])
+    local = torch.randn(65, H + 8, generator=g)[:, :H]
+    peers = [torch.randn(66, H + 8, generator=g)[:, :H] for _ in range(W)]
+    if direction == "pull":
+        ref, got = torch.zeros(65, H), torch.zeros(65, H)
+        copy_rows_reference(ref, peers, rows, base, count, direction=direction)
+        local_got, peers_got = got, peers
+    else:
+        ref = [torch.zeros(66, H) for _ in range(W)]
+        got = [torch.zeros(66, H + 8)[:, :H] for _ in range(W)]
+        copy_rows_reference(local, ref, rows, base, count, direction=direction)
+        local_got, peers_got = local, got
+    table = torch.tensor([p.data_ptr() for p in peers_got], dtype=torch.int64)
     with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
         from moeyard.parallel.row_copy_triton import copy_rows_triton
-        for count, base in ((0, 0), (5, 3), (C, 40), (13, 17)):
-            ref, got = torch.zeros(65, H), torch.zeros(65, H)
-            b, n = torch.tensor(base), torch.tensor(count)
-            copy_rows_reference(ref, src, rows, b, n, indexed=indexed)
-            copy_rows_triton(got, src, rows, b, n, indexed=indexed)
-            assert torch.equal(got[:-1], ref[:-1]), (count, base)
-            assert torch.count_nonzero(got.abs().sum(1)) == count
-    with pytest.raises(ValueError, match="indexed: expected 'dst' or 'src'"):
-        copy_rows_reference(ref, src, rows, b, n, indexed="both")
+        copy_rows_triton(local_got, peers_got[0], table, rows, base, count, pull=direction == "pull")
+    if direction == "pull":
+        assert torch.equal(got[:-1], ref[:-1])
+        assert torch.count_nonzero(got.abs().sum(1)) == count.sum()
+    else:
+        for s in range(W):
+            assert torch.equal(got[s][:-1], ref[s][:-1]), s
+            assert torch.count_nonzero(got[s].abs().sum(1)) == count[s]
+    with pytest.raises(ValueError, match="direction: expected one of"):
+        copy_rows(local, peers, table, rows, base, count, direction="both")
 
 
 @pytest.mark.slow  # ~60 s on 2 cores: 8 processes importing torch

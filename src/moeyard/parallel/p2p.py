@@ -14,10 +14,10 @@ ops, ops skipped (an input without gradient) and CUDA-graph replays between eage
   rank, local expert, token) and its counts; barrier; it reads every peer's counts (``[W, W, E_l]``:
   rows from s to rank d's expert e), lays out its expert-major rows (each expert's rows from rank
   0, 1, ... back to back, padded to a multiple of ``align``) and copies each peer's window of rows
-  for it out of the peer's ``X`` into a fresh ``[R, H]`` tensor
-  (:func:`moeyard.parallel.row_copy.copy_rows`, ``indexed="dst"``);
+  for it out of the peer's ``X`` into a fresh ``[R, H]`` tensor (one
+  :func:`moeyard.parallel.row_copy.copy_rows` for all peers, ``direction="pull"``);
 - **combine** (push): the rank copies the experts' output rows into the ``X`` of the rank each row
-  came from, at the row's position in that rank's sorted order (``indexed="src"``); barrier; each
+  came from, at the row's position in that rank's sorted order (``direction="push"``); barrier; each
   rank reads its pairs' rows out of its own ``X`` (the zero row for pairs not sent).
 
 The backward of dispatch is a combine (the rows' gradients pushed home, each token's pairs
@@ -112,11 +112,13 @@ class Buffers:
 
     Attributes:
         rows: ``[S + 2, H]`` views by rank: row S zero, row S + 1 scratch.
+        table: ``[W]`` int64, the views' addresses on this device (for the row-copy kernel).
         counts: ``[W * E_l]`` int64 views by rank: rows to rank d's expert e at ``d * E_l + e``.
         handle: what :meth:`TorchPeerOps.barrier` takes.
     """
 
     rows: list[Tensor]
+    table: Tensor
     counts: list[Tensor]
     handle: object
 
@@ -133,7 +135,8 @@ def buffers(ep: EPGroup, device: torch.device, dtype: torch.dtype, hidden: int, 
         rows, handle = OPS.symmetric((pairs + 2, hidden), dtype, device, ep.group)
         counts, _ = OPS.symmetric((ep.world_size * num_local_experts,), torch.int64, device, ep.group)
         rows[ep.rank][pairs].zero_()
-        _BUFFERS[key] = Buffers(rows=rows, counts=counts, handle=handle)
+        table = torch.tensor([v.data_ptr() for v in rows], dtype=torch.int64, device=device)
+        _BUFFERS[key] = Buffers(rows=rows, table=table, counts=counts, handle=handle)
     return _BUFFERS[key]
 
 
@@ -196,7 +199,8 @@ def layout(h: Handle, all_counts: Tensor) -> None:
     j = torch.arange(C, device=dev).expand(W, C).contiguous()
     e = torch.searchsorted(inside, j, right=True).clamp(max=El - 1)  # [W, C] expert of window row j
     before = cin.cumsum(0) - cin                                 # [W, E_l] rows from ranks < s
-    h.dst_rows = starts.index_select(0, e.view(-1)).view(W, C) + before.gather(1, e) + j - (inside - cin).gather(1, e)
+    h.dst_rows = (starts.index_select(0, e.view(-1)).view(W, C) + before.gather(1, e) + j
+                  - (inside - cin).gather(1, e)).contiguous()
     h.window = all_counts[:, :me, :].sum((1, 2))
     h.received = cin.sum(1)
     h.num_rows = R = num_rows(W, C, El, align)
@@ -291,8 +295,7 @@ def _pull(h: Handle, fill) -> Tensor:
     if first:
         layout(h, torch.stack(b.counts).view(W, W, h.route.num_local_experts))
     out = new_rows(h.num_rows, b.rows[me])
-    for s in range(W):
-        copy_rows(out, b.rows[s], h.dst_rows[s], h.window[s], h.received[s], indexed="dst")
+    copy_rows(out, b.rows, b.table, h.dst_rows, h.window, h.received, direction="pull")
     if h.pad_rows is not None:
         out.index_fill_(0, h.pad_rows, 0)
     return out[:h.num_rows]
@@ -304,7 +307,6 @@ def _push(h: Handle, rows: Tensor) -> Tensor:
     b = h.bufs
     rows = rows.contiguous()
     OPS.barrier(b.handle)
-    for s in range(h.route.world_size):
-        copy_rows(b.rows[s], rows, h.dst_rows[s], h.window[s], h.received[s], indexed="src")
+    copy_rows(rows, b.rows, b.table, h.dst_rows, h.window, h.received, direction="push")
     OPS.barrier(b.handle)
     return b.rows[h.rank].index_select(0, h.pair_row)

@@ -1,52 +1,61 @@
-"""Copy rows between a contiguous window and indexed rows, up to a count held on the device.
+"""Copy rows between this rank's memory and every peer's, each peer's window of rows up to a count
+held on the device.
 
-The ``p2p`` exchange (:mod:`.p2p`) moves each peer's rows with it: dispatch pulls the window of rows
-a peer sent this rank out of the peer's buffer into expert-major rows, combine pushes expert-major
-rows back into the peer's buffer. Either side may be a peer's memory (a symmetric-memory view).
+The ``p2p`` exchange (:mod:`.p2p`) moves all peers' rows with one call: dispatch pulls the window
+of rows each peer sent this rank out of the peers' buffers into expert-major rows, combine pushes
+expert-major rows back into the peers' buffers. For peer ``s`` and ``j`` in ``[0, count[s])``:
 
-``copy_rows(dst, src, rows, base, count, indexed="dst")``, ``j`` in ``[0, count)``:
+- ``direction="pull"``: ``local[rows[s, j]] = peers[s][base[s] + j]``;
+- ``direction="push"``: ``peers[s][base[s] + j] = local[rows[s, j]]``.
 
-- ``indexed="dst"`` (pull): ``dst[rows[j]] = src[base + j]``;
-- ``indexed="src"`` (push): ``dst[base + j] = src[rows[j]]``.
-
-``base`` and ``count`` are ``[]`` int64 device tensors, never read on the host: the launch is
-sized for ``rows.numel()`` (a static bound) and programs past ``count`` return at once, so only the
-``count`` rows travel. On CUDA a Triton kernel (:mod:`.row_copy_triton`); elsewhere
-:func:`copy_rows_reference`, which reads the whole bound and writes the rows past ``count`` into
-``dst``'s last row (the caller keeps a spare row there).
+``base`` and ``count`` are ``[W]`` int64 device tensors, never read on the host: the launch is
+sized for the static bound ``C = rows.shape[1]`` and programs past a peer's count return at once,
+so only the ``count`` rows travel. On CUDA one Triton kernel covers every peer (:mod:`.row_copy_triton`;
+the copies from or to this rank's own buffer run beside the ones over NVLink); elsewhere
+:func:`copy_rows_reference`.
 """
 from __future__ import annotations
 
 import torch
 
 Tensor = torch.Tensor
+DIRECTIONS = ("pull", "push")
 
 
-def copy_rows(dst: Tensor, src: Tensor, rows: Tensor, base: Tensor, count: Tensor, *, indexed: str) -> None:
-    """See the module docstring. ``dst [*, H]``, ``src [*, H]`` one dtype, rows contiguous (row
-    stride may differ); ``rows [C]`` int64; ``base``, ``count`` ``[]`` int64; ``count <= C`` and every
-    row addressed in range (the caller's layout guarantees it; not checked: a check would read the
-    device). ``dst``'s last row is scratch for :func:`copy_rows_reference`. No host sync."""
-    if dst.is_cuda:
+def copy_rows(local: Tensor, peers: list[Tensor], table: Tensor, rows: Tensor, base: Tensor, count: Tensor, *,
+              direction: str) -> None:
+    """See the module docstring. ``local [*, H]``; ``peers``: W tensors ``[*, H]`` of one shape,
+    dtype and row stride (a symmetric tensor's views by rank); ``table [W]`` int64, their
+    ``data_ptr()`` on ``local``'s device (read by the CUDA kernel); ``rows [W, C]`` int64;
+    ``base``, ``count`` ``[W]`` int64 with ``count <= C`` and every row addressed in range (the
+    caller's layout guarantees it; not checked: a check would read the device). The last row of
+    ``local`` (pull) or of each peer (push) is scratch for :func:`copy_rows_reference`. No host sync.
+
+    Raises:
+        ValueError: ``direction`` is not ``pull`` or ``push``."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction: expected one of {DIRECTIONS}, got {direction!r}")
+    if local.is_cuda:
         from .row_copy_triton import copy_rows_triton
-        copy_rows_triton(dst, src, rows, base, count, indexed=indexed)
+        copy_rows_triton(local, peers[0], table, rows, base, count, pull=direction == "pull")
     else:
-        copy_rows_reference(dst, src, rows, base, count, indexed=indexed)
+        copy_rows_reference(local, peers, rows, base, count, direction=direction)
 
 
-def copy_rows_reference(dst: Tensor, src: Tensor, rows: Tensor, base: Tensor, count: Tensor, *, indexed: str) -> None:
-    """The same in torch ops: the whole bound ``C`` is read (rows past ``count`` from the window
-    clamped into ``src``, or from ``src[rows[j]]`` clamped) and written, those past ``count`` into
-    ``dst``'s last row (scratch)."""
-    j = torch.arange(rows.numel(), device=rows.device)
-    keep = j < count
-    window = base + j
-    spare = dst.shape[0] - 1
-    if indexed == "dst":
-        got = src.index_select(0, window.clamp(max=src.shape[0] - 1))
-        dst.index_copy_(0, torch.where(keep, rows, spare), got)
-    elif indexed == "src":
-        got = src.index_select(0, torch.where(keep, rows, 0).clamp(max=src.shape[0] - 1))
-        dst.index_copy_(0, torch.where(keep, window, spare), got)
-    else:
-        raise ValueError(f"indexed: expected 'dst' or 'src', got {indexed!r}")
+def copy_rows_reference(local: Tensor, peers: list[Tensor], rows: Tensor, base: Tensor, count: Tensor, *,
+                        direction: str) -> None:
+    """The same in torch ops, one peer after the other: the whole bound ``C`` is read (rows past the
+    count from the window or the indexed rows clamped into range) and written, those past the count
+    into the destination's last row (scratch)."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction: expected one of {DIRECTIONS}, got {direction!r}")
+    j = torch.arange(rows.shape[1], device=rows.device)
+    for s, peer in enumerate(peers):
+        keep = j < count[s]
+        window = base[s] + j
+        if direction == "pull":
+            got = peer.index_select(0, window.clamp(max=peer.shape[0] - 1))
+            local.index_copy_(0, torch.where(keep, rows[s], local.shape[0] - 1), got)
+        else:
+            got = local.index_select(0, torch.where(keep, rows[s], 0).clamp(max=local.shape[0] - 1))
+            peer.index_copy_(0, torch.where(keep, window, peer.shape[0] - 1), got)
