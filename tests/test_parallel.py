@@ -203,6 +203,22 @@ def test_nccl_device_check():
     check_device(torch.device("cpu"), "cpu:gloo,cuda:nccl")
 
 
+def test_route_pairs_without_slots():
+    """``route_pairs(slots=False)``: the same ids and drops as with slots, by the short path where no
+    destination can overflow (C >= T * K) and by the sort where one can."""
+    from moeyard.parallel.sync_free import route_pairs
+
+    g = torch.Generator().manual_seed(8)
+    E, W, T, K = 8, 2, 6, 3
+    ids = torch.rand(T, E, generator=g).argsort(1)[:, :K]
+    ids[0, 1], ids[3, 2] = E, -1  # dropped sentinels
+    for block in (T * K, 4):      # the short path; capacity drops
+        full, short = route_pairs(ids, E, W, T, block), route_pairs(ids, E, W, T, block, slots=False)
+        assert torch.equal(full.ids, short.ids) and torch.equal(full.dropped, short.dropped)
+        assert (short.pair_slot is None) == (block >= T * K)
+    assert int(route_pairs(ids, E, W, T, 4).dropped) > 0
+
+
 def test_p2p_limits():
     """The peer-to-peer exchange's checks that need no process group: NCCL, CUDA, no overlap_chunks > 1."""
     from moeyard.parallel import EPOptions, ExpertParallel

@@ -88,7 +88,8 @@ class Route:
         block_rows: C, the most rows this rank sends one peer.
         ids: ``[N]`` int64 global expert id of each pair where it is sent; ``E`` where it is not
             (an id outside ``[0, E)``, or past ``C`` for its destination).
-        pair_slot: ``[N]`` int64, the pair's slot in the ``[W * C]`` block layout (``W * C``: not sent).
+        pair_slot: ``[N]`` int64, the pair's slot in the ``[W * C]`` block layout (``W * C``: not sent);
+            None when not asked for (:func:`route_pairs`).
         dropped: ``[]`` int64, valid pairs not sent (over capacity).
     """
 
@@ -100,16 +101,23 @@ class Route:
     num_local_experts: int
     block_rows: int
     ids: Tensor
-    pair_slot: Tensor
+    pair_slot: Tensor | None
     dropped: Tensor
 
 
-def route_pairs(topk_ids: Tensor, num_experts: int, world_size: int, max_tokens: int, block: int) -> Route:
-    """The :class:`Route` of ``topk_ids [T, K]`` (global ids; others not sent) with ``C = block``."""
+def route_pairs(topk_ids: Tensor, num_experts: int, world_size: int, max_tokens: int, block: int,
+                slots: bool = True) -> Route:
+    """The :class:`Route` of ``topk_ids [T, K]`` (global ids; others not sent) with ``C = block``.
+    ``slots=False``: the caller needs no ``pair_slot`` (the symmetric-memory exchanges); when no
+    destination can get more than ``C`` pairs (``C >= T * K``) the sort that counts them is skipped."""
     T, K = topk_ids.shape
     W, El, dev = world_size, num_experts // world_size, topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
     valid = (flat >= 0) & (flat < num_experts)
+    if not slots and block >= T * K:
+        return Route(num_tokens=T, top_k=K, max_tokens=max_tokens, world_size=W, num_experts=num_experts,
+                     num_local_experts=El, block_rows=block, ids=torch.where(valid, flat, num_experts),
+                     pair_slot=None, dropped=torch.zeros((), dtype=torch.int64, device=dev))
     dest = torch.where(valid, flat // El, W)  # [N], W: no rank
     plan = make_plan(dest.view(T, K), W)      # sorted by destination, token order within
     sorted_dest = dest.index_select(0, plan.sort_order)
@@ -122,14 +130,16 @@ def route_pairs(topk_ids: Tensor, num_experts: int, world_size: int, max_tokens:
                  pair_slot=pair_slot, dropped=(valid & ~sent).sum())
 
 
-def chunk_routes(topk_ids: Tensor, ep: EPGroup, options: EPOptions, chunks: int = 1) -> list[tuple[slice, Route]]:
+def chunk_routes(topk_ids: Tensor, ep: EPGroup, options: EPOptions, chunks: int = 1,
+                 slots: bool = True) -> list[tuple[slice, Route]]:
     """The tokens in ``chunks`` consecutive chunks of ``ceil(T_max / chunks)`` tokens (static; trailing
-    ones may be empty), each with its :class:`Route` at C = :func:`block_rows` of the chunk's bound."""
+    ones may be empty), each with its :class:`Route` at C = :func:`block_rows` of the chunk's bound
+    (``slots``: as :func:`route_pairs`)."""
     T, K = topk_ids.shape
     W, El = ep.world_size, local_experts(options, ep)
     T_chunk = -(-_max_tokens(T, ep, options, topk_ids.device) // chunks)
     C = block_rows(T_chunk, K, El, W, options.capacity_factor)
-    return [(slice(a, b), route_pairs(topk_ids[a:b], options.num_experts, W, T_chunk, C))
+    return [(slice(a, b), route_pairs(topk_ids[a:b], options.num_experts, W, T_chunk, C, slots))
             for a, b in chunk_bounds(T, T_chunk, chunks)]
 
 
@@ -157,8 +167,9 @@ class State:
 def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions) -> Dispatched:
     """``x [T, H]``, ``topk_ids [T, K]`` (global ids; others dropped), ``topk_weights [T, K]`` ->
     rows ``[R, H]`` (R static) with ``[R, 1]`` local ids (``E_l``: an empty row)."""
-    (_, route), = chunk_routes(topk_ids, ep, options)
-    exchange = EXCHANGE_IMPLS[resolve_exchange(options.exchange)]
+    name = resolve_exchange(options.exchange)
+    (_, route), = chunk_routes(topk_ids, ep, options, slots=name == "all_to_all")
+    exchange = EXCHANGE_IMPLS[name]
     rows, row_experts, handle = exchange.dispatch(x, route, ep, options.align)
     return _dispatched(rows, row_experts, State(exchange, handle, topk_weights), route)
 
