@@ -6,8 +6,9 @@
 ``--exchange symm_mem`` (default; NVSHMEM) runs (a) to (c) below. ``--exchange p2p`` (torch's CUDA
 symmetric-memory backend; one backend per process, so a separate run) runs ``copy_rows/*`` (the
 row-copy kernel on CUDA over every rank's symmetric buffer at once, both directions), (b) with
-``exchange="p2p"`` plus CUDA-graph capture and replay of the layer, and (c)'s timing table with
-``sync_free`` + ``p2p`` in place of the NVSHMEM rows (no raw ops, no NVSHMEM profile).
+``exchange="p2p"`` plus CUDA-graph capture and replay of the layer, (c)'s kernel profile of
+``sync_free`` + ``p2p`` and its timing table with ``sync_free`` + ``p2p`` in place of the NVSHMEM rows
+(no raw ops).
 
 Each rank uses ``cuda:LOCAL_RANK``; NVLink multicast stays off (the caller's NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 are kept); ``NVSHMEM_SYMMETRIC_SIZE``
@@ -308,7 +309,7 @@ def raw_timing(ep, device, rows: int = 262144, hidden: int = 2048) -> dict:
 def profile_exchange(ep, device, dispatcher: str, exchange: str, steps: int = 3) -> str:
     """The device kernels of ``steps`` dispatch + combine calls (no experts in between: the
     dispatched rows go straight back) at qwen3-30b-a3b per rank, balanced routing, as
-    ``torch.profiler``'s table (top 10 by device time), for rank 0 to print."""
+    ``torch.profiler``'s table (top 16 by device time), for rank 0 to print."""
     from moeyard import bench as layer_bench
     from moeyard.parallel.common import EPOptions
     from moeyard.parallel.experts import DISPATCHERS
@@ -335,7 +336,7 @@ def profile_exchange(ep, device, dispatcher: str, exchange: str, steps: int = 3)
                 mod.combine(d.rows, d)
             torch.cuda.synchronize(device)
     key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=10, max_name_column_width=50)
+    return prof.key_averages().table(sort_by=key, row_limit=16, max_name_column_width=50)
 
 
 def timing_table(everyone: list[list[dict]]) -> str:
@@ -377,6 +378,11 @@ def main() -> int:
         ok = ep.rank != 0 or ep_check.report(everyone, f"ep_symm_check: the {args.exchange} exchange of sync_free")
         timings = raws = None
         if p2p_run and not args.no_timing and not args.only:
+            table = profile_exchange(ep, device, "sync_free", "p2p")
+            torch.cuda.empty_cache()
+            if ep.rank == 0:
+                print("\n==== profile: 3 x (dispatch + combine), sync_free (p2p), qwen3-30b-a3b, balanced, rank 0 "
+                      f"====\n{table}\n==== end profile ====", flush=True)
             rows = timing(ep, device, VARIANTS["p2p"])
             timings = [None] * ep.world_size
             dist.all_gather_object(timings, rows)
