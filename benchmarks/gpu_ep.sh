@@ -19,7 +19,8 @@
 #    qwen3-30b-a3b for all_to_all, sync_free + equal splits, sync_free + symm_mem.
 # 4. benchmarks/ep_symm_check.py --exchange p2p: the peer-to-peer exchange of sync_free (the row-copy
 #    kernel on local and peer memory, the layer against the oracle at E_l = 4 and 64, sync debug mode,
-#    CUDA-graph replay), then dispatch / combine ms at qwen3-30b-a3b next to all_to_all.
+#    CUDA-graph replay), a kernel profile of its dispatch + combine, then dispatch / combine ms at
+#    qwen3-30b-a3b next to all_to_all.
 # Every step is time-boxed (steps 1-2 under 9 minutes, step 3 under 5). Files in $OUT: ep_check.log,
 # ep_check.json, bench_<shape>.log, bench_<shape>.json, ep_symm_check.log, ep_symm_check.json,
 # ep_p2p_check.log, ep_p2p_check.json, env.txt.
@@ -87,6 +88,7 @@ fi
 if has p2p; then
     echo "---- ep_p2p_check (tail) ----"
     grep -E "^(PASS|FAIL|====)|^routing|^(balanced|zipf) " "$OUT/ep_p2p_check.log" || tail -30 "$OUT/ep_p2p_check.log"
+    sed -n '/^==== profile/,/^==== end profile/p' "$OUT/ep_p2p_check.log" | grep -vE '^-+|^$|end profile'
 fi
 ! has check || [ "${STATUS[ep_check]%% *}" = "rc=0" ] || exit 1
 ! has p2p || [ "${STATUS[ep_p2p_check]%% *}" = "rc=0" ] || exit 1
