@@ -234,3 +234,28 @@ def test_searchsorted_needles_not_cached_during_a_graph_capture(monkeypatch):
     monkeypatch.setattr(torch, "arange", lambda *a, **kw: made.append(kw.pop("device")) or real(*a, **kw))
     assert torch.equal(dispatch._bounds(7, torch.device("cuda")), real(8))
     assert made == [torch.device("cuda")]
+
+
+def test_weighted_sum_kernels_match_reference():
+    """The weighted sum's Triton kernels under the interpreter (float32) against the float64 ``bmm``:
+    output, both gradients (through autograd, as on CUDA), K = 1, 3, 8, H not a multiple of the tiles."""
+    pytest.importorskip("triton")
+    import os
+    from unittest import mock
+
+    from moeyard.weighted_sum import _WeightedSum, weighted_sum_reference
+
+    g = torch.Generator().manual_seed(11)
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
+        for T, K, H in ((7, 3, 40), (9, 8, 600), (2, 1, 5)):
+            p = torch.randn(T, K, H, generator=g, dtype=torch.float64)
+            w = torch.randn(T, K, generator=g, dtype=torch.float64)
+            dy = torch.randn(T, H, generator=g, dtype=torch.float64)
+            leaves = [p.clone().requires_grad_(), w.clone().requires_grad_()]
+            weighted_sum_reference(*leaves).backward(dy)
+            pf, wf = p.float().requires_grad_(), w.float().requires_grad_()
+            out = _WeightedSum.apply(pf, wf)
+            out.backward(dy.float())
+            ref = (p.transpose(1, 2) @ w.unsqueeze(-1)).squeeze(-1)  # independent of the bmm above
+            for got, want in ((out, ref), (pf.grad, leaves[0].grad), (wf.grad, leaves[1].grad)):
+                assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-5), (T, K, H)

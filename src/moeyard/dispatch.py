@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import kind
+from .weighted_sum import weighted_sum
 
 Tensor = torch.Tensor
 
@@ -176,7 +177,7 @@ def unpermute(rows: Tensor, plan: DispatchPlan, topk_weights: Tensor | None = No
     ``out[t] = sum_k topk_weights[t, k] * rows[pair_rows[t * K + k]]``.
 
     Without ``topk_weights`` it returns the unweighted ``[T, K, H]`` pairs instead. The weighted sum
-    is one ``bmm`` per token (float32 accumulation for bf16/fp16; deterministic, no atomics).
+    is :func:`moeyard.weighted_sum.weighted_sum` (float32 accumulation; deterministic, no atomics).
     Rows of pairs with an invalid expert id may hold anything (a grouped GEMM does not write them):
     with ``drop_invalid`` they are zeroed first (one extra pass over the pairs), otherwise the caller
     must keep them out. Differentiable w.r.t. ``rows`` and ``topk_weights``.
@@ -194,7 +195,7 @@ def unpermute(rows: Tensor, plan: DispatchPlan, topk_weights: Tensor | None = No
         return pairs
     if tuple(topk_weights.shape) != (T, K):
         raise ValueError(f"topk_weights: expected shape {(T, K)}, got {tuple(topk_weights.shape)}")
-    return torch.bmm(topk_weights.to(rows.dtype).unsqueeze(1), pairs).squeeze(1)
+    return weighted_sum(pairs, topk_weights)
 
 
 def _check_x(x: Tensor, plan: DispatchPlan) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..weighted_sum import weighted_sum as _weighted_sum
 from .comm import EPGroup, gather_ints
 
 Tensor = torch.Tensor
@@ -103,6 +104,6 @@ def token_counts(num_tokens: int, ep: EPGroup, device: torch.device) -> list[int
 
 
 def weighted_sum(pairs: Tensor, topk_weights: Tensor) -> Tensor:
-    """``pairs [T, K, H]``, ``topk_weights [T, K]`` -> ``[T, H]``: one ``bmm`` per token (as
-    :func:`moeyard.unpermute`)."""
-    return torch.bmm(topk_weights.to(pairs.dtype).unsqueeze(1), pairs).squeeze(1)
+    """``pairs [T, K, H]``, ``topk_weights [T, K]`` -> ``[T, H]`` (:func:`moeyard.weighted_sum.weighted_sum`,
+    as :func:`moeyard.unpermute`)."""
+    return _weighted_sum(pairs, topk_weights)

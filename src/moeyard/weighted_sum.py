@@ -1,0 +1,51 @@
+"""The combine's weighted sum: ``out[t] = sum_k w[t, k] * pairs[t, k]``, and its gradients.
+
+Every combine that gathers each token's pair rows ends here (:func:`moeyard.dispatch.unpermute`, the
+expert-parallel combines). A ``bmm`` of ``[T, 1, K] x [T, K, H]`` does it in one call, but cuBLAS runs
+it as a GEMM with an 8-wide tile and reached 1.0 TB/s on an H100 at Qwen3-30B-A3B's 1.07 GB of pairs
+(1.06 ms; ``benchmarks/NOTES.md`` round 18), a third of the memory's rate. On CUDA, two Triton kernels
+(:mod:`.weighted_sum_triton`) read the pairs once each way instead:
+
+- forward: ``out [T, H]``, float32 sums over k in order 0..K-1, one rounding to the output dtype;
+- backward: ``d pairs[t, k] = w[t, k] * d out[t]`` (one broadcast multiply) and
+  ``d w[t, k] = <d out[t], pairs[t, k]>`` (float32 sums in a fixed order over H).
+
+Deterministic (no atomics). Elsewhere (CPU) the ``bmm``, which is also the tests' reference.
+"""
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def weighted_sum(pairs: Tensor, weights: Tensor) -> Tensor:
+    """``pairs [T, K, H]``, ``weights [T, K]`` (cast to ``pairs.dtype``) -> ``[T, H]`` in
+    ``pairs.dtype``. Differentiable w.r.t. both. No host sync."""
+    weights = weights.to(pairs.dtype)
+    if pairs.is_cuda and pairs.dtype in (torch.float32, torch.float16, torch.bfloat16) and pairs.numel():
+        return _WeightedSum.apply(pairs, weights)
+    return weighted_sum_reference(pairs, weights)
+
+
+def weighted_sum_reference(pairs: Tensor, weights: Tensor) -> Tensor:
+    """The same as one ``bmm`` per token."""
+    return torch.bmm(weights.to(pairs.dtype).unsqueeze(1), pairs).squeeze(1)
+
+
+class _WeightedSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pairs, weights):
+        from .weighted_sum_triton import weighted_sum_forward
+        pairs, weights = pairs.contiguous(), weights.contiguous()
+        ctx.save_for_backward(pairs, weights)
+        return weighted_sum_forward(pairs, weights)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from .weighted_sum_triton import weights_grad
+        pairs, weights = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        d_pairs = weights.unsqueeze(-1) * grad_out.unsqueeze(1) if ctx.needs_input_grad[0] else None
+        d_w = weights_grad(pairs, grad_out) if ctx.needs_input_grad[1] else None
+        return d_pairs, d_w

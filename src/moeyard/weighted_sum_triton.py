@@ -1,0 +1,82 @@
+"""Triton kernels of :mod:`moeyard.weighted_sum` (CUDA; CPU under ``TRITON_INTERPRET=1``).
+
+``weighted_sum_kernel``: grid ``(ceil(T / BT), ceil(H / BH))``, a program sums the K pair rows of
+``BT`` tokens over ``BH`` columns in float32. ``weights_grad_kernel``: grid ``(ceil(T / BT),)``, a
+program walks H in ``GRAD_BH`` steps for all K slots of ``BT`` tokens. Each reads the pairs once:
+``T * K * H * itemsize`` bytes (1.07 GB at Qwen3-30B-A3B's T = 32768, K = 8, H = 2048, bf16).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .kernel_op import kernel_op
+
+Tensor = torch.Tensor
+BT, BH, GRAD_BH = 4, 512, 128
+
+
+@triton.jit
+def weighted_sum_kernel(pairs_ptr, w_ptr, out_ptr, T, H, K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    """``out[t, h] = sum_k w[t, k] * pairs[t, k, h]`` (contiguous tensors; float32 sums, k in order)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    m_t = t < T
+    mask = m_t[:, None] & (h < H)[None, :]
+    t64 = t.to(tl.int64)
+    acc = tl.zeros((BT, BH), tl.float32)
+    for k in tl.static_range(K):
+        w = tl.load(w_ptr + t64 * K + k, mask=m_t, other=0.0).to(tl.float32)
+        p = tl.load(pairs_ptr + (t64 * K + k)[:, None] * H + h[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += w[:, None] * p
+    tl.store(out_ptr + t64[:, None] * H + h[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def weights_grad_kernel(pairs_ptr, g_ptr, dw_ptr, T, H, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+                        BH: tl.constexpr):
+    """``dw[t, k] = sum_h g[t, h] * pairs[t, k, h]`` (float32 sums over H in BH steps, in order; each
+    ``g`` tile read once for all K slots, ``KP`` = K rounded up to a power of two)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    k = tl.arange(0, KP)
+    m_t = t < T
+    m_tk = m_t[:, None] & (k < K)[None, :]                                         # [BT, KP]
+    row = t.to(tl.int64)[:, None] * K + k[None, :]                                  # [BT, KP] pair rows
+    acc = tl.zeros((BT, KP, BH), tl.float32)
+    for h0 in range(0, H, BH):
+        h = h0 + tl.arange(0, BH)
+        m_h = h < H
+        g = tl.load(g_ptr + t.to(tl.int64)[:, None] * H + h[None, :], mask=m_t[:, None] & m_h[None, :], other=0.0)
+        p = tl.load(pairs_ptr + row[:, :, None] * H + h[None, None, :], mask=m_tk[:, :, None] & m_h[None, None, :],
+                    other=0.0)
+        acc += g.to(tl.float32)[:, None, :] * p.to(tl.float32)
+    tl.store(dw_ptr + row, tl.sum(acc, axis=2).to(dw_ptr.dtype.element_ty), mask=m_tk)
+
+
+@kernel_op("moeyard::weighted_sum_", mutates_args=("out",))
+def weighted_sum_(pairs: Tensor, weights: Tensor, out: Tensor) -> None:
+    T, K, H = pairs.shape
+    weighted_sum_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](pairs, weights, out, T, H, K=K, BT=BT, BH=BH,
+                                                                  num_warps=4)
+
+
+@kernel_op("moeyard::weights_grad_", mutates_args=("dw",))
+def weights_grad_(pairs: Tensor, grad_out: Tensor, dw: Tensor) -> None:
+    T, K, H = pairs.shape
+    weights_grad_kernel[(triton.cdiv(T, BT),)](pairs, grad_out, dw, T, H, K=K, KP=triton.next_power_of_2(K), BT=BT,
+                                               BH=GRAD_BH, num_warps=4)
+
+
+def weighted_sum_forward(pairs: Tensor, weights: Tensor) -> Tensor:
+    """``[T, H]`` in ``pairs.dtype`` (contiguous ``pairs [T, K, H]``, ``weights [T, K]``)."""
+    out = pairs.new_empty(pairs.shape[0], pairs.shape[2])
+    weighted_sum_(pairs, weights, out)
+    return out
+
+
+def weights_grad(pairs: Tensor, grad_out: Tensor) -> Tensor:
+    """``[T, K]`` in ``pairs.dtype``: each pair row's dot product with its token's ``grad_out [T, H]``."""
+    dw = pairs.new_empty(pairs.shape[0], pairs.shape[1])
+    weights_grad_(pairs, grad_out, dw)
+    return dw
