@@ -7,7 +7,7 @@ it as a GEMM with an 8-wide tile and reached 1.0 TB/s on an H100 at Qwen3-30B-A3
 (:mod:`.weighted_sum_triton`) read the pairs once each way instead:
 
 - forward: ``out [T, H]``, float32 sums over k in order 0..K-1, one rounding to the output dtype;
-- backward: ``d pairs[t, k] = w[t, k] * d out[t]`` (one broadcast multiply) and
+- backward: ``d pairs[t, k] = w[t, k] * d out[t]`` (float32 product, rounded once) and
   ``d w[t, k] = <d out[t], pairs[t, k]>`` (float32 sums in a fixed order over H).
 
 Deterministic (no atomics). Elsewhere (CPU) the ``bmm``, which is also the tests' reference.
@@ -43,9 +43,9 @@ class _WeightedSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from .weighted_sum_triton import weights_grad
+        from .weighted_sum_triton import pairs_grad, weights_grad
         pairs, weights = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        d_pairs = weights.unsqueeze(-1) * grad_out.unsqueeze(1) if ctx.needs_input_grad[0] else None
+        d_pairs = pairs_grad(weights, grad_out) if ctx.needs_input_grad[0] else None
         d_w = weights_grad(pairs, grad_out) if ctx.needs_input_grad[1] else None
         return d_pairs, d_w
