@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..weighted_sum import weighted_sum as _weighted_sum
 from .comm import EPGroup, gather_ints
 
 Tensor = torch.Tensor
@@ -102,8 +101,3 @@ def token_counts(num_tokens: int, ep: EPGroup, device: torch.device) -> list[int
     accelerator)."""
     return gather_ints(torch.tensor([num_tokens], device=device, dtype=torch.int64), ep.group).tolist()
 
-
-def weighted_sum(pairs: Tensor, topk_weights: Tensor) -> Tensor:
-    """``pairs [T, K, H]``, ``topk_weights [T, K]`` -> ``[T, H]`` (:func:`moeyard.weighted_sum.weighted_sum`,
-    as :func:`moeyard.unpermute`)."""
-    return _weighted_sum(pairs, topk_weights)

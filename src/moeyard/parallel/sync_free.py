@@ -61,7 +61,8 @@ import torch
 from ..dispatch import DispatchPlan, make_plan, permute, unpermute
 from . import comm, p2p, symm_mem
 from .comm import EPGroup
-from .common import Dispatched, EPOptions, Outgoing, chunk_bounds, local_experts, token_counts, weighted_sum
+from ..weighted_sum import weighted_sum
+from .common import Dispatched, EPOptions, Outgoing, chunk_bounds, local_experts, token_counts
 
 Tensor = torch.Tensor
 EXCHANGES = ("auto", "all_to_all", "symm_mem", "p2p")
@@ -198,7 +199,8 @@ def check_exchange(ep: EPGroup, options: EPOptions) -> None:
     Raises:
         ValueError: as :func:`check_overlap`; ``symm_mem`` without CUDA, an NCCL group, NVSHMEM, the
             ``torch.ops.symm_mem`` ops, or with more than 32 ranks (see
-            :func:`moeyard.parallel.symm_mem.check_available`).
+            :func:`moeyard.parallel.symm_mem.check_available`); ``p2p`` without CUDA or an NCCL group
+            (:func:`moeyard.parallel.p2p.check_available`).
     """
     check_overlap(options.exchange, options.overlap_chunks)
     name = resolve_exchange(options.exchange)
