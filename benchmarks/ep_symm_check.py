@@ -249,6 +249,7 @@ def checks(exchange: str = "symm_mem") -> list[tuple[str, object]]:
 
 # ---------------------------------------------------------------- (c) timing
 
+PROFILED = {"symm_mem": (("sync_free", "symm_mem"), ("all_to_all", "auto")), "p2p": (("sync_free", "p2p"),)}
 VARIANTS = {"symm_mem": (("all_to_all", "auto"), ("sync_free", "all_to_all"), ("sync_free", "symm_mem")),
             "p2p": (("all_to_all", "auto"), ("sync_free", "all_to_all"), ("sync_free", "p2p"))}
 
@@ -339,6 +340,22 @@ def profile_exchange(ep, device, dispatcher: str, exchange: str, steps: int = 3)
     return prof.key_averages().table(sort_by=key, row_limit=16, max_name_column_width=50)
 
 
+def raw_report(ep, device) -> list[dict]:
+    """:func:`raw_timing` on every rank, printed by rank 0 (slowest rank); every rank's results."""
+    raw = raw_timing(ep, device)
+    torch.cuda.empty_cache()
+    raws = [None] * ep.world_size
+    dist.all_gather_object(raws, raw)
+    if ep.rank == 0:
+        print("\n==== raw exchange, equal splits, per rank: "
+              f"{raw['rows']} x {raw['hidden']} bf16 ({raw['GB']:.2f} GB), slowest rank ====")
+        for k, label in (("vdev", "all_to_all_vdev (NVSHMEM)"), ("nccl", "all_to_all_single (NCCL)"),
+                         ("copy", "local copy")):
+            ms = max(r[f"{k}_ms"] for r in raws)
+            print(f"raw {label:<28} {ms:8.3f} ms {raw['GB'] / ms * 1e3:8.1f} GB/s", flush=True)
+    return raws
+
+
 def timing_table(everyone: list[list[dict]]) -> str:
     lines = ["routing   variant                    rows sent (r0)  rows recv (max)  dispatch ms  combine ms"]
     for i, r0 in enumerate(everyone[0]):
@@ -377,37 +394,15 @@ def main() -> int:
         dist.all_gather_object(everyone, results)
         ok = ep.rank != 0 or ep_check.report(everyone, f"ep_symm_check: the {args.exchange} exchange of sync_free")
         timings = raws = None
-        if p2p_run and not args.no_timing and not args.only:
-            table = profile_exchange(ep, device, "sync_free", "p2p")
-            torch.cuda.empty_cache()
-            if ep.rank == 0:
-                print("\n==== profile: 3 x (dispatch + combine), sync_free (p2p), qwen3-30b-a3b, balanced, rank 0 "
-                      f"====\n{table}\n==== end profile ====", flush=True)
-            rows = timing(ep, device, VARIANTS["p2p"])
-            timings = [None] * ep.world_size
-            dist.all_gather_object(timings, rows)
-            if ep.rank == 0:
-                print("\n==== timing: qwen3-30b-a3b per rank, bf16, slowest rank's ms ====")
-                print(timing_table(timings), flush=True)
-        elif not args.no_timing and not args.only:
-            raw = raw_timing(ep, device)
-            torch.cuda.empty_cache()
-            raws = [None] * ep.world_size
-            dist.all_gather_object(raws, raw)
-            if ep.rank == 0:
-                print("\n==== raw exchange, equal splits, per rank: "
-                      f"{raw['rows']} x {raw['hidden']} bf16 ({raw['GB']:.2f} GB), slowest rank ====")
-                for k, label in (("vdev", "all_to_all_vdev (NVSHMEM)"), ("nccl", "all_to_all_single (NCCL)"),
-                                 ("copy", "local copy")):
-                    ms = max(r[f"{k}_ms"] for r in raws)
-                    print(f"raw {label:<28} {ms:8.3f} ms {raw['GB'] / ms * 1e3:8.1f} GB/s", flush=True)
-            for dispatcher, exchange in (("sync_free", "symm_mem"), ("all_to_all", "auto")):
+        if not args.no_timing and not args.only:
+            raws = None if p2p_run else raw_report(ep, device)
+            for dispatcher, exchange in PROFILED[args.exchange]:
                 table = profile_exchange(ep, device, dispatcher, exchange)
                 torch.cuda.empty_cache()
                 if ep.rank == 0:
                     print(f"\n==== profile: 3 x (dispatch + combine), {dispatcher} ({exchange}), qwen3-30b-a3b, "
                           f"balanced, rank 0 ====\n{table}\n==== end profile ====", flush=True)
-            rows = timing(ep, device, VARIANTS["symm_mem"])
+            rows = timing(ep, device, VARIANTS[args.exchange])
             timings = [None] * ep.world_size
             dist.all_gather_object(timings, rows)
             if ep.rank == 0:

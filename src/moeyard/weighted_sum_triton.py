@@ -19,13 +19,18 @@ BT, BH, GRAD_BH = 4, 512, 128
 
 
 @triton.jit
-def weighted_sum_kernel(pairs_ptr, w_ptr, out_ptr, T, H, K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
-    """``out[t, h] = sum_k w[t, k] * pairs[t, k, h]`` (contiguous tensors; float32 sums, k in order)."""
+def _token_tile(T, H, BT: tl.constexpr, BH: tl.constexpr):
+    """This program's ``BT`` tokens (int64) and ``BH`` columns, the token mask and the tile's mask."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     m_t = t < T
-    mask = m_t[:, None] & (h < H)[None, :]
-    t64 = t.to(tl.int64)
+    return t.to(tl.int64), h, m_t, m_t[:, None] & (h < H)[None, :]
+
+
+@triton.jit
+def weighted_sum_kernel(pairs_ptr, w_ptr, out_ptr, T, H, K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    """``out[t, h] = sum_k w[t, k] * pairs[t, k, h]`` (contiguous tensors; float32 sums, k in order)."""
+    t64, h, m_t, mask = _token_tile(T, H, BT, BH)
     acc = tl.zeros((BT, BH), tl.float32)
     for k in tl.static_range(K):
         w = tl.load(w_ptr + t64 * K + k, mask=m_t, other=0.0).to(tl.float32)
@@ -37,11 +42,7 @@ def weighted_sum_kernel(pairs_ptr, w_ptr, out_ptr, T, H, K: tl.constexpr, BT: tl
 @triton.jit
 def pairs_grad_kernel(w_ptr, g_ptr, dp_ptr, T, H, K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
     """``dp[t, k, h] = w[t, k] * g[t, h]`` (the product in float32, rounded once), ``g`` read once."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
-    m_t = t < T
-    mask = m_t[:, None] & (h < H)[None, :]
-    t64 = t.to(tl.int64)
+    t64, h, m_t, mask = _token_tile(T, H, BT, BH)
     g = tl.load(g_ptr + t64[:, None] * H + h[None, :], mask=mask, other=0.0).to(tl.float32)
     for k in tl.static_range(K):
         w = tl.load(w_ptr + t64 * K + k, mask=m_t, other=0.0).to(tl.float32)

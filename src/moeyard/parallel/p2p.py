@@ -45,9 +45,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dispatch import make_plan
+from . import send_order
 from .comm import EPGroup
 from .row_copy import copy_rows
+from .send_order import SendOrder
 
 Tensor = torch.Tensor
 
@@ -149,14 +150,13 @@ def release_buffers() -> None:
 # ---------------------------------------------------------------- the layout
 
 @dataclass(eq=False, kw_only=True)
-class Handle:
-    """What one dispatch leaves for its combine and both backwards (device tensors; ``N = T * K``).
+class Handle(SendOrder):
+    """What one dispatch leaves for its combine and both backwards (device tensors), besides the
+    send order (:class:`moeyard.parallel.send_order.SendOrder`: ``pair_row`` is each pair's row of
+    ``X``).
 
     Attributes:
-        route: the ``sync_free.Route``. bufs: the :class:`Buffers`. rank, align: as given.
-        send_counts: ``[W * E_l]`` int64, rows this rank sends rank d's expert e at ``d * E_l + e``.
-        sort_order: ``[N]`` int64, sorted position -> its pair (sent pairs first).
-        pair_row: ``[N]`` int64, pair -> its sorted position (S, the zero row, where not sent).
+        bufs: the :class:`Buffers`. rank, align: as given.
         num_rows: R, the static expert-major rows.
         dst_rows: ``[W, C]`` int64, row j of the window peer s sends here -> its expert-major row.
         window: ``[W]`` int64, where that window starts in peer s's sorted order.
@@ -165,13 +165,9 @@ class Handle:
         row_experts: ``[R]`` int64, local expert of each row (``E_l``: none).
     """
 
-    route: object
     bufs: Buffers
     rank: int
     align: int
-    send_counts: Tensor
-    sort_order: Tensor
-    pair_row: Tensor
     num_rows: int = 0
     dst_rows: Tensor | None = None
     window: Tensor | None = None
@@ -224,54 +220,16 @@ def dispatch(x: Tensor, route, ep: EPGroup, align: int) -> tuple[Tensor, Tensor,
         ValueError: as :func:`check_available`. Raised before any collective.
     """
     check_available(ep)
-    T, K, E, El = route.num_tokens, route.top_k, route.num_experts, route.num_local_experts
-    bufs = buffers(ep, x.device, x.dtype, x.shape[1], route.max_tokens * K, El)
-    plan = make_plan(route.ids.view(T, K), E)  # sorted by global expert: by rank, then local expert
-    S = route.max_tokens * K
-    h = Handle(route=route, bufs=bufs, rank=ep.rank, align=align,
-               send_counts=plan.tokens_per_expert.to(torch.int64), sort_order=plan.sort_order,
-               pair_row=torch.where(route.ids < E, plan.pair_rows, S))
-    rows = _Dispatch.apply(x, h)
+    bufs = buffers(ep, x.device, x.dtype, x.shape[1], route.max_tokens * route.top_k, route.num_local_experts)
+    h = Handle(**send_order.order_pairs(route), bufs=bufs, rank=ep.rank, align=align)
+    rows = send_order.dispatch(x, h, _pull, _push)
     return rows, h.row_experts, h
 
 
 def combine(y: Tensor, h: Handle) -> Tensor:
     """``y [R, H]`` (the experts' rows, as :func:`dispatch` gave them) -> ``[T, K, H]``: each pair's
     row back on its own rank (zeros where not sent). Differentiable w.r.t. ``y``."""
-    return _Combine.apply(y, h)
-
-
-def rows_sent(h: Handle) -> int:
-    """Rows this rank sent in the dispatch (reads the device: benchmarks only)."""
-    return int(h.send_counts.sum())
-
-
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, h):
-        ctx.h = h
-        K = h.route.top_k
-        return _pull(h, lambda send: torch.index_select(x, 0, h.sort_order // K, out=send[:h.sort_order.numel()]))
-
-    @staticmethod
-    def backward(ctx, grad_rows):
-        h = ctx.h
-        pairs = _push(h, grad_rows)
-        return pairs.view(h.route.num_tokens, h.route.top_k, pairs.shape[1]).sum(1), None
-
-
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, h):
-        ctx.h = h
-        pairs = _push(h, y)
-        return pairs.view(h.route.num_tokens, h.route.top_k, pairs.shape[1])
-
-    @staticmethod
-    def backward(ctx, grad_pairs):
-        h = ctx.h
-        flat = grad_pairs.reshape(-1, grad_pairs.shape[-1])
-        return _pull(h, lambda send: torch.index_select(flat, 0, h.sort_order, out=send[:flat.shape[0]])), None
+    return send_order.combine(y, h, _pull, _push)
 
 
 def new_rows(rows: int, like: Tensor) -> Tensor:

@@ -71,7 +71,9 @@ import torch
 import torch.distributed as dist
 
 from ..dispatch import make_plan
+from . import send_order
 from .comm import EPGroup, all_to_all
+from .send_order import SendOrder
 
 Tensor = torch.Tensor
 MAX_WORLD = 32        # all_to_all_vdev_2d: one warp scans a rank's splits
@@ -240,27 +242,22 @@ def release_buffers() -> None:
 # ---------------------------------------------------------------- the exchange
 
 @dataclass(eq=False, kw_only=True)
-class Handle:
-    """What one dispatch leaves for its combine and both backwards (device tensors; ``N = T * K``).
+class Handle(SendOrder):
+    """What one dispatch leaves for its combine and both backwards (device tensors), besides the
+    send order (:class:`moeyard.parallel.send_order.SendOrder`: ``pair_row`` is each pair's row of
+    ``send``).
 
     Attributes:
-        route: the ``sync_free.Route``. bufs: the :class:`Buffers`. two_d: the path. align: as given.
-        send_counts: ``[W * E_l]`` int64, rows to rank d's expert e at ``d * E_l + e``.
-        sort_order: ``[N]`` int64, send row -> its pair (rows past the sent ones: unsent pairs).
-        pair_row: ``[N]`` int64, pair -> its send row (S, the zero row, where not sent).
+        bufs: the :class:`Buffers`. two_d: the path. align: as given.
         recv_meta: 2-D: ``[2, E_l * W]`` the received splits and offsets; 1-D: ``[W]`` rows from each rank.
         gather: ``[R']`` int64, expert-major row -> its ``recv`` row (R, the zero row, when empty).
         inverse: 1-D: ``[R]`` int64, ``recv`` row -> its expert-major row; 2-D: None (the same rows).
         row_experts: ``[R']`` int64 local expert of each expert-major row (``E_l``: none).
     """
 
-    route: object
     bufs: Buffers
     two_d: bool
     align: int
-    send_counts: Tensor
-    sort_order: Tensor
-    pair_row: Tensor
     recv_meta: Tensor | None = None
     gather: Tensor | None = None
     inverse: Tensor | None = None
@@ -279,7 +276,7 @@ def dispatch(x: Tensor, route, ep: EPGroup, align: int) -> tuple[Tensor, Tensor,
             asserts on the device otherwise). Raised before any collective.
     """
     check_available(ep)
-    T, K, E, W, El = route.num_tokens, route.top_k, route.num_experts, route.world_size, route.num_local_experts
+    K, W, El = route.top_k, route.world_size, route.num_local_experts
     two_d = use_2d(W, El)
     if not two_d and (x.shape[1] * x.element_size()) % ROW_BYTES:
         raise ValueError(f"hidden_states: the symmetric-memory exchange at E_l={El} > {MAX_2D_EXPERTS} needs rows of "
@@ -287,56 +284,24 @@ def dispatch(x: Tensor, route, ep: EPGroup, align: int) -> tuple[Tensor, Tensor,
     S = route.max_tokens * K
     R = W * route.block_rows + (El * align if two_d else 0)
     bufs = buffers(ep, x.device, x.dtype, x.shape[1], S, R, El, two_d)
-    plan = make_plan(route.ids.view(T, K), E)  # sorted by global expert: by rank, then local expert
-    h = Handle(route=route, bufs=bufs, two_d=two_d, align=align,
-               send_counts=plan.tokens_per_expert.to(torch.int64), sort_order=plan.sort_order,
-               pair_row=torch.where(route.ids < E, plan.pair_rows, S))
-    rows = _Dispatch.apply(x, h)
+    h = Handle(**send_order.order_pairs(route), bufs=bufs, two_d=two_d, align=align)
+    rows = send_order.dispatch(x, h, _send, _send_reverse)
     return rows, h.row_experts, h
 
 
 def combine(y: Tensor, h: Handle) -> Tensor:
     """``y [R', H]`` (the experts' rows, as :func:`dispatch` gave them) -> ``[T, K, H]``: each pair's
     row back on its own rank (zeros where not sent). Differentiable w.r.t. ``y``."""
-    return _Combine.apply(y, h)
+    return send_order.combine(y, h, _send, _send_reverse)
 
 
-def rows_sent(h: Handle) -> int:
-    """Rows this rank sent in the dispatch (reads the device: benchmarks only)."""
-    return int(h.send_counts.sum())
-
-
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, h):
-        ctx.h = h
-        N = h.route.num_tokens * h.route.top_k
-        _send_forward(h, lambda send: torch.index_select(x, 0, h.sort_order // h.route.top_k, out=send[:N]))
+def _send(h: Handle, fill) -> Tensor:
+    """``send`` -> ``recv`` (:func:`_send_forward`), then the expert-major rows out of ``recv`` (the
+    layout made on the handle's first send)."""
+    _send_forward(h, fill)
+    if h.gather is None:
         _recv_layout(h)
-        return h.bufs.recv.index_select(0, h.gather)
-
-    @staticmethod
-    def backward(ctx, grad_rows):
-        h = ctx.h
-        T, K = h.route.num_tokens, h.route.top_k
-        pairs = _send_reverse(h, grad_rows)
-        return pairs.view(T, K, pairs.shape[1]).sum(1), None
-
-
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, h):
-        ctx.h = h
-        pairs = _send_reverse(h, y)
-        return pairs.view(h.route.num_tokens, h.route.top_k, pairs.shape[1])
-
-    @staticmethod
-    def backward(ctx, grad_pairs):
-        h = ctx.h
-        N = h.route.num_tokens * h.route.top_k
-        flat = grad_pairs.reshape(N, grad_pairs.shape[-1])
-        _send_forward(h, lambda send: torch.index_select(flat, 0, h.sort_order, out=send[:N]))
-        return h.bufs.recv.index_select(0, h.gather), None
+    return h.bufs.recv.index_select(0, h.gather)
 
 
 def _send_forward(h: Handle, fill) -> None:

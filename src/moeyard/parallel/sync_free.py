@@ -59,7 +59,7 @@ from typing import Callable
 import torch
 
 from ..dispatch import DispatchPlan, make_plan, permute, unpermute
-from . import comm, p2p, symm_mem
+from . import comm, p2p, send_order, symm_mem
 from .comm import EPGroup
 from ..weighted_sum import weighted_sum
 from .common import Dispatched, EPOptions, Outgoing, chunk_bounds, local_experts, token_counts
@@ -331,8 +331,8 @@ def unpack_slots(back: Tensor, handle: Slots) -> Tensor:
 EXCHANGE_IMPLS = {
     "all_to_all": Exchange(exchange_equal_splits, combine_equal_splits,
                            lambda handle: handle.route.world_size * handle.route.block_rows),  # empty slots too
-    "symm_mem": Exchange(symm_mem.dispatch, symm_mem.combine, symm_mem.rows_sent),
-    "p2p": Exchange(p2p.dispatch, p2p.combine, p2p.rows_sent),
+    "symm_mem": Exchange(symm_mem.dispatch, symm_mem.combine, send_order.rows_sent),
+    "p2p": Exchange(p2p.dispatch, p2p.combine, send_order.rows_sent),
 }
 
 
