@@ -5,6 +5,8 @@
 #   EP_SHAPES=qwen3-30b-a3b bash benchmarks/gpu_ep.sh   # one shape only
 #   EP_SYMM_ONLY=1 bash benchmarks/gpu_ep.sh            # step 3 only
 #   EP_STEPS="symm check" bash benchmarks/gpu_ep.sh     # any of: check bench symm p2p (default: all four)
+#   EP_NPROC=1 EP_STEPS="p2p bench" bash benchmarks/gpu_ep.sh  # one GPU (no NVLink: local costs only;
+#                                                       # symm needs 2 ranks); EP_SRC=dir: moeyard from dir/src
 #
 # 1. benchmarks/ep_check.py under torchrun: every dispatcher x {triton, grouped_mm} x {bf16, fp32}
 #    against the single-process oracle, sync debug mode, CUDA-graph replay, overlap_chunks 2 and 3,
@@ -31,7 +33,7 @@ export NCCL_NVLS_ENABLE=0            # no NVLink multicast
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-8G}   # step 3's symmetric buffers
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=3
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="${EP_SRC:-$PWD}/src${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=4
 declare -A STATUS
 
@@ -49,7 +51,8 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
   python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl',
 torch.cuda.nccl.version(), 'triton', triton.__version__)"; } > "$OUT/env.txt" 2>&1
 
-TR="torchrun --standalone --nproc-per-node 2"
+NPROC=${EP_NPROC:-2}
+TR="torchrun --standalone --nproc-per-node $NPROC"
 SHAPES=${EP_SHAPES:-qwen3-30b-a3b sonic-7b}
 OVERLAP=${EP_OVERLAP:-1,2,4}
 STEPS=${EP_STEPS:-check bench symm p2p}
@@ -61,7 +64,7 @@ has p2p && MOEYARD_TRITON_AUTOTUNE=0 step ep_p2p_check 300 $TR benchmarks/ep_sym
 has check && MOEYARD_TRITON_AUTOTUNE=0 step ep_check 200 $TR benchmarks/ep_check.py --json "$OUT/ep_check.json"
 if has bench; then
     for shape in $SHAPES; do
-        step "bench_$shape" 160 $TR -m moeyard bench --ep 2 --model "$shape" --dtype bfloat16 \
+        step "bench_$shape" 160 $TR -m moeyard bench --ep "$NPROC" --model "$shape" --dtype bfloat16 \
             --warmup 3 --iters 10 --overlap "$OVERLAP" --json "$OUT/bench_$shape.json"
     done
 fi

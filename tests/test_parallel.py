@@ -62,11 +62,13 @@ def test_p2p_exchange_emulated():
     ep_workers.spawn(ep_workers.worker_p2p, 2)
 
 
-@pytest.mark.parametrize("direction", ["pull", "push"])
+@pytest.mark.parametrize("direction", ["pull", "push", "pull_indexed", "pull_scaled"])
 def test_copy_rows_kernel_matches_reference(direction):
     """The Triton row copy under the interpreter (three peers' buffers in one launch, through the
-    address table) against the torch reference: counts 0, partial blocks and the full bound, a row
-    stride wider than H; nothing past a peer's count written."""
+    address table) against the torch reference, and the reference against the definition row by
+    row: counts 0, partial blocks and the full bound, a row stride wider than H, a pull through each
+    peer's index (rows read twice or not at all), and scaled by each peer's factors; nothing past a
+    peer's count written."""
     pytest.importorskip("triton")
     import os
     from unittest import mock
@@ -79,20 +81,34 @@ def test_copy_rows_kernel_matches_reference(direction):
     base, count = torch.tensor([40, 3, 17]), torch.tensor([C, 0, 13])
     local = torch.randn(65, H + 8, generator=g)[:, :H]
     peers = [torch.randn(66, H + 8, generator=g)[:, :H] for _ in range(W)]
-    if direction == "pull":
+    index = [torch.randint(0, 64, (64,), generator=g) for _ in range(W)] if direction.startswith("pull_") else None
+    scale = [torch.randn(64, generator=g) for _ in range(W)] if direction == "pull_scaled" else None
+    pull = direction != "push"
+    mode = "pull" if pull else "push"
+    if pull:
         ref, got = torch.zeros(65, H), torch.zeros(65, H)
-        copy_rows_reference(ref, peers, rows, base, count, direction=direction)
+        copy_rows_reference(ref, peers, rows, base, count, direction=mode, index=index, scale=scale)
         local_got, peers_got = got, peers
     else:
         ref = [torch.zeros(66, H) for _ in range(W)]
         got = [torch.zeros(66, H + 8)[:, :H] for _ in range(W)]
-        copy_rows_reference(local, ref, rows, base, count, direction=direction)
+        copy_rows_reference(local, ref, rows, base, count, direction=mode)
         local_got, peers_got = local, got
+    for s in range(W):  # the definition, row by row
+        for j in range(int(count[s])):
+            w = int(base[s]) + j
+            if pull:
+                src = peers[s][int(index[s][w]) if index else w] * (float(scale[s][w]) if scale else 1.0)
+                assert torch.equal(ref[int(rows[s, j])], src), (s, j)
+            else:
+                assert torch.equal(ref[s][w], local[int(rows[s, j])]), (s, j)
     table = torch.tensor([p.data_ptr() for p in peers_got], dtype=torch.int64)
+    addresses = lambda views: None if views is None else torch.tensor([v.data_ptr() for v in views])  # noqa: E731
     with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
         from moeyard.parallel.row_copy_triton import copy_rows_triton
-        copy_rows_triton(local_got, peers_got[0], table, rows, base, count, pull=direction == "pull")
-    if direction == "pull":
+        copy_rows_triton(local_got, peers_got[0], table, rows, base, count, pull=pull, index_table=addresses(index),
+                         scale_table=addresses(scale))
+    if pull:
         assert torch.equal(got[:-1], ref[:-1])
         assert torch.count_nonzero(got.abs().sum(1)) == count.sum()
     else:
@@ -101,6 +117,8 @@ def test_copy_rows_kernel_matches_reference(direction):
             assert torch.count_nonzero(got[s].abs().sum(1)) == count[s]
     with pytest.raises(ValueError, match="direction: expected one of"):
         copy_rows(local, peers, table, rows, base, count, direction="both")
+    with pytest.raises(ValueError, match="index, scale: only a pull"):
+        copy_rows(local, peers, table, rows, base, count, direction="push", index=(peers, table))
 
 
 @pytest.mark.slow  # ~60 s on 2 cores: 8 processes importing torch

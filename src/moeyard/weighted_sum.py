@@ -25,7 +25,7 @@ def weighted_sum(pairs: Tensor, weights: Tensor) -> Tensor:
     ``pairs.dtype``. Differentiable w.r.t. both. No host sync. Shapes are not checked here (the
     callers, :func:`moeyard.dispatch.unpermute` and the combines, hold them by construction)."""
     weights = weights.to(pairs.dtype)
-    if pairs.is_cuda and pairs.dtype in (torch.float32, torch.float16, torch.bfloat16) and pairs.numel():
+    if _on_kernels(pairs):
         return _WeightedSum.apply(pairs, weights)
     return weighted_sum_reference(pairs, weights)
 
@@ -35,17 +35,38 @@ def weighted_sum_reference(pairs: Tensor, weights: Tensor) -> Tensor:
     return torch.bmm(weights.to(pairs.dtype).unsqueeze(1), pairs).squeeze(1)
 
 
+def sum_values(pairs: Tensor, weights: Tensor) -> Tensor:
+    """The forward alone, outside autograd (for a caller that owns the backward, e.g. a combine that
+    sends ``d out`` scaled by the weights instead of ``d pairs``): ``[T, H]`` in ``pairs.dtype``,
+    ``weights`` already in ``pairs.dtype``."""
+    if _on_kernels(pairs):
+        from .weighted_sum_triton import weighted_sum_forward
+        return weighted_sum_forward(pairs.contiguous(), weights.contiguous())
+    return weighted_sum_reference(pairs, weights)
+
+
+def weights_grad(pairs: Tensor, grad_out: Tensor) -> Tensor:
+    """``d weights [T, K]`` in ``pairs.dtype``: ``<grad_out[t], pairs[t, k]>`` (``grad_out [T, H]``)."""
+    if _on_kernels(pairs):
+        from .weighted_sum_triton import weights_grad as kernel
+        return kernel(pairs.contiguous(), grad_out.contiguous())
+    return torch.bmm(pairs, grad_out.to(pairs.dtype).unsqueeze(2)).squeeze(2)
+
+
+def _on_kernels(pairs: Tensor) -> bool:
+    return pairs.is_cuda and pairs.dtype in (torch.float32, torch.float16, torch.bfloat16) and pairs.numel() > 0
+
+
 class _WeightedSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pairs, weights):
-        from .weighted_sum_triton import weighted_sum_forward
         pairs, weights = pairs.contiguous(), weights.contiguous()
         ctx.save_for_backward(pairs, weights)
-        return weighted_sum_forward(pairs, weights)
+        return sum_values(pairs, weights)
 
     @staticmethod
     def backward(ctx, grad_out):
-        from .weighted_sum_triton import pairs_grad, weights_grad
+        from .weighted_sum_triton import pairs_grad
         pairs, weights = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         d_pairs = pairs_grad(weights, grad_out) if ctx.needs_input_grad[0] else None

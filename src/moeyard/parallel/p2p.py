@@ -2,34 +2,40 @@
 written straight in the peers' memory, counts and offsets never leave the device.
 
 Selected with ``expert_parallel(model, dispatcher="sync_free", exchange="p2p")``. Every rank holds
-one symmetric buffer ``X`` (``[S + 2, H]``, ``S = T_max * K``: this rank's pairs, then a zero row
-and a scratch row) and a count vector (``[W * E_l]`` int64), allocated with
+one symmetric buffer ``X`` (``[S + 2, H]``, ``S = T_max * K``: room for this rank's pairs, then a
+zero row and a scratch row), an index (``[S]`` int64), a scale (``[S]``, ``X``'s dtype) and a count
+vector (``[W * E_l]`` int64), allocated with
 ``torch.distributed._symmetric_memory`` (CUDA; every peer's buffer is mapped into this process, so
 a kernel reads and writes it over NVLink). Each exchange op is: device barrier (every peer has
 finished reading ``X`` in the previous op), writes, device barrier (every write has landed),
 reads; no host wait, and nothing depends on which op came before, so it holds for any order of
 ops, ops skipped (an input without gradient) and CUDA-graph replays between eager calls:
 
-- **dispatch** (pull): the rank writes its pairs' rows into its own ``X`` sorted by (destination
-  rank, local expert, token) and its counts; barrier; it reads every peer's counts (``[W, W, E_l]``:
-  rows from s to rank d's expert e), lays out its expert-major rows (each expert's rows from rank
-  0, 1, ... back to back, padded to a multiple of ``align``) and copies each peer's window of rows
-  for it out of the peer's ``X`` into a fresh ``[R, H]`` tensor (one
-  :func:`moeyard.parallel.row_copy.copy_rows` for all peers, ``direction="pull"``);
+- **dispatch** (pull): the rank copies its tokens ``x [T, H]`` into its own ``X``, writes each pair's
+  token into the index in send order (sorted by destination rank, local expert, token), and its
+  counts; barrier; it reads every peer's counts (``[W, W, E_l]``: rows from s to rank d's expert e),
+  lays out its expert-major rows (each expert's rows from rank 0, 1, ... back to back, padded to a
+  multiple of ``align``) and copies each peer's window of pairs for it, each row read at the token
+  the peer's index names, out of the peer's ``X`` into a fresh ``[R, H]`` tensor (one
+  :func:`moeyard.parallel.row_copy.copy_rows` for all peers, ``direction="pull"`` with ``index``).
+  A token routed to several experts is written to ``X`` once (``T`` rows, not ``T * K``);
 - **combine** (push): the rank copies the experts' output rows into the ``X`` of the rank each row
   came from, at the row's position in that rank's sorted order (``direction="push"``); barrier; each
-  rank reads its pairs' rows out of its own ``X`` (the zero row for pairs not sent).
+  rank reads its pairs' rows out of its own ``X`` (the zero row for pairs not sent) and sums each
+  token's, weighted.
 
 The backward of dispatch is a combine (the rows' gradients pushed home, each token's pairs
-summed), the backward of combine a dispatch (pair gradients packed, pulled expert-major) that
-reuses the forward's layout.
+summed), the backward of combine a dispatch that reuses the forward's layout: ``d out [T, H]`` is
+copied into ``X``, the index names each pair's token and the scale its routing weight, so a pull
+reads ``w * d out[token]`` and no ``[T * K, H]`` pair gradient is formed.
 
 Against the ``all_to_all`` exchange (equal splits) this moves ``N_recv * H`` elements each way
 instead of ``W * C * H`` (half at W = 2, K = 8, E_l >= 8); against the NVSHMEM ``symm_mem``
 exchange it needs no ``torch.ops.symm_mem`` all-to-all and lays the rows out as it copies them.
 
 Memory per rank (symmetric heap): ``(S + 2) * H * itemsize`` for the buffer, e.g. 1.07 GB at
-qwen3-30b-a3b on 2 ranks (T_max = 32768, K = 8, H = 2048, bf16), plus the fresh ``[R, H]`` rows
+qwen3-30b-a3b on 2 ranks (T_max = 32768, K = 8, H = 2048, bf16), and ``(8 + itemsize) S`` bytes for
+the index and scale (2.5 MiB there), plus the fresh ``[R, H]`` rows
 (``R = W * C + E_l * (align - 1)``, rounded up to ``align``: the static worst case of
 :func:`moeyard.parallel.sync_free.block_rows`). Rows past the received ones (and their pad) are
 not written: they belong to no expert (local id ``E_l``), which every backend skips, so no pass
@@ -114,12 +120,20 @@ class Buffers:
     Attributes:
         rows: ``[S + 2, H]`` views by rank: row S zero, row S + 1 scratch.
         table: ``[W]`` int64, the views' addresses on this device (for the row-copy kernel).
+        index: ``[S]`` int64 views by rank: the row of ``rows`` each send row reads.
+        index_table: ``[W]`` int64, their addresses.
+        scale: ``[S]`` views by rank (``rows``' dtype): the factor of each send row (a scaled pull).
+        scale_table: ``[W]`` int64, their addresses.
         counts: ``[W * E_l]`` int64 views by rank: rows to rank d's expert e at ``d * E_l + e``.
         handle: what :meth:`TorchPeerOps.barrier` takes.
     """
 
     rows: list[Tensor]
     table: Tensor
+    index: list[Tensor]
+    index_table: Tensor
+    scale: list[Tensor]
+    scale_table: Tensor
     counts: list[Tensor]
     handle: object
 
@@ -134,11 +148,18 @@ def buffers(ep: EPGroup, device: torch.device, dtype: torch.dtype, hidden: int, 
     key = (ep.group.group_name, device, dtype, hidden, pairs, num_local_experts)
     if key not in _BUFFERS:
         rows, handle = OPS.symmetric((pairs + 2, hidden), dtype, device, ep.group)
+        index, _ = OPS.symmetric((pairs,), torch.int64, device, ep.group)
+        scale, _ = OPS.symmetric((pairs,), dtype, device, ep.group)
         counts, _ = OPS.symmetric((ep.world_size * num_local_experts,), torch.int64, device, ep.group)
         rows[ep.rank][pairs].zero_()
-        table = torch.tensor([v.data_ptr() for v in rows], dtype=torch.int64, device=device)
-        _BUFFERS[key] = Buffers(rows=rows, table=table, counts=counts, handle=handle)
+        _BUFFERS[key] = Buffers(rows=rows, table=_addresses(rows, device), index=index,
+                                index_table=_addresses(index, device), scale=scale,
+                                scale_table=_addresses(scale, device), counts=counts, handle=handle)
     return _BUFFERS[key]
+
+
+def _addresses(views: list[Tensor], device: torch.device) -> Tensor:
+    return torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=device)
 
 
 def release_buffers() -> None:
@@ -226,10 +247,11 @@ def dispatch(x: Tensor, route, ep: EPGroup, align: int) -> tuple[Tensor, Tensor,
     return rows, h.row_experts, h
 
 
-def combine(y: Tensor, h: Handle) -> Tensor:
-    """``y [R, H]`` (the experts' rows, as :func:`dispatch` gave them) -> ``[T, K, H]``: each pair's
-    row back on its own rank (zeros where not sent). Differentiable w.r.t. ``y``."""
-    return send_order.combine(y, h, _pull, _push)
+def combine(y: Tensor, h: Handle, weights: Tensor) -> Tensor:
+    """``y [R, H]`` (the experts' rows, as :func:`dispatch` gave them), ``weights [T, K]`` -> ``[T, H]``:
+    each pair's row back on its own rank (zeros where not sent), weighted and summed per token
+    (:func:`moeyard.parallel.send_order.combine`). Differentiable w.r.t. ``y`` and ``weights``."""
+    return send_order.combine(y, weights, h, _pull, _push)
 
 
 def new_rows(rows: int, like: Tensor) -> Tensor:
@@ -238,14 +260,18 @@ def new_rows(rows: int, like: Tensor) -> Tensor:
     return like.new_empty(rows + 1, like.shape[1])
 
 
-def _pull(h: Handle, fill) -> Tensor:
-    """Barrier, write this rank's rows into its buffer (``fill(send)``), barrier, copy each peer's
-    window for this rank into fresh expert-major rows ``[R, H]``. The first pull of a handle
-    (dispatch's forward) also sends the counts and lays out the rows."""
+def _pull(h: Handle, src: Tensor, index: Tensor, scale: Tensor | None = None) -> Tensor:
+    """Barrier, write ``src [n, H]`` (``n <= S``) into this rank's buffer, ``index [N]`` (the row
+    of ``src`` of each send row) into its index and ``scale [N]`` (if given) into its scale,
+    barrier, copy each peer's window for this rank into fresh expert-major rows ``[R, H]``. The first
+    pull of a handle (dispatch's forward) also sends the counts and lays out the rows."""
     b = h.bufs
     me, W = h.rank, h.route.world_size
     OPS.barrier(b.handle)
-    fill(b.rows[me])
+    b.rows[me][:src.shape[0]].copy_(src)
+    b.index[me][:index.shape[0]].copy_(index)
+    if scale is not None:
+        b.scale[me][:scale.shape[0]].copy_(scale)
     first = h.dst_rows is None
     if first:
         b.counts[me].copy_(h.send_counts)
@@ -253,7 +279,8 @@ def _pull(h: Handle, fill) -> Tensor:
     if first:
         layout(h, torch.stack(b.counts).view(W, W, h.route.num_local_experts))
     out = new_rows(h.num_rows, b.rows[me])
-    copy_rows(out, b.rows, b.table, h.dst_rows, h.window, h.received, direction="pull")
+    copy_rows(out, b.rows, b.table, h.dst_rows, h.window, h.received, direction="pull",
+              index=(b.index, b.index_table), scale=None if scale is None else (b.scale, b.scale_table))
     if h.pad_rows is not None:
         out.index_fill_(0, h.pad_rows, 0)
     return out[:h.num_rows]

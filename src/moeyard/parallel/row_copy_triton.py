@@ -3,21 +3,29 @@
 Grid ``(ceil(C / BLOCK_M), ceil(H / BLOCK_H), W)``: a program copies ``BLOCK_M`` rows x ``BLOCK_H``
 columns of one peer's window; it takes the peer's buffer address from a table (``int64`` -> pointer)
 and returns at once when its first row is past the peer's count. Bytes moved: ``sum(count) * H *
-itemsize`` read and written, on NVLink for every peer but this rank.
+itemsize`` read and written, on NVLink for every peer but this rank (an indexed pull also reads
+each row's 8-byte index there).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-BLOCK_M = 8
-MAX_BLOCK_H = 1024
+# Measured on an H200 (copy of 262144 x 2048 bf16 rows within one GPU, benchmarks/NOTES.md round 19): at
+# 16 x 512 and 4 warps a pull moves 3.8 TB/s (4.2 indexed), a push 3.9, next to torch's copy_ at 4.2;
+# the former 8 x 1024 ran 2.1-3.1 TB/s
+BLOCK_M = 16
+MAX_BLOCK_H = 512
 
 
 @triton.jit
-def copy_rows_kernel(local_ptr, table_ptr, rows_ptr, base_ptr, count_ptr, H, C, stride_local, stride_peer,
-                     PULL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Pull: ``local[rows[s, j]] = peer_s[base[s] + j]``; push: ``peer_s[base[s] + j] = local[rows[s, j]]``."""
+def copy_rows_kernel(local_ptr, table_ptr, rows_ptr, base_ptr, count_ptr, index_table_ptr, scale_table_ptr, H, C,
+                     stride_local, stride_peer, PULL: tl.constexpr, INDEXED: tl.constexpr, SCALED: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Pull: ``local[rows[s, j]] = peer_s[base[s] + j]`` (``INDEXED``: ``peer_s[index_s[base[s] + j]]``,
+    ``index_s`` at the address ``index_table[s]``; ``SCALED``: times ``scale_s[base[s] + j]`` (the
+    rows' dtype, at ``scale_table[s]``; product in float32, float64 for float64 rows); push:
+    ``peer_s[base[s] + j] = local[rows[s, j]]``."""
     s = tl.program_id(2)
     count = tl.load(count_ptr + s)
     first = tl.program_id(0) * BLOCK_M
@@ -28,24 +36,40 @@ def copy_rows_kernel(local_ptr, table_ptr, rows_ptr, base_ptr, count_ptr, H, C, 
     m_j = j < count
     row = tl.load(rows_ptr + s.to(tl.int64) * C + j, mask=m_j, other=0).to(tl.int64)
     window = tl.load(base_ptr + s).to(tl.int64) + j.to(tl.int64)
+    if SCALED:
+        scale_ptr = tl.load(scale_table_ptr + s).to(tl.pointer_type(local_ptr.dtype.element_ty))
+        factor = tl.load(scale_ptr + window, mask=m_j, other=0.0)
+    if INDEXED:
+        index_ptr = tl.load(index_table_ptr + s).to(tl.pointer_type(tl.int64))
+        window = tl.load(index_ptr + window, mask=m_j, other=0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = m_j[:, None] & (cols < H)[None, :]
     p_local = local_ptr + row[:, None] * stride_local + cols[None, :]
     p_peer = peer_ptr + window[:, None] * stride_peer + cols[None, :]
     if PULL:
-        tl.store(p_local, tl.load(p_peer, mask=mask), mask=mask)
+        got = tl.load(p_peer, mask=mask)
+        if SCALED:
+            if got.dtype == tl.float64:
+                got = got * factor[:, None]
+            else:
+                got = (got.to(tl.float32) * factor.to(tl.float32)[:, None]).to(got.dtype)
+        tl.store(p_local, got, mask=mask)
     else:
         tl.store(p_peer, tl.load(p_local, mask=mask), mask=mask)
 
 
-def copy_rows_triton(local, peer, table, rows, base, count, *, pull: bool) -> None:
+def copy_rows_triton(local, peer, table, rows, base, count, *, pull: bool, index_table=None,
+                     scale_table=None) -> None:
     """Launch :func:`copy_rows_kernel` (arguments as :func:`moeyard.parallel.row_copy.copy_rows`;
-    ``peer``: any one of the peers' tensors, for the shape and stride they share)."""
+    ``peer``: any one of the peers' tensors, for the shape and stride they share; ``index_table``,
+    ``scale_table``: the index and scale tensors' addresses, for an indexed or scaled pull)."""
     W, C = rows.shape
     H = local.shape[1]
     if C == 0 or H == 0 or W == 0:
         return
     block_h = min(triton.next_power_of_2(H), MAX_BLOCK_H)
     grid = (triton.cdiv(C, BLOCK_M), triton.cdiv(H, block_h), W)
-    copy_rows_kernel[grid](local, table, rows, base, count, H, C, local.stride(0), peer.stride(0),
-                           PULL=pull, BLOCK_M=BLOCK_M, BLOCK_H=block_h, num_warps=4)
+    copy_rows_kernel[grid](local, table, rows, base, count, table if index_table is None else index_table,
+                           table if scale_table is None else scale_table, H, C, local.stride(0), peer.stride(0),
+                           PULL=pull, INDEXED=index_table is not None, SCALED=scale_table is not None,
+                           BLOCK_M=BLOCK_M, BLOCK_H=block_h, num_warps=4)

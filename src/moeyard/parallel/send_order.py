@@ -3,14 +3,17 @@ each rank's pairs in send order, and the autograd around an exchange's two direc
 
 An exchange gives two functions of its handle ``h`` (a :class:`SendOrder`):
 
-- ``send(h, fill) -> rows [R, H]``: ``fill(buf)`` writes this rank's rows in send order into
-  ``buf[:N]``; the exchange moves them to the ranks owning their experts and returns the fresh
-  expert-major rows there;
+- ``send(h, src, index, scale=None) -> rows [R, H]``: this rank's rows in send order are
+  ``src[index]`` (``src [*, H]``, ``index [N]`` int64 rows of ``src``), each times ``scale[j]``
+  (``[N]`` in ``src``'s dtype; product in float32, float64 for float64, rounded once) when given; the exchange moves them to the ranks
+  owning their experts and returns the fresh expert-major rows there. Dispatch sends ``x`` at each
+  pair's token; combine's backward ``d out`` at each pair's token scaled by the pair's weight;
 - ``back(h, rows [R, H]) -> [N, H]``: the reverse, each of this rank's pairs' rows (zeros where not
   sent).
 
 Dispatch is ``send`` forward and ``back`` backward (each token's pair gradients summed); combine the
-other way round.
+other way round, with the weighted sum over each token's pairs inside: its backward sends ``d out``
+with the weights as ``scale``, so no ``[T, K, H]`` gradient of the pairs is formed.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..dispatch import make_plan
+from ..weighted_sum import sum_values, weights_grad
 
 Tensor = torch.Tensor
 
@@ -55,10 +59,11 @@ def dispatch(x: Tensor, h: SendOrder, send, back) -> Tensor:
     return _Dispatch.apply(x, h, send, back)
 
 
-def combine(y: Tensor, h: SendOrder, send, back) -> Tensor:
-    """``y [R, H]`` (as dispatched) -> ``[T, K, H]``, each pair's row back on its own rank (zeros where
-    not sent). Differentiable w.r.t. ``y``."""
-    return _Combine.apply(y, h, send, back)
+def combine(y: Tensor, weights: Tensor, h: SendOrder, send, back) -> Tensor:
+    """``y [R, H]`` (as dispatched), ``weights [T, K]`` -> ``[T, H]``: ``sum_k w[t, k] * row(t, k)``,
+    each pair's row back on its own rank (zeros where not sent), summed as
+    :func:`moeyard.weighted_sum.weighted_sum`. Differentiable w.r.t. ``y`` and ``weights``."""
+    return _Combine.apply(y, weights, h, send, back)
 
 
 def rows_sent(h: SendOrder) -> int:
@@ -70,8 +75,8 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h, send, back):
         ctx.h, ctx.back = h, back
-        N, K = h.sort_order.numel(), h.route.top_k
-        return send(h, lambda buf: torch.index_select(x, 0, h.sort_order // K, out=buf[:N]))
+        K = h.route.top_k
+        return send(h, x, h.sort_order // K)
 
     @staticmethod
     def backward(ctx, grad_rows):
@@ -82,14 +87,23 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, h, send, back):
-        ctx.h, ctx.send = h, send
+    def forward(ctx, y, weights, h, send, back):
+        ctx.h, ctx.send, ctx.weights_dtype = h, send, weights.dtype
         pairs = back(h, y)
-        return pairs.view(h.route.num_tokens, h.route.top_k, pairs.shape[1])
+        pairs = pairs.view(h.route.num_tokens, h.route.top_k, pairs.shape[1])
+        w = weights.to(pairs.dtype).contiguous()
+        ctx.save_for_backward(pairs if ctx.needs_input_grad[1] else None, w)
+        return sum_values(pairs, w)
 
     @staticmethod
-    def backward(ctx, grad_pairs):
+    def backward(ctx, grad_out):
         h = ctx.h
-        flat = grad_pairs.reshape(-1, grad_pairs.shape[-1])
-        rows = ctx.send(h, lambda buf: torch.index_select(flat, 0, h.sort_order, out=buf[:flat.shape[0]]))
-        return rows, None, None, None
+        pairs, w = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        rows = d_w = None
+        if ctx.needs_input_grad[0]:  # each sent pair's row: d out[token] * w[pair]
+            scale = w.view(-1).index_select(0, h.sort_order)
+            rows = ctx.send(h, grad_out, h.sort_order // h.route.top_k, scale)
+        if ctx.needs_input_grad[1]:
+            d_w = weights_grad(pairs, grad_out).to(ctx.weights_dtype)
+        return rows, d_w, None, None, None

@@ -289,26 +289,31 @@ def dispatch(x: Tensor, route, ep: EPGroup, align: int) -> tuple[Tensor, Tensor,
     return rows, h.row_experts, h
 
 
-def combine(y: Tensor, h: Handle) -> Tensor:
-    """``y [R', H]`` (the experts' rows, as :func:`dispatch` gave them) -> ``[T, K, H]``: each pair's
-    row back on its own rank (zeros where not sent). Differentiable w.r.t. ``y``."""
-    return send_order.combine(y, h, _send, _send_reverse)
+def combine(y: Tensor, h: Handle, weights: Tensor) -> Tensor:
+    """``y [R', H]`` (the experts' rows, as :func:`dispatch` gave them), ``weights [T, K]`` -> ``[T, H]``:
+    each pair's row back on its own rank (zeros where not sent), weighted and summed per token
+    (:func:`moeyard.parallel.send_order.combine`). Differentiable w.r.t. ``y`` and ``weights``."""
+    return send_order.combine(y, weights, h, _send, _send_reverse)
 
 
-def _send(h: Handle, fill) -> Tensor:
+def _send(h: Handle, src: Tensor, index: Tensor, scale: Tensor | None = None) -> Tensor:
     """``send`` -> ``recv`` (:func:`_send_forward`), then the expert-major rows out of ``recv`` (the
     layout made on the handle's first send)."""
-    _send_forward(h, fill)
+    _send_forward(h, src, index, scale)
     if h.gather is None:
         _recv_layout(h)
     return h.bufs.recv.index_select(0, h.gather)
 
 
-def _send_forward(h: Handle, fill) -> None:
-    """``send`` -> ``recv``: ``fill(send)`` writes this rank's rows in send order, then the op."""
+def _send_forward(h: Handle, src: Tensor, index: Tensor, scale: Tensor | None) -> None:
+    """``send`` -> ``recv``: this rank's rows in send order (``src[index]``, times ``scale``) into
+    ``send``, then the op."""
     b = h.bufs
     b.enter("fwd")
-    fill(b.send)
+    rows = b.send[:index.shape[0]]
+    torch.index_select(src, 0, index, out=rows)
+    if scale is not None:
+        rows.mul_(scale.unsqueeze(1))
     if h.two_d:
         b.splits_fwd.copy_(h.send_counts)
         OPS.all_to_all_vdev_2d(b.send, b.recv, b.splits_fwd, b.meta_fwd, b.group_name, h.align)

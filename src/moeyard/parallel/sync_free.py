@@ -147,9 +147,9 @@ def chunk_routes(topk_ids: Tensor, ep: EPGroup, options: EPOptions, chunks: int 
 @dataclass(frozen=True)
 class Exchange:
     """One way to move the rows: ``dispatch(x [T, H], route, ep, align) -> (rows [R, H], row
-    experts [R] int64, handle)``; ``combine(y [R, H], handle) -> [T, K, H]`` (each pair's row, zeros
-    where not sent); ``rows_sent(handle) -> int`` (rows put on the wire in dispatch; may read the
-    device: for benchmarks)."""
+    experts [R] int64, handle)``; ``combine(y [R, H], handle, weights [T, K]) -> [T, H]`` (each
+    pair's row back home, zeros where not sent, weighted and summed per token); ``rows_sent(handle)
+    -> int`` (rows put on the wire in dispatch; may read the device: for benchmarks)."""
 
     dispatch: Callable
     combine: Callable
@@ -178,7 +178,7 @@ def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, opt
 def combine(y: Tensor, dispatched: Dispatched) -> Tensor:
     """``y [R, H]`` (the experts' rows, as dispatched) -> ``[T, H]`` on the tokens' own rank."""
     state = dispatched.state
-    return weighted_sum(state.exchange.combine(y, state.handle), state.topk_weights)
+    return state.exchange.combine(y, state.handle, state.topk_weights)
 
 
 def _dispatched(rows: Tensor, row_experts: Tensor, state: State, route: Route) -> Dispatched:
@@ -280,10 +280,10 @@ def exchange_equal_splits(x: Tensor, route: Route, ep: EPGroup, align: int) -> t
     return place_slots(*comm.exchange(pack_slots(x, route), ep.group), route, ep.group, align)
 
 
-def combine_equal_splits(y: Tensor, handle: Slots) -> Tensor:
-    """``y [R, H]`` -> ``[T, K, H]``: rows back to their slots, the reverse exchange, each pair's row
-    (zeros where not sent)."""
-    return unpack_slots(comm.exchange(unplace_slots(y, handle), handle.group)[0], handle)
+def combine_equal_splits(y: Tensor, handle: Slots, weights: Tensor) -> Tensor:
+    """``y [R, H]``, ``weights [T, K]`` -> ``[T, H]``: rows back to their slots, the reverse exchange,
+    each pair's row (zeros where not sent), weighted and summed per token."""
+    return weighted_sum(unpack_slots(comm.exchange(unplace_slots(y, handle), handle.group)[0], handle), weights)
 
 
 def pack_slots(x: Tensor, route: Route, state: object = None) -> Outgoing:
