@@ -259,3 +259,34 @@ def test_weighted_sum_kernels_match_reference():
             ref = (p.transpose(1, 2) @ w.unsqueeze(-1)).squeeze(-1)  # independent of the bmm above
             for got, want in ((out, ref), (pf.grad, leaves[0].grad), (wf.grad, leaves[1].grad)):
                 assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-5), (T, K, H)
+
+
+def test_gathered_sum_kernel_matches_reference():
+    """The gathering weighted sum (Triton, under the interpreter, float32) against float64: rows read
+    through an index from a buffer with a wider row stride (a row used by several pairs, the zero row
+    for pairs not sent), with and without weights, the kept copy of the gathered rows exact;
+    K = 1, 3, 8, H not a multiple of the tile. The torch path (CPU) gives the same."""
+    pytest.importorskip("triton")
+    import os
+    from unittest import mock
+
+    from moeyard.weighted_sum import gathered_sum
+
+    g = torch.Generator().manual_seed(12)
+    for T, K, H in ((7, 3, 40), (9, 8, 600), (2, 1, 5)):
+        src = torch.randn(T * K + 2, H + 3, generator=g, dtype=torch.float64)[:, :H]
+        src[-1] = 0
+        index = torch.randint(0, T * K + 2, (T, K), generator=g)
+        index[0, 0] = T * K + 1  # the zero row
+        w = torch.randn(T, K, generator=g, dtype=torch.float64)
+        rows = src[index]                                                     # [T, K, H]
+        want_w, want = (rows * w.unsqueeze(-1)).sum(1), rows.sum(1)
+        cpu_out, cpu_pairs = gathered_sum(src, index, w, keep=True)
+        assert torch.allclose(cpu_out, want_w) and torch.equal(cpu_pairs, rows)
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
+            from moeyard.weighted_sum_triton import gathered_sum as kernel
+            out, pairs = kernel(src.float(), index, w.float(), True)
+            plain, none = kernel(src.float(), index, None, False)
+        assert none is None and torch.equal(pairs, rows.float()), (T, K, H)
+        for got, ref in ((out, want_w), (plain, want)):
+            assert torch.allclose(got.double(), ref, atol=1e-5, rtol=1e-5), (T, K, H)

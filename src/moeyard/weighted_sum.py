@@ -35,14 +35,23 @@ def weighted_sum_reference(pairs: Tensor, weights: Tensor) -> Tensor:
     return torch.bmm(weights.to(pairs.dtype).unsqueeze(1), pairs).squeeze(1)
 
 
-def sum_values(pairs: Tensor, weights: Tensor) -> Tensor:
-    """The forward alone, outside autograd (for a caller that owns the backward, e.g. a combine that
-    sends ``d out`` scaled by the weights instead of ``d pairs``): ``[T, H]`` in ``pairs.dtype``,
-    ``weights`` already in ``pairs.dtype``."""
-    if _on_kernels(pairs):
-        from .weighted_sum_triton import weighted_sum_forward
-        return weighted_sum_forward(pairs.contiguous(), weights.contiguous())
-    return weighted_sum_reference(pairs, weights)
+def gathered_sum(src: Tensor, index: Tensor, weights: Tensor | None = None, *,
+                 keep: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``out[t] = sum_k w[t, k] * src[index[t, k]]`` (``w = 1`` when ``weights`` is None), outside
+    autograd, with each gathered row read once: ``src [*, H]``, ``index [T, K]`` int64 (rows of
+    ``src``), ``weights [T, K]`` in ``src.dtype``. Returns ``(out [T, H], pairs [T, K, H] | None)``
+    in ``src.dtype``; with ``keep`` the gathered rows ``src[index]`` too (for a backward that needs
+    them), written by the same pass. Sums as :func:`weighted_sum`. For the combines that read their
+    pairs out of a buffer (:mod:`moeyard.parallel.send_order`), saving the ``[T, K, H]`` copy a gather
+    then a sum would write and read again."""
+    if src.is_cuda and src.dtype in (torch.float32, torch.float16, torch.bfloat16) and index.numel() \
+            and src.shape[1] and src.stride(1) == 1:
+        from .weighted_sum_triton import gathered_sum as kernel
+        return kernel(src, index.contiguous(), None if weights is None else weights.contiguous(), keep)
+    T, K = index.shape
+    pairs = src.index_select(0, index.reshape(-1)).view(T, K, src.shape[1])
+    out = pairs.sum(1) if weights is None else weighted_sum_reference(pairs, weights)
+    return out, pairs if keep else None
 
 
 def weights_grad(pairs: Tensor, grad_out: Tensor) -> Tensor:
@@ -60,9 +69,10 @@ def _on_kernels(pairs: Tensor) -> bool:
 class _WeightedSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pairs, weights):
+        from .weighted_sum_triton import weighted_sum_forward
         pairs, weights = pairs.contiguous(), weights.contiguous()
         ctx.save_for_backward(pairs, weights)
-        return sum_values(pairs, weights)
+        return weighted_sum_forward(pairs, weights)
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -1,12 +1,15 @@
 """Triton kernels of :mod:`moeyard.weighted_sum` (CUDA; CPU under ``TRITON_INTERPRET=1``).
 
 ``weighted_sum_kernel``: grid ``(ceil(T / BT), ceil(H / BH))``, a program sums the K pair rows of
-``BT`` tokens over ``BH`` columns in float32; ``pairs_grad_kernel`` (same grid) writes them the
+``BT`` tokens over ``BH`` columns in float32 (or, gathering, the rows an index names, optionally
+keeping a copy of them); ``pairs_grad_kernel`` (same grid) writes them the
 gradient's K scaled copies (a torch broadcast multiply took 1.32 ms at the shape below on an H100). ``weights_grad_kernel``: grid ``(ceil(T / BT),)``, a
 program walks H in ``GRAD_BH`` steps for all K slots of ``BT`` tokens. Each reads the pairs once:
 ``T * K * H * itemsize`` bytes (1.07 GB at Qwen3-30B-A3B's T = 32768, K = 8, H = 2048, bf16).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -28,14 +31,27 @@ def _token_tile(T, H, BT: tl.constexpr, BH: tl.constexpr):
 
 
 @triton.jit
-def weighted_sum_kernel(pairs_ptr, w_ptr, out_ptr, T, H, K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
-    """``out[t, h] = sum_k w[t, k] * pairs[t, k, h]`` (contiguous tensors; float32 sums, k in order)."""
+def weighted_sum_kernel(pairs_ptr, w_ptr, out_ptr, index_ptr, keep_ptr, T, H, stride_src, K: tl.constexpr,
+                        HAS_W: tl.constexpr, GATHER: tl.constexpr, KEEP: tl.constexpr, BT: tl.constexpr,
+                        BH: tl.constexpr):
+    """``out[t, h] = sum_k w[t, k] * pairs[t, k, h]`` (float32 sums, k in order; ``w = 1`` without
+    ``HAS_W``). ``GATHER``: pair ``(t, k)``'s row is ``pairs[index[t, k]]`` (rows ``stride_src`` apart),
+    and with ``KEEP`` it is also copied to ``keep[t, k]``; otherwise ``pairs [T, K, H]`` contiguous."""
     t64, h, m_t, mask = _token_tile(T, H, BT, BH)
     acc = tl.zeros((BT, BH), tl.float32)
     for k in tl.static_range(K):
-        w = tl.load(w_ptr + t64 * K + k, mask=m_t, other=0.0).to(tl.float32)
-        p = tl.load(pairs_ptr + (t64 * K + k)[:, None] * H + h[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc += w[:, None] * p
+        pair = t64 * K + k
+        if GATHER:
+            src = tl.load(index_ptr + pair, mask=m_t, other=0) * stride_src
+        else:
+            src = pair * H
+        p = tl.load(pairs_ptr + src[:, None] + h[None, :], mask=mask, other=0.0)
+        if KEEP:
+            tl.store(keep_ptr + pair[:, None] * H + h[None, :], p, mask=mask)
+        if HAS_W:
+            acc += tl.load(w_ptr + pair, mask=m_t, other=0.0).to(tl.float32)[:, None] * p.to(tl.float32)
+        else:
+            acc += p.to(tl.float32)
     tl.store(out_ptr + t64[:, None] * H + h[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -74,8 +90,17 @@ def weights_grad_kernel(pairs_ptr, g_ptr, dw_ptr, T, H, K: tl.constexpr, KP: tl.
 @kernel_op("moeyard::weighted_sum_", mutates_args=("out",))
 def weighted_sum_(pairs: Tensor, weights: Tensor, out: Tensor) -> None:
     T, K, H = pairs.shape
-    weighted_sum_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](pairs, weights, out, T, H, K=K, BT=BT, BH=BH,
-                                                                  num_warps=4)
+    weighted_sum_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](
+        pairs, weights, out, out, out, T, H, H, K=K, HAS_W=True, GATHER=False, KEEP=False, BT=BT, BH=BH, num_warps=4)
+
+
+@kernel_op("moeyard::gathered_sum_", mutates_args=("out", "keep"))
+def gathered_sum_(src: Tensor, index: Tensor, weights: Optional[Tensor], out: Tensor, keep: Optional[Tensor]) -> None:
+    T, K = index.shape
+    H = out.shape[1]
+    weighted_sum_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](
+        src, out if weights is None else weights, out, index, out if keep is None else keep, T, H, src.stride(0), K=K,
+        HAS_W=weights is not None, GATHER=True, KEEP=keep is not None, BT=BT, BH=BH, num_warps=4)
 
 
 @kernel_op("moeyard::pairs_grad_", mutates_args=("dp",))
@@ -90,6 +115,16 @@ def weights_grad_(pairs: Tensor, grad_out: Tensor, dw: Tensor) -> None:
     T, K, H = pairs.shape
     weights_grad_kernel[(triton.cdiv(T, BT),)](pairs, grad_out, dw, T, H, K=K, KP=triton.next_power_of_2(K), BT=BT,
                                                BH=GRAD_BH, num_warps=4)
+
+
+def gathered_sum(src: Tensor, index: Tensor, weights: Optional[Tensor], keep: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """``([T, H], [T, K, H] | None)`` in ``src.dtype`` (``src [*, H]`` unit column stride, contiguous
+    ``index [T, K]`` int64 and ``weights [T, K]``): see :func:`moeyard.weighted_sum.gathered_sum`."""
+    T, K = index.shape
+    out = src.new_empty(T, src.shape[1])
+    pairs = src.new_empty(T, K, src.shape[1]) if keep else None
+    gathered_sum_(src, index, weights, out, pairs)
+    return out, pairs
 
 
 def weighted_sum_forward(pairs: Tensor, weights: Tensor) -> Tensor:

@@ -286,12 +286,13 @@ def _pull(h: Handle, src: Tensor, index: Tensor, scale: Tensor | None = None) ->
     return out[:h.num_rows]
 
 
-def _push(h: Handle, rows: Tensor) -> Tensor:
+def _push(h: Handle, rows: Tensor) -> tuple[Tensor, Tensor]:
     """Barrier, copy ``rows [R, H]`` (expert-major, as dispatched) into the buffers of the ranks they
-    came from, barrier; returns ``[N, H]``, each of this rank's pairs' rows (zeros where not sent)."""
+    came from, barrier; returns ``(X, pair_row)``: each of this rank's pairs' rows is ``X[pair_row]``
+    (the zero row where not sent)."""
     b = h.bufs
     rows = rows.contiguous()
     OPS.barrier(b.handle)
     copy_rows(rows, b.rows, b.table, h.dst_rows, h.window, h.received, direction="push")
     OPS.barrier(b.handle)
-    return b.rows[h.rank].index_select(0, h.pair_row)
+    return b.rows[h.rank], h.pair_row

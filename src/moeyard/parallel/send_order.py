@@ -8,8 +8,8 @@ An exchange gives two functions of its handle ``h`` (a :class:`SendOrder`):
   (``[N]`` in ``src``'s dtype; product in float32, float64 for float64, rounded once) when given; the exchange moves them to the ranks
   owning their experts and returns the fresh expert-major rows there. Dispatch sends ``x`` at each
   pair's token; combine's backward ``d out`` at each pair's token scaled by the pair's weight;
-- ``back(h, rows [R, H]) -> [N, H]``: the reverse, each of this rank's pairs' rows (zeros where not
-  sent).
+- ``back(h, rows [R, H]) -> (src [*, H], index [N])``: the reverse, each of this rank's pairs' rows
+  as ``src[index]`` (a zero row where not sent); ``src`` is the exchange's buffer, read at once.
 
 Dispatch is ``send`` forward and ``back`` backward (each token's pair gradients summed); combine the
 other way round, with the weighted sum over each token's pairs inside: its backward sends ``d out``
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..dispatch import make_plan
-from ..weighted_sum import sum_values, weights_grad
+from ..weighted_sum import gathered_sum, weights_grad
 
 Tensor = torch.Tensor
 
@@ -81,19 +81,19 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows):
         h = ctx.h
-        pairs = ctx.back(h, grad_rows)
-        return pairs.view(h.route.num_tokens, h.route.top_k, pairs.shape[1]).sum(1), None, None, None
+        src, index = ctx.back(h, grad_rows)
+        return gathered_sum(src, index.view(h.route.num_tokens, h.route.top_k))[0], None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, weights, h, send, back):
         ctx.h, ctx.send, ctx.weights_dtype = h, send, weights.dtype
-        pairs = back(h, y)
-        pairs = pairs.view(h.route.num_tokens, h.route.top_k, pairs.shape[1])
-        w = weights.to(pairs.dtype).contiguous()
-        ctx.save_for_backward(pairs if ctx.needs_input_grad[1] else None, w)
-        return sum_values(pairs, w)
+        src, index = back(h, y)
+        w = weights.to(src.dtype)
+        out, pairs = gathered_sum(src, index.view(h.route.num_tokens, h.route.top_k), w, keep=ctx.needs_input_grad[1])
+        ctx.save_for_backward(pairs, w)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -323,9 +323,10 @@ def _send_forward(h: Handle, src: Tensor, index: Tensor, scale: Tensor | None) -
         OPS.all_to_all_vdev(b.send, b.recv, b.splits_fwd, b.meta_fwd, b.group_name)
 
 
-def _send_reverse(h: Handle, rows: Tensor) -> Tensor:
+def _send_reverse(h: Handle, rows: Tensor) -> tuple[Tensor, Tensor]:
     """``recv`` -> ``send``: ``rows [R', H]`` (expert-major, as dispatched) back to the ranks they
-    came from; returns ``[N, H]``, each pair's row (zeros where not sent)."""
+    came from; returns ``(send, pair_row)``: each pair's row is ``send[pair_row]`` (zeros where not
+    sent)."""
     b = h.bufs
     b.enter("rev")
     R = b.recv.shape[0] - 2
@@ -338,7 +339,7 @@ def _send_reverse(h: Handle, rows: Tensor) -> Tensor:
         OPS.all_to_all_vdev_2d_offset(b.recv, b.send, b.splits_rev, b.meta_rev, b.group_name)
     else:
         OPS.all_to_all_vdev(b.recv, b.send, b.splits_rev, b.meta_rev, b.group_name)
-    return b.send.index_select(0, h.pair_row)
+    return b.send, h.pair_row
 
 
 def _recv_layout(h: Handle) -> None:
