@@ -60,6 +60,11 @@ def _check(direction: str, index, scale) -> None:
                          f"got direction={direction!r}")
 
 
+def _at(t: Tensor, i: Tensor) -> Tensor:
+    """``t[i]`` with ``i`` clamped into range (rows past a count read something, then go to scratch)."""
+    return t.index_select(0, i.clamp(max=t.shape[0] - 1))
+
+
 def copy_rows_reference(local: Tensor, peers: list[Tensor], rows: Tensor, base: Tensor, count: Tensor, *,
                         direction: str, index: list[Tensor] | None = None,
                         scale: list[Tensor] | None = None) -> None:
@@ -72,13 +77,11 @@ def copy_rows_reference(local: Tensor, peers: list[Tensor], rows: Tensor, base: 
         keep = j < count[s]
         window = base[s] + j
         if direction == "pull":
-            at = window.clamp(max=(peer if index is None else index[s]).shape[0] - 1)
-            if index is not None:
-                window = torch.where(keep, index[s].index_select(0, at), 0)
-            got = peer.index_select(0, window.clamp(max=peer.shape[0] - 1))
+            src = window if index is None else torch.where(keep, _at(index[s], window), 0)
+            got = peer.index_select(0, src.clamp(max=peer.shape[0] - 1))
             if scale is not None:
                 wide = torch.promote_types(got.dtype, torch.float32)
-                got = (got.to(wide) * scale[s].index_select(0, at).to(wide).unsqueeze(1)).to(got.dtype)
+                got = (got.to(wide) * _at(scale[s], window).to(wide).unsqueeze(1)).to(got.dtype)
             local.index_copy_(0, torch.where(keep, rows[s], local.shape[0] - 1), got)
         else:
             got = local.index_select(0, torch.where(keep, rows[s], 0).clamp(max=local.shape[0] - 1))

@@ -5,8 +5,9 @@ An exchange gives two functions of its handle ``h`` (a :class:`SendOrder`):
 
 - ``send(h, src, index, scale=None) -> rows [R, H]``: this rank's rows in send order are
   ``src[index]`` (``src [*, H]``, ``index [N]`` int64 rows of ``src``), each times ``scale[j]``
-  (``[N]`` in ``src``'s dtype; product in float32, float64 for float64, rounded once) when given; the exchange moves them to the ranks
-  owning their experts and returns the fresh expert-major rows there. Dispatch sends ``x`` at each
+  (``[N]`` in ``src``'s dtype; product in float32, float64 for float64, rounded once) when given;
+  the exchange moves them to the ranks owning their experts and returns the fresh expert-major rows
+  there. Dispatch sends ``x`` at each
   pair's token; combine's backward ``d out`` at each pair's token scaled by the pair's weight;
 - ``back(h, rows [R, H]) -> (src [*, H], index [N])``: the reverse, each of this rank's pairs' rows
   as ``src[index]`` (a zero row where not sent); ``src`` is the exchange's buffer, read at once.
@@ -102,7 +103,7 @@ class _Combine(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         rows = d_w = None
         if ctx.needs_input_grad[0]:  # each sent pair's row: d out[token] * w[pair]
-            scale = w.view(-1).index_select(0, h.sort_order)
+            scale = w.reshape(-1).index_select(0, h.sort_order)
             rows = ctx.send(h, grad_out, h.sort_order // h.route.top_k, scale)
         if ctx.needs_input_grad[1]:
             d_w = weights_grad(pairs, grad_out).to(ctx.weights_dtype)
