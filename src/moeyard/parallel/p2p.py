@@ -203,9 +203,23 @@ def num_rows(world_size: int, block: int, num_local_experts: int, align: int) ->
 
 
 def layout(h: Handle, all_counts: Tensor) -> None:
-    """Fill ``h``'s layout from ``all_counts [W, W, E_l]`` (rows from s to rank d's expert e)."""
-    route, align, me = h.route, h.align, h.rank
-    W, El, C = route.world_size, route.num_local_experts, route.block_rows
+    """Fill ``h``'s layout from ``all_counts [W, W, E_l]`` (rows from s to rank d's expert e): one
+    Triton launch on CUDA (:mod:`.p2p_layout_triton`), :func:`layout_reference` elsewhere."""
+    route = h.route
+    h.num_rows = R = num_rows(route.world_size, route.block_rows, route.num_local_experts, h.align)
+    fn = layout_reference
+    if all_counts.is_cuda:
+        from .p2p_layout_triton import layout_triton as fn
+    h.dst_rows, h.window, h.received, h.pad_rows, h.row_experts = fn(all_counts, h.rank, h.align,
+                                                                      route.block_rows, R)
+
+
+def layout_reference(all_counts: Tensor, me: int, align: int, C: int, R: int) -> tuple:
+    """``(dst_rows [W, C], window [W], received [W], pad_rows [E_l * (align - 1)] | None, row_experts
+    [R])`` (int64, as :class:`Handle`) of rank ``me`` from ``all_counts [W, W, E_l]``, in torch ops.
+    Each local expert's rows come from rank 0, 1, ... back to back, its block padded to a multiple of
+    ``align``; ``dst_rows[s, j]`` for ``j`` past ``received[s]`` is unused."""
+    W, _, El = all_counts.shape
     dev = all_counts.device
     cin = all_counts[:, me, :]                                   # [W, E_l] rows from s to my expert e
     per_expert = cin.sum(0)
@@ -216,17 +230,17 @@ def layout(h: Handle, all_counts: Tensor) -> None:
     j = torch.arange(C, device=dev).expand(W, C).contiguous()
     e = torch.searchsorted(inside, j, right=True).clamp(max=El - 1)  # [W, C] expert of window row j
     before = cin.cumsum(0) - cin                                 # [W, E_l] rows from ranks < s
-    h.dst_rows = (starts.index_select(0, e.view(-1)).view(W, C) + before.gather(1, e) + j
-                  - (inside - cin).gather(1, e)).contiguous()
-    h.window = all_counts[:, :me, :].sum((1, 2))
-    h.received = cin.sum(1)
-    h.num_rows = R = num_rows(W, C, El, align)
-    rows = torch.arange(R, device=dev)
-    h.row_experts = torch.searchsorted(ends, rows, right=True)
+    dst_rows = (starts.index_select(0, e.view(-1)).view(W, C) + before.gather(1, e) + j
+                - (inside - cin).gather(1, e)).contiguous()
+    window = all_counts[:, :me, :].sum((1, 2))
+    received = cin.sum(1)
+    row_experts = torch.searchsorted(ends, torch.arange(R, device=dev), right=True)
+    pad_rows = None
     if align > 1:
         q = torch.arange(align - 1, device=dev)
         pad = (starts + per_expert).unsqueeze(1) + q                 # [E_l, align - 1]
-        h.pad_rows = torch.where(pad < ends.unsqueeze(1), pad, R).view(-1)
+        pad_rows = torch.where(pad < ends.unsqueeze(1), pad, R).view(-1)
+    return dst_rows, window, received, pad_rows, row_experts
 
 
 # ---------------------------------------------------------------- the exchange
