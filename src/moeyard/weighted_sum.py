@@ -12,6 +12,11 @@ backward 0.85 ms against the ``bmm``'s 2.57 ms):
   ``d w[t, k] = <d out[t], pairs[t, k]>`` (float32 sums in a fixed order over H).
 
 Deterministic (no atomics). Elsewhere (CPU) the ``bmm``, which is also the tests' reference.
+
+:func:`gathered_sum` is the forward for pairs that sit in a buffer at the rows an index names (the
+symmetric-memory combines): one pass reads each row, sums, and writes the ``[T, K, H]`` copy only
+when backward needs it (one H200, qwen3-30b-a3b: the ``p2p`` combine 1.41 -> 0.84 ms against a gather
+then the sum; ``benchmarks/NOTES.md`` round 19).
 """
 from __future__ import annotations
 
