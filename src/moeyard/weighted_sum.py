@@ -48,7 +48,8 @@ def gathered_sum(src: Tensor, index: Tensor, weights: Tensor | None = None, *,
     in ``src.dtype``; with ``keep`` the gathered rows ``src[index]`` too (for a backward that needs
     them), written by the same pass. Sums as :func:`weighted_sum`. For the combines that read their
     pairs out of a buffer (:mod:`moeyard.parallel.send_order`), saving the ``[T, K, H]`` copy a gather
-    then a sum would write and read again."""
+    then a sum would write and read again. No host sync; shapes and index ranges are not checked (the
+    callers hold them by construction: a check would read the device)."""
     if src.is_cuda and src.dtype in (torch.float32, torch.float16, torch.bfloat16) and index.numel() \
             and src.shape[1] and src.stride(1) == 1:
         from .weighted_sum_triton import gathered_sum as kernel

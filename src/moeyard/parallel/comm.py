@@ -52,6 +52,33 @@ def check_device(device: torch.device, backend: str) -> None:
                          "call torch.cuda.set_device(local_rank) before init_process_group and keep the model there")
 
 
+def symmetric_memory_unavailable(ep: EPGroup, minimum: str) -> str | None:
+    """Why ``torch.distributed._symmetric_memory`` cannot serve ``ep`` (a phrase for the exchanges'
+    errors), or None: it needs an NCCL group, CUDA, and a torch that has it (``minimum``, e.g.
+    ``"2.8"``, is named in the phrase). Host metadata only."""
+    if "nccl" not in ep.backend:
+        return f"needs an NCCL group, got backend {ep.backend or 'unknown'!r}"
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError:
+        return f"needs torch.distributed._symmetric_memory (torch >= {minimum}), torch {torch.__version__} has none"
+    return None
+
+
+def enable_symmetric_memory(group_name: str) -> None:
+    """Register the group for symmetric memory once (before its first rendezvous)."""
+    import warnings
+
+    import torch.distributed._symmetric_memory as symm
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # no longer needed in newer torch
+        if not symm.is_symm_mem_enabled_for_group(group_name):
+            symm.enable_symm_mem_for_group(group_name)
+
+
 def resolve_group(group) -> EPGroup:
     """An :class:`EPGroup` from None (``WORLD``), a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import send_order
+from . import comm, send_order
 from .comm import EPGroup
 from .row_copy import copy_rows
 from .send_order import SendOrder
@@ -65,28 +65,15 @@ class TorchPeerOps:
 
     def unavailable(self, ep: EPGroup) -> str | None:
         """Why the exchange cannot run on ``ep`` (a phrase), or None. Host metadata only."""
-        if "nccl" not in ep.backend:
-            return f"needs an NCCL group, got backend {ep.backend or 'unknown'!r}"
-        if not torch.cuda.is_available():
-            return "needs CUDA"
-        try:
-            from torch.distributed import _symmetric_memory  # noqa: F401
-        except ImportError:
-            return f"needs torch.distributed._symmetric_memory (torch >= 2.5), torch {torch.__version__} has none"
-        return None
+        return comm.symmetric_memory_unavailable(ep, "2.5")
 
     def symmetric(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, group) -> tuple[list[Tensor], object]:
         """``(views, handle)``: a symmetric tensor of ``shape`` on every rank (collective), ``views[s]``
         rank s's copy as mapped into this process (``views[rank]`` the local one)."""
-        import warnings
-
         import torch.distributed._symmetric_memory as symm
 
         name = group.group_name
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # no longer needed in newer torch
-            if not symm.is_symm_mem_enabled_for_group(name):
-                symm.enable_symm_mem_for_group(name)
+        comm.enable_symmetric_memory(name)
         local = symm.empty(shape, dtype=dtype, device=device)
         handle = symm.rendezvous(local, name)
         views = [local if s == handle.rank else handle.get_buffer(s, list(shape), dtype) for s in range(handle.world_size)]

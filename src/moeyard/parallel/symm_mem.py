@@ -64,14 +64,13 @@ registers the buffers (a host-side collective, once).
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..dispatch import make_plan
-from . import send_order
+from . import comm, send_order
 from .comm import EPGroup, all_to_all
 from .send_order import SendOrder
 
@@ -93,14 +92,11 @@ class TorchSymmOps:
 
     def unavailable(self, ep: EPGroup) -> str | None:
         """Why the ops cannot run on ``ep`` (a phrase), or None. Host metadata only."""
-        if "nccl" not in ep.backend:
-            return f"needs an NCCL group, got backend {ep.backend or 'unknown'!r}"
-        if not torch.cuda.is_available():
-            return "needs CUDA"
-        try:
-            import torch.distributed._symmetric_memory as symm
-        except ImportError:
-            return f"needs torch.distributed._symmetric_memory (torch >= 2.8), torch {torch.__version__} has none"
+        reason = comm.symmetric_memory_unavailable(ep, "2.8")
+        if reason:
+            return reason
+        import torch.distributed._symmetric_memory as symm
+
         if not hasattr(torch.ops.symm_mem, "all_to_all_vdev_2d"):
             return f"needs torch.ops.symm_mem.all_to_all_vdev_2d (torch >= 2.8), torch {torch.__version__} has none"
         if not symm.is_nvshmem_available():
@@ -125,10 +121,7 @@ class TorchSymmOps:
                 raise ValueError(f"exchange: 'symm_mem' needs the NVSHMEM symmetric-memory backend, but "
                                  f"{current!r} already has allocations in this process") from ex
         name = group.group_name
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # no longer needed in newer torch
-            if not symm.is_symm_mem_enabled_for_group(name):
-                symm.enable_symm_mem_for_group(name)
+        comm.enable_symmetric_memory(name)
         return name
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, group_name: str) -> Tensor:
