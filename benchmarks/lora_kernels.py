@@ -11,9 +11,12 @@ inputs, uniform routing):
 - ``lora_B`` relaid out expert-major: torch's copy against the Triton transpose;
 - ``order``: the LoRA-factor gradients that read an operand by token (``d out``, ``x``), their programs
   expert-major and tile-major (``options().wgrad_tile_major``, :func:`moeyard.experts.triton.gemm.weight_tile`).
+- ``band``: the thin GEMMs over rows read by token (``x A_up^T`` forward, ``d out B_down`` when it runs
+  as a pass of its own), their row tiles expert-major and band-major (``options().band_rows``,
+  :func:`moeyard.experts.triton.schedule.band_tile`).
 
     python benchmarks/lora_kernels.py [--models qwen3-30b-a3b olmoe-1b-7b mixtral-8x7b] [--rank 16]
-        [--groups down fold relayout order]
+        [--groups down fold relayout order band]
 
 Prints one table per model (ms), then the GPU and software versions.
 """
@@ -161,7 +164,19 @@ def order_rows(p, iters: int) -> list[tuple[str, str, float]]:
     return out
 
 
-GROUPS = ("down", "fold", "relayout", "order")
+def band_rows(p, iters: int) -> list[tuple[str, str, float]]:
+    """The thin gathered GEMMs with their row tiles expert-major and band-major."""
+    r, out = p["r"], []
+    cases = (("x A_up^T", lambda: ops.low_rank_rows(p["x"], p["a_up"].mT, r, gather=True)),
+             ("d out B_down", lambda: ops.low_rank_rows(p["dout"], p["b_down"], r, gather=True)))
+    for name, fn in cases:
+        for band in (False, True):
+            with use_options(band_rows=band):
+                out.append((name, "band-major" if band else "expert-major", timed(fn, iters)))
+    return out
+
+
+GROUPS = ("down", "fold", "relayout", "order", "band")
 
 
 def main(argv=None) -> None:
@@ -178,7 +193,7 @@ def main(argv=None) -> None:
         p = _problem(model, args.rank, args.tokens)
         groups = dict(down=lambda: down_rows(p, args.rank, args.iters, args.variants),
                       fold=lambda: fold_rows(p, args.iters), relayout=lambda: relayout_rows(p, args.rank, args.iters),
-                      order=lambda: order_rows(p, args.iters))
+                      order=lambda: order_rows(p, args.iters), band=lambda: band_rows(p, args.iters))
         rows = [row for g in args.groups for row in groups[g]()]
         print(f"\n{model}: T {p['T']}, H {p['H']}, I {p['I']}, E {p['E']}, k {p['K']}, r {args.rank} "
               f"(K steps of 64: down {-(-p['I'] // 64)}, dx {-(-2 * p['I'] // 64)})")

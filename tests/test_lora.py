@@ -149,13 +149,14 @@ def test_triton_frozen_base_runs_no_base_weight_gradient(monkeypatch, one_pass):
     check_backend("triton", inp, torch.float32, frozen=FROZEN)
     shapes.clear(), fused_rows.clear(), thin_passes.clear()
     run_experts(inp, torch.float32, "triton", torch.randn(10, 16, dtype=torch.float64), frozen=FROZEN)
-    # only the factor gradients: dA by wgrad ([E, r, in]), dB with the rows d_y B_e by wgrad_rows ([E, out, r]),
+    # only the factor gradients: dA by wgrad ([E, r, in]); dB_up with the rows d_h B_e by wgrad_rows (one pass
+    # over d_h, sorted rows); dB_down by wgrad and the rows d out B_e by a thin pass (d out is read by token);
     # each a low-rank one (tile-major where it reads by token)
     assert low_rank and all(low_rank)
     if one_pass:
-        assert sorted(shapes) == [(E, r, 12), (E, r, 16)], shapes
-        assert sorted(fused_rows) == [(E, 16, r), (E, 24, r)], fused_rows
-        assert len(thin_passes) == 2  # the forward's x A_up^T and a A_down^T: backward reads each d_y once
+        assert sorted(shapes) == [(E, r, 12), (E, r, 16), (E, 16, r)], shapes
+        assert fused_rows == [(E, 24, r)], fused_rows
+        assert len(thin_passes) == 3  # the forward's x A_up^T and a A_down^T, backward's d out B_down
     else:
         assert sorted(shapes) == [(E, r, 12), (E, r, 16), (E, 16, r), (E, 24, r)], shapes
         assert not fused_rows and len(thin_passes) == 4

@@ -10,13 +10,15 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 import moeyard  # noqa: E402
 from moeyard.activations import Activation  # noqa: E402
 from moeyard.experts import triton as triton_backend  # noqa: E402,F401  (registers "triton")
 from moeyard.experts.registry import resolve_backend  # noqa: E402
 from moeyard.experts.triton import ops  # noqa: E402
+from moeyard.experts.triton.schedule import band_tile  # noqa: E402
 from moeyard.experts.weights import expert_weights  # noqa: E402
 from helpers import load_benchmark  # noqa: E402
 
@@ -355,6 +357,60 @@ def test_tile_table_matches_expert_tile(E):
     assert int(table[2 * M]) == len(expected)
 
 
+@triton.jit
+def _band_probe(offsets_ptr, out_ptr, E, bits, BM: tl.constexpr, E_P2: tl.constexpr):
+    """Each program writes its band-major tile: expert, first row, end row (-1: no tile)."""
+    pid = tl.program_id(0)
+    e, row0, row_end = band_tile(pid, offsets_ptr, E, bits, BM, E_P2)
+    tl.store(out_ptr + 3 * pid, e)
+    tl.store(out_ptr + 3 * pid + 1, tl.where(e < E, row0, -1))
+    tl.store(out_ptr + 3 * pid + 2, tl.where(e < E, row_end, -1))
+
+
+@pytest.mark.parametrize("E,skew", [(1, False), (5, False), (130, False), (7, True)])
+def test_band_tile_order(E, skew):
+    # band-major row tiles: tile j of every expert that has one, experts in order, then tile j + 1;
+    # each existing tile exactly once, the programs past them get no tile (random counts, empty
+    # experts, one expert with far more tiles than the others)
+    from moeyard.experts.triton import schedule
+    g = torch.Generator().manual_seed(E)
+    counts = torch.randint(0, 40, (E,), generator=g) * (torch.rand(E, generator=g) > 0.3)
+    if skew:
+        counts[3] = 300
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+    N, BM = int(offsets[-1]), 16
+    M = schedule.max_row_tiles(N, E, BM)
+    out = torch.full((M, 3), -7, dtype=torch.int32)
+    _band_probe[(M,)](offsets, out, E, schedule.band_bits(N, BM), BM=BM, E_P2=triton.next_power_of_2(max(E, 2)))
+    tiles = [-(-int(c) // BM) for c in counts]
+    expected = [(e, int(offsets[e]) + j * BM, int(offsets[e + 1]))
+                for j in range(max(tiles, default=0)) for e in range(E) if tiles[e] > j]
+    got = [tuple(map(int, row)) for row in out]
+    assert got[:len(expected)] == expected
+    assert all(row[0] >= E and row[1] == -1 for row in got[len(expected):])
+
+
+@pytest.mark.parametrize("ids", ["random", "one_expert", "empty_experts"])
+def test_band_rows_same_result(ids):
+    # the thin gathered GEMM (LoRA rows x[token] A_e^T) in band-major and expert-major tile order
+    from moeyard.experts.triton.options import use_options
+    T, H, E, K, R = 37, 48, 6, 3, 5
+    x = torch.randn(T, H)
+    la = torch.randn(E, R, H).mT
+    topk = {"random": torch.stack([torch.randperm(E)[:K] for _ in range(T)]),
+            "one_expert": torch.stack([torch.tensor([2, 0, 1])] * T),
+            "empty_experts": torch.stack([torch.randperm(3)[:K] + 3 for _ in range(T)])}[ids]
+    r = ops.routing(topk, E)
+    expected = torch.einsum("th,ehr->ter", x.double(), la.double())[torch.arange(T)[:, None], topk]
+    got = {}
+    for band in (True, False):
+        with use_options(band_rows=band):
+            got[band] = ops.low_rank_rows(x, la, r, gather=True)
+    assert torch.equal(got[True], got[False])
+    sorted_expected = expected.reshape(-1, R)[r.sort_order]
+    assert torch.allclose(got[True].double(), sorted_expected, atol=1e-4, rtol=1e-4)
+
+
 def test_tile_table_made_once_per_step(monkeypatch):
     # the TMA down projection (forward) and its input gradient (backward) share one table per routing
     calls = []
@@ -541,10 +597,9 @@ def test_transpose_kernel(shape):
 
 @pytest.mark.parametrize("by_token", [True, False])  # d out read at each row's token; d_h in sorted rows
 @pytest.mark.parametrize("chunk", [0, 12])
-@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("ids", ["random", "skewed", "two_experts"])
 @pytest.mark.parametrize("tile_major", [False, True])
-def test_wgrad_rows(by_token, chunk, tma, ids, tile_major, monkeypatch):
+def test_wgrad_rows(by_token, chunk, ids, tile_major, monkeypatch):
     # dB_e = L[rows of e]^T zw and the rows L[row] @ B_e from one pass over L: NL = 40 (three 16-wide
     # partials, the last 8 wide), R = 5 (no tile's multiple), a long expert cut into chunks, empty experts;
     # the programs in either order (tile-major only where L is read by token)
@@ -556,9 +611,10 @@ def test_wgrad_rows(by_token, chunk, tma, ids, tile_major, monkeypatch):
     lhs = torch.randn(T if by_token else N, NL)
     zw, factor = torch.randn(N, R), torch.randn(E, NL, R)
     launches = _Launches(monkeypatch)
-    with use_options(tma_wgrad=tma, wgrad_chunk_rows=chunk, wgrad_tile_major=tile_major):
+    with use_options(tma_wgrad=True, wgrad_chunk_rows=chunk, wgrad_tile_major=tile_major):
         dw, rows = ops.wgrad_rows(lhs, zw, factor, lhs_by_token=by_token, r=r, alpha=0.5)  # dB scaled
     assert launches.kwargs[0]["TILE_MAJOR"] == (tile_major and by_token)
+    assert not launches.kwargs[0]["TMA"]  # LoRA factors' gradients: pointer loads (faster on an H200)
     ell = lhs.double()[r.sort_order // K] if by_token else lhs.double()
     expert = topk.reshape(-1)[r.sort_order]
     want_rows = torch.einsum("nl,nlr->nr", ell, factor.double()[expert])

@@ -16,8 +16,8 @@ its low-rank term in the epilogue (:class:`.ops.LoRATerm`): the forward GEMM wit
 with ``La = B``, ``Lb = A^T``. Each GEMM also yields its low-rank rows ``z = rows @ La_e`` (``[N, R]``),
 from which the factor gradients are thin grouped weight gradients (deterministic, no atomics):
 ``dA_e = s (d_y B_e)^T x`` and ``dB_e = s d_y^T (x A_e^T)``. Kept for backward: the forward ``z`` rows.
-In split mode the input-gradient GEMM's rows ``d_y B_e`` come from the same pass over ``d_y`` as
-``dB_e`` (:func:`.ops.wgrad_rows`), so backward reads each ``d_y`` once for its LoRA terms.
+In split mode the up projection's input-gradient rows ``d_h B_e`` come from the same pass over ``d_h``
+as ``dB_e`` (:func:`.ops.wgrad_rows`); ``d out``, read at each pair's token, takes two (:func:`_one_pass`).
 No ``W + dW`` is formed, and with frozen base weights no base weight gradient is computed.
 
 Legend: T tokens, H hidden, I intermediate, N1 = 2I (gated) or I, E experts, K top-k, N = T*K, R rank.
@@ -145,7 +145,7 @@ def _down_backward(dout, h, tw, w_down, b_down, lora, r, spec, need_w, need_b, n
     dbl = g_dn = zw = None
     if need_bl:  # dB_e = s (w * dout)^T (a A_e^T), from zw = w * (a A_e^T)
         zw = z_dn * tw.index_select(0, r.sort_order).to(z_dn.dtype).unsqueeze(1)
-    if need_bl and _one_pass(bl_dn, r):  # dB_e and the rows dout B_e: one pass over dout
+    if need_bl and _one_pass(bl_dn, r, by_token=True):  # dB_e and the rows dout B_e: one pass over dout
         dbl, g_dn = ops.wgrad_rows(dout, zw, bl_dn, lhs_by_token=True, r=r, alpha=s)
     dh, aw, d_tw, g_dn = ops.act_grad(dout, w_down, b_down, h, tw, r, spec, _input_grad_term(a_dn, bl_dn, s), g_dn)
     dw = db = da = None
@@ -164,7 +164,7 @@ def _up_backward(dh, x, w_up, b_up, lora, r, need_x, need_w, need_b, need_a, nee
     ``lora = (A, B, s, z)`` with ``z = x @ A_e^T`` from the forward."""
     a_up, bl_up, s, z_up = lora
     dx = dw = db = da = dbl = g_up = None
-    if need_bl and (need_x or need_a) and _one_pass(bl_up, r):  # dB_e = s d_h^T (x A_e^T) and the rows d_h B_e
+    if need_bl and (need_x or need_a) and _one_pass(bl_up, r, by_token=False):  # dB_e = s d_h^T (x A_e^T) and the rows d_h B_e
         dbl, g_up = ops.wgrad_rows(dh, z_up, bl_up, lhs_by_token=False, r=r, alpha=s)
     if need_x:
         dx, g_up = ops.down_combine(dh, w_up.mT, None, None, r, None, _input_grad_term(a_up, bl_up, s), g_up)
@@ -180,11 +180,15 @@ def _up_backward(dh, x, w_up, b_up, lora, r, need_x, need_w, need_b, need_a, nee
     return dx, dw if need_w else None, db, da, dbl
 
 
-def _one_pass(b: Tensor | None, r: Routing) -> bool:
+def _one_pass(b: Tensor | None, r: Routing, *, by_token: bool) -> bool:
     """Whether ``dB`` and the rows ``d_y B_e`` come from one pass over ``d_y`` (``b = B [E, out, R]``):
     a LoRA term in split mode (its rows made before the GEMM that reads them) whose float32 partials fit
-    the budget (:func:`.ops.wgrad_rows_fits`)."""
-    return (b is not None and LoRATerm.mode() == LORA_SPLIT
+    the budget (:func:`.ops.wgrad_rows_fits`), over ``d_y`` in sorted rows (``d_h``). ``d_y`` read at each
+    pair's token (``d out``, ``by_token``) takes two passes, a band-major thin GEMM for the rows and a
+    tile-major weight gradient for ``dB``: together faster than the one pass, whose programs each read
+    ``d out`` for one expert only (H200, r = 16: 0.30 against 0.34 ms at qwen3.5-35b-a3b, 0.28 against
+    0.32 at qwen3-30b-a3b; ``benchmarks/NOTES.md``, round 20)."""
+    return (b is not None and not by_token and LoRATerm.mode() == LORA_SPLIT
             and ops.wgrad_rows_fits(r.num_pairs, b.shape[1], b.shape[2]))
 
 

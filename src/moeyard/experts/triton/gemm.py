@@ -6,7 +6,7 @@ Loads use 64-bit row offsets (``T * K * H`` may exceed 2**31). ``tl.dot`` accumu
 import triton
 import triton.language as tl
 
-from .schedule import expert_tile
+from .schedule import band_tile, expert_tile
 
 
 @triton.jit
@@ -103,11 +103,16 @@ def lora_epilogue(acc, z, lb_ptr, col_off, n_mask, stride_lbr, R, scale, PRECISI
 
 
 @triton.jit
-def sorted_rows(pid_m, offsets_ptr, sort_order_ptr, E, top_k, BM: tl.constexpr, E_P2: tl.constexpr):
+def sorted_rows(pid_m, offsets_ptr, sort_order_ptr, E, top_k, band_bits, BM: tl.constexpr, E_P2: tl.constexpr,
+                BAND: tl.constexpr = False):
     """The rows of row tile ``pid_m``: ``(e, rows, m_mask, pair, token)`` with ``rows`` [BM] int64
     sorted positions, ``pair`` the flat pair index and ``token = pair // top_k`` (masked rows: 0).
-    ``e >= E``: the tile does not exist."""
-    e, row0, row_end = expert_tile(pid_m, offsets_ptr, E, BM, E_P2)
+    ``e >= E``: the tile does not exist. ``BAND``: tiles in band-major order (:func:`.schedule.band_tile`,
+    ``band_bits`` steps), else expert-major."""
+    if BAND:
+        e, row0, row_end = band_tile(pid_m, offsets_ptr, E, band_bits, BM, E_P2)
+    else:
+        e, row0, row_end = expert_tile(pid_m, offsets_ptr, E, BM, E_P2)
     rows = row0 + tl.arange(0, BM)
     m_mask = rows < row_end
     rows = rows.to(tl.int64)
@@ -117,13 +122,14 @@ def sorted_rows(pid_m, offsets_ptr, sort_order_ptr, E, top_k, BM: tl.constexpr, 
 
 @triton.jit
 def row_col_tile(NC, offsets_ptr, sort_order_ptr, E, top_k, BM: tl.constexpr, BN: tl.constexpr,
-                 E_P2: tl.constexpr):
+                 E_P2: tl.constexpr, band_bits=0, BAND: tl.constexpr = False):
     """This program's (row tile, column tile) of a grouped GEMM over sorted rows with ``NC`` output
     columns: ``(e, rows, m_mask, pair, token, cols, n_mask)`` (see :func:`sorted_rows`); ``e >= E``:
     the tile does not exist and the program should exit."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(NC, BN)
-    e, rows, m_mask, pair, token = sorted_rows(pid // n_tiles, offsets_ptr, sort_order_ptr, E, top_k, BM, E_P2)
+    e, rows, m_mask, pair, token = sorted_rows(pid // n_tiles, offsets_ptr, sort_order_ptr, E, top_k, band_bits,
+                                               BM, E_P2, BAND)
     cols = (pid % n_tiles) * BN + tl.arange(0, BN)
     return e, rows, m_mask, pair, token, cols, cols < NC
 

@@ -31,7 +31,7 @@ def up_kernel(
     la_ptr,           # [E, H, R] LoRA factor La (input dtype), strides (stride_lae, stride_lak, stride_lar); if LORA == 2
     lb_ptr,           # [E, N1, R] LoRA factor Lb (input dtype), strides (stride_lbe, stride_lbn, stride_lbr); if LORA
     z_ptr,            # [N, R] input dtype, contiguous: x[token] @ La_e, sorted (read if LORA == 1, written if 2)
-    H, NA, N1, E, top_k, R,
+    H, NA, N1, E, top_k, R, band_bits,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_be, stride_bn,
     stride_lae, stride_lak, stride_lar, stride_lbe, stride_lbn, stride_lbr,
     gate_step, up_offset,  # output column j reads gate row j * gate_step, up row j * gate_step + up_offset
@@ -39,14 +39,15 @@ def up_kernel(
     ACT: tl.constexpr, DUAL: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, GATHER: tl.constexpr,
     LORA: tl.constexpr, RP: tl.constexpr,
     PRECISION: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    W_TMA: tl.constexpr = False,
+    W_TMA: tl.constexpr = False, BAND: tl.constexpr = False,
 ):
     """``h = x[token] @ W_up[e].T + b (+ s z Lb_e^T)``, ``a = act(h)`` for one (row tile, column
     tile). ``GATHER``: row r reads ``x[token of r]``; else ``x[r]`` (x already in sorted order).
     ``W_TMA``: W's tiles come through a TMA descriptor (``stride_wh == 1``, ``gate_step == 1``, no fused
-    LoRA; 16-byte aligned strides and base), the rows of x by pointer loads as before."""
+    LoRA; 16-byte aligned strides and base), the rows of x by pointer loads as before.
+    ``BAND``: the row tiles in band-major order (:func:`.schedule.band_tile`, ``band_bits`` steps)."""
     e, rows, m_mask, pair, token, cols, n_mask = row_col_tile(
-        NA, offsets_ptr, sort_order_ptr, E, top_k, BM, BN, E_P2)
+        NA, offsets_ptr, sort_order_ptr, E, top_k, BM, BN, E_P2, band_bits, BAND)
     if e >= E:
         return
     e64 = e.to(tl.int64)

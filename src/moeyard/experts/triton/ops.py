@@ -20,10 +20,10 @@ from ...kernel_op import kernel_op
 from . import kernels_bwd, kernels_fwd, kernels_tma
 from .options import options
 from .tuning import LORA_FUSED, LORA_NONE, LORA_SPLIT
-from .schedule import (DH_CONFIGS, DUAL_CONFIGS, GEMM_CONFIGS, REDUCE_BLOCK, ROWS_WGRAD_CONFIGS, SMALL, THIN_CONFIGS,
-                       THIN_WGRAD_CONFIGS, TMA_CONFIGS, WGRAD_CONFIGS,
-                       dot_precision, fill_tile_table, interpreting, max_chunks, max_partial_slots, max_row_tiles,
-                       rank_block, rows_block, tma_block_m, tuned)
+from .schedule import (DH_CONFIGS, DUAL_CONFIGS, FIXED, GEMM_CONFIGS, REDUCE_BLOCK, ROWS_WGRAD_CONFIGS, SMALL,
+                       THIN_CONFIGS, THIN_WGRAD_CONFIGS, TMA_CONFIGS, WGRAD_CONFIGS,
+                       band_bits, dot_precision, fill_tile_table, interpreting, max_chunks, max_partial_slots,
+                       max_row_tiles, rank_block, rows_block, tma_block_m, tuned)
 
 Tensor = torch.Tensor
 COMBINE_BH = 1024
@@ -168,6 +168,9 @@ _LAUNCHERS: dict = {}
 _TMA_KEY = ["KA", "NY", "E", "R", "LORA", "W_KMAJOR"]
 
 
+_THIN_MIN_BM = min(min(c.kwargs["BM"] for c in THIN_CONFIGS), SMALL["BM"], FIXED["BM"])
+
+
 def _dh_min_bn() -> int:
     return SMALL["BN"] if interpreting() else min(c.kwargs["BN"] for c in DH_CONFIGS)
 
@@ -199,13 +202,14 @@ def up_proj_(x: Tensor, w: Tensor, b: Optional[Tensor], sort_order: Tensor, expe
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
     thin = N1 <= THIN and not spec.gated and not lora_mode
     w_tma = not thin and gate_step == 1 and lora_mode != LORA_FUSED and _up_weight_tma(w, x)
+    band = thin and gather and options().band_rows
     _kernels()["up_thin" if thin else "up"][_row_grid(N, E, NA)](
         x, w, bb, sort_order, expert_offsets, a if h is None else h, a, la_, lb_, z_,
-        H, NA, N1, E, top_k, R,
+        H, NA, N1, E, top_k, R, band_bits(N, _THIN_MIN_BM) if band else 0,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1),
         *lora_strides, gate_step, up_offset, alpha, limit, lora_scale,
         ACT=act, DUAL=spec.gated, HAS_BIAS=b is not None, STORE_H=h is not None, GATHER=gather,
-        LORA=lora_mode, RP=RP, PRECISION=dot_precision(x.dtype), E_P2=_e_p2(E), W_TMA=w_tma)
+        LORA=lora_mode, RP=RP, PRECISION=dot_precision(x.dtype), E_P2=_e_p2(E), W_TMA=w_tma, BAND=band)
 
 
 def _up_weight_tma(w: Tensor, x: Tensor) -> bool:
@@ -422,7 +426,7 @@ def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, sca
            sorted_token: Tensor, expert_offsets: Tensor, chunk_rows: int,
            dw: Tensor, db: Optional[Tensor], part: Optional[Tensor], part_b: Optional[Tensor],
            factor: Optional[Tensor] = None, rows_part: Optional[Tensor] = None, tile_major: bool = False,
-           alpha: float = 1.0) -> None:
+           alpha: float = 1.0, low_rank: bool = False) -> None:
     """``dw[e] = alpha * lhs[rows of e]^T @ rhs[rows of e]``, ``db[e] = alpha * sum scale * lhs[rows of e]``.
     An operand ``*_by_token`` is ``[T, *]`` read at each row's token (``sorted_token [N]`` int32),
     else ``[N, *]`` by sorted row; ``scale [N]`` is in sorted-row order too.
@@ -431,15 +435,18 @@ def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, sca
     ``factor [E, NL, NR]`` (with ``rows_part [cdiv(NL, rows_block()), N, NR]`` float32): the same pass
     over ``lhs`` writes the partials of the row product ``lhs[row] @ factor[e]``, one per
     ``rows_block()`` columns of ``lhs`` (summed by the caller, :func:`wgrad_rows`).
-    ``tile_major``: the programs in tile-major order (:func:`.gemm.weight_tile`)."""
+    ``tile_major``: the programs in tile-major order (:func:`.gemm.weight_tile`).
+    ``low_rank``: a LoRA factor's gradient, whose operands are loaded by pointers (no TMA: a descriptor
+    made per program cost more than it saved on these short row loops, NOTES round 20)."""
     launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows,
-                 dw, db, part, part_b, factor, rows_part, tile_major, alpha)
+                 dw, db, part, part_b, factor, rows_part, tile_major, alpha, low_rank)
     if chunk_rows > 0:
         launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db, alpha)
 
 
 def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows,
-                 dw, db, part, part_b, factor=None, rows_part=None, tile_major=False, alpha=1.0) -> None:
+                 dw, db, part, part_b, factor=None, rows_part=None, tile_major=False, alpha=1.0,
+                 low_rank=False) -> None:
     """The first stage of :func:`wgrad_` (every chunk, or every expert when ``chunk_rows == 0``)."""
     E, NL, NR = dw.shape
     N = sorted_token.shape[0]
@@ -451,7 +458,7 @@ def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expe
     f = dw if factor is None else factor
     items = max_chunks(N, E, chunk_rows) if chunked else E
     grid = lambda m: (items * triton.cdiv(NL, m["BN"]) * triton.cdiv(NR, m["BK"]),)  # noqa: E731
-    tma = options().tma_wgrad and _tma_device(lhs) and all(
+    tma = not low_rank and options().tma_wgrad and _tma_device(lhs) and all(
         kernels_tma.rows_tma_ready(t, interpreting()) for t, gathered in ((lhs, lhs_by_token), (rhs, rhs_by_token))
         if not gathered)
     if tma:
@@ -483,7 +490,7 @@ def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db, alpha=
 
 @wgrad_.register_fake
 def _(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows, dw, db,
-      part, part_b, factor=None, rows_part=None, tile_major=False, alpha=1.0):
+      part, part_b, factor=None, rows_part=None, tile_major=False, alpha=1.0, low_rank=False):
     return None
 
 
@@ -603,7 +610,7 @@ def wgrad(lhs: Tensor, rhs: Tensor, *, lhs_by_token: bool, rhs_by_token: bool, s
     times ``alpha`` (e.g. a LoRA scaling); ``scale``: ``[N]`` by pair (the routing weights) or None, the
     bias gradient's row weights.
     ``low_rank``: a LoRA factor's gradient (thin: with an operand read by token, its programs run
-    tile-major, ``options().wgrad_tile_major``).
+    tile-major, ``options().wgrad_tile_major``; pointer loads, no TMA).
     ``options()``: chunked experts (float32 partials of at most ``wgrad_partial_mib``)."""
     dw, db, _ = _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, None, low_rank, alpha)
     return dw, db
@@ -651,5 +658,5 @@ def _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, facto
         rows_part = empty((triton.cdiv(NL, rows_block()), N, NR), lhs, torch.float32)
     wgrad_(lhs, rhs, lhs_by_token, rhs_by_token, scale, r.sorted_token, r.expert_offsets, chunk,
            dw, db, part, part_b, factor, rows_part,
-           low_rank and opts.wgrad_tile_major and (lhs_by_token or rhs_by_token), alpha)
+           low_rank and opts.wgrad_tile_major and (lhs_by_token or rhs_by_token), alpha, low_rank)
     return dw, db, rows_part

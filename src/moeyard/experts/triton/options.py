@@ -29,7 +29,9 @@ Each defaults to the measured default path; set an environment variable, or over
 - ``MOEYARD_TRITON_TMA_WGRAD=0`` (``tma_wgrad``, on by default): the weight gradients load their
   operand that is in sorted rows (``d_h``, ``w * a``) with a TMA descriptor sized to each expert's rows
   (zero fill past its end); the operand read at each pair's token keeps its pointer loads. Same
-  conditions as ``tma``. Measured: weight gradients 2.36 -> 2.18 ms (down), 4.55 -> 4.39 ms (up).
+  conditions as ``tma``. Measured: weight gradients 2.36 -> 2.18 ms (down), 4.55 -> 4.39 ms (up). The base
+  weight gradients only: the LoRA factors' gradients (thin, short row loops per program) ran as fast or
+  faster with pointer loads (round 20 of ``benchmarks/NOTES.md``).
 - ``MOEYARD_TRITON_PREFETCH=1`` (``prefetch_h``, off by default): the activation gradient's kernel
   (dh) prefetches its tile's pre-activation rows into L2 before its main loop
   (``prefetch.global.L2::evict_last``), so its epilogue's reads of ``h`` hit L2 instead of HBM
@@ -60,6 +62,13 @@ Each defaults to the measured default path; set an environment variable, or over
   over ``d out`` 0.463 -> 0.439 ms, ``dA_up`` 0.219 -> 0.180 ms at qwen3.5-35b-a3b; the base weight
   gradients (full fine-tuning), whose programs of one expert share both operands' rows, got slower
   (``dW_up`` 2.31 -> 3.27 ms) and stay expert-major.
+- ``MOEYARD_TRITON_BAND_ROWS=0`` (``band_rows``, on by default): a thin grouped GEMM over rows read at
+  each pair's token (the LoRA rows ``x[token] A_e^T``) visits its row tiles band-major: tile ``j`` of
+  every expert, then tile ``j + 1`` (:func:`.schedule.band_tile`). Each expert's rows are in token
+  order, so the programs running at once read about the same span of tokens, each token's row ``K``
+  times while it is in L2. 0: expert-major, as the other GEMMs. Measured on an H200 (round 20 of
+  ``benchmarks/NOTES.md``), expert-major -> band-major: ``x A_up^T`` 0.184 -> 0.154 ms at qwen3.5-35b-a3b,
+  0.177 -> 0.141 ms at qwen3-30b-a3b; ``d out B_down`` 0.185 -> 0.153 and 0.177 -> 0.142 ms.
 """
 from __future__ import annotations
 
@@ -71,7 +80,7 @@ ENV = dict(atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE", wgrad_chunk_rows="MOE
            wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", lora_mode="MOEYARD_TRITON_LORA",
            tma="MOEYARD_TRITON_TMA", tma_wgrad="MOEYARD_TRITON_TMA_WGRAD", prefetch_h="MOEYARD_TRITON_PREFETCH",
            tma_up="MOEYARD_TRITON_TMA_UP", gluon_lora="MOEYARD_TRITON_GLUON_LORA",
-           wgrad_tile_major="MOEYARD_TRITON_WGRAD_TILE_MAJOR")
+           wgrad_tile_major="MOEYARD_TRITON_WGRAD_TILE_MAJOR", band_rows="MOEYARD_TRITON_BAND_ROWS")
 LORA_MODES = ("split", "fused")
 
 
@@ -93,6 +102,7 @@ class Options:
     tma_up: bool = True
     gluon_lora: bool = True
     wgrad_tile_major: bool = True
+    band_rows: bool = True
 
     def __post_init__(self):
         if self.wgrad_chunk_rows < 0 or self.wgrad_partial_mib <= 0:

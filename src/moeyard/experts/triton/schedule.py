@@ -103,6 +103,39 @@ def expert_tile(pid_m, offsets_ptr, E, BM: tl.constexpr, E_P2: tl.constexpr):
     return e, row0, row_end
 
 
+@triton.jit
+def band_tile(pid_m, offsets_ptr, E, band_bits, BM: tl.constexpr, E_P2: tl.constexpr):
+    """Row tile ``pid_m`` in band-major order -> ``(e, row0, row_end)`` as :func:`expert_tile` gives
+    them (``e >= E``: no such tile). Band ``j`` holds tile ``j`` of every expert that has more than
+    ``j`` tiles, in expert order: ``cum(j) = sum_e min(tiles_e, j)`` tiles come before it, so the
+    tile's band is the largest ``j`` with ``cum(j) <= pid_m`` (a binary search of ``band_bits``
+    steps over ``j < 2**band_bits``, which must exceed every expert's tile count) and its expert is
+    the band's ``pid_m - cum(j)``-th. The same tiles as the expert-major order, visited differently.
+
+    Why: a gathered operand read by token (``x[token]``) is read once per pair, ``K`` times per
+    token. Each expert's rows are in token order, so tile ``j`` of every expert covers about the same
+    span of tokens: the programs running at once read each token's row ``K`` times while it is in L2,
+    instead of once per pass over all the experts (``benchmarks/NOTES.md``, round 20)."""
+    e_idx, starts, ends, pieces, last, _ = _piece_table(offsets_ptr, E, BM, E_P2, False)
+    j = pid_m * 0
+    for i in range(0, band_bits):
+        cand = j + (1 << (band_bits - 1 - i))
+        j = tl.where(tl.sum(tl.minimum(pieces, cand), 0) <= pid_m, cand, j)
+    idx = pid_m - tl.sum(tl.minimum(pieces, j), 0)
+    live = (pieces > j).to(tl.int32)
+    here = (live > 0) & (tl.cumsum(live, 0) - live == idx)
+    found = tl.sum(here.to(tl.int32), 0) > 0
+    e = tl.where(found, tl.sum(tl.where(here, e_idx, 0), 0), E)
+    row0 = tl.sum(tl.where(here, starts, 0), 0) + j * BM
+    return e, row0, tl.sum(tl.where(here, ends, 0), 0)
+
+
+def band_bits(num_rows: int, min_block_m: int = 16) -> int:
+    """Binary-search steps of :func:`band_tile`: ``2**bits`` exceeds the row tiles any one expert can
+    have (``ceil(N / BM)`` at the smallest ``BM`` a config uses)."""
+    return max(1, triton.cdiv(max(num_rows, 1), min_block_m).bit_length())
+
+
 def max_chunks(num_rows: int, num_experts: int, chunk_rows: int) -> int:
     """Static bound on the weight-gradient work items: each expert's ``ceil(c / chunk)`` chunks, at
     least one (an empty expert writes its zero gradient), so at most ``N // chunk + E``."""
@@ -201,15 +234,20 @@ WGRAD_CONFIGS = [
     _cfg(64, 128, 128, 8, 3), _cfg(128, 128, 128, 8, 3), _cfg(32, 256, 128, 8, 6), _cfg(64, 64, 128, 4, 4),
 ]
 # thin grouped GEMMs (the LoRA rows z = x A_e^T: R <= 64 output columns, memory-bound): narrow column
-# tiles, deep K steps, more programs per SM to hide the gathered loads' latency
+# tiles, deep K steps, more programs per SM to hide the gathered loads' latency (128 x 16 x 64 with 3 stages:
+# the fastest of a sweep at r = 16 on an H200, NOTES round 20)
 THIN_CONFIGS = [
     _cfg(64, 16, 128, 4, 4), _cfg(128, 16, 128, 4, 4), _cfg(128, 32, 64, 4, 4), _cfg(64, 32, 128, 4, 3),
-    _cfg(128, 16, 256, 8, 3), _cfg(256, 16, 64, 8, 4), _cfg(128, 64, 64, 4, 4),
+    _cfg(128, 16, 256, 8, 3), _cfg(256, 16, 64, 8, 4), _cfg(128, 64, 64, 4, 4), _cfg(128, 16, 64, 4, 3),
+    _cfg(128, 16, 64, 8, 3),
 ]
-# weight gradients with one thin side (LoRA factors: r rows or columns): narrow tiles on that side
+# weight gradients with one thin side (LoRA factors: r rows or columns): narrow tiles on that side; short
+# row steps (BM = 32) with 3 stages ran fastest for dB_down and dA_up at r = 16 (NOTES round 20)
 THIN_WGRAD_CONFIGS = [
     _cfg(64, 16, 256, 4, 4), _cfg(64, 32, 256, 8, 4), _cfg(128, 16, 128, 4, 4), _cfg(64, 64, 128, 4, 4),
     _cfg(64, 256, 16, 4, 4), _cfg(64, 256, 32, 8, 4), _cfg(128, 128, 16, 4, 4),
+    _cfg(32, 256, 16, 4, 3), _cfg(32, 128, 16, 4, 3), _cfg(64, 128, 16, 4, 3), _cfg(32, 16, 128, 4, 3),
+    _cfg(128, 16, 128, 4, 3),
 ]
 # weight gradients of a LoRA factor B that also yield the rows d_y B_e from the same pass over d_y
 # (wgrad_kernel with ROWS): every config has BN = ROWS_BN, so the row product's partials (one per BN
@@ -217,7 +255,8 @@ THIN_WGRAD_CONFIGS = [
 ROWS_BN = 256
 ROWS_WGRAD_CONFIGS = [
     _cfg(64, ROWS_BN, 16, 4, 4), _cfg(64, ROWS_BN, 16, 8, 4), _cfg(32, ROWS_BN, 16, 4, 6), _cfg(128, ROWS_BN, 16, 8, 3),
-    _cfg(64, ROWS_BN, 32, 8, 4), _cfg(64, ROWS_BN, 64, 8, 3),
+    _cfg(64, ROWS_BN, 32, 8, 4), _cfg(64, ROWS_BN, 64, 8, 3), _cfg(64, ROWS_BN, 16, 8, 2), _cfg(64, ROWS_BN, 16, 4, 2),
+    _cfg(128, ROWS_BN, 16, 4, 3),
 ]
 # the second-stage sum of weight-gradient partials (memory-bound; BN x BK float32 tiles)
 REDUCE_BLOCK = dict(BN=64, BK=64, num_warps=4)
