@@ -145,16 +145,16 @@ def _down_backward(dout, h, tw, w_down, b_down, lora, r, spec, need_w, need_b, n
     dbl = g_dn = zw = None
     if need_bl:  # dB_e = s (w * dout)^T (a A_e^T), from zw = w * (a A_e^T)
         zw = z_dn * tw.index_select(0, r.sort_order).to(z_dn.dtype).unsqueeze(1)
-    if need_bl and _one_pass(bl_dn, r, by_token=True):  # dB_e and the rows dout B_e: one pass over dout
-        dbl, g_dn = ops.wgrad_rows(dout, zw, bl_dn, lhs_by_token=True, r=r, alpha=s)
-    dh, aw, d_tw, g_dn = ops.act_grad(dout, w_down, b_down, h, tw, r, spec, _input_grad_term(a_dn, bl_dn, s), g_dn)
+    # dout is read by token: its rows dout B_e come from a band-major thin GEMM (in act_grad) and dB_e from a
+    # tile-major weight gradient, two passes that ran faster than one (see _one_pass)
+    dh, aw, d_tw, g_dn = ops.act_grad(dout, w_down, b_down, h, tw, r, spec, _input_grad_term(a_dn, bl_dn, s))
     dw = db = da = None
     if need_w or need_b:
         dw, db = ops.wgrad(dout, aw, lhs_by_token=True, rhs_by_token=False, scale=tw if need_b else None, r=r,
                            like_w=w_down, like_b=b_down if need_b else None)
     if need_a:  # dA_e = s (w * dout B_e)^T a = s (dout B_e)^T (w a)
         da = _thin_wgrad(g_dn, aw, False, False, r, a_dn, s)
-    if need_bl and dbl is None:
+    if need_bl:
         dbl = _thin_wgrad(dout, zw, True, False, r, bl_dn, s)
     return dh, d_tw, dw if need_w else None, db, da, dbl
 
@@ -164,7 +164,7 @@ def _up_backward(dh, x, w_up, b_up, lora, r, need_x, need_w, need_b, need_a, nee
     ``lora = (A, B, s, z)`` with ``z = x @ A_e^T`` from the forward."""
     a_up, bl_up, s, z_up = lora
     dx = dw = db = da = dbl = g_up = None
-    if need_bl and (need_x or need_a) and _one_pass(bl_up, r, by_token=False):  # dB_e = s d_h^T (x A_e^T) and the rows d_h B_e
+    if need_bl and (need_x or need_a) and _one_pass(bl_up, r):  # dB_e = s d_h^T (x A_e^T) and the rows d_h B_e
         dbl, g_up = ops.wgrad_rows(dh, z_up, bl_up, lhs_by_token=False, r=r, alpha=s)
     if need_x:
         dx, g_up = ops.down_combine(dh, w_up.mT, None, None, r, None, _input_grad_term(a_up, bl_up, s), g_up)
@@ -180,15 +180,15 @@ def _up_backward(dh, x, w_up, b_up, lora, r, need_x, need_w, need_b, need_a, nee
     return dx, dw if need_w else None, db, da, dbl
 
 
-def _one_pass(b: Tensor | None, r: Routing, *, by_token: bool) -> bool:
-    """Whether ``dB`` and the rows ``d_y B_e`` come from one pass over ``d_y`` (``b = B [E, out, R]``):
-    a LoRA term in split mode (its rows made before the GEMM that reads them) whose float32 partials fit
-    the budget (:func:`.ops.wgrad_rows_fits`), over ``d_y`` in sorted rows (``d_h``). ``d_y`` read at each
-    pair's token (``d out``, ``by_token``) takes two passes, a band-major thin GEMM for the rows and a
-    tile-major weight gradient for ``dB``: together faster than the one pass, whose programs each read
-    ``d out`` for one expert only (H200, r = 16: 0.30 against 0.34 ms at qwen3.5-35b-a3b, 0.28 against
-    0.32 at qwen3-30b-a3b; ``benchmarks/NOTES.md``, round 20)."""
-    return (b is not None and not by_token and LoRATerm.mode() == LORA_SPLIT
+def _one_pass(b: Tensor | None, r: Routing) -> bool:
+    """Whether ``dB`` and the rows ``d_h B_e`` come from one pass over ``d_h`` (sorted rows; ``b = B [E,
+    out, R]``): a LoRA term in split mode (its rows made before the GEMM that reads them) whose float32
+    partials fit the budget (:func:`.ops.wgrad_rows_fits`). ``d out``, read at each pair's token, always
+    takes two passes, a band-major thin GEMM for the rows and a tile-major weight gradient for ``dB``:
+    together faster than one pass, whose programs each read ``d out`` for one expert only (H200, r = 16:
+    0.30 against 0.34 ms at qwen3.5-35b-a3b, 0.28 against 0.32 at qwen3-30b-a3b; over ``d_h`` one pass
+    stays faster, 0.19 against 0.27 and 0.27 against 0.38; ``benchmarks/NOTES.md``, round 20)."""
+    return (b is not None and LoRATerm.mode() == LORA_SPLIT
             and ops.wgrad_rows_fits(r.num_pairs, b.shape[1], b.shape[2]))
 
 
