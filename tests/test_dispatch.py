@@ -290,3 +290,56 @@ def test_gathered_sum_kernel_matches_reference():
         assert none is None and torch.equal(pairs, rows.float()), (T, K, H)
         for got, ref in ((out, want_w), (plain, want)):
             assert torch.allclose(got.double(), ref, atol=1e-5, rtol=1e-5), (T, K, H)
+
+
+@pytest.mark.parametrize("extra_rows", [0, 5])  # a permutation of the rows, or rows no pair names (padding)
+@pytest.mark.parametrize("weights_grad", [True, False])
+def test_gathered_weighted_sum(extra_rows, weights_grad):
+    """The combine that reads each pair's row where it is, against a gather then the bmm (float64):
+    output, the rows' gradient (zero in rows no pair names) and the weights' gradient."""
+    from moeyard.weighted_sum import gathered_weighted_sum, weighted_sum_reference
+    g = torch.Generator().manual_seed(13)
+    T, K, H = 7, 3, 10
+    R = T * K + extra_rows
+    index = torch.randperm(R, generator=g)[:T * K].view(T, K)
+    src = torch.randn(R, H, generator=g, dtype=torch.float64)
+    w = torch.rand(T, K, generator=g, dtype=torch.float64)
+    dy = torch.randn(T, H, generator=g, dtype=torch.float64)
+    a = [src.clone().requires_grad_(), w.clone().requires_grad_(weights_grad)]
+    b = [src.clone().requires_grad_(), w.clone().requires_grad_(weights_grad)]
+    out = gathered_weighted_sum(a[0], index, a[1])
+    want = weighted_sum_reference(b[0].index_select(0, index.view(-1)).view(T, K, H), b[1])
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    out.backward(dy)
+    want.backward(dy)
+    torch.testing.assert_close(a[0].grad, b[0].grad, rtol=1e-12, atol=1e-12)
+    unnamed = torch.ones(R, dtype=torch.bool)
+    unnamed[index.view(-1)] = False
+    assert (a[0].grad[unnamed] == 0).all() and int(unnamed.sum()) == extra_rows
+    if weights_grad:
+        torch.testing.assert_close(a[1].grad, b[1].grad, rtol=1e-12, atol=1e-12)
+    assert gathered_weighted_sum(src[:2], index[:0], w[:0]).shape == (0, H)
+
+
+@pytest.mark.parametrize("extra_rows", [0, 5])
+def test_scattered_pairs_grad_kernel(extra_rows):
+    """The combine backward's kernel (Triton, under the interpreter, float32) against float64: each pair's
+    scaled gradient row written at the row the index names, the other rows zero; K = 1, 3, 8, H not a
+    multiple of the tile."""
+    pytest.importorskip("triton")
+    import os
+    from unittest import mock
+
+    g = torch.Generator().manual_seed(14)
+    for T, K, H in ((7, 3, 40), (9, 8, 600), (2, 1, 5)):
+        R = T * K + extra_rows
+        index = torch.randperm(R, generator=g)[:T * K].view(T, K)
+        w = torch.randn(T, K, generator=g, dtype=torch.float64)
+        dy = torch.randn(T, H, generator=g, dtype=torch.float64)
+        want = torch.zeros(R, H, dtype=torch.float64)
+        want[index.view(-1)] = (w.unsqueeze(-1) * dy.unsqueeze(1)).view(-1, H)
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
+            from moeyard.weighted_sum_triton import scattered_pairs_grad
+            got = scattered_pairs_grad(w.float(), dy.float(), index, R)
+        assert got.shape == (R, H) and got.dtype == torch.float32
+        assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-5), (T, K, H)

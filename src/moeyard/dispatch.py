@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import kind
-from .weighted_sum import weighted_sum
+from .weighted_sum import gathered_weighted_sum, weighted_sum
 
 Tensor = torch.Tensor
 
@@ -177,7 +177,9 @@ def unpermute(rows: Tensor, plan: DispatchPlan, topk_weights: Tensor | None = No
     ``out[t] = sum_k topk_weights[t, k] * rows[pair_rows[t * K + k]]``.
 
     Without ``topk_weights`` it returns the unweighted ``[T, K, H]`` pairs instead. The weighted sum
-    is :func:`moeyard.weighted_sum.weighted_sum` (float32 accumulation; deterministic, no atomics).
+    reads each pair's row where it is (:func:`moeyard.weighted_sum.gathered_weighted_sum`; with
+    ``drop_invalid`` a gather, then :func:`moeyard.weighted_sum.weighted_sum`): float32 accumulation,
+    deterministic, no atomics.
     Rows of pairs with an invalid expert id may hold anything (a grouped GEMM does not write them):
     with ``drop_invalid`` they are zeroed first (one extra pass over the pairs), otherwise the caller
     must keep them out. Differentiable w.r.t. ``rows`` and ``topk_weights``.
@@ -188,13 +190,15 @@ def unpermute(rows: Tensor, plan: DispatchPlan, topk_weights: Tensor | None = No
     T, K = plan.num_tokens, plan.top_k
     if rows.dim() != 2 or rows.shape[0] != plan.num_rows:
         raise ValueError(f"rows: expected shape [{plan.num_rows}, H], got {tuple(rows.shape)}")
+    if topk_weights is not None and tuple(topk_weights.shape) != (T, K):
+        raise ValueError(f"topk_weights: expected shape {(T, K)}, got {tuple(topk_weights.shape)}")
+    if topk_weights is not None and not drop_invalid:  # each pair's row read once, no [T, K, H] round trip
+        return gathered_weighted_sum(rows, plan.pair_rows.view(T, K), topk_weights)
     pairs = rows.index_select(0, plan.pair_rows).view(T, K, rows.shape[1])
     if drop_invalid:
         pairs = pairs.masked_fill(~plan.valid.view(T, K, 1), 0)
     if topk_weights is None:
         return pairs
-    if tuple(topk_weights.shape) != (T, K):
-        raise ValueError(f"topk_weights: expected shape {(T, K)}, got {tuple(topk_weights.shape)}")
     return weighted_sum(pairs, topk_weights)
 
 

@@ -60,6 +60,18 @@ def gathered_sum(src: Tensor, index: Tensor, weights: Tensor | None = None, *,
     return out, pairs if keep else None
 
 
+def gathered_weighted_sum(src: Tensor, index: Tensor, weights: Tensor) -> Tensor:
+    """``out[t] = sum_k w[t, k] * src[index[t, k]]``, differentiable w.r.t. ``src`` and ``weights``:
+    ``src [R, H]``, ``index [T, K]`` int64 naming distinct rows of ``src`` (as
+    :attr:`moeyard.dispatch.DispatchPlan.pair_rows` does), ``weights [T, K]`` (cast to ``src.dtype``) ->
+    ``[T, H]`` in ``src.dtype``. Each gathered row is read once (:func:`gathered_sum`; the ``[T, K, H]``
+    copy is written only when ``weights`` needs a gradient, which reads it). Backward: ``d src[index[t,
+    k]] = w[t, k] * d out[t]`` written straight to its row, zero in the rows no pair names; ``d w`` as
+    :func:`weighted_sum`'s. Against a gather then :func:`weighted_sum`: one pass over the pairs less each
+    way (``benchmarks/NOTES.md``, round 20). No host sync; rows are not checked for distinctness."""
+    return _GatheredSum.apply(src, index, weights.to(src.dtype))
+
+
 def weights_grad(pairs: Tensor, grad_out: Tensor) -> Tensor:
     """``d weights [T, K]`` in ``pairs.dtype``: ``<grad_out[t], pairs[t, k]>`` (``grad_out [T, H]``)."""
     if _on_kernels(pairs):
@@ -88,3 +100,34 @@ class _WeightedSum(torch.autograd.Function):
         d_pairs = pairs_grad(weights, grad_out) if ctx.needs_input_grad[0] else None
         d_w = weights_grad(pairs, grad_out) if ctx.needs_input_grad[1] else None
         return d_pairs, d_w
+
+
+class _GatheredSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, src, index, weights):
+        keep = ctx.needs_input_grad[2]
+        out, pairs = gathered_sum(src, index, weights, keep=keep)
+        ctx.save_for_backward(index, weights, pairs)
+        ctx.num_rows = src.shape[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        index, weights, pairs = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        d_src = d_w = None
+        if ctx.needs_input_grad[0]:
+            d_src = _scattered_pairs_grad(weights, grad_out, index, ctx.num_rows)
+        if ctx.needs_input_grad[2]:
+            d_w = weights_grad(pairs, grad_out)
+        return d_src, None, d_w
+
+
+def _scattered_pairs_grad(weights: Tensor, grad_out: Tensor, index: Tensor, num_rows: int) -> Tensor:
+    """``[num_rows, H]``: row ``index[t, k]`` holds ``weights[t, k] * grad_out[t]``, the other rows zero."""
+    if _on_kernels(grad_out):
+        from .weighted_sum_triton import scattered_pairs_grad
+        return scattered_pairs_grad(weights.contiguous(), grad_out, index.contiguous(), num_rows)
+    d_pairs = weights.unsqueeze(2) * grad_out.unsqueeze(1)
+    d_src = grad_out.new_zeros(num_rows, grad_out.shape[1])
+    return d_src.index_copy_(0, index.reshape(-1), d_pairs.reshape(-1, grad_out.shape[1]))

@@ -3,7 +3,8 @@
 ``weighted_sum_kernel``: grid ``(ceil(T / BT), ceil(H / BH))``, a program sums the K pair rows of
 ``BT`` tokens over ``BH`` columns in float32 (or, gathering, the rows an index names, optionally
 keeping a copy of them); ``pairs_grad_kernel`` (same grid) writes them the
-gradient's K scaled copies (a torch broadcast multiply took 1.32 ms at the shape below on an H100). ``weights_grad_kernel``: grid ``(ceil(T / BT),)``, a
+gradient's K scaled copies (a torch broadcast multiply took 1.32 ms at the shape below on an H100), in
+pair order or, scattering, at the rows an index names. ``weights_grad_kernel``: grid ``(ceil(T / BT),)``, a
 program walks H in ``GRAD_BH`` steps for all K slots of ``BT`` tokens. Each reads the pairs once:
 ``T * K * H * itemsize`` bytes (1.07 GB at Qwen3-30B-A3B's T = 32768, K = 8, H = 2048, bf16).
 """
@@ -56,14 +57,17 @@ def weighted_sum_kernel(pairs_ptr, w_ptr, out_ptr, index_ptr, keep_ptr, T, H, st
 
 
 @triton.jit
-def pairs_grad_kernel(w_ptr, g_ptr, dp_ptr, T, H, K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
-    """``dp[t, k, h] = w[t, k] * g[t, h]`` (the product in float32, rounded once), ``g`` read once."""
+def pairs_grad_kernel(w_ptr, g_ptr, dp_ptr, index_ptr, T, H, K: tl.constexpr, SCATTER: tl.constexpr,
+                      BT: tl.constexpr, BH: tl.constexpr):
+    """``dp[t, k, h] = w[t, k] * g[t, h]`` (the product in float32, rounded once), ``g`` read once.
+    ``SCATTER``: pair ``(t, k)``'s row goes to ``dp[index[t, k]]`` (rows ``H`` apart) instead."""
     t64, h, m_t, mask = _token_tile(T, H, BT, BH)
     g = tl.load(g_ptr + t64[:, None] * H + h[None, :], mask=mask, other=0.0).to(tl.float32)
     for k in tl.static_range(K):
-        w = tl.load(w_ptr + t64 * K + k, mask=m_t, other=0.0).to(tl.float32)
-        tl.store(dp_ptr + (t64 * K + k)[:, None] * H + h[None, :], (w[:, None] * g).to(dp_ptr.dtype.element_ty),
-                 mask=mask)
+        pair = t64 * K + k
+        w = tl.load(w_ptr + pair, mask=m_t, other=0.0).to(tl.float32)
+        row = tl.load(index_ptr + pair, mask=m_t, other=0) if SCATTER else pair
+        tl.store(dp_ptr + row[:, None] * H + h[None, :], (w[:, None] * g).to(dp_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -106,8 +110,16 @@ def gathered_sum_(src: Tensor, index: Tensor, weights: Optional[Tensor], out: Te
 @kernel_op("moeyard::pairs_grad_", mutates_args=("dp",))
 def pairs_grad_(weights: Tensor, grad_out: Tensor, dp: Tensor) -> None:
     T, K, H = dp.shape
-    pairs_grad_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](weights, grad_out, dp, T, H, K=K, BT=BT, BH=BH,
-                                                                num_warps=4)
+    pairs_grad_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](weights, grad_out, dp, dp, T, H, K=K, SCATTER=False,
+                                                                BT=BT, BH=BH, num_warps=4)
+
+
+@kernel_op("moeyard::scattered_pairs_grad_", mutates_args=("d_src",))
+def scattered_pairs_grad_(weights: Tensor, grad_out: Tensor, index: Tensor, d_src: Tensor) -> None:
+    T, K = weights.shape
+    H = d_src.shape[1]
+    pairs_grad_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](weights, grad_out, d_src, index, T, H, K=K,
+                                                                SCATTER=True, BT=BT, BH=BH, num_warps=4)
 
 
 @kernel_op("moeyard::weights_grad_", mutates_args=("dw",))
@@ -139,6 +151,17 @@ def pairs_grad(weights: Tensor, grad_out: Tensor) -> Tensor:
     dp = grad_out.new_empty(weights.shape[0], weights.shape[1], grad_out.shape[1])
     pairs_grad_(weights, grad_out, dp)
     return dp
+
+
+def scattered_pairs_grad(weights: Tensor, grad_out: Tensor, index: Tensor, num_rows: int) -> Tensor:
+    """``[num_rows, H]`` in ``grad_out.dtype``: row ``index[t, k]`` is ``weights[t, k] * grad_out[t]``; rows no
+    pair names are zero (when ``num_rows > T * K``; ``index`` must name distinct rows)."""
+    T, K = weights.shape
+    fill = torch.zeros if num_rows > T * K else torch.empty
+    d_src = fill(num_rows, grad_out.shape[1], dtype=grad_out.dtype, device=grad_out.device)
+    if T * K:
+        scattered_pairs_grad_(weights, grad_out, index, d_src)
+    return d_src
 
 
 def weights_grad(pairs: Tensor, grad_out: Tensor) -> Tensor:
