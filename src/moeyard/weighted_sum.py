@@ -52,8 +52,7 @@ def gathered_sum(src: Tensor, index: Tensor, weights: Tensor | None = None, *,
     pairs out of a buffer (:mod:`moeyard.parallel.send_order`), saving the ``[T, K, H]`` copy a gather
     then a sum would write and read again. No host sync; shapes and index ranges are not checked (the
     callers hold them by construction: a check would read the device)."""
-    if src.is_cuda and src.dtype in (torch.float32, torch.float16, torch.bfloat16) and index.numel() \
-            and src.shape[1] and src.stride(1) == 1:
+    if _on_kernels(src) and index.numel() and src.stride(1) == 1:
         from .weighted_sum_triton import gathered_sum as kernel
         return kernel(src, index.contiguous(), None if weights is None else weights.contiguous(), keep)
     T, K = index.shape
