@@ -6,7 +6,7 @@
 #   bench: moeyard bench --lora 16 at MODEL... (default: the four LoRA shapes); with ALL=1 also the per-kernel
 #          profile, the split/fused crossover and a no-LoRA triton check
 #   gluon: the CUDA LoRA tests, then the Gluon LoRA down projection against the Triton one
-#          (MOEYARD_TRITON_GLUON_LORA=1/0): the LoRA step's kernels in launch order, then frozen vs lora steps
+#          (MOEYARD_TRITON_GLUON_DOWN=1/0): the LoRA step's kernels in launch order, then frozen vs lora steps
 #          interleaved, at MODEL (default qwen3-30b-a3b)
 #   kernels: the CUDA LoRA tests, then benchmarks/lora_kernels.py (the TMA down projections, Triton and Gluon,
 #          with and without LoRA; B's backward in one pass or two; lora_B's relayout) at qwen3-30b-a3b, olmoe-1b-7b
@@ -36,10 +36,10 @@ elif [[ $STAGE == gluon ]]; then
   (( ${#margs[@]} )) || margs=(--model qwen3-30b-a3b)
   MOEYARD_TRITON_AUTOTUNE=0 step pytest_lora 200 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_lora_cuda.py
   for g in 1 0; do
-    MOEYARD_TRITON_GLUON_LORA=$g step "profile_g$g" 120 python3 benchmarks/lora_profile.py --sequence "${margs[@]:0:2}"
+    MOEYARD_TRITON_GLUON_DOWN=$g step "profile_g$g" 120 python3 benchmarks/lora_profile.py --sequence "${margs[@]:0:2}"
   done
   for run in 1 2; do for g in 1 0; do
-    MOEYARD_TRITON_GLUON_LORA=$g step "bench_g${g}_$run" 150 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 \
+    MOEYARD_TRITON_GLUON_DOWN=$g step "bench_g${g}_$run" 150 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 \
       --backends frozen,lora "${margs[@]}"
   done; done
 elif [[ $STAGE == kernels ]]; then

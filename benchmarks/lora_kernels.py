@@ -3,8 +3,9 @@ real model shapes, bf16, on one GPU (CUDA events after warm-up, median of ``--it
 inputs, uniform routing):
 
 - ``down`` (forward, ``a [N, I] @ W_down^T``, K = I) and ``dx`` (input gradient, ``d_h [N, 2I] @ W_up``,
-  K = 2I): the Triton TMA kernel (autotuned; its pick printed) without and with the split LoRA term,
-  and the Gluon kernel with it (:mod:`moeyard.experts.triton.kernels_gluon`, where it is ready);
+  K = 2I): the Triton TMA kernel (autotuned; its pick printed) and the warp-specialised Gluon kernel
+  (:mod:`moeyard.experts.triton.kernels_gluon`, also past its K-step limit), each without and with the
+  split LoRA term;
 - ``dB + rows``: the LoRA factor B's two uses in backward, ``d_y B_e`` (the input-gradient GEMM's low
   rank rows) and ``dB_e = d_y^T z``, as two passes over ``d_y`` (thin GEMM + thin weight gradient) and
   as one (:func:`moeyard.experts.triton.ops.wgrad_rows`), for ``d out`` (gathered by token) and ``d_h``;
@@ -79,27 +80,26 @@ def down_rows(p, rank: int, iters: int, variants: bool) -> list[tuple[str, str, 
     out = []
     for name, rows, w, tw, lb in _down_cases(p):
         y = torch.empty(p["N"], w.shape[1], device="cuda", dtype=rows.dtype)
-        for label, lora in (("Triton, frozen", False), ("Triton, LoRA", True)):
-            def run(lora=lora):
-                # the split term's epilogue reads only z and Lb (la is the thin pass's, made outside)
-                mode, z = (LORA_SPLIT, p["z"]) if lora else (LORA_NONE, None)
-                ops.launch_down(rows, w, None, tw, r.sort_order, r.expert_offsets, r.top_k, lb if lora else None,
-                                lb if lora else None, mode, 0.5, y, z, table, False)
-            with use_options(gluon_lora=False):
-                out.append((name, label, timed(run, iters)))
-                pick = getattr(ops._kernels()["down_tma"], "best_config", None)
-                out[-1] = (name, f"{label} [{pick}]", out[-1][2])
         limit = kernels_gluon.MAX_K_STEPS
-        ready = kernels_gluon.ready(rows, w, lb, p["z"], max(16, rank))
-        if not ready:  # past the K-step limit: run it anyway, to measure that limit
-            kernels_gluon.MAX_K_STEPS = 10 ** 9
-        with use_options(gluon_lora=True):
-            def run():
-                ops.launch_down(rows, w, None, tw, r.sort_order, r.expert_offsets, r.top_k, lb, lb, LORA_SPLIT, 0.5,
-                                y, p["z"], table, False)
-            label = "Gluon, LoRA, as launched" + ("" if ready else f" (past its limit of {limit} K steps)")
-            out.append((name, label, timed(run, iters)))
-        kernels_gluon.MAX_K_STEPS = limit
+        ready = kernels_gluon.ready(rows, w, None, None, 0, tma_block_m())
+        for gluon in (False, True):
+            if gluon and not ready:  # past the K-step limit: run it anyway, to measure that limit
+                kernels_gluon.MAX_K_STEPS = 10 ** 9
+            for lora in (False, True):
+                def run(lora=lora):
+                    # the split term's epilogue reads only z and Lb (la is the thin pass's, made outside)
+                    mode, z = (LORA_SPLIT, p["z"]) if lora else (LORA_NONE, None)
+                    ops.launch_down(rows, w, None, tw, r.sort_order, r.expert_offsets, r.top_k, lb if lora else None,
+                                    lb if lora else None, mode, 0.5, y, z, table, False)
+                label = f"{'Gluon' if gluon else 'Triton'}, {'LoRA' if lora else 'frozen'}"
+                with use_options(gluon_down=gluon):
+                    ms = timed(run, iters)
+                if not gluon:
+                    label += f" [{getattr(ops._kernels()['down_tma'], 'best_config', None)}]"
+                elif not ready:
+                    label += f" (past its limit of {limit} K steps)"
+                out.append((name, label, ms))
+            kernels_gluon.MAX_K_STEPS = limit
         if variants:
             out += _gluon_variants(p, name, rows, w, tw, lb, table, y, rank, iters)
     return out

@@ -43,18 +43,22 @@ def test_triton_edge_cases(case):
         check_backend("triton", add_lora(make_inputs(300, 128, 64, E, K, bias=True), 16), torch.bfloat16, device=DEV)
 
 
-@pytest.mark.parametrize("case", ["ragged", "one_hot_expert", "bias", "rank24"])
-def test_gluon_down_projection(case, monkeypatch):
-    """The Gluon down projection with its LoRA term (sm_90): it runs for the forward and the input
-    gradient, and every output and gradient matches the oracle. Cases: outputs and K not multiples of
-    the tile (H 320, I 200: a 64-wide last column tile, a 8-wide last K step), rank 8 (half the padded
-    box), empty experts and three long ones, biases, rank 24 (padded to 32)."""
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("case", ["ragged", "one_hot_expert", "bias", "rank24", "frozen", "frozen_base_trained"])
+def test_gluon_down_projection(case, block_m, monkeypatch):
+    """The warp-specialised Gluon down projection (sm_90), with one consumer warp group (row tiles of 64)
+    and two (128): it runs for the forward and the input gradient, and every output and gradient
+    matches the oracle. Cases: outputs and K not multiples of the tile (H 320, I 200: a 64-wide last
+    column tile, a 8-wide last K step), rank 8 (half the padded box), empty experts and three long ones,
+    biases, rank 24 (padded to 32), no LoRA term (base frozen, and base trained: its weight gradients
+    too)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm_90")
-    from moeyard.experts.triton import kernels_gluon
+    from moeyard.experts.triton import kernels_gluon, ops
     calls = []
     real = kernels_gluon.launch
-    monkeypatch.setattr(kernels_gluon, "launch", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    monkeypatch.setattr(kernels_gluon, "launch", lambda *a, **k: (calls.append(a[-2]), real(*a, **k)))
+    monkeypatch.setattr(ops, "tma_block_m", lambda: block_m)  # the tile table's rows and the kernel's BM
     E, K = 10, 3
     if case == "ragged":
         inp = add_lora(make_inputs(777, 320, 200, E, K), 8)
@@ -62,10 +66,12 @@ def test_gluon_down_projection(case, monkeypatch):
         inp = add_lora(make_inputs(600, 256, 192, E, K, ids=torch.stack([torch.arange(K)] * 600)), 16)
     elif case == "bias":
         inp = add_lora(make_inputs(500, 256, 192, E, K, bias=True), 16)
-    else:
+    elif case == "rank24":
         inp = add_lora(make_inputs(500, 256, 256, E, K), 24)
-    check_backend("triton", inp, torch.bfloat16, device=DEV, frozen=FROZEN)
-    assert len(calls) == 2, "the forward and the input gradient each launch the Gluon kernel once"
+    else:
+        inp = make_inputs(777, 320, 200, E, K, bias=True)
+    check_backend("triton", inp, torch.bfloat16, device=DEV, frozen=() if case == "frozen_base_trained" else FROZEN)
+    assert calls == [block_m, block_m], "the forward and the input gradient each launch the Gluon kernel once"
 
 
 @pytest.mark.parametrize("by_token", [True, False])

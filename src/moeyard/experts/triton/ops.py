@@ -239,20 +239,21 @@ def _down_table(rows: Tensor, r: Routing, lora_mode: int) -> Tensor | None:
 def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, y, z,
                 table, atomic: bool) -> None:
     """The down projection's launch: TMA-loaded over the tile ``table`` when given (not with
-    ``atomic``) and the operands suit TMA (:func:`kernels_tma.tma_ready`), else pointer loads. A split
-    LoRA term on sm_90 runs the Gluon kernel instead where :func:`kernels_gluon.ready` holds (option
-    ``gluon_lora``)."""
+    ``atomic``) and the operands suit TMA (:func:`kernels_tma.tma_ready`), else pointer loads. On sm_90
+    the warp-specialised Gluon kernel runs instead (no LoRA term or a split one) where
+    :func:`kernels_gluon.ready` holds (option ``gluon_down``)."""
     E, NY, KA = w.shape
     N = sort_order.shape[0]
     if N == 0:
         return
     bb = w if b is None else b
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
-    if table is not None and lora_mode == LORA_SPLIT and not atomic and (gluon := _gluon_lora()) is not None \
-            and gluon.ready(rows, w, lb, z, RP):
+    lb_split, z_split = (lb, z) if lora_mode == LORA_SPLIT else (None, None)
+    if table is not None and lora_mode != LORA_FUSED and not atomic and (gluon := _gluon_down()) is not None \
+            and gluon.ready(rows, w, lb_split, z_split, RP, tma_block_m()):
         kernels_tma.ensure_allocator()
-        gluon.launch(rows, w, b, topk_weights, sort_order, expert_offsets, y, lb, z, table, lora_scale, RP,
-                     tma_block_m(), num_sms(rows.device))
+        gluon.launch(rows, w, b, topk_weights, sort_order, expert_offsets, y, lb_split, z_split, table, lora_scale,
+                     RP, tma_block_m(), num_sms(rows.device))
         return
     if table is not None and not atomic and kernels_tma.tma_ready(rows, w, interpreting()):
         kernels_tma.ensure_allocator()
@@ -271,10 +272,10 @@ def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la,
         PRECISION=dot_precision(rows.dtype), E_P2=_e_p2(E))
 
 
-def _gluon_lora():
-    """:mod:`.kernels_gluon` when the option ``gluon_lora`` is on and this Triton has Gluon's Hopper
+def _gluon_down():
+    """:mod:`.kernels_gluon` when the option ``gluon_down`` is on and this Triton has Gluon's Hopper
     language (Triton >= 3.5), else None. Never under the interpreter (Gluon has none)."""
-    if interpreting() or not options().gluon_lora:
+    if interpreting() or not options().gluon_down:
         return None
     return _gluon_module()
 

@@ -44,14 +44,16 @@ Each defaults to the measured default path; set an environment variable, or over
   weights. Measured on an H100 (round 13 of ``benchmarks/NOTES.md``, results bit-identical): up 3.59 ->
   3.47 ms at qwen3-30b-a3b, 4.56 -> 4.30 ms at sonic-30b-a. The same for the activation gradient's
   weight (dh) was slower (2.31 -> 2.50 ms, 2.62 -> 2.82 ms) and is not offered.
-- ``MOEYARD_TRITON_GLUON_LORA=0`` (``gluon_lora``, on by default): with a split-mode LoRA term, the TMA
-  down projection (forward and input gradient) runs the Gluon kernel of :mod:`.kernels_gluon`, whose
-  pipeline loads each tile's LoRA operands while the tile's K loop runs, instead of the Triton kernel
-  that waits on them after it. Same conditions as ``tma``, plus sm_90, a rank that is a multiple of 8
-  and at most 32, and 2 to 32 K steps of 64 (a reduction of at most 2048: at Mixtral-8x7B's 14336 the
-  Triton kernel's main loop is the faster); otherwise the Triton kernel runs. Measured on an H200 (rounds 15
-  and 16 of ``benchmarks/NOTES.md``): down 1.79 -> 1.51 ms, dx 2.83 -> 2.78 ms at qwen3-30b-a3b, r = 16; dx
-  3.69 -> 3.60 ms at olmoe-1b-7b; the LoRA step at qwen3-30b-a3b 12.77 -> 12.34-12.38 ms.
+- ``MOEYARD_TRITON_GLUON_DOWN=0`` (``gluon_down``, on by default): the TMA down projection (forward
+  and input gradient, without a LoRA term or with a split one) runs the warp-specialised Gluon kernel of
+  :mod:`.kernels_gluon` (a TMA loader warp feeding two MMA warp groups through barrier rings, each
+  tile's LoRA operands loaded ahead of its K loop) instead of the Triton kernel. Same conditions as
+  ``tma``, plus sm_90, row tiles of 64 or 128, at most 32 K steps of 64 (a reduction of at most 2048)
+  and, with LoRA, a rank that is a multiple of 8 and at most 32; otherwise the Triton kernel runs.
+  Measured on an H200 (round 21 of ``benchmarks/NOTES.md``, bit-identical results), ms, Triton / Gluon:
+  without LoRA, down 1.097 / 1.021 and dx 1.895 / 1.851 at qwen3.5-35b-a3b, 1.479 / 1.391 and 2.669 / 2.645
+  at qwen3-30b-a3b; with LoRA (r = 16) the Gluon kernel takes about the Triton kernel's time without it
+  (1.075, 1.931; 1.43-1.48, 2.664).
 - ``MOEYARD_TRITON_WGRAD_TILE_MAJOR=0`` (``wgrad_tile_major``, on by default): a thin weight gradient
   (a LoRA factor's: ``r`` wide on one side) with an operand read at each pair's token (``d out``,
   ``x``) orders its programs tile-major: one column tile of every expert, then the next
@@ -79,7 +81,7 @@ from dataclasses import dataclass
 ENV = dict(atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE", wgrad_chunk_rows="MOEYARD_TRITON_WGRAD_CHUNK",
            wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", lora_mode="MOEYARD_TRITON_LORA",
            tma="MOEYARD_TRITON_TMA", tma_wgrad="MOEYARD_TRITON_TMA_WGRAD", prefetch_h="MOEYARD_TRITON_PREFETCH",
-           tma_up="MOEYARD_TRITON_TMA_UP", gluon_lora="MOEYARD_TRITON_GLUON_LORA",
+           tma_up="MOEYARD_TRITON_TMA_UP", gluon_down="MOEYARD_TRITON_GLUON_DOWN",
            wgrad_tile_major="MOEYARD_TRITON_WGRAD_TILE_MAJOR", band_rows="MOEYARD_TRITON_BAND_ROWS")
 LORA_MODES = ("split", "fused")
 
@@ -100,7 +102,7 @@ class Options:
     tma_wgrad: bool = True
     prefetch_h: bool = False
     tma_up: bool = True
-    gluon_lora: bool = True
+    gluon_down: bool = True
     wgrad_tile_major: bool = True
     band_rows: bool = True
 
