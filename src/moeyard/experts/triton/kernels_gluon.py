@@ -251,9 +251,9 @@ STAGES = 4
 # Registers per thread of the loader and of the second consumer (setmaxnreg); the first consumer gets the
 # rest of the 168 x 384 Triton launches the 12 warps with: 504 - 232 - 40 = 232. No spills (Triton 3.6, sm_90a).
 LOADER_REGS, CONSUMER_REGS = 40, 232
-# Measured on an H200 (benchmarks/NOTES.md, rounds 15 and 16, the former single-partition kernel): at 224 and
-# 448 K steps (Mixtral-8x7B) its main loop was slower than the Triton kernel's (down 11.5 -> 12.7 ms, input
-# gradient 22.7 -> 26.1 ms); kept as the bound until measured for this kernel
+# At 224 and 448 K steps (Mixtral-8x7B) this kernel gains nothing over the Triton kernel: H200, ms, Triton /
+# Gluon without LoRA, down 11.41 / 11.46, input gradient 23.29 / 24.44; with LoRA 11.63 / 11.57, 23.41 / 23.77
+# (benchmarks/NOTES.md, round 21); so long reductions stay with the Triton kernel
 MAX_K_STEPS = 32
 MAX_RP = 32  # the LoRA ring, 2 (BM + BN) RP * 2 bytes, is 48 KiB at RP = 32: 3 stages, 200 KiB in all
 
