@@ -44,14 +44,15 @@ def test_triton_edge_cases(case):
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
-@pytest.mark.parametrize("case", ["ragged", "one_hot_expert", "bias", "rank24", "frozen", "frozen_base_trained"])
+@pytest.mark.parametrize("case", ["ragged", "one_hot_expert", "bias", "rank24", "frozen", "frozen_base_trained",
+                                  "one_k_step"])
 def test_gluon_down_projection(case, block_m, monkeypatch):
     """The warp-specialised Gluon down projection (sm_90), with one consumer warp group (row tiles of 64)
     and two (128): it runs for the forward and the input gradient, and every output and gradient
     matches the oracle. Cases: outputs and K not multiples of the tile (H 320, I 200: a 64-wide last
     column tile, a 8-wide last K step), rank 8 (half the padded box), empty experts and three long ones,
     biases, rank 24 (padded to 32), no LoRA term (base frozen, and base trained: its weight gradients
-    too)."""
+    too), reductions of one and two K steps (I 40: 40 and 80)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm_90")
     from moeyard.experts.triton import kernels_gluon, ops
@@ -68,6 +69,8 @@ def test_gluon_down_projection(case, block_m, monkeypatch):
         inp = add_lora(make_inputs(500, 256, 192, E, K, bias=True), 16)
     elif case == "rank24":
         inp = add_lora(make_inputs(500, 256, 256, E, K), 24)
+    elif case == "one_k_step":
+        inp = add_lora(make_inputs(300, 256, 40, E, K), 16)
     else:
         inp = make_inputs(777, 320, 200, E, K, bias=True)
     check_backend("triton", inp, torch.bfloat16, device=DEV, frozen=() if case == "frozen_base_trained" else FROZEN)

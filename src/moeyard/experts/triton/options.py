@@ -46,8 +46,8 @@ Each defaults to the measured default path; set an environment variable, or over
   weight (dh) was slower (2.31 -> 2.50 ms, 2.62 -> 2.82 ms) and is not offered.
 - ``MOEYARD_TRITON_GLUON_DOWN=0`` (``gluon_down``, on by default): the TMA down projection (forward
   and input gradient, without a LoRA term or with a split one) runs the warp-specialised Gluon kernel of
-  :mod:`.kernels_gluon` (a TMA loader warp feeding two MMA warp groups through barrier rings, each
-  tile's LoRA operands loaded ahead of its K loop) instead of the Triton kernel. Same conditions as
+  :mod:`.kernels_gluon` (a TMA loader warp feeding one or two MMA warp groups through barrier rings,
+  each tile's LoRA operands loaded ahead of its K loop) instead of the Triton kernel. Same conditions as
   ``tma``, plus sm_90, row tiles of 64 or 128, at most 32 K steps of 64 (a reduction of at most 2048)
   and, with LoRA, a rank that is a multiple of 8 and at most 32; otherwise the Triton kernel runs.
   Measured on an H200 (round 21 of ``benchmarks/NOTES.md``, bit-identical results), ms, Triton / Gluon:
