@@ -111,7 +111,7 @@ def _loader(a_desc, w_desc, z_desc, lb_desc, a_bufs, w_bufs, z_bufs, lb_bufs, re
 def _consumer(half, a_bufs, w_bufs, z_bufs, lb_bufs, ready, empty, lready, lempty, b_ptr, tw_ptr, sort_order_ptr,
               offsets_ptr, y_ptr, table_ptr, N, KA, NY, E, M, stride_be, stride_bn, lora_scale,
               W_KMAJOR: gl.constexpr, LB_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_WEIGHT: gl.constexpr,
-              LORA: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+              LORA: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
     """A consumer partition (one warp group): rows ``64 half ... 64 half + 63`` of every tile. Each K step's MMA
     runs with one in flight; the stage the previous one read goes back to the loader. The stage index
     of the previous step is recomputed, not carried (a variable assigned only from another loop
@@ -226,10 +226,10 @@ def down_kernel(
         gl.warp_specialize([
             (_consumer, (0, a_bufs, w_bufs, z_bufs, lb_bufs, ready, empty, lready, lempty, b_ptr, tw_ptr,
                          sort_order_ptr, offsets_ptr, y_ptr, table_ptr, N, KA, NY, E, M, stride_be, stride_bn,
-                         lora_scale, W_KMAJOR, LB_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, BM, BN, BK, STAGES)),
+                         lora_scale, W_KMAJOR, LB_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, BN, BK, STAGES)),
             (_consumer, (1, a_bufs, w_bufs, z_bufs, lb_bufs, ready, empty, lready, lempty, b_ptr, tw_ptr,
                          sort_order_ptr, offsets_ptr, y_ptr, table_ptr, N, KA, NY, E, M, stride_be, stride_bn,
-                         lora_scale, W_KMAJOR, LB_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, BM, BN, BK, STAGES)),
+                         lora_scale, W_KMAJOR, LB_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, BN, BK, STAGES)),
             (_loader, (a_desc, w_desc, z_desc, lb_desc, a_bufs, w_bufs, z_bufs, lb_bufs, ready, empty, lready,
                        lempty, table_ptr, KA, NY, M, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -237,7 +237,7 @@ def down_kernel(
         gl.warp_specialize([
             (_consumer, (0, a_bufs, w_bufs, z_bufs, lb_bufs, ready, empty, lready, lempty, b_ptr, tw_ptr,
                          sort_order_ptr, offsets_ptr, y_ptr, table_ptr, N, KA, NY, E, M, stride_be, stride_bn,
-                         lora_scale, W_KMAJOR, LB_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, BM, BN, BK, STAGES)),
+                         lora_scale, W_KMAJOR, LB_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, BN, BK, STAGES)),
             (_loader, (a_desc, w_desc, z_desc, lb_desc, a_bufs, w_bufs, z_bufs, lb_bufs, ready, empty, lready,
                        lempty, table_ptr, KA, NY, M, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
         ], [1], [LOADER_REGS])
