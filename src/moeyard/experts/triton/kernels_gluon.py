@@ -37,6 +37,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
+# Triton 3.7 renamed the TMA load (3.6: async_copy_global_to_shared, which later versions reject)
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
 
 @gluon.jit
 def _tile_of(t, pid, nprog, n_tiles_n, table_ptr, M, BN: gl.constexpr):
@@ -87,20 +90,20 @@ def _loader(a_desc, w_desc, z_desc, lb_desc, a_bufs, w_bufs, z_bufs, lb_bufs, re
             mbarrier.wait(lempty.index(slot), ((t // 2) & 1) ^ 1)  # a fresh barrier passes phase 1
             lbar = lready.index(slot)
             mbarrier.expect(lbar, z_desc.block_type.nbytes + lb_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(z_desc, [row0, 0], lbar, z_bufs.index(slot))
+            _tma_load(z_desc, [row0, 0], lbar, z_bufs.index(slot))
             if LB_KMAJOR:
-                tma.async_copy_global_to_shared(lb_desc, [e, col0, 0], lbar, lb_bufs.index(slot))
+                _tma_load(lb_desc, [e, col0, 0], lbar, lb_bufs.index(slot))
             else:
-                tma.async_copy_global_to_shared(lb_desc, [e, 0, col0], lbar, lb_bufs.index(slot))
+                _tma_load(lb_desc, [e, 0, col0], lbar, lb_bufs.index(slot))
         for kt in range(k_steps):
             mbarrier.wait(empty.index(s), phase ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [row0, kt * BK], bar, a_bufs.index(s))
+            _tma_load(a_desc, [row0, kt * BK], bar, a_bufs.index(s))
             if W_KMAJOR:
-                tma.async_copy_global_to_shared(w_desc, [e, col0, kt * BK], bar, w_bufs.index(s))
+                _tma_load(w_desc, [e, col0, kt * BK], bar, w_bufs.index(s))
             else:
-                tma.async_copy_global_to_shared(w_desc, [e, kt * BK, col0], bar, w_bufs.index(s))
+                _tma_load(w_desc, [e, kt * BK, col0], bar, w_bufs.index(s))
             s += 1
             if s == STAGES:
                 s = 0
