@@ -9,9 +9,9 @@ down projection's 1.72 ms at Qwen3-30B-A3B on an H200, ``benchmarks/NOTES.md``, 
 persistent program per SM is warp-specialised (``gl.warp_specialize``):
 
 - a one-warp loader issues every (tile, K step)'s TMA loads into a ring of ``STAGES`` stages, each
-  once both consumers have released it (``empty`` barriers), and each tile's LoRA boxes ``z`` and ``Lb``
+  once every consumer has released it (``empty`` barriers), and each tile's LoRA boxes ``z`` and ``Lb``
   into a ring of two, ahead of that tile's K loop;
-- two consumer warp groups (rows ``0 .. BM/2`` and ``BM/2 .. BM`` of each tile) wait for a stage
+- ``BM / 64`` consumer warp groups (rows ``0 .. 63`` and, at ``BM = 128``, ``64 .. 127`` of each tile) wait for a stage
   (``ready``), run its MMA with one MMA in flight, release the stage the previous MMA read, add the LoRA
   product as one more MMA on the accumulator, then the epilogue (bias, routing weight, store by pair,
   moved to 16-byte row vectors within each warp: :func:`store_layout`).
@@ -20,8 +20,9 @@ So no consumer waits at a CTA-wide barrier, and the loads run ahead of the MMAs 
 Measured on an H200 (``benchmarks/NOTES.md``, round 21; r = 16, ms, this kernel / the former single
 partition Gluon kernel / the Triton kernel without LoRA): Qwen3.5-35B-A3B down 1.075 / 1.171 / 1.097,
 input gradient 1.931 / 2.090 / 1.895; Qwen3-30B-A3B down 1.43-1.48 / 1.585 / 1.479, input gradient 2.664 /
-2.956 / 2.669. Without a LoRA term (``lb`` None) it is a plain persistent down projection, faster than the
-Triton kernel there too (1.021, 1.851, 1.391, 2.645 ms).
+2.956 / 2.669. Without a LoRA term (``lb`` None) it is a plain persistent down projection: faster than the
+Triton kernel at 8-16 K steps (Qwen3.5-35B-A3B 1.021 against 1.097, 1.851 against 1.895 ms), within 5% of it
+either way at 24-32 (call to call).
 
 Operands (``N`` sorted rows, ``KA`` reduction, ``NY`` outputs, ``R`` rank, ``RP`` its padded size):
 - ``a_desc``: rows ``[N, KA]``, boxes ``[BM, BK]``.
