@@ -11,8 +11,8 @@ persistent program per SM is warp-specialised (``gl.warp_specialize``):
 - a one-warp loader issues every (tile, K step)'s TMA loads into a ring of ``STAGES`` stages, each
   once every consumer has released it (``empty`` barriers), and each tile's LoRA boxes ``z`` and ``Lb``
   into a ring of two, ahead of that tile's K loop;
-- ``BM / 64`` consumer warp groups (rows ``0 .. 63`` and, at ``BM = 128``, ``64 .. 127`` of each tile) wait for a stage
-  (``ready``), run its MMA with one MMA in flight, release the stage the previous MMA read, add the LoRA
+- ``BM / 64`` consumer warp groups (rows ``0 .. 63`` and, at ``BM = 128``, ``64 .. 127`` of each tile)
+  wait for a stage (``ready``), run its MMA with one MMA in flight, release the stage the previous MMA read, add the LoRA
   product as one more MMA on the accumulator, then the epilogue (bias, routing weight, store by pair,
   moved to 16-byte row vectors within each warp: :func:`store_layout`).
 
