@@ -12,9 +12,9 @@ persistent program per SM is warp-specialised (``gl.warp_specialize``):
   once every consumer has released it (``empty`` barriers), and each tile's LoRA boxes ``z`` and ``Lb``
   into a ring of two, ahead of that tile's K loop;
 - ``BM / 64`` consumer warp groups (rows ``0 .. 63`` and, at ``BM = 128``, ``64 .. 127`` of each tile)
-  wait for a stage (``ready``), run its MMA with one MMA in flight, release the stage the previous MMA read, add the LoRA
-  product as one more MMA on the accumulator, then the epilogue (bias, routing weight, store by pair,
-  moved to 16-byte row vectors within each warp: :func:`store_layout`).
+  wait for a stage (``ready``), run its MMA with one MMA in flight, release the stage the previous MMA
+  read, add the LoRA product as one more MMA on the accumulator, then the epilogue (bias, routing
+  weight, store by pair, moved to 16-byte row vectors within each warp: :func:`store_layout`).
 
 So no consumer waits at a CTA-wide barrier, and the loads run ahead of the MMAs by the whole ring.
 Measured on an H200 (``benchmarks/NOTES.md``, round 21; r = 16, ms, this kernel / the former single
