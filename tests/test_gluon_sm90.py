@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -61,11 +62,11 @@ def _compile_all() -> list[dict]:
                              torch.empty(2 * (N // block_m + E) + 1, dtype=torch.int32), 0.5, max(16, rank), block_m,
                              132)
         k = compiled.pop()
-        path = f"/tmp/moeyard-gluon-{os.getpid()}.cubin"
-        with open(path, "wb") as f:
-            f.write(k.asm["cubin"])
-        usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-        os.remove(path)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.cubin")
+            with open(path, "wb") as f:
+                f.write(k.asm["cubin"])
+            usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
         out.append(dict(shared=k.metadata.shared, warps=k.metadata.num_warps, usage=usage,
                         setmaxnreg="setmaxnreg" in k.asm["ptx"]))
     return out
