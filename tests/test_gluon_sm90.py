@@ -1,9 +1,11 @@
-"""The warp-specialised Gluon down projection (:mod:`moeyard.experts.triton.kernels_gluon`) compiled for
-sm_90a on the CPU, with the installed Triton's bundled ``ptxas`` and no GPU: each variant the library
-launches (row tiles of 64 and 128, with and without a LoRA term, ``W`` K-major or not, ranks 8 and 32)
-compiles, keeps its registers (no local-memory spills), fits the 227 KiB of shared memory a Hopper block
-can hold, and, at 128-row tiles, is warp-specialised (``setmaxnreg`` moves registers between the
-partitions). A Triton whose Gluon API changed fails here instead of at a user's first launch.
+"""The warp-specialised Gluon down and up projections (:mod:`moeyard.experts.triton.kernels_gluon`,
+:mod:`~moeyard.experts.triton.kernels_gluon_up`) compiled for sm_90a on the CPU, with the installed
+Triton's bundled ``ptxas`` and no GPU: each variant the library launches (row tiles of 64 and 128, with and
+without a LoRA term, ``W`` or ``Lb`` K-major or not, ranks 8 to 32, gated and plain activations) compiles,
+keeps its registers (no spills: no local-memory stores in the SASS), fits the 227 KiB of shared memory a
+Hopper block can hold, and, at 128-row tiles, is warp-specialised (``setmaxnreg`` moves registers between
+the partitions); the up projection gathers its rows with 16-byte ``cp.async`` copies. A Triton whose Gluon
+API changed fails here instead of at a user's first launch.
 
 The compiles run in a fresh Python process (this file run as a script): Triton's interpreter, which
 the other CPU tests use, patches ``triton.language`` while it runs, and a compile must not see that."""
@@ -16,7 +18,9 @@ import tempfile
 import pytest
 
 VARIANTS = [(128, True, True, 8), (128, True, False, 32), (128, False, True, 0), (64, True, False, 16),
-            (64, False, False, 0)]  # (BM, LoRA, W K-major, rank)
+            (64, False, False, 0)]  # down: (BM, LoRA, W K-major, rank)
+UP_VARIANTS = [(128, "swiglu", True, 16), (128, "swiglu", False, 32), (128, "swiglu", True, 0), (64, "swiglu", True, 8),
+               (64, "reglu", True, 0), (128, "clamped_swiglu", True, 0), (128, "gelu", True, 0)]  # up: (BM, activation, Lb K-major, rank; 0: no LoRA)
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
 
 
@@ -43,33 +47,55 @@ def _compile_all() -> list[dict]:
             return torch.device("cpu")
 
     driver.set_active(Sm90())
-    kernel, compiled = kernels_gluon.down_kernel, []
+    from moeyard.experts.triton import kernels_gluon_up
+    compiled = []
 
-    class Grab:
-        def __getitem__(self, grid):
-            return lambda *a, **k: compiled.append(kernel.run(*a, grid=grid, warmup=True, **k))
+    def grab(module, name):
+        kernel = getattr(module, name)
 
-    kernels_gluon.down_kernel = Grab()
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        class Grab:
+            def __getitem__(self, grid):
+                return lambda *a, **k: compiled.append(kernel.run(*a, grid=grid, warmup=True, **k))
+
+        setattr(module, name, Grab())
+
+    grab(kernels_gluon, "down_kernel")
+    grab(kernels_gluon_up, "up_kernel")
     E, NY, KA, N, bf = 8, 2048, 512, 4096, torch.bfloat16
-    out = []
+    table = lambda block_m: torch.empty(2 * (N // block_m + E) + 1, dtype=torch.int32)  # noqa: E731
     for block_m, lora, kmajor, rank in VARIANTS:
         w = torch.empty(E, NY, KA, dtype=bf) if kmajor else torch.empty(E, KA, NY, dtype=bf).mT
         lb = (torch.empty(E, NY, rank, dtype=bf) if kmajor else torch.empty(E, rank, NY, dtype=bf).mT) if lora else None
         kernels_gluon.launch(torch.empty(N, KA, dtype=bf), w, torch.empty(E, NY, dtype=bf), torch.empty(N),
                              torch.empty(N, dtype=torch.int64), torch.empty(E + 1, dtype=torch.int32),
                              torch.empty(N, NY, dtype=bf), lb, torch.empty(N, rank, dtype=bf) if lora else None,
-                             torch.empty(2 * (N // block_m + E) + 1, dtype=torch.int32), 0.5, max(16, rank), block_m,
-                             132)
-        k = compiled.pop()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "kernel.cubin")
-            with open(path, "wb") as f:
-                f.write(k.asm["cubin"])
-            usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-        out.append(dict(shared=k.metadata.shared, warps=k.metadata.num_warps, usage=usage,
-                        setmaxnreg="setmaxnreg" in k.asm["ptx"]))
-    return out
+                             table(block_m), 0.5, max(16, rank), block_m, 132)
+    T, H, I = 1024, 2048, 768
+    for block_m, act, kmajor, rank in UP_VARIANTS:
+        n1 = I if act == "gelu" else 2 * I
+        lb = (torch.empty(E, n1, rank, dtype=bf) if kmajor else torch.empty(E, rank, n1, dtype=bf).mT) if rank else None
+        kernels_gluon_up.launch(torch.empty(T, H, dtype=bf), torch.empty(E, n1, H, dtype=bf), torch.empty(E, n1),
+                                torch.empty(N, dtype=torch.int64), torch.empty(E + 1, dtype=torch.int32), 4, act, 1.702,
+                                7.0, n1 - I, torch.empty(N, n1, dtype=bf), torch.empty(N, I, dtype=bf), lb,
+                                torch.empty(N, rank, dtype=bf) if rank else None, table(block_m), 0.5, max(16, rank),
+                                block_m, 132)
+    return [_resources(k, triton) for k in compiled]
+
+
+def _resources(k, triton) -> dict:
+    """What the checks read from one compiled kernel: shared memory, warps, spills, ``setmaxnreg``, copies."""
+    import re
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(k.asm["cubin"])
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+    ptx = k.asm["ptx"]
+    return dict(shared=k.metadata.shared, warps=k.metadata.num_warps, spills=len(re.findall(r"\bSTL\b", sass)),
+                setmaxnreg="setmaxnreg" in ptx,
+                copy_bytes=sorted(set(re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)", ptx))))
 
 
 @pytest.fixture(scope="module")
@@ -84,15 +110,25 @@ def compiled():
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def _check(k: dict, block_m: int) -> None:
+    assert k["shared"] <= SHARED_LIMIT, f"{k['shared']} bytes of shared memory"
+    assert k["spills"] == 0, f"{k['spills']} register spills (local-memory stores)"
+    assert k["warps"] == (12 if block_m == 128 else 8)  # 4 + (4) + 1 or 4 loader warps, rounded to warp groups
+    assert k["setmaxnreg"] or block_m == 64
+
+
 @pytest.mark.parametrize("i", range(len(VARIANTS)), ids=[f"bm{v[0]}-lora{int(v[1])}-kmajor{int(v[2])}-r{v[3]}"
                                                          for v in VARIANTS])
-def test_compiles_for_sm90(i, compiled):
-    block_m = VARIANTS[i][0]
-    k = compiled[i]
-    assert k["shared"] <= SHARED_LIMIT, f"{k['shared']} bytes of shared memory"
-    assert "LOCAL:0" in k["usage"], f"registers spilled to local memory: {k['usage']}"
-    assert k["warps"] == (12 if block_m == 128 else 8)  # 4 + (4) + 1 warps, rounded to warp groups
-    assert k["setmaxnreg"] or block_m == 64
+def test_down_compiles_for_sm90(i, compiled):
+    _check(compiled[i], VARIANTS[i][0])
+
+
+@pytest.mark.parametrize("i", range(len(UP_VARIANTS)), ids=[f"bm{v[0]}-{v[1]}-kmajor{int(v[2])}-r{v[3]}"
+                                                            for v in UP_VARIANTS])
+def test_up_compiles_for_sm90(i, compiled):
+    k = compiled[len(VARIANTS) + i]
+    _check(k, UP_VARIANTS[i][0])
+    assert k["copy_bytes"] == ["0x10"], f"the gathered rows' copies: {k['copy_bytes']} bytes"
 
 
 if __name__ == "__main__":

@@ -230,9 +230,10 @@ def test_custom_ops_opcheck(mode):
                                                   K, *lora(I, H), table, y, z()))
     torch.library.opcheck(ops.tile_table_.op, (r.expert_offsets, 16, torch.empty_like(r.tile_table(16))))
     torch.library.opcheck(ops.combine_.op, (y, r.topk_ids, tw.view(T, K), E, torch.empty(T, H)))
-    torch.library.opcheck(ops.up_proj_.op, (torch.randn(T, H), torch.randn(E, 2 * I, H), None, r.sort_order,
-                                         r.expert_offsets, K, "swiglu", 1.702, 7.0, False, True, *lora(H, 2 * I),
-                                         torch.empty(T * K, 2 * I), torch.empty(T * K, I), z()))
+    for table in tables:
+        torch.library.opcheck(ops.up_proj_.op, (torch.randn(T, H), torch.randn(E, 2 * I, H), None, r.sort_order,
+                                             r.expert_offsets, K, "swiglu", 1.702, 7.0, False, True, *lora(H, 2 * I),
+                                             table, torch.empty(T * K, 2 * I), torch.empty(T * K, I), z()))
     torch.library.opcheck(ops.act_grad_.op, (torch.randn(T, H), torch.randn(E, H, I), None, torch.randn(T * K, 2 * I),
                                           tw, r.sort_order, r.expert_offsets, K, "swiglu", 1.702, 7.0, False,
                                           *lora(H, I), torch.empty(T * K, 2 * I), torch.empty(T * K, I),

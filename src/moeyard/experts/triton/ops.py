@@ -189,9 +189,11 @@ def _row_grid(n: int, e: int, cols: int):
 def up_proj_(x: Tensor, w: Tensor, b: Optional[Tensor], sort_order: Tensor, expert_offsets: Tensor,
              top_k: int, act: str, alpha: float, limit: float, interleaved: bool, gather: bool,
              la: Optional[Tensor], lb: Optional[Tensor], lora_mode: int, lora_scale: float,
-             h: Optional[Tensor], a: Tensor, z: Optional[Tensor]) -> None:
+             table: Optional[Tensor], h: Optional[Tensor], a: Tensor, z: Optional[Tensor]) -> None:
     """``h = x[token] @ w[e].T + b[e] (+ s z lb[e]^T)`` (sorted rows; ``x[row]`` without ``gather``;
-    ``h`` written when given), ``a = act(h)``; LoRA ``z = x @ la[e]`` read (split) or written (fused)."""
+    ``h`` written when given), ``a = act(h)``; LoRA ``z = x @ la[e]`` read (split) or written (fused).
+    On sm_90 the warp-specialised Gluon kernel runs over the tile ``table`` (when given) where
+    :func:`kernels_gluon_up.ready` holds (option ``gluon_up``)."""
     E, N1, H = w.shape
     N = sort_order.shape[0]
     if N == 0:
@@ -200,6 +202,13 @@ def up_proj_(x: Tensor, w: Tensor, b: Optional[Tensor], sort_order: Tensor, expe
     NA, gate_step, up_offset = spec.columns(N1)
     bb = w if b is None else b
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
+    lb_split, z_split = (lb, z) if lora_mode == LORA_SPLIT else (None, None)
+    if table is not None and lora_mode != LORA_FUSED and (gluon := _gluon("gluon_up")) is not None \
+            and gluon.ready(x, w, lb_split, z_split, act, gate_step, gather, RP, tma_block_m()):
+        kernels_tma.ensure_allocator()
+        gluon.launch(x, w, b, sort_order, expert_offsets, top_k, act, alpha, limit, up_offset, h, a, lb_split,
+                     z_split, table, lora_scale, RP, tma_block_m(), num_sms(x.device))
+        return
     thin = N1 <= THIN and not spec.gated and not lora_mode
     w_tma = not thin and gate_step == 1 and lora_mode != LORA_FUSED and _up_weight_tma(w, x)
     band = thin and gather and options().band_rows
@@ -224,7 +233,7 @@ def _up_weight_tma(w: Tensor, x: Tensor) -> bool:
 
 @up_proj_.register_fake
 def _(x, w, b, sort_order, expert_offsets, top_k, act, alpha, limit, interleaved, gather, la, lb, lora_mode,
-      lora_scale, h, a, z):
+      lora_scale, table, h, a, z):
     return None
 
 
@@ -249,7 +258,7 @@ def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la,
     bb = w if b is None else b
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
     lb_split, z_split = (lb, z) if lora_mode == LORA_SPLIT else (None, None)
-    if table is not None and lora_mode != LORA_FUSED and not atomic and (gluon := _gluon_down()) is not None \
+    if table is not None and lora_mode != LORA_FUSED and not atomic and (gluon := _gluon("gluon_down")) is not None \
             and gluon.ready(rows, w, lb_split, z_split, RP, tma_block_m()):
         kernels_tma.ensure_allocator()
         gluon.launch(rows, w, b, topk_weights, sort_order, expert_offsets, y, lb_split, z_split, table, lora_scale,
@@ -272,22 +281,35 @@ def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la,
         PRECISION=dot_precision(rows.dtype), E_P2=_e_p2(E))
 
 
-def _gluon_down():
-    """:mod:`.kernels_gluon` when the option ``gluon_down`` is on and this Triton has Gluon's Hopper
-    language (Triton >= 3.5), else None. Never under the interpreter (Gluon has none)."""
-    if interpreting() or not options().gluon_down:
+def _gluon(option: str):
+    """The Gluon kernel module of ``option`` (``gluon_down``: :mod:`.kernels_gluon`, ``gluon_up``:
+    :mod:`.kernels_gluon_up`) when that option is on and this Triton has Gluon's Hopper language (Triton
+    >= 3.5), else None. Never under the interpreter (Gluon has none)."""
+    if interpreting() or not getattr(options(), option):
         return None
-    return _gluon_module()
+    return _gluon_module(option)
 
 
 @functools.cache
-def _gluon_module():
+def _gluon_module(option: str):
     """The import, once (a Triton without Gluon would otherwise retry it at every launch)."""
     try:
-        from . import kernels_gluon
+        if option == "gluon_up":
+            from . import kernels_gluon_up as module
+        else:
+            from . import kernels_gluon as module
     except ImportError:
         return None
-    return kernels_gluon
+    return module
+
+
+def _up_table(x: Tensor, r: Routing, spec: ActSpec, gather: bool) -> Tensor | None:
+    """The tile table (shared with the down projection's) when the up projection may take the Gluon kernel:
+    sm_90, option ``gluon_up``, rows gathered by token, an activation it has; else None."""
+    gluon = _gluon("gluon_up") if x.is_cuda and gather and r.num_pairs else None
+    if gluon is None or spec.name not in gluon.ACTS or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return None
+    return r.tile_table(tma_block_m())
 
 
 def _tma_grid(table: Tensor, cols: int, device: torch.device):
@@ -517,8 +539,9 @@ def up_proj(x: Tensor, w: Tensor, b: Tensor | None, r: Routing, spec: ActSpec, *
     h = empty((N, n1), x) if store_h else None
     a = empty((N, spec.columns(n1)[0]), x)
     mode, z, la, lb = _lora_rows(x, lora, r, gather, n1)
+    table = _up_table(x, r, spec, gather)
     up_proj_(x, w, b, r.sort_order, r.expert_offsets, r.top_k, spec.name, spec.alpha, spec.limit,
-             spec.interleaved, gather, la, lb, mode, 0.0 if lora is None else lora.scale, h, a, z)
+             spec.interleaved, gather, la, lb, mode, 0.0 if lora is None else lora.scale, table, h, a, z)
     return h, a, z
 
 
