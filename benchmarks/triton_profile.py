@@ -32,6 +32,7 @@ VARIANTS = {
     "prefetch": dict(prefetch_h=True),  # dh prefetches its h rows into L2 before its main loop
     "pointer_up": dict(tma_up=False),  # the up projection's weight tiles by pointer loads
     "triton_up": dict(gluon_up=False),  # the up projection in the Triton kernel, not the Gluon one (sm_90)
+    "triton_dh": dict(gluon_dh=False),  # the activation gradient in the Triton kernel, not the Gluon one (sm_90)
 }
 DH_PARTIAL_BN = 64  # column tiles of the routing-weight gradient partial (ops.DH_CONFIGS: BN >= 64)
 
@@ -243,13 +244,14 @@ def launches(s: Shape, inputs, opts: dict) -> list[Cost]:
         return [lambda: ops.launch_down(rows, w, None, weights, so, off, K, *NO_LORA, y, None, table, False),
                 lambda: ops.combine_(y, r.topk_ids, None, s.E, out)]
 
-    up_table = ops._up_table(x, r, spec, True)  # the Gluon kernel's tile table on sm_90, else None
+    up_table = ops._gather_table(x, r, spec, "gluon_up")  # the Gluon kernels' tile table on sm_90, else None
+    dh_table = ops._gather_table(dout, r, spec, "gluon_dh")
     runs = [lambda: ops.up_proj_(x, w_up, None, so, off, K, "swiglu", 1.702, 7.0, False, True, *NO_LORA, up_table, h,
                                  a, None)]
     runs += down_runs(a, w_down, tw)
     runs += [dw_part.zero_,
              lambda: ops.act_grad_(dout, w_down, None, h, tw, so, off, K, "swiglu", 1.702, 7.0, False, *NO_LORA,
-                                   dh2, aw2, dw_part, None),
+                                   dh_table, dh2, aw2, dw_part, None),
              lambda: dw_part.sum(0)]
     runs += wgrad_runs(dout, aw, True, False, w_down, chunks[0])
     runs += down_runs(dh, w_up.mT, None)

@@ -1,10 +1,11 @@
-"""The warp-specialised Gluon down and up projections (:mod:`moeyard.experts.triton.kernels_gluon`,
-:mod:`~moeyard.experts.triton.kernels_gluon_up`) compiled for sm_90a on the CPU, with the installed
-Triton's bundled ``ptxas`` and no GPU: each variant the library launches (row tiles of 64 and 128, with and
-without a LoRA term, ``W`` or ``Lb`` K-major or not, ranks 8 to 32, gated and plain activations) compiles,
+"""The warp-specialised Gluon kernels (:mod:`moeyard.experts.triton.kernels_gluon`: the down projection;
+:mod:`~moeyard.experts.triton.kernels_gluon_gather`: the up projection and the activation gradient)
+compiled for sm_90a on the CPU, with the installed Triton's bundled ``ptxas`` and no GPU: each variant the
+library launches (row tiles of 64 and 128, with and without a LoRA term, ``W`` or ``Lb`` K-major or not,
+ranks 8 to 32, gated and plain activations) compiles,
 keeps its registers (no spills: no local-memory stores in the SASS), fits the 227 KiB of shared memory a
 Hopper block can hold, and, at 128-row tiles, is warp-specialised (``setmaxnreg`` moves registers between
-the partitions); the up projection gathers its rows with 16-byte ``cp.async`` copies. A Triton whose Gluon
+the partitions); the gathering kernels copy their rows with 16-byte ``cp.async``. A Triton whose Gluon
 API changed fails here instead of at a user's first launch.
 
 The compiles run in a fresh Python process (this file run as a script): Triton's interpreter, which
@@ -19,8 +20,11 @@ import pytest
 
 VARIANTS = [(128, True, True, 8), (128, True, False, 32), (128, False, True, 0), (64, True, False, 16),
             (64, False, False, 0)]  # down: (BM, LoRA, W K-major, rank)
-UP_VARIANTS = [(128, "swiglu", True, 16), (128, "swiglu", False, 32), (128, "swiglu", True, 0), (64, "swiglu", True, 8),
-               (64, "reglu", True, 0), (128, "clamped_swiglu", True, 0), (128, "gelu", True, 0)]  # up: (BM, activation, Lb K-major, rank; 0: no LoRA)
+# the gathering kernels: (kernel, BM, activation, W or Lb K-major, rank; 0: no LoRA)
+GATHER_VARIANTS = [("up", 128, "swiglu", True, 16), ("up", 128, "swiglu", False, 32), ("up", 128, "swiglu", True, 0),
+                   ("up", 64, "swiglu", True, 8), ("up", 64, "reglu", True, 0), ("up", 128, "clamped_swiglu", True, 0),
+                   ("up", 128, "gelu", True, 0), ("dh", 128, "swiglu", False, 0), ("dh", 128, "swiglu", False, 16),
+                   ("dh", 128, "swiglu", True, 32), ("dh", 64, "reglu", True, 8), ("dh", 128, "gelu", False, 0)]
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
 
 
@@ -47,7 +51,7 @@ def _compile_all() -> list[dict]:
             return torch.device("cpu")
 
     driver.set_active(Sm90())
-    from moeyard.experts.triton import kernels_gluon_up
+    from moeyard.experts.triton import kernels_gluon_gather as gather
     compiled = []
 
     def grab(module, name):
@@ -60,7 +64,7 @@ def _compile_all() -> list[dict]:
         setattr(module, name, Grab())
 
     grab(kernels_gluon, "down_kernel")
-    grab(kernels_gluon_up, "up_kernel")
+    grab(gather, "gathered_kernel")
     E, NY, KA, N, bf = 8, 2048, 512, 4096, torch.bfloat16
     table = lambda block_m: torch.empty(2 * (N // block_m + E) + 1, dtype=torch.int32)  # noqa: E731
     for block_m, lora, kmajor, rank in VARIANTS:
@@ -71,14 +75,24 @@ def _compile_all() -> list[dict]:
                              torch.empty(N, NY, dtype=bf), lb, torch.empty(N, rank, dtype=bf) if lora else None,
                              table(block_m), 0.5, max(16, rank), block_m, 132)
     T, H, I = 1024, 2048, 768
-    for block_m, act, kmajor, rank in UP_VARIANTS:
+    for kernel, block_m, act, kmajor, rank in GATHER_VARIANTS:
         n1 = I if act == "gelu" else 2 * I
-        lb = (torch.empty(E, n1, rank, dtype=bf) if kmajor else torch.empty(E, rank, n1, dtype=bf).mT) if rank else None
-        kernels_gluon_up.launch(torch.empty(T, H, dtype=bf), torch.empty(E, n1, H, dtype=bf), torch.empty(E, n1),
-                                torch.empty(N, dtype=torch.int64), torch.empty(E + 1, dtype=torch.int32), 4, act, 1.702,
-                                7.0, n1 - I, torch.empty(N, n1, dtype=bf), torch.empty(N, I, dtype=bf), lb,
-                                torch.empty(N, rank, dtype=bf) if rank else None, table(block_m), 0.5, max(16, rank),
-                                block_m, 132)
+        lora = dict(z=torch.empty(N, rank, dtype=bf) if rank else None, table=table(block_m), lora_scale=0.5,
+                    rp=max(16, rank), block_m=block_m, num_sms=132)
+        common = dict(sort_order=torch.empty(N, dtype=torch.int64), expert_offsets=torch.empty(E + 1, dtype=torch.int32),
+                      top_k=4, act=act, alpha=1.702, limit=7.0, up_offset=n1 - I)
+        lb_shape = n1 if kernel == "up" else I
+        lb = None
+        if rank:
+            lb = torch.empty(E, lb_shape, rank, dtype=bf) if kmajor else torch.empty(E, rank, lb_shape, dtype=bf).mT
+        if kernel == "up":
+            gather.launch_up(torch.empty(T, H, dtype=bf), torch.empty(E, n1, H, dtype=bf), torch.empty(E, n1),
+                             h=torch.empty(N, n1, dtype=bf), a=torch.empty(N, I, dtype=bf), lb=lb, **common, **lora)
+        else:
+            w = torch.empty(E, I, H, dtype=bf).mT if kmajor else torch.empty(E, H, I, dtype=bf)
+            gather.launch_dh(torch.empty(T, H, dtype=bf), w, torch.empty(N, n1, dtype=bf), torch.empty(N, dtype=bf),
+                             dh=torch.empty(N, n1, dtype=bf), aw=torch.empty(N, I, dtype=bf), dw=torch.empty(12, N),
+                             lb=lb, **common, **lora)
     return [_resources(k, triton) for k in compiled]
 
 
@@ -123,11 +137,11 @@ def test_down_compiles_for_sm90(i, compiled):
     _check(compiled[i], VARIANTS[i][0])
 
 
-@pytest.mark.parametrize("i", range(len(UP_VARIANTS)), ids=[f"bm{v[0]}-{v[1]}-kmajor{int(v[2])}-r{v[3]}"
-                                                            for v in UP_VARIANTS])
-def test_up_compiles_for_sm90(i, compiled):
+@pytest.mark.parametrize("i", range(len(GATHER_VARIANTS)), ids=["{}-bm{}-{}-kmajor{:d}-r{}".format(*v)
+                                                                for v in GATHER_VARIANTS])
+def test_gather_compiles_for_sm90(i, compiled):
     k = compiled[len(VARIANTS) + i]
-    _check(k, UP_VARIANTS[i][0])
+    _check(k, GATHER_VARIANTS[i][1])
     assert k["copy_bytes"] == ["0x10"], f"the gathered rows' copies: {k['copy_bytes']} bytes"
 
 

@@ -234,10 +234,12 @@ def test_custom_ops_opcheck(mode):
         torch.library.opcheck(ops.up_proj_.op, (torch.randn(T, H), torch.randn(E, 2 * I, H), None, r.sort_order,
                                              r.expert_offsets, K, "swiglu", 1.702, 7.0, False, True, *lora(H, 2 * I),
                                              table, torch.empty(T * K, 2 * I), torch.empty(T * K, I), z()))
-    torch.library.opcheck(ops.act_grad_.op, (torch.randn(T, H), torch.randn(E, H, I), None, torch.randn(T * K, 2 * I),
-                                          tw, r.sort_order, r.expert_offsets, K, "swiglu", 1.702, 7.0, False,
-                                          *lora(H, I), torch.empty(T * K, 2 * I), torch.empty(T * K, I),
-                                          torch.zeros(1, T * K), z()))
+    for table in tables:
+        torch.library.opcheck(ops.act_grad_.op, (torch.randn(T, H), torch.randn(E, H, I), None,
+                                              torch.randn(T * K, 2 * I), tw, r.sort_order, r.expert_offsets, K,
+                                              "swiglu", 1.702, 7.0, False, *lora(H, I), table,
+                                              torch.empty(T * K, 2 * I), torch.empty(T * K, I),
+                                              torch.zeros(1, T * K), z()))
 
 
 def test_compiles_fullgraph():

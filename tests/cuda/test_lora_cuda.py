@@ -80,22 +80,27 @@ def test_gluon_down_projection(case, block_m, monkeypatch):
 @pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("case", ["ragged", "one_hot_expert", "bias", "rank24", "frozen", "frozen_base_trained",
                                   "one_k_step", "reglu", "gelu", "float16", "geglu"])
-def test_gluon_up_projection(case, block_m, monkeypatch):
-    """The warp-specialised Gluon up projection (sm_90: loader warps gathering ``x`` rows with ``cp.async``,
-    the weight through TMA), with one consumer warp group (row tiles of 64) and two (128): it runs for the
-    forward, and every output and gradient matches the oracle (backward reads the ``h`` it stored), with
-    every buffer poisoned with NaN first. Cases: outputs and K not multiples of the tile (H 336, I 200: a
-    72-wide last column tile, a 16-wide last K step), rank 8, empty experts and three long ones, biases,
-    rank 24 (padded to 32), no LoRA term (base frozen, and base trained), a reduction of one K step
-    (H 48), ReGLU, a plain (not gated) GELU, float16; GeGLU (not served: the Triton kernel runs)."""
+def test_gluon_gathered_gemms(case, block_m, monkeypatch):
+    """The warp-specialised Gluon kernels that gather rows by token (sm_90: loader warps copying the rows with
+    ``cp.async``, the weight through TMA), the up projection and the activation gradient, with one consumer
+    warp group (row tiles of 64) and two (128): each runs once per step, and every output and gradient
+    matches the oracle (backward reads the ``h`` the up projection stored), every buffer poisoned with NaN
+    first. Cases: outputs and K not multiples of the tile (H 336, I 200: a 72-wide last column tile, a
+    16-wide last K step), rank 8, empty experts and three long ones, rank 24 (padded to 32), no LoRA term
+    (base frozen, and base trained), a reduction of one K step (H 48), ReGLU, a plain (not gated) GELU,
+    float16; biases (the activation gradient stays with the Triton kernel: the down bias's gradient term is
+    not in the Gluon one) and GeGLU (both stay)."""
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel is for sm_90")
-    from moeyard.experts.triton import kernels_gluon_up, ops
+        pytest.skip("the Gluon kernels are for sm_90")
+    from moeyard.experts.triton import kernels_gluon_gather as gather, ops
     nan_fill_empty(monkeypatch)
-    calls = []
-    real = kernels_gluon_up.launch
-    monkeypatch.setattr(kernels_gluon_up, "launch", lambda *a, **k: (calls.append(a[-2]), real(*a, **k)))
+    calls = {"up": [], "dh": []}
+    for kind in calls:
+        real = getattr(gather, f"launch_{kind}")
+        monkeypatch.setattr(gather, f"launch_{kind}",
+                            lambda *a, _real=real, _kind=kind, **k: (calls[_kind].append(a[-2]), _real(*a, **k)))
     monkeypatch.setattr(ops, "tma_block_m", lambda: block_m)  # the tile table's rows and the kernel's BM
+    monkeypatch.setenv("MOEYARD_TRITON_GLUON_DH", "1")  # opt-in (not faster yet)
     E, K = 10, 3
     kw, dtype, frozen = {}, torch.bfloat16, FROZEN
     if case == "ragged":
@@ -116,40 +121,58 @@ def test_gluon_up_projection(case, block_m, monkeypatch):
         inp = add_lora(make_inputs(500, 256, 192, E, K, gated=False), 16, gated=False)
         kw = {"activation": "gelu"}
     else:
-        inp = make_inputs(777, 336, 200, E, K, bias=True)
+        inp = make_inputs(777, 336, 200, E, K)
         frozen = () if case == "frozen_base_trained" else FROZEN
     check_backend("triton", inp, dtype, device=DEV, frozen=frozen, **kw)
-    assert calls == ([] if case == "geglu" else [block_m]), "the forward launches the Gluon up projection once"
+    assert calls["up"] == ([] if case == "geglu" else [block_m]), "the forward launches the Gluon up projection once"
+    assert calls["dh"] == ([] if case in ("geglu", "bias") else [block_m]), "backward launches the Gluon dh once"
 
 
 @pytest.mark.parametrize("rank", [8, 16, 32])
-def test_gluon_up_against_triton(rank, monkeypatch):
-    """The Gluon up projection against the Triton kernel on the same operands (``h``, ``a``): LoRA's ``Lb``
-    with its unit stride along the rank and along the outputs (both layouts the kernel takes), ranks 8
-    to 32 (one to two 16-wide boxes, and the three-stage ring), 2000 tokens over 40 experts, K = 6."""
+def test_gluon_gathered_against_triton(rank, monkeypatch):
+    """The Gluon up projection and activation gradient against the Triton kernels on the same operands (``h``,
+    ``a``; ``d_h``, ``w act(h)``, the routing weights' gradient): LoRA's ``Lb`` with its unit stride along
+    the rank and along the outputs, the down weight in transformers' ``[E, H, I]`` layout and transposed
+    (both layouts the kernels take), ranks 8 to 32 (one to two 16-wide boxes, and the up projection's
+    three-stage ring), 2000 tokens over 40 experts, K = 6."""
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel is for sm_90")
-    from moeyard.experts.triton import kernels_gluon_up, ops
+        pytest.skip("the Gluon kernels are for sm_90")
+    from moeyard.experts.triton import kernels_gluon_gather as gather, ops
     from moeyard.experts.triton.options import use_options
     calls = []
-    real = kernels_gluon_up.launch
-    monkeypatch.setattr(kernels_gluon_up, "launch", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    for kind in ("up", "dh"):
+        real = getattr(gather, f"launch_{kind}")
+        monkeypatch.setattr(gather, f"launch_{kind}",
+                            lambda *a, _real=real, _kind=kind, **k: (calls.append(_kind), _real(*a, **k)))
     g = torch.Generator(device=DEV).manual_seed(rank)
     T, H, I, E, K = 2000, 512, 384, 40, 6
-    x = torch.randn(T, H, device=DEV, generator=g).bfloat16()
-    w = (torch.randn(E, 2 * I, H, device=DEV, generator=g) / H ** 0.5).bfloat16()
-    la = (torch.randn(E, H, rank, device=DEV, generator=g) / H ** 0.5).bfloat16()
-    lb = torch.randn(E, 2 * I, rank, device=DEV, generator=g).bfloat16()
+    rand = lambda *shape, scale=1.0: (torch.randn(*shape, device=DEV, generator=g) * scale).bfloat16()  # noqa: E731
+    x, dout = rand(T, H), rand(T, H)
+    w_up, w_down = rand(E, 2 * I, H, scale=H ** -0.5), rand(E, H, I, scale=I ** -0.5)
+    up = ops.LoRATerm(la=rand(E, H, rank, scale=H ** -0.5), lb=rand(E, 2 * I, rank), scale=0.5)
+    down = ops.LoRATerm(la=rand(E, H, rank, scale=H ** -0.5), lb=rand(E, I, rank), scale=0.5)
+    tw = torch.rand(T * K, device=DEV, generator=g).bfloat16()
     r = ops.routing(torch.randint(0, E, (T, K), device=DEV, generator=g), E)
     spec = ops.ActSpec(name="swiglu")
-    with use_options(gluon_up=False):
-        h0, a0, _ = ops.up_proj(x, w, None, r, spec, store_h=True, lora=ops.LoRATerm(la=la, lb=lb, scale=0.5))
+
+    def both(lb_layout, w_layout):
+        h, a, _ = ops.up_proj(x, w_up, None, r, spec, store_h=True,
+                              lora=ops.LoRATerm(la=up.la, lb=lb_layout(up.lb), scale=0.5))
+        dh, aw, dtw, _ = ops.act_grad(dout, w_layout(w_down), None, h, tw, r, spec,
+                                      lora=ops.LoRATerm(la=down.la, lb=lb_layout(down.lb), scale=0.5))
+        return h, a, dh, aw, dtw
+
+    same = lambda t: t  # noqa: E731
+    with use_options(gluon_up=False, gluon_dh=False):
+        want = both(same, same)
     assert not calls
-    for lb_ in (lb, lb.mT.contiguous().mT):
-        h1, a1, _ = ops.up_proj(x, w, None, r, spec, store_h=True, lora=ops.LoRATerm(la=la, lb=lb_, scale=0.5))
-        for got, want in ((h1, h0), (a1, a0)):  # a wrong layout or row is off by the values' own size
-            assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()
-    assert len(calls) == 2
+    rank_major = lambda t: t.mT.contiguous().mT  # noqa: E731
+    for lb_layout, w_layout in ((same, same), (rank_major, rank_major)):
+        with use_options(gluon_up=True, gluon_dh=True):
+            got = both(lb_layout, w_layout)
+        for g_, ref in zip(got, want):  # a wrong layout or row is off by the values' own size
+            assert (g_.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+    assert calls == ["up", "dh", "up", "dh"]
 
 
 @pytest.mark.parametrize("by_token", [True, False])

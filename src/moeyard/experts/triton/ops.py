@@ -152,8 +152,11 @@ def _kernels():
         _LAUNCHERS.update(
             up=tuned(kernels_fwd.up_kernel, DUAL_CONFIGS, ["NA", "H", "N1", "E", "R", "LORA"], "up"),
             up_thin=tuned(kernels_fwd.up_kernel, THIN_CONFIGS, ["NA", "H", "E", "GATHER"], "up"),
-            down=tuned(kernels_fwd.down_kernel, GEMM_CONFIGS, ["KA", "NY", "E", "ATOMIC", "R", "LORA"], "down"),
-            dh=tuned(kernels_bwd.dh_kernel, DH_CONFIGS, ["H", "I", "N1", "E", "R", "LORA"], "dh"),
+            # the atomic combine adds into y; dh writes one routing-weight partial row per column tile of BN
+            down=tuned(kernels_fwd.down_kernel, GEMM_CONFIGS, ["KA", "NY", "E", "ATOMIC", "R", "LORA"], "down",
+                       reset_to_zero=["y_ptr"]),
+            dh=tuned(kernels_bwd.dh_kernel, DH_CONFIGS, ["H", "I", "N1", "E", "R", "LORA"], "dh",
+                     reset_to_zero=["dw_ptr"]),
             wgrad=tuned(kernels_bwd.wgrad_kernel, WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], "wgrad"),
             wgrad_thin=tuned(kernels_bwd.wgrad_kernel, THIN_WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], "wgrad"),
             wgrad_rows=tuned(kernels_bwd.wgrad_kernel, ROWS_WGRAD_CONFIGS, ["NL", "NR", "CHUNKED", "L_GATHER"],
@@ -193,7 +196,7 @@ def up_proj_(x: Tensor, w: Tensor, b: Optional[Tensor], sort_order: Tensor, expe
     """``h = x[token] @ w[e].T + b[e] (+ s z lb[e]^T)`` (sorted rows; ``x[row]`` without ``gather``;
     ``h`` written when given), ``a = act(h)``; LoRA ``z = x @ la[e]`` read (split) or written (fused).
     On sm_90 the warp-specialised Gluon kernel runs over the tile ``table`` (when given) where
-    :func:`kernels_gluon_up.ready` holds (option ``gluon_up``)."""
+    :func:`kernels_gluon_gather.up_ready` holds (option ``gluon_up``)."""
     E, N1, H = w.shape
     N = sort_order.shape[0]
     if N == 0:
@@ -204,10 +207,10 @@ def up_proj_(x: Tensor, w: Tensor, b: Optional[Tensor], sort_order: Tensor, expe
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
     lb_split, z_split = (lb, z) if lora_mode == LORA_SPLIT else (None, None)
     if table is not None and lora_mode != LORA_FUSED and (gluon := _gluon("gluon_up")) is not None \
-            and gluon.ready(x, w, lb_split, z_split, act, gate_step, gather, RP, tma_block_m()):
+            and gluon.up_ready(x, w, lb_split, z_split, act, gate_step, gather, RP, tma_block_m()):
         kernels_tma.ensure_allocator()
-        gluon.launch(x, w, b, sort_order, expert_offsets, top_k, act, alpha, limit, up_offset, h, a, lb_split,
-                     z_split, table, lora_scale, RP, tma_block_m(), num_sms(x.device))
+        gluon.launch_up(x, w, b, sort_order, expert_offsets, top_k, act, alpha, limit, up_offset, h, a, lb_split,
+                        z_split, table, lora_scale, RP, tma_block_m(), num_sms(x.device))
         return
     thin = N1 <= THIN and not spec.gated and not lora_mode
     w_tma = not thin and gate_step == 1 and lora_mode != LORA_FUSED and _up_weight_tma(w, x)
@@ -282,32 +285,34 @@ def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la,
 
 
 def _gluon(option: str):
-    """The Gluon kernel module of ``option`` (``gluon_down``: :mod:`.kernels_gluon`, ``gluon_up``:
-    :mod:`.kernels_gluon_up`) when that option is on and this Triton has Gluon's Hopper language (Triton
-    >= 3.5), else None. Never under the interpreter (Gluon has none)."""
+    """The Gluon kernel module of ``option`` (``gluon_down``: :mod:`.kernels_gluon`; ``gluon_up``,
+    ``gluon_dh``: :mod:`.kernels_gluon_gather`) when that option is on and this Triton has Gluon's Hopper
+    language (Triton >= 3.5), else None. Never under the interpreter (Gluon has none)."""
     if interpreting() or not getattr(options(), option):
         return None
-    return _gluon_module(option)
+    return _gluon_module(option == "gluon_down")
 
 
 @functools.cache
-def _gluon_module(option: str):
+def _gluon_module(down: bool):
     """The import, once (a Triton without Gluon would otherwise retry it at every launch)."""
     try:
-        if option == "gluon_up":
-            from . import kernels_gluon_up as module
-        else:
+        if down:
             from . import kernels_gluon as module
+        else:
+            from . import kernels_gluon_gather as module
     except ImportError:
         return None
     return module
 
 
-def _up_table(x: Tensor, r: Routing, spec: ActSpec, gather: bool) -> Tensor | None:
-    """The tile table (shared with the down projection's) when the up projection may take the Gluon kernel:
-    sm_90, option ``gluon_up``, rows gathered by token, an activation it has; else None."""
-    gluon = _gluon("gluon_up") if x.is_cuda and gather and r.num_pairs else None
-    if gluon is None or spec.name not in gluon.ACTS or torch.cuda.get_device_capability(x.device) != (9, 0):
+def _gather_table(rows: Tensor, r: Routing, spec: ActSpec, option: str) -> Tensor | None:
+    """The tile table (shared with the down projection's) when a GEMM gathering ``rows`` by token may take
+    the Gluon kernel of ``option`` (``gluon_up``, ``gluon_dh``): sm_90, the option on, an activation it has;
+    else None."""
+    gluon = _gluon(option) if rows.is_cuda and r.num_pairs else None
+    kind = option.removeprefix("gluon_")
+    if gluon is None or spec.name not in gluon.ACTS[kind] or torch.cuda.get_device_capability(rows.device) != (9, 0):
         return None
     return r.tile_table(tma_block_m())
 
@@ -417,10 +422,12 @@ def _(topk_ids, topk_weights, num_experts, y):
 def act_grad_(dout: Tensor, w: Tensor, b: Optional[Tensor], h: Tensor, topk_weights: Tensor, sort_order: Tensor,
               expert_offsets: Tensor, top_k: int, act: str, alpha: float, limit: float, interleaved: bool,
               la: Optional[Tensor], lb: Optional[Tensor], lora_mode: int, lora_scale: float,
-              dh: Tensor, aw: Tensor, dw: Tensor, z: Optional[Tensor]) -> None:
+              table: Optional[Tensor], dh: Tensor, aw: Tensor, dw: Tensor, z: Optional[Tensor]) -> None:
     """``d_h`` (sorted), ``aw = w * act(h)`` (sorted) and column-tile partials of the routing-weight
     gradient ``dw [tiles, N]`` from ``dout [T, H]`` and the down weight ``w [E, H, I]`` (plus its LoRA
-    term: ``la = B [E, H, R]``, ``lb = A^T [E, I, R]``, ``z = dout[token] @ B_e`` read or written)."""
+    term: ``la = B [E, H, R]``, ``lb = A^T [E, I, R]``, ``z = dout[token] @ B_e`` read or written).
+    On sm_90 the warp-specialised Gluon kernel runs over the tile ``table`` (when given) where
+    :func:`kernels_gluon_gather.dh_ready` holds (option ``gluon_dh``)."""
     E, H, I = w.shape
     N, N1 = h.shape
     if N == 0:
@@ -429,6 +436,13 @@ def act_grad_(dout: Tensor, w: Tensor, b: Optional[Tensor], h: Tensor, topk_weig
     _, gate_step, up_offset = spec.columns(N1)
     bb = w if b is None else b
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
+    lb_split, z_split = (lb, z) if lora_mode == LORA_SPLIT else (None, None)
+    if table is not None and lora_mode != LORA_FUSED and (gluon := _gluon("gluon_dh")) is not None \
+            and gluon.dh_ready(dout, w, b, lb_split, z_split, act, gate_step, RP, tma_block_m()):
+        kernels_tma.ensure_allocator()
+        gluon.launch_dh(dout, w, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha, limit, up_offset,
+                        dh, aw, dw, lb_split, z_split, table, lora_scale, RP, tma_block_m(), num_sms(dout.device))
+        return
     _kernels()["dh"][_row_grid(N, E, I)](
         dout, w, bb, h, topk_weights, sort_order, expert_offsets, dh, aw, dw, la_, lb_, z_,
         H, I, N1, N, E, top_k, R,
@@ -440,7 +454,7 @@ def act_grad_(dout: Tensor, w: Tensor, b: Optional[Tensor], h: Tensor, topk_weig
 
 @act_grad_.register_fake
 def _(dout, w, b, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha, limit, interleaved, la, lb,
-      lora_mode, lora_scale, dh, aw, dw, z):
+      lora_mode, lora_scale, table, dh, aw, dw, z):
     return None
 
 
@@ -539,7 +553,7 @@ def up_proj(x: Tensor, w: Tensor, b: Tensor | None, r: Routing, spec: ActSpec, *
     h = empty((N, n1), x) if store_h else None
     a = empty((N, spec.columns(n1)[0]), x)
     mode, z, la, lb = _lora_rows(x, lora, r, gather, n1)
-    table = _up_table(x, r, spec, gather)
+    table = _gather_table(x, r, spec, "gluon_up") if gather else None
     up_proj_(x, w, b, r.sort_order, r.expert_offsets, r.top_k, spec.name, spec.alpha, spec.limit,
              spec.interleaved, gather, la, lb, mode, 0.0 if lora is None else lora.scale, table, h, a, z)
     return h, a, z
@@ -623,7 +637,8 @@ def act_grad(dout: Tensor, w: Tensor, b: Tensor | None, h: Tensor, topk_weights:
     partial = torch.zeros((triton.cdiv(I, _dh_min_bn()), N), dtype=torch.float32, device=h.device)
     mode, z, la, lb = _lora_rows(dout, lora, r, True, I, z)
     act_grad_(dout, w, b, h, topk_weights, r.sort_order, r.expert_offsets, r.top_k, spec.name, spec.alpha,
-              spec.limit, spec.interleaved, la, lb, mode, 0.0 if lora is None else lora.scale, dh, aw, partial, z)
+              spec.limit, spec.interleaved, la, lb, mode, 0.0 if lora is None else lora.scale,
+              _gather_table(dout, r, spec, "gluon_dh"), dh, aw, partial, z)
     return dh, aw, partial.sum(0), z
 
 

@@ -54,13 +54,19 @@ Each defaults to the measured default path; set an environment variable, or over
   without LoRA, down 1.097 / 1.021 and dx 1.895 / 1.851 at qwen3.5-35b-a3b, 1.479 / 1.391 and 2.669 / 2.645
   at qwen3-30b-a3b; with LoRA (r = 16) the Gluon kernel takes about the Triton kernel's time without it
   (1.075, 1.931; 1.43-1.48, 2.664).
-- ``MOEYARD_TRITON_GLUON_UP=0`` (``gluon_up``, on by default): the up projection (gathered ``x``,
-  activation in the epilogue, without a LoRA term or with a split one) runs the warp-specialised Gluon
-  kernel of :mod:`.kernels_gluon_up` (loader warps gathering ``x`` rows with ``cp.async`` and the weight
-  boxes through TMA, two MMA warp groups) instead of the Triton kernel. Needs sm_90, bf16/fp16, rows
-  gathered by token with ``H`` a multiple of 8, transformers' ``[E, 2I, H]`` weight layout (gate and up
-  rows not interleaved, 16-byte aligned strides), a gated or plain activation of :mod:`.act` and, with
-  LoRA, a rank that is a multiple of 8 and at most 32; otherwise the Triton kernel runs.
+- ``MOEYARD_TRITON_GLUON_UP=0`` (``gluon_up``, on by default) and ``MOEYARD_TRITON_GLUON_DH=1``
+  (``gluon_dh``, off by default): the two GEMMs that gather their rows by token, the up projection (``x``,
+  the activation in its epilogue) and the activation gradient (``d out``, the activation's derivative and
+  the routing weight's gradient in its epilogue), without a LoRA term or with a split one, run the
+  warp-specialised Gluon kernel of :mod:`.kernels_gluon_gather` (loader warps gathering the rows with
+  ``cp.async`` and loading the weight boxes through TMA, two MMA warp groups) instead of the Triton kernels.
+  Needs sm_90, bf16/fp16, the gathered rows' width and row stride multiples of 16, gate and up rows not
+  interleaved (transformers' ``[E, 2I, H]``, 16-byte aligned strides), an activation of
+  ``kernels_gluon_gather.ACTS`` (not GeGLU), for dh no down bias and, with LoRA, a rank that is a multiple
+  of 8 and at most 32; otherwise the Triton kernels run. Measured on an H100 (round 22 of
+  ``benchmarks/NOTES.md``, bit-identical results), Triton / Gluon ms: up 3.63 / 3.29 at qwen3-30b-a3b
+  (``do_bench``), 2.389 / 2.048 at qwen3.5-35b-a3b; dh 2.295 / 2.246 and 1.618 / 1.595 without LoRA but 2.460 /
+  2.627 and 1.801 / 1.873 with it (its epilogue's reads of ``h`` are not hidden), hence off by default.
 - ``MOEYARD_TRITON_WGRAD_TILE_MAJOR=0`` (``wgrad_tile_major``, on by default): a thin weight gradient
   (a LoRA factor's: ``r`` wide on one side) with an operand read at each pair's token (``d out``,
   ``x``) orders its programs tile-major: one column tile of every expert, then the next
@@ -89,6 +95,7 @@ ENV = dict(atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE", wgrad_chunk_rows="MOE
            wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", lora_mode="MOEYARD_TRITON_LORA",
            tma="MOEYARD_TRITON_TMA", tma_wgrad="MOEYARD_TRITON_TMA_WGRAD", prefetch_h="MOEYARD_TRITON_PREFETCH",
            tma_up="MOEYARD_TRITON_TMA_UP", gluon_down="MOEYARD_TRITON_GLUON_DOWN", gluon_up="MOEYARD_TRITON_GLUON_UP",
+           gluon_dh="MOEYARD_TRITON_GLUON_DH",
            wgrad_tile_major="MOEYARD_TRITON_WGRAD_TILE_MAJOR", band_rows="MOEYARD_TRITON_BAND_ROWS")
 LORA_MODES = ("split", "fused")
 
@@ -111,6 +118,7 @@ class Options:
     tma_up: bool = True
     gluon_down: bool = True
     gluon_up: bool = True
+    gluon_dh: bool = False
     wgrad_tile_major: bool = True
     band_rows: bool = True
 

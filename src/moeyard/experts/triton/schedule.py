@@ -277,20 +277,26 @@ FIXED = dict(BM=64, BN=64, BK=32, num_warps=4, num_stages=3)
 ENV_AUTOTUNE = "MOEYARD_TRITON_AUTOTUNE"
 
 
-def tuned(kernel, configs, key, kind=None, *, prune=None, fixed=None, fixed_extra=None):
+def tuned(kernel, configs, key, kind=None, *, prune=None, fixed=None, fixed_extra=None, reset_to_zero=None):
     """``kernel`` autotuned over ``configs`` on a GPU, pruned before compiling by ``prune`` (an
     ``early_config_prune``) or, by default, by the shared-memory and register estimates of
     :mod:`.tuning` for the launch kind ``kind`` (a key of ``tuning.KINDS``). Under the interpreter and
     with ``MOEYARD_TRITON_AUTOTUNE=0``: the one config ``fixed`` (a meta dict), by default ``SMALL``
-    and ``FIXED``, updated with ``fixed_extra`` (constexprs every config sets)."""
+    and ``FIXED``, updated with ``fixed_extra`` (constexprs every config sets).
+
+    ``reset_to_zero``: names of output arguments the kernel adds into, or writes only in part with a
+    config-dependent layout (e.g. one partial row per column tile); tuning runs the kernel once per config on
+    the caller's buffers, so these are zeroed before each of those runs and once more before the launch that
+    counts (as the caller zero-filled them), or the first call of each new shape would return the sum of the
+    tuning runs' writes."""
     extra = fixed_extra or {}
     if interpreting():
         return _Fixed(kernel, {**(fixed or SMALL), **extra})
     if not autotuning():
         return _Fixed(kernel, {**(fixed or FIXED), **extra})
     prune = prune or pruner(kind, device_smem_limit)
-    return _Tuned(triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})(kernel),
-                  key)
+    return _Tuned(triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune},
+                                  reset_to_zero=reset_to_zero)(kernel), key)
 
 
 class _Tuned:
