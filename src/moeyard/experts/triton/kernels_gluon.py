@@ -53,6 +53,18 @@ def _tile_of(t, pid, nprog, n_tiles_n, table_ptr, M, BN: gl.constexpr):
 
 
 @gluon.jit
+def barrier_ring(n: gl.constexpr, ready_count: gl.constexpr, empty_count: gl.constexpr):
+    """A ring of ``n`` slots' ``(ready, empty)`` mbarriers (``[n, 1]`` int64 in shared memory), initialised
+    to complete after ``ready_count`` and ``empty_count`` arrivals."""
+    ready = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(ready.index(i), count=ready_count)
+        mbarrier.init(empty.index(i), count=empty_count)
+    return ready, empty
+
+
+@gluon.jit
 def _store_tile(out, pair, rows_ok, c0, NY, y_ptr, BN: gl.constexpr, st: gl.constexpr):
     """Store the output tile (columns ``c0 ...``) by pair in 16-byte vectors: rounded to the output
     dtype, then moved from the MMA layout to the store layout ``st`` (:func:`store_layout`)."""
@@ -204,11 +216,7 @@ def down_kernel(
     else:
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BN], a_sl)
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_sl)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer
+    ready, empty = barrier_ring(STAGES, 1, CONSUMERS)  # the TMA's expect; one arrival per consumer
     if LORA:
         r_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(2 * RP, 128), element_bitwidth=16, rank=2)
         z_bufs = gl.allocate_shared_memory(dtype, [2, BM, RP], r_sl)
@@ -219,11 +227,7 @@ def down_kernel(
     else:  # placeholders, never read
         z_bufs = a_bufs
         lb_bufs = a_bufs
-    lready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    lempty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(lready.index(i), count=1)
-        mbarrier.init(lempty.index(i), count=CONSUMERS)
+    lready, lempty = barrier_ring(2, 1, CONSUMERS)
     # the partitions' argument tuples are written out in the call: a constexpr inside a concatenated tuple
     # reaches the partition as a runtime value, and a tuple holding a function cannot be built (Triton 3.6)
     if CONSUMERS == 2:

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from .act import act_fwd, act_grad
-from .kernels_gluon import _layout, _my_tiles, _tile_of, _tma_load, store_layout
+from .kernels_gluon import _layout, _my_tiles, _tile_of, _tma_load, barrier_ring, store_layout
 
 # Triton renamed cp.async's copy after 3.6 (3.6: async_copy_global_to_shared; 3.9: async_load, the old name raises)
 _cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
@@ -279,11 +279,8 @@ def gathered_kernel(
         wu_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], sl)
     else:  # placeholder, never read
         wu_bufs = wg_bufs
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1 + 32 * LOADER_WARPS)  # the TMA's expect + each loader thread's copies
-        mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer
+    # ready: the TMA's expect + each loader thread's copies; empty: one arrival per consumer
+    ready, empty = barrier_ring(STAGES, 1 + 32 * LOADER_WARPS, CONSUMERS)
     if LORA:
         r_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(2 * RP, 128), element_bitwidth=16, rank=2)
         z_bufs = gl.allocate_shared_memory(dtype, [2, BM, RP], r_sl)
@@ -297,11 +294,7 @@ def gathered_kernel(
         z_bufs = x_bufs
         lbg_bufs = x_bufs
         lbu_bufs = x_bufs
-    lready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    lempty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(lready.index(i), count=1)
-        mbarrier.init(lempty.index(i), count=CONSUMERS)
+    lready, lempty = barrier_ring(2, 1, CONSUMERS)
     # argument tuples written out in each call (see kernels_gluon.down_kernel: Triton 3.6 passes a constexpr
     # inside a concatenated tuple as a runtime value)
     if CONSUMERS == 2:
@@ -446,6 +439,8 @@ def launch_dh(dout, w, h, topk_weights, sort_order, expert_offsets, top_k: int, 
 
 def _launch(x, w_d, z_d, lb_d, b, h, a, dh, tw, dw, sort_order, expert_offsets, table, K, NA, N1, top_k, stride_be,
             stride_bn, up_offset, alpha, limit, lora_scale, num_sms, **meta) -> None:
+    """:func:`gathered_kernel` over every (row tile of ``table``, column tile of ``NA``), one program per SM at
+    most; ``meta``: the constexprs that differ between the up projection and dh."""
     M = table.shape[0] // 2
     grid = (min(M * -(-NA // BN), num_sms),)
     gathered_kernel[grid](
