@@ -18,9 +18,10 @@ warp-specialised (``gl.warp_specialize``):
 - ``BM / 64`` consumer warp groups, each on 64 rows of every tile: wait for a stage, make the copies
   visible to the tensor cores (``fence.proxy.async``), run the MMA(s) with one K step in flight, release
   the stage the previous step read, then the LoRA MMA(s) and the epilogue, stored by sorted row in
-  16-byte vectors: up, bias, the rounding backward relies on, ``h`` and ``a = act(h)``; dh (whose ``h``
-  rows it loads before its K loop), ``d_h = act'(h) w g``, ``w act(h)`` and the routing weight's gradient
-  ``sum_cols g act(h)`` per column tile.
+  16-byte vectors: up, bias, the rounding backward relies on, ``h`` and ``a = act(h)``; dh, ``d_h = act'(h)
+  w g``, ``w act(h)`` and the routing weight's gradient ``sum_cols g act(h)`` per column tile, with ``h``
+  read from a shared-memory slot that the loader fills by TMA after each tile's last K step (so its latency
+  hides behind the ring's last steps).
 
 Operands (``N`` sorted rows, ``K`` reduction, ``NA`` output columns, ``N1 = 2 NA`` gated or ``NA``):
 - ``x_ptr``: the gathered rows ``[T, K]``, unit stride along ``K``, row stride ``stride_xt``; row ``r`` reads
@@ -28,6 +29,7 @@ Operands (``N`` sorted rows, ``K`` reduction, ``NA`` output columns, ``N1 = 2 NA
 - ``w_desc``: ``W [E, N1, K]`` (``W_KMAJOR``, boxes ``[1, BN, BK]``; up: transformers' ``gate_up_proj``, the
   gate rows of output column ``j`` at ``j``, the up rows at ``j + up_offset``) or ``[E, K, NA]`` (boxes
   ``[1, BK, BN]``; dh: ``down_proj [E, H, I]``). Boxes past the weight's end read zeros.
+- ``h_desc`` (dh): ``h [N, N1]``, boxes ``[BM, BN / 2]``.
 - ``z_desc``: ``z [N, R]``, boxes ``[BM, RP]``; ``lb_desc``: ``Lb [E, N1, R]`` (``LB_KMAJOR``, boxes
   ``[1, BN, RP]``) or ``[E, R, N1]`` (boxes ``[1, RP, BN]``).
 Rows of a tile past its expert's end are computed on zeros and not stored.
@@ -47,13 +49,15 @@ _cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else asyn
 
 
 @gluon.jit
-def _loader(x_ptr, w_desc, z_desc, lb_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready, empty,
-            lready, lempty, sort_order_ptr, offsets_ptr, table_ptr, K, NA, E, M, top_k, stride_xt, up_offset,
-            DUAL: gl.constexpr, W_KMAJOR: gl.constexpr, LB_KMAJOR: gl.constexpr, LORA: gl.constexpr,
-            BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
+def _loader(x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs,
+            ready, empty, lready, lempty, hready, hempty, sort_order_ptr, offsets_ptr, table_ptr, K, NA, E, M, top_k,
+            stride_xt, up_offset, DUAL: gl.constexpr, DH: gl.constexpr, W_KMAJOR: gl.constexpr,
+            LB_KMAJOR: gl.constexpr, LORA: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+            STAGES: gl.constexpr, WARPS: gl.constexpr):
     """The loader partition: per tile, its LoRA boxes into slot ``t % 2`` once both consumers released it,
     the rows' tokens, then each K step's weight boxes (TMA) and gathered rows (``cp.async``) into the next
-    stage once both consumers released that."""
+    stage once both consumers released that; dh: then the tile's ``h`` boxes (:func:`_load_h`)."""
+    TWO_B: gl.constexpr = DUAL and not DH  # the up projection's gate and up boxes
     ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 * 8 // BK, BK // 8],
                                         warps_per_cta=[WARPS, 1], order=[1, 0])
     pid, nprog, n_tiles_n, my_tiles = _my_tiles(table_ptr, M, NA, BN)
@@ -67,27 +71,28 @@ def _loader(x_ptr, w_desc, z_desc, lb_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lb
             slot = t % 2
             mbarrier.wait(lempty.index(slot), ((t // 2) & 1) ^ 1)  # a fresh barrier passes phase 1
             lbar = lready.index(slot)
-            mbarrier.expect(lbar, z_desc.block_type.nbytes + (1 + DUAL) * lb_desc.block_type.nbytes)
+            mbarrier.expect(lbar, z_desc.block_type.nbytes + (1 + TWO_B) * lb_desc.block_type.nbytes)
             _tma_load(z_desc, [row0, 0], lbar, z_bufs.index(slot))
             if LB_KMAJOR:
                 _tma_load(lb_desc, [e, col0, 0], lbar, lbg_bufs.index(slot))
-                if DUAL:
+                if TWO_B:
                     _tma_load(lb_desc, [e, col0 + up_offset, 0], lbar, lbu_bufs.index(slot))
             else:
                 _tma_load(lb_desc, [e, 0, col0], lbar, lbg_bufs.index(slot))
-                if DUAL:
+                if TWO_B:
                     _tma_load(lb_desc, [e, 0, col0 + up_offset], lbar, lbu_bufs.index(slot))
         rows = row0 + gl.arange(0, BM, gl.SliceLayout(1, ld))
         ok = rows < gl.load(offsets_ptr + gl.minimum(e, E - 1) + 1)
         pair = gl.load(sort_order_ptr + rows, mask=ok, other=0)
-        ptrs = x_ptr + (pair // top_k * stride_xt)[:, None] + ks[None, :]
+        # token = pair // top_k in 32 bits (pairs < 2**31: rows_ready); the 64-bit division spilled registers
+        ptrs = x_ptr + ((pair.to(gl.int32) // top_k).to(gl.int64) * stride_xt)[:, None] + ks[None, :]
         for kt in range(k_steps):
             mbarrier.wait(empty.index(s), phase ^ 1)
             bar = ready.index(s)
-            mbarrier.expect(bar, (1 + DUAL) * w_desc.block_type.nbytes)
+            mbarrier.expect(bar, (1 + TWO_B) * w_desc.block_type.nbytes)
             if W_KMAJOR:
                 _tma_load(w_desc, [e, col0, kt * BK], bar, wg_bufs.index(s))
-                if DUAL:
+                if TWO_B:
                     _tma_load(w_desc, [e, col0 + up_offset, kt * BK], bar, wu_bufs.index(s))
             else:
                 _tma_load(w_desc, [e, kt * BK, col0], bar, wg_bufs.index(s))
@@ -97,11 +102,29 @@ def _loader(x_ptr, w_desc, z_desc, lb_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lb
             if s == STAGES:
                 s = 0
                 phase ^= 1
+        if DH:
+            _load_h(h_desc, h_bufs, hready, hempty, t, row0, col0, up_offset, DUAL, BN)
 
 
 @gluon.jit
-def _consumer(half, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready, empty, lready, lempty, b_ptr, h_ptr,
-              a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA, N1, N, E, M, stride_be,
+def _load_h(h_desc, h_bufs, hready, hempty, t, row0, col0, up_offset, DUAL: gl.constexpr, BN: gl.constexpr):
+    """dh: tile ``t``'s ``h`` rows, the gate's (and up's) two column halves of ``[BM, BN / 2]``, into the
+    one ``h`` slot once both consumers' epilogues of tile ``t - 1`` released it. Issued after the tile's
+    last K step: by then those epilogues have ended (the consumers are in tile ``t``'s K loop), so the wait
+    holds back no K step, and the boxes land while the consumers run the ring's last ``STAGES`` steps."""
+    mbarrier.wait(hempty.index(0), (t & 1) ^ 1)  # a fresh barrier passes phase 1
+    bar = hready.index(0)
+    mbarrier.expect(bar, (2 + 2 * DUAL) * h_desc.block_type.nbytes)
+    _tma_load(h_desc, [row0, col0], bar, h_bufs.index(0))
+    _tma_load(h_desc, [row0, col0 + BN // 2], bar, h_bufs.index(1))
+    if DUAL:
+        _tma_load(h_desc, [row0, col0 + up_offset], bar, h_bufs.index(2))
+        _tma_load(h_desc, [row0, col0 + up_offset + BN // 2], bar, h_bufs.index(3))
+
+
+@gluon.jit
+def _consumer(half, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs, ready, empty, lready, lempty,
+              hready, hempty, b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA, N1, N, E, M, stride_be,
               stride_bn, up_offset, alpha, limit, lora_scale, ACT: gl.constexpr, DUAL: gl.constexpr, DH: gl.constexpr,
               HAS_BIAS: gl.constexpr, STORE_H: gl.constexpr, W_KMAJOR: gl.constexpr, LB_KMAJOR: gl.constexpr,
               LORA: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
@@ -164,8 +187,11 @@ def _consumer(half, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready,
             acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
         mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)  # the tile's last stage
         if DH:
-            _dh_epilogue(gl.convert_layout(acc_g, ST), w, pair, rows, ok, col0, h_ptr, a_ptr, dh_ptr, dw_ptr, NA, N1,
-                         N, up_offset, alpha, limit, ACT, DUAL, BN)
+            mbarrier.wait(hready.index(0), t & 1)
+            _dh_epilogue(gl.convert_layout(acc_g, ST), w, pair, rows, ok, col0, h_bufs, half, a_ptr, dh_ptr, dw_ptr,
+                         NA, N1, N, up_offset, alpha, limit, ACT, DUAL, BN)
+            fence_async_shared()  # the h slot's reads, before the loader's next TMA write of it
+            mbarrier.arrive(hempty.index(0), count=1)
         else:
             cols = col0 + gl.arange(0, BN, gl.SliceLayout(0, ST))
             _up_epilogue(gl.convert_layout(acc_g, ST), gl.convert_layout(acc_u, ST), e, rows,
@@ -195,23 +221,24 @@ def _up_epilogue(g, u, e, rows, mask, cols, b_ptr, h_ptr, a_ptr, NA, N1, stride_
 
 
 @gluon.jit
-def _dh_epilogue(acc, w, pair, rows, ok, col0, h_ptr, aw_ptr, dh_ptr, dw_ptr, NA, N1, N, up_offset, alpha, limit,
-                 ACT: gl.constexpr, DUAL: gl.constexpr, BN: gl.constexpr):
+def _dh_epilogue(acc, w, pair, rows, ok, col0, h_bufs, half, aw_ptr, dh_ptr, dw_ptr, NA, N1, N, up_offset, alpha,
+                 limit, ACT: gl.constexpr, DUAL: gl.constexpr, BN: gl.constexpr):
     """For ``acc = d_out[token] @ W_down[e]`` (the store layout) and the routing weights ``w``: ``d_h`` and
     ``w act(h)`` stored by sorted row, and this column tile's share of ``d w = sum_cols acc act(h)`` into row
-    ``col0 / BN`` of the partials ``dw [tiles, N]`` (as :func:`.kernels_bwd._dh_epilogue`). In two column
-    halves, as the Triton kernel's: the whole tile's ``acc``, ``h`` gate and up and ``act(h)`` at once spilled
-    some 250 registers (sm_90a, Triton 3.6). The halves are register bits of the store layout: the split
-    moves no data."""
+    ``col0 / BN`` of the partials ``dw [tiles, N]`` (as :func:`.kernels_bwd._dh_epilogue`); ``h`` is read from
+    the slot the loader filled (``h_bufs``: gate halves 0, 1, up halves 2, 3; this consumer's rows
+    ``64 half ...``). In two column halves, as the Triton kernel's: the whole tile's ``acc``, ``h`` gate and up
+    and ``act(h)`` at once spilled some 250 registers (sm_90a, Triton 3.6). The halves are register bits of
+    the store layout: the split moves no data."""
     acc0, acc1 = _halves(acc, BN)
     HL: gl.constexpr = acc0.type.layout
     rows = gl.convert_layout(rows, gl.SliceLayout(1, HL))
     ok = gl.convert_layout(ok, gl.SliceLayout(1, HL))
     w = gl.convert_layout(w, gl.SliceLayout(1, HL))
     c = col0 + gl.arange(0, BN // 2, gl.SliceLayout(0, HL))
-    d_w = _dh_half(acc0, w, rows, ok, c, h_ptr, aw_ptr, dh_ptr, NA, N1, up_offset, alpha, limit, ACT, DUAL)
-    d_w += _dh_half(acc1, w, rows, ok, c + BN // 2, h_ptr, aw_ptr, dh_ptr, NA, N1, up_offset, alpha, limit, ACT,
-                    DUAL)
+    d_w = _dh_half(acc0, w, rows, ok, c, h_bufs, 0, half, aw_ptr, dh_ptr, NA, N1, up_offset, alpha, limit, ACT, DUAL)
+    d_w += _dh_half(acc1, w, rows, ok, c + BN // 2, h_bufs, 1, half, aw_ptr, dh_ptr, NA, N1, up_offset, alpha, limit,
+                    ACT, DUAL)
     gl.store(dw_ptr + (col0 // BN) * N + gl.convert_layout(pair, gl.SliceLayout(1, HL)), d_w, mask=ok)
 
 
@@ -222,18 +249,18 @@ def _halves(x, BN: gl.constexpr):
 
 
 @gluon.jit
-def _dh_half(acc, w, rows, ok, cols, h_ptr, aw_ptr, dh_ptr, NA, N1, up_offset, alpha, limit, ACT: gl.constexpr,
-             DUAL: gl.constexpr):
-    """One column half of :func:`_dh_epilogue`: stores ``d_h`` and ``w act(h)``, returns ``sum_cols acc act(h)``
-    (``h`` is read here: loaded before the K loop, as the Triton kernel can prefetch it, it spilled 17-38
-    registers at 128-row tiles)."""
+def _dh_half(acc, w, rows, ok, cols, h_bufs, j: gl.constexpr, half, aw_ptr, dh_ptr, NA, N1, up_offset, alpha, limit,
+             ACT: gl.constexpr, DUAL: gl.constexpr):
+    """Column half ``j`` of :func:`_dh_epilogue`: stores ``d_h`` and ``w act(h)``, returns ``sum_cols acc act(h)``
+    (``h`` from shared memory here: in registers from before the K loop it spilled 17-38 registers at 128-row
+    tiles, and loaded from global memory here its latency was not hidden)."""
+    HM: gl.constexpr = acc.shape[0]
     mask = ok[:, None] & (cols < NA)[None, :]
     rows64 = rows.to(gl.int64)
-    h_rows = h_ptr + rows64[:, None] * N1
-    g = gl.load(h_rows + cols[None, :], mask=mask, other=0.0).to(gl.float32)
+    g = h_bufs.index(j).slice(half * HM, HM).load(acc.type.layout).to(gl.float32)
     u = g
     if DUAL:
-        u = gl.load(h_rows + (cols + up_offset)[None, :], mask=mask, other=0.0).to(gl.float32)
+        u = h_bufs.index(2 + j).slice(half * HM, HM).load(acc.type.layout).to(gl.float32)
     a, da_dg, da_du = act_grad(g, u, alpha, limit, ACT)
     d_a = acc * w[:, None]
     dh_rows = dh_ptr + rows64[:, None] * N1
@@ -247,8 +274,9 @@ def _dh_half(acc, w, rows, ok, cols, h_ptr, aw_ptr, dh_ptr, NA, N1, up_offset, a
 @gluon.jit
 def gathered_kernel(
     x_ptr, w_desc, z_desc, lb_desc,
+    h_desc,           # dh: h [N, N1], boxes [BM, BN / 2] (up: a placeholder)
     b_ptr,            # up: [E, N1] bias (read if HAS_BIAS), strides (stride_be, stride_bn)
-    h_ptr,            # [N, N1] pre-activation rows, sorted, contiguous (up: written if STORE_H; dh: read)
+    h_ptr,            # up: [N, N1] pre-activation rows, sorted, contiguous (written if STORE_H)
     a_ptr,            # [N, NA] sorted, contiguous (out): up a = act(h); dh w * act(h)
     dh_ptr,           # dh: [N, N1] d loss / d h, sorted, contiguous (out)
     tw_ptr,           # dh: [N] routing weight by pair
@@ -286,46 +314,55 @@ def gathered_kernel(
         z_bufs = gl.allocate_shared_memory(dtype, [2, BM, RP], r_sl)
         if LB_KMAJOR:
             lbg_bufs = gl.allocate_shared_memory(dtype, [2, BN, RP], r_sl)
-            lbu_bufs = gl.allocate_shared_memory(dtype, [2, BN, RP], r_sl)
         else:
             lbg_bufs = gl.allocate_shared_memory(dtype, [2, RP, BN], sl)
-            lbu_bufs = gl.allocate_shared_memory(dtype, [2, RP, BN], sl)
+        if TWO_B:
+            lbu_bufs = gl.allocate_shared_memory(dtype, lbg_bufs.shape, lbg_bufs.layout)
+        else:  # placeholder, never read
+            lbu_bufs = lbg_bufs
     else:  # placeholders, never read
         z_bufs = x_bufs
         lbg_bufs = x_bufs
         lbu_bufs = x_bufs
     lready, lempty = barrier_ring(2, 1, CONSUMERS)
+    if DH:  # one slot: the tile's h boxes (gate halves, up halves)
+        h_bufs = gl.allocate_shared_memory(dtype, [2 + 2 * DUAL, BM, BN // 2], sl)
+    else:  # placeholder, never read
+        h_bufs = x_bufs
+    hready, hempty = barrier_ring(1, 1, CONSUMERS)
     # argument tuples written out in each call (see kernels_gluon.down_kernel: Triton 3.6 passes a constexpr
     # inside a concatenated tuple as a runtime value)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready, empty, lready, lempty,
-                         b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA,
+            (_consumer, (0, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs, ready, empty, lready,
+                         lempty, hready, hempty, b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA,
                          N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit, lora_scale, ACT, DUAL, DH,
                          HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
-            (_consumer, (1, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready, empty, lready, lempty,
-                         b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA,
+            (_consumer, (1, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs, ready, empty, lready,
+                         lempty, hready, hempty, b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA,
                          N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit, lora_scale, ACT, DUAL, DH,
                          HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
-            (_loader, (x_ptr, w_desc, z_desc, lb_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready,
-                       empty, lready, lempty, sort_order_ptr, offsets_ptr, table_ptr, K, NA, E, M, top_k, stride_xt,
-                       up_offset, TWO_B, W_KMAJOR, LB_KMAJOR, LORA, BM, BN, BK, STAGES, LOADER_WARPS)),
+            (_loader, (x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs,
+                       h_bufs, ready, empty, lready, lempty, hready, hempty, sort_order_ptr, offsets_ptr, table_ptr, K,
+                       NA, E, M, top_k, stride_xt, up_offset, DUAL, DH, W_KMAJOR, LB_KMAJOR, LORA, BM, BN, BK, STAGES,
+                       LOADER_WARPS)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (0, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready, empty, lready, lempty,
-                         b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA,
+            (_consumer, (0, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs, ready, empty, lready,
+                         lempty, hready, hempty, b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA,
                          N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit, lora_scale, ACT, DUAL, DH,
                          HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
-            (_loader, (x_ptr, w_desc, z_desc, lb_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready,
-                       empty, lready, lempty, sort_order_ptr, offsets_ptr, table_ptr, K, NA, E, M, top_k, stride_xt,
-                       up_offset, TWO_B, W_KMAJOR, LB_KMAJOR, LORA, BM, BN, BK, STAGES, LOADER_WARPS)),
+            (_loader, (x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs,
+                       h_bufs, ready, empty, lready, lempty, hready, hempty, sort_order_ptr, offsets_ptr, table_ptr, K,
+                       NA, E, M, top_k, stride_xt, up_offset, DUAL, DH, W_KMAJOR, LB_KMAJOR, LORA, BM, BN, BK, STAGES,
+                       LOADER_WARPS)),
         ], [LOADER_WARPS], [LOADER_REGS])
 
 
 BN, BK = 128, 64  # up: gate + up accumulators of [64, 128] float32, 128 registers per consumer thread
 STAGES = 4  # up: 48 KiB per stage (rows, gate and up boxes), 196 KiB, the LoRA ring beside it at RP <= 16
-DH_STAGES = 5  # dh: 32 KiB per stage (rows, one weight box), 160 KiB, room for the LoRA ring at any RP <= 32
+DH_STAGES = 4  # dh: 32 KiB per stage (rows, one weight box), 128 KiB, the h slot's 64 KiB and the LoRA ring beside
 LOADER_WARPS = 4  # cp.async of a [128, 64] tile: 8 rows of 16 bytes per thread and stage
 LOADER_REGS, CONSUMER_REGS = 56, 224  # 2 * 128 * 224 + 128 * 56 <= 64K registers; no spills (sm_90a, Triton 3.6)
 MAX_RP = 32
@@ -342,14 +379,22 @@ def stages(rp: int, two_b: bool) -> int:
     return STAGES if rp <= 16 or not two_b else 3
 
 
-def rows_ready(x, act: str, gate_step: int, block_m: int, kind: str) -> bool:
-    """What both kernels need of the gathered rows ``x [T, K]`` and the layout: Hopper (sm_90), row tiles of
+def dh_stages(rp: int) -> int:
+    """dh's stages at padded rank ``rp`` (0: no LoRA): ``DH_STAGES`` of 32 KiB beside the ``h`` slot (64 KiB)
+    and a LoRA ring of ``rp <= 16``; 3 beside a larger ring (four: 228 KiB, over sm_90's 227)."""
+    return DH_STAGES if rp <= 16 else 3
+
+
+def rows_ready(x, pairs: int, act: str, gate_step: int, block_m: int, kind: str) -> bool:
+    """What both kernels need of the gathered rows ``x [T, K]`` and the layout: Hopper (sm_90), fewer than
+    ``2**31`` ``pairs`` (the loader divides pair ids in 32 bits), row tiles of
     64 or 128, ``act`` in ``ACTS[kind]`` (``kind`` "up" or "dh"), gate and up not interleaved
     (``gate_step == 1``), 16-bit ``x`` with unit stride along ``K``, ``K`` and the row stride multiples of 16
     (so Triton knows the copies' 16-byte alignment; at ``K`` = 328 or 40 the copies would be of 2 bytes,
     which ``cp.async`` has not) and a 16-byte aligned base. Host metadata only."""
     import torch
-    if not (x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0) and block_m in (64, 128)):
+    if not (x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0) and block_m in (64, 128)
+            and pairs < 2**31):
         return False
     return (act in ACTS[kind] and gate_step == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
             and x.stride(1) == 1 and x.shape[1] % 16 == 0 and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0)
@@ -366,23 +411,24 @@ def lora_ready(x, lb, z, rp: int) -> bool:
             and rp <= MAX_RP)
 
 
-def up_ready(x, w, lb, z, act: str, gate_step: int, gather: bool, rp: int, block_m: int) -> bool:
+def up_ready(x, w, lb, z, act: str, gate_step: int, gather: bool, rp: int, block_m: int, pairs: int) -> bool:
     """Whether :func:`launch_up` can run: rows gathered by token (``gather``), :func:`rows_ready`,
     :func:`lora_ready`, and ``w [E, N1, H]`` in x's dtype readable by a TMA descriptor with unit stride
     along ``H`` (:func:`.kernels_tma.weight_tma_ready`). Host metadata only."""
     from .kernels_tma import weight_tma_ready
-    return (gather and rows_ready(x, act, gate_step, block_m, "up") and w.dtype == x.dtype and weight_tma_ready(w)
-            and lora_ready(x, lb, z, rp))
+    return (gather and rows_ready(x, pairs, act, gate_step, block_m, "up") and w.dtype == x.dtype
+            and weight_tma_ready(w) and lora_ready(x, lb, z, rp))
 
 
-def dh_ready(dout, w, b, lb, z, act: str, gate_step: int, rp: int, block_m: int) -> bool:
+def dh_ready(dout, w, b, h, lb, z, act: str, gate_step: int, rp: int, block_m: int, pairs: int) -> bool:
     """Whether :func:`launch_dh` can run: no down bias (its gradient term is not in this kernel),
-    :func:`rows_ready` for ``d_out``, :func:`lora_ready`, and ``w [E, H, I]`` in d_out's dtype readable by a
-    TMA descriptor with unit stride along ``I`` or ``H``. Host metadata only."""
-    from .kernels_tma import weight_tma_ready
+    :func:`rows_ready` for ``d_out``, :func:`lora_ready`, ``w [E, H, I]`` in d_out's dtype readable by a
+    TMA descriptor with unit stride along ``I`` or ``H``, and ``h [N, N1]`` in d_out's dtype, contiguous and
+    readable by a TMA descriptor. Host metadata only."""
+    from .kernels_tma import rows_tma_ready, weight_tma_ready
     w_ok = weight_tma_ready(w) or weight_tma_ready(w.mT)
-    return (b is None and rows_ready(dout, act, gate_step, block_m, "dh") and w.dtype == dout.dtype and w_ok
-            and lora_ready(dout, lb, z, rp))
+    return (b is None and rows_ready(dout, pairs, act, gate_step, block_m, "dh") and w.dtype == dout.dtype and w_ok
+            and h.dtype == dout.dtype and h.is_contiguous() and rows_tma_ready(h) and lora_ready(dout, lb, z, rp))
 
 
 def _lora_descriptors(lb, z, rp: int, block_m: int):
@@ -409,7 +455,7 @@ def launch_up(x, w, b, sort_order, expert_offsets, top_k: int, act: str, alpha: 
     z_d, lb_d, lb_kmajor = _lora_descriptors(lb, z, rp, block_m) if lb is not None else (w_d, w_d, True)
     bb = w if b is None else b
     dual = NA != N1
-    _launch(x, w_d, z_d, lb_d, bb, a if h is None else h, a, a, a, a, sort_order, expert_offsets, table, H, NA, N1,
+    _launch(x, w_d, z_d, lb_d, w_d, bb, a if h is None else h, a, a, a, a, sort_order, expert_offsets, table, H, NA, N1,
             top_k, bb.stride(0), bb.stride(-1), up_offset, alpha, limit, lora_scale, num_sms,
             ACT=act, DUAL=dual, DH=False, HAS_BIAS=b is not None, STORE_H=h is not None, W_KMAJOR=True,
             LB_KMAJOR=lb_kmajor, LORA=lb is not None, BM=block_m, RP=rp,
@@ -431,20 +477,21 @@ def launch_dh(dout, w, h, topk_weights, sort_order, expert_offsets, top_k: int, 
     w_d = TensorDescriptor(wt, list(wt.shape), list(wt.stride()), [1, BN, BK] if w_kmajor else [1, BK, BN],
                            _layout(3, 128))
     z_d, lb_d, lb_kmajor = _lora_descriptors(lb, z, rp, block_m) if lb is not None else (w_d, w_d, True)
-    _launch(dout, w_d, z_d, lb_d, h, h, aw, dh, topk_weights, dw, sort_order, expert_offsets, table, H, I, N1,
+    h_d = TensorDescriptor(h, list(h.shape), [N1, 1], [block_m, BN // 2], _layout(2, 128))
+    _launch(dout, w_d, z_d, lb_d, h_d, h, h, aw, dh, topk_weights, dw, sort_order, expert_offsets, table, H, I, N1,
             top_k, 0, 0, up_offset, alpha, limit, lora_scale, num_sms,
             ACT=act, DUAL=N1 != I, DH=True, HAS_BIAS=False, STORE_H=False, W_KMAJOR=w_kmajor, LB_KMAJOR=lb_kmajor,
-            LORA=lb is not None, BM=block_m, RP=rp, STAGES=DH_STAGES)
+            LORA=lb is not None, BM=block_m, RP=rp, STAGES=dh_stages(rp if lb is not None else 0))
 
 
-def _launch(x, w_d, z_d, lb_d, b, h, a, dh, tw, dw, sort_order, expert_offsets, table, K, NA, N1, top_k, stride_be,
+def _launch(x, w_d, z_d, lb_d, h_d, b, h, a, dh, tw, dw, sort_order, expert_offsets, table, K, NA, N1, top_k, stride_be,
             stride_bn, up_offset, alpha, limit, lora_scale, num_sms, **meta) -> None:
     """:func:`gathered_kernel` over every (row tile of ``table``, column tile of ``NA``), one program per SM at
     most; ``meta``: the constexprs that differ between the up projection and dh."""
     M = table.shape[0] // 2
     grid = (min(M * -(-NA // BN), num_sms),)
     gathered_kernel[grid](
-        x, w_d, z_d, lb_d, b, h, a, dh, tw, dw, sort_order, expert_offsets, table,
+        x, w_d, z_d, lb_d, h_d, b, h, a, dh, tw, dw, sort_order, expert_offsets, table,
         K, NA, N1, sort_order.shape[0], w_d.shape[0], M, top_k, x.stride(0), stride_be, stride_bn, up_offset, alpha,
         limit, lora_scale, BN=BN, BK=BK, LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS,
         CONSUMER_REGS=CONSUMER_REGS, num_warps=4, **meta)

@@ -207,7 +207,7 @@ def up_proj_(x: Tensor, w: Tensor, b: Optional[Tensor], sort_order: Tensor, expe
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
     lb_split, z_split = (lb, z) if lora_mode == LORA_SPLIT else (None, None)
     if table is not None and lora_mode != LORA_FUSED and (gluon := _gluon("gluon_up")) is not None \
-            and gluon.up_ready(x, w, lb_split, z_split, act, gate_step, gather, RP, tma_block_m()):
+            and gluon.up_ready(x, w, lb_split, z_split, act, gate_step, gather, RP, tma_block_m(), N):
         kernels_tma.ensure_allocator()
         gluon.launch_up(x, w, b, sort_order, expert_offsets, top_k, act, alpha, limit, up_offset, h, a, lb_split,
                         z_split, table, lora_scale, RP, tma_block_m(), num_sms(x.device))
@@ -438,7 +438,7 @@ def act_grad_(dout: Tensor, w: Tensor, b: Optional[Tensor], h: Tensor, topk_weig
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
     lb_split, z_split = (lb, z) if lora_mode == LORA_SPLIT else (None, None)
     if table is not None and lora_mode != LORA_FUSED and (gluon := _gluon("gluon_dh")) is not None \
-            and gluon.dh_ready(dout, w, b, lb_split, z_split, act, gate_step, RP, tma_block_m()):
+            and gluon.dh_ready(dout, w, b, h, lb_split, z_split, act, gate_step, RP, tma_block_m(), N):
         kernels_tma.ensure_allocator()
         gluon.launch_dh(dout, w, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha, limit, up_offset,
                         dh, aw, dw, lb_split, z_split, table, lora_scale, RP, tma_block_m(), num_sms(dout.device))
