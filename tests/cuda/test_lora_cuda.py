@@ -79,7 +79,7 @@ def test_gluon_down_projection(case, block_m, monkeypatch):
 
 @pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("case", ["ragged", "one_hot_expert", "bias", "rank24", "frozen", "frozen_base_trained",
-                                  "one_k_step", "reglu", "gelu", "float16", "geglu"])
+                                  "one_k_step", "reglu", "gelu", "float16", "geglu", "three_programs"])
 def test_gluon_gathered_gemms(case, block_m, monkeypatch):
     """The warp-specialised Gluon kernels that gather rows by token (sm_90: loader warps copying the rows with
     ``cp.async``, the weight through TMA), the up projection and the activation gradient, with one consumer
@@ -88,8 +88,8 @@ def test_gluon_gathered_gemms(case, block_m, monkeypatch):
     first. Cases: outputs and K not multiples of the tile (H 336, I 200: a 72-wide last column tile, a
     16-wide last K step), rank 8, empty experts and three long ones, rank 24 (padded to 32), no LoRA term
     (base frozen, and base trained), a reduction of one K step (H 48), ReGLU, a plain (not gated) GELU,
-    float16; biases (the activation gradient stays with the Triton kernel: the down bias's gradient term is
-    not in the Gluon one) and GeGLU (both stay)."""
+    float16; three programs for 60-odd tiles (each runs many tiles through the same rings); biases (the activation gradient stays with the Triton kernel:
+    the down bias's gradient term is not in the Gluon one) and GeGLU (both stay)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are for sm_90")
     from moeyard.experts.triton import kernels_gluon_gather as gather, ops
@@ -100,10 +100,11 @@ def test_gluon_gathered_gemms(case, block_m, monkeypatch):
         monkeypatch.setattr(gather, f"launch_{kind}",
                             lambda *a, _real=real, _kind=kind, **k: (calls[_kind].append(a[-2]), _real(*a, **k)))
     monkeypatch.setattr(ops, "tma_block_m", lambda: block_m)  # the tile table's rows and the kernel's BM
-    monkeypatch.setenv("MOEYARD_TRITON_GLUON_DH", "1")  # opt-in (not faster yet)
+    if case == "three_programs":
+        monkeypatch.setattr(ops, "num_sms", lambda device: 3)
     E, K = 10, 3
     kw, dtype, frozen = {}, torch.bfloat16, FROZEN
-    if case == "ragged":
+    if case in ("ragged", "three_programs"):
         inp = add_lora(make_inputs(777, 336, 200, E, K), 8)
     elif case == "one_hot_expert":
         inp = add_lora(make_inputs(600, 256, 192, E, K, ids=torch.stack([torch.arange(K)] * 600)), 16)
@@ -134,7 +135,8 @@ def test_gluon_gathered_against_triton(rank, monkeypatch):
     ``a``; ``d_h``, ``w act(h)``, the routing weights' gradient): LoRA's ``Lb`` with its unit stride along
     the rank and along the outputs, the down weight in transformers' ``[E, H, I]`` layout and transposed
     (both layouts the kernels take), ranks 8 to 32 (one to two 16-wide boxes, and the up projection's
-    three-stage ring), 2000 tokens over 40 experts, K = 6."""
+    three-stage ring), 2000 tokens over 40 experts, K = 6; the second layout on 7 programs (40-odd tiles
+    each)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are for sm_90")
     from moeyard.experts.triton import kernels_gluon_gather as gather, ops
@@ -167,7 +169,9 @@ def test_gluon_gathered_against_triton(rank, monkeypatch):
         want = both(same, same)
     assert not calls
     rank_major = lambda t: t.mT.contiguous().mT  # noqa: E731
-    for lb_layout, w_layout in ((same, same), (rank_major, rank_major)):
+    sms = ops.num_sms
+    for lb_layout, w_layout, programs in ((same, same, None), (rank_major, rank_major, 7)):
+        monkeypatch.setattr(ops, "num_sms", lambda device: programs or sms(device))
         with use_options(gluon_up=True, gluon_dh=True):
             got = both(lb_layout, w_layout)
         for g_, ref in zip(got, want):  # a wrong layout or row is off by the values' own size

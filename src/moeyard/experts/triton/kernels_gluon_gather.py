@@ -124,10 +124,11 @@ def _load_h(h_desc, h_bufs, hready, hempty, t, row0, col0, up_offset, DUAL: gl.c
 
 @gluon.jit
 def _consumer(half, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs, ready, empty, lready, lempty,
-              hready, hempty, b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA, N1, N, E, M, stride_be,
-              stride_bn, up_offset, alpha, limit, lora_scale, ACT: gl.constexpr, DUAL: gl.constexpr, DH: gl.constexpr,
-              HAS_BIAS: gl.constexpr, STORE_H: gl.constexpr, W_KMAJOR: gl.constexpr, LB_KMAJOR: gl.constexpr,
-              LORA: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+              hready, hempty, b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K,
+              NA, N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit, lora_scale, ACT: gl.constexpr,
+              DUAL: gl.constexpr, DH: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_H: gl.constexpr,
+              W_KMAJOR: gl.constexpr, LB_KMAJOR: gl.constexpr, LORA: gl.constexpr, BN: gl.constexpr,
+              BK: gl.constexpr, STAGES: gl.constexpr):
     """A consumer partition (one warp group): rows ``64 half ... 64 half + 63`` of every tile (see the
     module docstring). As in :mod:`.kernels_gluon`, the previous step's stage index is recomputed, not
     carried."""
@@ -335,13 +336,13 @@ def gathered_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs, ready, empty, lready,
-                         lempty, hready, hempty, b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA,
-                         N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit, lora_scale, ACT, DUAL, DH,
-                         HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
+                         lempty, hready, hempty, b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr,
+                         offsets_ptr, table_ptr, K, NA, N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit,
+                         lora_scale, ACT, DUAL, DH, HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
             (_consumer, (1, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs, ready, empty, lready,
-                         lempty, hready, hempty, b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA,
-                         N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit, lora_scale, ACT, DUAL, DH,
-                         HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
+                         lempty, hready, hempty, b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr,
+                         offsets_ptr, table_ptr, K, NA, N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit,
+                         lora_scale, ACT, DUAL, DH, HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
             (_loader, (x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs,
                        h_bufs, ready, empty, lready, lempty, hready, hempty, sort_order_ptr, offsets_ptr, table_ptr, K,
                        NA, E, M, top_k, stride_xt, up_offset, DUAL, DH, W_KMAJOR, LB_KMAJOR, LORA, BM, BN, BK, STAGES,
@@ -350,9 +351,9 @@ def gathered_kernel(
     else:
         gl.warp_specialize([
             (_consumer, (0, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs, ready, empty, lready,
-                         lempty, hready, hempty, b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA,
-                         N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit, lora_scale, ACT, DUAL, DH,
-                         HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
+                         lempty, hready, hempty, b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr,
+                         offsets_ptr, table_ptr, K, NA, N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit,
+                         lora_scale, ACT, DUAL, DH, HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
             (_loader, (x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs,
                        h_bufs, ready, empty, lready, lempty, hready, hempty, sort_order_ptr, offsets_ptr, table_ptr, K,
                        NA, E, M, top_k, stride_xt, up_offset, DUAL, DH, W_KMAJOR, LB_KMAJOR, LORA, BM, BN, BK, STAGES,
@@ -381,7 +382,8 @@ def stages(rp: int, two_b: bool) -> int:
 
 def dh_stages(rp: int) -> int:
     """dh's stages at padded rank ``rp`` (0: no LoRA): ``DH_STAGES`` of 32 KiB beside the ``h`` slot (64 KiB)
-    and a LoRA ring of ``rp <= 16``; 3 beside a larger ring (four: 228 KiB, over sm_90's 227)."""
+    and a LoRA ring of ``rp <= 16``; 3 beside a larger ring (four: 228 KiB, over sm_90's 227; five stages
+    without LoRA: 228 KiB too)."""
     return DH_STAGES if rp <= 16 else 3
 
 

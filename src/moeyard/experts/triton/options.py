@@ -54,8 +54,8 @@ Each defaults to the measured default path; set an environment variable, or over
   without LoRA, down 1.097 / 1.021 and dx 1.895 / 1.851 at qwen3.5-35b-a3b, 1.479 / 1.391 and 2.669 / 2.645
   at qwen3-30b-a3b; with LoRA (r = 16) the Gluon kernel takes about the Triton kernel's time without it
   (1.075, 1.931; 1.43-1.48, 2.664).
-- ``MOEYARD_TRITON_GLUON_UP=0`` (``gluon_up``, on by default) and ``MOEYARD_TRITON_GLUON_DH=1``
-  (``gluon_dh``, off by default): the two GEMMs that gather their rows by token, the up projection (``x``,
+- ``MOEYARD_TRITON_GLUON_UP=0`` (``gluon_up``) and ``MOEYARD_TRITON_GLUON_DH=0`` (``gluon_dh``), both on
+  by default: the two GEMMs that gather their rows by token, the up projection (``x``,
   the activation in its epilogue) and the activation gradient (``d out``, the activation's derivative and
   the routing weight's gradient in its epilogue), without a LoRA term or with a split one, run the
   warp-specialised Gluon kernel of :mod:`.kernels_gluon_gather` (loader warps gathering the rows with
@@ -65,8 +65,9 @@ Each defaults to the measured default path; set an environment variable, or over
   ``kernels_gluon_gather.ACTS`` (not GeGLU), for dh no down bias and, with LoRA, a rank that is a multiple
   of 8 and at most 32; otherwise the Triton kernels run. Measured on an H100 (round 22 of
   ``benchmarks/NOTES.md``, bit-identical results), Triton / Gluon ms: up 3.63 / 3.29 at qwen3-30b-a3b
-  (``do_bench``), 2.389 / 2.048 at qwen3.5-35b-a3b; dh 2.295 / 2.246 and 1.618 / 1.595 without LoRA but 2.460 /
-  2.627 and 1.801 / 1.873 with it (its epilogue's reads of ``h`` are not hidden), hence off by default.
+  (``do_bench``), 2.389 / 2.048 at qwen3.5-35b-a3b. dh (round 23, its ``h`` through TMA into shared memory
+  after each tile's K loop; the routing weight's gradient within 2e-6, the rest bit-identical): 2.296 /
+  2.189 and 1.639 / 1.560 without LoRA, 2.486 / 2.399 and 1.780 / 1.755 with it (r = 16).
 - ``MOEYARD_TRITON_WGRAD_TILE_MAJOR=0`` (``wgrad_tile_major``, on by default): a thin weight gradient
   (a LoRA factor's: ``r`` wide on one side) with an operand read at each pair's token (``d out``,
   ``x``) orders its programs tile-major: one column tile of every expert, then the next
@@ -118,7 +119,7 @@ class Options:
     tma_up: bool = True
     gluon_down: bool = True
     gluon_up: bool = True
-    gluon_dh: bool = False
+    gluon_dh: bool = True
     wgrad_tile_major: bool = True
     band_rows: bool = True
 
