@@ -53,6 +53,23 @@ def _tile_of(t, pid, nprog, n_tiles_n, table_ptr, M, BN: gl.constexpr):
 
 
 @gluon.jit
+def next_stage(s, phase, STAGES: gl.constexpr):
+    """A ring's next ``(stage, phase)``: the phase flips each time the stage index wraps to 0."""
+    s += 1
+    if s == STAGES:
+        s = 0
+        phase ^= 1
+    return s, phase
+
+
+@gluon.jit
+def scaled_z(z_s, lora_scale, layout: gl.constexpr, dtype: gl.constexpr):
+    """A LoRA ``z`` box from shared memory times the LoRA scale (in float32, rounded to ``dtype``), in the
+    MMA's register-operand ``layout``."""
+    return (z_s.load(layout).to(gl.float32) * lora_scale).to(dtype)
+
+
+@gluon.jit
 def barrier_ring(n: gl.constexpr, ready_count: gl.constexpr, empty_count: gl.constexpr):
     """A ring of ``n`` slots' ``(ready, empty)`` mbarriers (``[n, 1]`` int64 in shared memory), initialised
     to complete after ``ready_count`` and ``empty_count`` arrivals."""
@@ -117,10 +134,7 @@ def _loader(a_desc, w_desc, z_desc, lb_desc, a_bufs, w_bufs, z_bufs, lb_bufs, re
                 _tma_load(w_desc, [e, col0, kt * BK], bar, w_bufs.index(s))
             else:
                 _tma_load(w_desc, [e, kt * BK, col0], bar, w_bufs.index(s))
-            s += 1
-            if s == STAGES:
-                s = 0
-                phase ^= 1
+            s, phase = next_stage(s, phase, STAGES)
 
 
 @gluon.jit
@@ -162,15 +176,11 @@ def _consumer(half, a_bufs, w_bufs, z_bufs, lb_bufs, ready, empty, lready, lempt
             acc = warpgroup_mma_wait(1, deps=[acc])
             if kt > 0:  # the previous step's MMA has read its stage
                 mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
-            s += 1
-            if s == STAGES:
-                s = 0
-                phase ^= 1
+            s, phase = next_stage(s, phase, STAGES)
         if LORA:
             slot = t % 2
             mbarrier.wait(lready.index(slot), (t // 2) & 1)
-            z = z_bufs.index(slot).slice(half * HM, HM).load(z_reg)
-            z = (z.to(gl.float32) * lora_scale).to(dtype)
+            z = scaled_z(z_bufs.index(slot).slice(half * HM, HM), lora_scale, z_reg, dtype)
             if LB_KMAJOR:
                 lb_s = lb_bufs.index(slot).permute((1, 0))
             else:

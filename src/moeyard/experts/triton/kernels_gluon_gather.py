@@ -42,7 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from .act import act_fwd, act_grad
-from .kernels_gluon import _layout, _my_tiles, _tile_of, _tma_load, barrier_ring, store_layout
+from .kernels_gluon import (_layout, _my_tiles, _tile_of, _tma_load, barrier_ring, next_stage, scaled_z,
+                            store_layout)
 
 # Triton renamed cp.async's copy after 3.6 (3.6: async_copy_global_to_shared; 3.9: async_load, the old name raises)
 _cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
@@ -98,10 +99,7 @@ def _loader(x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_
                 _tma_load(w_desc, [e, kt * BK, col0], bar, wg_bufs.index(s))
             _cp_async(x_bufs.index(s), ptrs + kt * BK, mask=ok[:, None] & ((ks + kt * BK) < K)[None, :])
             async_copy.mbarrier_arrive(bar, increment_count=False)
-            s += 1
-            if s == STAGES:
-                s = 0
-                phase ^= 1
+            s, phase = next_stage(s, phase, STAGES)
         if DH:
             _load_h(h_desc, h_bufs, hready, hempty, t, row0, col0, up_offset, DUAL, BN)
 
@@ -164,15 +162,11 @@ def _consumer(half, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs
             acc_g, acc_u = warpgroup_mma_wait(IN_FLIGHT, deps=[acc_g, acc_u])
             if kt > 0:  # the previous step's MMAs have read its stage
                 mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
-            s += 1
-            if s == STAGES:
-                s = 0
-                phase ^= 1
+            s, phase = next_stage(s, phase, STAGES)
         if LORA:
             slot = t % 2
             mbarrier.wait(lready.index(slot), (t // 2) & 1)
-            z = z_bufs.index(slot).slice(half * HM, HM).load(z_reg)
-            z = (z.to(gl.float32) * lora_scale).to(dtype)
+            z = scaled_z(z_bufs.index(slot).slice(half * HM, HM), lora_scale, z_reg, dtype)
             if LB_KMAJOR:
                 acc_g = warpgroup_mma(z, lbg_bufs.index(slot).permute((1, 0)), acc_g, is_async=True)
                 if DUAL and not DH:
