@@ -33,6 +33,7 @@ VARIANTS = {
     "pointer_up": dict(tma_up=False),  # the up projection's weight tiles by pointer loads
     "triton_up": dict(gluon_up=False),  # the up projection in the Triton kernel, not the Gluon one (sm_90)
     "triton_dh": dict(gluon_dh=False),  # the activation gradient in the Triton kernel, not the Gluon one (sm_90)
+    "triton_wgrad": dict(gluon_wgrad=False),  # the base weight gradients in the Triton kernel, not the Gluon one (sm_90)
 }
 DH_PARTIAL_BN = 64  # column tiles of the routing-weight gradient partial (ops.DH_CONFIGS: BN >= 64)
 

@@ -1,5 +1,6 @@
 """The warp-specialised Gluon kernels (:mod:`moeyard.experts.triton.kernels_gluon`: the down projection;
-:mod:`~moeyard.experts.triton.kernels_gluon_gather`: the up projection and the activation gradient)
+:mod:`~moeyard.experts.triton.kernels_gluon_gather`: the up projection and the activation gradient;
+:mod:`~moeyard.experts.triton.kernels_gluon_wgrad`: the weight gradients)
 compiled for sm_90a on the CPU, with the installed Triton's bundled ``ptxas`` and no GPU: each variant the
 library launches (row tiles of 64 and 128, with and without a LoRA term, ``W`` or ``Lb`` K-major or not,
 ranks 8 to 32, gated and plain activations) compiles,
@@ -25,6 +26,8 @@ GATHER_VARIANTS = [("up", 128, "swiglu", True, 16), ("up", 128, "swiglu", False,
                    ("up", 64, "swiglu", True, 8), ("up", 64, "reglu", True, 0), ("up", 128, "clamped_swiglu", True, 0),
                    ("up", 128, "gelu", True, 0), ("dh", 128, "swiglu", False, 0), ("dh", 128, "swiglu", False, 16),
                    ("dh", 128, "swiglu", True, 32), ("dh", 64, "reglu", True, 8), ("dh", 128, "gelu", False, 0)]
+# the weight gradients: (gathered operand: "rhs" for dW_up = d_h^T x[token], "lhs" for dW_down; dW's dtype)
+WGRAD_VARIANTS = [("rhs", "bfloat16"), ("lhs", "bfloat16"), ("rhs", "float32")]
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
 
 
@@ -51,7 +54,7 @@ def _compile_all() -> list[dict]:
             return torch.device("cpu")
 
     driver.set_active(Sm90())
-    from moeyard.experts.triton import kernels_gluon_gather as gather
+    from moeyard.experts.triton import kernels_gluon_gather as gather, kernels_gluon_wgrad as wgrad
     compiled = []
 
     def grab(module, name):
@@ -65,6 +68,7 @@ def _compile_all() -> list[dict]:
 
     grab(kernels_gluon, "down_kernel")
     grab(gather, "gathered_kernel")
+    grab(wgrad, "wgrad_kernel")
     E, NY, KA, N, bf = 8, 2048, 512, 4096, torch.bfloat16
     table = lambda block_m: torch.empty(2 * (N // block_m + E) + 1, dtype=torch.int32)  # noqa: E731
     for block_m, lora, kmajor, rank in VARIANTS:
@@ -93,6 +97,15 @@ def _compile_all() -> list[dict]:
             gather.launch_dh(torch.empty(T, H, dtype=bf), w, torch.empty(N, n1, dtype=bf), torch.empty(N, dtype=bf),
                              dh=torch.empty(N, n1, dtype=bf), aw=torch.empty(N, I, dtype=bf), dw=torch.empty(12, N),
                              lb=lb, **common, **lora)
+    token = torch.empty(N, dtype=torch.int32)
+    for gathered, dw_dtype in WGRAD_VARIANTS:
+        offsets = torch.empty(E + 1, dtype=torch.int32)
+        if gathered == "rhs":
+            wgrad.launch(torch.empty(N, 2 * I, dtype=bf), torch.empty(T, H, dtype=bf), False, token, offsets,
+                         torch.empty(E, 2 * I, H, dtype=getattr(torch, dw_dtype)), 1.0, 132)
+        else:
+            wgrad.launch(torch.empty(T, H, dtype=bf), torch.empty(N, I, dtype=bf), True, token, offsets,
+                         torch.empty(E, H, I, dtype=getattr(torch, dw_dtype)), 1.0, 132)
     return [_resources(k, triton) for k in compiled]
 
 
@@ -142,6 +155,13 @@ def test_down_compiles_for_sm90(i, compiled):
 def test_gather_compiles_for_sm90(i, compiled):
     k = compiled[len(VARIANTS) + i]
     _check(k, GATHER_VARIANTS[i][1])
+    assert k["copy_bytes"] == ["0x10"], f"the gathered rows' copies: {k['copy_bytes']} bytes"
+
+
+@pytest.mark.parametrize("i", range(len(WGRAD_VARIANTS)), ids=["{}-gathered-dw-{}".format(*v) for v in WGRAD_VARIANTS])
+def test_wgrad_compiles_for_sm90(i, compiled):
+    k = compiled[len(VARIANTS) + len(GATHER_VARIANTS) + i]
+    _check(k, 128)
     assert k["copy_bytes"] == ["0x10"], f"the gathered rows' copies: {k['copy_bytes']} bytes"
 
 

@@ -8,6 +8,7 @@ pairs. Weights are ``[E, out, in]`` views of any strides (never copied).
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -284,26 +285,27 @@ def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la,
         PRECISION=dot_precision(rows.dtype), E_P2=_e_p2(E))
 
 
+_GLUON_MODULES = {"gluon_down": "kernels_gluon", "gluon_up": "kernels_gluon_gather",
+                  "gluon_dh": "kernels_gluon_gather", "gluon_wgrad": "kernels_gluon_wgrad"}
+
+
 def _gluon(option: str):
     """The Gluon kernel module of ``option`` (``gluon_down``: :mod:`.kernels_gluon`; ``gluon_up``,
-    ``gluon_dh``: :mod:`.kernels_gluon_gather`) when that option is on and this Triton has Gluon's Hopper
-    language (Triton >= 3.5), else None. Never under the interpreter (Gluon has none)."""
+    ``gluon_dh``: :mod:`.kernels_gluon_gather`; ``gluon_wgrad``: :mod:`.kernels_gluon_wgrad`) when that
+    option is on and this Triton has Gluon's Hopper language (Triton >= 3.5), else None. Never under the
+    interpreter (Gluon has none)."""
     if interpreting() or not getattr(options(), option):
         return None
-    return _gluon_module(option == "gluon_down")
+    return _gluon_module(_GLUON_MODULES[option])
 
 
 @functools.cache
-def _gluon_module(down: bool):
+def _gluon_module(name: str):
     """The import, once (a Triton without Gluon would otherwise retry it at every launch)."""
     try:
-        if down:
-            from . import kernels_gluon as module
-        else:
-            from . import kernels_gluon_gather as module
+        return importlib.import_module(f"{__package__}.{name}")
     except ImportError:
         return None
-    return module
 
 
 def _gather_table(rows: Tensor, r: Routing, spec: ActSpec, option: str) -> Tensor | None:
@@ -484,9 +486,16 @@ def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, sca
 def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows,
                  dw, db, part, part_b, factor=None, rows_part=None, tile_major=False, alpha=1.0,
                  low_rank=False) -> None:
-    """The first stage of :func:`wgrad_` (every chunk, or every expert when ``chunk_rows == 0``)."""
+    """The first stage of :func:`wgrad_` (every chunk, or every expert when ``chunk_rows == 0``); the Gluon
+    kernel (options ``gluon_wgrad`` and ``tma_wgrad``) where it serves: one operand by token, no bias, chunk,
+    row product or LoRA factor (:func:`.kernels_gluon_wgrad.ready`)."""
     E, NL, NR = dw.shape
     N = sorted_token.shape[0]
+    if (db is None and chunk_rows == 0 and factor is None and not low_rank and dw.is_cuda and options().tma_wgrad
+            and (gluon := _gluon("gluon_wgrad")) is not None
+            and gluon.ready(lhs, rhs, lhs_by_token, rhs_by_token, dw, N)):
+        gluon.launch(lhs, rhs, lhs_by_token, sorted_token, expert_offsets, dw, alpha, num_sms(dw.device))
+        return
     dbb = dw[:, :, 0] if db is None else db
     chunked = chunk_rows > 0
     part = dw if part is None else part

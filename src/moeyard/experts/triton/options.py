@@ -68,6 +68,15 @@ Each defaults to the measured default path; set an environment variable, or over
   (``do_bench``), 2.389 / 2.048 at qwen3.5-35b-a3b. dh (round 23, its ``h`` through TMA into shared memory
   after each tile's K loop; the routing weight's gradient within 2e-6, the rest bit-identical): 2.296 /
   2.189 and 1.639 / 1.560 without LoRA, 2.486 / 2.399 and 1.780 / 1.755 with it (r = 16).
+- ``MOEYARD_TRITON_GLUON_WGRAD=0`` (``gluon_wgrad``, on by default): the base weight gradients with an
+  operand read by token (``dW_up = d_h^T x[token]``, ``dW_down = d_out[token]^T (w act(h))``), without a bias
+  gradient or chunks, run the warp-specialised Gluon kernel of :mod:`.kernels_gluon_wgrad` (loader warps
+  gathering the rows with ``cp.async`` and loading the sorted operand through TMA, two MMA warp groups
+  reading both operands transposed from shared memory) instead of the Triton kernel. Needs sm_90, ``tma_wgrad``,
+  bf16/fp16, the gathered operand's width and row stride multiples of 16 and the sorted one TMA-readable;
+  otherwise the Triton kernel runs. Measured on an H100 (round 24 of ``benchmarks/NOTES.md``, within bf16
+  rounding of the Triton kernel), Triton / Gluon ms: ``dW_up`` 3.069 / 2.972 at qwen3-30b-a3b, 2.330 / 2.021 at
+  qwen3.5-35b-a3b; ``dW_down`` 1.386 / 1.221, 1.085 / 0.901.
 - ``MOEYARD_TRITON_WGRAD_TILE_MAJOR=0`` (``wgrad_tile_major``, on by default): a thin weight gradient
   (a LoRA factor's: ``r`` wide on one side) with an operand read at each pair's token (``d out``,
   ``x``) orders its programs tile-major: one column tile of every expert, then the next
@@ -96,7 +105,7 @@ ENV = dict(atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE", wgrad_chunk_rows="MOE
            wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", lora_mode="MOEYARD_TRITON_LORA",
            tma="MOEYARD_TRITON_TMA", tma_wgrad="MOEYARD_TRITON_TMA_WGRAD", prefetch_h="MOEYARD_TRITON_PREFETCH",
            tma_up="MOEYARD_TRITON_TMA_UP", gluon_down="MOEYARD_TRITON_GLUON_DOWN", gluon_up="MOEYARD_TRITON_GLUON_UP",
-           gluon_dh="MOEYARD_TRITON_GLUON_DH",
+           gluon_dh="MOEYARD_TRITON_GLUON_DH", gluon_wgrad="MOEYARD_TRITON_GLUON_WGRAD",
            wgrad_tile_major="MOEYARD_TRITON_WGRAD_TILE_MAJOR", band_rows="MOEYARD_TRITON_BAND_ROWS")
 LORA_MODES = ("split", "fused")
 
@@ -120,6 +129,7 @@ class Options:
     gluon_down: bool = True
     gluon_up: bool = True
     gluon_dh: bool = True
+    gluon_wgrad: bool = True
     wgrad_tile_major: bool = True
     band_rows: bool = True
 
