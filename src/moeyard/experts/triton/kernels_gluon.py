@@ -70,6 +70,27 @@ def scaled_z(z_s, lora_scale, layout: gl.constexpr, dtype: gl.constexpr):
 
 
 @gluon.jit
+def load_lora(z_desc, lb_desc, z_bufs, lbg_bufs, lbu_bufs, lready, lempty, t, e, row0, col0, up_offset,
+              LB_KMAJOR: gl.constexpr, TWO_B: gl.constexpr):
+    """A loader's LoRA boxes of tile ``t`` (expert ``e``, rows ``row0 ...``, columns ``col0 ...``) into slot
+    ``t % 2`` of their ring once both consumers released it: ``z``, ``Lb``'s box (and, ``TWO_B``, its box at
+    ``col0 + up_offset``, the up rows of a gated projection)."""
+    slot = t % 2
+    mbarrier.wait(lempty.index(slot), ((t // 2) & 1) ^ 1)  # a fresh barrier passes phase 1
+    lbar = lready.index(slot)
+    mbarrier.expect(lbar, z_desc.block_type.nbytes + (1 + TWO_B) * lb_desc.block_type.nbytes)
+    _tma_load(z_desc, [row0, 0], lbar, z_bufs.index(slot))
+    if LB_KMAJOR:
+        _tma_load(lb_desc, [e, col0, 0], lbar, lbg_bufs.index(slot))
+        if TWO_B:
+            _tma_load(lb_desc, [e, col0 + up_offset, 0], lbar, lbu_bufs.index(slot))
+    else:
+        _tma_load(lb_desc, [e, 0, col0], lbar, lbg_bufs.index(slot))
+        if TWO_B:
+            _tma_load(lb_desc, [e, 0, col0 + up_offset], lbar, lbu_bufs.index(slot))
+
+
+@gluon.jit
 def barrier_ring(n: gl.constexpr, ready_count: gl.constexpr, empty_count: gl.constexpr):
     """A ring of ``n`` slots' ``(ready, empty)`` mbarriers (``[n, 1]`` int64 in shared memory), initialised
     to complete after ``ready_count`` and ``empty_count`` arrivals."""
@@ -116,15 +137,7 @@ def _loader(a_desc, w_desc, z_desc, lb_desc, a_bufs, w_bufs, z_bufs, lb_bufs, re
     for t in range(my_tiles):
         e, row0, col0 = _tile_of(t, pid, nprog, n_tiles_n, table_ptr, M, BN)
         if LORA:
-            slot = t % 2
-            mbarrier.wait(lempty.index(slot), ((t // 2) & 1) ^ 1)  # a fresh barrier passes phase 1
-            lbar = lready.index(slot)
-            mbarrier.expect(lbar, z_desc.block_type.nbytes + lb_desc.block_type.nbytes)
-            _tma_load(z_desc, [row0, 0], lbar, z_bufs.index(slot))
-            if LB_KMAJOR:
-                _tma_load(lb_desc, [e, col0, 0], lbar, lb_bufs.index(slot))
-            else:
-                _tma_load(lb_desc, [e, 0, col0], lbar, lb_bufs.index(slot))
+            load_lora(z_desc, lb_desc, z_bufs, lb_bufs, lb_bufs, lready, lempty, t, e, row0, col0, 0, LB_KMAJOR, False)
         for kt in range(k_steps):
             mbarrier.wait(empty.index(s), phase ^ 1)
             bar = ready.index(s)

@@ -34,7 +34,6 @@ Operands (``N`` sorted rows, ``K`` reduction, ``NA`` output columns, ``N1 = 2 NA
   ``[1, BN, RP]``) or ``[E, R, N1]`` (boxes ``[1, RP, BN]``).
 Rows of a tile past its expert's end are computed on zeros and not stored.
 """
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -42,8 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from .act import act_fwd, act_grad
-from .kernels_gluon import (_layout, _my_tiles, _tile_of, _tma_load, barrier_ring, next_stage, scaled_z,
-                            store_layout)
+from .kernels_gluon import (_layout, _my_tiles, _tile_of, _tma_load, barrier_ring, load_lora, next_stage,
+                            scaled_z, store_layout)
 
 # Triton renamed cp.async's copy after 3.6 (3.6: async_copy_global_to_shared; 3.9: async_load, the old name raises)
 _cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
@@ -69,19 +68,8 @@ def _loader(x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_
     for t in range(my_tiles):
         e, row0, col0 = _tile_of(t, pid, nprog, n_tiles_n, table_ptr, M, BN)
         if LORA:
-            slot = t % 2
-            mbarrier.wait(lempty.index(slot), ((t // 2) & 1) ^ 1)  # a fresh barrier passes phase 1
-            lbar = lready.index(slot)
-            mbarrier.expect(lbar, z_desc.block_type.nbytes + (1 + TWO_B) * lb_desc.block_type.nbytes)
-            _tma_load(z_desc, [row0, 0], lbar, z_bufs.index(slot))
-            if LB_KMAJOR:
-                _tma_load(lb_desc, [e, col0, 0], lbar, lbg_bufs.index(slot))
-                if TWO_B:
-                    _tma_load(lb_desc, [e, col0 + up_offset, 0], lbar, lbu_bufs.index(slot))
-            else:
-                _tma_load(lb_desc, [e, 0, col0], lbar, lbg_bufs.index(slot))
-                if TWO_B:
-                    _tma_load(lb_desc, [e, 0, col0 + up_offset], lbar, lbu_bufs.index(slot))
+            load_lora(z_desc, lb_desc, z_bufs, lbg_bufs, lbu_bufs, lready, lempty, t, e, row0, col0, up_offset,
+                      LB_KMAJOR, TWO_B)
         rows = row0 + gl.arange(0, BM, gl.SliceLayout(1, ld))
         ok = rows < gl.load(offsets_ptr + gl.minimum(e, E - 1) + 1)
         pair = gl.load(sort_order_ptr + rows, mask=ok, other=0)
