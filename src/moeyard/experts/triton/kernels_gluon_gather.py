@@ -369,19 +369,24 @@ def dh_stages(rp: int) -> int:
     return DH_STAGES if rp <= 16 else 3
 
 
-def rows_ready(x, pairs: int, act: str, gate_step: int, block_m: int, kind: str) -> bool:
-    """What both kernels need of the gathered rows ``x [T, K]`` and the layout: Hopper (sm_90), fewer than
-    ``2**31`` ``pairs`` (the loader divides pair ids in 32 bits), row tiles of
-    64 or 128, ``act`` in ``ACTS[kind]`` (``kind`` "up" or "dh"), gate and up not interleaved
-    (``gate_step == 1``), 16-bit ``x`` with unit stride along ``K``, ``K`` and the row stride multiples of 16
-    (so Triton knows the copies' 16-byte alignment; at ``K`` = 328 or 40 the copies would be of 2 bytes,
-    which ``cp.async`` has not) and a 16-byte aligned base. Host metadata only."""
+def gathered_ready(x, pairs: int) -> bool:
+    """What a Gluon kernel needs of rows ``x [T, K]`` it gathers by token with ``cp.async`` (also
+    :mod:`.kernels_gluon_wgrad`'s): Hopper (sm_90), fewer than ``2**31`` ``pairs`` (pair ids and sorted rows in
+    32 bits), 16-bit ``x`` with unit stride along ``K``, ``K`` and the row stride multiples of 16 (so Triton
+    knows the copies' 16-byte alignment; at ``K`` = 328 or 40 the copies would be of 2 bytes, which ``cp.async``
+    has not) and a 16-byte aligned base. Host metadata only."""
     import torch
-    if not (x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0) and block_m in (64, 128)
-            and pairs < 2**31):
+    if not (x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0) and pairs < 2**31):
         return False
-    return (act in ACTS[kind] and gate_step == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
-            and x.stride(1) == 1 and x.shape[1] % 16 == 0 and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0)
+    return (x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and x.stride(1) == 1
+            and x.shape[1] % 16 == 0 and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0)
+
+
+def rows_ready(x, pairs: int, act: str, gate_step: int, block_m: int, kind: str) -> bool:
+    """What both kernels need of the gathered rows ``x [T, K]`` and the layout: :func:`gathered_ready`, row
+    tiles of 64 or 128, ``act`` in ``ACTS[kind]`` (``kind`` "up" or "dh"), gate and up not interleaved
+    (``gate_step == 1``). Host metadata only."""
+    return block_m in (64, 128) and act in ACTS[kind] and gate_step == 1 and gathered_ready(x, pairs)
 
 
 def lora_ready(x, lb, z, rp: int) -> bool:

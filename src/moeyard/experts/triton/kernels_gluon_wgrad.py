@@ -221,22 +221,16 @@ CONSUMER_REGS = 224  # 2 * 128 * 224 + 128 * 64 <= 64K registers
 
 
 def ready(lhs, rhs, lhs_by_token: bool, rhs_by_token: bool, dw, pairs: int) -> bool:
-    """Whether :func:`launch` can run: Hopper (sm_90), exactly one operand read by token, both in one 16-bit
-    dtype, fewer than ``2**31`` ``pairs``; the gathered operand with unit stride along its columns, their
-    count and its row stride multiples of 16 (so Triton knows the 16-byte alignment of the copies: otherwise
-    they would be of 2 bytes, which ``cp.async`` has not) and a 16-byte aligned base; the sorted operand
-    readable by a TMA descriptor; ``dw`` any float dtype and strides. Host metadata only."""
-    import torch
-
+    """Whether :func:`launch` can run: exactly one operand read by token, both in one dtype; the gathered one
+    as :func:`.kernels_gluon_gather.gathered_ready` asks (sm_90, 16-bit, widths and row stride multiples of
+    16, fewer than ``2**31`` ``pairs``); the sorted operand readable by a TMA descriptor; ``dw`` any float dtype
+    and strides. Host metadata only."""
+    from .kernels_gluon_gather import gathered_ready
     from .kernels_tma import rows_tma_ready
-    if lhs_by_token == rhs_by_token or pairs >= 2**31 or lhs.dtype != rhs.dtype:
+    if lhs_by_token == rhs_by_token or lhs.dtype != rhs.dtype:
         return False
     g, srt = (lhs, rhs) if lhs_by_token else (rhs, lhs)
-    if not (g.is_cuda and torch.cuda.get_device_capability(g.device) == (9, 0)):
-        return False
-    return (g.dtype in (torch.bfloat16, torch.float16) and g.dim() == 2 and g.stride(1) == 1
-            and g.shape[1] % 16 == 0 and g.stride(0) % 16 == 0 and g.data_ptr() % 16 == 0
-            and rows_tma_ready(srt) and dw.dtype.is_floating_point)
+    return gathered_ready(g, pairs) and rows_tma_ready(srt) and dw.dtype.is_floating_point
 
 
 def launch(lhs, rhs, lhs_by_token: bool, sorted_token, expert_offsets, dw, alpha: float, num_sms: int) -> None:
