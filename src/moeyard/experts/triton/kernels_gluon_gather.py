@@ -20,8 +20,11 @@ warp-specialised (``gl.warp_specialize``):
   the stage the previous step read, then the LoRA MMA(s) and the epilogue, stored by sorted row in
   16-byte vectors: up, bias, the rounding backward relies on, ``h`` and ``a = act(h)``; dh, ``d_h = act'(h)
   w g``, ``w act(h)`` and the routing weight's gradient ``sum_cols g act(h)`` per column tile, with ``h``
-  read from a shared-memory slot that the loader fills by TMA after each tile's last K step (so its latency
-  hides behind the ring's last steps).
+  read from shared memory: the loader loads it by TMA into the ring as two more entries after each tile's
+  last K step, so it lands while the consumers run the last steps and takes no shared memory of its own.
+  dh's ring is of 6 stages where the up projection's is of 4 (32 KiB stages against 48): this kernel is
+  limited by its gathered loads, so the gathered bytes in flight set its speed (H100, ``benchmarks/NOTES.md``,
+  round 25: 2.26 ms at 4 stages, 2.03 at 6; 256-column tiles, 4 stages of 48 KiB: 3.04).
 
 Operands (``N`` sorted rows, ``K`` reduction, ``NA`` output columns, ``N1 = 2 NA`` gated or ``NA``):
 - ``x_ptr``: the gathered rows ``[T, K]``, unit stride along ``K``, row stride ``stride_xt``; row ``r`` reads
@@ -29,7 +32,7 @@ Operands (``N`` sorted rows, ``K`` reduction, ``NA`` output columns, ``N1 = 2 NA
 - ``w_desc``: ``W [E, N1, K]`` (``W_KMAJOR``, boxes ``[1, BN, BK]``; up: transformers' ``gate_up_proj``, the
   gate rows of output column ``j`` at ``j``, the up rows at ``j + up_offset``) or ``[E, K, NA]`` (boxes
   ``[1, BK, BN]``; dh: ``down_proj [E, H, I]``). Boxes past the weight's end read zeros.
-- ``h_desc`` (dh): ``h [N, N1]``, boxes ``[BM, BN / 2]``.
+- ``h_desc`` (dh): ``h [N, N1]``, boxes ``[BM, BK]``.
 - ``z_desc``: ``z [N, R]``, boxes ``[BM, RP]``; ``lb_desc``: ``Lb [E, N1, R]`` (``LB_KMAJOR``, boxes
   ``[1, BN, RP]``) or ``[E, R, N1]`` (boxes ``[1, RP, BN]``).
 Rows of a tile past its expert's end are computed on zeros and not stored.
@@ -46,12 +49,14 @@ from .kernels_gluon import (_layout, _my_tiles, _tile_of, _tma_load, barrier_rin
 
 # Triton renamed cp.async's copy after 3.6 (3.6: async_copy_global_to_shared; 3.9: async_load, the old name raises)
 _cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
+# and made a shared-memory view's reinterpretation public (3.6: _reinterpret; 3.9: reinterpret)
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
 @gluon.jit
-def _loader(x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs,
-            ready, empty, lready, lempty, hready, hempty, sort_order_ptr, offsets_ptr, table_ptr, K, NA, E, M, top_k,
-            stride_xt, up_offset, DUAL: gl.constexpr, DH: gl.constexpr, W_KMAJOR: gl.constexpr,
+def _loader(x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready,
+            empty, lready, lempty, sort_order_ptr, offsets_ptr, table_ptr, K, NA, E, M, top_k, stride_xt, up_offset,
+            DUAL: gl.constexpr, DH: gl.constexpr, W_KMAJOR: gl.constexpr,
             LB_KMAJOR: gl.constexpr, LORA: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
             STAGES: gl.constexpr, WARPS: gl.constexpr):
     """The loader partition: per tile, its LoRA boxes into slot ``t % 2`` once both consumers released it,
@@ -89,30 +94,47 @@ def _loader(x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_
             async_copy.mbarrier_arrive(bar, increment_count=False)
             s, phase = next_stage(s, phase, STAGES)
         if DH:
-            _load_h(h_desc, h_bufs, hready, hempty, t, row0, col0, up_offset, DUAL, BN)
+            s, phase = _load_h(h_desc, x_bufs, wg_bufs, ready, empty, s, phase, row0, col0, up_offset, DUAL, BN,
+                               STAGES)
 
 
 @gluon.jit
-def _load_h(h_desc, h_bufs, hready, hempty, t, row0, col0, up_offset, DUAL: gl.constexpr, BN: gl.constexpr):
-    """dh: tile ``t``'s ``h`` rows, the gate's (and up's) two column halves of ``[BM, BN / 2]``, into the
-    one ``h`` slot once both consumers' epilogues of tile ``t - 1`` released it. Issued after the tile's
-    last K step: by then those epilogues have ended (the consumers are in tile ``t``'s K loop), so the wait
-    holds back no K step, and the boxes land while the consumers run the ring's last ``STAGES`` steps."""
-    mbarrier.wait(hempty.index(0), (t & 1) ^ 1)  # a fresh barrier passes phase 1
-    bar = hready.index(0)
-    mbarrier.expect(bar, (2 + 2 * DUAL) * h_desc.block_type.nbytes)
-    _tma_load(h_desc, [row0, col0], bar, h_bufs.index(0))
-    _tma_load(h_desc, [row0, col0 + BN // 2], bar, h_bufs.index(1))
-    if DUAL:
-        _tma_load(h_desc, [row0, col0 + up_offset], bar, h_bufs.index(2))
-        _tma_load(h_desc, [row0, col0 + up_offset + BN // 2], bar, h_bufs.index(3))
+def _h_up_view(wg_bufs, x_bufs, s):
+    """Stage ``s``'s weight buffer seen as a ``[BM, BK]`` box like its rows buffer: where an ``h`` entry of
+    the ring puts its up columns (the gate's go to the rows buffer)."""
+    if _PUBLIC_REINTERPRET:
+        view = wg_bufs.index(s).reinterpret(x_bufs.dtype, [x_bufs.shape[1], x_bufs.shape[2]], x_bufs.layout)
+    else:
+        view = wg_bufs.index(s)._reinterpret(x_bufs.dtype, [x_bufs.shape[1], x_bufs.shape[2]], x_bufs.layout)
+    return view
 
 
 @gluon.jit
-def _consumer(half, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs, ready, empty, lready, lempty,
-              hready, hempty, b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K,
-              NA, N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit, lora_scale, ACT: gl.constexpr,
-              DUAL: gl.constexpr, DH: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_H: gl.constexpr,
+def _load_h(h_desc, x_bufs, wg_bufs, ready, empty, s, phase, row0, col0, up_offset, DUAL: gl.constexpr,
+            BN: gl.constexpr, STAGES: gl.constexpr):
+    """dh: the tile's ``h`` rows as ``BN / BK`` more entries of the ring, after its last K step: entry ``q``
+    holds the gate's columns ``col0 + q BK ...`` (in the rows buffer) and the up's (in the weight buffer,
+    :func:`_h_up_view`), ``[BM, BK]`` boxes each. So they land while the consumers run the tile's last K
+    steps, take no shared memory of their own, and the next tile's K steps follow them in the ring. Returns
+    the ring's next ``(stage, phase)``."""
+    HW: gl.constexpr = h_desc.block_type.shape[1]
+    for q in gl.static_range(BN // HW):
+        mbarrier.wait(empty.index(s), phase ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, (1 + DUAL) * h_desc.block_type.nbytes)
+        _tma_load(h_desc, [row0, col0 + q * HW], bar, x_bufs.index(s))
+        if DUAL:
+            _tma_load(h_desc, [row0, col0 + q * HW + up_offset], bar, _h_up_view(wg_bufs, x_bufs, s))
+        async_copy.mbarrier_arrive(bar, increment_count=False)  # each loader thread's arrival, as a K step's
+        s, phase = next_stage(s, phase, STAGES)
+    return s, phase
+
+
+@gluon.jit
+def _consumer(half, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready, empty, lready, lempty, b_ptr, h_ptr,
+              a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA, N1, N, E, M, stride_be,
+              stride_bn, up_offset, alpha, limit, lora_scale, ACT: gl.constexpr, DUAL: gl.constexpr,
+              DH: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_H: gl.constexpr,
               W_KMAJOR: gl.constexpr, LB_KMAJOR: gl.constexpr, LORA: gl.constexpr, BN: gl.constexpr,
               BK: gl.constexpr, STAGES: gl.constexpr):
     """A consumer partition (one warp group): rows ``64 half ... 64 half + 63`` of every tile (see the
@@ -123,9 +145,10 @@ def _consumer(half, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs
     dtype: gl.constexpr = x_bufs.dtype
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     z_reg: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    TWO_B: gl.constexpr = DUAL and not DH  # the up projection's gate and up accumulators
     pid, nprog, n_tiles_n, my_tiles = _my_tiles(table_ptr, M, NA, BN)
     k_steps = gl.cdiv(K, BK)
-    IN_FLIGHT: gl.constexpr = 1 + DUAL * (not DH)  # one K step's MMAs
+    IN_FLIGHT: gl.constexpr = 1 + TWO_B  # one K step's MMAs
     s = 0
     phase = 0
     for t in range(my_tiles):
@@ -143,7 +166,7 @@ def _consumer(half, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs
             x_s = x_bufs.index(s).slice(half * HM, HM)
             if W_KMAJOR:
                 acc_g = warpgroup_mma(x_s, wg_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
-                if DUAL and not DH:
+                if TWO_B:
                     acc_u = warpgroup_mma(x_s, wu_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
             else:
                 acc_g = warpgroup_mma(x_s, wg_bufs.index(s), acc_g, is_async=True)
@@ -157,11 +180,11 @@ def _consumer(half, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs
             z = scaled_z(z_bufs.index(slot).slice(half * HM, HM), lora_scale, z_reg, dtype)
             if LB_KMAJOR:
                 acc_g = warpgroup_mma(z, lbg_bufs.index(slot).permute((1, 0)), acc_g, is_async=True)
-                if DUAL and not DH:
+                if TWO_B:
                     acc_u = warpgroup_mma(z, lbu_bufs.index(slot).permute((1, 0)), acc_u, is_async=True)
             else:
                 acc_g = warpgroup_mma(z, lbg_bufs.index(slot), acc_g, is_async=True)
-                if DUAL and not DH:
+                if TWO_B:
                     acc_u = warpgroup_mma(z, lbu_bufs.index(slot), acc_u, is_async=True)
             acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])  # every MMA of the tile has completed
             fence_async_shared()  # z's read through registers, before the loader's next TMA write of the slot
@@ -170,11 +193,9 @@ def _consumer(half, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs
             acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
         mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)  # the tile's last stage
         if DH:
-            mbarrier.wait(hready.index(0), t & 1)
-            _dh_epilogue(gl.convert_layout(acc_g, ST), w, pair, rows, ok, col0, h_bufs, half, a_ptr, dh_ptr, dw_ptr,
-                         NA, N1, N, up_offset, alpha, limit, ACT, DUAL, BN)
-            fence_async_shared()  # the h slot's reads, before the loader's next TMA write of it
-            mbarrier.arrive(hempty.index(0), count=1)
+            s, phase = _dh_epilogue(gl.convert_layout(acc_g, ST), w, pair, rows, ok, col0, x_bufs, wg_bufs, ready,
+                                    empty, s, phase, half, a_ptr, dh_ptr, dw_ptr, NA, N1, N, up_offset, alpha, limit,
+                                    ACT, DUAL, BN, STAGES)
         else:
             cols = col0 + gl.arange(0, BN, gl.SliceLayout(0, ST))
             _up_epilogue(gl.convert_layout(acc_g, ST), gl.convert_layout(acc_u, ST), e, rows,
@@ -204,25 +225,28 @@ def _up_epilogue(g, u, e, rows, mask, cols, b_ptr, h_ptr, a_ptr, NA, N1, stride_
 
 
 @gluon.jit
-def _dh_epilogue(acc, w, pair, rows, ok, col0, h_bufs, half, aw_ptr, dh_ptr, dw_ptr, NA, N1, N, up_offset, alpha,
-                 limit, ACT: gl.constexpr, DUAL: gl.constexpr, BN: gl.constexpr):
-    """For ``acc = d_out[token] @ W_down[e]`` (the store layout) and the routing weights ``w``: ``d_h`` and
-    ``w act(h)`` stored by sorted row, and this column tile's share of ``d w = sum_cols acc act(h)`` into row
-    ``col0 / BN`` of the partials ``dw [tiles, N]`` (as :func:`.kernels_bwd._dh_epilogue`); ``h`` is read from
-    the slot the loader filled (``h_bufs``: gate halves 0, 1, up halves 2, 3; this consumer's rows
-    ``64 half ...``). In two column halves, as the Triton kernel's: the whole tile's ``acc``, ``h`` gate and up
-    and ``act(h)`` at once spilled some 250 registers (sm_90a, Triton 3.6). The halves are register bits of
-    the store layout: the split moves no data."""
+def _dh_epilogue(acc, w, pair, rows, ok, col0, x_bufs, wg_bufs, ready, empty, s, phase, half, aw_ptr, dh_ptr, dw_ptr,
+                 NA, N1, N, up_offset, alpha, limit, ACT: gl.constexpr, DUAL: gl.constexpr, BN: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """For ``acc = d_out[token] @ W_down[e]`` over columns ``col0 ... col0 + BN - 1`` (the store layout) and
+    the routing weights ``w``: ``d_h`` and ``w act(h)`` stored by sorted row, and these columns' share of
+    ``d w = sum_cols acc act(h)`` into row ``col0 / BN`` of the partials ``dw [tiles, N]`` (as
+    :func:`.kernels_bwd._dh_epilogue`); ``h`` is read from the ring's next two entries (:func:`_load_h`; this
+    consumer's rows ``64 half ...``). In two column halves, as the Triton kernel's: the whole tile's ``acc``,
+    ``h`` gate and up and ``act(h)`` at once spilled some 250 registers (sm_90a, Triton 3.6). The halves are
+    register bits of the store layout: the split moves no data. Returns the ring's next ``(stage, phase)``."""
     acc0, acc1 = _halves(acc, BN)
     HL: gl.constexpr = acc0.type.layout
     rows = gl.convert_layout(rows, gl.SliceLayout(1, HL))
     ok = gl.convert_layout(ok, gl.SliceLayout(1, HL))
     w = gl.convert_layout(w, gl.SliceLayout(1, HL))
     c = col0 + gl.arange(0, BN // 2, gl.SliceLayout(0, HL))
-    d_w = _dh_half(acc0, w, rows, ok, c, h_bufs, 0, half, aw_ptr, dh_ptr, NA, N1, up_offset, alpha, limit, ACT, DUAL)
-    d_w += _dh_half(acc1, w, rows, ok, c + BN // 2, h_bufs, 1, half, aw_ptr, dh_ptr, NA, N1, up_offset, alpha, limit,
-                    ACT, DUAL)
-    gl.store(dw_ptr + (col0 // BN) * N + gl.convert_layout(pair, gl.SliceLayout(1, HL)), d_w, mask=ok)
+    d_w, s, phase = _dh_half(acc0, w, rows, ok, c, x_bufs, wg_bufs, ready, empty, s, phase, half, aw_ptr, dh_ptr, NA,
+                             N1, up_offset, alpha, limit, ACT, DUAL, STAGES)
+    d_w1, s, phase = _dh_half(acc1, w, rows, ok, c + BN // 2, x_bufs, wg_bufs, ready, empty, s, phase, half, aw_ptr,
+                              dh_ptr, NA, N1, up_offset, alpha, limit, ACT, DUAL, STAGES)
+    gl.store(dw_ptr + (col0 // BN) * N + gl.convert_layout(pair, gl.SliceLayout(1, HL)), d_w + d_w1, mask=ok)
+    return s, phase
 
 
 @gluon.jit
@@ -232,18 +256,22 @@ def _halves(x, BN: gl.constexpr):
 
 
 @gluon.jit
-def _dh_half(acc, w, rows, ok, cols, h_bufs, j: gl.constexpr, half, aw_ptr, dh_ptr, NA, N1, up_offset, alpha, limit,
-             ACT: gl.constexpr, DUAL: gl.constexpr):
-    """Column half ``j`` of :func:`_dh_epilogue`: stores ``d_h`` and ``w act(h)``, returns ``sum_cols acc act(h)``
-    (``h`` from shared memory here: in registers from before the K loop it spilled 17-38 registers at 128-row
-    tiles, and loaded from global memory here its latency was not hidden)."""
+def _dh_half(acc, w, rows, ok, cols, x_bufs, wg_bufs, ready, empty, s, phase, half, aw_ptr, dh_ptr, NA, N1,
+             up_offset, alpha, limit, ACT: gl.constexpr, DUAL: gl.constexpr, STAGES: gl.constexpr):
+    """Column half of :func:`_dh_epilogue` with its ``h`` from ring stage ``s``: stores ``d_h`` and ``w
+    act(h)``, releases the stage, returns ``(sum_cols acc act(h), next stage, phase)`` (``h`` from shared
+    memory: in registers from before the K loop it spilled 17-38 registers at 128-row tiles, and loaded from
+    global memory here its latency was not hidden)."""
     HM: gl.constexpr = acc.shape[0]
     mask = ok[:, None] & (cols < NA)[None, :]
     rows64 = rows.to(gl.int64)
-    g = h_bufs.index(j).slice(half * HM, HM).load(acc.type.layout).to(gl.float32)
+    mbarrier.wait(ready.index(s), phase)
+    g = x_bufs.index(s).slice(half * HM, HM).load(acc.type.layout).to(gl.float32)
     u = g
     if DUAL:
-        u = h_bufs.index(2 + j).slice(half * HM, HM).load(acc.type.layout).to(gl.float32)
+        u = _h_up_view(wg_bufs, x_bufs, s).slice(half * HM, HM).load(acc.type.layout).to(gl.float32)
+    fence_async_shared()  # the stage's reads, before the loader's next TMA write of it
+    mbarrier.arrive(empty.index(s), count=1)
     a, da_dg, da_du = act_grad(g, u, alpha, limit, ACT)
     d_a = acc * w[:, None]
     dh_rows = dh_ptr + rows64[:, None] * N1
@@ -251,13 +279,14 @@ def _dh_half(acc, w, rows, ok, cols, h_bufs, j: gl.constexpr, half, aw_ptr, dh_p
     if DUAL:
         gl.store(dh_rows + (cols + up_offset)[None, :], (d_a * da_du).to(dh_ptr.dtype.element_ty), mask=mask)
     gl.store(aw_ptr + rows64[:, None] * NA + cols[None, :], (a * w[:, None]).to(aw_ptr.dtype.element_ty), mask=mask)
-    return gl.sum(gl.where(mask, acc * a, 0.0), axis=1)
+    s, phase = next_stage(s, phase, STAGES)
+    return gl.sum(gl.where(mask, acc * a, 0.0), axis=1), s, phase
 
 
 @gluon.jit
 def gathered_kernel(
     x_ptr, w_desc, z_desc, lb_desc,
-    h_desc,           # dh: h [N, N1], boxes [BM, BN / 2] (up: a placeholder)
+    h_desc,           # dh: h [N, N1], boxes [BM, BK] (up: a placeholder)
     b_ptr,            # up: [E, N1] bias (read if HAS_BIAS), strides (stride_be, stride_bn)
     h_ptr,            # up: [N, N1] pre-activation rows, sorted, contiguous (written if STORE_H)
     a_ptr,            # [N, NA] sorted, contiguous (out): up a = act(h); dh w * act(h)
@@ -308,44 +337,40 @@ def gathered_kernel(
         lbg_bufs = x_bufs
         lbu_bufs = x_bufs
     lready, lempty = barrier_ring(2, 1, CONSUMERS)
-    if DH:  # one slot: the tile's h boxes (gate halves, up halves)
-        h_bufs = gl.allocate_shared_memory(dtype, [2 + 2 * DUAL, BM, BN // 2], sl)
-    else:  # placeholder, never read
-        h_bufs = x_bufs
-    hready, hempty = barrier_ring(1, 1, CONSUMERS)
     # argument tuples written out in each call (see kernels_gluon.down_kernel: Triton 3.6 passes a constexpr
     # inside a concatenated tuple as a runtime value)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs, ready, empty, lready,
-                         lempty, hready, hempty, b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr,
-                         offsets_ptr, table_ptr, K, NA, N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit,
-                         lora_scale, ACT, DUAL, DH, HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
-            (_consumer, (1, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs, ready, empty, lready,
-                         lempty, hready, hempty, b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr,
-                         offsets_ptr, table_ptr, K, NA, N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit,
-                         lora_scale, ACT, DUAL, DH, HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
+            (_consumer, (0, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready, empty, lready, lempty,
+                         b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA,
+                         N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit, lora_scale, ACT, DUAL, DH,
+                         HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
+            (_consumer, (1, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready, empty, lready, lempty,
+                         b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA,
+                         N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit, lora_scale, ACT, DUAL, DH,
+                         HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
             (_loader, (x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs,
-                       h_bufs, ready, empty, lready, lempty, hready, hempty, sort_order_ptr, offsets_ptr, table_ptr, K,
-                       NA, E, M, top_k, stride_xt, up_offset, DUAL, DH, W_KMAJOR, LB_KMAJOR, LORA, BM, BN, BK, STAGES,
+                       ready, empty, lready, lempty, sort_order_ptr, offsets_ptr, table_ptr, K, NA, E, M, top_k,
+                       stride_xt, up_offset, DUAL, DH, W_KMAJOR, LB_KMAJOR, LORA, BM, BN, BK, STAGES,
                        LOADER_WARPS)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (0, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, h_bufs, ready, empty, lready,
-                         lempty, hready, hempty, b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr,
-                         offsets_ptr, table_ptr, K, NA, N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit,
-                         lora_scale, ACT, DUAL, DH, HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
+            (_consumer, (0, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready, empty, lready, lempty,
+                         b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA,
+                         N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit, lora_scale, ACT, DUAL, DH,
+                         HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
             (_loader, (x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs,
-                       h_bufs, ready, empty, lready, lempty, hready, hempty, sort_order_ptr, offsets_ptr, table_ptr, K,
-                       NA, E, M, top_k, stride_xt, up_offset, DUAL, DH, W_KMAJOR, LB_KMAJOR, LORA, BM, BN, BK, STAGES,
+                       ready, empty, lready, lempty, sort_order_ptr, offsets_ptr, table_ptr, K, NA, E, M, top_k,
+                       stride_xt, up_offset, DUAL, DH, W_KMAJOR, LB_KMAJOR, LORA, BM, BN, BK, STAGES,
                        LOADER_WARPS)),
         ], [LOADER_WARPS], [LOADER_REGS])
 
 
 BN, BK = 128, 64  # up: gate + up accumulators of [64, 128] float32, 128 registers per consumer thread
 STAGES = 4  # up: 48 KiB per stage (rows, gate and up boxes), 196 KiB, the LoRA ring beside it at RP <= 16
-DH_STAGES = 4  # dh: 32 KiB per stage (rows, one weight box), 128 KiB, the h slot's 64 KiB and the LoRA ring beside
+DH_STAGES = 6  # dh: 32 KiB per stage (rows, one weight box), at most 6 (the shared-memory budget)
+SMEM_BUDGET = 220 * 1024  # the ring and the LoRA ring (sm_90: 227 KiB per block; 4 KiB of layout scratch beside)
 LOADER_WARPS = 4  # cp.async of a [128, 64] tile: 8 rows of 16 bytes per thread and stage
 LOADER_REGS, CONSUMER_REGS = 56, 224  # 2 * 128 * 224 + 128 * 56 <= 64K registers; no spills (sm_90a, Triton 3.6)
 MAX_RP = 32
@@ -356,17 +381,16 @@ ACTS = {"up": ("swiglu", "reglu", "clamped_swiglu", "silu", "gelu", "relu", "rel
         "dh": ("swiglu", "reglu", "silu", "gelu", "relu", "relu2")}
 
 
-def stages(rp: int, two_b: bool) -> int:
-    """The up projection's stages at padded rank ``rp`` (0: no LoRA): 4 stages of 48 KiB (gate and up
-    boxes) or 32 KiB, 3 when a LoRA ring of ``rp > 16`` would not fit beside four of 48 KiB."""
-    return STAGES if rp <= 16 or not two_b else 3
-
-
-def dh_stages(rp: int) -> int:
-    """dh's stages at padded rank ``rp`` (0: no LoRA): ``DH_STAGES`` of 32 KiB beside the ``h`` slot (64 KiB)
-    and a LoRA ring of ``rp <= 16``; 3 beside a larger ring (four: 228 KiB, over sm_90's 227; five stages
-    without LoRA: 228 KiB too)."""
-    return DH_STAGES if rp <= 16 else 3
+def stages(block_m: int, rp: int, two_b: bool, most: int) -> int:
+    """The ring's stages: as many as ``SMEM_BUDGET`` holds beside the LoRA ring, at most ``most``. A stage
+    holds ``[block_m, BK]`` rows and one or (``two_b``) two weight boxes of ``BK x BN``; the LoRA ring two
+    slots of ``z [block_m, rp]`` and one or two ``Lb`` boxes of ``rp x BN`` (``rp`` 0: none), 16-bit. So
+    the up projection (48 KiB stages at 128-row tiles) keeps 4 stages up to ``rp`` 16 and 3 at 32; dh's
+    32 KiB stages 6 (5 at ``rp`` 32)."""
+    boxes = 1 + two_b
+    stage = 2 * BK * (block_m + boxes * BN)
+    lora = 2 * 2 * rp * (block_m + boxes * BN)
+    return min(most, (SMEM_BUDGET - lora) // stage)
 
 
 def gathered_ready(x, pairs: int) -> bool:
@@ -448,7 +472,7 @@ def launch_up(x, w, b, sort_order, expert_offsets, top_k: int, act: str, alpha: 
             top_k, bb.stride(0), bb.stride(-1), up_offset, alpha, limit, lora_scale, num_sms,
             ACT=act, DUAL=dual, DH=False, HAS_BIAS=b is not None, STORE_H=h is not None, W_KMAJOR=True,
             LB_KMAJOR=lb_kmajor, LORA=lb is not None, BM=block_m, RP=rp,
-            STAGES=stages(rp if lb is not None else 0, dual))
+            STAGES=stages(block_m, rp if lb is not None else 0, dual, STAGES))
 
 
 def launch_dh(dout, w, h, topk_weights, sort_order, expert_offsets, top_k: int, act: str, alpha: float,
@@ -466,11 +490,12 @@ def launch_dh(dout, w, h, topk_weights, sort_order, expert_offsets, top_k: int, 
     w_d = TensorDescriptor(wt, list(wt.shape), list(wt.stride()), [1, BN, BK] if w_kmajor else [1, BK, BN],
                            _layout(3, 128))
     z_d, lb_d, lb_kmajor = _lora_descriptors(lb, z, rp, block_m) if lb is not None else (w_d, w_d, True)
-    h_d = TensorDescriptor(h, list(h.shape), [N1, 1], [block_m, BN // 2], _layout(2, 128))
+    h_d = TensorDescriptor(h, list(h.shape), [N1, 1], [block_m, BK], _layout(2, 128))
     _launch(dout, w_d, z_d, lb_d, h_d, h, h, aw, dh, topk_weights, dw, sort_order, expert_offsets, table, H, I, N1,
             top_k, 0, 0, up_offset, alpha, limit, lora_scale, num_sms,
             ACT=act, DUAL=N1 != I, DH=True, HAS_BIAS=False, STORE_H=False, W_KMAJOR=w_kmajor, LB_KMAJOR=lb_kmajor,
-            LORA=lb is not None, BM=block_m, RP=rp, STAGES=dh_stages(rp if lb is not None else 0))
+            LORA=lb is not None, BM=block_m, RP=rp, STAGES=stages(block_m, rp if lb is not None else 0, False,
+                                                                  DH_STAGES))
 
 
 def _launch(x, w_d, z_d, lb_d, h_d, b, h, a, dh, tw, dw, sort_order, expert_offsets, table, K, NA, N1, top_k, stride_be,
