@@ -217,8 +217,30 @@ def test_sort_by_expert_is_the_plan_core(T, K, E, case, align, id_dtype):
     plan = make_plan(ids, E)
     keys, order, offsets = sort_by_expert(ids, E)
     assert torch.equal(order, plan.sort_order) and torch.equal(offsets, plan.expert_offsets)
-    assert offsets.dtype == torch.int32 and keys.dtype == torch.int64
+    assert offsets.dtype == torch.int32 and keys.dtype == (torch.uint8 if E <= 255 else torch.int16)
     assert ((keys == E) == ~plan.valid[order]).all()
+
+
+@pytest.mark.parametrize("E,key_dtype", [(8, torch.uint8), (255, torch.uint8), (256, torch.int16),
+                                         (32767, torch.int16), (32768, torch.int32)])
+def test_sort_keys_in_the_narrowest_dtype(E, key_dtype):
+    """The sort keys take the narrowest dtype holding ``0 .. E`` (one radix pass per byte), and the order,
+    offsets and keys equal a stable sort of the int64 keys, ids ``E - 1``, ``E`` (invalid) and negative
+    ones among them; ``make_plan`` with alignment (which indexes by the sorted keys) keeps its rows."""
+    from moeyard.dispatch import sort_by_expert
+    g = torch.Generator().manual_seed(E)
+    ids = torch.randint(max(E - 6, 0), E, (50, 3), generator=g)
+    ids[0, 0], ids[1, 1], ids[2, 2], ids[3, 0] = E - 1, E, -5, 0
+    keys, order, offsets = sort_by_expert(ids, E)
+    want = torch.where((ids >= 0) & (ids < E), ids, E).reshape(-1)
+    want_keys, want_order = torch.sort(want, stable=True)
+    assert keys.dtype == key_dtype and torch.equal(order, want_order) and torch.equal(keys.long(), want_keys)
+    assert torch.equal(offsets.long(), torch.searchsorted(want_keys, torch.arange(E + 1)))
+    plan = make_plan(ids, E, align=4)
+    rows = plan.pair_rows[want_order]
+    assert torch.equal(rows[:-1] < rows[1:], torch.ones(rows.numel() - 1, dtype=torch.bool))  # rows ascend
+    assert torch.equal(plan.padded_offsets[1:] - plan.padded_offsets[:-1],
+                       (offsets.diff() + 3) // 4 * 4)
 
 
 def test_searchsorted_needles_not_cached_during_a_graph_capture(monkeypatch):
@@ -226,13 +248,13 @@ def test_searchsorted_needles_not_cached_during_a_graph_capture(monkeypatch):
     ``arange`` needles of the sort are made outside captures only."""
     from moeyard import dispatch
     dispatch._cached_bounds.cache_clear()
-    dispatch._bounds(7, torch.device("cpu"))
+    dispatch._bounds(7, torch.device("cpu"), torch.uint8)
     assert dispatch._cached_bounds.cache_info().currsize == 1  # eager: made once, kept
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setattr(dispatch, "_cached_bounds", lambda *a: pytest.fail("kept a tensor made during a capture"))
     made, real = [], torch.arange
     monkeypatch.setattr(torch, "arange", lambda *a, **kw: made.append(kw.pop("device")) or real(*a, **kw))
-    assert torch.equal(dispatch._bounds(7, torch.device("cuda")), real(8))
+    assert torch.equal(dispatch._bounds(7, torch.device("cuda"), torch.uint8), real(8, dtype=torch.uint8))
     assert made == [torch.device("cuda")]
 
 
