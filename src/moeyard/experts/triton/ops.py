@@ -90,7 +90,7 @@ class Routing:
 
 def routing(topk_ids: Tensor, num_experts: int) -> Routing:
     """Sort the ``[T, K]`` pairs by expert (stable) and find each expert's rows
-    (:func:`moeyard.dispatch.sort_by_expert`: four device ops, no host sync)."""
+    (:func:`moeyard.dispatch.sort_by_expert`: a few device ops, one stable sort, no host sync)."""
     _, sort_order, expert_offsets = sort_by_expert(topk_ids, num_experts)
     return Routing(topk_ids=topk_ids.contiguous(), sort_order=sort_order, expert_offsets=expert_offsets,
                    num_experts=num_experts)

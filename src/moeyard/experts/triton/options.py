@@ -65,9 +65,10 @@ Each defaults to the measured default path; set an environment variable, or over
   ``kernels_gluon_gather.ACTS`` (not GeGLU), for dh no down bias and, with LoRA, a rank that is a multiple
   of 8 and at most 32; otherwise the Triton kernels run. Measured on an H100 (round 22 of
   ``benchmarks/NOTES.md``, bit-identical results), Triton / Gluon ms: up 3.63 / 3.29 at qwen3-30b-a3b
-  (``do_bench``), 2.389 / 2.048 at qwen3.5-35b-a3b. dh (round 23, its ``h`` through TMA into shared memory
-  after each tile's K loop; the routing weight's gradient within 2e-6, the rest bit-identical): 2.296 /
-  2.189 and 1.639 / 1.560 without LoRA, 2.486 / 2.399 and 1.780 / 1.755 with it (r = 16).
+  (``do_bench``), 2.389 / 2.048 at qwen3.5-35b-a3b. dh (round 25, its ``h`` loaded by TMA through the ring
+  after each tile's K loop, six stages of gathered rows; the routing weight's gradient within 2e-6, the rest
+  bit-identical): 2.282 / 2.025 and 1.618 / 1.452 without LoRA, 2.473 / 2.272 and 1.793 / 1.629 with it
+  (r = 16).
 - ``MOEYARD_TRITON_GLUON_WGRAD=0`` (``gluon_wgrad``, on by default): the base weight gradients with an
   operand read by token (``dW_up = d_h^T x[token]``, ``dW_down = d_out[token]^T (w act(h))``), without a bias
   gradient or chunks, run the warp-specialised Gluon kernel of :mod:`.kernels_gluon_wgrad` (loader warps
