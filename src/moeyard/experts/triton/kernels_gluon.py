@@ -303,7 +303,8 @@ def ready(rows, w, lb, z, rp: int, block_m: int) -> bool:
     import torch
 
     from .kernels_tma import rows_tma_ready, tma_ready, weight_tma_ready
-    if not (rows.is_cuda and torch.cuda.get_device_capability(rows.device) == (9, 0) and block_m in (64, 128)):
+    from .schedule import is_sm90
+    if not (is_sm90(rows.device) and block_m in (64, 128)):
         return False
     if rows.dtype not in (torch.bfloat16, torch.float16) or not tma_ready(rows, w):
         return False

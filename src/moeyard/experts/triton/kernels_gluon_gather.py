@@ -400,7 +400,9 @@ def gathered_ready(x, pairs: int) -> bool:
     knows the copies' 16-byte alignment; at ``K`` = 328 or 40 the copies would be of 2 bytes, which ``cp.async``
     has not) and a 16-byte aligned base. Host metadata only."""
     import torch
-    if not (x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0) and pairs < 2**31):
+
+    from .schedule import is_sm90
+    if not (is_sm90(x.device) and pairs < 2**31):
         return False
     return (x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and x.stride(1) == 1
             and x.shape[1] % 16 == 0 and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0)

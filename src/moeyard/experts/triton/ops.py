@@ -23,8 +23,8 @@ from .options import options
 from .tuning import LORA_FUSED, LORA_NONE, LORA_SPLIT
 from .schedule import (DH_CONFIGS, DUAL_CONFIGS, FIXED, GEMM_CONFIGS, REDUCE_BLOCK, ROWS_WGRAD_CONFIGS, SMALL,
                        THIN_CONFIGS, THIN_WGRAD_CONFIGS, TMA_CONFIGS, WGRAD_CONFIGS,
-                       band_bits, dot_precision, fill_tile_table, interpreting, max_chunks, max_partial_slots,
-                       max_row_tiles, rank_block, rows_block, tma_block_m, tuned)
+                       band_bits, device_properties, dot_precision, fill_tile_table, interpreting, is_sm90, max_chunks,
+                       max_partial_slots, max_row_tiles, rank_block, rows_block, tma_block_m, tuned)
 
 Tensor = torch.Tensor
 COMBINE_BH = 1024
@@ -314,7 +314,7 @@ def _gather_table(rows: Tensor, r: Routing, spec: ActSpec, option: str) -> Tenso
     else None."""
     gluon = _gluon(option) if rows.is_cuda and r.num_pairs else None
     kind = option.removeprefix("gluon_")
-    if gluon is None or spec.name not in gluon.ACTS[kind] or torch.cuda.get_device_capability(rows.device) != (9, 0):
+    if gluon is None or spec.name not in gluon.ACTS[kind] or not is_sm90(rows.device):
         return None
     return r.tile_table(tma_block_m())
 
@@ -330,14 +330,14 @@ def num_sms(device: torch.device) -> int:
     persistent program there loops over several tiles)."""
     if interpreting() or device.type != "cuda":
         return 3
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return device_properties(device).multi_processor_count
 
 
 def _tma_device(x: Tensor) -> bool:
     """Hopper or later (TMA), or the CPU interpreter (which emulates descriptor loads)."""
     if interpreting():
         return True
-    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.is_cuda and device_properties(x.device).major >= 9
 
 
 @kernel_op("moeyard::triton_tile_table", mutates_args=("table",))

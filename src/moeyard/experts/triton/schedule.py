@@ -263,13 +263,28 @@ REDUCE_BLOCK = dict(BN=64, BK=64, num_warps=4)
 
 
 @functools.cache
-def _smem_limit(index: int) -> int:
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def device_properties(device: torch.device):
+    """``torch.cuda.get_device_properties(device)`` (a CUDA device), read once per device: the launch path
+    asks for the capability and the SM count several times per step, at some microseconds of host time
+    each through torch."""
+    return _properties(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def is_sm90(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA device of compute capability 9.0 (Hopper; the Gluon kernels' target)."""
+    if device.type != "cuda":
+        return False
+    p = device_properties(device)
+    return (p.major, p.minor) == (9, 0)
 
 
 def device_smem_limit() -> int:
     """Shared memory (bytes) a block may opt in to on the current CUDA device."""
-    return _smem_limit(torch.cuda.current_device())
+    return _properties(torch.cuda.current_device()).shared_memory_per_block_optin
 
 
 # MOEYARD_TRITON_AUTOTUNE=0: this one config everywhere (fits float32 too; fast start-up, e.g. tests).
