@@ -656,6 +656,47 @@ def test_options_deterministic_and_combined():
         check_against_loop(p, ids, kw)
 
 
+def test_options_read_once_per_forward_and_backward(monkeypatch):
+    """``read_once``: one reading of the environment serves a whole forward or backward; ``use_options``
+    inside still overrides; the environment holds again after (also after an exception)."""
+    from moeyard.experts.triton import options as opt
+    seen = []
+
+    @opt.read_once
+    def step(fail=False):
+        seen.append(options())
+        monkeypatch.setenv("MOEYARD_TRITON_ATOMIC_COMBINE", "1")
+        seen.append(options())
+        with use_options(wgrad_chunk_rows=64):
+            seen.append(options())
+        seen.append(options())
+        if fail:
+            raise RuntimeError("boom")
+
+    monkeypatch.delenv("MOEYARD_TRITON_ATOMIC_COMBINE", raising=False)
+    step()
+    assert seen[0] is seen[1] is seen[3] and not seen[0].atomic_combine
+    assert seen[2].wgrad_chunk_rows == 64 and seen[2].atomic_combine  # the block reads afresh
+    assert options().atomic_combine
+    monkeypatch.delenv("MOEYARD_TRITON_ATOMIC_COMBINE")
+    with pytest.raises(RuntimeError, match="boom"):
+        step(fail=True)
+    monkeypatch.setenv("MOEYARD_TRITON_WGRAD_CHUNK", "32")
+    assert options().wgrad_chunk_rows == 32  # not left frozen by the failed step
+
+    class Counting(dict):  # the environment, counting reads
+        reads = 0
+
+        def get(self, key, default=None):
+            Counting.reads += 1
+            return super().get(key, default)
+
+    monkeypatch.setattr(opt, "os", type("os", (), {"environ": Counting(os.environ)}))
+    p, ids, kw = _problem(9, 16, 16, 3, 2)
+    _run(p, ids, kw, "triton", torch.float32)
+    assert Counting.reads == 2 * len(opt.ENV)  # once in the forward, once in the backward
+
+
 def test_partial_slot_bound():
     # every expert with more than `chunk` rows takes ceil(c / chunk) slots; the buffer has 2 N // chunk
     from moeyard.experts.triton.schedule import max_partial_slots

@@ -30,12 +30,16 @@ from ...activations import Activation
 from ..weights import ExpertWeights, LowRank
 from . import ops
 from .ops import ActSpec, LoRATerm, Routing
+from .options import read_once
 from .tuning import LORA_SPLIT
 
 Tensor = torch.Tensor
 NONE = ActSpec(name="none")
 
 
+# the options read once for the forward's launches here, and once in each backward method (not on the
+# autograd functions' forward methods: Dynamo does not trace those through a decorator)
+@read_once
 def triton_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
                    activation: Activation, *, drop_invalid: bool = False) -> Tensor:
     """The routed expert FFN (shapes and semantics as :func:`moeyard.experts`)."""
@@ -81,6 +85,7 @@ class _FusedExperts(torch.autograd.Function):
         return out
 
     @staticmethod
+    @read_once
     def backward(ctx, dout):
         x, tw, w_up, w_down, b_up, b_down, h, a_up, bl_up, a_dn, bl_dn, z_up, z_dn = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -104,6 +109,7 @@ class _UpProj(torch.autograd.Function):
         return h
 
     @staticmethod
+    @read_once
     def backward(ctx, dh):
         x, w_up, b_up, a_up, bl_up, z_up = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -125,6 +131,7 @@ class _DownProj(torch.autograd.Function):
         return out
 
     @staticmethod
+    @read_once
     def backward(ctx, dout):
         a, tw, w_down, b_down, a_dn, bl_dn, z_dn = ctx.saved_tensors
         need = ctx.needs_input_grad

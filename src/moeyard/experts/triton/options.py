@@ -1,4 +1,4 @@
-"""Speed options of the ``triton`` backend, read at every launch (forward and backward separately).
+"""Speed options of the ``triton`` backend, read once per forward and once per backward (:func:`read_once`).
 
 Each defaults to the measured default path; set an environment variable, or override in code with
 :func:`use_options` (a context manager; it wins over the environment).
@@ -99,8 +99,12 @@ Each defaults to the measured default path; set an environment variable, or over
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import os
 from dataclasses import dataclass
+
+import torch
 
 ENV = dict(atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE", wgrad_chunk_rows="MOEYARD_TRITON_WGRAD_CHUNK",
            wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", lora_mode="MOEYARD_TRITON_LORA",
@@ -168,8 +172,12 @@ _DEFAULTS = Options()
 
 def options() -> Options:
     """The options in force now: :func:`use_options` overrides, else the environment, else defaults.
-    (Called at every launch: the environment is read each time, the :class:`Options` built once per
-    distinct setting.)"""
+    Inside a function under :func:`read_once`, the value read at its start; elsewhere the environment is
+    read at each call (about 11 µs of host time: 17 variables), the :class:`Options` built once per
+    distinct setting."""
+    frozen = None if torch.compiler.is_compiling() else _FROZEN.get()  # (Dynamo cannot trace a ContextVar)
+    if frozen is not None:
+        return frozen
     key = (tuple(map(os.environ.get, _NAMES)), tuple(_OVERRIDE.items()))
     opts = _BUILT.get(key)
     if opts is None:
@@ -181,6 +189,25 @@ def options() -> Options:
 
 _NAMES = tuple(ENV.values())
 _BUILT: dict = {}
+_FROZEN: contextvars.ContextVar = contextvars.ContextVar("moeyard_triton_options", default=None)
+
+
+def read_once(fn):
+    """Decorator for a forward or backward of the ``triton`` backend: :func:`options` is read once at its
+    start and that value serves every launch inside, instead of the environment being read at each of
+    them (16 readings per forward and backward, 11 µs each on the H100 machine's host: 0.18 ms of host time
+    per step, which paces small shapes; ``benchmarks/NOTES.md``, round 26). While ``torch.compile`` traces,
+    ``fn`` runs as is."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        token = _FROZEN.set(options())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _FROZEN.reset(token)
+    return wrapper
 
 
 @contextlib.contextmanager
@@ -195,9 +222,11 @@ def use_options(**kwargs):
         raise ValueError(f"unknown triton options {sorted(unknown)}; known: {sorted(ENV)}")
     saved = dict(_OVERRIDE)
     _OVERRIDE.update(kwargs)
+    token = _FROZEN.set(None)  # inside a read_once function too, the override holds within the block
     try:
         options()  # validate
         yield
     finally:
+        _FROZEN.reset(token)
         _OVERRIDE.clear()
         _OVERRIDE.update(saved)
