@@ -173,7 +173,7 @@ _DEFAULTS = Options()
 def options() -> Options:
     """The options in force now: :func:`use_options` overrides, else the environment, else defaults.
     Inside a function under :func:`read_once`, the value read at its start; elsewhere the environment is
-    read at each call (about 11 µs of host time: 17 variables), the :class:`Options` built once per
+    read at each call (about 11 µs of host time: 14 variables), the :class:`Options` built once per
     distinct setting."""
     frozen = None if torch.compiler.is_compiling() else _FROZEN.get()  # (Dynamo cannot trace a ContextVar)
     if frozen is not None:

@@ -268,9 +268,10 @@ def _properties(index: int):
 
 
 def device_properties(device: torch.device):
-    """``torch.cuda.get_device_properties(device)`` (a CUDA device), read once per device: the launch path
-    asks for the capability and the SM count several times per step, at some microseconds of host time
-    each through torch."""
+    """``torch.cuda.get_device_properties(device)`` of a CUDA ``device`` (index None: the current device),
+    read once per device index: the launch path asks for the capability and the SM count several times per
+    step, at some microseconds of host time each through torch. Raises what torch raises for a device
+    index that does not exist (``AssertionError``/``RuntimeError``)."""
     return _properties(torch.cuda.current_device() if device.index is None else device.index)
 
 
