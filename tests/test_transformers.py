@@ -175,6 +175,31 @@ def _assert_module_parity(mod, x, ids, weights, *, backends=CPU_BACKENDS, tol: f
         assert err <= tol, f"{backend}: {err:.2e} at {where}"
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_experts_module_compiles_fullgraph(monkeypatch, arch):
+    # torch.compile(fullgraph=True) of an experts module on the triton backend (gpt-oss: clamped SwiGLU, biases),
+    # compiled before any eager call: forward and every gradient equal to eager's
+    pytest.importorskip("triton")
+    from moeyard.experts.triton import options as options_module
+    monkeypatch.setattr(options_module, "_BUILT", {})
+    mod = _experts_module(arch)
+    mod.config._experts_implementation = "moeyard"
+    ids, weights = _routing(10, 2, mod.num_experts)
+    x = torch.randn(10, mod.gate_up_proj.shape[-1])
+
+    def run(fn):
+        xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = fn(xi, ids, wi)
+        return [out.detach()] + list(torch.autograd.grad(out.square().sum(), [xi, wi, *mod.parameters()]))
+
+    with moeyard.use_backend("triton"):
+        got = run(torch.compile(mod, backend="aot_eager", fullgraph=True))
+        want = run(mod)
+    assert len(got) == len(want) == 3 + len(list(mod.parameters()))
+    for a, b in zip(got, want):
+        assert b.abs().sum() > 0 and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["loop", "bmm_padded", "grouped_mm"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_expert_parallel_sentinels_match_eager(arch, backend):

@@ -242,8 +242,11 @@ def test_custom_ops_opcheck(mode):
                                               torch.zeros(1, T * K), z()))
 
 
-def test_compiles_fullgraph():
-    # no graph breaks: the routing is traced, the kernels are opaque custom ops
+def test_compiles_fullgraph(monkeypatch):
+    # no graph breaks: the routing is traced, the kernels are opaque custom ops; compiled before any eager
+    # call (no options built yet: building them once mutated a global inside the traced forward)
+    from moeyard.experts.triton import options as options_module
+    monkeypatch.setattr(options_module, "_BUILT", {})
     p, ids, kw = _problem(9, 16, 16, 3, 2)
     leaves = {k: v.requires_grad_() for k, v in p.items()}
 
@@ -258,6 +261,36 @@ def test_compiles_fullgraph():
     got = torch.autograd.grad(out.sum(), (leaves["x"], leaves["gate_up_proj"]))
     want = torch.autograd.grad(ref.sum(), (leaves["x"], leaves["gate_up_proj"]))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_layer_compiles_fullgraph(monkeypatch, lora):
+    # the whole layer (router with its losses, dispatch, triton experts, LoRA adapters) in one graph, compiled
+    # before any eager call, forward and backward equal to eager
+    from moeyard.experts.triton import options as options_module
+    monkeypatch.setattr(options_module, "_BUILT", {})
+    cfg = moeyard.MoEConfig(hidden_size=16, intermediate_size=16, num_experts=4, top_k=2, aux_loss_coef=0.01)
+    layer = moeyard.MoE(cfg, backend="triton")
+    if lora:
+        layer.add_lora(4)
+        with torch.no_grad():  # PEFT's init leaves B zero: make the adapters' gradients reach A
+            for a in layer.lora.values():
+                a.lora_B.weight.normal_()
+    x = torch.randn(2, 5, 16)
+
+    def step(fn):
+        xi = x.clone().requires_grad_()
+        out = fn(xi)
+        loss = (out * torch.linspace(-1, 1, 16)).sum() + layer.aux_loss
+        params = [p for p in layer.parameters() if p.requires_grad]
+        return out.detach(), torch.autograd.grad(loss, [xi] + params)
+
+    got = step(torch.compile(layer, backend="aot_eager", fullgraph=True))
+    want = step(layer)
+    assert torch.allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
+    assert len(got[1]) == len(want[1]) == 1 + (5 if lora else 3)  # x, the router, the experts or 4 factors
+    for a, b in zip(got[1], want[1]):
+        assert b.abs().sum() > 0 and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- speed options (default off)

@@ -118,7 +118,7 @@ class ExpertWeights:
     @property
     def max_rank(self) -> int:
         """The largest LoRA rank (0 without adapters)."""
-        return max((lr.rank for lr in (self.lora_up, self.lora_down) if lr is not None), default=0)
+        return max([0] + [lr.rank for lr in (self.lora_up, self.lora_down) if lr is not None])  # (Dynamo: no default=)
 
     @property
     def num_experts(self) -> int:

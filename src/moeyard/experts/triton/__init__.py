@@ -19,7 +19,6 @@ Runs on CUDA in bfloat16, float16 and float32, and on CPU under Triton's interpr
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -44,9 +43,11 @@ def triton_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: E
     return triton_experts(x, topk_ids, topk_weights, weights, activation, drop_invalid=drop_invalid)
 
 
-@functools.cache
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None  # (at import: no cache for torch.compile to trace)
+
+
 def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _HAVE_TRITON
 
 
 def _unsupported(device: torch.device, dtype: torch.dtype, weights: ExpertWeights | None,

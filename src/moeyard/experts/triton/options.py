@@ -174,7 +174,7 @@ def options() -> Options:
     """The options in force now: :func:`use_options` overrides, else the environment, else defaults.
     Inside a function under :func:`read_once`, the value read at its start; elsewhere the environment is
     read at each call (about 11 µs of host time: 14 variables), the :class:`Options` built once per
-    distinct setting."""
+    distinct setting (outside ``torch.compile``'s tracing)."""
     frozen = None if torch.compiler.is_compiling() else _FROZEN.get()  # (Dynamo cannot trace a ContextVar)
     if frozen is not None:
         return frozen
@@ -183,7 +183,11 @@ def options() -> Options:
     if opts is None:
         values = {name: _from_env(name, getattr(_DEFAULTS, name)) for name in ENV}
         values.update(_OVERRIDE)
-        opts = _BUILT[key] = Options(**values)
+        opts = Options(**values)
+        # not stored while Dynamo traces: a global mutated inside a traced autograd.Function's forward makes
+        # Dynamo reject its saved tensors, and a model compiled before any eager call failed to compile
+        if not torch.compiler.is_compiling():
+            _BUILT[key] = opts
     return opts
 
 
