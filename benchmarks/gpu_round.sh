@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round per stage, each time-boxed to fit one 10-minute device call (bf16, routed experts only,
 # the torch grouped_mm pipeline and, when installed, SonicMoE timed in the same run).
-# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|tmaup|routerab|lora|loraab|lorapointer]
+# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|tmaup|routerab|lora|loraab|lorapointer|compile]
 #   main: verify, CUDA tests, bench (random and Zipf routing) at qwen3-30b-a3b and sonic-7b.
 #   profile: the TMA CUDA tests, then the triton backend's per-kernel profile with A/B of the TMA-loaded
 #            down projection (benchmarks/triton_profile.py).
@@ -44,6 +44,9 @@
 #   lorapointer: the LoRA step with the pointer-loaded down projection (MOEYARD_TRITON_TMA=0) against the
 #       default TMA one, interleaved: kernels in launch order, split and fused (lora_profile.py), then frozen
 #       vs LoRA at LORA_MODEL.
+#   compile: the triton and transformers CUDA tests (torch.compile with Inductor among them), then the whole layer
+#       eager, under torch.compile and under torch.compile's CUDA graphs (reduce-overhead), interleaved, twice
+#       each, at sonic-7b and qwen3-30b-a3b.
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 STAGE=${1:-main}
@@ -205,6 +208,16 @@ elif [[ $STAGE == lorapointer ]]; then
     done
   done
   for f in "$OUT"/lora_kernels_tma*.txt; do echo "== $f"; grep -E "^(down|up_|dh_|wgrad|total|autotune down)" "$f"; done
+elif [[ $STAGE == compile ]]; then
+  MOEYARD_TRITON_AUTOTUNE=0 step pytest_compile 200 python3 -m pytest -q -p no:cacheprovider \
+    tests/cuda/test_triton_cuda.py tests/cuda/test_transformers_cuda.py
+  for run in 1 2; do
+    for mode in eager default reduce-overhead; do
+      flag=(); [[ $mode != eager ]] && flag=(--compile "$mode")
+      step "bench_compile_${mode}_$run" 120 "${BENCH[@]}" --model sonic-7b --model qwen3-30b-a3b --backends triton \
+        --no-peers "${flag[@]}" --json "$OUT/bench_compile_${mode}_$run.json"
+    done
+  done
 else  # anchors: the other ANCHORS.md shapes
   step bench_anchors 560 "${BENCH[@]}" --model sonic-30b-a --model sonic-120b --model qwen3.5-35b-a3b \
     --backends triton,torch_gmm${PEERS:+,sonicmoe} --json "$OUT/bench_anchors.json"

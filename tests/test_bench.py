@@ -191,9 +191,28 @@ def test_failing_backend_is_an_error_row():
     assert rows["loop"]["fwd_ms"] > 0
 
 
+def test_compile_wraps_moeyard_rows_only(monkeypatch):
+    # --compile: each moeyard layer goes through torch.compile with the mode asked for (here compiled with
+    # the eager backend: no C++ toolchain needed), the peer row runs eager; the times are of the compiled layer
+    real, calls = torch.compile, []
+
+    def spy(module, mode=None):
+        calls.append((type(module).__name__, mode))
+        return real(module, backend="eager")
+
+    monkeypatch.setattr(torch, "compile", spy)
+    result = bench.run(bench.BenchOptions(device="cpu", shapes=["32,32,16,4,2"], backends=["bmm_padded", "torch_gmm"],
+                                          compile="reduce-overhead", warmup=1, iters=1))
+    rows = {r["impl"]: r for r in result["rows"]}
+    assert calls == [("MoE", "reduce-overhead")]
+    assert "error" not in rows["bmm_padded"] and rows["bmm_padded"]["fwdbwd_ms"] > 0
+    assert rows["bmm_padded"]["note"] == "torch.compile (reduce-overhead)" and rows["torch_gmm"]["note"] == ""
+    assert result["env"]["compile"] == "reduce-overhead"
+
+
 @pytest.mark.parametrize("kw, flag", [(dict(dtype="int8"), "--dtype"), (dict(routing="skewed"), "--routing"),
                                       (dict(backends=["nope"]), "--backends"), (dict(iters=0), "--iters"),
-                                      (dict(zipf_alpha=0.0), "--zipf-alpha")])
+                                      (dict(zipf_alpha=0.0), "--zipf-alpha"), (dict(compile="fast"), "--compile")])
 def test_bad_options_name_the_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
         bench.resolve_options(bench.BenchOptions(device="cpu", **kw))

@@ -57,6 +57,12 @@ def test_bench_bad_shape_is_a_clear_error(capsys):
     assert "--shape: expected T,H,I,E,k" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("other", [["--e2e"], ["--lora", "8"], ["--ep", "2"]])
+def test_bench_compile_is_for_the_layer_benchmark(capsys, other):
+    assert cli.main(["bench", "--compile", *other]) == 2
+    assert "--compile: times the layer benchmark only" in capsys.readouterr().err
+
+
 def test_bench_unknown_model(capsys):
     assert cli.main(["bench", "--model", "gpt-5"]) == 2
     assert "unknown name 'gpt-5'" in capsys.readouterr().err

@@ -55,6 +55,7 @@ GIB = 2 ** 30
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 ROUTINGS = ("random", "balanced", "zipf")
 CPU_DEFAULT_SHAPE = "512,256,128,8,2"  # T, H, I, E, k
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # torch.compile's modes
 ROTATE_BYTES = 128 * 2 ** 20  # rotate input sets until they span this much (beyond any GPU L2)
 DENSE_N = 8192
 
@@ -95,6 +96,7 @@ class BenchOptions:
     routed_only: bool = False
     command: str = ""
     trace: str | None = None
+    compile: str | None = None  # a torch.compile mode (COMPILE_MODES) for moeyard's rows; peers run eager
 
 
 def default_device() -> str:
@@ -119,6 +121,8 @@ def resolve_options(opts: BenchOptions) -> BenchOptions:
     if warmup < 0 or iters < 1:
         raise ValueError(f"--warmup/--iters: expected warmup >= 0 and iters >= 1, got {warmup}, {iters}")
     check_trace_dir(opts.trace)
+    if opts.compile is not None and opts.compile not in COMPILE_MODES:
+        raise ValueError(f"--compile: expected one of {COMPILE_MODES}, got {opts.compile!r}")
     for name in opts.backends or []:
         if name not in backend_names() and name not in PEERS:
             raise ValueError(f"--backends: unknown name {name!r}; backends: {backend_names()}, peers: {list(PEERS)}")
@@ -302,6 +306,9 @@ def run_one(name: str, shape: ModelShape, config: MoEConfig, inputs: Inputs, opt
     try:
         torch.manual_seed(0)
         module = build(name, config, torch.device(opts.device), DTYPES[opts.dtype])
+        if opts.compile and not is_peer:  # compiled at the first call, before the warm-up (not timed)
+            module = torch.compile(module, mode=None if opts.compile == "default" else opts.compile)
+            row["note"] = f"torch.compile ({opts.compile})"
         row.update(measure(module, inputs, opts, trace_stem=file_stem(case_name(shape.name, (row["T"], row["H"], row["I"], row["E"], row["k"])), name)))
         row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
         row["fwdbwd_tflops"] = 3 * flops / row["fwdbwd_ms"] / 1e9
@@ -356,7 +363,7 @@ def environment(opts: BenchOptions) -> dict:
     return {**versions(), **device_info(opts.device), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": opts.command, "dtype": opts.dtype, "routing": opts.routing,
             "zipf_alpha": opts.zipf_alpha if opts.routing == "zipf" else None, "warmup": opts.warmup,
-            "iters": opts.iters, "routed_only": opts.routed_only, "router": router_impl(),
+            "iters": opts.iters, "routed_only": opts.routed_only, "router": router_impl(), "compile": opts.compile,
             "platform": platform.platform()}
 
 

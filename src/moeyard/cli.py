@@ -72,6 +72,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, help="untimed runs before timing (default 5 on CUDA, 2 on CPU)")
     p.add_argument("--iters", type=int, help="timed runs; the median is reported (default 20 on CUDA, 10 on CPU)")
     p.add_argument("--routed-only", action="store_true", help="drop shared experts (compare with the peers in ms)")
+    p.add_argument("--compile", nargs="?", const="default", choices=bench.COMPILE_MODES, metavar="MODE",
+                   help="run moeyard's layers under torch.compile (MODE: default, reduce-overhead or "
+                        "max-autotune-no-cudagraphs; compiled before the warm-up); peers stay eager")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the results as JSON to PATH ('-' or no PATH: stdout; the table goes to stderr)")
     p.add_argument("--lora", type=int, nargs="?", const=16, metavar="R",
@@ -158,7 +161,8 @@ def bench_options(args, command: str) -> bench.BenchOptions:
     return bench.BenchOptions(models=args.model, shapes=args.shape, tokens=args.tokens, device=args.device,
                               dtype=args.dtype, backends=backends, peers=args.peers, routing=args.routing,
                               zipf_alpha=args.zipf_alpha, warmup=args.warmup, iters=args.iters,
-                              routed_only=args.routed_only, command=command, trace=args.trace)
+                              routed_only=args.routed_only, command=command, trace=args.trace,
+                              compile=args.compile)
 
 
 def run_bench(args, command: str) -> int:
@@ -195,7 +199,7 @@ def run_bench(args, command: str) -> int:
 
 
 # flags that choose what to run: none of them goes with --from
-_RUN_FLAGS = ("model", "shape", "e2e", "lora", "quant", "trace", "json", "ep", "list_models")
+_RUN_FLAGS = ("model", "shape", "e2e", "lora", "quant", "trace", "json", "ep", "list_models", "compile")
 
 
 def check_bench_arguments(args) -> None:
@@ -217,6 +221,8 @@ def check_bench_arguments(args) -> None:
         raise ValueError("--e2e: cannot be combined with --lora / --quant (one benchmark mode at a time)")
     if args.ep and (args.e2e or args.plot or args.trace):
         raise ValueError("--ep: --e2e, --plot and --trace are not available with expert parallelism")
+    if given("compile") and (args.e2e or given("lora") or given("quant") or args.ep):
+        raise ValueError("--compile: times the layer benchmark only (not with --e2e, --lora, --quant or --ep)")
     for name in ("tiny", "seq_len", "vocab"):
         if given(name) and not args.e2e:
             raise ValueError(f"--{name.replace('_', '-')}: only with --e2e")
