@@ -46,7 +46,7 @@
 #       vs LoRA at LORA_MODEL.
 #   compile: the triton and transformers CUDA tests (torch.compile with Inductor among them), then the whole layer
 #       eager, under torch.compile and under torch.compile's CUDA graphs (reduce-overhead), interleaved, twice
-#       each, at sonic-7b and qwen3-30b-a3b.
+#       each, at sonic-7b and qwen3-30b-a3b (RUNS="1 2" by default; NO_TESTS=1 skips the tests).
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 STAGE=${1:-main}
@@ -209,9 +209,9 @@ elif [[ $STAGE == lorapointer ]]; then
   done
   for f in "$OUT"/lora_kernels_tma*.txt; do echo "== $f"; grep -E "^(down|up_|dh_|wgrad|total|autotune down)" "$f"; done
 elif [[ $STAGE == compile ]]; then
-  MOEYARD_TRITON_AUTOTUNE=0 step pytest_compile 200 python3 -m pytest -q -p no:cacheprovider \
+  [[ -z ${NO_TESTS:-} ]] && MOEYARD_TRITON_AUTOTUNE=0 step pytest_compile 200 python3 -m pytest -q -p no:cacheprovider \
     tests/cuda/test_triton_cuda.py tests/cuda/test_transformers_cuda.py
-  for run in 1 2; do
+  for run in ${RUNS:-1 2}; do
     for mode in eager default reduce-overhead; do
       flag=(); [[ $mode != eager ]] && flag=(--compile "$mode")
       step "bench_compile_${mode}_$run" 120 "${BENCH[@]}" --model sonic-7b --model qwen3-30b-a3b --backends triton \
