@@ -214,7 +214,7 @@ elif [[ $STAGE == compile ]]; then
   for run in ${RUNS:-1 2}; do
     for mode in eager default reduce-overhead; do
       flag=(); [[ $mode != eager ]] && flag=(--compile "$mode")
-      step "bench_compile_${mode}_$run" 120 "${BENCH[@]}" --model sonic-7b --model qwen3-30b-a3b --backends triton \
+      step "bench_compile_${mode}_$run" 200 "${BENCH[@]}" --model sonic-7b --model qwen3-30b-a3b --backends triton \
         --no-peers "${flag[@]}" --json "$OUT/bench_compile_${mode}_$run.json"
     done
   done

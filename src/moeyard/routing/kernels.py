@@ -117,6 +117,7 @@ def router_fwd_kernel(
     BM: tl.constexpr, BK: tl.constexpr,
 ):
     """Program ``(j, b)``: tokens ``b S + j BM ...`` (at most BM, all in sequence b)."""
+    scale = tl.cast(scale, tl.float32)  # float arguments reach Inductor's launch of this kernel as float64
     j = tl.program_id(0)
     b = tl.program_id(1)
     local = j * BM + tl.arange(0, BM)
@@ -173,6 +174,9 @@ def router_losses_kernel(
     """One program: ``aux = c_aux sum_e counts_e P_e``, ``seq = c_seq sum_be counts_be P_be``,
     ``z = c_z sum_t lse_t^2`` (the formulas of :mod:`.losses`, factored), summing the NS slots of each
     sequence BJ at a time in a fixed order (bit-reproducible)."""
+    # float arguments reach Inductor's launch of this kernel as float64
+    c_aux, c_seq, c_z = tl.cast(c_aux, tl.float32), tl.cast(c_seq, tl.float32), tl.cast(c_z, tl.float32)
+    w_aux, w_seq, w_z = tl.cast(w_aux, tl.float32), tl.cast(w_seq, tl.float32), tl.cast(w_z, tl.float32)
     cols = tl.arange(0, E_P2)
     e_mask = cols < E
     js = tl.arange(0, BJ)
@@ -255,6 +259,9 @@ def router_bwd_kernel(
     """``d logits`` of the tokens ``pid BM ...``: chain rule through the routing weights, the scores,
     the losses (through the per-sequence probability sums and ``sum logsumexp^2``), plus the direct
     logits gradient."""
+    scale = tl.cast(scale, tl.float32)  # float arguments reach Inductor's launch of this kernel as float64
+    c_aux, c_seq, c_z = tl.cast(c_aux, tl.float32), tl.cast(c_seq, tl.float32), tl.cast(c_z, tl.float32)
+    w_aux, w_seq, w_z = tl.cast(w_aux, tl.float32), tl.cast(w_seq, tl.float32), tl.cast(w_z, tl.float32)
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     m_mask = rows < T
     cols = tl.arange(0, E_P2)

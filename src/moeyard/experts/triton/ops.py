@@ -7,7 +7,6 @@ pairs. Weights are ``[E, out, in]`` views of any strides (never copied).
 """
 from __future__ import annotations
 
-import functools
 import importlib
 from dataclasses import dataclass, field
 from typing import Optional
@@ -285,8 +284,18 @@ def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la,
         PRECISION=dot_precision(rows.dtype), E_P2=_e_p2(E))
 
 
-_GLUON_MODULES = {"gluon_down": "kernels_gluon", "gluon_up": "kernels_gluon_gather",
-                  "gluon_dh": "kernels_gluon_gather", "gluon_wgrad": "kernels_gluon_wgrad"}
+def _import_gluon(name: str):
+    """The Gluon kernel module ``name``, or None where this Triton has no Gluon Hopper language."""
+    try:
+        return importlib.import_module(f"{__package__}.{name}")
+    except ImportError:
+        return None
+
+
+# imported with this module, not at the first launch: torch.compile cannot trace an import (about 0.1 s)
+_GLUON_MODULES = {option: _import_gluon(name) for option, name in (
+    ("gluon_down", "kernels_gluon"), ("gluon_up", "kernels_gluon_gather"), ("gluon_dh", "kernels_gluon_gather"),
+    ("gluon_wgrad", "kernels_gluon_wgrad"))}
 
 
 def _gluon(option: str):
@@ -296,16 +305,7 @@ def _gluon(option: str):
     interpreter (Gluon has none)."""
     if interpreting() or not getattr(options(), option):
         return None
-    return _gluon_module(_GLUON_MODULES[option])
-
-
-@functools.cache
-def _gluon_module(name: str):
-    """The import, once (a Triton without Gluon would otherwise retry it at every launch)."""
-    try:
-        return importlib.import_module(f"{__package__}.{name}")
-    except ImportError:
-        return None
+    return _GLUON_MODULES[option]
 
 
 def _gather_table(rows: Tensor, r: Routing, spec: ActSpec, option: str) -> Tensor | None:
@@ -464,7 +464,7 @@ def _(dout, w, b, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha
 def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, scale: Optional[Tensor],
            sorted_token: Tensor, expert_offsets: Tensor, chunk_rows: int,
            dw: Tensor, db: Optional[Tensor], part: Optional[Tensor], part_b: Optional[Tensor],
-           factor: Optional[Tensor] = None, rows_part: Optional[Tensor] = None, tile_major: bool = False,
+           factor: Optional[Tensor], rows_part: Optional[Tensor], tile_major: bool = False,
            alpha: float = 1.0, low_rank: bool = False) -> None:
     """``dw[e] = alpha * lhs[rows of e]^T @ rhs[rows of e]``, ``db[e] = alpha * sum scale * lhs[rows of e]``.
     An operand ``*_by_token`` is ``[T, *]`` read at each row's token (``sorted_token [N]`` int32),
@@ -476,7 +476,9 @@ def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, sca
     ``rows_block()`` columns of ``lhs`` (summed by the caller, :func:`wgrad_rows`).
     ``tile_major``: the programs in tile-major order (:func:`.gemm.weight_tile`).
     ``low_rank``: a LoRA factor's gradient, whose operands are loaded by pointers (no TMA: a descriptor
-    made per program cost more than it saved on these short row loops, NOTES round 20)."""
+    made per program cost more than it saved on these short row loops, NOTES round 20).
+    (No mutated argument has a default: torch 2.11's fake dispatch of such an op indexed past its
+    positional arguments, and ``torch.compile`` failed on the backward.)"""
     launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows,
                  dw, db, part, part_b, factor, rows_part, tile_major, alpha, low_rank)
     if chunk_rows > 0:
@@ -536,7 +538,7 @@ def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db, alpha=
 
 @wgrad_.register_fake
 def _(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows, dw, db,
-      part, part_b, factor=None, rows_part=None, tile_major=False, alpha=1.0, low_rank=False):
+      part, part_b, factor, rows_part, tile_major=False, alpha=1.0, low_rank=False):
     return None
 
 
