@@ -5,10 +5,12 @@ epilogue (keeps ``h [N, N1]`` for backward), down projection with bias and routi
 epilogue, deterministic combine (or, with ``options().atomic_combine``, float32 atomics in the down
 projection's epilogue, also for the input gradient). Backward = activation-gradient kernel (recomputes ``act(h)``,
 yields ``d_h``, ``w * a`` and ``d topk_weights``), then grouped weight gradients and the input
-gradient (``d_h @ W_up`` per pair, combined per token). Kept for backward: ``h`` plus the inputs.
+gradient (``d_h @ W_up`` per pair, combined per token). Kept for backward: ``h`` plus the inputs. Two
+autograd functions, the up projection (``x -> (h, a)``) and the down projection with the combine (``(h,
+a) -> out``, keeping ``h``): ``h`` is freed once the down projection's backward has made ``d_h``.
 
-Custom activation callables run in torch between two autograd functions (up projection, down
-projection + combine) built from the same kernels.
+Custom activation callables run in torch between the same two functions (``h``, then ``a = act(h)`` in
+torch, then the down projection with ``NONE``, keeping ``a``).
 
 LoRA (``y = x W_e^T + s (x A_e^T) B_e^T`` per projection): every GEMM that touches a projection adds
 its low-rank term in the epilogue (:class:`.ops.LoRATerm`): the forward GEMM with ``La = A^T``,
@@ -50,11 +52,14 @@ def triton_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: E
     if activation.fn is None:
         spec = ActSpec(name=activation.name, alpha=activation.alpha, limit=activation.limit,
                        interleaved=weights.interleaved)
-        return _FusedExperts.apply(x, tw, weights.w_up, weights.w_down, weights.b_up, weights.b_down,
-                                   a_up, b_up, a_dn, b_dn, r, spec, s_up, s_dn, drop_invalid)
-    h = _UpProj.apply(x, weights.w_up, weights.b_up, a_up, b_up, r, s_up)
+        train = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, tw, weights.w_up, weights.w_down, weights.b_up,
+                                                        weights.b_down, a_up, b_up, a_dn, b_dn))
+        h, a = _UpProj.apply(x, weights.w_up, weights.b_up, a_up, b_up, r, s_up, spec, train)
+        return _DownProj.apply(h, a, tw, weights.w_down, weights.b_down, a_dn, b_dn, r, s_dn, spec, drop_invalid)
+    h = _UpProj.apply(x, weights.w_up, weights.b_up, a_up, b_up, r, s_up, NONE, False)
     a = activation(h, interleaved=weights.interleaved)
-    return _DownProj.apply(a, tw, weights.w_down, weights.b_down, a_dn, b_dn, r, s_dn, drop_invalid)
+    return _DownProj.apply(None, a, tw, weights.w_down, weights.b_down, a_dn, b_dn, r, s_dn, NONE, drop_invalid)
 
 
 def _factors(lora: LowRank | None) -> tuple[Tensor | None, Tensor | None, float]:
@@ -72,72 +77,63 @@ def _input_grad_term(a: Tensor | None, b: Tensor | None, s: float) -> LoRATerm |
     return None if a is None else LoRATerm(la=b, lb=a.mT, scale=s)
 
 
-class _FusedExperts(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tw, w_up, w_down, b_up, b_down, a_up, bl_up, a_dn, bl_dn, r: Routing, spec: ActSpec,
-                s_up: float, s_dn: float, drop_invalid: bool):
-        train = any(ctx.needs_input_grad)
-        h, a, z_up = ops.up_proj(x, w_up, b_up, r, spec, store_h=train, lora=_forward_term(a_up, bl_up, s_up))
-        out, z_dn = _down_forward(a, tw, w_down, b_down, r, drop_invalid, _forward_term(a_dn, bl_dn, s_dn))
-        if train:
-            ctx.save_for_backward(x, tw, w_up, w_down, b_up, b_down, h, a_up, bl_up, a_dn, bl_dn, z_up, z_dn)
-        ctx.r, ctx.spec, ctx.scales = r, spec, (s_up, s_dn)
-        return out
-
-    @staticmethod
-    @read_once
-    def backward(ctx, dout):
-        x, tw, w_up, w_down, b_up, b_down, h, a_up, bl_up, a_dn, bl_dn, z_up, z_dn = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        s_up, s_dn = ctx.scales
-        dh, d_tw, dw_down, db_down, da_dn, dbl_dn = _down_backward(
-            dout, h, tw, w_down, b_down, (a_dn, bl_dn, s_dn, z_dn), ctx.r, ctx.spec, need[3], need[5], need[8], need[9])
-        dx, dw_up, db_up, da_up, dbl_up = _up_backward(
-            dh, x, w_up, b_up, (a_up, bl_up, s_up, z_up), ctx.r, need[0], need[2], need[4], need[6], need[7])
-        return (dx, d_tw.to(tw.dtype) if need[1] else None, dw_up, dw_down, db_up, db_down, da_up, dbl_up, da_dn,
-                dbl_dn, None, None, None, None, None)
-
-
 class _UpProj(torch.autograd.Function):
-    """``h = x[token] @ W_up[e].T + b_up[e] (+ LoRA)`` in sorted row order (no activation)."""
+    """``h = x[token] @ W_up[e].T + b_up[e] (+ LoRA)`` in sorted row order. With a named activation
+    (``spec``): ``(h, a = act(h))`` from one kernel, ``a`` not differentiable (the down projection's backward
+    gives ``d h`` through the activation), ``h`` made only when ``store_h`` (for that backward); with
+    ``NONE``: ``h`` alone."""
 
     @staticmethod
-    def forward(ctx, x, w_up, b_up, a_up, bl_up, r: Routing, s_up: float):
-        _, h, z_up = ops.up_proj(x, w_up, b_up, r, NONE, store_h=False, lora=_forward_term(a_up, bl_up, s_up))
+    def forward(ctx, x, w_up, b_up, a_up, bl_up, r: Routing, s_up: float, spec: ActSpec, store_h: bool):
+        fused = spec is not NONE
+        h, a, z_up = ops.up_proj(x, w_up, b_up, r, spec, store_h=fused and store_h,
+                                 lora=_forward_term(a_up, bl_up, s_up))
         ctx.save_for_backward(x, w_up, b_up, a_up, bl_up, z_up)
         ctx.r, ctx.s = r, s_up
-        return h
+        if not fused:
+            return a  # the pre-activation itself
+        ctx.mark_non_differentiable(a)
+        return h, a
 
     @staticmethod
     @read_once
-    def backward(ctx, dh):
+    def backward(ctx, dh, *_):
         x, w_up, b_up, a_up, bl_up, z_up = ctx.saved_tensors
         need = ctx.needs_input_grad
         dx, dw_up, db_up, da_up, dbl_up = _up_backward(
             dh.contiguous(), x, w_up, b_up, (a_up, bl_up, ctx.s, z_up), ctx.r, need[0], need[1], need[2], need[3],
             need[4])
-        return dx, dw_up, db_up, da_up, dbl_up, None, None
+        return dx, dw_up, db_up, da_up, dbl_up, None, None, None, None
 
 
 class _DownProj(torch.autograd.Function):
-    """``out[t] = sum_k w[t, k] * (a[row of (t, k)] @ W_down[e].T + b_down[e] (+ LoRA))``."""
+    """``out[t] = sum_k w[t, k] * (a[row of (t, k)] @ W_down[e].T + b_down[e] (+ LoRA))`` with ``a =
+    act(h)``; backward gives ``d h`` through the activation (``spec``; ``NONE``: ``h`` is None, ``a`` is kept
+    and gets the gradient: Dynamo cannot trace one tensor passed as two inputs). It keeps
+    ``h``, not ``a``, so ``h`` is freed when this backward ends, before the up projection's (whose
+    input-gradient rows and weight gradients then run without it: 0.75 GiB less peak memory at
+    qwen3-30b-a3b, ``benchmarks/NOTES.md`` round 27)."""
 
     @staticmethod
-    def forward(ctx, a, tw, w_down, b_down, a_dn, bl_dn, r: Routing, s_dn: float, drop_invalid: bool):
+    def forward(ctx, h, a, tw, w_down, b_down, a_dn, bl_dn, r: Routing, s_dn: float, spec: ActSpec,
+                drop_invalid: bool):
         a = a.contiguous()
         out, z_dn = _down_forward(a, tw, w_down, b_down, r, drop_invalid, _forward_term(a_dn, bl_dn, s_dn))
-        ctx.save_for_backward(a, tw, w_down, b_down, a_dn, bl_dn, z_dn)
-        ctx.r, ctx.s = r, s_dn
+        ctx.save_for_backward(a if spec is NONE else h, tw, w_down, b_down, a_dn, bl_dn, z_dn)
+        ctx.r, ctx.s, ctx.spec = r, s_dn, spec
         return out
 
     @staticmethod
     @read_once
     def backward(ctx, dout):
-        a, tw, w_down, b_down, a_dn, bl_dn, z_dn = ctx.saved_tensors
+        h, tw, w_down, b_down, a_dn, bl_dn, z_dn = ctx.saved_tensors
         need = ctx.needs_input_grad
-        da, d_tw, dw_down, db_down, da_dn, dbl_dn = _down_backward(
-            dout, a, tw, w_down, b_down, (a_dn, bl_dn, ctx.s, z_dn), ctx.r, NONE, need[2], need[3], need[4], need[5])
-        return da, d_tw.to(tw.dtype) if need[1] else None, dw_down, db_down, da_dn, dbl_dn, None, None, None
+        dh, d_tw, dw_down, db_down, da_dn, dbl_dn = _down_backward(
+            dout, h, tw, w_down, b_down, (a_dn, bl_dn, ctx.s, z_dn), ctx.r, ctx.spec, need[3], need[4], need[5],
+            need[6])
+        d_inputs = (None, dh) if ctx.spec is NONE else (dh, None)
+        d_tw = d_tw.to(tw.dtype) if need[2] else None
+        return *d_inputs, d_tw, dw_down, db_down, da_dn, dbl_dn, None, None, None, None
 
 
 def _down_forward(a: Tensor, tw: Tensor, w_down: Tensor, b_down: Tensor | None, r: Routing, drop_invalid: bool,

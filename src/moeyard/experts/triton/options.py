@@ -1,4 +1,5 @@
-"""Speed options of the ``triton`` backend, read once per forward and once per backward (:func:`read_once`).
+"""Speed options of the ``triton`` backend, read once per forward and once per backward function
+(:func:`read_once`).
 
 Each defaults to the measured default path; set an environment variable, or override in code with
 :func:`use_options` (a context manager; it wins over the environment).
