@@ -111,8 +111,8 @@ class _DownProj(torch.autograd.Function):
     act(h)``; backward gives ``d h`` through the activation (``spec``; ``NONE``: ``h`` is None, ``a`` is kept
     and gets the gradient: Dynamo cannot trace one tensor passed as two inputs). It keeps
     ``h``, not ``a``, so ``h`` is freed when this backward ends, before the up projection's (whose
-    input-gradient rows and weight gradients then run without it: 0.75 GiB less peak memory at
-    qwen3-30b-a3b, ``benchmarks/NOTES.md`` round 27)."""
+    input-gradient rows and weight gradients then run without it: peak memory of forward+backward at
+    qwen3-30b-a3b 3.13 -> 2.75 GiB on an H100, ``benchmarks/NOTES.md`` round 27)."""
 
     @staticmethod
     def forward(ctx, h, a, tw, w_down, b_down, a_dn, bl_dn, r: Routing, s_dn: float, spec: ActSpec,
