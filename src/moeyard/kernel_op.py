@@ -13,9 +13,17 @@ by autograd, so their version counters do not matter.
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable, Sequence
 
 import torch
+
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None  # looked up at import: a constant under torch.compile
+
+
+def have_triton() -> bool:
+    """Whether Triton is installed (looked up once, at import; the kernels' modules import it lazily)."""
+    return _HAVE_TRITON
 
 
 class KernelOp:

@@ -9,11 +9,11 @@ Legend: E experts, ``(a, b)`` one expert's matrix, ``P = a*b`` elements per expe
 from __future__ import annotations
 
 import functools
-import importlib.util
 import warnings
 
 import torch
 
+from ..kernel_op import have_triton
 from ._bnb import NESTED_BLOCKSIZE
 
 Tensor = torch.Tensor
@@ -47,7 +47,7 @@ def dequantize(storage, active: Tensor | None = None, *, out: Tensor | None = No
     else:
         check_out(storage, out)
     with torch.no_grad():
-        if storage.device.type == "cuda" and _have_triton():
+        if storage.device.type == "cuda" and have_triton():
             from .triton_nf4 import dequantize_triton
             dequantize_triton(storage, active, out)
         else:
@@ -144,11 +144,6 @@ def check_out(storage, out: Tensor) -> None:
         raise ValueError(f"out: expected device {storage.device} (the storage's), got {out.device}")
     if not out.is_contiguous():
         raise ValueError("out: expected a contiguous tensor")
-
-
-@functools.cache
-def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache

@@ -19,12 +19,12 @@ Runs on CUDA in bfloat16, float16 and float32, and on CPU under Triton's interpr
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
 
 from ...activations import Activation
+from ...kernel_op import have_triton as _have_triton  # (tests replace it)
 from ..registry import ExpertBackend, register_backend
 from ..weights import ExpertWeights
 
@@ -41,13 +41,6 @@ def triton_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: E
     """
     from .function import triton_experts
     return triton_experts(x, topk_ids, topk_weights, weights, activation, drop_invalid=drop_invalid)
-
-
-_HAVE_TRITON = importlib.util.find_spec("triton") is not None  # (at import: no cache for torch.compile to trace)
-
-
-def _have_triton() -> bool:
-    return _HAVE_TRITON
 
 
 def _unsupported(device: torch.device, dtype: torch.dtype, weights: ExpertWeights | None,
