@@ -1,13 +1,13 @@
 """``grouped_mm``: torch's grouped GEMM (``torch._grouped_mm``) with device-side offsets.
 
 No host sync. Fast on Hopper (CUTLASS) in bfloat16; elsewhere torch runs a fallback. Needs 16-byte
-aligned strides (H and I multiples of 8 in bf16, of 4 in float32) and no float64. Memory: the
+aligned strides (H and I multiples of 8 in bf16, of 4 in float32) and no float64. Under
+``torch.compile`` (``fullgraph=True`` works) it needs bfloat16: torch's shape function for
+``_grouped_mm`` takes nothing else (torch 2.11-2.13), and the registry says so. Memory: the
 permuted ``[N, H]`` input, ``[N, 2I]`` and ``[N, I]`` activations and ``[N, H]`` output are kept for
 backward (N = T*K).
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -33,12 +33,27 @@ def grouped_mm_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weight
     return routed_ffn(x, topk_ids, topk_weights, weights, activation, grouped_gemm, drop_invalid=drop_invalid)
 
 
-@functools.cache
-def _probe(device_type: str, index: int | None, dtype: torch.dtype) -> str | None:
+_PROBED: dict[tuple, str | None] = {}
+
+
+@torch.compiler.assume_constant_result  # torch.compile runs it while tracing and keeps its answer
+def _probe(device_type: str, index: int | None, dtype: torch.dtype, traced: bool) -> str | None:
+    """Whether ``torch._grouped_mm`` runs forward and backward on this device in ``dtype`` (and, for
+    ``traced``, whether torch's compile-time shape function takes ``dtype``: torch 2.11-2.13 take
+    bfloat16 only, where eager also runs float16 and float32): None, or the reason it does not.
+    Cached per arguments."""
+    key = (device_type, index, dtype, traced)
+    if key not in _PROBED:
+        _PROBED[key] = _run_probe(device_type, index, dtype) or (_run_probe("meta", None, dtype) if traced else None)
+    return _PROBED[key]
+
+
+def _run_probe(device_type: str, index: int | None, dtype: torch.dtype) -> str | None:
     """Run a tiny grouped GEMM forward and backward once (grad enabled, no random numbers, no
-    host-to-device copy); the error text if it fails. Identity saved-tensor hooks keep the probe's
-    tensors away from enclosing hooks (a non-reentrant activation checkpoint would otherwise count
-    them as the layer's and recompute the layer when the probe's backward reads them)."""
+    host-to-device copy); the error text if it fails. On the ``meta`` device this runs torch's
+    shape function, which is what ``torch.compile`` traces with. Identity saved-tensor hooks keep the
+    probe's tensors away from enclosing hooks (a non-reentrant activation checkpoint would otherwise
+    count them as the layer's and recompute the layer when the probe's backward reads them)."""
     if not hasattr(torch, "_grouped_mm"):
         return "this torch build has no torch._grouped_mm"
     try:
@@ -50,7 +65,8 @@ def _probe(device_type: str, index: int | None, dtype: torch.dtype) -> str | Non
             y = torch._grouped_mm(a, b.mT, offs=offs)
             y.backward(torch.ones_like(y))
     except Exception as ex:  # the feature test: any failure means "not here"
-        return f"torch._grouped_mm fails on {device_type} with {dtype}: {str(ex).splitlines()[0][:120]}"
+        where = "under torch.compile" if device_type == "meta" else f"on {device_type}"
+        return f"torch._grouped_mm fails {where} with {dtype}: {str(ex).splitlines()[0][:120]}"
     return None
 
 
@@ -62,14 +78,15 @@ def _aligned(t: Tensor) -> bool:
     es = t.element_size()
     s0, s1 = t.stride(-2), t.stride(-1)
     ok_layout = (s1 == 1 and (s0 * es) % 16 == 0) or (s0 == 1 and (s1 * es) % 16 == 0)
-    return ok_layout and t.data_ptr() % 16 == 0
+    # no address while tracing: torch._grouped_mm itself rejects a misaligned start at run time
+    return ok_layout and (torch.compiler.is_compiling() or t.data_ptr() % 16 == 0)
 
 
 def _unsupported(device: torch.device, dtype: torch.dtype, weights: ExpertWeights | None,
                  activation: Activation | None) -> str | None:
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"needs bfloat16, float16 or float32, got {dtype}"
-    reason = _probe(device.type, device.index, dtype)
+    reason = _probe(device.type, device.index, dtype, torch.compiler.is_compiling())
     if reason or weights is None:
         return reason
     es = weights.w_up.element_size()

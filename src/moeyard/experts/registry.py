@@ -138,7 +138,7 @@ def resolve_backend(name: str | None, device: torch.device, dtype: torch.dtype,
     b = _BACKENDS[name]
     reason = b.unsupported(device, dtype, weights, activation)
     if reason is not None:
-        ok = [n for n, c in sorted(_BACKENDS.items()) if c.unsupported(device, dtype, weights, activation) is None]
+        ok = [n for n in sorted(_BACKENDS) if _BACKENDS[n].unsupported(device, dtype, weights, activation) is None]
         raise ValueError(f"backend: {name!r} cannot run here ({reason}); backends that can: {ok}")
     return b
 
