@@ -841,3 +841,45 @@ def test_tma_descriptor_rules():
     assert not k.weight_tma_ready(torch.zeros(4, 48, 36, **bf)[:, :, :33])
     assert not k.tma_ready(rows, w.half())                              # dtypes differ
     assert not k.tma_ready(rows.mT.contiguous().mT, w)                  # rows not contiguous
+
+
+def test_h_is_freed_before_the_up_projection_backward():
+    # the down projection keeps h [N, 2I] (the activation's input) for its backward; autograd frees a node's
+    # saved tensors when that node's backward returns, so h must be gone when the up projection's backward
+    # starts (its input and weight gradients then run without it). Saved tensors are packed into holders
+    # whose lifetime the test watches.
+    import weakref
+    T, H, I, E, K = 9, 16, 12, 3, 2
+    p, ids, kw = _problem(T, H, I, E, K)
+    leaves = {k: v.requires_grad_() for k, v in p.items()}
+    holders, seen = [], {}
+
+    class Holder:
+        def __init__(self, t):
+            self.t = t
+
+    def pack(t):
+        h = Holder(t)
+        holders.append((tuple(t.shape), weakref.ref(h)))
+        return h
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t):
+        out = moeyard.experts(leaves["x"], ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"],
+                              backend="triton", **kw)
+
+    def live_h():
+        return sum(1 for shape, ref in holders if shape == (T * K, 2 * I) and ref() is not None)
+
+    def find(node, name, done=()):
+        if node is None or node in done:
+            return None
+        if name in node.name():
+            return node
+        return next(filter(None, (find(n, name, (*done, node)) for n, _ in node.next_functions)), None)
+
+    up = find(out.grad_fn, "_UpProj")
+    assert up is not None
+    up.register_prehook(lambda grads: seen.update(live_h=live_h()))
+    assert live_h() == 1  # kept for the backward
+    out.backward(torch.randn_like(out))
+    assert seen == {"live_h": 0}

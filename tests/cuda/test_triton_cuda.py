@@ -205,12 +205,14 @@ def test_bf16_options(opts):
         _check(p, ids, torch.bfloat16)
 
 
-def test_layer_compiles_fullgraph_inductor():
+@pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
+def test_layer_compiles_fullgraph_inductor(backend):
     # the whole layer in bf16 under torch.compile's default backend (Inductor), one graph, compiled before any
-    # eager call: outputs and gradients as eager's (the kernels are the same custom ops; Inductor fuses the rest)
+    # eager call: outputs and gradients as eager's (triton: the kernels are the same custom ops; Inductor fuses
+    # the rest; grouped_mm: torch's grouped GEMM, its feature probe run while tracing)
     torch.manual_seed(0)
     cfg = moeyard.MoEConfig(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2, aux_loss_coef=0.01)
-    layer = moeyard.MoE(cfg, backend="triton").cuda().bfloat16()
+    layer = moeyard.MoE(cfg, backend=backend).cuda().bfloat16()
     x = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16)
     dout = torch.randn_like(x)
 
