@@ -883,3 +883,28 @@ def test_h_is_freed_before_the_up_projection_backward():
     assert live_h() == 1  # kept for the backward
     out.backward(torch.randn_like(out))
     assert seen == {"live_h": 0}
+
+
+def test_backward_makes_no_zero_gradient_for_the_activation():
+    # the up projection's second output a = act(h) is not differentiable: its gradient stays undefined in the
+    # backward, not a zero [N, I] tensor made and filled before each backward (autograd's default for a
+    # custom function's unused outputs)
+    from torch.utils._python_dispatch import TorchDispatchMode
+    T, H, I, E, K = 9, 16, 12, 3, 2
+    p, ids, kw = _problem(T, H, I, E, K)
+    leaves = {k: v.requires_grad_() for k, v in p.items()}
+    out = moeyard.experts(leaves["x"], ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"],
+                          backend="triton", **kw)
+    made = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if isinstance(result, torch.Tensor):
+                made.append((func.__name__, tuple(result.shape)))
+            return result
+
+    with Log():
+        out.backward(torch.randn_like(out))
+    assert any(shape == (T * K, 2 * I) for _, shape in made)  # the log sees the backward's tensors (d h)
+    assert not [name for name, shape in made if shape == (T * K, I) and "zero" in name]
