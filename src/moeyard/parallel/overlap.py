@@ -122,16 +122,21 @@ class _Receive(torch.autograd.Function):
         ctx.mark_non_differentiable(ids)
         if not link.needs_grad:
             ctx.mark_non_differentiable(rows)
-        ctx.link = link
-        return rows, ids, order.new_empty(0)
+        ctx.set_materialize_grads(False)  # no zero gradients made for ids, nor for rows that need none
+        ctx.link, ctx.rows_like, ctx.num_rows = link, rows.new_empty((0, *rows.shape[1:])), rows.shape[0]
+        next_order = order.new_empty(0)
+        ctx.order_like = next_order.detach()
+        return rows, ids, next_order
 
     @staticmethod
     def backward(ctx, d_rows, d_ids, d_order):
         link = ctx.link
-        if link.needs_grad:
+        if link.needs_grad:  # the peers wait for this exchange: send zeros if the rows got no gradient
+            if d_rows is None:
+                d_rows = ctx.rows_like.new_zeros((ctx.num_rows, *ctx.rows_like.shape[1:]))
             received = d_rows.shape[0] - link.pad_rows
             link.backward = start(d_rows[:received], link.in_splits, link.out_splits, link.group, link.rows_sent)
-        return d_order, None
+        return ctx.order_like if d_order is None else d_order, None
 
 
 def send(out: Outgoing, group, order: Tensor) -> tuple[Link, Tensor]:
