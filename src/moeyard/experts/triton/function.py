@@ -93,8 +93,8 @@ class _UpProj(torch.autograd.Function):
         if not fused:
             return a  # the pre-activation itself
         ctx.mark_non_differentiable(a)
-        # a's gradient stays undefined, not a zero [N, NA] tensor made and filled before each backward
-        # (384 MiB at qwen3-30b-a3b's 262144 pairs: the peak of eager forward+backward, and a memset)
+        # a's gradient stays undefined, not a zero [N, NA] tensor made and filled before each backward (384 MiB
+        # at qwen3-30b-a3b's 262144 pairs, alive at the eager peak: 2.78 -> 2.41 GiB, NOTES round 28)
         ctx.set_materialize_grads(False)
         return h, a
 
@@ -117,7 +117,8 @@ class _DownProj(torch.autograd.Function):
     and gets the gradient: Dynamo cannot trace one tensor passed as two inputs). It keeps
     ``h``, not ``a``, so ``h`` is freed when this backward ends, before the up projection's (whose
     input-gradient rows and weight gradients then run without it: peak memory of forward+backward at
-    qwen3-30b-a3b 3.13 -> 2.75 GiB on an H100, ``benchmarks/NOTES.md`` round 27)."""
+    qwen3-30b-a3b 3.13 -> 2.75 GiB on an H100, ``benchmarks/NOTES.md`` round 27; 2.41 GiB since the up
+    projection's ``a`` gets no zero gradient, round 28)."""
 
     @staticmethod
     def forward(ctx, h, a, tw, w_down, b_down, a_dn, bl_dn, r: Routing, s_dn: float, spec: ActSpec,
