@@ -264,9 +264,10 @@ def _compiled_step(layer, x, compiled: bool, fullgraph: bool = True):
     return out, grads
 
 
+@pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("backend", ["grouped_mm", "auto"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_layer_compiles_fullgraph(monkeypatch, backend, dtype):
+def test_layer_compiles_fullgraph(monkeypatch, backend, dtype, lora):
     # torch.compile(fullgraph=True) of the layer on torch's grouped GEMM and on auto, compiled before any eager
     # call (the feature probe runs while tracing, not traced): output and every gradient equal eager's. Where
     # torch's shape function refuses the dtype (float32 in torch 2.11-2.13), naming grouped_mm is an error that
@@ -277,6 +278,11 @@ def test_layer_compiles_fullgraph(monkeypatch, backend, dtype):
     torch.manual_seed(0)
     cfg = moeyard.MoEConfig(hidden_size=16, intermediate_size=16, num_experts=4, top_k=2)
     layer = moeyard.MoE(cfg, backend=backend).to(dtype)
+    if lora:
+        layer.add_lora(8)
+        with torch.no_grad():  # PEFT's init leaves B zero: make the adapters' gradients reach A
+            for a in layer.lora.values():
+                a.lora_B.weight.normal_()
     x = torch.randn(2, 5, 16, dtype=dtype)
     if backend == "grouped_mm" and not _meta_takes(dtype):
         with pytest.raises(Exception, match="grouped_mm' cannot run here .*under torch.compile"):
