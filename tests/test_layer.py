@@ -179,3 +179,70 @@ def test_forward_issues_few_device_ops(monkeypatch):
     assert m.aux_loss.requires_grad and y.shape == x.shape
     kernels = [op for op in ops.seen if op not in free]
     assert sorted(kernels) == ["clamp", "remainder", "searchsorted", "sort"], ops.seen
+
+
+def _checkpointed_step(m, x, how: str):
+    """One step of ``m`` on ``x``: plain, or under torch.utils.checkpoint (``reentrant`` with the layer's
+    ``return_aux_loss``); returns the output, x's and every parameter's gradient, and how many times the
+    experts ran."""
+    from torch.utils.checkpoint import checkpoint
+    calls = []
+    hook = m.register_forward_pre_hook(lambda mod, args: calls.append(1))
+    m.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_()
+    if how == "plain":
+        y, aux = m(xi), None
+    elif how == "non_reentrant":
+        y, aux = checkpoint(m, xi, use_reentrant=False), None
+    else:
+        y, aux = checkpoint(m, xi, True, use_reentrant=True)
+    loss = (y * torch.linspace(-1, 1, y.shape[-1])).sum() + (m.aux_loss if aux is None else aux)
+    loss.backward()
+    hook.remove()
+    return [y.detach(), xi.grad] + [p.grad for p in m.parameters() if p.requires_grad], len(calls)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("backend", cpu_backends(torch.float32))
+def test_activation_checkpointing(backend, lora):
+    # torch.utils.checkpoint, both variants: the output and every gradient (router's load-balancing loss
+    # included) bit-identical to no checkpointing, the layer run twice (forward, then recomputed in backward)
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=8, top_k=2, **LOSS)
+    m = MoE(cfg, backend=backend)
+    if lora:
+        m.add_lora(4)
+        with torch.no_grad():  # PEFT's init leaves B zero: make the adapters' gradients reach A
+            for a in m.lora.values():
+                a.lora_B.weight.normal_()
+    x = torch.randn(2, 5, H)
+    want, n = _checkpointed_step(m, x, "plain")
+    assert n == 1 and all(g is not None for g in want)
+    for how in ("non_reentrant", "reentrant"):
+        got, n = _checkpointed_step(m, x, how)
+        assert n == 2, how
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), how
+
+
+def test_reentrant_checkpoint_without_returned_loss_warns():
+    # the reentrant checkpoint's first forward runs without gradients, so self.aux_loss made there has none:
+    # the router silently loses its load-balancing gradient; the layer says so (and only then)
+    from torch.utils.checkpoint import checkpoint
+    import warnings
+    cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4, top_k=2, **LOSS)
+    m = MoE(cfg, backend="bmm_padded")
+    x = torch.randn(6, H, requires_grad=True)
+    with pytest.warns(UserWarning, match="use_reentrant=False, or forward\\(x, return_aux_loss=True\\)"):
+        checkpoint(m, x, use_reentrant=True)
+    assert not m.aux_loss.requires_grad  # what the warning is about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checkpoint(m, x, True, use_reentrant=True)  # the loss returned through the checkpoint
+        checkpoint(m, x, use_reentrant=False)
+        with torch.no_grad():
+            m(x.detach())  # inference: x needs no gradient
+        m.eval()
+        with torch.no_grad():
+            m(x)
+        m.train()
+        MoE(MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4, top_k=2), backend="bmm_padded")(x)

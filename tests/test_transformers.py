@@ -305,3 +305,20 @@ def test_same_routing_ignores_slot_order_only():
     assert verify._same_routing(a, [torch.tensor([[3, 0], [1, 2]])])
     assert not verify._same_routing(a, [torch.tensor([[0, 3], [2, 4]])])
     assert not verify._same_routing(a, a + a)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_gradient_checkpointing(monkeypatch, arch, reentrant):
+    # transformers' gradient checkpointing over moeyard experts: logits and every gradient as the eager experts
+    # without checkpointing, the experts run twice per layer (forward, then recomputed in backward)
+    model = verify.build_model(arch)
+    ids, probe = verify.make_inputs(model)
+    ref = verify.forward_backward(model, ids, probe)
+    calls = _spy(monkeypatch, "grouped_mm")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    got = verify.run_moeyard(model, "grouped_mm", ids, probe)
+    layers = len(verify.experts_modules(model))
+    assert len(calls) == 2 * layers
+    err, where = verify.max_rel_error(got, ref)
+    assert err <= verify.TOLERANCE[torch.float32], (err, where)

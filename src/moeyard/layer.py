@@ -6,6 +6,8 @@ Weights use transformers v5's layout, so checkpoints map one to one: ``gate_up_p
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 
@@ -55,6 +57,13 @@ class MoE(nn.Module):
 
     LoRA: :meth:`add_lora` gives the expert projections PEFT-layout adapters (``self.lora``), trained
     through the fused kernels with the base expert weights frozen; :meth:`merge_lora` folds them in.
+
+    Activation checkpointing: ``torch.utils.checkpoint.checkpoint(moe, x, use_reentrant=False)`` gives the
+    output and every gradient bit-identical to no checkpointing (test ``test_activation_checkpointing``). The
+    reentrant variant runs its first forward with gradients disabled, so the ``self.aux_loss`` made there
+    carries none (the router would silently lose its load-balancing gradient, and a warning says so): there,
+    checkpoint ``moe(x, True)`` (``return_aux_loss``) and add the loss it returns, which flows through the
+    checkpoint's outputs.
 
     CUDA graphs: forward and backward run with no host sync and capture whole; before capturing,
     drop the warm-up step's tensors (``layer.aux_loss = layer.routing = None``): they keep the
@@ -139,13 +148,17 @@ class MoE(nn.Module):
         self.lora = None
         return self
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, return_aux_loss: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """``x [..., H] -> y [..., H]``; with ``return_aux_loss`` ``(y, aux_loss)``, the float32 scalar also
+        kept in ``self.aux_loss`` (see the class docstring, Activation checkpointing)."""
         check_float("x", x)
         H = self.config.hidden_size
         if x.dim() < 1 or x.shape[-1] != H:
             raise ValueError(f"x: expected shape [..., {H}], got {tuple(x.shape)}")
         if x.dtype != self.gate_up_proj.dtype:
             raise TypeError(f"x: expected dtype {self.gate_up_proj.dtype} (as the layer's weights), got {x.dtype}")
+        if not (return_aux_loss or torch.is_grad_enabled()) and x.requires_grad and self.training:
+            self._warn_loss_without_grad()
         x2 = x.reshape(-1, H)
         routing = self.router(x2, num_sequences=x.shape[0] if x.dim() == 3 and x2.shape[0] else 1)
         run = experts if self.expert_parallel is None else self.expert_parallel
@@ -156,7 +169,15 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
         self.routing, self.aux_loss = routing, routing.loss
-        return out.view(x.shape)
+        return (out.view(x.shape), routing.loss) if return_aux_loss else out.view(x.shape)
+
+    def _warn_loss_without_grad(self) -> None:
+        c = self.config
+        if c.aux_loss_coef or c.seq_aux_loss_coef or c.z_loss_coef:
+            warnings.warn("MoE: gradients are disabled while x requires them (the first forward of "
+                          "torch.utils.checkpoint(use_reentrant=True)), so self.aux_loss will carry no gradient "
+                          "to the router; use use_reentrant=False, or forward(x, return_aux_loss=True) inside the "
+                          "checkpoint and add the aux_loss it returns", stacklevel=3)
 
     def extra_repr(self) -> str:
         c = self.config
