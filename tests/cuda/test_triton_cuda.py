@@ -229,3 +229,29 @@ def test_layer_compiles_fullgraph_inductor(backend):
     for a, b in zip(got, want):
         assert b.float().abs().sum() > 0
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_bf16(reentrant):
+    # the layer under torch.utils.checkpoint on the GPU kernels (Gluon on sm_90): the recomputed forward saves
+    # the same tensors, so output and every gradient are bit-identical to no checkpointing
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    cfg = moeyard.MoEConfig(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2, aux_loss_coef=0.01)
+    layer = moeyard.MoE(cfg, backend="triton").cuda().bfloat16()
+    x = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn_like(x)
+
+    def step(ck):
+        xi = x.clone().requires_grad_()
+        out, aux = checkpoint(layer, xi, True, use_reentrant=reentrant) if ck else layer(xi, True)
+        params = [p for p in layer.parameters() if p.requires_grad]
+        layer.zero_grad(set_to_none=True)
+        torch.autograd.backward([out, aux], [dout, torch.ones_like(aux)])  # reentrant: no autograd.grad
+        return [out.detach(), xi.grad] + [p.grad for p in params]
+
+    want = step(False)
+    got = step(True)
+    for a, b in zip(got, want):
+        assert b.float().abs().sum() > 0
+        assert torch.equal(a, b)
