@@ -26,6 +26,7 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.utils.checkpoint
 
 import moeyard
 from moeyard import MoE, MoEConfig
@@ -344,11 +345,17 @@ def separate_routing(x: torch.Tensor, num_experts: int, g: torch.Generator) -> t
     return x
 
 
-def layer_results(m: MoE, x: torch.Tensor, dy: torch.Tensor) -> dict:
-    """Output, input gradient and every parameter gradient (DTensors made local) of one step."""
+def layer_results(m: MoE, x: torch.Tensor, dy: torch.Tensor, checkpointed: bool = False) -> dict:
+    """Output, input gradient and every parameter gradient (DTensors made local) of one step; with
+    ``checkpointed`` under ``torch.utils.checkpoint`` (non-reentrant: the forward, exchanges included,
+    runs again in backward)."""
     x = x.clone().requires_grad_()
-    y = m(x)
+    calls = []
+    hook = m.register_forward_pre_hook(lambda mod, args: calls.append(1))
+    y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False) if checkpointed else m(x)
     y.backward(dy)
+    hook.remove()
+    check(len(calls) == (2 if checkpointed else 1), f"the layer ran {len(calls)} times")
     res = {"out": y.detach(), "x": x.grad}
     res.update({n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for n, p in m.named_parameters()})
     return res
@@ -378,11 +385,12 @@ def layer_oracle(kw: dict, size: dict, T_counts: list[int], x_all, dy_all, dtype
 def check_layer(rank: int, W: int, *, mesh=None, dispatchers=DISPATCHER_NAMES, device="cpu",
                 backends=(("loop", torch.float64),), hidden: int = 8, intermediate: int = 4,
                 tol: dict = TOL, T_counts: list[int] | None = None, separated: bool = False,
-                exchange: str = "auto", overlap_chunks: int = 1) -> None:
+                exchange: str = "auto", overlap_chunks: int = 1, checkpointed: bool = False) -> None:
     """The MoE layer (router, shared experts, biases) per dispatcher and (backend, dtype), uneven
     tokens (``T_counts``), a rank with none when W > 2: outputs and every gradient (replicated ones,
     the router's among them, summed over ranks) against the float64 ``loop`` layer on the CPU.
-    ``separated``: the router and inputs of :func:`separate_routing` (for low-precision dtypes)."""
+    ``separated``: the router and inputs of :func:`separate_routing` (for low-precision dtypes);
+    ``checkpointed``: each step under activation checkpointing (:func:`layer_results`)."""
     g = torch.Generator().manual_seed(99)
     size = dict(hidden=hidden, intermediate=intermediate, separated=separated)
     for cname, kw in LAYER_CONFIGS.items():
@@ -407,8 +415,9 @@ def check_layer(rank: int, W: int, *, mesh=None, dispatchers=DISPATCHER_NAMES, d
                 max_tokens = max(T_counts) if name == "sync_free" else None
                 more = {"exchange": exchange} if name == "sync_free" else {}
                 expert_parallel(m, mesh, dispatcher=name, max_tokens=max_tokens, overlap_chunks=overlap_chunks, **more)
-                got = layer_results(m, x_all[sl].to(device, dtype), dy_all[sl].to(device, dtype))
+                got = layer_results(m, x_all[sl].to(device, dtype), dy_all[sl].to(device, dtype), checkpointed)
                 what = f"layer {cname}/{name}/{backend}/{str(dtype)[6:]}/overlap{overlap_chunks}/rank{rank}"
+                what += "/checkpointed" if checkpointed else ""
                 compare_layer(what, m, got, oracle, sl, slice(rank * El, (rank + 1) * El), tol[dtype])
 
 
@@ -770,6 +779,13 @@ def worker_fsdp_dp1(rank: int, W: int) -> None:
 
 
 # ---------------------------------------------------------------- overlap_chunks
+
+def worker_checkpoint(rank: int, W: int) -> None:
+    """Activation checkpointing over the expert-parallel layer: every dispatcher, its exchanges issued again
+    by the recomputed forward inside backward (all ranks in the same order), with and without overlap."""
+    check_layer(rank, W, checkpointed=True)
+    check_layer(rank, W, dispatchers=["all_to_all", "sync_free"], overlap_chunks=2, checkpointed=True)
+
 
 def worker_overlap(rank: int, W: int) -> None:
     """``overlap_chunks`` 2 and 3 (more chunks than some ranks have tokens) on every routing case,

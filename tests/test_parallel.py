@@ -336,3 +336,10 @@ def test_overlap_two_ranks():
 def test_overlap_four_ranks():
     """overlap_chunks 2 and 3 on 4 ranks (one with no tokens in the layer cases)."""
     ep_workers.spawn(ep_workers.worker_overlap, 4)
+
+
+def test_activation_checkpointing_two_ranks():
+    """torch.utils.checkpoint (non-reentrant) over the expert-parallel layer, every dispatcher, with and
+    without overlap_chunks: the recomputed forward issues its exchanges again in backward; outputs and every
+    gradient against the oracle, nothing hangs."""
+    ep_workers.spawn(ep_workers.worker_checkpoint, 2)
