@@ -908,3 +908,30 @@ def test_backward_makes_no_zero_gradient_for_the_activation():
         out.backward(torch.randn_like(out))
     assert any(shape == (T * K, 2 * I) for _, shape in made)  # the log sees the backward's tensors (d h)
     assert not [name for name, shape in made if shape == (T * K, I) and "zero" in name]
+
+
+def test_checkpointed_layer_compiles_fullgraph(monkeypatch):
+    # torch.compile(fullgraph=True) over a checkpointed layer (a compiled, activation-checkpointed block): the
+    # layer keeps aux_loss and routing on itself, a side effect Dynamo does not replay in the checkpoint's
+    # recompute and refuses by default; with torch's switch for that, one graph, equal to eager
+    cfg = torch._dynamo.config
+    if not hasattr(cfg, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        pytest.skip("this torch has no skip_fwd_side_effects_in_bwd_under_checkpoint")
+    monkeypatch.setattr(cfg, "skip_fwd_side_effects_in_bwd_under_checkpoint", True)
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    layer = moeyard.MoE(moeyard.MoEConfig(hidden_size=16, intermediate_size=16, num_experts=4, top_k=2,
+                                          aux_loss_coef=0.01), backend="triton")
+    x = torch.randn(2, 5, 16)
+
+    def block(x):
+        return checkpoint(layer, x, True, use_reentrant=False)
+
+    def step(fn):
+        xi = x.clone().requires_grad_()
+        y, aux = fn(xi)
+        params = [p for p in layer.parameters() if p.requires_grad]
+        return [y.detach(), *torch.autograd.grad((y * torch.linspace(-1, 1, 16)).sum() + aux, [xi, *params])]
+
+    got, want = step(torch.compile(block, backend="aot_eager", fullgraph=True)), step(block)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

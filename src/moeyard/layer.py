@@ -63,7 +63,9 @@ class MoE(nn.Module):
     reentrant variant runs its first forward with gradients disabled, so the ``self.aux_loss`` made there
     carries none (the router would silently lose its load-balancing gradient, and a warning says so): there,
     checkpoint ``moe(x, True)`` (``return_aux_loss``) and add the loss it returns, which flows through the
-    checkpoint's outputs.
+    checkpoint's outputs. Compiling a checkpointed layer needs
+    ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True`` (storing ``aux_loss`` and
+    ``routing`` is a side effect Dynamo otherwise refuses inside a checkpoint).
 
     CUDA graphs: forward and backward run with no host sync and capture whole; before capturing,
     drop the warm-up step's tensors (``layer.aux_loss = layer.routing = None``): they keep the
