@@ -910,7 +910,8 @@ def test_backward_makes_no_zero_gradient_for_the_activation():
     assert not [name for name, shape in made if shape == (T * K, I) and "zero" in name]
 
 
-def test_checkpointed_layer_compiles_fullgraph(monkeypatch):
+@pytest.mark.parametrize("keep_routing", [True, False])
+def test_checkpointed_layer_compiles_fullgraph(monkeypatch, keep_routing):
     # torch.compile(fullgraph=True) over a checkpointed layer (a compiled, activation-checkpointed block): the
     # layer keeps aux_loss and routing on itself, a side effect Dynamo does not replay in the checkpoint's
     # recompute and refuses by default; with torch's switch for that, one graph, equal to eager
@@ -922,6 +923,7 @@ def test_checkpointed_layer_compiles_fullgraph(monkeypatch):
     torch.manual_seed(0)
     layer = moeyard.MoE(moeyard.MoEConfig(hidden_size=16, intermediate_size=16, num_experts=4, top_k=2,
                                           aux_loss_coef=0.01), backend="triton")
+    layer.keep_routing = keep_routing
     x = torch.randn(2, 5, 16)
 
     def block(x):
@@ -933,5 +935,7 @@ def test_checkpointed_layer_compiles_fullgraph(monkeypatch):
         params = [p for p in layer.parameters() if p.requires_grad]
         return [y.detach(), *torch.autograd.grad((y * torch.linspace(-1, 1, 16)).sum() + aux, [xi, *params])]
 
-    got, want = step(torch.compile(block, backend="aot_eager", fullgraph=True)), step(block)
+    got = step(torch.compile(block, backend="aot_eager", fullgraph=True))
+    assert (layer.routing is not None) == keep_routing and layer.aux_loss is not None
+    want = step(block)
     assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -53,7 +53,8 @@ class MoE(nn.Module):
 
     ``forward(x [..., H]) -> [..., H]`` in ``x.dtype``. For ``x [B, S, H]`` the sequence-wise loss uses
     the B sequences. After a forward, ``self.aux_loss`` holds the coefficient-weighted router loss
-    (a float32 scalar to add to the training loss) and ``self.routing`` the :class:`RoutingOutput`.
+    (a float32 scalar to add to the training loss) and ``self.routing`` the :class:`RoutingOutput` (unless
+    ``self.keep_routing`` is set False).
 
     LoRA: :meth:`add_lora` gives the expert projections PEFT-layout adapters (``self.lora``), trained
     through the fused kernels with the base expert weights frozen; :meth:`merge_lora` folds them in.
@@ -65,7 +66,9 @@ class MoE(nn.Module):
     checkpoint ``moe(x, True)`` (``return_aux_loss``) and add the loss it returns, which flows through the
     checkpoint's outputs. Compiling a checkpointed layer needs
     ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True`` (storing ``aux_loss`` and
-    ``routing`` is a side effect Dynamo otherwise refuses inside a checkpoint).
+    ``routing`` is a side effect Dynamo otherwise refuses inside a checkpoint), and on torch 2.11
+    ``layer.keep_routing = False``: its Dynamo fails with an internal error on the stored
+    :class:`RoutingOutput` there (torch 2.13 does not); the routing statistics are then not kept.
 
     CUDA graphs: forward and backward run with no host sync and capture whole; before capturing,
     drop the warm-up step's tensors (``layer.aux_loss = layer.routing = None``): they keep the
@@ -107,6 +110,7 @@ class MoE(nn.Module):
         self.lora: nn.ModuleDict | None = None
         self.aux_loss: Tensor | None = None
         self.routing: RoutingOutput | None = None
+        self.keep_routing = True  # False: self.routing stays None (see the class docstring)
         self.expert_parallel = None  # set by moeyard.parallel.expert_parallel: called instead of experts
 
     def add_lora(self, rank: int, *, alpha: float | None = None, rslora: bool = False,
@@ -170,7 +174,9 @@ class MoE(nn.Module):
                   lora=None if self.lora is None else {n: a.expert_lora() for n, a in self.lora.items()})
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
-        self.routing, self.aux_loss = routing, routing.loss
+        self.aux_loss = routing.loss
+        if self.keep_routing:
+            self.routing = routing
         return (out.view(x.shape), routing.loss) if return_aux_loss else out.view(x.shape)
 
     def _warn_loss_without_grad(self) -> None:

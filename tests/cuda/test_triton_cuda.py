@@ -255,3 +255,34 @@ def test_activation_checkpointing_bf16(reentrant):
     for a, b in zip(got, want):
         assert b.float().abs().sum() > 0
         assert torch.equal(a, b)
+
+
+def test_checkpointed_layer_compiles_inductor(monkeypatch):
+    # a compiled, activation-checkpointed layer (torchtitan's arrangement of a block) with Inductor in bf16:
+    # one graph, outputs and gradients as eager's (see the CPU test for the Dynamo switch)
+    cfg = torch._dynamo.config
+    if not hasattr(cfg, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        pytest.skip("this torch has no skip_fwd_side_effects_in_bwd_under_checkpoint")
+    monkeypatch.setattr(cfg, "skip_fwd_side_effects_in_bwd_under_checkpoint", True)
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    cfg = moeyard.MoEConfig(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2, aux_loss_coef=0.01)
+    layer = moeyard.MoE(cfg, backend="triton").cuda().bfloat16()
+    layer.keep_routing = False  # torch 2.11's Dynamo fails on the stored RoutingOutput inside the checkpoint
+    x = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn_like(x)
+
+    def block(x):
+        return checkpoint(layer, x, True, use_reentrant=False)
+
+    def step(fn):
+        xi = x.clone().requires_grad_()
+        out, aux = fn(xi)
+        params = [p for p in layer.parameters() if p.requires_grad]
+        return [out.detach()] + list(torch.autograd.grad([out, aux], [xi] + params, [dout, torch.ones_like(aux)]))
+
+    got = step(torch.compile(block, fullgraph=True))
+    want = step(block)
+    for a, b in zip(got, want):
+        assert b.float().abs().sum() > 0
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
