@@ -246,3 +246,15 @@ def test_reentrant_checkpoint_without_returned_loss_warns():
             m(x)
         m.train()
         MoE(MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4, top_k=2), backend="bmm_padded")(x)
+
+
+def test_keep_routing_false_keeps_none():
+    # keep_routing=False: no RoutingOutput on the layer after a forward, also none left from an earlier one;
+    # aux_loss is still kept
+    m = MoE(MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4, top_k=2, **LOSS), backend="bmm_padded")
+    x = torch.randn(6, H)
+    m(x)
+    assert m.routing is not None
+    m.keep_routing = False
+    m(x)
+    assert m.routing is None and m.aux_loss is not None

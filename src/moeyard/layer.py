@@ -110,7 +110,7 @@ class MoE(nn.Module):
         self.lora: nn.ModuleDict | None = None
         self.aux_loss: Tensor | None = None
         self.routing: RoutingOutput | None = None
-        self.keep_routing = True  # False: self.routing stays None (see the class docstring)
+        self.keep_routing = True  # False: self.routing is set to None at each forward (see the class docstring)
         self.expert_parallel = None  # set by moeyard.parallel.expert_parallel: called instead of experts
 
     def add_lora(self, rank: int, *, alpha: float | None = None, rslora: bool = False,
@@ -155,8 +155,13 @@ class MoE(nn.Module):
         return self
 
     def forward(self, x: Tensor, return_aux_loss: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        """``x [..., H] -> y [..., H]``; with ``return_aux_loss`` ``(y, aux_loss)``, the float32 scalar also
-        kept in ``self.aux_loss`` (see the class docstring, Activation checkpointing)."""
+        """``x [..., H] -> y [..., H]`` in ``x.dtype``; with ``return_aux_loss`` ``(y, aux_loss)``, the float32
+        scalar also kept in ``self.aux_loss`` (see the class docstring, Activation checkpointing).
+
+        Raises:
+            TypeError: ``x`` not floating, or not in the weights' dtype.
+            ValueError: ``x``'s last dimension is not ``hidden_size``; the backend cannot run on ``x``.
+        """
         check_float("x", x)
         H = self.config.hidden_size
         if x.dim() < 1 or x.shape[-1] != H:
@@ -174,9 +179,7 @@ class MoE(nn.Module):
                   lora=None if self.lora is None else {n: a.expert_lora() for n, a in self.lora.items()})
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
-        self.aux_loss = routing.loss
-        if self.keep_routing:
-            self.routing = routing
+        self.aux_loss, self.routing = routing.loss, routing if self.keep_routing else None
         return (out.view(x.shape), routing.loss) if return_aux_loss else out.view(x.shape)
 
     def _warn_loss_without_grad(self) -> None:

@@ -205,26 +205,35 @@ def test_bf16_options(opts):
         _check(p, ids, torch.bfloat16)
 
 
+def _bf16_layer(backend: str = "triton"):
+    """A small bf16 layer with a router loss, its input and output gradient (seeded)."""
+    torch.manual_seed(0)
+    cfg = moeyard.MoEConfig(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2, aux_loss_coef=0.01)
+    layer = moeyard.MoE(cfg, backend=backend).cuda().bfloat16()
+    x = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16)
+    return layer, x, torch.randn_like(x)
+
+
+def _step(layer, fn, x, dout):
+    """``fn(x) -> (out, aux_loss)``, then backward (``.backward``: the reentrant checkpoint takes no
+    ``autograd.grad``); the output, x's and every trained parameter's gradient."""
+    xi = x.clone().requires_grad_()
+    out, aux = fn(xi)
+    layer.zero_grad(set_to_none=True)
+    torch.autograd.backward([out, aux], [dout, torch.ones_like(aux)])
+    grads = [xi.grad] + [p.grad for p in layer.parameters() if p.requires_grad]
+    assert all(g is not None for g in grads)
+    return [out.detach()] + grads
+
+
 @pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
 def test_layer_compiles_fullgraph_inductor(backend):
     # the whole layer in bf16 under torch.compile's default backend (Inductor), one graph, compiled before any
     # eager call: outputs and gradients as eager's (triton: the kernels are the same custom ops; Inductor fuses
     # the rest; grouped_mm: torch's grouped GEMM, its feature probe run while tracing)
-    torch.manual_seed(0)
-    cfg = moeyard.MoEConfig(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2, aux_loss_coef=0.01)
-    layer = moeyard.MoE(cfg, backend=backend).cuda().bfloat16()
-    x = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16)
-    dout = torch.randn_like(x)
-
-    def step(fn):
-        xi = x.clone().requires_grad_()
-        out = fn(xi)
-        params = [p for p in layer.parameters() if p.requires_grad]
-        return [out.detach()] + list(torch.autograd.grad([out, layer.aux_loss], [xi] + params,
-                                                         [dout, torch.ones_like(layer.aux_loss)]))
-
-    got = step(torch.compile(layer, fullgraph=True))
-    want = step(layer)
+    layer, x, dout = _bf16_layer(backend)
+    got = _step(layer, torch.compile(lambda x: layer(x, True), fullgraph=True), x, dout)
+    want = _step(layer, lambda x: layer(x, True), x, dout)
     assert len(got) == len(want) == 5
     for a, b in zip(got, want):
         assert b.float().abs().sum() > 0
@@ -236,22 +245,9 @@ def test_activation_checkpointing_bf16(reentrant):
     # the layer under torch.utils.checkpoint on the GPU kernels (Gluon on sm_90): the recomputed forward saves
     # the same tensors, so output and every gradient are bit-identical to no checkpointing
     from torch.utils.checkpoint import checkpoint
-    torch.manual_seed(0)
-    cfg = moeyard.MoEConfig(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2, aux_loss_coef=0.01)
-    layer = moeyard.MoE(cfg, backend="triton").cuda().bfloat16()
-    x = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16)
-    dout = torch.randn_like(x)
-
-    def step(ck):
-        xi = x.clone().requires_grad_()
-        out, aux = checkpoint(layer, xi, True, use_reentrant=reentrant) if ck else layer(xi, True)
-        params = [p for p in layer.parameters() if p.requires_grad]
-        layer.zero_grad(set_to_none=True)
-        torch.autograd.backward([out, aux], [dout, torch.ones_like(aux)])  # reentrant: no autograd.grad
-        return [out.detach(), xi.grad] + [p.grad for p in params]
-
-    want = step(False)
-    got = step(True)
+    layer, x, dout = _bf16_layer()
+    want = _step(layer, lambda x: layer(x, True), x, dout)
+    got = _step(layer, lambda x: checkpoint(layer, x, True, use_reentrant=reentrant), x, dout)
     for a, b in zip(got, want):
         assert b.float().abs().sum() > 0
         assert torch.equal(a, b)
@@ -265,24 +261,15 @@ def test_checkpointed_layer_compiles_inductor(monkeypatch):
         pytest.skip("this torch has no skip_fwd_side_effects_in_bwd_under_checkpoint")
     monkeypatch.setattr(cfg, "skip_fwd_side_effects_in_bwd_under_checkpoint", True)
     from torch.utils.checkpoint import checkpoint
-    torch.manual_seed(0)
-    cfg = moeyard.MoEConfig(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2, aux_loss_coef=0.01)
-    layer = moeyard.MoE(cfg, backend="triton").cuda().bfloat16()
+    layer, x, dout = _bf16_layer()
     layer.keep_routing = False  # torch 2.11's Dynamo fails on the stored RoutingOutput inside the checkpoint
-    x = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16)
-    dout = torch.randn_like(x)
 
     def block(x):
         return checkpoint(layer, x, True, use_reentrant=False)
 
-    def step(fn):
-        xi = x.clone().requires_grad_()
-        out, aux = fn(xi)
-        params = [p for p in layer.parameters() if p.requires_grad]
-        return [out.detach()] + list(torch.autograd.grad([out, aux], [xi] + params, [dout, torch.ones_like(aux)]))
-
-    got = step(torch.compile(block, fullgraph=True))
-    want = step(block)
+    got = _step(layer, torch.compile(block, fullgraph=True), x, dout)
+    want = _step(layer, block, x, dout)
+    assert layer.routing is None
     for a, b in zip(got, want):
         assert b.float().abs().sum() > 0
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
