@@ -235,14 +235,25 @@ def test_dropped_rows_get_no_gradient_from_unwritten_memory():
     assert torch.isfinite(x.grad).all()
 
 
-def test_grouped_mm_probe_under_no_grad(monkeypatch):
-    # the feature probe runs a tiny backward: a first use under no_grad (inference) must not mark
-    # grouped_mm as unavailable for the rest of the process
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("backend", ["auto"] + cpu_backends(torch.float32))
+def test_first_call_under_no_grad_or_inference_mode(monkeypatch, backend, mode):
+    # generation runs the layer under inference_mode, often as the process's first call: every backend
+    # gives the grad-mode output there, and grouped_mm's feature probe (a tiny backward) neither fails
+    # nor marks grouped_mm unavailable for the rest of the process (auto would fall back silently)
     from moeyard.experts import grouped_mm
+    from moeyard.experts.registry import resolve_backend
     monkeypatch.setattr(grouped_mm, "_PROBED", {})
-    with torch.no_grad():
-        assert grouped_mm._probe("cpu", None, torch.float32, False) is None
-    assert grouped_mm._PROBED == {("cpu", None, torch.float32, False): None}
+    torch.manual_seed(0)
+    layer = moeyard.MoE(moeyard.MoEConfig(hidden_size=32, intermediate_size=16, num_experts=4, top_k=2),
+                        backend=backend)
+    x = torch.randn(7, 32)
+    with mode():
+        out = layer(x)
+        picked = resolve_backend("auto", x.device, x.dtype).name
+    assert grouped_mm._PROBED.get(("cpu", None, torch.float32, False), None) is None
+    assert picked == resolve_backend("auto", x.device, x.dtype).name
+    torch.testing.assert_close(out, layer(x).detach(), rtol=0, atol=0)
 
 
 def _meta_takes(dtype: torch.dtype) -> bool:

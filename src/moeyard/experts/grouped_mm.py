@@ -49,7 +49,7 @@ def _probe(device_type: str, index: int | None, dtype: torch.dtype, traced: bool
 
 
 def _run_probe(device_type: str, index: int | None, dtype: torch.dtype) -> str | None:
-    """Run a tiny grouped GEMM forward and backward once (grad enabled, no random numbers, no
+    """Run a tiny grouped GEMM forward and backward once (grad enabled, inference mode off, no random numbers, no
     host-to-device copy); the error text if it fails. On the ``meta`` device this runs torch's
     shape function, which is what ``torch.compile`` traces with. Identity saved-tensor hooks keep the
     probe's tensors away from enclosing hooks (a non-reentrant activation checkpoint would otherwise
@@ -58,7 +58,8 @@ def _run_probe(device_type: str, index: int | None, dtype: torch.dtype) -> str |
         return "this torch build has no torch._grouped_mm"
     try:
         dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):  # may come under no_grad
+        # may come under no_grad or inference_mode (generation): leave both for the probe's backward
+        with torch.inference_mode(False), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
             a = torch.ones(16, 16, device=dev, dtype=dtype, requires_grad=True)
             b = torch.ones(2, 16, 16, device=dev, dtype=dtype, requires_grad=True)
             offs = torch.arange(8, 17, 8, device=dev, dtype=torch.int32)  # [8, 16], made on the device
