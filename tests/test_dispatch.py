@@ -365,3 +365,37 @@ def test_scattered_pairs_grad_kernel(extra_rows):
             got = scattered_pairs_grad(w.float(), dy.float(), index, R)
         assert got.shape == (R, H) and got.dtype == torch.float32
         assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-5), (T, K, H)
+
+
+@pytest.mark.parametrize("T,K,E", [(1, 1, 1), (1, 8, 128), (3, 2, 8), (64, 8, 128), (256, 8, 128),
+                                   (2048, 1, 160), (5, 4, 255), (33, 2, 256), (9, 7, 1022)])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32, torch.uint8])
+def test_one_launch_sort_equals_the_torch_sort(T, K, E, id_dtype):
+    """The one-launch sort of few pairs (``moeyard.dispatch_triton``, under the interpreter here) gives the
+    torch path's keys, stable order and offsets: ids outside ``[0, E)`` (negative, ``E``, above) to the tail,
+    pairs up to ``MAX_PAIRS`` (2048), experts up to ``MAX_EXPERTS`` (1022), N not a power of two."""
+    from moeyard import dispatch
+    from moeyard.dispatch_triton import MAX_EXPERTS, MAX_PAIRS, fits, sort_by_expert_small
+    g = torch.Generator().manual_seed(T * K + E)
+    low, high = (0, min(E + 3, 256)) if id_dtype == torch.uint8 else (-3, E + 3)
+    ids = torch.randint(low, high, (T, K), generator=g).to(id_dtype)
+    want = dispatch._sort(dispatch._sort_keys(ids, E), E)
+    got = sort_by_expert_small(ids, E, dispatch._key_dtype(E))
+    for name, a, b in zip(("keys", "order", "offsets"), want, got):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert fits(T * K, E) and not fits(MAX_PAIRS + 1, E) and not fits(T * K, MAX_EXPERTS + 1) and not fits(0, E)
+
+
+def test_sort_by_expert_takes_one_launch_for_few_pairs(monkeypatch):
+    """Under the interpreter (as on CUDA), up to ``MAX_PAIRS`` pairs never reach ``torch.sort`` and give its
+    values; one pair more goes to ``torch.sort``."""
+    from moeyard import dispatch
+    from moeyard.dispatch_triton import MAX_PAIRS
+    ids = torch.randint(-1, 17, (MAX_PAIRS // 4, 4), generator=torch.Generator().manual_seed(0))
+    want = dispatch._sort(dispatch._sort_keys(ids, 16), 16)
+    calls, real = [], torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = dispatch.sort_by_expert(ids, 16)
+    assert not calls and all(torch.equal(a, b) for a, b in zip(want, got))
+    dispatch.sort_by_expert(torch.cat([ids.reshape(-1), ids.new_zeros(1)]).unsqueeze(1), 16)
+    assert calls

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import kind
+from .kernel_op import have_triton, interpreting
 from .weighted_sum import gathered_weighted_sum, weighted_sum
 
 Tensor = torch.Tensor
@@ -95,9 +96,22 @@ def sort_by_expert(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, 
     directly): ``(sorted_keys [N], sort_order [N] int64, expert_offsets [E + 1] int32)`` for
     ``topk_ids [T, K]`` (any integer dtype); the keys are the ids in the narrowest integer dtype that
     holds ``E`` (``uint8`` up to 255 experts). Pairs with an id outside ``[0, E)`` sort to the tail, past
-    ``expert_offsets[E]``. No host sync. Its arguments are not checked (:func:`make_plan` and
-    :func:`moeyard.experts` check theirs before calling it)."""
+    ``expert_offsets[E]``. Up to :data:`moeyard.dispatch_triton.MAX_PAIRS` pairs on CUDA (or under
+    ``TRITON_INTERPRET=1``) with Triton installed, one kernel launch instead of six ops
+    (:mod:`moeyard.dispatch_triton`; the same values). No host sync. Its arguments are not checked
+    (:func:`make_plan` and :func:`moeyard.experts` check theirs before calling it)."""
+    if _one_launch(topk_ids, num_experts):
+        from .dispatch_triton import sort_by_expert_small
+        return sort_by_expert_small(topk_ids, num_experts, _key_dtype(num_experts))
     return _sort(_sort_keys(topk_ids, num_experts), num_experts)
+
+
+def _one_launch(topk_ids: Tensor, num_experts: int) -> bool:
+    """Whether :func:`sort_by_expert` takes the one-launch kernel for these ids."""
+    if not have_triton() or not (topk_ids.is_cuda or (topk_ids.is_cpu and interpreting())):
+        return False
+    from .dispatch_triton import fits
+    return fits(topk_ids.numel(), num_experts)
 
 
 def _sort(keys: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -14,6 +14,7 @@ by autograd, so their version counters do not matter.
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Callable, Sequence
 
 import torch
@@ -24,6 +25,11 @@ _HAVE_TRITON = importlib.util.find_spec("triton") is not None  # looked up at im
 def have_triton() -> bool:
     """Whether Triton is installed (looked up once, at import; the kernels' modules import it lazily)."""
     return _HAVE_TRITON
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class KernelOp:

@@ -273,3 +273,17 @@ def test_checkpointed_layer_compiles_inductor(monkeypatch):
     for a, b in zip(got, want):
         assert b.float().abs().sum() > 0
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("T,K,E", [(1, 8, 128), (7, 8, 128), (64, 8, 128), (256, 8, 128), (2048, 1, 1022),
+                                   (3, 4, 255), (33, 2, 256), (100, 6, 7)])
+def test_one_launch_sort_on_cuda(T, K, E):
+    """The one-launch sort of few pairs (``moeyard.dispatch_triton``, compiled) gives ``torch.sort``'s keys,
+    stable order and offsets, invalid ids (negative, ``E`` and above) at the tail."""
+    from moeyard import dispatch
+    from moeyard.dispatch_triton import sort_by_expert_small
+    ids = torch.randint(-2, E + 3, (T, K), device=DEV, generator=torch.Generator(DEV).manual_seed(T + E))
+    want = dispatch._sort(dispatch._sort_keys(ids, E), E)
+    got = sort_by_expert_small(ids, E, dispatch._key_dtype(E))
+    for name, a, b in zip(("keys", "order", "offsets"), want, got):
+        assert a.dtype == b.dtype and torch.equal(a, b), name

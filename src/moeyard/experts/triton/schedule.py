@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
+from ...kernel_op import interpreting
 from .tuning import pruner
 
 
@@ -157,11 +158,6 @@ def max_row_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
 def rank_block(rank: int) -> int:
     """The padded LoRA rank a kernel holds in registers: a power of two, at least 16 (``tl.dot``)."""
     return max(16, triton.next_power_of_2(rank))
-
-
-def interpreting() -> bool:
-    """True under Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def dot_precision(dtype: torch.dtype) -> str:
