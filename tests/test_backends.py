@@ -235,9 +235,10 @@ def test_dropped_rows_get_no_gradient_from_unwritten_memory():
     assert torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 @pytest.mark.parametrize("backend", ["auto"] + cpu_backends(torch.float32))
-def test_first_call_under_no_grad_or_inference_mode(monkeypatch, backend, mode):
+def test_first_call_under_no_grad_or_inference_mode(monkeypatch, backend, mode, lora):
     # generation runs the layer under inference_mode, often as the process's first call: every backend
     # gives the grad-mode output there, and grouped_mm's feature probe (a tiny backward) neither fails
     # nor marks grouped_mm unavailable for the rest of the process (auto would fall back silently)
@@ -247,6 +248,11 @@ def test_first_call_under_no_grad_or_inference_mode(monkeypatch, backend, mode):
     torch.manual_seed(0)
     layer = moeyard.MoE(moeyard.MoEConfig(hidden_size=32, intermediate_size=16, num_experts=4, top_k=2),
                         backend=backend)
+    if lora:
+        layer.add_lora(8)
+        with torch.no_grad():  # PEFT's init leaves B zero
+            for adapter in layer.lora.values():
+                adapter.lora_B.weight.normal_()
     x = torch.randn(7, 32)
     with mode():
         out = layer(x)

@@ -326,26 +326,31 @@ def test_host_time_rows_and_profile(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(ht, "get_model", lambda name: parse_shape("64,32,16,4,2"))
     out = tmp_path / "rows.json"
     assert ht.main(["--models", "tiny", "--backends", "loop,grouped_mm", "--routers", "torch,fused", "--iters", "2",
-                    "--top", "5", "--pstats", str(tmp_path / "ps"), "--json", str(out), "--steps", "fwdbwd,fwd"]) == 0
+                    "--top", "5", "--pstats", str(tmp_path / "ps"), "--json", str(out), "--steps", "fwdbwd,fwd,infer",
+                    "--tokens", "8,64"]) == 0
     import json
     rows = json.loads(out.read_text())
-    assert [(r["backend"], r["router"], r["step"]) for r in rows] == [
-        (b, r, s) for b in ("loop", "grouped_mm") for r in ("torch", "fused") for s in ("fwdbwd", "fwd")]
+    assert [(r["tokens"], r["backend"], r["router"], r["step"]) for r in rows] == [
+        (t, b, r, s) for t in (8, 64) for b in ("loop", "grouped_mm") for r in ("torch", "fused")
+        for s in ("fwdbwd", "fwd", "infer")]
     assert all(r["host_ms"] > 0 and r["step_ms"] > 0 and r["device_ms"] >= r["held_host_ms"] > 0 for r in rows)
-    assert len(sleeps) == 8 * (1 + 2 + 2)  # per row: the sleep's calibration, then one per timed and profiled step
-    stats = pstats.Stats(str(tmp_path / "ps" / "tiny-loop-torch.pstats"))
+    assert len(sleeps) == 24 * (1 + 2 + 2)  # per row: the sleep's calibration, then one per timed and profiled step
+    stats = pstats.Stats(str(tmp_path / "ps" / "tiny-T64-loop-torch-fwdbwd.pstats"))
     assert any("backward" in fn for _, _, fn in stats.stats)
-    stats = pstats.Stats(str(tmp_path / "ps" / "tiny-loop-torch-fwd.pstats"))
-    assert any("forward" in fn for _, _, fn in stats.stats)
-    assert not any("backward" in fn for _, _, fn in stats.stats)
+    for step in ("fwd", "infer"):
+        stats = pstats.Stats(str(tmp_path / "ps" / f"tiny-T8-loop-torch-{step}.pstats"))
+        assert any("forward" in fn for _, _, fn in stats.stats)
+        assert not any("backward" in fn for _, _, fn in stats.stats)
     text = capsys.readouterr().out
-    assert "## cProfile tiny grouped_mm router=fused step=fwd" in text and "host/dev" in text
+    assert "## cProfile tiny T=8 grouped_mm router=fused step=infer" in text and "host/dev" in text
     with pytest.raises(ValueError, match="^--steps"):
         ht.main(["--models", "tiny", "--steps", "bwd"])
+    with pytest.raises(ValueError, match="^--tokens"):
+        ht.main(["--models", "tiny", "--tokens", "0"])
 
 
-@pytest.mark.parametrize("forward_only", [True, False])
-def test_host_time_forward_step_runs_no_backward(forward_only):
+@pytest.mark.parametrize("step", ["fwd", "infer", "fwdbwd"])
+def test_host_time_forward_step_runs_no_backward(step):
     from moeyard import bench
     from moeyard.models import parse_shape
 
@@ -354,5 +359,8 @@ def test_host_time_forward_step_runs_no_backward(forward_only):
     inputs = bench.make_inputs(parse_shape("32,32,16,4,2"), opts)
     module = bench.build("loop", parse_shape("32,32,16,4,2").moe_config(), "cpu", torch.float32)
     params = [p for p in module.parameters() if p.requires_grad]
-    ht._step(module, inputs, params, 0, forward_only)
-    assert all((p.grad is None) == forward_only for p in params + inputs.xs[:1])
+    recorded = []
+    module.register_forward_hook(lambda m, i, out: recorded.append(out.requires_grad))
+    ht._step(module, inputs, params, 0, step)
+    assert all((p.grad is None) == (step != "fwdbwd") for p in params + inputs.xs[:1])
+    assert recorded == [step != "infer"]  # infer: under inference_mode, no graph

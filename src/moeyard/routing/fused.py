@@ -115,7 +115,11 @@ def route_fused(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | 
 
     _check(x, weight, config, bias, correction_bias, num_sequences)
     spec, loss_spec = Spec.of(config, num_sequences), LossSpec.of(config, x.shape[0], num_sequences)
-    logits, scores, ids, w, counts, losses = _FusedRouter.apply(x, weight, bias, correction_bias, spec, loss_spec)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        logits, scores, ids, w, counts, losses = _FusedRouter.apply(x, weight, bias, correction_bias, spec, loss_spec)
+    else:  # no graph to record: the kernels without the autograd function's host time
+        logits, scores, ids, w, stats = _forward(x, weight, bias, correction_bias, spec)
+        _, counts, losses = _losses(stats, loss_spec)
     aux, seq, z, loss = losses.unbind()
     return finish(config, ids, w, logits, scores, counts, aux, seq, z, loss)
 

@@ -49,12 +49,17 @@ def triton_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: E
     tw = topk_weights.reshape(-1)
     a_up, b_up, s_up = _factors(weights.lora_up)
     a_dn, b_dn, s_dn = _factors(weights.lora_down)
+    train = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, tw, weights.w_up, weights.w_down, weights.b_up,
+                                                    weights.b_down, a_up, b_up, a_dn, b_dn))
     if activation.fn is None:
         spec = ActSpec(name=activation.name, alpha=activation.alpha, limit=activation.limit,
                        interleaved=weights.interleaved)
-        train = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, tw, weights.w_up, weights.w_down, weights.b_up,
-                                                        weights.b_down, a_up, b_up, a_dn, b_dn))
+        if not train:  # no graph to record: the kernels without the autograd functions' host time
+            _, a, _ = ops.up_proj(x, weights.w_up, weights.b_up, r, spec, store_h=False,
+                                  lora=_forward_term(a_up, b_up, s_up))
+            return _down_forward(a, tw, weights.w_down, weights.b_down, r, drop_invalid,
+                                 _forward_term(a_dn, b_dn, s_dn))[0]
         h, a = _UpProj.apply(x, weights.w_up, weights.b_up, a_up, b_up, r, s_up, spec, train)
         return _DownProj.apply(h, a, tw, weights.w_down, weights.b_down, a_dn, b_dn, r, s_dn, spec, drop_invalid)
     h = _UpProj.apply(x, weights.w_up, weights.b_up, a_up, b_up, r, s_up, NONE, False)
