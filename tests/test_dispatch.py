@@ -384,6 +384,8 @@ def test_one_launch_sort_equals_the_torch_sort(T, K, E, id_dtype):
     for name, a, b in zip(("keys", "order", "offsets"), want, got):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert fits(T * K, E) and not fits(MAX_PAIRS + 1, E) and not fits(T * K, MAX_EXPERTS + 1) and not fits(0, E)
+    with pytest.raises(ValueError, match="^topk_ids: expected 1 to"):
+        sort_by_expert_small(ids, MAX_EXPERTS + 1, torch.int16)
 
 
 def test_sort_by_expert_takes_one_launch_for_few_pairs(monkeypatch):

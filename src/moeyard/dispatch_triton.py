@@ -68,9 +68,17 @@ def _(ids, num_experts, keys, order, offsets):
 def sort_by_expert_small(topk_ids: Tensor, num_experts: int, key_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`moeyard.dispatch.sort_by_expert` in one launch: ``(sorted_keys [N] key_dtype, sort_order [N]
     int64, expert_offsets [E + 1] int32)`` for ``topk_ids [T, K]`` (any integer dtype), the same values.
-    :func:`fits` must hold for ``N = T * K``. No host sync."""
+    No host sync.
+
+    Raises:
+        ValueError: ``N = T * K`` and ``num_experts`` outside :func:`fits` (0 or more than :data:`MAX_PAIRS`
+            pairs, more than :data:`MAX_EXPERTS` experts: use :func:`moeyard.dispatch.sort_by_expert`).
+    """
     ids = topk_ids.reshape(-1)
     N, dev = ids.shape[0], ids.device
+    if not fits(N, num_experts):
+        raise ValueError(f"topk_ids: expected 1 to {MAX_PAIRS} pairs over at most {MAX_EXPERTS} experts, got {N} "
+                         f"pairs over {num_experts} (use moeyard.dispatch.sort_by_expert)")
     keys = torch.empty(N, device=dev, dtype=key_dtype)
     order = torch.empty(N, device=dev, dtype=torch.int64)
     offsets = torch.empty(num_experts + 1, device=dev, dtype=torch.int32)

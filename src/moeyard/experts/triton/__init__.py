@@ -19,12 +19,11 @@ Runs on CUDA in bfloat16, float16 and float32, and on CPU under Triton's interpr
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ...activations import Activation
 from ...kernel_op import have_triton as _have_triton  # (tests replace it)
+from ...kernel_op import interpreting
 from ..registry import ExpertBackend, register_backend
 from ..weights import ExpertWeights
 
@@ -54,7 +53,7 @@ def _unsupported(device: torch.device, dtype: torch.dtype, weights: ExpertWeight
             return f"needs bfloat16, float16 or float32 on CUDA, got {dtype}"
         return None
     if device.type == "cpu":
-        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        if not interpreting():
             return "runs on CPU only under Triton's interpreter (TRITON_INTERPRET=1)"
         if dtype != torch.float32:
             return f"needs float32 under Triton's interpreter, got {dtype}"
