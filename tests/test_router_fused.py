@@ -237,3 +237,27 @@ def test_auto_stops_retrying_a_failed_import(monkeypatch):
     cuda_like = types.SimpleNamespace(is_cuda=True)
     assert routing._pick_fused(cuda_like) is None and routing._pick_fused(cuda_like) is None
     assert tries == [1]
+
+
+def test_tokens_per_program(monkeypatch):
+    """On a GPU a forward program takes the tokens its sequence has, rounded up to a power of two, from 16
+    (``tl.dot``'s least) to 128 and a ``[BM, E_P2]`` tile of at most 16K elements; the autotuner keys on it,
+    so a decoding step's few tokens get a config of their own."""
+    monkeypatch.setattr(fused, "interpreting", lambda: False)
+    for e_p2, cap in ((16, 128), (128, 128), (256, 64), (512, 32)):
+        for tokens, want in ((0, 16), (1, 16), (8, 16), (17, 32), (50, 64), (64, 64), (65, 128), (10**6, 128)):
+            assert fused.block_m(e_p2, tokens) == max(16, min(cap, want)), (e_p2, tokens)
+    monkeypatch.setattr(fused, "_TUNED", [])
+    monkeypatch.setattr(fused, "tuned", lambda kernel, configs, key, **kw: key)
+    assert "BM" in fused._fwd_launcher()
+
+
+def test_fixed_config_fits_shared_memory():
+    """``MOEYARD_TRITON_AUTOTUNE=0``: three stages where ``x [BM, 32]`` and ``W [32, E_P2]`` fit three times in
+    a block's shared memory, fewer where not (float32 x, 512 experts: two stages on an A100, one on sm_86)."""
+    h100, a100, sm86 = 232448, 166912, 101376
+    assert fused._fixed_for(128, 128, 2, h100) == dict(BK=32, num_warps=8, num_stages=3)
+    assert fused._fixed_for(32, 512, 4, h100)["num_stages"] == 3  # 208,896 bytes
+    assert fused._fixed_for(32, 512, 4, a100)["num_stages"] == 2
+    assert fused._fixed_for(32, 512, 4, sm86)["num_stages"] == 1
+    assert fused._fixed_for(32, 512, 2, a100)["num_stages"] == 3

@@ -56,10 +56,12 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+@pytest.mark.parametrize("tokens, sequences", [(2000, 4), (8, 1), (200, 4)], ids=["T2000", "T8", "T200_B4"])
 @pytest.mark.parametrize("kw", SCHEMES)
-def test_float32_parity(kw):
-    problem = _problem(kw)
-    (a, ga), (b, gb) = _run(fused.route_fused, *problem), _run(torch_route, *problem)
+def test_float32_parity(kw, tokens, sequences):
+    """At 8 and 50 tokens per sequence the forward runs programs of 16 and 64 tokens (``fused.block_m``)."""
+    problem = _problem(kw, T=tokens)
+    (a, ga), (b, gb) = _run(fused.route_fused, *problem, B=sequences), _run(torch_route, *problem, B=sequences)
     assert torch.equal(a.topk_ids, b.topk_ids) and torch.equal(a.tokens_per_expert, b.tokens_per_expert)
     for n in ("topk_weights", "router_logits", "scores", "aux_loss", "seq_aux_loss", "z_loss", "loss"):
         assert _rel(getattr(a, n), getattr(b, n)) < 1e-5, n

@@ -17,6 +17,7 @@ Supported: float16 / bfloat16 / float32 inputs, ``E <= 512``, ``K <= 16``, ``n_g
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -180,10 +181,13 @@ def empty(shape: tuple, *, device, dtype) -> Tensor:
     return torch.empty(shape, device=device, dtype=dtype)
 
 
-def block_m(e_p2: int) -> int:
-    """Tokens per forward program: the ``[BM, E_P2]`` float32 tile stays at 16K elements (32 under
-    the interpreter, to exercise several programs on small inputs)."""
-    return 32 if interpreting() else max(16, min(128, 16384 // e_p2))
+def block_m(e_p2: int, tokens: int) -> int:
+    """Tokens per forward program: the logits GEMM's ``[BM, E_P2]`` float32 tile stays at 16K elements, and
+    no larger than the sequence's ``tokens`` need (at least 16, ``tl.dot``'s least; 32 under the interpreter,
+    to exercise several programs on small inputs)."""
+    if interpreting():
+        return 32
+    return max(16, min(128, 16384 // e_p2, triton.next_power_of_2(max(tokens, 1))))
 
 
 def _forward(x, weight, bias, corr, spec: Spec):
@@ -191,7 +195,7 @@ def _forward(x, weight, bias, corr, spec: Spec):
     E, K, B = weight.shape[0], spec.top_k, spec.num_sequences
     S = T // B
     e_p2 = max(16, triton.next_power_of_2(E))
-    bm = block_m(e_p2)
+    bm = block_m(e_p2, S)
     ns = triton.cdiv(S, bm)
     f32 = dict(device=x.device, dtype=torch.float32)
     logits, scores = empty((T, E), **f32), empty((T, E), **f32)
@@ -248,7 +252,27 @@ def _cfg(bk, warps, stages):
 
 
 FWD_CONFIGS = [_cfg(bk, w, s) for bk in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
-FIXED = dict(BK=32, num_warps=4, num_stages=2)  # the interpreter, and MOEYARD_TRITON_AUTOTUNE=0 (fits every E)
+# the interpreter, and MOEYARD_TRITON_AUTOTUNE=0: at E = 128 on an H100 (H = 2048, K = 8; benchmarks/NOTES.md,
+# round 30) 19-41 us from 8 to 4096 tokens and 142 at 32768, where BK 32 with 4 warps and 2 stages took 28-84
+# and 171 (4 warps spilled a [128, 128] tile); with fewer stages where three do not fit (_fixed)
+FIXED = dict(BK=32, num_warps=8, num_stages=3)
+
+
+def _fixed(args, kwargs) -> dict:
+    """``FIXED`` for a launch of :func:`.kernels.router_fwd_kernel`, with fewer stages where its ``x [BM, BK]``
+    and ``W [BK, E_P2]`` tiles would not fit in the device's shared memory three times (float32 ``x`` with
+    more than 256 experts on a GPU with less than sm_90's 227 KiB per block)."""
+    if interpreting():
+        return FIXED
+    return _fixed_for(kwargs["BM"], kwargs["E_P2"], args[0].element_size(), device_smem_limit())
+
+
+@functools.lru_cache(maxsize=None)
+def _fixed_for(bm: int, e_p2: int, size: int, limit: int) -> dict:
+    stages = FIXED["num_stages"]
+    while stages > 1 and stages * FIXED["BK"] * (bm + e_p2) * size > limit:
+        stages -= 1
+    return {**FIXED, "num_stages": stages}
 
 
 def _prune(configs, named_args, **kwargs):
@@ -265,9 +289,9 @@ _TUNED = []
 
 def _fwd_launcher():
     """The forward kernel with its block config: autotuned over ``BK``, warps and stages on a GPU
-    (keyed on H, E, K and the scheme), ``FIXED`` under the interpreter or ``MOEYARD_TRITON_AUTOTUNE=0``
-    (:func:`moeyard.experts.triton.schedule.tuned`; built on first use)."""
+    (keyed on H, E, K, the scheme and the tokens per program), ``FIXED`` under the interpreter or
+    ``MOEYARD_TRITON_AUTOTUNE=0`` (:func:`moeyard.experts.triton.schedule.tuned`; built on first use)."""
     if not _TUNED:
-        _TUNED.append(tuned(kernels.router_fwd_kernel, FWD_CONFIGS, ["H", "E", "K", "SIGMOID", "TOPK_FIRST"],
-                            prune=_prune, fixed=FIXED))
+        _TUNED.append(tuned(kernels.router_fwd_kernel, FWD_CONFIGS, ["H", "E", "K", "SIGMOID", "TOPK_FIRST", "BM"],
+                            prune=_prune, fixed=_fixed))
     return _TUNED[0]

@@ -294,18 +294,18 @@ def tuned(kernel, configs, key, kind=None, *, prune=None, fixed=None, fixed_extr
     ``early_config_prune``) or, by default, by the shared-memory and register estimates of
     :mod:`.tuning` for the launch kind ``kind`` (a key of ``tuning.KINDS``). Under the interpreter and
     with ``MOEYARD_TRITON_AUTOTUNE=0``: the one config ``fixed`` (a meta dict), by default ``SMALL``
-    and ``FIXED``, updated with ``fixed_extra`` (constexprs every config sets).
+    and ``FIXED``, updated with ``fixed_extra`` (constexprs every config sets); or ``fixed`` a function of
+    each launch's ``(args, kwargs)`` returning the meta dict.
 
     ``reset_to_zero``: names of output arguments the kernel adds into, or writes only in part with a
     config-dependent layout (e.g. one partial row per column tile); tuning runs the kernel once per config on
     the caller's buffers, so these are zeroed before each of those runs and once more before the launch that
     counts (as the caller zero-filled them), or the first call of each new shape would return the sum of the
     tuning runs' writes."""
-    extra = fixed_extra or {}
-    if interpreting():
-        return _Fixed(kernel, {**(fixed or SMALL), **extra})
-    if not autotuning():
-        return _Fixed(kernel, {**(fixed or FIXED), **extra})
+    if interpreting() or not autotuning():
+        if callable(fixed):
+            return _Fixed(kernel, fixed)
+        return _Fixed(kernel, {**(fixed or (SMALL if interpreting() else FIXED)), **(fixed_extra or {})})
     prune = prune or pruner(kind, device_smem_limit)
     return _Tuned(triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune},
                                   reset_to_zero=reset_to_zero)(kernel), key)
@@ -350,15 +350,17 @@ class _Tuned:
 
 
 class _Fixed:
-    """A launcher that fills in a fixed config (mirrors ``Autotuner.__getitem__``)."""
+    """A launcher that fills in a fixed config (mirrors ``Autotuner.__getitem__``): ``meta`` a dict, or a
+    function of the launch's ``(args, kwargs)`` returning one (a fixed config that depends on the operands)."""
 
     def __init__(self, kernel, meta):
         self.kernel, self.meta = kernel, meta
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            g = grid(self.meta) if callable(grid) else grid
-            return self.kernel[g](*args, **kwargs, **self.meta)
+            meta = self.meta(args, kwargs) if callable(self.meta) else self.meta
+            g = grid(meta) if callable(grid) else grid
+            return self.kernel[g](*args, **kwargs, **meta)
         return launch
 
 
