@@ -253,7 +253,7 @@ def _cfg(bk, warps, stages):
 
 FWD_CONFIGS = [_cfg(bk, w, s) for bk in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
 # the interpreter, and MOEYARD_TRITON_AUTOTUNE=0: at E = 128 on an H100 (H = 2048, K = 8; benchmarks/NOTES.md,
-# round 30) 19-41 us from 8 to 4096 tokens and 142 at 32768, where BK 32 with 4 warps and 2 stages took 28-84
+# round 30) 20-41 us from 8 to 4096 tokens and 142 at 32768, where BK 32 with 4 warps and 2 stages took 28-84
 # and 171 (4 warps spilled a [128, 128] tile); with fewer stages where three do not fit (_fixed)
 FIXED = dict(BK=32, num_warps=8, num_stages=3)
 
