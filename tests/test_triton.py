@@ -393,6 +393,26 @@ def test_tile_table_matches_expert_tile(E):
     assert int(table[2 * M]) == len(expected)
 
 
+@pytest.mark.parametrize("T,K,E,BM", [(1, 1, 1, 16), (9, 2, 3, 16), (100, 8, 128, 64), (256, 8, 128, 16),
+                                      (2048, 1, 160, 128), (7, 4, 1022, 16), (33, 2, 5, 128)])
+def test_sort_and_tile_in_one_launch(T, K, E, BM, monkeypatch):
+    """Few pairs: ``ops.routing`` sorts them and makes the tile table of ``tma_block_m()`` rows in one launch
+    (``schedule.sort_tile_kernel``), the same order, offsets and table as the sort and ``fill_tile_table``
+    apart; ids outside ``[0, E)`` included, up to ``MAX_PAIRS`` pairs and ``MAX_EXPERTS`` experts."""
+    from moeyard.dispatch import sort_by_expert
+    from moeyard.experts.triton import schedule
+    monkeypatch.setattr(ops, "tma_block_m", lambda: BM)
+    ids = torch.randint(-2, E + 2, (T, K), generator=torch.Generator().manual_seed(T * K + E))
+    _, order, offsets = sort_by_expert(ids, E)
+    table = torch.empty(2 * schedule.max_row_tiles(T * K, E, BM) + 1, dtype=torch.int32)
+    schedule.fill_tile_table(offsets, BM, table)
+    launches = []
+    monkeypatch.setattr(ops, "fill_tile_table", lambda *a: launches.append(a))
+    r = ops.routing(ids, E)
+    assert torch.equal(r.sort_order, order) and torch.equal(r.expert_offsets, offsets)
+    assert torch.equal(r.tile_table(BM), table) and not launches
+
+
 @triton.jit
 def _band_probe(offsets_ptr, out_ptr, E, bits, BM: tl.constexpr, E_P2: tl.constexpr):
     """Each program writes its band-major tile: expert, first row, end row (-1: no tile)."""
@@ -448,10 +468,12 @@ def test_band_rows_same_result(ids):
 
 
 def test_tile_table_made_once_per_step(monkeypatch):
-    # the TMA down projection (forward) and its input gradient (backward) share one table per routing
+    # the TMA down projection (forward) and its input gradient (backward) share one table per routing (made
+    # with the sort for few pairs, else by a launch of its own)
     calls = []
-    real = ops.fill_tile_table
-    monkeypatch.setattr(ops, "fill_tile_table", lambda *a: calls.append(a[1]) or real(*a))
+    for name in ("fill_tile_table", "sort_and_tile"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     with use_options(tma=True):
         check_against_loop(*_problem(41, 32, 24, 5, 3, bias=True))
     n_steps = len(calls)
@@ -468,7 +490,7 @@ def test_tile_table_made_once_per_step(monkeypatch):
     with use_options(tma=False):
         triton_backend.triton_forward(p["x"], ids, p["topk_weights"], expert_weights(p["gate_up_proj"], p["down_proj"]),
                                       Activation(), drop_invalid=True)
-    assert len(calls) == 1  # pointer loads: no table
+    assert calls[1:] == ["sort_and_tile"]  # pointer loads: no launch for a table (few pairs: made with the sort)
 
 
 def test_tma_persistent(monkeypatch):

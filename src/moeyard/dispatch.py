@@ -100,14 +100,15 @@ def sort_by_expert(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, 
     ``TRITON_INTERPRET=1``) with Triton installed, one kernel launch instead of six ops
     (:mod:`moeyard.dispatch_triton`; the same values). No host sync. Its arguments are not checked
     (:func:`make_plan` and :func:`moeyard.experts` check theirs before calling it)."""
-    if _one_launch(topk_ids, num_experts):
+    if one_launch(topk_ids, num_experts):
         from .dispatch_triton import sort_by_expert_small
         return sort_by_expert_small(topk_ids, num_experts, _key_dtype(num_experts))
     return _sort(_sort_keys(topk_ids, num_experts), num_experts)
 
 
-def _one_launch(topk_ids: Tensor, num_experts: int) -> bool:
-    """Whether :func:`sort_by_expert` takes the one-launch kernel for these ids."""
+def one_launch(topk_ids: Tensor, num_experts: int) -> bool:
+    """Whether :func:`sort_by_expert` takes the one-launch kernel (:mod:`moeyard.dispatch_triton`) for these
+    ids. Host metadata only."""
     if not have_triton() or not (topk_ids.is_cuda or (topk_ids.is_cpu and interpreting())):
         return False
     from .dispatch_triton import fits

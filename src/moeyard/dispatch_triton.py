@@ -35,16 +35,25 @@ def fits(num_pairs: int, num_experts: int) -> bool:
 @triton.jit
 def sort_small_kernel(ids_ptr, keys_ptr, order_ptr, offsets_ptr, N, E, N_P2: tl.constexpr, SHIFT: tl.constexpr,
                       E_P2: tl.constexpr):
-    """One program: ``keys[i]`` = the i-th key in sorted order, ``order[i]`` = its pair (stable),
-    ``offsets[e]`` = pairs with a key below ``e`` for ``e <= E``. A key is the pair's id, or E for an id
-    outside ``[0, E)``; padding positions (``i >= N``) get ``E + 1`` and sort past every pair."""
+    """One program: :func:`sort_pairs`."""
+    sort_pairs(ids_ptr, keys_ptr, order_ptr, offsets_ptr, N, E, N_P2, SHIFT, E_P2, True)
+
+
+@triton.jit
+def sort_pairs(ids_ptr, keys_ptr, order_ptr, offsets_ptr, N, E, N_P2: tl.constexpr, SHIFT: tl.constexpr,
+               E_P2: tl.constexpr, KEYS: tl.constexpr):
+    """The whole sort in the calling program: ``keys[i]`` = the i-th key in sorted order (written if
+    ``KEYS``), ``order[i]`` = its pair (stable), ``offsets[e]`` = pairs with a key below ``e`` for ``e <= E``. A
+    key is the pair's id, or E for an id outside ``[0, E)``; padding positions (``i >= N``) get ``E + 1`` and
+    sort past every pair."""
     i = tl.arange(0, N_P2)
     live = i < N
     ids = tl.load(ids_ptr + i, mask=live, other=0).to(tl.int64)
     key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
     key = tl.where(live, key, E + 1)
     packed = tl.sort((key << SHIFT) | i)
-    tl.store(keys_ptr + i, (packed >> SHIFT).to(keys_ptr.dtype.element_ty), mask=live)
+    if KEYS:
+        tl.store(keys_ptr + i, (packed >> SHIFT).to(keys_ptr.dtype.element_ty), mask=live)
     tl.store(order_ptr + i, (packed & (N_P2 - 1)).to(tl.int64), mask=live)
     counts = tl.histogram(key, E_P2)
     e = tl.arange(0, E_P2)
@@ -54,10 +63,16 @@ def sort_small_kernel(ids_ptr, keys_ptr, order_ptr, offsets_ptr, N, E, N_P2: tl.
 @kernel_op("moeyard::sort_small", mutates_args=("keys", "order", "offsets"))
 def sort_small_(ids: Tensor, num_experts: int, keys: Tensor, order: Tensor, offsets: Tensor) -> None:
     """Write ``keys [N]``, ``order [N]`` int64 and ``offsets [E + 1]`` int32 for the flat ``ids [N]``."""
-    N = ids.shape[0]
-    n_p2 = triton.next_power_of_2(max(N, 2))
-    sort_small_kernel[(1,)](ids, keys, order, offsets, N, num_experts, N_P2=n_p2, SHIFT=n_p2.bit_length() - 1,
-                            E_P2=triton.next_power_of_2(num_experts + 2), num_warps=8 if n_p2 > 1024 else 4)
+    sort_small_kernel[(1,)](ids, keys, order, offsets, ids.shape[0], num_experts, **sort_meta(ids.shape[0],
+                                                                                              num_experts))
+
+
+def sort_meta(num_pairs: int, num_experts: int) -> dict:
+    """The constexprs and warps of a one-program sort (:func:`sort_pairs`) of ``num_pairs`` over
+    ``num_experts``."""
+    n_p2 = triton.next_power_of_2(max(num_pairs, 2))
+    return dict(N_P2=n_p2, SHIFT=n_p2.bit_length() - 1, E_P2=triton.next_power_of_2(num_experts + 2),
+                num_warps=8 if n_p2 > 1024 else 4)
 
 
 @sort_small_.register_fake

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from ...activations import GATED
-from ...dispatch import sort_by_expert
+from ...dispatch import one_launch, sort_by_expert
 from ...kernel_op import kernel_op
 from . import kernels_bwd, kernels_fwd, kernels_tma
 from .options import options
@@ -23,7 +23,7 @@ from .tuning import LORA_FUSED, LORA_NONE, LORA_SPLIT
 from .schedule import (DH_CONFIGS, DUAL_CONFIGS, FIXED, GEMM_CONFIGS, REDUCE_BLOCK, ROWS_WGRAD_CONFIGS, SMALL,
                        THIN_CONFIGS, THIN_WGRAD_CONFIGS, TMA_CONFIGS, WGRAD_CONFIGS,
                        band_bits, device_properties, dot_precision, fill_tile_table, interpreting, is_sm90, max_chunks,
-                       max_partial_slots, max_row_tiles, rank_block, rows_block, tma_block_m, tuned)
+                       max_partial_slots, max_row_tiles, rank_block, rows_block, sort_and_tile, tma_block_m, tuned)
 
 Tensor = torch.Tensor
 COMBINE_BH = 1024
@@ -89,10 +89,28 @@ class Routing:
 
 def routing(topk_ids: Tensor, num_experts: int) -> Routing:
     """Sort the ``[T, K]`` pairs by expert (stable) and find each expert's rows
-    (:func:`moeyard.dispatch.sort_by_expert`: a few device ops, one stable sort, no host sync)."""
+    (:func:`moeyard.dispatch.sort_by_expert`: a few device ops, one stable sort, no host sync). Where the
+    sort takes one launch (:func:`moeyard.dispatch.one_launch`: few pairs), in eager mode, that launch also
+    makes the tile table of ``tma_block_m()`` rows the TMA and Gluon kernels read (:meth:`Routing.tile_table`),
+    one launch less per call (host time: ``benchmarks/NOTES.md``, round 30)."""
+    if one_launch(topk_ids, num_experts) and not torch.compiler.is_compiling():
+        return _sorted_and_tiled(topk_ids, num_experts)
     _, sort_order, expert_offsets = sort_by_expert(topk_ids, num_experts)
     return Routing(topk_ids=topk_ids.contiguous(), sort_order=sort_order, expert_offsets=expert_offsets,
                    num_experts=num_experts)
+
+
+def _sorted_and_tiled(topk_ids: Tensor, num_experts: int) -> Routing:
+    """:func:`routing` by :func:`.schedule.sort_and_tile`: the sort and the tile table in one launch."""
+    ids = topk_ids.reshape(-1)
+    N, dev, block_m = ids.shape[0], ids.device, tma_block_m()
+    order = torch.empty(N, dtype=torch.int64, device=dev)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
+    table = torch.empty(2 * max_row_tiles(N, num_experts, block_m) + 1, dtype=torch.int32, device=dev)
+    sort_and_tile(ids, num_experts, block_m, order, offsets, table)
+    r = Routing(topk_ids=topk_ids.contiguous(), sort_order=order, expert_offsets=offsets, num_experts=num_experts)
+    r.made[block_m] = table
+    return r
 
 
 @dataclass(frozen=True, kw_only=True)

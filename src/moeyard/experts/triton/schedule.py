@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
+from ...dispatch_triton import sort_meta, sort_pairs
 from ...kernel_op import interpreting
 from .tuning import pruner
 
@@ -63,10 +64,28 @@ def tile_table_kernel(offsets_ptr, table_ptr, E, M, BM: tl.constexpr, E_P2: tl.c
     (:func:`max_row_tiles`); ``table[2 * M]`` = the number of tiles that exist (they come first).
     Built once per launch for kernels whose programs visit many tiles (persistent ones), instead of
     each tile searching the offsets as :func:`expert_tile` does."""
+    tile_rows(offsets_ptr, table_ptr, E, M, tl.program_id(0) * BT, BM, E_P2, BT)
+
+
+@triton.jit
+def sort_tile_kernel(ids_ptr, order_ptr, offsets_ptr, table_ptr, N, E, M, N_P2: tl.constexpr, SHIFT: tl.constexpr,
+                     E_P2: tl.constexpr, BM: tl.constexpr, TE_P2: tl.constexpr, BT: tl.constexpr):
+    """One program: the one-launch sort by expert (:func:`moeyard.dispatch_triton.sort_pairs`, its order and
+    offsets), then, from the offsets it wrote, the tile table of ``BM`` rows (:func:`tile_table_kernel`'s,
+    ``BT`` tiles at a time): the two launches of a call with few pairs in one."""
+    sort_pairs(ids_ptr, order_ptr, order_ptr, offsets_ptr, N, E, N_P2, SHIFT, E_P2, False)
+    tl.debug_barrier()  # every thread's offsets stored before any thread reads them
+    for t0 in range(0, M, BT):
+        tile_rows(offsets_ptr, table_ptr, E, M, t0, BM, TE_P2, BT)
+
+
+@triton.jit
+def tile_rows(offsets_ptr, table_ptr, E, M, t0, BM: tl.constexpr, E_P2: tl.constexpr, BT: tl.constexpr):
+    """Tiles ``t0 ... t0 + BT - 1`` of :func:`tile_table_kernel`'s table (and, from ``t0 = 0``, the count)."""
     e_idx, starts, ends, pieces, last, _ = _piece_table(offsets_ptr, E, BM, E_P2, False)
-    if tl.program_id(0) == 0:
+    if t0 == 0:
         tl.store(table_ptr + 2 * M, tl.max(last, 0))  # tiles that exist: the first ones
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t = t0 + tl.arange(0, BT)
     e = tl.sum((last[None, :] <= t[:, None]).to(tl.int32), 1)
     here = e_idx[None, :] == e[:, None]
     first = tl.sum(tl.where(here, (last - pieces)[None, :], 0), 1)
@@ -80,9 +99,25 @@ def fill_tile_table(expert_offsets: torch.Tensor, block_m: int, table: torch.Ten
     :func:`tile_table_kernel`: one small launch (``ceil(M / BT)`` programs, at least one), no host sync."""
     E = expert_offsets.shape[0] - 1
     M = (table.shape[0] - 1) // 2
-    e_p2 = triton.next_power_of_2(max(E, 2))
-    bt = max(8, 4096 // e_p2)
+    e_p2, bt = _table_blocks(E)
     tile_table_kernel[(max(1, triton.cdiv(M, bt)),)](expert_offsets, table, E, M, BM=block_m, E_P2=e_p2, BT=bt)
+
+
+def _table_blocks(num_experts: int) -> tuple[int, int]:
+    """``(E_P2, BT)`` of the tile table's kernels: ``[BT, E_P2]`` tiles of at most 4096 elements."""
+    e_p2 = triton.next_power_of_2(max(num_experts, 2))
+    return e_p2, max(8, 4096 // e_p2)
+
+
+def sort_and_tile(ids: torch.Tensor, num_experts: int, block_m: int, order: torch.Tensor, offsets: torch.Tensor,
+                  table: torch.Tensor) -> None:
+    """:func:`moeyard.dispatch_triton.sort_by_expert_small`'s ``order [N]`` int64 and ``offsets [E + 1]`` int32
+    and :func:`fill_tile_table`'s ``table [2 M + 1]`` int32 of ``block_m`` rows for the flat ``ids [N]``, in
+    one launch of one program (:func:`sort_tile_kernel`; ``N`` within :func:`moeyard.dispatch_triton.fits`).
+    No host sync."""
+    te_p2, bt = _table_blocks(num_experts)
+    sort_tile_kernel[(1,)](ids, order, offsets, table, ids.shape[0], num_experts, (table.shape[0] - 1) // 2,
+                           BM=block_m, TE_P2=te_p2, BT=bt, **sort_meta(ids.shape[0], num_experts))
 
 
 @triton.jit
