@@ -125,3 +125,20 @@ def test_default_router_on_cuda_is_fused(monkeypatch):
     assert calls == [1]
     route(x.double(), w.double(), cfg)  # float64: the fused router does not apply, the torch path runs
     assert calls == [1]
+
+
+def test_autotuned_per_program_size(monkeypatch):
+    """With autotuning on (the default), the forward is tuned per program size (``fused.block_m``: 16, 64 and
+    128 tokens here), each on its first call: that call returns what the next returns, with the torch path's
+    ids."""
+    monkeypatch.setenv("MOEYARD_TRITON_AUTOTUNE", "1")
+    monkeypatch.setattr(fused, "_TUNED", [])  # the launcher built anew, autotuned
+    for tokens in (8, 50, 2000):
+        problem = _problem(dict(E=128, K=8), T=tokens)
+        (a, ga), (b, gb) = (_run(fused.route_fused, *problem, B=1) for _ in range(2))
+        ref, _ = _run(torch_route, *problem, B=1)
+        assert torch.equal(a.topk_ids, b.topk_ids) and torch.equal(a.topk_ids, ref.topk_ids), tokens
+        for n in ("topk_weights", "router_logits", "scores", "loss"):
+            assert torch.equal(getattr(a, n), getattr(b, n)), (tokens, n)
+        assert all(torch.equal(u, v) for u, v in zip(ga, gb)), tokens
+    assert {key[0][-1] for key in fused._TUNED[0].picks} == {16, 64, 128}
