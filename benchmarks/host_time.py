@@ -93,8 +93,7 @@ def measure(module, inputs, iters: int, warmup: int = 3, step: str = "fwdbwd") -
         _step(module, inputs, params, i % n, step)
         free.append((time.perf_counter() - t0) * 1e3)
     torch.cuda.synchronize()
-    step = lambda i: _step(module, inputs, params, i % n, step)  # noqa: E731
-    step_ms = bench.time_ms(step, n, 0, iters, torch.device("cuda"))
+    step_ms = bench.time_ms(lambda i: _step(module, inputs, params, i % n, step), n, 0, iters, torch.device("cuda"))
     return dict(host_ms=statistics.median(free), held_host_ms=statistics.median(host),
                 device_ms=statistics.median(device), step_ms=step_ms, sleep_ms=sleep_ms)
 

@@ -343,6 +343,14 @@ def test_host_time_rows_and_profile(monkeypatch, tmp_path, capsys):
         assert not any("backward" in fn for _, _, fn in stats.stats)
     text = capsys.readouterr().out
     assert "## cProfile tiny T=8 grouped_mm router=fused step=infer" in text and "host/dev" in text
+    # every timed column runs the row's own step (the "step ms" column once ran a forward whatever the step)
+    kinds = []
+    real = ht._step
+    monkeypatch.setattr(ht, "_step", lambda *a: kinds.append(a[4]) or real(*a))
+    for step in ("fwdbwd", "infer"):
+        kinds.clear()
+        ht.main(["--models", "tiny", "--backends", "loop", "--routers", "torch", "--iters", "2", "--steps", step])
+        assert kinds and set(kinds) == {step}, kinds
     with pytest.raises(ValueError, match="^--steps"):
         ht.main(["--models", "tiny", "--steps", "bwd"])
     with pytest.raises(ValueError, match="^--tokens"):
