@@ -63,8 +63,8 @@ def sort_pairs(ids_ptr, keys_ptr, order_ptr, offsets_ptr, N, E, N_P2: tl.constex
 @kernel_op("moeyard::sort_small", mutates_args=("keys", "order", "offsets"))
 def sort_small_(ids: Tensor, num_experts: int, keys: Tensor, order: Tensor, offsets: Tensor) -> None:
     """Write ``keys [N]``, ``order [N]`` int64 and ``offsets [E + 1]`` int32 for the flat ``ids [N]``."""
-    sort_small_kernel[(1,)](ids, keys, order, offsets, ids.shape[0], num_experts, **sort_meta(ids.shape[0],
-                                                                                              num_experts))
+    N = ids.shape[0]
+    sort_small_kernel[(1,)](ids, keys, order, offsets, N, num_experts, **sort_meta(N, num_experts))
 
 
 def sort_meta(num_pairs: int, num_experts: int) -> dict:

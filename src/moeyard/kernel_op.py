@@ -32,6 +32,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def records_graph(*tensors) -> bool:
+    """Whether autograd records a graph through ``tensors`` (None entries skipped): grad mode on and one of
+    them requiring grad. Without one, a launcher's autograd function is only host time (its kernels can run
+    directly)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class KernelOp:
     """A launcher ``fn`` and its registered custom op ``op`` (see the module docstring).
 

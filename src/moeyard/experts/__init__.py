@@ -9,6 +9,7 @@ import torch
 
 from ..activations import Activation, get_activation
 from ..checks import check_float, check_ids_on_host, check_topk, invalid_ids
+from ..kernel_op import records_graph
 from . import bmm_padded as _bmm_padded  # noqa: F401  (registers)
 from . import grouped_mm as _grouped_mm  # noqa: F401  (registers)
 from . import loop as _loop  # noqa: F401  (registers)
@@ -114,6 +115,5 @@ def experts(
 
 def _workload(topk_ids: Tensor, weights: ExpertWeights) -> Workload:
     """The call's pairs, and whether the base expert weights will get gradients."""
-    base = (weights.w_up, weights.w_down, weights.b_up, weights.b_down)
-    weight_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in base)
+    weight_grad = records_graph(weights.w_up, weights.w_down, weights.b_up, weights.b_down)
     return Workload(pairs=topk_ids.numel(), weight_grad=weight_grad)

@@ -25,6 +25,7 @@ import triton
 
 from ..checks import check_float
 from ..config import MoEConfig
+from ..kernel_op import records_graph
 from ..experts.triton.schedule import device_smem_limit, dot_precision, interpreting, tuned
 from . import kernels
 
@@ -116,7 +117,7 @@ def route_fused(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | 
 
     _check(x, weight, config, bias, correction_bias, num_sequences)
     spec, loss_spec = Spec.of(config, num_sequences), LossSpec.of(config, x.shape[0], num_sequences)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+    if records_graph(x, weight, bias):
         logits, scores, ids, w, counts, losses = _FusedRouter.apply(x, weight, bias, correction_bias, spec, loss_spec)
     else:  # no graph to record: the kernels without the autograd function's host time
         logits, scores, ids, w, stats = _forward(x, weight, bias, correction_bias, spec)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ...activations import Activation
+from ...kernel_op import records_graph
 from ..weights import ExpertWeights, LowRank
 from . import ops
 from .ops import ActSpec, LoRATerm, Routing
@@ -49,9 +50,7 @@ def triton_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: E
     tw = topk_weights.reshape(-1)
     a_up, b_up, s_up = _factors(weights.lora_up)
     a_dn, b_dn, s_dn = _factors(weights.lora_down)
-    train = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, tw, weights.w_up, weights.w_down, weights.b_up,
-                                                    weights.b_down, a_up, b_up, a_dn, b_dn))
+    train = records_graph(x, tw, weights.w_up, weights.w_down, weights.b_up, weights.b_down, a_up, b_up, a_dn, b_dn)
     if activation.fn is None:
         spec = ActSpec(name=activation.name, alpha=activation.alpha, limit=activation.limit,
                        interleaved=weights.interleaved)
