@@ -32,6 +32,8 @@ Operands (``N`` sorted rows, ``KA`` reduction, ``NY`` outputs, ``R`` rank, ``RP`
 A box past a tensor's end reads zeros, so the K tail, the last rows and the rank padding need no mask.
 Rows of a tile past its expert's end belong to the next expert: computed, not stored.
 """
+import functools
+
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -364,5 +366,8 @@ def store_layout(bm: int, bn: int, warps: int):
                                       block_bases=[], shape=[bm, bn])
 
 
+@functools.cache
 def _layout(rank: int, swizzle: int):
+    """The NVMMA shared layout of a 16-bit TMA box of ``rank`` dimensions, built once per (rank, swizzle): a
+    launch makes up to five descriptors, and building the (immutable) layout anew for each cost host time."""
     return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=rank)
