@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
 
 from ..checks import check_float
 from ..config import MoEConfig
-from ..kernel_op import records_graph
+from ..kernel_op import kernel_op, records_graph
 from ..experts.triton.schedule import device_smem_limit, dot_precision, interpreting, tuned
 from . import kernels
 
@@ -51,9 +52,6 @@ class Spec:
         return Spec(sigmoid=config.score_func == "sigmoid", topk_first=config.topk_before_score,
                     norm=config.norm_topk_prob, scale=float(config.routed_scaling_factor), top_k=config.top_k,
                     num_sequences=num_sequences)
-
-    def flags(self) -> dict:
-        return dict(SIGMOID=self.sigmoid, TOPK_FIRST=self.topk_first, NORM=self.norm)
 
 
 @dataclass(frozen=True)
@@ -194,24 +192,47 @@ def block_m(e_p2: int, tokens: int) -> int:
 def _forward(x, weight, bias, corr, spec: Spec):
     T, H = x.shape
     E, K, B = weight.shape[0], spec.top_k, spec.num_sequences
-    S = T // B
-    e_p2 = max(16, triton.next_power_of_2(E))
-    bm = block_m(e_p2, S)
-    ns = triton.cdiv(S, bm)
+    bm = block_m(max(16, triton.next_power_of_2(E)), T // B)
+    ns = triton.cdiv(T // B, bm)
     f32 = dict(device=x.device, dtype=torch.float32)
     logits, scores = empty((T, E), **f32), empty((T, E), **f32)
     ids = empty((T, K), device=x.device, dtype=torch.int64)
     w = empty((T, K), **f32)
     stats = empty((B, ns, 2 * E + 1), **f32)
     if T > 0:
-        _fwd_launcher()[(ns, B)](
-            x, weight, weight if bias is None else bias, weight if corr is None else corr,  # unread if None
-            logits, scores, ids, w, stats, H, E, K, S, ns,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), spec.scale,
-            HAS_BIAS=bias is not None, HAS_CORR=corr is not None and not spec.topk_first,
-            PRECISION=dot_precision(x.dtype), E_P2=e_p2, K_P2=max(2, triton.next_power_of_2(K)), BM=bm,
-            **spec.flags())
+        _forward_(x, weight, bias, corr, spec.sigmoid, spec.topk_first, spec.norm, spec.scale, bm, logits, scores, ids,
+                  w, stats)
     return logits, scores, ids, w, stats
+
+
+# The three launches are custom ops (moeyard.kernel_op), as the experts' kernels are: under torch.compile the
+# compiler sees opaque ops, not the Triton kernels with launch arguments computed from (possibly symbolic) token
+# counts; Dynamo then captures the router in one graph at any token count, also under the interpreter
+# (tests/test_router_fused.py, test_compiles_for_varying_token_counts).
+@kernel_op("moeyard::router_forward", mutates_args=("logits", "scores", "ids", "w", "stats"))
+def _forward_(x: Tensor, weight: Tensor, bias: Optional[Tensor], corr: Optional[Tensor], sigmoid: bool,
+              topk_first: bool, norm: bool, scale: float, block_m: int, logits: Tensor, scores: Tensor, ids: Tensor,
+              w: Tensor, stats: Tensor) -> None:
+    """:func:`.kernels.router_fwd_kernel` over ``x [T, H]`` (T > 0) and ``weight [E, H]``: ``logits``, ``scores
+    [T, E]``, ``ids [T, K]`` int64, ``w [T, K]`` and the partial statistics ``stats [B, NS, 2E + 1]`` (B
+    sequences of ``T / B`` tokens, NS programs of ``block_m`` tokens each) written."""
+    T, H = x.shape
+    E, K = weight.shape[0], ids.shape[1]
+    B, ns = stats.shape[0], stats.shape[1]
+    S = T // B
+    e_p2 = max(16, triton.next_power_of_2(E))
+    _fwd_launcher()[(ns, B)](
+        x, weight, weight if bias is None else bias, weight if corr is None else corr,  # unread if None
+        logits, scores, ids, w, stats, H, E, K, S, ns,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), scale,
+        HAS_BIAS=bias is not None, HAS_CORR=corr is not None and not topk_first,
+        PRECISION=dot_precision(x.dtype), E_P2=e_p2, K_P2=max(2, triton.next_power_of_2(K)), BM=block_m,
+        SIGMOID=sigmoid, TOPK_FIRST=topk_first, NORM=norm)
+
+
+@_forward_.register_fake
+def _(x, weight, bias, corr, sigmoid, topk_first, norm, scale, block_m, logits, scores, ids, w, stats):
+    return None
 
 
 def _losses(stats: Tensor, loss_spec: LossSpec) -> tuple[Tensor, Tensor, Tensor]:
@@ -223,11 +244,26 @@ def _losses(stats: Tensor, loss_spec: LossSpec) -> tuple[Tensor, Tensor, Tensor]
     if NS == 0:
         return torch.zeros((B, width), **f32), torch.zeros(E, **f32), torch.zeros(4, **f32)
     seq_stats, counts, losses = empty((B, width), **f32), empty((E,), **f32), empty((4,), **f32)
+    _losses_(stats, *loss_spec.args(), seq_stats, counts, losses)
+    return seq_stats, counts, losses
+
+
+@kernel_op("moeyard::router_losses", mutates_args=("seq_stats", "counts", "losses"))
+def _losses_(stats: Tensor, c_aux: float, c_seq: float, c_z: float, w_aux: float, w_seq: float, w_z: float,
+             seq_stats: Tensor, counts: Tensor, losses: Tensor) -> None:
+    """:func:`.kernels.router_losses_kernel` over ``stats [B, NS, 2E + 1]`` (NS > 0): ``seq_stats``, ``counts``
+    and ``losses`` written (:class:`LossSpec`'s scales and weights)."""
+    B, NS, width = stats.shape
+    E = (width - 1) // 2
     e_p2 = max(16, triton.next_power_of_2(E))
     bj = 4 if interpreting() else max(1, min(32, 4096 // e_p2))  # three [BJ, E_P2] float32 tiles in registers
-    kernels.router_losses_kernel[(1,)](stats, seq_stats, counts, losses, B, NS, E, *loss_spec.args(), E_P2=e_p2,
-                                      BJ=bj, num_warps=4)
-    return seq_stats, counts, losses
+    kernels.router_losses_kernel[(1,)](stats, seq_stats, counts, losses, B, NS, E, c_aux, c_seq, c_z, w_aux, w_seq,
+                                      w_z, E_P2=e_p2, BJ=bj, num_warps=4)
+
+
+@_losses_.register_fake
+def _(stats, c_aux, c_seq, c_z, w_aux, w_seq, w_z, seq_stats, counts, losses):
+    return None
 
 
 def _backward(logits, ids, g_w, g_logits, g_scores, loss_grad, spec: Spec, loss_spec: LossSpec, dtype):
@@ -236,16 +272,36 @@ def _backward(logits, ids, g_w, g_logits, g_scores, loss_grad, spec: Spec, loss_
     dl = empty((T, E), device=logits.device, dtype=dtype)
     if T == 0:
         return dl
+    g_losses, counts, seq_stats = loss_grad
+    g_w, g_logits, g_scores, g_losses = (None if g is None else g.contiguous() for g in (g_w, g_logits, g_scores,
+                                                                                          g_losses))
+    _backward_(logits, ids, g_w, g_logits, g_scores, g_losses, counts, seq_stats, spec.sigmoid, spec.topk_first,
+               spec.norm, spec.scale, spec.top_k, spec.num_sequences, *loss_spec.args(), dl)
+    return dl
+
+
+@kernel_op("moeyard::router_backward", mutates_args=("dl",))
+def _backward_(logits: Tensor, ids: Tensor, g_w: Optional[Tensor], g_logits: Optional[Tensor],
+               g_scores: Optional[Tensor], g_losses: Optional[Tensor], counts: Tensor, seq_stats: Tensor, sigmoid: bool,
+               topk_first: bool, norm: bool, scale: float, top_k: int, num_sequences: int, c_aux: float, c_seq: float,
+               c_z: float, w_aux: float, w_seq: float, w_z: float, dl: Tensor) -> None:
+    """:func:`.kernels.router_bwd_kernel`: ``dl = d logits [T, E]`` (T > 0) written from the gradients given (None:
+    zero) of the weights, logits, scores and losses."""
+    T, E = logits.shape
     e_p2 = max(16, triton.next_power_of_2(E))
     bm = max(1, min(64, 4096 // e_p2))
-    g_losses, counts, seq_stats = loss_grad
-    grads = [logits if g is None else g.contiguous() for g in (g_w, g_logits, g_scores, g_losses)]  # unread if None
-    has = dict(HAS_GW=g_w is not None, HAS_GL=g_logits is not None, HAS_GS=g_scores is not None,
-               HAS_GLOSS=g_losses is not None)
+    grads = [logits if g is None else g for g in (g_w, g_logits, g_scores, g_losses)]  # unread if None
     kernels.router_bwd_kernel[(triton.cdiv(T, bm),)](
-        logits, ids, *grads, counts, seq_stats, dl, T, E, spec.top_k, T // spec.num_sequences, spec.scale,
-        *loss_spec.args(), E_P2=e_p2, BM=bm, num_warps=4 if e_p2 <= 128 else 8, **has, **spec.flags())
-    return dl
+        logits, ids, *grads, counts, seq_stats, dl, T, E, top_k, T // num_sequences, scale,
+        c_aux, c_seq, c_z, w_aux, w_seq, w_z, E_P2=e_p2, BM=bm, num_warps=4 if e_p2 <= 128 else 8,
+        HAS_GW=g_w is not None, HAS_GL=g_logits is not None, HAS_GS=g_scores is not None,
+        HAS_GLOSS=g_losses is not None, SIGMOID=sigmoid, TOPK_FIRST=topk_first, NORM=norm)
+
+
+@_backward_.register_fake
+def _(logits, ids, g_w, g_logits, g_scores, g_losses, counts, seq_stats, sigmoid, topk_first, norm, scale, top_k,
+      num_sequences, c_aux, c_seq, c_z, w_aux, w_seq, w_z, dl):
+    return None
 
 
 def _cfg(bk, warps, stages):
