@@ -7,7 +7,8 @@ torch path). Backward: one kernel yields ``d logits [T, E]`` (x's dtype); then `
 ``dW = d logits^T @ x`` and ``d bias = sum_t d logits`` are torch matmuls and a sum. Kept for
 backward: x, the weight, the logits, the ids and the ``[B, 2E + 1]`` per-sequence statistics. No host
 synchronisation; 2 launches and no other device op in the forward (besides allocations), so that the
-host issues it quickly (``benchmarks/NOTES.md``, round 13).
+host issues it quickly (``benchmarks/NOTES.md``, round 13). The three launches are ``torch.library`` custom ops
+(:mod:`moeyard.kernel_op`): opaque under ``torch.compile``, called directly in eager mode.
 
 Values equal the torch path's to float32 rounding; the ids are identical except where two keys tie
 exactly (or, after rounding, within an ulp): among equal keys the lower expert id is picked.
