@@ -120,7 +120,7 @@ def route_fused(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | 
         logits, scores, ids, w, counts, losses = _FusedRouter.apply(x, weight, bias, correction_bias, spec, loss_spec)
     else:  # no graph to record: the kernels without the autograd function's host time
         logits, scores, ids, w, stats = _forward(x, weight, bias, correction_bias, spec)
-        _, counts, losses = _losses(stats, loss_spec)
+        _, counts, losses = _losses(stats, spec.num_sequences, 2 * config.num_experts + 1, loss_spec)
     aux, seq, z, loss = losses.unbind()
     return finish(config, ids, w, logits, scores, counts, aux, seq, z, loss)
 
@@ -157,7 +157,7 @@ class _FusedRouter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, corr, spec: Spec, loss_spec: LossSpec):
         logits, scores, ids, w, stats = _forward(x, weight, bias, corr, spec)
-        seq_stats, counts, losses = _losses(stats, loss_spec)
+        seq_stats, counts, losses = _losses(stats, spec.num_sequences, 2 * weight.shape[0] + 1, loss_spec)
         ctx.mark_non_differentiable(ids, counts)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, weight, bias, logits, ids, seq_stats, counts)
@@ -199,10 +199,13 @@ def _forward(x, weight, bias, corr, spec: Spec):
     logits, scores = empty((T, E), **f32), empty((T, E), **f32)
     ids = empty((T, K), device=x.device, dtype=torch.int64)
     w = empty((T, K), **f32)
-    stats = empty((B, ns, 2 * E + 1), **f32)
+    # flat: under torch.compile with dynamic shapes, Inductor (torch 2.11) re-wrapped a mutated [B, NS, 2E + 1]
+    # buffer, whose NS is a long symbolic expression, in a view of itself and failed on the self-copy it then
+    # emitted (KeyError in Scheduler.compute_ancestors; pytorch/pytorch#189271). A 1-D buffer is never re-wrapped.
+    stats = empty((B * ns * (2 * E + 1),), **f32)
     if T > 0:
-        _forward_(x, weight, bias, corr, spec.sigmoid, spec.topk_first, spec.norm, spec.scale, bm, logits, scores, ids,
-                  w, stats)
+        _forward_(x, weight, bias, corr, spec.sigmoid, spec.topk_first, spec.norm, spec.scale, bm, B, logits, scores,
+                  ids, w, stats)
     return logits, scores, ids, w, stats
 
 
@@ -212,15 +215,17 @@ def _forward(x, weight, bias, corr, spec: Spec):
 # (tests/test_router_fused.py, test_compiles_for_varying_token_counts).
 @kernel_op("moeyard::router_forward", mutates_args=("logits", "scores", "ids", "w", "stats"))
 def _forward_(x: Tensor, weight: Tensor, bias: Optional[Tensor], corr: Optional[Tensor], sigmoid: bool,
-              topk_first: bool, norm: bool, scale: float, block_m: int, logits: Tensor, scores: Tensor, ids: Tensor,
-              w: Tensor, stats: Tensor) -> None:
+              topk_first: bool, norm: bool, scale: float, block_m: int, num_sequences: int, logits: Tensor,
+              scores: Tensor, ids: Tensor, w: Tensor, stats: Tensor) -> None:
     """:func:`.kernels.router_fwd_kernel` over ``x [T, H]`` (T > 0) and ``weight [E, H]``: ``logits``, ``scores
-    [T, E]``, ``ids [T, K]`` int64, ``w [T, K]`` and the partial statistics ``stats [B, NS, 2E + 1]`` (B
-    sequences of ``T / B`` tokens, NS programs of ``block_m`` tokens each) written."""
+    [T, E]``, ``ids [T, K]`` int64, ``w [T, K]`` and the partial statistics ``stats``, ``[B, NS, 2E + 1]``
+    flattened (B = ``num_sequences`` sequences of ``T / B`` tokens, NS programs of ``block_m`` tokens each),
+    written."""
     T, H = x.shape
     E, K = weight.shape[0], ids.shape[1]
-    B, ns = stats.shape[0], stats.shape[1]
+    B = num_sequences
     S = T // B
+    ns = triton.cdiv(S, block_m)
     e_p2 = max(16, triton.next_power_of_2(E))
     _fwd_launcher()[(ns, B)](
         x, weight, weight if bias is None else bias, weight if corr is None else corr,  # unread if None
@@ -232,17 +237,17 @@ def _forward_(x: Tensor, weight: Tensor, bias: Optional[Tensor], corr: Optional[
 
 
 @_forward_.register_fake
-def _(x, weight, bias, corr, sigmoid, topk_first, norm, scale, block_m, logits, scores, ids, w, stats):
+def _(x, weight, bias, corr, sigmoid, topk_first, norm, scale, block_m, num_sequences, logits, scores, ids, w, stats):
     return None
 
 
-def _losses(stats: Tensor, loss_spec: LossSpec) -> tuple[Tensor, Tensor, Tensor]:
-    """``(seq_stats [B, 2E + 1], counts [E], losses [4])`` float32 from the ``[B, NS, 2E + 1]`` partial
-    statistics (:func:`.kernels.router_losses_kernel`; with no tokens, zeros)."""
-    B, NS, width = stats.shape
+def _losses(stats: Tensor, num_sequences: int, width: int, loss_spec: LossSpec) -> tuple[Tensor, Tensor, Tensor]:
+    """``(seq_stats [B, 2E + 1], counts [E], losses [4])`` float32 from the partial statistics ``[B, NS, 2E +
+    1]`` flattened (``width = 2E + 1``; :func:`.kernels.router_losses_kernel`; with no tokens, zeros)."""
+    B = num_sequences
     E = (width - 1) // 2
     f32 = dict(device=stats.device, dtype=torch.float32)
-    if NS == 0:
+    if stats.shape[0] == 0:
         return torch.zeros((B, width), **f32), torch.zeros(E, **f32), torch.zeros(4, **f32)
     seq_stats, counts, losses = empty((B, width), **f32), empty((E,), **f32), empty((4,), **f32)
     _losses_(stats, *loss_spec.args(), seq_stats, counts, losses)
@@ -252,9 +257,11 @@ def _losses(stats: Tensor, loss_spec: LossSpec) -> tuple[Tensor, Tensor, Tensor]
 @kernel_op("moeyard::router_losses", mutates_args=("seq_stats", "counts", "losses"))
 def _losses_(stats: Tensor, c_aux: float, c_seq: float, c_z: float, w_aux: float, w_seq: float, w_z: float,
              seq_stats: Tensor, counts: Tensor, losses: Tensor) -> None:
-    """:func:`.kernels.router_losses_kernel` over ``stats [B, NS, 2E + 1]`` (NS > 0): ``seq_stats``, ``counts``
-    and ``losses`` written (:class:`LossSpec`'s scales and weights)."""
-    B, NS, width = stats.shape
+    """:func:`.kernels.router_losses_kernel` over ``stats``, ``[B, NS, 2E + 1]`` flattened (NS > 0; B and 2E + 1
+    from ``seq_stats [B, 2E + 1]``): ``seq_stats``, ``counts`` and ``losses`` written (:class:`LossSpec`'s scales
+    and weights)."""
+    B, width = seq_stats.shape
+    NS = stats.shape[0] // (B * width)
     E = (width - 1) // 2
     e_p2 = max(16, triton.next_power_of_2(E))
     bj = 4 if interpreting() else max(1, min(32, 4096 // e_p2))  # three [BJ, E_P2] float32 tiles in registers
