@@ -1,6 +1,7 @@
 """The benchmark runner: FLOP counts, the model registry, forced routing, rows on CPU."""
 import dataclasses
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -372,3 +373,26 @@ def test_host_time_forward_step_runs_no_backward(step):
     ht._step(module, inputs, params, 0, step)
     assert all((p.grad is None) == (step != "fwdbwd") for p in params + inputs.xs[:1])
     assert recorded == [step != "infer"]  # infer: under inference_mode, no graph
+
+
+def test_decode_rows(tmp_path, capsys):
+    # benchmarks/decode.py on CPU at the tiny configuration: a row per (implementation, mode, batch) with ms per
+    # token, no graph eager and one compiled decoding step (no recompilation between tokens)
+    pytest.importorskip("transformers")
+    decode = load_benchmark("decode")
+    out = tmp_path / "decode.json"
+    assert decode.main(["--tiny", "--layers", "1", "--batch", "1,2", "--prompt", "4", "--new-tokens", "3",
+                        "--reps", "1", "--impls", "moeyard:bmm_padded,grouped_mm", "--modes", "eager,compiled",
+                        "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    impls, modes = ("moeyard:bmm_padded", "grouped_mm"), ("eager", "compiled")
+    want = [(i, m, b) for i in impls for b in (1, 2) for m in modes]
+    assert [(r["impl"], r["mode"], r["batch"]) for r in rows] == want
+    ok = {(r["impl"], r["mode"], r["batch"]): r for r in rows if "error" not in r}
+    # bmm_padded syncs with the host, which the compiled step's full graph cannot hold: an error row, not a crash
+    assert set(ok) == {(r["impl"], r["mode"], r["batch"]) for r in rows} - {("moeyard:bmm_padded", "compiled", b)
+                                                                             for b in (1, 2)}
+    assert all(ok[("moeyard:bmm_padded", "eager", b)]["graphs"] == 0 for b in (1, 2))
+    assert all(ok[("grouped_mm", "compiled", b)]["graphs"] == 1 for b in (1, 2))
+    assert all(r["ms_per_token"] > 0 and r["tokens_per_s"] > 0 for r in ok.values())
+    assert "ms/token" in capsys.readouterr().out

@@ -116,6 +116,51 @@ def test_from_pretrained_with_moeyard(tmp_path, monkeypatch):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("arch", verify.REQUIRED)
+def test_generate_matches_eager(monkeypatch, arch):
+    # greedy decoding with transformers' KV cache: a prefill call over the prompt, then one call per new token
+    # with one token per sequence; moeyard's experts (grouped_mm, spied on) give eager's tokens and, at every
+    # step, its logits
+    calls = _spy(monkeypatch, "grouped_mm")
+    moeyard.set_backend("grouped_mm")
+    ref = verify.build_model(arch).eval()
+    got = verify.build_model(arch, experts_implementation="moeyard").eval()
+    ids = torch.randint(0, ref.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
+              output_logits=True)
+    want, out = ref.generate(ids, **kw), got.generate(ids, **kw)
+    assert torch.equal(out.sequences, want.sequences)
+    for a, b in zip(out.logits, want.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    layers = len(calls) // 5  # the experts' calls per forward: a layer may be dense
+    assert layers > 0 and len(calls) == 5 * layers
+    assert calls[:layers] == [14] * layers and calls[layers:] == [2] * (4 * layers)  # prefill, then 2 per step
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_compiled_generate_matches_eager(arch):
+    # generate with a static KV cache and a compile config compiles the decoding step (fullgraph; transformers
+    # compiles on CUDA only unless told, as here): moeyard's triton experts (Triton's interpreter on CPU) decode
+    # the tokens of the uncompiled run, logits close at every step
+    pytest.importorskip("triton")
+    from transformers import CompileConfig
+    moeyard.set_backend("triton")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = verify.build_model(arch, experts_implementation="moeyard").eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
+              output_logits=True, cache_implementation="static")
+    want = model.generate(ids, disable_compile=True, **kw)
+    config = CompileConfig(fullgraph=True, mode="default")
+    config._compile_all_devices = True
+    got = model.generate(ids, compile_config=config, **kw)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the decoding step was compiled
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("how", ["set_backend", "env"])
 @pytest.mark.parametrize("backend", ["loop", "bmm_padded"])
 def test_default_backend_is_used(monkeypatch, how, backend):
