@@ -302,25 +302,45 @@ def test_bf16_hidden_with_float32_weights_keeps_dtype():
 # ------------------------------------------------------------------ activation mapping
 
 
+def _activation(mod, compiled: bool):
+    """``integration.module_activation(mod)``, or what a graph traced by ``torch.compile(fullgraph=True)`` sees
+    (recorded while tracing)."""
+    if not compiled:
+        return integration.module_activation(mod)
+    torch._dynamo.reset()
+    seen = []
+
+    def traced(x):
+        seen.append(integration.module_activation(mod))
+        return x + 1
+
+    torch.compile(traced, fullgraph=True)(torch.zeros(1))
+    return seen[0]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("arch, expected", [
     ("qwen3_moe", "swiglu"), ("olmoe", "swiglu"), ("lfm2_moe", "swiglu"), ("nemotron_h", "relu2"),
     ("gpt_oss", "clamped_swiglu"),
 ])
-def test_named_activation_when_equivalent(arch, expected):
+def test_named_activation_when_equivalent(arch, expected, compiled):
+    # compiled: the named activation too (traced, the detection once found none: every compiled module then ran
+    # the unfused custom path)
     mod = _experts_module(arch)
-    act = integration.module_activation(mod)
+    act = _activation(mod, compiled)
     assert act.name == expected and act.fn is None
     if expected == "clamped_swiglu":
         assert (act.alpha, act.limit) == (mod.alpha, mod.limit)
 
 
-def test_custom_gate_is_passed_as_callable():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_custom_gate_is_passed_as_callable(compiled):
     mod = _experts_module("qwen3_moe")
     mod.act_fn = torch.nn.GELU(approximate="tanh")  # no named equivalent
-    assert integration.module_activation(mod).fn is not None
+    assert _activation(mod, compiled).fn is not None
     gpt = _experts_module("gpt_oss")
     gpt.limit = None  # the clamped form cannot be established from attributes
-    act = integration.module_activation(gpt)
+    act = _activation(gpt, compiled)
     assert act.fn is not None and act.fn_gated
 
 

@@ -131,21 +131,40 @@ def _experts_with_post_norm(norm, x: Tensor, ids: Tensor, weights: Tensor, w_up:
 def module_activation(self: torch.nn.Module) -> Activation:
     """The :class:`moeyard.Activation` equivalent to the module's gate (or plain ``act_fn``).
 
-    A named activation (fusable into kernels) when equivalence is established: the default
-    ``_apply_gate`` with an ``act_fn`` of exactly SiLU, exact GELU or ReLU; gpt-oss's clamped
-    SwiGLU when ``alpha``/``limit`` attributes exist and a probe on a float64 grid agrees. Otherwise
-    the module's own callable.
+    A named activation (fusable into kernels) when equivalence is established
+    (:func:`_named_activation`); otherwise the module's own callable (its gate, or ``act_fn``).
     """
+    named = _named_activation(self)
+    if named is not None:
+        name, alpha, limit = named
+        return Activation(name=name, alpha=alpha, limit=limit)
+    if not getattr(self, "has_gate", True):
+        return Activation(name="custom", fn=self.act_fn, fn_gated=False)
+    return Activation(name="custom", fn=self._apply_gate, fn_gated=True)
+
+
+@torch.compiler.assume_constant_result
+def _named_activation(self: torch.nn.Module) -> tuple[str, float, float] | None:
+    """``(name, alpha, limit)`` of the named activation equivalent to the module's gate, or None: the default
+    ``_apply_gate`` with an ``act_fn`` of exactly SiLU, exact GELU or ReLU (without a gate: ``act_fn`` alone);
+    gpt-oss's clamped SwiGLU when ``alpha``/``limit`` attributes exist and a probe on a float64 grid agrees.
+
+    Run eagerly also while ``torch.compile`` traces, its result a constant of the graph: traced, a bound
+    method's ``__func__`` was not found and the probe (a CPU computation) could not be captured, so every
+    compiled module took the unfused custom path (transformers' compiled decoding step ran the pointer-loaded
+    up projection with the activation in torch; ``benchmarks/NOTES.md``, round 32). Reading the module's
+    attributes here, not in the graph, means a gate or ``act_fn`` replaced after compiling is not seen.
+    """
+    plain = Activation()
     if not getattr(self, "has_gate", True):
         name = _act_name(self.act_fn, _PLAIN_BY_ACT)
-        return Activation(name=name) if name else Activation(name="custom", fn=self.act_fn, fn_gated=False)
+        return (name, plain.alpha, plain.limit) if name else None
     gate_fn = getattr(self._apply_gate, "__func__", None)
     default_gate = gate_fn is not None and gate_fn is getattr(_moe_module(), "_default_apply_gate", None)
     name = _act_name(getattr(self, "act_fn", None), _GATED_BY_ACT) if default_gate else None
     if name and getattr(self, "is_concatenated", True):  # the default gate splits gate-then-up
-        return Activation(name=name)
-    clamped = _as_clamped_swiglu(self, gate_fn)
-    return clamped if clamped is not None else Activation(name="custom", fn=self._apply_gate, fn_gated=True)
+        return name, plain.alpha, plain.limit
+    return _as_clamped_swiglu(self, gate_fn)
 
 
 def _act_name(act, table: dict[str, str]) -> str | None:
@@ -162,14 +181,14 @@ def _act_name(act, table: dict[str, str]) -> str | None:
     return table[cls.__name__]
 
 
-def _as_clamped_swiglu(self, gate_fn) -> Activation | None:
+def _as_clamped_swiglu(self, gate_fn) -> tuple[str, float, float] | None:
     alpha, limit = getattr(self, "alpha", None), getattr(self, "limit", None)
     if gate_fn is None or not all(isinstance(v, (int, float)) for v in (alpha, limit)):
         return None
     interleaved = not getattr(self, "is_concatenated", True)
     if not _matches_clamped_swiglu(gate_fn, float(alpha), float(limit), interleaved):
         return None
-    return Activation(name="clamped_swiglu", alpha=float(alpha), limit=float(limit))
+    return "clamped_swiglu", float(alpha), float(limit)
 
 
 @functools.lru_cache(maxsize=64)
