@@ -43,11 +43,21 @@ _ACT_MODULES = ("torch.nn.modules.activation", "transformers.activations")
 
 
 def _moe_module():
-    try:
-        return importlib.import_module("transformers.integrations.moe")
-    except ImportError as ex:
-        raise ImportError("moeyard's transformers integration needs transformers >= 5 with "
-                          "transformers.integrations.moe (pip install 'transformers>=5')") from ex
+    """``transformers.integrations.moe``, imported once (by :func:`register`: torch.compile cannot trace an import).
+
+    Raises:
+        ImportError: transformers is missing or has no experts registry.
+    """
+    if not _MOE:
+        try:
+            _MOE.append(importlib.import_module("transformers.integrations.moe"))
+        except ImportError as ex:
+            raise ImportError("moeyard's transformers integration needs transformers >= 5 with "
+                              "transformers.integrations.moe (pip install 'transformers>=5')") from ex
+    return _MOE[0]
+
+
+_MOE: list = []
 
 
 def register() -> None:
@@ -143,28 +153,34 @@ def module_activation(self: torch.nn.Module) -> Activation:
     return Activation(name="custom", fn=self._apply_gate, fn_gated=True)
 
 
-@torch.compiler.assume_constant_result
 def _named_activation(self: torch.nn.Module) -> tuple[str, float, float] | None:
     """``(name, alpha, limit)`` of the named activation equivalent to the module's gate, or None: the default
     ``_apply_gate`` with an ``act_fn`` of exactly SiLU, exact GELU or ReLU (without a gate: ``act_fn`` alone);
     gpt-oss's clamped SwiGLU when ``alpha``/``limit`` attributes exist and a probe on a float64 grid agrees.
 
-    Run eagerly also while ``torch.compile`` traces, its result a constant of the graph: traced, a bound
-    method's ``__func__`` was not found and the probe (a CPU computation) could not be captured, so every
-    compiled module took the unfused custom path (transformers' compiled decoding step ran the pointer-loaded
-    up projection with the activation in torch; ``benchmarks/NOTES.md``, round 32). Reading the module's
-    attributes here, not in the graph, means a gate or ``act_fn`` replaced after compiling is not seen.
+    Written so that ``torch.compile`` traces it to the same answer: the gate's function is looked up on the
+    instance and its class (traced, a bound method's ``__func__`` was not found, so every compiled module took the
+    unfused custom path; ``benchmarks/NOTES.md``, round 32), transformers' module is imported at registration,
+    and the probe runs eagerly (:func:`_matches_clamped_swiglu`).
     """
     plain = Activation()
     if not getattr(self, "has_gate", True):
         name = _act_name(self.act_fn, _PLAIN_BY_ACT)
         return (name, plain.alpha, plain.limit) if name else None
-    gate_fn = getattr(self._apply_gate, "__func__", None)
+    gate_fn = _gate_function(self)
     default_gate = gate_fn is not None and gate_fn is getattr(_moe_module(), "_default_apply_gate", None)
     name = _act_name(getattr(self, "act_fn", None), _GATED_BY_ACT) if default_gate else None
     if name and getattr(self, "is_concatenated", True):  # the default gate splits gate-then-up
         return name, plain.alpha, plain.limit
     return _as_clamped_swiglu(self, gate_fn)
+
+
+def _gate_function(self: torch.nn.Module):
+    """The function behind ``self._apply_gate``: an instance's own (a bound method's function), else the class's."""
+    own = self.__dict__.get("_apply_gate")
+    if own is not None:
+        return getattr(own, "__func__", own)
+    return getattr(type(self), "_apply_gate", None)
 
 
 def _act_name(act, table: dict[str, str]) -> str | None:
@@ -191,8 +207,14 @@ def _as_clamped_swiglu(self, gate_fn) -> tuple[str, float, float] | None:
     return "clamped_swiglu", float(alpha), float(limit)
 
 
-@functools.lru_cache(maxsize=64)
+@torch.compiler.assume_constant_result  # run eagerly while torch.compile traces: a constant of the graph
 def _matches_clamped_swiglu(gate_fn, alpha: float, limit: float, interleaved: bool) -> bool:
+    """Whether ``gate_fn`` is the clamped SwiGLU of these constants (:func:`_probe_clamped_swiglu`)."""
+    return _probe_clamped_swiglu(gate_fn, alpha, limit, interleaved)
+
+
+@functools.lru_cache(maxsize=64)
+def _probe_clamped_swiglu(gate_fn, alpha: float, limit: float, interleaved: bool) -> bool:
     """Run ``gate_fn`` once on a CPU float64 grid spanning both clamps and compare."""
     probe = _GateProbe(alpha=alpha, limit=limit)
     g = torch.Generator().manual_seed(0)
