@@ -41,9 +41,9 @@ def build(impl: str, config, device: torch.device, dtype: torch.dtype) -> torch.
     from transformers import AutoModelForCausalLM
 
     hf_impl, _, backend = impl.partition(":")
-    if backend:
+    if hf_impl == "moeyard":  # the named backend, or the default (not one an earlier row named)
         import moeyard
-        moeyard.set_backend(backend)
+        moeyard.set_backend(backend or None)
     torch.manual_seed(0)
     with torch.device(device), bench_e2e._quiet():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=hf_impl).eval()

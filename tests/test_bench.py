@@ -375,10 +375,12 @@ def test_host_time_forward_step_runs_no_backward(step):
     assert recorded == [step != "infer"]  # infer: under inference_mode, no graph
 
 
-def test_decode_rows(tmp_path, capsys):
+def test_decode_rows(monkeypatch, tmp_path, capsys):
     # benchmarks/decode.py on CPU at the tiny configuration: a row per (implementation, mode, batch) with ms per
     # token, no graph eager and one compiled decoding step (no recompilation between tokens)
     pytest.importorskip("transformers")
+    from moeyard.experts import registry
+    monkeypatch.setattr(registry, "_default", [registry._default[0]])  # the script sets moeyard's default backend
     decode = load_benchmark("decode")
     out = tmp_path / "decode.json"
     assert decode.main(["--tiny", "--layers", "1", "--batch", "1,2", "--prompt", "4", "--new-tokens", "3",
