@@ -120,7 +120,7 @@ def route_fused(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | 
         logits, scores, ids, w, counts, losses = _FusedRouter.apply(x, weight, bias, correction_bias, spec, loss_spec)
     else:  # no graph to record: the kernels without the autograd function's host time
         logits, scores, ids, w, stats = _forward(x, weight, bias, correction_bias, spec)
-        _, counts, losses = _losses(stats, spec.num_sequences, 2 * config.num_experts + 1, loss_spec)
+        _, counts, losses = _losses(stats, spec.num_sequences, config.num_experts, loss_spec)
     aux, seq, z, loss = losses.unbind()
     return finish(config, ids, w, logits, scores, counts, aux, seq, z, loss)
 
@@ -157,7 +157,7 @@ class _FusedRouter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, corr, spec: Spec, loss_spec: LossSpec):
         logits, scores, ids, w, stats = _forward(x, weight, bias, corr, spec)
-        seq_stats, counts, losses = _losses(stats, spec.num_sequences, 2 * weight.shape[0] + 1, loss_spec)
+        seq_stats, counts, losses = _losses(stats, spec.num_sequences, weight.shape[0], loss_spec)
         ctx.mark_non_differentiable(ids, counts)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, weight, bias, logits, ids, seq_stats, counts)
@@ -181,6 +181,11 @@ def empty(shape: tuple, *, device, dtype) -> Tensor:
     return torch.empty(shape, device=device, dtype=dtype)
 
 
+def _e_p2(num_experts: int) -> int:
+    """The kernels' expert-axis width: ``E`` rounded up to a power of two, at least 16 (``tl.dot``'s least)."""
+    return max(16, triton.next_power_of_2(num_experts))
+
+
 def block_m(e_p2: int, tokens: int) -> int:
     """Tokens per forward program: the logits GEMM's ``[BM, E_P2]`` float32 tile stays at 16K elements, and
     no larger than the sequence's ``tokens`` need (at least 16, ``tl.dot``'s least; 32 under the interpreter,
@@ -193,7 +198,7 @@ def block_m(e_p2: int, tokens: int) -> int:
 def _forward(x, weight, bias, corr, spec: Spec):
     T, H = x.shape
     E, K, B = weight.shape[0], spec.top_k, spec.num_sequences
-    bm = block_m(max(16, triton.next_power_of_2(E)), T // B)
+    bm = block_m(_e_p2(E), T // B)
     ns = triton.cdiv(T // B, bm)
     f32 = dict(device=x.device, dtype=torch.float32)
     logits, scores = empty((T, E), **f32), empty((T, E), **f32)
@@ -226,7 +231,7 @@ def _forward_(x: Tensor, weight: Tensor, bias: Optional[Tensor], corr: Optional[
     B = num_sequences
     S = T // B
     ns = triton.cdiv(S, block_m)
-    e_p2 = max(16, triton.next_power_of_2(E))
+    e_p2 = _e_p2(E)
     _fwd_launcher()[(ns, B)](
         x, weight, weight if bias is None else bias, weight if corr is None else corr,  # unread if None
         logits, scores, ids, w, stats, H, E, K, S, ns,
@@ -241,11 +246,12 @@ def _(x, weight, bias, corr, sigmoid, topk_first, norm, scale, block_m, num_sequ
     return None
 
 
-def _losses(stats: Tensor, num_sequences: int, width: int, loss_spec: LossSpec) -> tuple[Tensor, Tensor, Tensor]:
+def _losses(stats: Tensor, num_sequences: int, num_experts: int,
+            loss_spec: LossSpec) -> tuple[Tensor, Tensor, Tensor]:
     """``(seq_stats [B, 2E + 1], counts [E], losses [4])`` float32 from the partial statistics ``[B, NS, 2E +
-    1]`` flattened (``width = 2E + 1``; :func:`.kernels.router_losses_kernel`; with no tokens, zeros)."""
-    B = num_sequences
-    E = (width - 1) // 2
+    1]`` flattened (:func:`.kernels.router_losses_kernel`; with no tokens, zeros)."""
+    B, E = num_sequences, num_experts
+    width = 2 * E + 1
     f32 = dict(device=stats.device, dtype=torch.float32)
     if stats.shape[0] == 0:
         return torch.zeros((B, width), **f32), torch.zeros(E, **f32), torch.zeros(4, **f32)
@@ -263,7 +269,7 @@ def _losses_(stats: Tensor, c_aux: float, c_seq: float, c_z: float, w_aux: float
     B, width = seq_stats.shape
     NS = stats.shape[0] // (B * width)
     E = (width - 1) // 2
-    e_p2 = max(16, triton.next_power_of_2(E))
+    e_p2 = _e_p2(E)
     bj = 4 if interpreting() else max(1, min(32, 4096 // e_p2))  # three [BJ, E_P2] float32 tiles in registers
     kernels.router_losses_kernel[(1,)](stats, seq_stats, counts, losses, B, NS, E, c_aux, c_seq, c_z, w_aux, w_seq,
                                       w_z, E_P2=e_p2, BJ=bj, num_warps=4)
@@ -296,7 +302,7 @@ def _backward_(logits: Tensor, ids: Tensor, g_w: Optional[Tensor], g_logits: Opt
     """:func:`.kernels.router_bwd_kernel`: ``dl = d logits [T, E]`` (T > 0) written from the gradients given (None:
     zero) of the weights, logits, scores and losses."""
     T, E = logits.shape
-    e_p2 = max(16, triton.next_power_of_2(E))
+    e_p2 = _e_p2(E)
     bm = max(1, min(64, 4096 // e_p2))
     grads = [logits if g is None else g for g in (g_w, g_logits, g_scores, g_losses)]  # unread if None
     kernels.router_bwd_kernel[(triton.cdiv(T, bm),)](
