@@ -40,6 +40,7 @@ _GATED_BY_ACT = {"SiLU": "swiglu", "SiLUActivation": "swiglu", "GELU": "geglu", 
 _PLAIN_BY_ACT = {"SiLU": "silu", "SiLUActivation": "silu", "GELU": "gelu", "GELUActivation": "gelu",
                  "ReLU": "relu", "ReLUSquaredActivation": "relu2"}
 _ACT_MODULES = ("torch.nn.modules.activation", "transformers.activations")
+_PLAIN = Activation()  # the named activations' default constants (alpha, limit: used by clamped_swiglu only)
 
 
 def _moe_module():
@@ -163,15 +164,14 @@ def _named_activation(self: torch.nn.Module) -> tuple[str, float, float] | None:
     unfused custom path; ``benchmarks/NOTES.md``, round 32), transformers' module is imported at registration,
     and the probe runs eagerly (:func:`_matches_clamped_swiglu`).
     """
-    plain = Activation()
     if not getattr(self, "has_gate", True):
         name = _act_name(self.act_fn, _PLAIN_BY_ACT)
-        return (name, plain.alpha, plain.limit) if name else None
+        return (name, _PLAIN.alpha, _PLAIN.limit) if name else None
     gate_fn = _gate_function(self)
     default_gate = gate_fn is not None and gate_fn is getattr(_moe_module(), "_default_apply_gate", None)
     name = _act_name(getattr(self, "act_fn", None), _GATED_BY_ACT) if default_gate else None
     if name and getattr(self, "is_concatenated", True):  # the default gate splits gate-then-up
-        return name, plain.alpha, plain.limit
+        return name, _PLAIN.alpha, _PLAIN.limit
     return _as_clamped_swiglu(self, gate_fn)
 
 
