@@ -76,13 +76,22 @@ def _sync(device: torch.device) -> None:
 
 
 def ms_per_token(model, prompts: torch.Tensor, new_tokens: int, mode: str, reps: int) -> float:
-    """Median over ``reps`` of (t(``new_tokens``) - t(1)) / (``new_tokens`` - 1), in ms (module docstring)."""
+    """(median t(``new_tokens``) - median t(1)) / (``new_tokens`` - 1) over ``reps`` timings each, in ms (module
+    docstring).
+
+    Raises:
+        RuntimeError: the estimate is not positive (the timings' noise exceeded the decoding time).
+    """
     for _ in range(2):
         generate_s(model, prompts, new_tokens, mode)
         generate_s(model, prompts, 1, mode)
     full = [generate_s(model, prompts, new_tokens, mode) for _ in range(reps)]
     first = [generate_s(model, prompts, 1, mode) for _ in range(reps)]
-    return (statistics.median(full) - statistics.median(first)) / (new_tokens - 1) * 1e3
+    ms = (statistics.median(full) - statistics.median(first)) / (new_tokens - 1) * 1e3
+    if ms <= 0:
+        raise RuntimeError(f"timing noise exceeded the decoding time ({ms:.3f} ms per token): raise --new-tokens or "
+                           f"--reps")
+    return ms
 
 
 def run_impl(impl: str, config, batches: list[int], args, device: torch.device, dtype: torch.dtype) -> list[dict]:
