@@ -7,7 +7,11 @@ many local experts); program ``(p, s)`` with
 ``s < W`` writes ``BJ`` entries of ``dst_rows[s]`` (and, for ``p == 0``, ``window[s]`` and
 ``received[s]``), program ``(p, W)`` ``BJ`` entries of ``row_experts`` (and, for ``p == 0``, the pad
 rows). Every program recomputes the per-expert sums it needs from the counts (``W * E_l`` values: a
-few KiB at most).
+few KiB at most). Each row's expert is a count of block ends at or below it over a ``[BJ, E_l]`` tile,
+its destination one lookup of a per-expert base (``starts + before - inside + cin``) plus the row: the
+tiles in int32 (sums and rows below 2**31, checked by :func:`layout_triton`), the outputs int64. Three
+lookups per row in int64 took 0.64 ms per dispatch at qwen3-30b-a3b on 2 H200s (``benchmarks/NOTES.md``,
+round 33).
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_TILE = 2048  # BJ * E_P2: the [BJ, E_l] int64 comparisons stay in registers (sm_90a: no spills up to E_l 512)
+MAX_TILE = 2048  # BJ * E_P2: the [BJ, E_l] comparisons stay in registers (sm_90a, int64: no spills up to E_l 512)
 
 Tensor = torch.Tensor
 
@@ -37,44 +41,48 @@ def layout_kernel(counts_ptr, dst_ptr, window_ptr, received_ptr, pad_ptr, row_ex
     ws = tl.arange(0, W_P2)
     e_idx = tl.arange(0, E_P2)
     m_we = (ws < W)[:, None] & (e_idx < El)[None, :]
-    cin = tl.load(counts_ptr + (ws[:, None] * W + me) * El + e_idx[None, :], mask=m_we, other=0)  # [W_P2, E_P2]
-    per_expert = tl.sum(cin, axis=0)
+    cin = tl.load(counts_ptr + (ws[:, None] * W + me) * El + e_idx[None, :], mask=m_we, other=0).to(tl.int32)
+    per_expert = tl.sum(cin, axis=0)                                         # [E_P2] rows to my expert e
     padded = (per_expert + align - 1) // align * align
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
-    j = p * BJ + tl.arange(0, BJ)
+    j = p * BJ + tl.arange(0, BJ)                                            # int32
     if s < W:
         mine = ws[:, None] == s
         cin_s = tl.sum(tl.where(mine, cin, 0), axis=0)                       # [E_P2] rows from s to e
         before = tl.sum(tl.where(ws[:, None] < s, cin, 0), axis=0)          # rows to e from ranks < s
         inside = tl.cumsum(cin_s, 0)                                         # ends of e in s's window
         m_j = j < C
-        e = tl.minimum(tl.sum((tl.where(e_idx < El, inside, C + BJ)[None, :] <= j[:, None]).to(tl.int64), axis=1),
-                       El - 1)
-        dst = _pick(starts, e_idx, e) + _pick(before, e_idx, e) + j - _pick(inside - cin_s, e_idx, e)
-        tl.store(dst_ptr + s.to(tl.int64) * C + j, dst, mask=m_j)
+        last = tl.where(e_idx < El, inside, C + BJ)
+        e = tl.minimum(tl.sum((last[None, :] <= j[:, None]).to(tl.int32), axis=1), El - 1)
+        base = starts + before - (inside - cin_s)                            # dst of e's first row from s, less its j
+        dst = _pick(base, e_idx, e) + j
+        tl.store(dst_ptr + s.to(tl.int64) * C + j, dst.to(tl.int64), mask=m_j)
         if p == 0:
             row = tl.load(counts_ptr + (s * W + ws[:, None]) * El + e_idx[None, :],
                           mask=m_we & (ws < me)[:, None], other=0)              # rows from s to ranks < me
             tl.store(window_ptr + s, tl.sum(tl.sum(row, axis=1), axis=0))
-            tl.store(received_ptr + s, tl.sum(cin_s, axis=0))
+            tl.store(received_ptr + s, tl.sum(cin_s, axis=0).to(tl.int64))
     else:
         m_r = j < R
         last = tl.where(e_idx < El, ends, R + BJ)
-        e = tl.sum((last[None, :] <= j[:, None]).to(tl.int64), axis=1)
-        tl.store(row_experts_ptr + j, e, mask=m_r)
+        e = tl.sum((last[None, :] <= j[:, None]).to(tl.int32), axis=1)
+        tl.store(row_experts_ptr + j, e.to(tl.int64), mask=m_r)
         if HAS_PAD:
             if p == 0:
                 q = tl.arange(0, A_P2)
                 pad = (starts + per_expert)[:, None] + q[None, :]               # [E_P2, A_P2]
                 pad = tl.where(pad < ends[:, None], pad, R)
                 m_pad = (e_idx < El)[:, None] & (q < align - 1)[None, :]
-                tl.store(pad_ptr + e_idx[:, None] * (align - 1) + q[None, :], pad, mask=m_pad)
+                tl.store(pad_ptr + e_idx[:, None] * (align - 1) + q[None, :], pad.to(tl.int64), mask=m_pad)
 
 
 def layout_triton(all_counts: Tensor, me: int, align: int, C: int, R: int) -> tuple:
     """As :func:`moeyard.parallel.p2p.layout_reference`, in one launch (``all_counts`` int64)."""
     W, _, El = all_counts.shape
+    if max(C, R) + MAX_TILE >= 2 ** 31:  # the kernel's rows and sums are int32
+        from .p2p import layout_reference
+        return layout_reference(all_counts, me, align, C, R)
     dev, i64 = all_counts.device, torch.int64
     dst_rows = torch.empty(W, C, device=dev, dtype=i64)
     window = torch.empty(W, device=dev, dtype=i64)
