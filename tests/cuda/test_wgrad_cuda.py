@@ -82,6 +82,25 @@ def test_gluon_wgrad(case, monkeypatch):
     assert ((got.double() - tri.double()).abs().max() <= 0.02 * want.abs().max()).item()
 
 
+@pytest.mark.parametrize("by_token_lhs", [False, True], ids=["up", "down"])
+def test_wgrad_without_rows(by_token_lhs):
+    """No rows at all (an expert-parallel rank that receives none): a zero gradient for every expert, no
+    TMA descriptor over an empty operand (its shape must be positive), Gluon kernel on or off."""
+    _sm90()
+    from moeyard.experts.triton import ops
+    from moeyard.experts.triton.options import use_options
+    E, NL, NR = 4, 208, 144
+    r = ops.routing(torch.zeros(0, 2, dtype=torch.int64, device=DEV), E)
+    lhs = torch.randn(0, NL, device=DEV, dtype=torch.bfloat16)
+    rhs = torch.randn(0, NR, device=DEV, dtype=torch.bfloat16)
+    like = torch.full((E, NL, NR), float("nan"), device=DEV, dtype=torch.bfloat16)
+    for gluon in (True, False):
+        with use_options(gluon_wgrad=gluon):
+            got, _ = ops.wgrad(lhs, rhs, lhs_by_token=by_token_lhs, rhs_by_token=not by_token_lhs, scale=None, r=r,
+                               like_w=like, like_b=None, alpha=0.5)
+        assert got.shape == (E, NL, NR) and (got == 0).all(), gluon
+
+
 def test_gluon_wgrad_layer(monkeypatch):
     """The layer's weight gradients through the Gluon kernel (both projections, base trained, no biases):
     every output and gradient against the float64 oracle within twice torch's own bfloat16 error."""

@@ -123,10 +123,11 @@ def rows_tma_ready(rows: torch.Tensor, float32: bool = False) -> bool:
 
 
 def _descriptor_ready(t: torch.Tensor, unit_dim: int, float32: bool) -> bool:
-    """The TMA descriptor's rules for ``t`` as laid out (CUDA driver API ``cuTensorMapEncodeTiled``): a
-    16-bit float dtype (or float32 with ``float32``: the CPU interpreter's tests), unit stride along
-    ``unit_dim``, every other stride and the base address multiples of 16 bytes."""
-    if t.dtype not in (torch.bfloat16, torch.float16) + ((torch.float32,) if float32 else ()):
+    """The TMA descriptor's rules for ``t`` as laid out (CUDA driver API ``cuTensorMapEncodeTiled``): no
+    empty dimension (a rank of an expert-parallel layer can receive no rows), a 16-bit float dtype (or
+    float32 with ``float32``: the CPU interpreter's tests), unit stride along ``unit_dim``, every other
+    stride and the base address multiples of 16 bytes."""
+    if t.numel() == 0 or t.dtype not in (torch.bfloat16, torch.float16) + ((torch.float32,) if float32 else ()):
         return False
     size = t.element_size()
     return (t.stride(unit_dim) == 1 and t.data_ptr() % 16 == 0
