@@ -155,6 +155,18 @@ def test_drop_invalid(backend, dtype, nan_empty):
     assert (got["grad_topk_weights"][bad] == 0).all()
 
 
+@pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
+def test_more_ids_than_experts_with_drop_invalid(backend, dtype, nan_empty):
+    """K > E with ``drop_invalid``: a rank's local experts under expert parallelism with E_l < K get each
+    token's K global ids shifted (those of other ranks fall outside ``[0, E_l)``); without it, an error."""
+    T, H, I, E, K = 12, 16, 8, 2, 3
+    ids = torch.rand(T, 3 * E).argsort(1)[:, :K] - E       # ids of a middle rank's 2 of 6 experts
+    inputs = make_inputs(T, H, I, E, K, ids=ids, bias=True)
+    check_backend(backend, inputs, dtype, drop_invalid=True)
+    with pytest.raises(ValueError, match="topk_ids: top-k 3 exceeds num_experts 2"):
+        run_experts(inputs, dtype, backend, torch.zeros(T, H))
+
+
 @pytest.mark.parametrize("backend", cpu_backends(torch.float64))
 def test_float64(backend):
     """Backends that accept float64 agree with the oracle to float64 roundoff."""

@@ -44,12 +44,15 @@ def check_float(name: str, t, *, dim: int | None = None) -> None:
         raise ValueError(f"{name}: expected a {dim}-D tensor, got shape {tuple(t.shape)}")
 
 
-def check_topk(topk_ids, topk_weights, num_tokens: int, num_experts: int, device: torch.device) -> None:
-    """Shapes, dtypes and devices of the routing tensors; ``k <= E``.
+def check_topk(topk_ids, topk_weights, num_tokens: int, num_experts: int, device: torch.device,
+               drop_invalid: bool = False) -> None:
+    """Shapes, dtypes and devices of the routing tensors; ``k <= E`` unless ``drop_invalid`` (ids
+    outside ``[0, E)`` are then dropped, so a token may carry more ids than there are experts: the
+    local experts of an expert-parallel rank with ``E_l < K``).
 
     Raises:
         TypeError: ``topk_ids`` not integer, ``topk_weights`` not floating point.
-        ValueError: shapes disagree, ``k > E``, or devices differ.
+        ValueError: shapes disagree, ``k > E`` (without ``drop_invalid``), or devices differ.
     """
     if not isinstance(topk_ids, Tensor) or topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool \
             or topk_ids.is_complex():
@@ -61,7 +64,7 @@ def check_topk(topk_ids, topk_weights, num_tokens: int, num_experts: int, device
         raise ValueError(f"topk_weights: expected shape {tuple(topk_ids.shape)} (as topk_ids), "
                          f"got {tuple(topk_weights.shape)}")
     k = topk_ids.shape[1]
-    if k > num_experts:
+    if k > num_experts and not drop_invalid:
         raise ValueError(f"topk_ids: top-k {k} exceeds num_experts {num_experts}")
     for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if t.device != device:

@@ -104,7 +104,7 @@ def experts(
     if hidden_states.device != weights.w_up.device:
         raise ValueError(f"hidden_states: expected device {weights.w_up.device} (as the expert weights), "
                          f"got {hidden_states.device}")
-    check_topk(topk_ids, topk_weights, T, weights.num_experts, hidden_states.device)
+    check_topk(topk_ids, topk_weights, T, weights.num_experts, hidden_states.device, drop_invalid)
     chosen = resolve_backend(backend, hidden_states.device, hidden_states.dtype, weights, act,
                              _workload(topk_ids, weights))
     if check_ids and not drop_invalid and not check_ids_on_host(topk_ids, weights.num_experts):
