@@ -42,7 +42,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import ep_workers as w  # noqa: E402
 
-from moeyard.parallel import expert_parallel  # noqa: E402
+from moeyard.parallel import expert_parallel, release_buffers  # noqa: E402
 from moeyard.parallel.comm import EPGroup  # noqa: E402
 from moeyard.parallel.common import EPOptions  # noqa: E402
 from moeyard.parallel.experts import DISPATCHERS, ExpertParallel  # noqa: E402
@@ -314,6 +314,7 @@ def main() -> int:
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump({"world_size": W, "torch": torch.__version__, "results": everyone}, f, indent=1)
+        release_buffers()
         return exit_code(ok, device)
     finally:
         dist.destroy_process_group()

@@ -53,7 +53,7 @@ import ep_check  # noqa: E402
 import ep_workers as w  # noqa: E402
 import symm_emulation as ref  # noqa: E402
 
-from moeyard.parallel import symm_mem  # noqa: E402
+from moeyard.parallel import release_buffers, symm_mem  # noqa: E402
 
 FP32, BF16 = torch.float32, torch.bfloat16
 K = 3
@@ -412,6 +412,7 @@ def main() -> int:
             with open(args.json, "w") as f:
                 json.dump({"world_size": ep.world_size, "torch": torch.__version__, "results": everyone,
                            "raw": raws, "timing": timings}, f, indent=1)
+        release_buffers()
         return ep_check.exit_code(ok, device)
     finally:
         dist.destroy_process_group()

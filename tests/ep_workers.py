@@ -34,6 +34,7 @@ from moeyard.parallel import expert_parallel
 from moeyard.parallel.comm import resolve_group
 from moeyard.parallel.common import EPOptions
 from moeyard.parallel.experts import DISPATCHERS, ExpertParallel
+from moeyard.parallel.sync_free import resolve_exchange
 
 DISPATCHER_NAMES = list(DISPATCHERS)
 # float64: only the summation order differs from the oracle; float32 (grouped_mm): a few units of 2^-24
@@ -150,11 +151,12 @@ def routing_cases(W: int, E: int, K: int, H: int, g: torch.Generator) -> dict[st
 
     uneven = [5 + 3 * r for r in range(W)]
     empty = [0 if r == 1 else 6 for r in range(W)]
+    hot = max(El, K)  # E_l < K: a token's K distinct experts span the first (last) ranks
     return {
         "uneven": (uneven, ids(sum(uneven), list(range(E)))),            # any rank to any rank
         "empty_rank": (empty, ids(sum(empty), list(range(E)))),          # a rank with no tokens
-        "hot_rank0": ([4] * W, ids(4 * W, list(range(El)))),             # all pairs to rank 0's experts
-        "hot_last": ([3] * W, ids(3 * W, list(range(E - El, E)))),       # ... to the last rank's
+        "hot_rank0": ([4] * W, ids(4 * W, list(range(hot)))),            # all pairs to rank 0's experts
+        "hot_last": ([3] * W, ids(3 * W, list(range(E - hot, E)))),      # ... to the last rank's
         "one_expert": ([5] * W, torch.cat([torch.full((5 * W, 1), E - 1),  # every token hits expert E-1
                                            ids(5 * W, list(range(E - 1)))[:, :K - 1]], 1)),
     }
@@ -624,11 +626,20 @@ def check_p2p(rank: int, W: int) -> None:
             check_functional(rank, W, E=18 * W, K=4, dispatchers=["sync_free"], backends=f64, exchange="p2p",
                              extras=False)
             check_p2p_ops(rank, W, ops)
+            check_p2p_buffer_sizes(rank, W, ops)
             check_no_host_reads(rank, W, exchange="p2p")
             check_layer(rank, W, dispatchers=["sync_free"], exchange="p2p")
-        p2p.release_buffers()
+            ep = resolve_group(None)
+            check(resolve_exchange(EPOptions(num_experts=4 * W, dispatcher="sync_free"), ep) == "p2p",
+                  "auto: p2p where it can run")
+            check(resolve_exchange(EPOptions(num_experts=4 * W, dispatcher="sync_free", overlap_chunks=2), ep)
+                  == "all_to_all", "auto with overlap_chunks 2: all_to_all")
+        moeyard.parallel.release_buffers()
+        check(not p2p._BUFFERS and not p2p._RETIRED, "release_buffers drops every p2p buffer")
     finally:
         ops.close()
+    check(resolve_exchange(EPOptions(num_experts=4 * W, dispatcher="sync_free"), resolve_group(None)) == "all_to_all",
+          "auto on gloo: all_to_all")
     m = make_layer(LAYER_CONFIGS["qwen3"])
     import pytest
     with pytest.raises(ValueError, match="exchange: 'p2p' needs an NCCL group, got backend 'gloo'"):
@@ -665,10 +676,32 @@ def check_p2p_ops(rank: int, W: int, ops) -> None:
         close(f"p2p ops/step{step}/rank{rank}", got, want, TOL[torch.float64])
 
 
+def check_p2p_buffer_sizes(rank: int, W: int, ops) -> None:
+    """One set of buffers serves every token count up to the largest seen (its zero row at its own
+    capacity, so pairs not sent still read zeros after a larger call wrote that row); a larger count
+    allocates once more (four symmetric tensors), a smaller one never."""
+    from moeyard.parallel import p2p
+
+    E, K = 4 * W, 2
+    p2p.release_buffers()
+    call = ExpertParallel(resolve_group(None), EPOptions(num_experts=E, dispatcher="sync_free", exchange="p2p"))
+    g = torch.Generator().manual_seed(79)
+    for step, (T, grows) in enumerate(((6, True), (3, False), (5, False), (9, True), (2, False))):
+        ids_all = torch.rand(T * W, E, generator=g).argsort(1)[:, :K]
+        ids_all[::2, -1] = E                                   # not sent: read from the zero row
+        inputs = make_functional_inputs(T * W, K, E, 8, 4, g)
+        ref = oracle_functional([T] * W, ids_all, inputs, rank, drop_invalid=True)
+        before = ops.allocations
+        got = run_functional(call, [T] * W, ids_all, inputs, rank, torch.float64, "loop", drop_invalid=True)
+        check(ops.allocations == before + (4 if grows else 0), f"p2p buffers/step{step}: {ops.allocations - before}")
+        close(f"p2p buffers/step{step}/T{T}/rank{rank}", got, ref, TOL[torch.float64])
+
+
 # ---------------------------------------------------------------- per world size
 
 def worker_2(rank: int, W: int, ckpt_dir: str) -> None:
     check_functional(rank, W, E=8, K=3)
+    check_functional(rank, W, E=4, K=3, extras=False)  # E_l = 2 < K: more of a token's ids than local experts
     check_no_host_reads(rank, W)
     check_layer(rank, W)
     check_transformers(rank, W)

@@ -12,7 +12,8 @@ routed rows to the ranks owning their experts and brings the results back. One m
 - :mod:`.send_order`: what those two exchanges share (the pairs' send order, the autograd around them);
 - :mod:`.experts`: dispatch -> local experts (:func:`moeyard.experts`, any backend) -> combine;
 - :mod:`.overlap`: ``overlap_chunks=N``: the tokens in N chunks, exchanges in flight during experts;
-- :mod:`.apply`: :func:`expert_parallel` (shards the weights, installs the layer's seam);
+- :mod:`.apply`: :func:`expert_parallel` (shards the weights, installs the layer's seam),
+  :func:`release_buffers` (the symmetric-memory exchanges' buffers, before the group is destroyed);
 - :mod:`.fsdp`: :func:`fsdp_expert_parallel`, composed with FSDP2 on a 2-D ``(dp, ep)`` mesh;
 - :mod:`.bench`: ``moeyard bench --ep N`` under torchrun.
 
@@ -30,11 +31,11 @@ reduced over ``dp`` with a divide factor of ``dp * ep``; every other parameter i
 averaged over the flattened mesh (see :mod:`.fsdp` for why). Without FSDP, gradients of replicated
 parameters are each rank's own share; DDP/FSDP reduce them.
 """
-from .apply import expert_parallel, find_experts
+from .apply import expert_parallel, find_experts, release_buffers
 from .comm import EPGroup
 from .common import Dispatched, EPOptions
 from .experts import DISPATCHERS, ExpertParallel
 from .fsdp import fsdp_expert_parallel
 
 __all__ = ["DISPATCHERS", "Dispatched", "EPGroup", "EPOptions", "ExpertParallel", "expert_parallel", "find_experts",
-           "fsdp_expert_parallel"]
+           "fsdp_expert_parallel", "release_buffers"]

@@ -50,7 +50,8 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
             most 32 ranks; see :mod:`moeyard.parallel.symm_mem`), ``p2p`` (only the routed rows,
             copied by kernels straight from and into the peers' symmetric buffers and laid out
             expert-major on the way: CUDA, NCCL; see :mod:`moeyard.parallel.p2p`) or ``auto``
-            (``all_to_all``; ``benchmarks/NOTES.md`` rounds 14 and 18).
+            (``p2p`` where it can run and ``overlap_chunks == 1``, else ``all_to_all``;
+            ``benchmarks/NOTES.md`` round 33).
         overlap_chunks: ``all_to_all`` / ``sync_free``: split each call's tokens into this many chunks
             and keep one chunk's exchanges in flight (``async_op=True``) while another chunk's experts
             run, forward and backward (:mod:`moeyard.parallel.overlap`); 1 (default): one blocking
@@ -198,3 +199,18 @@ def _check_options(dispatcher, capacity_factor, max_tokens, align, exchange) -> 
         raise ValueError(f"exchange: expected one of {list(EXCHANGES)}, got {exchange!r}")
     if exchange != "auto" and dispatcher != "sync_free":
         raise ValueError(f"exchange: only the sync_free dispatcher has a choice of exchange, got dispatcher={dispatcher!r}")
+
+
+def release_buffers(group=None) -> None:
+    """Free the symmetric buffers that the ``p2p`` and ``symm_mem`` exchanges of ``sync_free`` keep for
+    the process (a collective over ``group``, default the world: call on every rank). Waits for the
+    current CUDA device's queued work, then a barrier of ``group``, so no peer still reads or writes
+    them. Call it before ``torch.distributed.destroy_process_group()`` (symmetric memory freed at
+    interpreter exit, after the group is gone, can crash the process) or to give their memory back;
+    a CUDA graph captured over them must not be replayed afterwards. No-op for the other exchanges."""
+    from . import p2p, symm_mem
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    dist.barrier(group=resolve_group(group).group)
+    p2p.release_buffers()
+    symm_mem.release_buffers()

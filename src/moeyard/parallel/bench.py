@@ -18,7 +18,8 @@ E / N random experts. For each dispatcher it times, forward only (CUDA events on
   ``overlap_chunks`` of ``--overlap`` (e.g. ``1,2,4``; ``all_gather`` and ``sync_free`` with the
   ``symm_mem`` or ``p2p`` exchange: 1 only): what overlapping the exchanges with the experts saves.
 
-On CUDA/NCCL ``sync_free`` is timed twice: with its default exchange and with ``exchange="p2p"``.
+``sync_free`` is timed with ``exchange="all_to_all"`` and, on CUDA/NCCL, again with ``exchange="p2p"``
+(what its default ``auto`` takes there).
 
 Rank 0 prints one row per (routing, dispatcher) with the slowest rank's times (what a step waits
 for) and writes every rank's numbers with ``--json``. Processes use NCCL on CUDA (device
@@ -40,9 +41,10 @@ from ..activations import GATED
 from ..experts import experts
 from ..routing import route
 from .comm import resolve_group
+from .apply import release_buffers
 from .common import EPOptions
 from .experts import DISPATCHERS, ExpertParallel
-from .sync_free import DEVICE_EXCHANGES, resolve_exchange
+from .sync_free import DEVICE_EXCHANGES
 
 Tensor = torch.Tensor
 
@@ -60,7 +62,9 @@ def main(args, command: str) -> int:
     else:
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     try:
-        return _run(args, command, device)
+        code = _run(args, command, device)
+        release_buffers()
+        return code
     finally:
         dist.destroy_process_group()
 
@@ -92,13 +96,13 @@ def _run(args, command: str, device: torch.device) -> int:
 
 
 def _variants(ep) -> list[tuple[str, str]]:
-    """``(dispatcher, exchange)`` to time: every dispatcher, and ``sync_free`` once more with the
-    ``p2p`` exchange where it can run (CUDA, NCCL)."""
+    """``(dispatcher, exchange)`` to time: every dispatcher, ``sync_free`` with the ``all_to_all``
+    exchange and, where it can run (CUDA, NCCL), with ``p2p`` (what ``auto`` takes there)."""
     from . import p2p
 
-    out = [(name, "auto") for name in DISPATCHERS]
+    out = [(name, "all_to_all" if name == "sync_free" else "auto") for name in DISPATCHERS]
     if p2p.OPS.unavailable(ep) is None:
-        out.insert(out.index(("sync_free", "auto")) + 1, ("sync_free", "p2p"))
+        out.insert(out.index(("sync_free", "all_to_all")) + 1, ("sync_free", "p2p"))
     return out
 
 
@@ -186,7 +190,7 @@ def measure_layer(call, x, ids, w, w_up, w_down, kw: dict, time_ms) -> dict:
 def _overlaps(options: EPOptions) -> bool:
     """Whether ``options`` take ``overlap_chunks > 1``: not ``all_gather``, not the ``symm_mem`` or ``p2p``
     exchange."""
-    return options.dispatcher != "all_gather" and resolve_exchange(options.exchange) not in DEVICE_EXCHANGES
+    return options.dispatcher != "all_gather" and options.exchange not in DEVICE_EXCHANGES
 
 
 def _time_ms(fn, ep, opts, device) -> float:

@@ -31,7 +31,7 @@ class EPOptions:
             ``all_to_all`` (worst-case blocks, ``all_to_all_single`` of equal splits), ``symm_mem``
             (exact rows through NVSHMEM symmetric memory, :mod:`moeyard.parallel.symm_mem`), ``p2p``
             (exact rows copied in the peers' symmetric buffers, :mod:`moeyard.parallel.p2p`) or
-            ``auto`` (``all_to_all``).
+            ``auto`` (``p2p`` where it can run and ``overlap_chunks == 1``, else ``all_to_all``).
         overlap_chunks: ``all_to_all`` / ``sync_free``: the layer's tokens go in this many chunks, each
             chunk's exchanges in flight while another chunk's experts compute (:mod:`.overlap`); 1: one
             blocking exchange each way. ``sync_free`` overlaps the ``all_to_all`` exchange only.

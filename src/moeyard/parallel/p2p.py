@@ -2,7 +2,7 @@
 written straight in the peers' memory, counts and offsets never leave the device.
 
 Selected with ``expert_parallel(model, dispatcher="sync_free", exchange="p2p")``. Every rank holds
-one symmetric buffer ``X`` (``[S + 2, H]``, ``S = T_max * K``: room for this rank's pairs, then a
+one symmetric buffer ``X`` (``[S + 2, H]``, ``S = T_max * K`` (the largest seen): room for this rank's pairs, then a
 zero row and a scratch row), an index (``[S]`` int64), a scale (``[S]``, ``X``'s dtype) and a count
 vector (``[W * E_l]`` int64), allocated with
 ``torch.distributed._symmetric_memory`` (CUDA; every peer's buffer is mapped into this process, so
@@ -41,8 +41,9 @@ the index and scale (2.5 MiB there), plus the fresh ``[R, H]`` rows
 not written: they belong to no expert (local id ``E_l``), which every backend skips, so no pass
 writes bytes that carry nothing. Pad rows inside an expert's block are zeroed.
 
-Buffers are allocated on first use per (group, device, dtype, H, S, E_l) (a host-side collective,
-once) and kept for the process (:func:`release_buffers`). Tested with torch's default (CUDA)
+Buffers are allocated on first use per (group, device, dtype, H, E_l) (a host-side collective, once;
+again only when a call needs a larger S) and kept for the process (:func:`buffers`,
+:func:`release_buffers`). Tested with torch's default (CUDA)
 symmetric-memory backend; ``benchmarks/ep_symm_check.py`` checks it on two GPUs.
 """
 from __future__ import annotations
@@ -113,6 +114,7 @@ class Buffers:
         scale_table: ``[W]`` int64, their addresses.
         counts: ``[W * E_l]`` int64 views by rank: rows to rank d's expert e at ``d * E_l + e``.
         handle: what :meth:`TorchPeerOps.barrier` takes.
+        capacity: S, the pairs' rows ``rows`` holds (row S is the zero row).
     """
 
     rows: list[Tensor]
@@ -123,17 +125,26 @@ class Buffers:
     scale_table: Tensor
     counts: list[Tensor]
     handle: object
+    capacity: int
 
 
 _BUFFERS: dict[tuple, Buffers] = {}
+_RETIRED: list[Buffers] = []  # outgrown buffers, kept mapped (a captured graph or a step in flight may use them)
 
 
 def buffers(ep: EPGroup, device: torch.device, dtype: torch.dtype, hidden: int, pairs: int,
             num_local_experts: int) -> Buffers:
-    """The cached :class:`Buffers` of this key, allocated on first use (collective: every rank in
-    the same order)."""
-    key = (ep.group.group_name, device, dtype, hidden, pairs, num_local_experts)
-    if key not in _BUFFERS:
+    """The cached :class:`Buffers` of ``(group, device, dtype, H, E_l)`` with room for ``pairs`` rows
+    (S); allocated on first use and again, at exactly ``pairs``, when a call needs more rows than the
+    cached one has (collective: every rank passes the same ``pairs``, as ``sync_free``'s ``T_max``
+    is the same on every rank). A call needing fewer rows reuses the larger buffer. Outgrown buffers
+    stay allocated until :func:`release_buffers`: a process whose token count keeps growing without
+    ``max_tokens`` holds one buffer per increase, so pass ``max_tokens`` to hold one."""
+    key = (ep.group.group_name, device, dtype, hidden, num_local_experts)
+    cached = _BUFFERS.get(key)
+    if cached is None or cached.capacity < pairs:
+        if cached is not None:
+            _RETIRED.append(cached)
         rows, handle = OPS.symmetric((pairs + 2, hidden), dtype, device, ep.group)
         index, _ = OPS.symmetric((pairs,), torch.int64, device, ep.group)
         scale, _ = OPS.symmetric((pairs,), dtype, device, ep.group)
@@ -141,7 +152,8 @@ def buffers(ep: EPGroup, device: torch.device, dtype: torch.dtype, hidden: int, 
         rows[ep.rank][pairs].zero_()
         _BUFFERS[key] = Buffers(rows=rows, table=_addresses(rows, device), index=index,
                                 index_table=_addresses(index, device), scale=scale,
-                                scale_table=_addresses(scale, device), counts=counts, handle=handle)
+                                scale_table=_addresses(scale, device), counts=counts, handle=handle,
+                                capacity=pairs)
     return _BUFFERS[key]
 
 
@@ -150,9 +162,10 @@ def _addresses(views: list[Tensor], device: torch.device) -> Tensor:
 
 
 def release_buffers() -> None:
-    """Drop every cached symmetric buffer (call on every rank, between steps, when no exchange is
-    in flight)."""
+    """Drop every cached symmetric buffer, outgrown ones included (call on every rank, between steps,
+    when no exchange is in flight and no captured CUDA graph that used them will be replayed)."""
     _BUFFERS.clear()
+    _RETIRED.clear()
 
 
 # ---------------------------------------------------------------- the layout
@@ -243,7 +256,7 @@ def dispatch(x: Tensor, route, ep: EPGroup, align: int) -> tuple[Tensor, Tensor,
     """
     check_available(ep)
     bufs = buffers(ep, x.device, x.dtype, x.shape[1], route.max_tokens * route.top_k, route.num_local_experts)
-    h = Handle(**send_order.order_pairs(route), bufs=bufs, rank=ep.rank, align=align)
+    h = Handle(**send_order.order_pairs(route, zero_row=bufs.capacity), bufs=bufs, rank=ep.rank, align=align)
     rows = send_order.dispatch(x, h, _pull, _push)
     return rows, h.row_experts, h
 

@@ -37,8 +37,8 @@ class SendOrder:
         route: the ``sync_free.Route``.
         send_counts: ``[W * E_l]`` int64, rows to rank d's expert e at ``d * E_l + e``.
         sort_order: ``[N]`` int64, send row -> its pair (sent pairs first).
-        pair_row: ``[N]`` int64, pair -> its send row (``S = T_max * K``, the buffer's zero row, where
-            not sent).
+        pair_row: ``[N]`` int64, pair -> its send row (the buffer's zero row, ``S = T_max * K`` unless
+            the exchange's buffer is larger, where not sent).
     """
 
     route: object
@@ -47,12 +47,14 @@ class SendOrder:
     pair_row: Tensor
 
 
-def order_pairs(route) -> dict:
-    """The :class:`SendOrder` fields of a ``sync_free.Route`` (keyword arguments for a handle)."""
+def order_pairs(route, zero_row: int | None = None) -> dict:
+    """The :class:`SendOrder` fields of a ``sync_free.Route`` (keyword arguments for a handle);
+    ``pair_row`` of a pair not sent is ``zero_row`` (default ``S = T_max * K``), the buffer's zero row."""
     T, K, E = route.num_tokens, route.top_k, route.num_experts
     plan = make_plan(route.ids.view(T, K), E)
+    zero = route.max_tokens * K if zero_row is None else zero_row
     return dict(route=route, send_counts=plan.tokens_per_expert.to(torch.int64), sort_order=plan.sort_order,
-                pair_row=torch.where(route.ids < E, plan.pair_rows, route.max_tokens * K))
+                pair_row=torch.where(route.ids < E, plan.pair_rows, zero))
 
 
 def dispatch(x: Tensor, h: SendOrder, send, back) -> Tensor:

@@ -39,8 +39,11 @@ The exchanges (:data:`EXCHANGE_IMPLS`, each an :class:`Exchange`):
 - ``p2p`` (:mod:`moeyard.parallel.p2p`): only the routed rows travel, copied by kernels straight out
   of and into the peers' symmetric buffers (torch's CUDA symmetric memory, NVLink), laid out
   expert-major as they are copied, counts exchanged on the device.
-- ``auto``: ``all_to_all``. The ``symm_mem`` path passes ``benchmarks/ep_symm_check.py`` on 2 H200s,
-  but its forward exchange was no faster there (``benchmarks/NOTES.md``, round 14).
+- ``auto``: ``p2p`` where it can run (CUDA, an NCCL group, torch's symmetric memory) and
+  ``overlap_chunks == 1``, else ``all_to_all``. On 2 H200s at qwen3-30b-a3b ``p2p``'s forward +
+  backward took 23.3 ms against ``all_to_all``'s 46.1 and the host-sync dispatcher's 26.8
+  (``benchmarks/NOTES.md``, round 33). The ``symm_mem`` path passes ``benchmarks/ep_symm_check.py``
+  on 2 H200s, but its forward exchange was no faster there (round 14): it is never chosen by ``auto``.
 
 Stages (``overlap_chunks=N``: :mod:`.overlap` runs them over N chunks of the tokens, each chunk
 with C at its own bound ``ceil(T_max / N)``, with the exchanges in flight): :func:`depart_dispatch`
@@ -168,7 +171,7 @@ class State:
 def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions) -> Dispatched:
     """``x [T, H]``, ``topk_ids [T, K]`` (global ids; others dropped), ``topk_weights [T, K]`` ->
     rows ``[R, H]`` (R static) with ``[R, 1]`` local ids (``E_l``: an empty row)."""
-    name = resolve_exchange(options.exchange)
+    name = resolve_exchange(options, ep)
     (_, route), = chunk_routes(topk_ids, ep, options, slots=name == "all_to_all")
     exchange = EXCHANGE_IMPLS[name]
     rows, row_experts, handle = exchange.dispatch(x, route, ep, options.align)
@@ -186,10 +189,15 @@ def _dispatched(rows: Tensor, row_experts: Tensor, state: State, route: Route) -
                       state=state, dropped=route.dropped)
 
 
-def resolve_exchange(name: str) -> str:
-    """The exchange ``EPOptions.exchange`` names: ``auto`` is ``all_to_all`` (equal splits) until the
-    symmetric-memory path is verified on GPUs."""
-    return "all_to_all" if name == "auto" else name
+def resolve_exchange(options: EPOptions, ep: EPGroup) -> str:
+    """The exchange ``options.exchange`` names on ``ep``: ``auto`` is ``p2p`` where that can run and
+    ``options.overlap_chunks == 1`` (the chunked stages run the ``all_to_all`` exchange), else
+    ``all_to_all``. Host metadata only."""
+    if options.exchange != "auto":
+        return options.exchange
+    if options.overlap_chunks == 1 and p2p.OPS.unavailable(ep) is None:
+        return "p2p"
+    return "all_to_all"
 
 
 def check_exchange(ep: EPGroup, options: EPOptions) -> None:
@@ -203,7 +211,7 @@ def check_exchange(ep: EPGroup, options: EPOptions) -> None:
             (:func:`moeyard.parallel.p2p.check_available`).
     """
     check_overlap(options.exchange, options.overlap_chunks)
-    name = resolve_exchange(options.exchange)
+    name = resolve_exchange(options, ep)
     if name == "symm_mem":
         symm_mem.check_available(ep)
     elif name == "p2p":
@@ -211,15 +219,15 @@ def check_exchange(ep: EPGroup, options: EPOptions) -> None:
 
 
 def check_overlap(exchange: str, overlap_chunks: int) -> None:
-    """Raise ValueError for ``overlap_chunks > 1`` with the ``symm_mem`` or ``p2p`` exchange (options only).
+    """Raise ValueError for ``overlap_chunks > 1`` with the ``symm_mem`` or ``p2p`` exchange named
+    (options only; ``auto`` then takes ``all_to_all``).
 
     :mod:`.overlap` keeps each chunk's exchange in flight as an ``async_op=True`` collective and
     waits for it later; those two exchanges are kernels on the current stream, with a device barrier,
     that reuse one set of symmetric buffers per shape, so chunks could neither be in flight together
     nor keep their rows apart."""
-    name = resolve_exchange(exchange)
-    if overlap_chunks > 1 and name in DEVICE_EXCHANGES:
-        raise ValueError(f"overlap_chunks: not with exchange={name!r} (its exchanges are kernels on the current "
+    if overlap_chunks > 1 and exchange in DEVICE_EXCHANGES:
+        raise ValueError(f"overlap_chunks: not with exchange={exchange!r} (its exchanges are kernels on the current "
                          "stream sharing one set of symmetric buffers, not async collectives to keep in flight "
                          "per chunk); use overlap_chunks=1 or exchange='all_to_all'")
 
@@ -233,7 +241,7 @@ def depart_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGro
 
     Raises:
         ValueError: ``options.exchange`` other than ``all_to_all`` / ``auto``."""
-    if resolve_exchange(options.exchange) != "all_to_all":
+    if resolve_exchange(options, ep) != "all_to_all":
         raise ValueError(f"exchange: the sync_free stages run the all_to_all exchange only, got {options.exchange!r}")
     return [pack_slots(x[s], route, state=(route, topk_weights[s]))
             for s, route in chunk_routes(topk_ids, ep, options, chunks)]
