@@ -23,7 +23,7 @@
 #    kernel on local and peer memory, the layer against the oracle at E_l = 4 and 64, sync debug mode,
 #    CUDA-graph replay), a kernel profile of its dispatch + combine, then dispatch / combine ms at
 #    qwen3-30b-a3b next to all_to_all.
-# Every step is time-boxed (steps 1-2 under 9 minutes, step 3 under 5). Files in $OUT: ep_check.log,
+# Every step is time-boxed (EP_LIMIT_CHECK / _BENCH (per shape) / _SYMM / _P2P seconds: 200 / 240 / 300 / 300). Files in $OUT: ep_check.log,
 # ep_check.json, bench_<shape>.log, bench_<shape>.json, ep_symm_check.log, ep_symm_check.json,
 # ep_p2p_check.log, ep_p2p_check.json, env.txt.
 set -u
@@ -59,12 +59,12 @@ STEPS=${EP_STEPS:-check bench symm p2p}
 [ "${EP_SYMM_ONLY:-0}" = 1 ] && STEPS=symm
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # the NVSHMEM step first when asked for: it is the least tried
-has symm && MOEYARD_TRITON_AUTOTUNE=0 step ep_symm_check 300 $TR benchmarks/ep_symm_check.py --json "$OUT/ep_symm_check.json"
-has p2p && MOEYARD_TRITON_AUTOTUNE=0 step ep_p2p_check 300 $TR benchmarks/ep_symm_check.py --exchange p2p --json "$OUT/ep_p2p_check.json"
-has check && MOEYARD_TRITON_AUTOTUNE=0 step ep_check 200 $TR benchmarks/ep_check.py --json "$OUT/ep_check.json"
+has symm && MOEYARD_TRITON_AUTOTUNE=0 step ep_symm_check "${EP_LIMIT_SYMM:-300}" $TR benchmarks/ep_symm_check.py --json "$OUT/ep_symm_check.json"
+has p2p && MOEYARD_TRITON_AUTOTUNE=0 step ep_p2p_check "${EP_LIMIT_P2P:-300}" $TR benchmarks/ep_symm_check.py --exchange p2p --json "$OUT/ep_p2p_check.json"
+has check && MOEYARD_TRITON_AUTOTUNE=0 step ep_check "${EP_LIMIT_CHECK:-200}" $TR benchmarks/ep_check.py --json "$OUT/ep_check.json"
 if has bench; then
     for shape in $SHAPES; do
-        step "bench_$shape" 160 $TR -m moeyard bench --ep "$NPROC" --model "$shape" --dtype bfloat16 \
+        step "bench_$shape" "${EP_LIMIT_BENCH:-240}" $TR -m moeyard bench --ep "$NPROC" --model "$shape" --dtype bfloat16 \
             --warmup 3 --iters 10 --overlap "$OVERLAP" --json "$OUT/bench_$shape.json"
     done
 fi
