@@ -40,10 +40,11 @@ The exchanges (:data:`EXCHANGE_IMPLS`, each an :class:`Exchange`):
   of and into the peers' symmetric buffers (torch's CUDA symmetric memory, NVLink), laid out
   expert-major as they are copied, counts exchanged on the device.
 - ``auto``: ``p2p`` where it can run (CUDA, an NCCL group, torch's symmetric memory) and
-  ``overlap_chunks == 1``, else ``all_to_all``. On 2 H200s at qwen3-30b-a3b ``p2p``'s forward +
-  backward took 23.3 ms against ``all_to_all``'s 46.1 and the host-sync dispatcher's 26.8
-  (``benchmarks/NOTES.md``, round 33). The ``symm_mem`` path passes ``benchmarks/ep_symm_check.py``
-  on 2 H200s, but its forward exchange was no faster there (round 14): it is never chosen by ``auto``.
+  ``overlap_chunks == 1``, else ``all_to_all``. On 2 H200s at qwen3-30b-a3b (T = 32768 per rank,
+  balanced) the layer's forward + backward took 22.9 ms with ``p2p``, 46.2 with the equal splits and
+  27.0 with the host-sync ``all_to_all`` dispatcher (``benchmarks/NOTES.md``, round 33). The
+  ``symm_mem`` path passes ``benchmarks/ep_symm_check.py`` on 2 H200s, but its forward exchange was
+  no faster there (round 14): ``auto`` never takes it.
 
 Stages (``overlap_chunks=N``: :mod:`.overlap` runs them over N chunks of the tokens, each chunk
 with C at its own bound ``ceil(T_max / N)``, with the exchanges in flight): :func:`depart_dispatch`
@@ -51,7 +52,7 @@ with C at its own bound ``ceil(T_max / N)``, with the exchanges in flight): :fun
 :func:`depart_combine`, :func:`arrive_combine`. They run the ``all_to_all`` exchange only: the
 ``symm_mem`` and ``p2p`` exchanges are kernels on the current stream sharing one set of symmetric
 buffers, not collectives that can stay in flight per chunk, so ``overlap_chunks > 1`` with either
-raises ValueError (:func:`check_overlap`).
+named raises ValueError (:func:`check_overlap`; ``auto`` then takes ``all_to_all``).
 """
 from __future__ import annotations
 
