@@ -49,7 +49,8 @@ def experts(
 
     Args:
         hidden_states: ``[T, H]`` float (any strides).
-        topk_ids: ``[T, K]`` integer expert ids, ``K <= E``.
+        topk_ids: ``[T, K]`` integer expert ids, ``K <= E`` (any K with ``drop_invalid``: a rank's
+            local experts under expert parallelism can number fewer than K).
         topk_weights: ``[T, K]`` float routing weights (cast to ``hidden_states.dtype``).
         gate_up_proj: ``[E, 2I, H]`` (gate rows then up rows), or ``[E, I, H]`` for a plain
             activation (transformers' ``up_proj``); ``[E, H, 2I]`` if ``transposed``. Either weight
@@ -82,7 +83,8 @@ def experts(
         the biases, ``topk_weights`` and the LoRA factors.
 
     Raises:
-        TypeError: a tensor of the wrong kind or dtype. ValueError: shapes, devices, ``K > E``, ids
+        TypeError: a tensor of the wrong kind or dtype. ValueError: shapes, devices, ``K > E`` without
+            ``drop_invalid``, ids
         out of range (see ``drop_invalid``), unknown activation or backend, or a backend that
         cannot run here (the message names those that can).
     """
