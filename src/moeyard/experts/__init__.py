@@ -83,10 +83,10 @@ def experts(
         the biases, ``topk_weights`` and the LoRA factors.
 
     Raises:
-        TypeError: a tensor of the wrong kind or dtype. ValueError: shapes, devices, ``K > E`` without
-            ``drop_invalid``, ids
-        out of range (see ``drop_invalid``), unknown activation or backend, or a backend that
-        cannot run here (the message names those that can).
+        TypeError: a tensor of the wrong kind or dtype.
+        ValueError: shapes, devices, ``K > E`` without ``drop_invalid``, ids out of range (see
+            ``drop_invalid``), unknown activation or backend, or a backend that cannot run here (the
+            message names those that can).
     """
     act = get_activation(activation)
     check_float("hidden_states", hidden_states, dim=2)
