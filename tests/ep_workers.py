@@ -627,6 +627,7 @@ def check_p2p(rank: int, W: int) -> None:
                              extras=False)
             check_p2p_ops(rank, W, ops)
             check_p2p_buffer_sizes(rank, W, ops)
+            check_unwritten_rows(rank, W, exchange="p2p")
             check_no_host_reads(rank, W, exchange="p2p")
             check_layer(rank, W, dispatchers=["sync_free"], exchange="p2p")
             ep = resolve_group(None)
@@ -697,11 +698,38 @@ def check_p2p_buffer_sizes(rank: int, W: int, ops) -> None:
         close(f"p2p buffers/step{step}/T{T}/rank{rank}", got, ref, TOL[torch.float64])
 
 
+def check_unwritten_rows(rank: int, W: int, exchange: str = "all_to_all") -> None:
+    """``sync_free`` on the ``triton`` backend (the interpreter on CPU) with its fresh tensors NaN-filled:
+    its experts leave the empty rows' outputs and input gradients unwritten (``drop_invalid="unwritten"``)
+    and the combine never reads them, so outputs and gradients still equal the oracle."""
+    from unittest import mock
+
+    import moeyard.parallel.experts as ep_experts
+    from moeyard.experts.triton import ops
+
+    real, real_like, real_experts = ops.empty, ops.empty_like, ep_experts.experts
+    unwritten = []
+
+    def watched(rows, ids, *args, **kw):  # did the local experts leave any empty row unwritten?
+        out = real_experts(rows, ids, *args, **kw)
+        empty = (ids[:, 0] < 0) | (ids[:, 0] >= args[1].shape[0])
+        unwritten.append(bool(out.detach()[empty].isnan().all(1).any()))
+        return out
+
+    with mock.patch.object(ops, "empty", lambda shape, like, dtype=None: real(shape, like, dtype).fill_(float("nan"))), \
+            mock.patch.object(ops, "empty_like", lambda like: real_like(like).fill_(float("nan"))), \
+            mock.patch.object(ep_experts, "experts", watched):
+        check_functional(rank, W, E=4 * W, K=2, dispatchers=["sync_free"], backends=(("triton", torch.float32),),
+                         extras=False, exchange=exchange)
+    check(any(unwritten), f"unwritten rows/{exchange}/rank{rank}: every empty row was written")
+
+
 # ---------------------------------------------------------------- per world size
 
 def worker_2(rank: int, W: int, ckpt_dir: str) -> None:
     check_functional(rank, W, E=8, K=3)
     check_functional(rank, W, E=4, K=3, extras=False)  # E_l = 2 < K: more of a token's ids than local experts
+    check_unwritten_rows(rank, W)
     check_no_host_reads(rank, W)
     check_layer(rank, W)
     check_transformers(rank, W)

@@ -167,6 +167,31 @@ def test_more_ids_than_experts_with_drop_invalid(backend, dtype, nan_empty):
         run_experts(inputs, dtype, backend, torch.zeros(T, H))
 
 
+@pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
+def test_drop_invalid_unwritten(backend, dtype, nan_empty):
+    """``drop_invalid="unwritten"`` at K = 1 (an expert-parallel rank's rows, some of them empty): the rows of
+    tokens with a valid pair and every weight gradient as with ``drop_invalid=True``; the dropped tokens'
+    output and input-gradient rows are zeros on every backend but ``triton``, which leaves them unwritten
+    (NaN here: fresh tensors are NaN-filled)."""
+    T, H, I, E = 12, 16, 8, 4
+    ids = torch.randint(0, E, (T, 1))
+    ids[::3] = E                                           # a third of the rows are empty
+    inputs = make_inputs(T, H, I, E, 1, ids=ids, bias=True)
+    dy = torch.randn(T, H, dtype=torch.float64)
+    want = run_experts(inputs, dtype, backend, dy, drop_invalid=True)
+    got = run_experts(inputs, dtype, backend, dy, drop_invalid="unwritten")
+    live = (ids[:, 0] < E)
+    for k in want:
+        if k in ("out", "grad_hidden_states"):
+            assert torch.equal(got[k][live], want[k][live]), k
+            dropped = got[k][~live]
+            assert (dropped.isnan().all() if backend == "triton" else (dropped == 0).all()), (k, backend)
+        else:
+            assert torch.equal(got[k], want[k]), k
+    with pytest.raises(ValueError, match="drop_invalid: expected False, True or 'unwritten', got 'zero'"):
+        run_experts(inputs, dtype, backend, dy, drop_invalid="zero")
+
+
 @pytest.mark.parametrize("backend", cpu_backends(torch.float64))
 def test_float64(backend):
     """Backends that accept float64 agree with the oracle to float64 roundoff."""

@@ -44,6 +44,15 @@ def check_float(name: str, t, *, dim: int | None = None) -> None:
         raise ValueError(f"{name}: expected a {dim}-D tensor, got shape {tuple(t.shape)}")
 
 
+UNWRITTEN = "unwritten"  # drop_invalid: dropped pairs contribute nothing, their tokens' rows may stay unwritten
+
+
+def check_drop_invalid(drop_invalid) -> None:
+    """Raise ValueError unless ``drop_invalid`` is False, True or ``"unwritten"``."""
+    if drop_invalid not in (False, True) and drop_invalid != UNWRITTEN:
+        raise ValueError(f"drop_invalid: expected False, True or {UNWRITTEN!r}, got {drop_invalid!r}")
+
+
 def check_topk(topk_ids, topk_weights, num_tokens: int, num_experts: int, device: torch.device,
                drop_invalid: bool = False) -> None:
     """Shapes, dtypes and devices of the routing tensors; ``k <= E`` unless ``drop_invalid`` (ids

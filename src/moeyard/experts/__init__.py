@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..activations import Activation, get_activation
-from ..checks import check_float, check_ids_on_host, check_topk, invalid_ids
+from ..checks import check_drop_invalid, check_float, check_ids_on_host, check_topk, invalid_ids
 from ..kernel_op import records_graph
 from . import bmm_padded as _bmm_padded  # noqa: F401  (registers)
 from . import grouped_mm as _grouped_mm  # noqa: F401  (registers)
@@ -38,7 +38,7 @@ def experts(
     down_bias: Tensor | None = None,
     transposed: bool = False,
     interleaved: bool = False,
-    drop_invalid: bool = False,
+    drop_invalid: bool | str = False,
     lora: dict[str, ExpertLoRA] | None = None,
     check_ids: bool = True,
 ) -> Tensor:
@@ -68,6 +68,11 @@ def experts(
         drop_invalid: pairs whose id lies outside ``[0, E)`` contribute nothing (the expert-parallel
             "sentinel" convention). Otherwise such ids are an error: ValueError where they can be
             read without a host sync (CPU) or in debug mode, else NaN output rows for those tokens.
+            ``"unwritten"``: as True, and where K is 1 the output rows of tokens whose pair is dropped,
+            and those rows of the input gradient, may be left unwritten (any values) instead of zeroed,
+            for a caller that never reads them (``sync_free``'s static receive buffers: on the
+            ``triton`` backend this saves a pass writing zeros over them, forward and backward; the
+            other backends write zeros).
         lora: optional LoRA adapters, ``{"gate_up_proj": ExpertLoRA(lora_A, lora_B, scaling),
             "down_proj": ...}`` (either key may be absent) in PEFT's layout as they are:
             ``lora_A [r*E, in]``, ``lora_B [out, r*E]`` (see :class:`moeyard.ExpertLoRA`). Each
@@ -85,10 +90,11 @@ def experts(
     Raises:
         TypeError: a tensor of the wrong kind or dtype.
         ValueError: shapes, devices, ``K > E`` without ``drop_invalid``, ids out of range (see
-            ``drop_invalid``), unknown activation or backend, or a backend that cannot run here (the
+            ``drop_invalid``), ``drop_invalid`` not False, True or ``"unwritten"``, unknown activation or backend, or a backend that cannot run here (the
             message names those that can).
     """
     act = get_activation(activation)
+    check_drop_invalid(drop_invalid)
     check_float("hidden_states", hidden_states, dim=2)
     if is_quantized(gate_up_proj) or is_quantized(down_proj):
         with dequantized((gate_up_proj, down_proj), topk_ids) as (up, down):

@@ -4,7 +4,10 @@ A backend computes the routed expert FFN
 ``out[t] = sum_k w[t, k] * FFN_{ids[t, k]}(x[t])`` behind one signature::
 
     forward(hidden_states [T, H], topk_ids [T, K], topk_weights [T, K],
-            weights: ExpertWeights, activation: Activation, *, drop_invalid: bool) -> [T, H]
+            weights: ExpertWeights, activation: Activation, *, drop_invalid: bool | str) -> [T, H]
+
+(``drop_invalid`` False, True or ``"unwritten"``, as :func:`moeyard.experts` documents; a backend may
+treat ``"unwritten"`` as True.)
 
 ``unsupported(device, dtype, weights, activation)`` returns None when the backend runs there, else a
 reason; ``auto`` takes the highest-``priority`` backend that runs, unless that backend's ``defer``

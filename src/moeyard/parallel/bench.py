@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from .. import bench as layer_bench
 from ..activations import GATED
+from ..checks import UNWRITTEN
 from ..experts import experts
 from ..routing import route
 from .comm import resolve_group
@@ -140,15 +141,16 @@ def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts
                         **more)
     mod = DISPATCHERS[dispatcher]
     kw = dict(activation=config.activation, backend=backend, drop_invalid=True)
+    rows_kw = {**kw, "drop_invalid": UNWRITTEN if dispatcher == "sync_free" else True}  # as ExpertParallel calls them
 
     def time_ms(fn) -> float:
         return _time_ms(fn, ep, opts, device)
 
     with torch.no_grad():
         d = mod.dispatch(x, ids, w, ep, options)
-        y = experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down, **kw)
+        y = experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down, **rows_kw)
         t_dispatch = time_ms(lambda: mod.dispatch(x, ids, w, ep, options))
-        t_experts = time_ms(lambda: experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down, **kw))
+        t_experts = time_ms(lambda: experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down, **rows_kw))
         t_combine = time_ms(lambda: mod.combine(y, d))
         live = (d.topk_ids >= 0) & (d.topk_ids < El)          # pairs computed here (setup only: host reads ok)
         pairs = int(live.sum())

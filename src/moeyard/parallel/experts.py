@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_float, check_ids_on_host, check_topk, invalid_ids
+from ..checks import UNWRITTEN, check_float, check_ids_on_host, check_topk, invalid_ids
 from ..experts import experts
 from . import all_gather, all_to_all, sync_free
 from .comm import EPGroup, check_device
@@ -84,8 +84,12 @@ class ExpertParallel:
         if check_ids and not drop_invalid and not check_ids_on_host(topk_ids, E):
             bad = invalid_ids(topk_ids, E).any(1, keepdim=True)  # accelerator: NaN rows, as moeyard.experts
 
+        # sync_free's combine reads only the received rows: its empty rows' outputs (and their input
+        # gradients) need not be written; all_gather's reduce-scatter sums every row, so they must be zero
+        unread = UNWRITTEN if self.options.dispatcher == "sync_free" else True
+
         def compute(d):
-            return experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down, drop_invalid=True, **kwargs)
+            return experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down, drop_invalid=unread, **kwargs)
 
         weights = topk_weights.to(hidden_states.dtype)
         if self.options.overlap_chunks > 1:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ...activations import Activation
+from ...checks import UNWRITTEN
 from ...kernel_op import records_graph
 from ..weights import ExpertWeights, LowRank
 from . import ops
@@ -44,9 +45,9 @@ NONE = ActSpec(name="none")
 # autograd functions' forward methods: Dynamo does not trace those through a decorator)
 @read_once
 def triton_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
-                   activation: Activation, *, drop_invalid: bool = False) -> Tensor:
+                   activation: Activation, *, drop_invalid: bool | str = False) -> Tensor:
     """The routed expert FFN (shapes and semantics as :func:`moeyard.experts`)."""
-    r = ops.routing(topk_ids, weights.num_experts)
+    r = ops.routing(topk_ids, weights.num_experts, zero_invalid=drop_invalid != UNWRITTEN)
     tw = topk_weights.reshape(-1)
     a_up, b_up, s_up = _factors(weights.lora_up)
     a_dn, b_dn, s_dn = _factors(weights.lora_down)

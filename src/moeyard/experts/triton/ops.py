@@ -40,12 +40,15 @@ class Routing:
         made: what :meth:`tile_table` and :attr:`sorted_token` made so far (the TMA down projection's
         forward and its input gradient in backward share one table; the weight gradients share the
         token index).
+        zero_invalid: at ``K == 1``, whether :func:`combine` writes the rows of dropped pairs (zeros, or
+            ``w * 0``); False: they stay unwritten (``drop_invalid="unwritten"``).
     """
 
     topk_ids: Tensor
     sort_order: Tensor
     expert_offsets: Tensor
     num_experts: int
+    zero_invalid: bool = True
     made: dict = field(default_factory=dict, compare=False, repr=False)
 
     def _keep(self, key, value: Tensor) -> Tensor:
@@ -87,20 +90,21 @@ class Routing:
         return self.topk_ids.numel()
 
 
-def routing(topk_ids: Tensor, num_experts: int) -> Routing:
+def routing(topk_ids: Tensor, num_experts: int, zero_invalid: bool = True) -> Routing:
     """Sort the ``[T, K]`` pairs by expert (stable) and find each expert's rows
     (:func:`moeyard.dispatch.sort_by_expert`: a few device ops, one stable sort, no host sync). Where the
     sort takes one launch (:func:`moeyard.dispatch.one_launch`: few pairs), in eager mode, that launch also
     makes the tile table of ``tma_block_m()`` rows the TMA and Gluon kernels read (:meth:`Routing.tile_table`),
-    one launch less per call (host time: ``benchmarks/NOTES.md``, round 30)."""
+    one launch less per call (host time: ``benchmarks/NOTES.md``, round 30). ``zero_invalid``: as
+    :attr:`Routing.zero_invalid`."""
     if one_launch(topk_ids, num_experts) and not torch.compiler.is_compiling():
-        return _sorted_and_tiled(topk_ids, num_experts)
+        return _sorted_and_tiled(topk_ids, num_experts, zero_invalid)
     _, sort_order, expert_offsets = sort_by_expert(topk_ids, num_experts)
     return Routing(topk_ids=topk_ids.contiguous(), sort_order=sort_order, expert_offsets=expert_offsets,
-                   num_experts=num_experts)
+                   num_experts=num_experts, zero_invalid=zero_invalid)
 
 
-def _sorted_and_tiled(topk_ids: Tensor, num_experts: int) -> Routing:
+def _sorted_and_tiled(topk_ids: Tensor, num_experts: int, zero_invalid: bool) -> Routing:
     """:func:`routing` by :func:`.schedule.sort_and_tile`: the sort and the tile table in one launch."""
     ids = topk_ids.reshape(-1)
     N, dev, block_m = ids.shape[0], ids.device, tma_block_m()
@@ -108,7 +112,8 @@ def _sorted_and_tiled(topk_ids: Tensor, num_experts: int) -> Routing:
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
     table = torch.empty(2 * max_row_tiles(N, num_experts, block_m) + 1, dtype=torch.int32, device=dev)
     sort_and_tile(ids, num_experts, block_m, order, offsets, table)
-    r = Routing(topk_ids=topk_ids.contiguous(), sort_order=order, expert_offsets=offsets, num_experts=num_experts)
+    r = Routing(topk_ids=topk_ids.contiguous(), sort_order=order, expert_offsets=offsets, num_experts=num_experts,
+                zero_invalid=zero_invalid)
     r.made[block_m] = table
     return r
 
@@ -623,9 +628,11 @@ def down_proj(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor | 
 def combine(y: Tensor, r: Routing, topk_weights: Tensor | None) -> Tensor:
     """``y [N, H]`` by pair -> ``[T, H]`` (sum over each token's valid pairs). At ``K == 1`` (as
     every expert-parallel dispatcher calls the local experts) ``y`` is the output once its invalid
-    pairs' rows are filled (:func:`fill_invalid_`): no second ``[N, H]`` pass."""
+    pairs' rows are filled (:func:`fill_invalid_`): no second ``[N, H]`` pass; not even that with
+    ``r.zero_invalid`` False and no NaN weights to apply."""
     if r.top_k == 1:
-        fill_invalid_(r.topk_ids, topk_weights, r.num_experts, y)
+        if r.zero_invalid or topk_weights is not None:
+            fill_invalid_(r.topk_ids, topk_weights, r.num_experts, y)
         return y
     out = empty((r.topk_ids.shape[0], y.shape[1]), y)
     combine_(y, r.topk_ids, topk_weights, r.num_experts, out)
