@@ -54,7 +54,7 @@ def check_drop_invalid(drop_invalid) -> None:
 
 
 def check_topk(topk_ids, topk_weights, num_tokens: int, num_experts: int, device: torch.device,
-               drop_invalid: bool = False) -> None:
+               drop_invalid: bool | str = False) -> None:
     """Shapes, dtypes and devices of the routing tensors; ``k <= E`` unless ``drop_invalid`` (ids
     outside ``[0, E)`` are then dropped, so a token may carry more ids than there are experts: the
     local experts of an expert-parallel rank with ``E_l < K``).

@@ -90,8 +90,8 @@ def experts(
     Raises:
         TypeError: a tensor of the wrong kind or dtype.
         ValueError: shapes, devices, ``K > E`` without ``drop_invalid``, ids out of range (see
-            ``drop_invalid``), ``drop_invalid`` not False, True or ``"unwritten"``, unknown activation or backend, or a backend that cannot run here (the
-            message names those that can).
+            ``drop_invalid``), ``drop_invalid`` not False, True or ``"unwritten"``, unknown activation
+            or backend, or a backend that cannot run here (the message names those that can).
     """
     act = get_activation(activation)
     check_drop_invalid(drop_invalid)

@@ -207,7 +207,10 @@ def release_buffers(group=None) -> None:
     current CUDA device's queued work, then a barrier of ``group``, so no peer still reads or writes
     them. Call it before ``torch.distributed.destroy_process_group()`` (symmetric memory freed at
     interpreter exit, after the group is gone, can crash the process) or to give their memory back;
-    a CUDA graph captured over them must not be replayed afterwards. No-op for the other exchanges."""
+    a CUDA graph captured over them must not be replayed afterwards. No-op for the other exchanges.
+
+    Raises:
+        ValueError: ``group`` not initialised (as :func:`expert_parallel`)."""
     from . import p2p, symm_mem
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()

@@ -84,12 +84,10 @@ class ExpertParallel:
         if check_ids and not drop_invalid and not check_ids_on_host(topk_ids, E):
             bad = invalid_ids(topk_ids, E).any(1, keepdim=True)  # accelerator: NaN rows, as moeyard.experts
 
-        # sync_free's combine reads only the received rows: its empty rows' outputs (and their input
-        # gradients) need not be written; all_gather's reduce-scatter sums every row, so they must be zero
-        unread = UNWRITTEN if self.options.dispatcher == "sync_free" else True
+        drop = rows_drop_invalid(self.options.dispatcher)
 
         def compute(d):
-            return experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down, drop_invalid=unread, **kwargs)
+            return experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down, drop_invalid=drop, **kwargs)
 
         weights = topk_weights.to(hidden_states.dtype)
         if self.options.overlap_chunks > 1:
@@ -106,6 +104,13 @@ class ExpertParallel:
         extra = "".join(f", {k}={getattr(o, k)}" for k, default in REPR_DEFAULTS.items() if getattr(o, k) != default)
         return (f"ExpertParallel(dispatcher={o.dispatcher}, num_experts={o.num_experts}, "
                 f"world_size={self.ep.world_size}, rank={self.ep.rank}{extra})")
+
+
+def rows_drop_invalid(dispatcher: str) -> bool | str:
+    """``drop_invalid`` for the local experts on ``dispatcher``'s rows: ``sync_free``'s combines read only
+    the received rows, so its empty rows' outputs and input gradients may stay unwritten (``"unwritten"``);
+    ``all_gather``'s reduce-scatter sums every row, so they must be zeros (True)."""
+    return UNWRITTEN if dispatcher == "sync_free" else True
 
 
 def check_overlap_options(overlap_chunks, dispatcher, capacity_factor, exchange) -> None:
