@@ -1,8 +1,12 @@
 """Triton kernel of :func:`moeyard.parallel.row_copy.copy_rows` (CUDA; CPU under ``TRITON_INTERPRET=1``).
 
-Grid ``(ceil(C / BLOCK_M), ceil(H / BLOCK_H), W)``: a program copies ``BLOCK_M`` rows x ``BLOCK_H``
+Grid ``(W * ceil(C / BLOCK_M), ceil(H / BLOCK_H))``: a program copies ``BLOCK_M`` rows x ``BLOCK_H``
 columns of one peer's window; it takes the peer's buffer address from a table (``int64`` -> pointer)
-and returns at once when its first row is past the peer's count. Bytes moved: ``sum(count) * H *
+and returns at once when its first row is past the peer's count. The peer is the fastest-varying
+part of the program id, so programs run in the order (peer 0, rows 0..), (peer 1, rows 0..), ...:
+every peer's copy is in flight at once, the local one hidden under those over NVLink, and no peer's
+memory is read (or written) by every rank at the same time, as it was with the peer as the slowest
+part (each rank's copies then ran peer after peer, all ranks starting at rank 0's buffer). Bytes moved: ``sum(count) * H *
 itemsize`` read and written, on NVLink for every peer but this rank (an indexed pull also reads
 each row's 8-byte index there).
 """
@@ -19,16 +23,17 @@ MAX_BLOCK_H = 512
 
 
 @triton.jit
-def copy_rows_kernel(local_ptr, table_ptr, rows_ptr, base_ptr, count_ptr, index_table_ptr, scale_table_ptr, H, C,
+def copy_rows_kernel(local_ptr, table_ptr, rows_ptr, base_ptr, count_ptr, index_table_ptr, scale_table_ptr, H, C, W,
                      stride_local, stride_peer, PULL: tl.constexpr, INDEXED: tl.constexpr, SCALED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     """Pull: ``local[rows[s, j]] = peer_s[base[s] + j]`` (``INDEXED``: ``peer_s[index_s[base[s] + j]]``,
     ``index_s`` at the address ``index_table[s]``; ``SCALED``: times ``scale_s[base[s] + j]`` (the
     rows' dtype, at ``scale_table[s]``; product in float32, float64 for float64 rows); push:
     ``peer_s[base[s] + j] = local[rows[s, j]]``."""
-    s = tl.program_id(2)
+    pid = tl.program_id(0)
+    s = pid % W
     count = tl.load(count_ptr + s)
-    first = tl.program_id(0) * BLOCK_M
+    first = (pid // W) * BLOCK_M
     if first >= count:
         return
     peer_ptr = tl.load(table_ptr + s).to(tl.pointer_type(local_ptr.dtype.element_ty))
@@ -68,8 +73,8 @@ def copy_rows_triton(local, peer, table, rows, base, count, *, pull: bool, index
     if C == 0 or H == 0 or W == 0:
         return
     block_h = min(triton.next_power_of_2(H), MAX_BLOCK_H)
-    grid = (triton.cdiv(C, BLOCK_M), triton.cdiv(H, block_h), W)
+    grid = (W * triton.cdiv(C, BLOCK_M), triton.cdiv(H, block_h))
     copy_rows_kernel[grid](local, table, rows, base, count, table if index_table is None else index_table,
-                           table if scale_table is None else scale_table, H, C, local.stride(0), peer.stride(0),
+                           table if scale_table is None else scale_table, H, C, W, local.stride(0), peer.stride(0),
                            PULL=pull, INDEXED=index_table is not None, SCALED=scale_table is not None,
                            BLOCK_M=BLOCK_M, BLOCK_H=block_h, num_warps=4)
