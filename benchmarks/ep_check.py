@@ -21,7 +21,7 @@ the ``triton`` and ``grouped_mm`` backends in bfloat16 and float32:
   graph, replayed on fresh inputs (static shapes), against eager runs of the same inputs;
 - ``functional|layer/<dispatcher>/overlap<N>``: the same with ``overlap_chunks`` 2 and 3 (async
   exchanges on NCCL's stream); ``sync_debug/sync_free/<backend>/overlap2`` adds no host sync;
-- ``fsdp2/dp1_ep2``: :func:`moeyard.parallel.fsdp_expert_parallel` on a CUDA ``(dp, ep)`` mesh.
+- ``fsdp2/dp1_epW``: :func:`moeyard.parallel.fsdp_expert_parallel` on a CUDA ``(dp, ep) = (1, W)`` mesh.
 
 Numerical mismatches are recorded (every rank keeps issuing the same collectives); an exception in
 one check fails that check. Rank 0 prints a PASS/FAIL table last; the exit code is 1 on any failure.
@@ -227,7 +227,7 @@ def checks() -> list[tuple[str, object]]:
             for d in ("all_to_all", "sync_free") for n in (2, 3)]
     out += [(f"sync_debug/sync_free/{b}/overlap2", sync_debug_experts("sync_free", b, 2))
             for b in ("triton", "grouped_mm")]
-    out.append(("fsdp2/dp1_ep2", fsdp2))
+    out.append(("fsdp2/dp1_epW", fsdp2))
     return out
 
 

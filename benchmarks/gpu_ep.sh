@@ -79,7 +79,7 @@ if has check; then
     grep -E 'Error|error:' "$OUT/ep_check.log" | sort | uniq -c | sort -rn | head -8
 fi
 has bench && for shape in $SHAPES; do
-    echo "---- bench --ep 2 $shape ----"
+    echo "---- bench --ep $NPROC $shape ----"
     # the rich table (slowest rank's ms, rank 0's rates); on failure the log's tail
     grep -E '^[┃│┏┡└]|moeyard bench --ep' "$OUT/bench_$shape.log" | grep -v '━━━━' || tail -25 "$OUT/bench_$shape.log"
 done

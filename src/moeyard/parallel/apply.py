@@ -51,7 +51,7 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
             copied by kernels straight from and into the peers' symmetric buffers and laid out
             expert-major on the way: CUDA, NCCL; see :mod:`moeyard.parallel.p2p`) or ``auto``
             (``p2p`` where it can run and ``overlap_chunks == 1``, else ``all_to_all``;
-            ``benchmarks/NOTES.md`` round 33).
+            ``benchmarks/NOTES.md`` rounds 33, 34).
         overlap_chunks: ``all_to_all`` / ``sync_free``: split each call's tokens into this many chunks
             and keep one chunk's exchanges in flight (``async_op=True``) while another chunk's experts
             run, forward and backward (:mod:`moeyard.parallel.overlap`); 1 (default): one blocking
