@@ -224,3 +224,31 @@ def load_benchmark(name: str):
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def check_fill_invalid(T: int, H: int, weights: bool, device: str, dtype: torch.dtype, E: int = 4) -> None:
+    """The ``triton`` backend's in-place combine at K = 1 (``ops.fill_invalid_``) on ``y [T, H]``: invalid ids
+    (below 0, at and past E) in the first and last block of rows only, so the blocks between have none (and
+    return early). Valid rows stay bit-equal (a NaN row stays NaN: nothing wrote it); invalid rows get 0, or
+    ``w * 0`` with ``weights`` (NaN for a NaN weight)."""
+    from moeyard.experts.triton import ops
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, E, (T, 1), generator=g)
+    ids[3], ids[7], ids[T - 1] = -1, E, E + 2
+    y = torch.randn(T, H, generator=g)
+    y[5] = float("nan")
+    bad = (ids[:, 0] < 0) | (ids[:, 0] >= E)
+    y[bad] = float("nan")
+    tw = torch.rand(T, 1, generator=g)
+    tw[7] = float("nan")
+    y, ids, tw = y.to(device, dtype), ids.to(device), tw.to(device, dtype)
+    before = y.clone()
+    ops.fill_invalid_(ids, tw if weights else None, E, y)
+    y, before, tw, bad = y.cpu(), before.cpu(), tw.cpu(), bad.cpu()
+    assert torch.equal(y[~bad].isnan(), before[~bad].isnan())
+    assert torch.equal(torch.nan_to_num(y[~bad]), torch.nan_to_num(before[~bad]))
+    want = (tw[bad] * 0.0).expand(-1, H) if weights else torch.zeros(int(bad.sum()), H, dtype=dtype)
+    assert torch.equal(y[bad].isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(y[bad]), torch.nan_to_num(want))
+    assert bool(y[7].isnan().all()) == weights

@@ -20,7 +20,7 @@ from moeyard.experts.registry import resolve_backend  # noqa: E402
 from moeyard.experts.triton import ops  # noqa: E402
 from moeyard.experts.triton.schedule import band_tile  # noqa: E402
 from moeyard.experts.weights import expert_weights  # noqa: E402
-from helpers import load_benchmark  # noqa: E402
+from helpers import check_fill_invalid, load_benchmark  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU tests run under Triton's interpreter (tests/cuda covers the GPU)")
@@ -150,6 +150,13 @@ def test_drop_invalid():
     ids[3, 0], ids[7, 1], ids[9] = -1, E, torch.tensor([-1, E + 3])
     got = check_against_loop(*_problem(T, 16, 16, E, K, ids=ids), drop_invalid=True)
     assert (got["d_topk_weights"][ids < 0] == 0).all() and (got["d_topk_weights"][ids >= E] == 0).all()
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_fill_invalid_writes_only_invalid_rows(weights):
+    """The in-place combine at K = 1 (:func:`helpers.check_fill_invalid`) over a partial last block of rows
+    and of columns."""
+    check_fill_invalid(2 * ops.FILL_BT + 5, ops.FILL_BH + 88, weights, DEV, torch.float32)
 
 
 def test_invalid_ids_give_nan_rows():

@@ -164,6 +164,15 @@ def _graph_round_trip():
     assert not torch.equal(static[0], eager[0])
 
 
+@pytest.mark.parametrize("weights", [False, True])
+def test_fill_invalid_large(weights):
+    """The in-place combine at K = 1 on bf16 rows of sonic-7b's width, thousands of row blocks with no
+    invalid row between the first and the last (:func:`helpers.check_fill_invalid`)."""
+    from helpers import check_fill_invalid
+
+    check_fill_invalid(65541, 1536, weights, DEV, torch.bfloat16)
+
+
 def test_int64_indexing():
     # T * K * H > 2**31: pair rows of the last tokens lie past 2**31 elements
     T, H, I, E, K = 140_000, 2048, 32, 8, 8

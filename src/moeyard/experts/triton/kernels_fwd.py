@@ -166,30 +166,45 @@ def combine_kernel(
     tw_ptr,           # [T, K] routing weights, contiguous; read if NAN_INVALID
     out_ptr,          # [T, H] output dtype, contiguous
     H, E, top_k,
-    NAN_INVALID: tl.constexpr, IN_PLACE: tl.constexpr, BH: tl.constexpr,
+    NAN_INVALID: tl.constexpr, BH: tl.constexpr,
 ):
     """``out[t] = sum_k y[t * K + k]`` in float32, fixed order (deterministic). A pair whose id
-    lies outside ``[0, E)`` adds 0, or ``w * 0`` with ``NAN_INVALID`` (NaN for a NaN weight).
-
-    ``IN_PLACE`` (``K == 1``, ``out`` is ``y``): a valid pair's row already is its token's row and is
-    left alone; only rows of invalid pairs (never written by the down projection) are stored."""
+    lies outside ``[0, E)`` adds 0, or ``w * 0`` with ``NAN_INVALID`` (NaN for a NaN weight)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     c_mask = cols < H
-    if IN_PLACE:
-        eid = tl.load(ids_ptr + t + tl.zeros_like(cols))  # the pair's id, broadcast over the columns
-        invalid = (eid < 0) | (eid >= E)
-        fill = tl.zeros((BH,), tl.float32)
+    acc = tl.zeros((BH,), tl.float32)
+    for k in range(top_k):
+        pair = t * top_k + k
+        eid = tl.load(ids_ptr + pair + tl.zeros_like(cols))  # the pair's id, broadcast over the columns
+        valid = (eid >= 0) & (eid < E)
+        acc += tl.load(y_ptr + pair * H + cols, mask=c_mask & valid, other=0.0).to(tl.float32)
         if NAN_INVALID:
-            fill += tl.load(tw_ptr + t + tl.zeros_like(cols), mask=c_mask & invalid, other=0.0).to(tl.float32) * 0.0
-        tl.store(out_ptr + t * H + cols, fill.to(out_ptr.dtype.element_ty), mask=c_mask & invalid)
-    else:
-        acc = tl.zeros((BH,), tl.float32)
-        for k in range(top_k):
-            pair = t * top_k + k
-            eid = tl.load(ids_ptr + pair + tl.zeros_like(cols))  # the pair's id, broadcast over the columns
-            valid = (eid >= 0) & (eid < E)
-            acc += tl.load(y_ptr + pair * H + cols, mask=c_mask & valid, other=0.0).to(tl.float32)
-            if NAN_INVALID:
-                acc += tl.where(valid, 0.0, tl.load(tw_ptr + pair + tl.zeros_like(cols)).to(tl.float32) * 0.0)
-        tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
+            acc += tl.where(valid, 0.0, tl.load(tw_ptr + pair + tl.zeros_like(cols)).to(tl.float32) * 0.0)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def fill_invalid_kernel(
+    y_ptr,            # [T, H] the output rows (K == 1), contiguous; written only where the id is invalid
+    ids_ptr,          # [T] integer expert ids, contiguous
+    tw_ptr,           # [T] routing weights; read if NAN_INVALID
+    T, H, E,
+    NAN_INVALID: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+):
+    """The combine at ``K == 1``, in place: a valid pair's row already is its token's row and is left
+    alone; the rows of pairs whose id lies outside ``[0, E)`` (never written by the down projection)
+    are set to 0, or ``w * 0`` with ``NAN_INVALID``. A program covers ``BT`` rows x ``BH`` columns and
+    returns after reading its ``BT`` ids when none of them is invalid."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    r_mask = rows < T
+    eid = tl.load(ids_ptr + rows, mask=r_mask, other=0)
+    invalid = r_mask & ((eid < 0) | (eid >= E))
+    if tl.max(invalid.to(tl.int32), axis=0) == 0:
+        return
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    fill = tl.zeros((BT, BH), tl.float32)
+    if NAN_INVALID:
+        fill += (tl.load(tw_ptr + rows, mask=invalid, other=0.0).to(tl.float32) * 0.0)[:, None]
+    mask = invalid[:, None] & (cols < H)[None, :]
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], fill.to(y_ptr.dtype.element_ty), mask=mask)

@@ -27,6 +27,9 @@ from .schedule import (DH_CONFIGS, DUAL_CONFIGS, FIXED, GEMM_CONFIGS, REDUCE_BLO
 
 Tensor = torch.Tensor
 COMBINE_BH = 1024
+# fill_invalid_: a program per 16 rows x 512 columns. A program per row (the combine's grid) cost 0.24 ms at
+# 196608 x 1536 bf16 rows with no invalid row, the down projection there 0.38 (H200; benchmarks/NOTES.md round 34)
+FILL_BT, FILL_BH = 16, 512
 THIN = 64  # weight gradients with a side this small (LoRA factors) use the thin-tile configs
 
 
@@ -416,7 +419,7 @@ def combine_(y: Tensor, topk_ids: Tensor, topk_weights: Optional[Tensor], num_ex
     grid = (T, triton.cdiv(H, COMBINE_BH))
     kernels_fwd.combine_kernel[grid](
         y, topk_ids, y if topk_weights is None else topk_weights, out, H, num_experts, K,
-        NAN_INVALID=topk_weights is not None, IN_PLACE=False, BH=COMBINE_BH)
+        NAN_INVALID=topk_weights is not None, BH=COMBINE_BH)
 
 
 @combine_.register_fake
@@ -428,14 +431,15 @@ def _(y, topk_ids, topk_weights, num_experts, out):
 def fill_invalid_(topk_ids: Tensor, topk_weights: Optional[Tensor], num_experts: int, y: Tensor) -> None:
     """The combine at ``K == 1``, in place: the rows ``y [T, H]`` of pairs whose id lies outside
     ``[0, E)`` are set to 0 (``w * 0`` if weights are given); the other rows are already the output
-    and are not touched (reads ``T`` ids, writes only the invalid rows)."""
+    and are not touched (reads ``T`` ids, writes only the invalid rows; a block of rows with none
+    invalid costs one read of its ids)."""
     T, H = y.shape
     if T == 0:
         return
-    grid = (T, triton.cdiv(H, COMBINE_BH))
-    kernels_fwd.combine_kernel[grid](
-        y, topk_ids, y if topk_weights is None else topk_weights, y, H, num_experts, 1,
-        NAN_INVALID=topk_weights is not None, IN_PLACE=True, BH=COMBINE_BH)
+    grid = (triton.cdiv(T, FILL_BT), triton.cdiv(H, FILL_BH))
+    kernels_fwd.fill_invalid_kernel[grid](
+        y, topk_ids, y if topk_weights is None else topk_weights, T, H, num_experts,
+        NAN_INVALID=topk_weights is not None, BT=FILL_BT, BH=FILL_BH)
 
 
 @fill_invalid_.register_fake
