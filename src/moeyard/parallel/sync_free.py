@@ -41,8 +41,8 @@ The exchanges (:data:`EXCHANGE_IMPLS`, each an :class:`Exchange`):
   expert-major as they are copied, counts exchanged on the device.
 - ``auto``: ``p2p`` where it can run (CUDA, an NCCL group, torch's symmetric memory) and
   ``overlap_chunks == 1``, else ``all_to_all``. On 2 H200s at qwen3-30b-a3b (T = 32768 per rank,
-  balanced) the layer's forward + backward took 20.8 ms with ``p2p``, 45.1 with the equal splits and
-  27.1 with the host-sync ``all_to_all`` dispatcher (``benchmarks/NOTES.md``, round 34). The
+  balanced) the layer's forward + backward took 20.6 ms with ``p2p``, 45.0 with the equal splits and
+  26.4 with the host-sync ``all_to_all`` dispatcher (``benchmarks/NOTES.md``, round 34). The
   ``symm_mem`` path passes ``benchmarks/ep_symm_check.py`` on 2 H200s, but its forward exchange was
   no faster there (round 14): ``auto`` never takes it.
 
