@@ -7,8 +7,8 @@
 symmetric-memory backend; one backend per process, so a separate run) runs ``copy_rows/*`` (the
 row-copy kernel on CUDA over every rank's symmetric buffer at once, both directions), (b) with
 ``exchange="p2p"`` plus CUDA-graph capture and replay of the layer, (c)'s kernel profiles of
-``sync_free`` + ``p2p`` and of ``all_to_all``, and its timing table with ``sync_free`` + ``p2p`` in place of the NVSHMEM rows
-(no raw ops).
+``sync_free`` + ``p2p`` and of ``all_to_all``, and its timing table with ``sync_free`` + ``p2p`` in place
+of the NVSHMEM rows (no raw ops).
 
 Each rank uses ``cuda:LOCAL_RANK``; NVLink multicast stays off (the caller's NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 are kept); ``NVSHMEM_SYMMETRIC_SIZE``
@@ -249,7 +249,8 @@ def checks(exchange: str = "symm_mem") -> list[tuple[str, object]]:
 
 # ---------------------------------------------------------------- (c) timing
 
-PROFILED = {"symm_mem": (("sync_free", "symm_mem"), ("all_to_all", "auto")), "p2p": (("sync_free", "p2p"), ("all_to_all", "auto"))}
+PROFILED = {"symm_mem": (("sync_free", "symm_mem"), ("all_to_all", "auto")),
+            "p2p": (("sync_free", "p2p"), ("all_to_all", "auto"))}
 VARIANTS = {"symm_mem": (("all_to_all", "auto"), ("sync_free", "all_to_all"), ("sync_free", "symm_mem")),
             "p2p": (("all_to_all", "auto"), ("sync_free", "all_to_all"), ("sync_free", "p2p"))}
 

@@ -7,6 +7,7 @@ import torch
 import moeyard
 from moeyard.activations import Activation
 from moeyard.experts import triton as triton_backend  # noqa: F401  (registers "triton")
+from helpers import check_fill_invalid
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -168,8 +169,6 @@ def _graph_round_trip():
 def test_fill_invalid_large(weights):
     """The in-place combine at K = 1 on bf16 rows of sonic-7b's width, thousands of row blocks with no
     invalid row between the first and the last (:func:`helpers.check_fill_invalid`)."""
-    from helpers import check_fill_invalid
-
     check_fill_invalid(65541, 1536, weights, DEV, torch.bfloat16)
 
 

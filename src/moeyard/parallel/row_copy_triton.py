@@ -3,11 +3,12 @@
 Grid ``(W * ceil(C / BLOCK_M), ceil(H / BLOCK_H))``: a program copies ``BLOCK_M`` rows x ``BLOCK_H``
 columns of one peer's window; it takes the peer's buffer address from a table (``int64`` -> pointer)
 and returns at once when its first row is past the peer's count. The peer is the fastest-varying
-part of the program id, so programs run in the order (peer 0, rows 0..), (peer 1, rows 0..), ...:
-every peer's copy is in flight at once, the local one hidden under those over NVLink, and no peer's
-memory is read (or written) by every rank at the same time, as it was with the peer as the slowest
-part (each rank's copies then ran peer after peer, all ranks starting at rank 0's buffer). Bytes moved: ``sum(count) * H *
-itemsize`` read and written, on NVLink for every peer but this rank (an indexed pull also reads
+part of the program id, so programs start in the order (peer 0, rows 0..), (peer 1, rows 0..), ...:
+every peer's copy is in flight at once, the local one hidden under those over NVLink, and the load is
+spread over every peer's links from the start. With the peer as the slowest part, each rank's copies
+ran peer after peer, every rank starting at rank 0's buffer (whose links then served all of them):
+208 against 370 GB/s on four H200s (``benchmarks/NOTES.md`` round 34). Bytes moved: ``sum(count) * H
+* itemsize`` read and written, on NVLink for every peer but this rank (an indexed pull also reads
 each row's 8-byte index there).
 """
 from __future__ import annotations
