@@ -6,7 +6,8 @@ transformers experts module running ``experts_implementation="moeyard"``) over a
 routed rows to the ranks owning their experts and brings the results back. One module per stage:
 
 - :mod:`.comm`: the group and the differentiable collectives;
-- :mod:`.all_to_all`, :mod:`.sync_free`, :mod:`.all_gather`: the dispatchers (dispatch + combine);
+- :mod:`.all_to_all`, :mod:`.sync_free`, :mod:`.all_gather`: the dispatchers (dispatch + combine, and
+  ``EXPERTS_DROP_INVALID``: how the local experts treat the rows of pairs not theirs);
 - :mod:`.symm_mem`: ``sync_free``'s NVSHMEM exchange (``exchange="symm_mem"``);
 - :mod:`.p2p`: ``sync_free``'s peer-to-peer exchange (``exchange="p2p"``), its row copies in :mod:`.row_copy`;
 - :mod:`.send_order`: what those two exchanges share (the pairs' send order, the autograd around them);

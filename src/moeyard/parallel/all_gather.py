@@ -23,6 +23,9 @@ from .comm import EPGroup, all_gather, gather_ints, reduce_scatter
 from .common import Dispatched, EPOptions, local_experts, token_counts
 
 Tensor = torch.Tensor
+# the local experts' drop_invalid: the reduce-scatter sums every gathered row, so rows of pairs routed
+# elsewhere must be zeros
+EXPERTS_DROP_INVALID = True
 
 
 def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions) -> Dispatched:

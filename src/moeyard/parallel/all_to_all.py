@@ -25,6 +25,7 @@ from .comm import EPGroup, all_to_all, exchange
 from .common import Dispatched, EPOptions, Outgoing, chunk_bounds, local_experts
 
 Tensor = torch.Tensor
+EXPERTS_DROP_INVALID = True  # the local experts' drop_invalid (the received rows are exactly the routed ones)
 
 
 def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions) -> Dispatched:

@@ -43,7 +43,7 @@ from ..routing import route
 from .comm import resolve_group
 from .apply import release_buffers
 from .common import EPOptions
-from .experts import DISPATCHERS, ExpertParallel, rows_drop_invalid
+from .experts import DISPATCHERS, ExpertParallel
 from .sync_free import DEVICE_EXCHANGES
 
 Tensor = torch.Tensor
@@ -140,7 +140,7 @@ def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts
                         **more)
     mod = DISPATCHERS[dispatcher]
     kw = dict(activation=config.activation, backend=backend, drop_invalid=True)
-    rows_kw = {**kw, "drop_invalid": rows_drop_invalid(dispatcher)}  # as ExpertParallel calls them
+    rows_kw = {**kw, "drop_invalid": mod.EXPERTS_DROP_INVALID}  # as ExpertParallel calls them
 
     def time_ms(fn) -> float:
         return _time_ms(fn, ep, opts, device)

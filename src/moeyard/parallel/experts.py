@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import UNWRITTEN, check_float, check_ids_on_host, check_topk, invalid_ids
+from ..checks import check_float, check_ids_on_host, check_topk, invalid_ids
 from ..experts import experts
 from . import all_gather, all_to_all, sync_free
 from .comm import EPGroup, check_device
@@ -84,10 +84,9 @@ class ExpertParallel:
         if check_ids and not drop_invalid and not check_ids_on_host(topk_ids, E):
             bad = invalid_ids(topk_ids, E).any(1, keepdim=True)  # accelerator: NaN rows, as moeyard.experts
 
-        drop = rows_drop_invalid(self.options.dispatcher)
-
         def compute(d):
-            return experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down, drop_invalid=drop, **kwargs)
+            return experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down,
+                           drop_invalid=self.dispatcher.EXPERTS_DROP_INVALID, **kwargs)
 
         weights = topk_weights.to(hidden_states.dtype)
         if self.options.overlap_chunks > 1:
@@ -104,13 +103,6 @@ class ExpertParallel:
         extra = "".join(f", {k}={getattr(o, k)}" for k, default in REPR_DEFAULTS.items() if getattr(o, k) != default)
         return (f"ExpertParallel(dispatcher={o.dispatcher}, num_experts={o.num_experts}, "
                 f"world_size={self.ep.world_size}, rank={self.ep.rank}{extra})")
-
-
-def rows_drop_invalid(dispatcher: str) -> bool | str:
-    """``drop_invalid`` for the local experts on ``dispatcher``'s rows: ``sync_free``'s combines read only
-    the received rows, so its empty rows' outputs and input gradients may stay unwritten (``"unwritten"``);
-    ``all_gather``'s reduce-scatter sums every row, so they must be zeros (True)."""
-    return UNWRITTEN if dispatcher == "sync_free" else True
 
 
 def check_overlap_options(overlap_chunks, dispatcher, capacity_factor, exchange) -> None:

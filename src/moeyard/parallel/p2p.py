@@ -1,15 +1,14 @@
 """The peer-to-peer exchange of the ``sync_free`` dispatcher: only the routed rows travel, read and
 written straight in the peers' memory, counts and offsets never leave the device.
 
-Selected with ``expert_parallel(model, dispatcher="sync_free", exchange="p2p")``. Every rank holds
-one symmetric buffer ``X`` (``[S + 2, H]``, ``S = T_max * K`` (the largest seen): room for this rank's pairs, then a
-zero row and a scratch row), an index (``[S]`` int64), a scale (``[S]``, ``X``'s dtype) and a count
-vector (``[W * E_l]`` int64), allocated with
-``torch.distributed._symmetric_memory`` (CUDA; every peer's buffer is mapped into this process, so
-a kernel reads and writes it over NVLink). Each exchange op is: device barrier (every peer has
-finished reading ``X`` in the previous op), writes, device barrier (every write has landed),
-reads; no host wait, and nothing depends on which op came before, so it holds for any order of
-ops, ops skipped (an input without gradient) and CUDA-graph replays between eager calls:
+Selected with ``expert_parallel(model, dispatcher="sync_free", exchange="p2p")``. Every rank holds one
+symmetric buffer ``X`` (``[S + 2, H]``, ``S = T_max * K``, the largest seen: room for this rank's pairs,
+then a zero row and a scratch row), an index (``[S]`` int64), a scale (``[S]``, ``X``'s dtype) and a count
+vector (``[W * E_l]`` int64), allocated with ``torch.distributed._symmetric_memory`` (CUDA; every peer's
+buffer is mapped into this process, so a kernel reads and writes it over NVLink). Each exchange op is:
+device barrier (every peer has finished reading ``X`` in the previous op), writes, device barrier (every
+write has landed), reads; no host wait, and nothing depends on which op came before, so it holds for any
+order of ops, ops skipped (an input without gradient) and CUDA-graph replays between eager calls:
 
 - **dispatch** (pull): the rank copies its tokens ``x [T, H]`` into its own ``X``, writes each pair's
   token into the index in send order (sorted by destination rank, local expert, token), and its

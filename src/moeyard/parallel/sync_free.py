@@ -62,6 +62,7 @@ from typing import Callable
 
 import torch
 
+from ..checks import UNWRITTEN
 from ..dispatch import DispatchPlan, make_plan, permute, unpermute
 from . import comm, p2p, send_order, symm_mem
 from .comm import EPGroup
@@ -69,6 +70,9 @@ from ..weighted_sum import weighted_sum
 from .common import Dispatched, EPOptions, Outgoing, chunk_bounds, local_experts, token_counts
 
 Tensor = torch.Tensor
+# the local experts' drop_invalid: every exchange's combine reads only the received rows, so the empty
+# rows' outputs and input gradients may stay unwritten
+EXPERTS_DROP_INVALID = UNWRITTEN
 EXCHANGES = ("auto", "all_to_all", "symm_mem", "p2p")
 DEVICE_EXCHANGES = ("symm_mem", "p2p")  # kernels on the current stream over one set of buffers
 
