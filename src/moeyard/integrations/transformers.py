@@ -8,7 +8,9 @@ its forward from ``ExpertsInterface`` by ``config._experts_implementation``. :fu
     model.set_experts_implementation("moeyard")
 
 run every such architecture on :func:`moeyard.experts`, with the backend of
-:func:`moeyard.get_backend` (``moeyard.set_backend`` / ``MOEYARD_BACKEND``, else ``auto``).
+:func:`moeyard.get_backend` (``moeyard.set_backend`` / ``MOEYARD_BACKEND``, else ``auto``) and the FP8
+recipe of :func:`moeyard.get_recipe` (``moeyard.set_recipe`` / ``moeyard.use_recipe`` / ``MOEYARD_RECIPE``,
+else none).
 
 The decorator's flags on the module are honoured: ``is_transposed``, ``is_concatenated`` (False:
 interleaved gate/up columns), ``has_bias``, ``has_gate`` (False: ``up_proj`` and a plain
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 from ..activations import Activation
 from ..experts import experts
+from ..quant.recipe import get_recipe
 
 Tensor = torch.Tensor
 NAME = "moeyard"
@@ -102,7 +105,7 @@ def moeyard_experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_
     interleaved = activation.fn is None and activation.gated and not getattr(self, "is_concatenated", True)
     kwargs = dict(activation=activation, backend=None, gate_up_bias=b_up, down_bias=b_down,
                   transposed=getattr(self, "is_transposed", False), interleaved=interleaved,
-                  drop_invalid=getattr(self, "_is_expert_parallel", True), lora=lora)
+                  drop_invalid=getattr(self, "_is_expert_parallel", True), lora=lora, recipe=get_recipe())
     run = getattr(self, "moeyard_expert_parallel", None) or experts  # set by moeyard.parallel
     if getattr(self, "has_post_expert_norm", False):
         out = _experts_with_post_norm(self.post_expert_norm, x, top_k_index, top_k_weights, w_up, w_down, kwargs, run)

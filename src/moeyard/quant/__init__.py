@@ -9,12 +9,18 @@ experts.
   ``quant_state()`` (a bitsandbytes ``QuantState``).
 - :func:`load_quantized_state_dict`: rebuild the quantised structure and load a saved checkpoint.
 
+FP8 training recipes for the expert GEMMs (``fp8_rowwise``, ``fp8_blockwise``, ``mxfp8``):
+:mod:`moeyard.quant.recipe` (:class:`Recipe`, :func:`set_recipe`, :func:`use_recipe`) and their casts,
+:mod:`moeyard.quant.fp8` (the reference) and :mod:`moeyard.quant.fp8_triton` (CUDA kernels).
+
 bitsandbytes is optional: imported only to quantise (``from_float``) or build a ``QuantState``.
 Importing this package imports neither bitsandbytes nor Triton.
 """
 from .apply import expert_parameters, load_quantized_state_dict, quantize_experts
 from .dequant import dequantize, dequantize_reference
 from .nf4 import NF4Experts
+from .recipe import RECIPES, Recipe, get_recipe, recipe_names, resolve_recipe, set_recipe, use_recipe
 
-__all__ = ["NF4Experts", "dequantize", "dequantize_reference", "expert_parameters", "load_quantized_state_dict",
+__all__ = ["RECIPES", "Recipe", "get_recipe", "recipe_names", "resolve_recipe", "set_recipe", "use_recipe",
+           "NF4Experts", "dequantize", "dequantize_reference", "expert_parameters", "load_quantized_state_dict",
            "quantize_experts"]
