@@ -5,6 +5,9 @@ SQNR(y, ref) = 10 log10(|ref|^2 / |y - ref|^2) over all elements (torchao's ``co
 layer: a softmax top-k router (float32 logits ``x R^T``, renormalised), then ``moeyard.experts``; the
 loss is ``<y, dy>`` with a fixed random ``dy``, so the gradients are those of x, ``gate_up_proj``,
 ``down_proj`` and the router weight R. Reference: the same computation in float32 without a recipe.
+The top-k choice is made once, on the float32 inputs, and shared by every run (the routing weights
+stay differentiable): near-ties chosen differently after x is rounded to bf16 would otherwise send a
+few tokens to other experts, an error of the routing, not of the GEMMs.
 Rows: the compute dtype alone (bfloat16, no recipe: the floor every recipe stands on) and each recipe
 in that dtype. Conditions:
 
@@ -61,8 +64,10 @@ def make_case(H: int, I: int, E: int, K: int, T: int, condition: str, device, se
         bias = -1.2 * torch.log(torch.arange(1, E + 1, dtype=torch.float32)) * 4
     elif condition == "empty":
         bias[E // 4:] = -math.inf
-    return {"x": x.to(device), "router": (torch.randn(E, H, generator=g) * H ** -0.5).to(device),
-            "bias": bias.to(device), "up": (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(device),
+    router = torch.randn(E, H, generator=g) * H ** -0.5
+    ids = (x @ router.T + bias).topk(K, dim=-1).indices  # chosen once, in float32
+    return {"x": x.to(device), "router": router.to(device), "bias": bias.to(device), "ids": ids.to(device),
+            "up": (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(device),
             "down": (torch.randn(E, H, I, generator=g) * I ** -0.5).to(device),
             "dy": torch.randn(T, H, generator=g).to(device), "K": K}
 
@@ -70,7 +75,8 @@ def make_case(H: int, I: int, E: int, K: int, T: int, condition: str, device, se
 def run(case: dict, dtype: torch.dtype, recipe, backend: str) -> dict:
     leaves = {k: case[k].detach().to(dtype).requires_grad_() for k in ("x", "router", "up", "down")}
     logits = leaves["x"].float() @ leaves["router"].float().T + case["bias"]
-    w, ids = logits.softmax(-1).topk(case["K"], dim=-1)
+    ids = case["ids"]
+    w = logits.softmax(-1).gather(1, ids)
     w = w / w.sum(-1, keepdim=True)
     y = moeyard.experts(leaves["x"], ids, w.to(dtype), leaves["up"], leaves["down"], backend=backend, recipe=recipe)
     y.backward(case["dy"].to(dtype))
