@@ -351,3 +351,28 @@ def test_triton_colwise_per_expert_matches_reference():
     q_ref, s_ref = fp8.quantize(w.mT, Blocks(None), "pow2")
     assert q.shape == (3, 24, 40) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(s, s_ref[..., 0])
+
+
+@pytest.mark.parametrize("name, interleaved", [("swiglu", False), ("clamped_swiglu", True), ("geglu", False),
+                                               ("relu2", False)])
+def test_triton_casts_of_the_activation(name, interleaved):
+    # the casts that apply the activation as they load (act(h) never written) and its backward, against torch
+    cast = _triton_casts()
+    from moeyard.activations import Activation
+    act = Activation(name=name)
+    R, I = 70, 40
+    h = torch.randn(R, 2 * I if act.gated else I) * 3
+    a = act(h.double(), interleaved=interleaved).float()
+    q, s = cast.rowwise(h, act, interleaved=interleaved)
+    q_ref, s_ref = fp8.quantize(a, Blocks(None), "pow2")
+    close = (q.float() * s[:, None] - q_ref.float() * s_ref).abs() <= 2 ** -4 * a.abs() + 1e-6
+    assert close.all() and (q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean() < 0.01
+    off = torch.tensor([0, 30, 30, 64], dtype=torch.int32)
+    qc, sc = cast.colwise_per_group(h, off, act, interleaved=interleaved)
+    qc_ref, _ = fp8.quantize(a.mT, Blocks(None), "pow2", off)
+    assert (qc[:, :64].view(torch.uint8) != qc_ref[:, :64].view(torch.uint8)).float().mean() < 0.01
+    hh = h.double().requires_grad_()
+    da = torch.randn(R, I)
+    act(hh, interleaved=interleaved).backward(da.double())
+    torch.testing.assert_close(cast.act_backward(h, da, act, interleaved=interleaved).double(), hh.grad,
+                               rtol=1e-5, atol=1e-5)

@@ -138,3 +138,16 @@ def test_no_host_sync_and_cuda_graph():
     torch.cuda.synchronize()
     assert torch.isfinite(y).all()
     torch.testing.assert_close(moe.gate_up_proj.grad, ref_grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["gpt_oss", "gelu", "lora_down"])
+def test_fast_path_activations(case):
+    # the down projection with the activation fused (gpt-oss: clamped SwiGLU, interleaved, biases; a plain
+    # activation), and unfused where the down projection has a LoRA term
+    if case == "gpt_oss":
+        inp = make_inputs(512, 128, 64, 8, 2, bias=True, transposed=True)
+        _check("grouped_mm", inp, transposed=True, interleaved=True, activation="clamped_swiglu")
+    elif case == "gelu":
+        _check("triton", make_inputs(512, 128, 64, 8, 2, gated=False), activation="gelu")
+    else:
+        _check("triton", add_lora(make_inputs(512, 128, 64, 8, 2), 8, projections=("down_proj",)), frozen=FROZEN)

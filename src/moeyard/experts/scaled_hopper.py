@@ -11,6 +11,11 @@ Which scale each GEMM's operands carry (expert-major rows ``x [R, K]``, ``w [E, 
 Forward and dgrad accumulate with ``use_fast_accum`` (contraction over H or I, at most a few thousand);
 wgrad contracts over an expert's tokens (thousands to hundreds of thousands) and accumulates exactly.
 
+The down projection takes the activation fused (:meth:`HopperRowwise.act_down`, for a named activation
+without a LoRA term on the down projection): its forward casts ``act(h)`` straight from ``h``, its backward
+gives ``d h`` from ``h`` and casts ``act(h)^T`` for wgrad from ``h`` again, so ``act(h)`` is never
+written in bf16 nor kept for backward (only ``h`` is, as the activation alone would keep it).
+
 Elsewhere (another GPU, dtype or recipe, or sizes that are not multiples of 16) a recipe runs emulated
 (:class:`moeyard.experts.scaled.Emulated`) and, on a GPU, says so once.
 """
@@ -20,6 +25,7 @@ import warnings
 
 import torch
 
+from ..activations import Activation
 from ..kernel_op import have_triton
 from ..quant.recipe import Recipe
 from .scaled import Emulated, RecipeGEMMs
@@ -52,6 +58,42 @@ class HopperRowwise(RecipeGEMMs):
         xq, xs = cast.colwise_per_group(x, offsets)     # [K, R], [E, K]
         return torch._scaled_grouped_mm(dyq, xq.mT, dys.reshape(-1), xs.reshape(-1), offs=offsets[1:],
                                         out_dtype=dy.dtype, use_fast_accum=False)
+
+
+    def act_down(self, h: Tensor, w: Tensor, offsets: Tensor, act: Activation, interleaved: bool,
+                 recipe: Recipe) -> Tensor:
+        """``act(h) w_e^T`` ``[R, N]`` for ``h [R, 2I]`` (gated) or ``[R, I]``, ``w [E, N, I]``; differentiable
+        w.r.t. ``h`` and ``w`` (module docstring)."""
+        return _ActDown.apply(h, w, offsets, act, interleaved, recipe)
+
+
+class _ActDown(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, offsets, act, interleaved, recipe):
+        from ..quant import fp8_triton as cast
+        E, N, I = w.shape
+        aq, a_s = cast.rowwise(h, act, interleaved=interleaved)
+        wq, ws = cast.rowwise(w.reshape(E * N, I))
+        ctx.save_for_backward(h, w, offsets)
+        ctx.act, ctx.interleaved, ctx.recipe = act, interleaved, recipe
+        return torch._scaled_grouped_mm(aq, wq.view(E, N, I).mT, a_s, ws.view(E, N), offs=offsets[1:],
+                                        out_dtype=h.dtype, use_fast_accum=True)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from ..quant import fp8_triton as cast
+        h, w, offsets = ctx.saved_tensors
+        dy = dy.contiguous()
+        dh = dw = None
+        if ctx.needs_input_grad[0]:
+            da = HOPPER_ROWWISE.dgrad(dy, w, offsets, ctx.recipe)
+            dh = cast.act_backward(h, da, ctx.act, interleaved=ctx.interleaved)
+        if ctx.needs_input_grad[1]:
+            dyq, dys = cast.colwise_per_group(dy, offsets)
+            aq, a_s = cast.colwise_per_group(h, offsets, ctx.act, interleaved=ctx.interleaved)
+            dw = torch._scaled_grouped_mm(dyq, aq.mT, dys.reshape(-1), a_s.reshape(-1), offs=offsets[1:],
+                                          out_dtype=dy.dtype, use_fast_accum=False)
+        return dh, dw, None, None, None, None
 
 
 HOPPER_ROWWISE = HopperRowwise()
