@@ -16,7 +16,7 @@ from ..dispatch import DispatchPlan
 from .pipeline import routed_ffn
 from .registry import ExpertBackend, register_backend
 from .scaled import Emulated, GroupedOps
-from .scaled_hopper import recipe_gemms
+from . import scaled_hopper
 from .weights import ExpertWeights
 
 Tensor = torch.Tensor
@@ -33,10 +33,13 @@ def grouped_mm_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weight
     """The routed expert FFN on ``torch._grouped_mm`` (shapes, dtypes and semantics as
     :func:`moeyard.experts`): ``x [T, H]``, ``topk_ids`` / ``topk_weights`` ``[T, K]`` -> ``[T, H]``.
     Under an FP8 recipe the base GEMMs run on ``torch._scaled_grouped_mm`` where the Hopper fast path
-    serves the recipe (:mod:`.scaled_hopper`), else emulated on ``torch._grouped_mm``."""
+    serves the recipe (:mod:`.scaled_hopper`: the whole FFN fused around them where it can, else each
+    projection), else emulated on ``torch._grouped_mm``."""
     if weights.recipe is None:
         return routed_ffn(x, topk_ids, topk_weights, weights, activation, grouped_gemm, drop_invalid=drop_invalid)
-    gemms, align = recipe_gemms(weights.recipe, x.device, x.dtype, weights, EMULATED)
+    gemms, align = scaled_hopper.recipe_gemms(weights.recipe, x.device, x.dtype, weights, EMULATED)
+    if gemms is scaled_hopper.HOPPER_ROWWISE and scaled_hopper.fused(weights, activation):
+        return scaled_hopper.routed_ffn(x, topk_ids, topk_weights, weights, activation, drop_invalid=drop_invalid)
     return routed_ffn(x, topk_ids, topk_weights, weights, activation, grouped_gemm, drop_invalid=drop_invalid,
                       align=align, recipe_gemms=gemms)
 

@@ -49,13 +49,8 @@ def routed_ffn(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: Exper
         live = torch.arange(plan.num_rows, device=x.device) < plan.padded_offsets[-1]
         rows = rows.masked_fill(~live.unsqueeze(-1), 0)
     h = project(rows, weights.up, gemm, plan, recipe_gemms)
-    down = weights.down
-    if down.recipe is not None and recipe_gemms.act_down is not None and activation.fn is None and down.lora is None:
-        y = add_row_bias(recipe_gemms.act_down(h, down.weight, plan.padded_offsets, activation, weights.interleaved,
-                                               down.recipe), down.bias, plan)
-    else:
-        a = activation(h, interleaved=weights.interleaved)
-        y = project(a, down, gemm, plan, recipe_gemms)
+    a = activation(h, interleaved=weights.interleaved)
+    y = project(a, weights.down, gemm, plan, recipe_gemms)
     return unpermute(y, plan, topk_weights, drop_invalid=drop_invalid)
 
 

@@ -61,8 +61,6 @@ class RecipeGEMMs:
         """``dw_e = dy_e^T x_e`` ``[..., N, K]``."""
         raise NotImplementedError
 
-    act_down = None  # optionally (h, w, offsets, activation, interleaved, recipe) -> act(h) w_e^T, fused
-
 
 @dataclass(frozen=True)
 class Emulated(RecipeGEMMs):
