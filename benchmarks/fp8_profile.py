@@ -39,12 +39,47 @@ def step_kernels(moe, x, dy, warmup: int = 3) -> tuple[float, dict[str, tuple[in
     return start.elapsed_time(end), {k: (v[0], v[1]) for k, v in kernels.items()}
 
 
+def cast_rates(T: int, H: int, I: int, E: int, K: int) -> None:
+    """GB/s of each FP8 cast of the step at this shape (bytes: the operand read twice (amax, then cast),
+    the e4m3 output and scales written once), against a device copy of the same operand."""
+    from triton.testing import do_bench
+
+    from moeyard.activations import Activation
+    from moeyard.quant import fp8_triton as cast
+    dev = "cuda"
+    R = T * K
+    off = torch.arange(0, R + 1, R // E, device=dev, dtype=torch.int32)[:E + 1]
+    off[-1] = R
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    rows = torch.randn(R, H, device=dev, dtype=torch.bfloat16)
+    h = torch.randn(R, 2 * I, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16)
+    idx = torch.randint(0, T, (R,), device=dev)
+    act = Activation()
+    cases = {
+        "rowwise x [T, H]": (lambda: cast.rowwise(x), 3 * x.numel()),
+        "rowwise rows [R, H]": (lambda: cast.rowwise(rows), 5 * rows.numel()),
+        "rowwise act(h) [R, 2I] -> [R, I]": (lambda: cast.rowwise(h, act), 4 * h.numel() + h.numel() // 2),
+        "colwise rows [R, H] per expert": (lambda: cast.colwise_per_group(rows, off), 5 * rows.numel()),
+        "colwise x[index] [R, H] per expert": (lambda: cast.colwise_per_group(x, off, index=idx), 5 * rows.numel()),
+        "colwise act(h) per expert": (lambda: cast.colwise_per_group(h, off, act), 4 * h.numel() + h.numel() // 2),
+        "colwise w [E, 2I, H] per expert": (lambda: cast.colwise_per_expert(w), 5 * w.numel()),
+        "act backward h, da -> dh": (lambda: cast.act_backward(h, rows[:, :I], act), 4 * h.numel() + 2 * R * I),
+        "copy rows [R, H] (ceiling)": (lambda: rows.clone(), 4 * rows.numel()),
+    }
+    print(f"\nFP8 casts at T {T}, H {H}, I {I}, E {E}, k {K} (R = {R} rows):")
+    for name, (fn, nbytes) in cases.items():
+        ms = do_bench(fn, warmup=10, rep=50, return_mode="median")
+        print(f"  {ms:7.3f} ms  {nbytes / ms / 1e6:7.0f} GB/s  {name}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", action="append", default=[])
     p.add_argument("--backend", default="triton")
     p.add_argument("--recipes", default="none,fp8_rowwise")
     p.add_argument("--top", type=int, default=18)
+    p.add_argument("--casts", action="store_true", help="also time each FP8 cast alone (GB/s)")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     bf16, fp8 = dense_tflops(dev, 3, 10), dense_fp8_tflops(dev, 3, 10)
@@ -72,6 +107,8 @@ def main(argv=None) -> int:
                 print(f"  {t:8.3f} ms {n:4d}x  {k}")
             del moe
             torch.cuda.empty_cache()
+        if args.casts:
+            cast_rates(T, cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k)
     return 0
 
 

@@ -23,13 +23,12 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.tx
   summary+=("$name rc=$? ($(tail -n 1 "$OUT/$name.txt" | cut -c1-150))")
 }
 for s in $STEPS; do case $s in
-  test) step pytest_fp8 170 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_fp8_cuda.py \
-          tests/test_fp8.py -k "not transformers" ;;
+  test) step pytest_fp8 170 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_fp8_cuda.py ;;
   bench) step bench_fp8 330 python3 -m moeyard bench --recipe none,fp8_rowwise \
            --backends triton,grouped_mm,torch_gmm,torchao_fp8 --warmup 3 --iters 10 --json "$OUT/bench_fp8.json" \
            "${margs[@]}" ${FP8_BENCH_ARGS:-} ;;
-  profile) step profile_fp8 90 python3 benchmarks/fp8_profile.py --model qwen3-30b-a3b --model sonic-120b \
-             --recipes none,fp8_rowwise ;;
+  profile) step profile_fp8 120 python3 benchmarks/fp8_profile.py --model qwen3-30b-a3b --model sonic-120b \
+             --recipes none,fp8_rowwise --casts ;;
   numerics) step numerics_random 60 python3 benchmarks/fp8_numerics.py --tokens 4096 --json "$OUT/numerics.json"
             step numerics_torchao 40 python3 benchmarks/fp8_numerics.py --tokens 4096 --protocol torchao ;;
 esac; done
