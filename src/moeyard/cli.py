@@ -79,8 +79,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the results as JSON to PATH ('-' or no PATH: stdout; the table goes to stderr)")
     p.add_argument("--recipe", metavar="A,B", help="FP8 training recipes for moeyard's rows, comma-separated: "
-                   f"{', '.join(['none'] + recipe_names())} (none: the compute dtype); each backend runs once "
-                   "per recipe, named backend+recipe")
+                   f"{', '.join(['none'] + recipe_names())} (none: the compute dtype); each backend (with --e2e: "
+                   "each moeyard implementation) runs once per recipe, named <name>+<recipe>")
     p.add_argument("--lora", type=int, nargs="?", const=16, metavar="R",
                    help="time the LoRA fine-tuning step of the routed experts (rank R, default 16) against the "
                         "frozen-base step and PEFT's default path (moeyard.bench_lora); --backends then names "
@@ -230,7 +230,7 @@ def check_bench_arguments(args) -> None:
     if args.ep and (args.e2e or args.plot or args.trace):
         raise ValueError("--ep: --e2e, --plot and --trace are not available with expert parallelism")
     if given("recipe") and (given("lora") or given("quant") or args.ep):
-        raise ValueError("--recipe: times the layer benchmark (not with --lora, --quant or --ep)")
+        raise ValueError("--recipe: times the layer benchmark or --e2e (not with --lora, --quant or --ep)")
     if given("compile") and (args.e2e or given("lora") or given("quant") or args.ep):
         raise ValueError("--compile: times the layer benchmark only (not with --e2e, --lora, --quant or --ep)")
     for name in ("tiny", "seq_len", "vocab"):
