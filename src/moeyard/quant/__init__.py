@@ -18,9 +18,10 @@ Importing this package imports neither bitsandbytes nor Triton.
 """
 from .apply import expert_parameters, load_quantized_state_dict, quantize_experts
 from .dequant import dequantize, dequantize_reference
+from .fp8_block import FP8BlockExperts
 from .nf4 import NF4Experts
 from .recipe import RECIPES, Recipe, get_recipe, recipe_names, resolve_recipe, set_recipe, use_recipe
 
 __all__ = ["RECIPES", "Recipe", "get_recipe", "recipe_names", "resolve_recipe", "set_recipe", "use_recipe",
-           "NF4Experts", "dequantize", "dequantize_reference", "expert_parameters", "load_quantized_state_dict",
+           "FP8BlockExperts", "NF4Experts", "dequantize", "dequantize_reference", "expert_parameters", "load_quantized_state_dict",
            "quantize_experts"]

@@ -1,0 +1,246 @@
+"""FP8 expert storage with 128 x 128 block scales (``moeyard.quant.FP8BlockExperts``, the DeepSeek-V3 /
+Qwen3-FP8 checkpoint format) and FP8 checkpoints of transformers models.
+
+The storage equals the reference casts of :mod:`moeyard.quant.fp8` (``quantize`` / ``dequantize`` with
+``Blocks(128, 128)``, scale mode ``"float"``), its dequantisation (torch path, Triton kernel under the
+interpreter) equals that reference bit for bit for the active experts only; every CPU backend on the
+storage gives what it gives on the dequantised weights (exactly) and matches the float64 ``loop``
+oracle; quantize_experts on moeyard and transformers models (PEFT-wrapped too, every layout), the
+state dict round trip, the errors; then a tiny Qwen3-MoE written as an FP8 checkpoint (safetensors,
+hub layout) and loaded with :func:`moeyard.quant.load_fp8_checkpoint`: logits and greedy decoding
+against transformers' own (dequantising) load of the same checkpoint, and LoRA training on top.
+"""
+import gc
+import os
+import weakref
+
+import pytest
+import torch
+
+import moeyard
+from helpers import EPS, LORA_SCALING, add_lora, cpu_backends, make_inputs, random_ids, rel_err
+from moeyard.quant import FP8BlockExperts, load_quantized_state_dict, quantize_experts
+from moeyard.quant import fp8_block
+from moeyard.quant.fp8 import Blocks, dequantize, quantize
+
+BLOCKS = Blocks(128, 128)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+NAMES = ("gate_up_proj", "down_proj")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+triton_only = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
+                                 reason="the Triton kernel runs on CUDA or under TRITON_INTERPRET=1")
+
+
+def weights(shape, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 0.05).to(device=device, dtype=dtype)
+
+
+def nan_out(s):
+    return torch.full(s.shape, float("nan"), dtype=s.dtype, device=s.device)
+
+
+# ---------------------------------------------------------------- the stored state against the reference
+
+SHAPES = [
+    (3, 200, 300),   # partial last blocks in both axes (rows 128 + 72, columns 128 + 128 + 44)
+    (2, 256, 128),   # whole blocks only
+    (5, 7, 130),     # fewer rows than a block; one column past a block
+    (1, 1, 1),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_storage_equals_reference(shape, dtype):
+    w = weights(shape, dtype)
+    w[0, :, :3] *= 100  # an outlier column: its blocks get their own, larger scales
+    s = FP8BlockExperts.from_float(w)
+    q, scale = quantize(w, BLOCKS, "float")
+    E, a, b = shape
+    assert s.weight.dtype == torch.float8_e4m3fn and s.weight_scale_inv.dtype == torch.float32
+    assert tuple(s.weight_scale_inv.shape) == (E, -(-a // 128), -(-b // 128))
+    assert torch.equal(s.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s.weight_scale_inv, scale)
+    amax = torch.stack([w[e, i:i + 128, j:j + 128].abs().max().float() for e in range(E)
+                        for i in range(0, a, 128) for j in range(0, b, 128)]).view_as(scale)
+    assert torch.equal(scale, amax / 448)  # DeepSeek-V3's scale: the block's amax over e4m3's largest value
+    want = dequantize(q, scale, BLOCKS).to(dtype)  # float32 product, then the compute dtype
+    assert s.dtype == dtype and torch.equal(s.dequantize(), want)
+    assert torch.equal(fp8_block.dequantize_reference(s).float(), dequantize(q, scale, BLOCKS))
+    rel = ((s.dequantize().double() - w.double()).abs().max() / w.double().abs().max()).item()
+    assert rel < 2 ** -4  # e4m3 keeps 3 mantissa bits: at most half a unit (1/16) of the block's largest value
+
+
+def test_zero_and_nan_blocks():
+    w = weights((2, 130, 260))
+    w[0, :128, :128] = 0       # a block of zeros: scale 1, values 0
+    w[1, 128:, 256:] = float("nan")  # a NaN: its block dequantises to NaN, never a finite value
+    s = FP8BlockExperts.from_float(w)
+    assert s.weight_scale_inv[0, 0, 0] == 1 and not s.dequantize()[0, :128, :128].any()
+    d = s.dequantize()
+    assert d[1, 128:, 256:].isnan().all() and not d[1, :128].isnan().any()
+
+
+def test_row_segments_gate_and_up_blocked_separately():
+    I = 72  # gate and up rows [0, 72) and [72, 144): separately blocked, as a checkpoint's gate_proj and up_proj
+    w = weights((3, 2 * I, 200))
+    s = FP8BlockExperts.from_float(w, row_segments=(I, I))
+    assert s.row_segments == (I, I) and tuple(s.weight_scale_inv.shape) == (3, 2, 2)
+    halves = [quantize(w[:, :I], BLOCKS, "float"), quantize(w[:, I:], BLOCKS, "float")]
+    assert torch.equal(s.weight.view(torch.uint8), torch.cat([h[0] for h in halves], 1).view(torch.uint8))
+    assert torch.equal(s.dequantize(), torch.cat([dequantize(*h, BLOCKS) for h in halves], 1))
+    assert torch.equal(fp8_block.dequantize_reference(s).float(), s.dequantize())
+    # segments on 128-row bounds are the plain grid, stored as such
+    assert FP8BlockExperts.from_float(weights((2, 256, 64)), row_segments=(128, 128)).row_segments == (256,)
+    assert fp8_block.infer_row_segments((3, 144, 200), (3, 2, 2), gated=True) == (I, I)
+    assert fp8_block.infer_row_segments((3, 144, 200), (3, 2, 2), gated=False) == (144,)  # ceil(144/128) = 2 too
+    assert fp8_block.infer_row_segments((3, 384, 64), (3, 3, 1), gated=True) == (384,)  # the halves' grid: 4 rows
+    assert fp8_block.infer_row_segments((3, 400, 64), (3, 4, 1), gated=True) == (200, 200)
+
+
+def check_selective(s, dequant):
+    """``dequant(storage, active, out)`` writes exactly the active experts and nothing else."""
+    E = s.shape[0]
+    want = s.dequantize()
+    for active in (torch.tensor([i % 3 == 1 for i in range(E)]), torch.arange(E) % 2 * 5,  # bool, counts
+                   torch.zeros(E, dtype=torch.bool), torch.ones(E, dtype=torch.int32)):
+        out = nan_out(s)
+        dequant(s, active, out)
+        on = active > 0
+        assert torch.equal(out[on], want[on]) and out[~on].isnan().all()
+    out = nan_out(s)
+    dequant(s, None, out)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selective_torch(dtype, monkeypatch):
+    s = FP8BlockExperts.from_float(weights((7, 140, 150), dtype), row_segments=(70, 70))
+    check_selective(s, fp8_block.dequantize_torch)
+    fresh = s.dequantize(torch.tensor([0, 1, 0, 0, 0, 0, 2]))
+    assert not fresh[0].any() and torch.equal(fresh[6], s.dequantize()[6])  # a new buffer: inactive rows zero
+    monkeypatch.setattr(fp8_block, "TORCH_CHUNK", 140 * 150 * 2)  # two experts per step: the chunk loop
+    check_selective(s, fp8_block.dequantize_torch)
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,segments", [((3, 200, 300), None), ((5, 7, 130), None), ((2, 144, 40), (72, 72))])
+def test_triton_kernel(dtype, shape, segments):
+    pytest.importorskip("triton")
+    from moeyard.quant.triton_fp8_block import dequantize_triton
+
+    w = weights(shape, dtype)
+    w[0, 0, 0] = float("nan")
+    s = FP8BlockExperts.from_float(w, row_segments=segments)
+    s.weight.view(torch.uint8)[1, 0, :2] = torch.tensor([0x7F, 0xFF], dtype=torch.uint8)  # e4m3fn's NaNs
+    ref = fp8_block.dequantize_reference(s).float().to(dtype)
+    torch.testing.assert_close(s.dequantize(), ref, rtol=0, atol=0, equal_nan=True)
+    out = nan_out(s)
+    dequantize_triton(s, None, out)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
+    assert out[1, 0, :2].isnan().all()
+
+
+@triton_only
+def test_triton_kernel_selective():
+    pytest.importorskip("triton")
+    from moeyard.quant.triton_fp8_block import dequantize_triton
+
+    check_selective(FP8BlockExperts.from_float(weights((7, 40, 150), torch.bfloat16)), dequantize_triton)
+
+
+# ---------------------------------------------------------------- memory, dtype casts, adopting tensors
+
+
+def test_memory():
+    w = weights((8, 256, 512), torch.bfloat16)
+    s = FP8BlockExperts.from_float(w)
+    stored = sum(t.numel() * t.element_size() for t in s.state_dict().values())
+    assert s.memory_bytes() == s.nbytes == stored == 8 * 256 * 512 + 4 * 8 * 2 * 4
+    assert stored <= 0.51 * w.numel() * w.element_size()
+
+
+def test_module_casts_keep_storage():
+    s = FP8BlockExperts.from_float(weights((3, 32, 64)))
+    before = {k: v.clone() for k, v in s.state_dict().items()}
+    s.to(torch.bfloat16)
+    assert s.dtype == torch.bfloat16 and s.dequantize().dtype == torch.bfloat16
+    s.half()
+    assert s.dtype == torch.float16
+    s.double()
+    assert s.dtype == torch.float64
+    s.to("cpu").float()
+    assert s.dtype == torch.float32
+    after = s.state_dict()
+    assert set(after) == {"weight", "weight_scale_inv"}
+    assert all(torch.equal(v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
+                           before[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else before[k])
+               and v.dtype == before[k].dtype for k, v in after.items())
+
+
+def test_from_fp8_adopts_without_copy():
+    ref = FP8BlockExperts.from_float(weights((4, 130, 64)))
+    s = FP8BlockExperts.from_fp8(ref.weight, ref.weight_scale_inv.double(), dtype=torch.bfloat16)  # scales to float32
+    assert s.weight.data_ptr() == ref.weight.data_ptr() and s.dtype == torch.bfloat16
+    assert torch.equal(s.dequantize(), ref.dequantize().bfloat16())
+
+
+# ---------------------------------------------------------------- the routed FFN on FP8 storage
+
+
+def _run(x, ids, tw, up, down, lora, backend, **kw):
+    leaves = [x, tw] + [t for a in (lora or {}).values() for t in (a.lora_A, a.lora_B)]
+    out = moeyard.experts(x, ids, tw, up, down, backend=backend, lora=lora, **kw)
+    g = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    return [out, *torch.autograd.grad(out, leaves, g, allow_unused=True)] if out.requires_grad else [out]
+
+
+def _case(T, H, I, E, K, *, ids=None, dtype=torch.float32, rank=0, transposed=False):
+    inp = make_inputs(T, H, I, E, K, ids=ids, transposed=transposed)
+    if rank:
+        inp = add_lora(inp, rank)
+    f = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inp.items()}
+    x = f["hidden_states"].requires_grad_()
+    tw = f["topk_weights"].requires_grad_()
+    lora = {n: moeyard.ExpertLoRA(lora_A=f[f"{n}.lora_A"].requires_grad_(), lora_B=f[f"{n}.lora_B"].requires_grad_(),
+                                  scaling=LORA_SCALING[n]) for n in NAMES} if rank else None
+    q = [FP8BlockExperts.from_float(f[n]) for n in NAMES]
+    return x, inp["topk_ids"], tw, q, lora
+
+
+def _double(x, tw, lora):
+    """Fresh float64 leaves (the oracle's inputs)."""
+    lo = None if lora is None else {n: moeyard.ExpertLoRA(lora_A=a.lora_A.detach().double().requires_grad_(),
+                                                          lora_B=a.lora_B.detach().double().requires_grad_(),
+                                                          scaling=a.scaling) for n, a in lora.items()}
+    return x.detach().double().requires_grad_(), tw.detach().double().requires_grad_(), lo
+
+
+CASES = [
+    # (T, H, I, E, K, ids): code paths
+    (23, 144, 40, 5, 2, None),           # H past one block (128 + 16): two scale columns per row of gate_up
+    (30, 64, 72, 5, 2, "one_expert"),    # every token to experts 0 and 1; 2I = 144 rows: two scale rows
+    (1, 48, 24, 4, 4, None),             # T = 1, K = E
+    (0, 64, 32, 4, 2, None),             # no tokens: nothing dequantised, nothing hangs
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,I,E,K,ids", CASES)
+def test_every_backend_equals_dequantised_weights_and_oracle(T, H, I, E, K, ids, dtype):
+    routed = torch.stack([torch.arange(K)] * T) if ids == "one_expert" else random_ids(T, K, E)
+    x, ids, tw, q, lora = _case(T, H, I, E, K, ids=routed, dtype=dtype, rank=8)
+    dense = [s.dequantize() for s in q]
+    xd, twd, lorad = _double(x, tw, lora)
+    oracle = _run(xd, ids, twd, *(fp8_block.dequantize_reference(s) for s in q), lorad, "loop")
+    lowp = _run(x, ids, tw, *dense, lora, "loop")
+    for backend in cpu_backends(dtype):
+        if backend == "triton" and (T > 1 or dtype != torch.float32):
+            continue  # the interpreter is slow: the triton backend runs the T = 1 case
+        got = _run(x, ids, tw, *q, lora, backend)
+        want = _run(x, ids, tw, *dense, lora, backend)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), backend  # the same call on the same dense values
+        for g, lp, o in zip(got, lowp, oracle):
+            assert rel_err(g, o) <= 2 * rel_err(lp, o) + EPS[dtype], backend
