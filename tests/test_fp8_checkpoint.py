@@ -244,3 +244,238 @@ def test_every_backend_equals_dequantised_weights_and_oracle(T, H, I, E, K, ids,
             assert torch.equal(g, w), backend  # the same call on the same dense values
         for g, lp, o in zip(got, lowp, oracle):
             assert rel_err(g, o) <= 2 * rel_err(lp, o) + EPS[dtype], backend
+
+
+def test_gpt_oss_layout():
+    """Transposed ``[E, H, 2I]`` / ``[E, I, H]`` stacks (interleaved gate/up columns) are stored as they are."""
+    x, ids, tw, q, lora = _case(20, 144, 40, 4, 2, rank=8, transposed=True)
+    assert q[0].row_segments == (144,) and tuple(q[0].weight_scale_inv.shape) == (4, 2, 1)
+    kw = dict(transposed=True, interleaved=True, activation="clamped_swiglu")
+    for backend in ("bmm_padded", "grouped_mm"):
+        got = _run(x, ids, tw, *q, lora, backend, **kw)
+        want = _run(x, ids, tw, *(s.dequantize() for s in q), lora, backend, **kw)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_only_active_experts_and_no_dense_weight_kept(monkeypatch):
+    x, _, tw, q, lora = _case(24, 64, 32, 6, 2, rank=4)
+    ids = torch.stack([torch.tensor([1, 4])] * 24)  # experts 1 and 4 only
+    calls, alive = [], []
+    real = FP8BlockExperts.dequantize
+
+    def spy(self, active=None, *, out=None):
+        calls.append(active.clone())
+        d = real(self, active, out=out)
+        alive.append(weakref.ref(d))
+        return d
+
+    monkeypatch.setattr(FP8BlockExperts, "dequantize", spy)
+    out = moeyard.experts(x, ids, tw, *q, backend="grouped_mm", lora=lora)
+    gc.collect()
+    assert len(calls) == 2 and all(a.tolist() == [False, True, False, False, True, False] for a in calls)
+    assert all(r() is None for r in alive), "autograd keeps a dequantised weight alive until backward"
+    out.sum().backward()
+    assert len(calls) == 4  # backward dequantised each weight once more, the same experts
+    assert lora["gate_up_proj"].lora_A.grad is not None and x.grad is not None
+
+
+# ---------------------------------------------------------------- quantize_experts on models
+
+
+def check_quantized(owner, attr, original, segments=None):
+    s = getattr(owner, attr)
+    assert isinstance(s, FP8BlockExperts) and attr not in owner._parameters and s.shape == original.shape
+    assert s.dtype == original.dtype
+    ref = FP8BlockExperts.from_float(original, row_segments=segments)
+    assert torch.equal(s.weight.view(torch.uint8), ref.weight.view(torch.uint8))
+    assert torch.equal(s.weight_scale_inv, ref.weight_scale_inv) and torch.equal(s.dequantize(), ref.dequantize())
+
+
+def test_quantize_moe_layer():
+    cfg = moeyard.MoEConfig(num_experts=5, hidden_size=32, intermediate_size=80, top_k=2, expert_bias=True)
+    moe = moeyard.MoE(cfg, backend="loop").to(torch.bfloat16)
+    up, down = moe.gate_up_proj.detach().clone(), moe.down_proj.detach().clone()
+    assert quantize_experts(moe, "fp8_block") is moe
+    check_quantized(moe, "gate_up_proj", up, segments=(80, 80))  # gate and up rows blocked separately
+    check_quantized(moe, "down_proj", down)
+    assert tuple(moe.gate_up_proj.weight_scale_inv.shape) == (5, 2, 1)
+    names = {n for n, _ in moe.named_parameters()}
+    assert "gate_up_proj_bias" in names and not names & {"gate_up_proj", "down_proj"}
+    plain = moeyard.MoE(moeyard.MoEConfig(num_experts=2, hidden_size=32, intermediate_size=80, top_k=1,
+                                          activation="gelu"))
+    quantize_experts(plain, "fp8_block")  # a plain activation: up_proj rows are one segment
+    assert plain.gate_up_proj.row_segments == (80,)
+
+
+def test_moe_layer_lora_on_fp8_base():
+    cfg = moeyard.MoEConfig(num_experts=4, hidden_size=64, intermediate_size=32, top_k=2)
+    torch.manual_seed(0)
+    layer = moeyard.MoE(cfg, backend="bmm_padded")
+    dense = moeyard.MoE(cfg, backend="bmm_padded")
+    dense.load_state_dict(layer.state_dict())
+    quantize_experts(layer, "fp8_block")
+    with torch.no_grad():
+        dense.gate_up_proj.copy_(layer.gate_up_proj.dequantize())
+        dense.down_proj.copy_(layer.down_proj.dequantize())
+    for m in (layer, dense):
+        torch.manual_seed(1)
+        m.add_lora(4)
+        torch.nn.init.normal_(m.lora.gate_up_proj.lora_B.weight)
+    x = torch.randn(2, 5, 64)
+    y, y_ref = layer(x), dense(x)
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
+    y.sum().backward()
+    y_ref.sum().backward()
+    for name in ("gate_up_proj", "down_proj"):
+        for f in ("lora_A", "lora_B"):
+            got, want = (getattr(m.lora[name], f).weight.grad for m in (layer, dense))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert not [n for n, p in layer.named_parameters() if p.requires_grad and "lora_" not in n and "router" not in n]
+    with pytest.raises(TypeError, match="quantised"):
+        layer.merge_lora()
+
+
+def tiny_qwen3_moe(**kw):
+    transformers = pytest.importorskip("transformers")
+    args = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=40, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=5, num_experts_per_tok=2,
+                tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**args, **kw}))
+
+
+def test_quantize_transformers_model():
+    model = tiny_qwen3_moe()
+    originals = {n: p.detach().clone() for n, p in model.named_parameters() if p.dim() == 3}
+    assert len(originals) == 4
+    quantize_experts(model, "fp8_block")
+    for name, w in originals.items():
+        owner, attr = name.rsplit(".", 1)
+        check_quantized(model.get_submodule(owner), attr, w, segments=(40, 40) if attr == "gate_up_proj" else None)
+    assert not [n for n, p in model.named_parameters() if p.dim() == 3]
+    keys = model.state_dict().keys()
+    assert {"model.layers.1.mlp.experts.gate_up_proj.weight", "model.layers.1.mlp.experts.gate_up_proj.weight_scale_inv",
+            "model.layers.1.mlp.experts.down_proj.weight", "model.layers.1.mlp.experts.down_proj.weight_scale_inv"} <= keys
+
+
+def test_quantize_peft_wrapped_model():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    wrapped = peft.get_peft_model(tiny_qwen3_moe(), config)
+    originals = {n: p.detach().clone() for n, p in wrapped.named_parameters() if p.dim() == 3}
+    assert len(originals) == 4 and all(".base_layer.base_layer." in n for n in originals)
+    quantize_experts(wrapped, "fp8_block")
+    inner = wrapped.base_model.model.model.layers[0].mlp.experts.base_layer.base_layer
+    assert isinstance(inner.gate_up_proj, FP8BlockExperts) and isinstance(inner.down_proj, FP8BlockExperts)
+    for name, w in originals.items():
+        owner, attr = name.rsplit(".", 1)
+        check_quantized(wrapped.get_submodule(owner), attr, w, segments=(40, 40) if attr == "gate_up_proj" else None)
+    keys = wrapped.state_dict().keys()
+    assert "base_model.model.model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj.weight_scale_inv" in keys
+
+
+class PlainExperts(torch.nn.Module):
+    """transformers' layouts without a transformers model: gpt-oss's transposed gate_up and a
+    gate-less ``up_proj``."""
+
+    def __init__(self, up_name, up_shape, down_shape, transposed):
+        super().__init__()
+        setattr(self, up_name, torch.nn.Parameter(weights(up_shape)))
+        self.down_proj = torch.nn.Parameter(weights(down_shape, seed=1))
+        self.is_transposed = transposed
+
+
+@pytest.mark.parametrize("up_name,up_shape,down_shape,transposed", [
+    ("gate_up_proj", (3, 160, 80), (3, 40, 160), True),   # transposed (gpt-oss): [E, H, 2I], [E, I, H]
+    ("up_proj", (3, 200, 160), (3, 160, 200), False),     # no gate: one row segment
+])
+def test_quantize_other_layouts(up_name, up_shape, down_shape, transposed):
+    m = torch.nn.Sequential(PlainExperts(up_name, up_shape, down_shape, transposed))
+    up, down = getattr(m[0], up_name).detach().clone(), m[0].down_proj.detach().clone()
+    quantize_experts(m, "fp8_block")
+    check_quantized(m[0], up_name, up)  # the plain grid over the stored layout
+    check_quantized(m[0], "down_proj", down)
+
+
+# ---------------------------------------------------------------- state dict round trip
+
+
+def test_safetensors_round_trip(tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    model = quantize_experts(tiny_qwen3_moe().to(torch.bfloat16), "fp8_block")
+    path = tmp_path / "model.safetensors"
+    st.save_file(model.state_dict(), str(path))
+
+    torch.manual_seed(1)
+    fresh = tiny_qwen3_moe().to(torch.bfloat16)
+    assert load_quantized_state_dict(fresh, path, "fp8_block") is fresh
+    saved = model.state_dict()
+    for k, v in fresh.state_dict().items():
+        assert v.dtype == saved[k].dtype and torch.equal(v.view(torch.uint8), saved[k].view(torch.uint8)), k
+    a, b = model.model.layers[1].mlp.experts.gate_up_proj, fresh.model.layers[1].mlp.experts.gate_up_proj
+    assert b.dtype == torch.bfloat16 and b.row_segments == (40, 40) and torch.equal(a.dequantize(), b.dequantize())
+
+    # the same by hand: quantise the structure, then load_state_dict; and onto a model built on the meta device
+    again = quantize_experts(tiny_qwen3_moe().to(torch.bfloat16), "fp8_block")
+    again.load_state_dict(st.load_file(str(path)))
+    assert torch.equal(again.model.layers[0].mlp.experts.down_proj.dequantize(),
+                       model.model.layers[0].mlp.experts.down_proj.dequantize())
+    with torch.device("meta"):
+        meta = tiny_qwen3_moe().to(torch.bfloat16)
+    load_quantized_state_dict(meta, path, "fp8_block", assign=True)
+    assert torch.equal(meta.model.layers[0].mlp.experts.down_proj.dequantize(),
+                       model.model.layers[0].mlp.experts.down_proj.dequantize())
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_errors():
+    moe = moeyard.MoE(moeyard.MoEConfig(num_experts=3, hidden_size=32, intermediate_size=16, top_k=2))
+    with pytest.raises(ValueError, match="format: expected one of"):
+        quantize_experts(moe, "fp8")
+    with pytest.raises(ValueError, match="blocksize"):
+        quantize_experts(moe, "fp8_block", blocksize=128)
+    with pytest.raises(ValueError, match="no expert weights"):
+        quantize_experts(torch.nn.Linear(4, 4), "fp8_block")
+    m = torch.nn.Sequential(PlainExperts("gate_up_proj", (3, 32, 16), (3, 32, 16), False))
+    m[0].down_proj.data = m[0].down_proj.data.to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"down_proj: .*float8_e4m3fn"):  # checked before anything is replaced
+        quantize_experts(m, "fp8_block")
+    assert isinstance(m[0].gate_up_proj, torch.nn.Parameter)
+    with pytest.raises(TypeError, match="weight: .*int32"):
+        FP8BlockExperts.from_float(torch.zeros(2, 8, 8, dtype=torch.int32))
+    with pytest.raises(TypeError, match="weight: expected a tensor"):
+        FP8BlockExperts.from_float([[1.0]])
+    with pytest.raises(ValueError, match="weight: expected a 3-D"):
+        FP8BlockExperts.from_float(torch.zeros(8, 64))
+    with pytest.raises(ValueError, match="row_segments"):
+        FP8BlockExperts.from_float(weights((2, 10, 8)), row_segments=(4, 4))
+    s = FP8BlockExperts.from_float(weights((3, 200, 16)))
+    with pytest.raises(TypeError, match="weight: expected a torch.float8_e4m3fn"):
+        FP8BlockExperts.from_fp8(s.weight.float(), s.weight_scale_inv, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="weight_scale_inv: expected a float32"):
+        FP8BlockExperts.from_fp8(s.weight, s.weight_scale_inv.to(torch.float8_e4m3fn), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"weight_scale_inv: expected shape \(3, 2, 1\)"):
+        FP8BlockExperts.from_fp8(s.weight, s.weight_scale_inv[:, :1], dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="dtype: .*torch.int8"):
+        FP8BlockExperts.from_fp8(s.weight, s.weight_scale_inv, dtype=torch.int8)
+    with pytest.raises(TypeError, match="active"):
+        s.dequantize(torch.ones(3))
+    with pytest.raises(ValueError, match="active"):
+        s.dequantize(torch.ones(4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="out"):
+        s.dequantize(out=torch.empty(3, 200, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out"):
+        s.dequantize(out=torch.empty(3, 200, 8))
+    with pytest.raises(ValueError, match="contiguous"):
+        s.dequantize(out=torch.empty(3, 16, 200).mT)
+    x, ids, tw, q, _ = _case(8, 64, 32, 4, 2)
+    with pytest.raises(TypeError, match="hidden_states: expected dtype"):
+        moeyard.experts(x.double(), ids, tw.double(), *q, backend="loop")
+    # a checkpoint's scales of the wrong grid, named by parameter
+    saved = quantize_experts(moeyard.MoE(moe.config), "fp8_block").state_dict()
+    saved["down_proj.weight_scale_inv"] = torch.ones(3, 2, 1)
+    with pytest.raises(ValueError, match=r"down_proj.weight_scale_inv: expected shape \(3, 1, 1\)"):
+        load_quantized_state_dict(moeyard.MoE(moe.config), saved, "fp8_block")
+
