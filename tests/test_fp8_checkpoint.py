@@ -81,7 +81,10 @@ def test_zero_and_nan_blocks():
     assert d[1, 128:, 256:].isnan().all() and not d[1, :128].isnan().any()
 
 
-def test_row_segments_gate_and_up_blocked_separately():
+@pytest.mark.parametrize("chunk", [None, 144 * 200])
+def test_row_segments_gate_and_up_blocked_separately(chunk, monkeypatch):
+    if chunk:
+        monkeypatch.setattr(fp8_block, "TORCH_CHUNK", chunk)  # one expert per step of the cast
     I = 72  # gate and up rows [0, 72) and [72, 144): separately blocked, as a checkpoint's gate_proj and up_proj
     w = weights((3, 2 * I, 200))
     s = FP8BlockExperts.from_float(w, row_segments=(I, I))
@@ -473,9 +476,291 @@ def test_errors():
     x, ids, tw, q, _ = _case(8, 64, 32, 4, 2)
     with pytest.raises(TypeError, match="hidden_states: expected dtype"):
         moeyard.experts(x.double(), ids, tw.double(), *q, backend="loop")
+    with pytest.raises(TypeError, match="gate_up_proj: torch.float8_e4m3fn values need their block scales"):
+        moeyard.experts(x, ids, tw, q[0].weight, q[1].dequantize(), backend="loop")  # raw e4m3 values: never used
     # a checkpoint's scales of the wrong grid, named by parameter
     saved = quantize_experts(moeyard.MoE(moe.config), "fp8_block").state_dict()
     saved["down_proj.weight_scale_inv"] = torch.ones(3, 2, 1)
     with pytest.raises(ValueError, match=r"down_proj.weight_scale_inv: expected shape \(3, 1, 1\)"):
         load_quantized_state_dict(moeyard.MoE(moe.config), saved, "fp8_block")
 
+
+
+# ---------------------------------------------------------------- FP8 checkpoints of transformers models
+
+CKPT_QC = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
+           "modules_to_not_convert": ["lm_head", "mlp.gate"]}
+
+
+def is_fp8_linear(key, t):
+    """What Qwen3-FP8 / DeepSeek-V3 checkpoints store in FP8: every projection's weight (attention and
+    experts); embeddings, norms, the router (``mlp.gate``) and ``lm_head`` stay bfloat16."""
+    return key.endswith("_proj.weight") and t.dim() == 2
+
+
+def write_fp8_checkpoint(model, path, qc=CKPT_QC):
+    """``model`` saved by transformers (per-expert tensors, as on the hub), its projections cast to e4m3
+    with 128 x 128 ``weight_scale_inv`` block scales by the reference :func:`moeyard.quant.fp8.quantize`."""
+    st = pytest.importorskip("safetensors.torch")
+    plain = path / "bf16"
+    model.save_pretrained(plain)
+    tensors = {}
+    for k, v in st.load_file(str(plain / "model.safetensors")).items():
+        if is_fp8_linear(k, v):
+            q, s = quantize(v, BLOCKS, "float")
+            tensors[k], tensors[k.removesuffix("weight") + "weight_scale_inv"] = q, s
+        else:
+            tensors[k] = v
+    out = path / "fp8"
+    out.mkdir()
+    st.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["quantization_config"] = qc
+    (out / "config.json").write_text(__import__("json").dumps(config))
+    model.generation_config.save_pretrained(out)
+    return out, tensors
+
+
+def cast_parameters(model, dtype):
+    """Parameters to ``dtype``, buffers as they are (rotary ``inv_freq`` stays float32, as transformers
+    builds a bfloat16 model; ``model.to(dtype)`` would round it)."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
+def dequantized_model(model, tensors, dtype):
+    """``model`` (a copy, in ``dtype``) with every FP8 tensor of the checkpoint dequantised by the reference
+    casts (float32 products, then ``dtype``): the same model with the dequantised weights."""
+    import copy
+    ref = cast_parameters(copy.deepcopy(model), dtype)
+    deq = {k: dequantize(tensors[k], tensors[k.removesuffix("weight") + "weight_scale_inv"], BLOCKS).to(dtype)
+           for k, v in tensors.items() if v.dtype == torch.float8_e4m3fn}
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name in deq:
+                p.copy_(deq[name])
+            elif p.dim() == 3:  # fused experts: stack the per-expert matrices (gate rows, then up rows)
+                prefix, attr = name.rsplit(".", 1)
+                parts = ("gate_proj", "up_proj") if attr == "gate_up_proj" else (attr,)
+                p.copy_(torch.stack([torch.cat([deq[f"{prefix}.{e}.{n}.weight"] for n in parts]) for e in range(len(p))]))
+    return ref
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-MoE in bfloat16, hidden size 160 and expert size 72 (partial blocks, gate and up halves in
+    one block row each), written as an FP8 checkpoint."""
+    from moeyard import verify
+    with verify.quiet_transformers():
+        model = cast_parameters(tiny_qwen3_moe(hidden_size=160, moe_intermediate_size=72), torch.bfloat16)
+        model.generation_config.pad_token_id = 0
+        path, tensors = write_fp8_checkpoint(model, tmp_path_factory.mktemp("qwen3_moe"))
+    return model, path, tensors
+
+
+def _logits(model, ids, backend="bmm_padded"):
+    with moeyard.use_backend(backend), torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_checkpoint_loads_experts_in_fp8(fp8_checkpoint):
+    from moeyard.quant import load_fp8_checkpoint
+    model, path, tensors = fp8_checkpoint
+    loaded = load_fp8_checkpoint(path)
+    assert not loaded.training and loaded.config._experts_implementation == "moeyard"
+    assert loaded.generation_config.pad_token_id == 0
+    for layer in range(2):
+        experts = loaded.model.layers[layer].mlp.experts
+        prefix = f"model.layers.{layer}.mlp.experts"
+        for attr, parts, grid in (("gate_up_proj", ("gate_proj", "up_proj"), (5, 2, 2)), ("down_proj", ("down_proj",),
+                                                                                         (5, 2, 1))):
+            w, s = getattr(experts, attr), getattr(experts, f"{attr}_scale_inv")
+            assert w.dtype == torch.float8_e4m3fn and not w.requires_grad and tuple(s.shape) == grid
+            for e in range(5):  # the checkpoint's bytes and scales, never dequantised
+                want = torch.cat([tensors[f"{prefix}.{e}.{n}.weight"] for n in parts])
+                assert torch.equal(w[e].view(torch.uint8), want.view(torch.uint8))
+                assert torch.equal(s[e], torch.cat([tensors[f"{prefix}.{e}.{n}.weight_scale_inv"] for n in parts]))
+    dense = {n: p for n, p in loaded.named_parameters() if p.dtype != torch.float8_e4m3fn and "_scale_inv" not in n}
+    assert all(p.dtype == torch.bfloat16 and p.dim() < 3 for p in dense.values())
+    ref = dequantized_model(model, tensors, torch.bfloat16)
+    ref_params = dict(ref.named_parameters())
+    assert all(torch.equal(p, ref_params[n]) for n, p in dense.items())  # attention dequantised, the rest as stored
+
+
+def test_checkpoint_logits_and_decoding(fp8_checkpoint):
+    from moeyard.quant import load_fp8_checkpoint
+    model, path, tensors = fp8_checkpoint
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    loaded = load_fp8_checkpoint(path)
+    ref = dequantized_model(model, tensors, torch.bfloat16).eval()
+    ref.set_experts_implementation("moeyard")
+    for backend in ("bmm_padded", "grouped_mm"):  # the same backend on the dequantised weights: the same bits
+        assert torch.equal(_logits(loaded, ids, backend), _logits(ref, ids, backend))
+    ref.set_experts_implementation("eager")  # transformers' own experts on the dequantised weights
+    got, want = _logits(loaded, ids), _logits(ref, ids)
+    assert rel_err(got, want) < 2e-2  # bfloat16 rounding in another order
+
+    loaded32 = load_fp8_checkpoint(path, dtype=torch.float32)
+    ref32 = dequantized_model(model, tensors, torch.float32).eval()
+    assert rel_err(_logits(loaded32, ids), _logits(ref32, ids)) < 1e-5
+    with moeyard.use_backend("bmm_padded"), torch.no_grad():
+        tokens = loaded32.generate(ids, max_new_tokens=8, do_sample=False)
+        want_tokens = ref32.generate(ids, max_new_tokens=8, do_sample=False)
+    assert tokens.shape == (2, 17) and torch.equal(tokens, want_tokens)
+
+
+def test_checkpoint_against_transformers_dequantising_load(tmp_path):
+    """transformers (no GPU here) loads the same checkpoint dequantised, by its own code (FineGrainedFP8's
+    ``Fp8Dequantize``): the same values. Sizes are multiples of 128 where they exceed one block, because
+    transformers derives the block size from the scale grid (``rows // scale_rows``), which is 128 only then."""
+    transformers = pytest.importorskip("transformers")
+    from moeyard import verify
+    from moeyard.quant import load_fp8_checkpoint
+    with verify.quiet_transformers():
+        model = cast_parameters(tiny_qwen3_moe(hidden_size=128, moe_intermediate_size=48, head_dim=64), torch.bfloat16)
+        path, _ = write_fp8_checkpoint(model, tmp_path)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(path, experts_implementation="moeyard")
+    assert theirs.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16  # dequantised on load
+    ours = load_fp8_checkpoint(path)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_logits(ours, ids), _logits(theirs, ids))
+
+
+def _lm_loss(model, ids):
+    logits = model(input_ids=ids).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def test_lora_training_on_fp8_checkpoint(fp8_checkpoint):
+    peft = pytest.importorskip("peft")
+    from moeyard.integrations.peft import fuse_lora
+    from moeyard.quant import load_fp8_checkpoint
+    model, path, tensors = fp8_checkpoint
+    config = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    ours = peft.get_peft_model(load_fp8_checkpoint(path, dtype=torch.float32),
+                               peft.LoraConfig(**config))
+    ref = dequantized_model(model, tensors, torch.float32)
+    ref.set_experts_implementation("moeyard")
+    ref = peft.get_peft_model(ref, peft.LoraConfig(**config))
+    for m in (ours, ref):
+        fuse_lora(m)
+        m.train()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        adapters = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+        for n, p in adapters.items():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)  # B nonzero: the adapters change the output
+        ref_adapters = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+        assert adapters.keys() == ref_adapters.keys() and len(adapters) == 16  # 2 layers x 4 targets x (A, B)
+        for n, p in ref_adapters.items():
+            p.copy_(adapters[n])
+    frozen = {n: p.detach().clone() for n, p in ours.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    assert len(frozen) == 4 and all(not p.requires_grad for n, p in ours.named_parameters() if n in frozen)
+    ids = torch.randint(0, 64, (4, 12), generator=g)
+    with moeyard.use_backend("bmm_padded"):
+        loss, ref_loss = _lm_loss(ours, ids), _lm_loss(ref, ids)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        loss.backward()
+        ref_loss.backward()
+        for n, p in adapters.items():  # the same gradients as on the dequantised model, up to rounding
+            torch.testing.assert_close(p.grad, ref_adapters[n].grad, rtol=1e-4, atol=1e-6)
+        opt = torch.optim.Adam(adapters.values(), lr=1e-2)
+        losses = []
+        for _ in range(6):
+            opt.zero_grad()
+            step = _lm_loss(ours, ids)
+            step.backward()
+            opt.step()
+            losses.append(step.item())
+    assert losses[-1] < 0.9 * losses[0], losses
+    after = {n: p for n, p in ours.named_parameters() if n in frozen}
+    assert all(torch.equal(p.view(torch.uint8), frozen[n].view(torch.uint8)) and p.grad is None for n, p in after.items())
+
+
+def test_transformers_fp8_experts_run_on_moeyard(fp8_checkpoint):
+    """On a GPU, transformers builds its own ``FP8Experts`` for such a checkpoint; with ``register_fp8`` its
+    ``experts_implementation="moeyard"`` runs them (float8 parameters and ``*_scale_inv``) on moeyard."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+    from moeyard.integrations.transformers import register_fp8
+    from moeyard.quant import load_fp8_checkpoint
+    _, path, _ = fp8_checkpoint
+    ours = load_fp8_checkpoint(path)
+    theirs = load_fp8_checkpoint(path)
+    qc = FineGrainedFP8Config(weight_block_size=[128, 128])
+    replace_with_fp8_linear(theirs, modules_to_not_convert=["model.layers.*.self_attn", "lm_head", "model.layers.*.mlp.gate"],
+                            quantization_config=qc, pre_quantized=True)  # what from_pretrained does on a GPU
+    register_fp8()
+    for layer, mine in zip(theirs.model.layers, ours.model.layers):
+        fp8_experts = layer.mlp.experts
+        assert type(fp8_experts).__name__ == "FP8Experts"
+        fp8_experts.load_state_dict(mine.mlp.experts.state_dict(), assign=True)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(_logits(theirs, ids), _logits(ours, ids))
+
+
+def test_checkpoint_errors(fp8_checkpoint, tmp_path):
+    import json
+    st = pytest.importorskip("safetensors.torch")
+    from moeyard.quant import load_fp8_checkpoint
+    _, path, tensors = fp8_checkpoint
+    config = json.loads((path / "config.json").read_text())
+
+    def variant(name, change_config=None, change_tensors=None):
+        d = tmp_path / name
+        d.mkdir()
+        c = json.loads(json.dumps(config))
+        if change_config:
+            change_config(c["quantization_config"])
+        (d / "config.json").write_text(json.dumps(c))
+        t = dict(tensors)
+        if change_tensors:
+            change_tensors(t)
+        st.save_file(t, str(d / "model.safetensors"))
+        return d
+
+    with pytest.raises(ValueError, match=r"quantization_config.weight_block_size: moeyard loads \[128, 128\]"):
+        load_fp8_checkpoint(variant("blocks", lambda q: q.update(weight_block_size=[64, 64])))
+    with pytest.raises(ValueError, match="quantization_config.quant_method: expected 'fp8'"):
+        load_fp8_checkpoint(variant("method", lambda q: q.update(quant_method="bitsandbytes")))
+    with pytest.raises(ValueError, match="quantization_config.activation_scheme"):
+        load_fp8_checkpoint(variant("static", lambda q: q.update(activation_scheme="static")))
+    key = "model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"
+    with pytest.raises(ValueError, match=rf"{key}: expected a float32 tensor of shape \(1, 2\)"):
+        load_fp8_checkpoint(variant("scale", change_tensors=lambda t: t.update({key: torch.ones(2, 2)})))
+    key = "model.layers.0.mlp.experts.1.down_proj.weight"
+    with pytest.raises(ValueError, match=rf"{key}: expected a torch.float8_e4m3fn tensor"):
+        load_fp8_checkpoint(variant("dtype", change_tensors=lambda t: t.update({key: t[key].float()})))
+    with pytest.raises(RuntimeError, match="missing tensors.*model.norm.weight"):
+        load_fp8_checkpoint(variant("missing", change_tensors=lambda t: t.pop("model.norm.weight")))
+    with pytest.raises(RuntimeError, match="unexpected tensors.*extra"):
+        load_fp8_checkpoint(variant("extra", change_tensors=lambda t: t.update(extra=torch.ones(1))))
+    with pytest.raises(FileNotFoundError, match="checkpoint"):
+        load_fp8_checkpoint(tmp_path / "nowhere")
+    with pytest.raises(TypeError, match="model_or_path"):
+        load_fp8_checkpoint(3)
+    loaded = load_fp8_checkpoint(path)
+    with pytest.raises(TypeError, match="checkpoint: a model was given"):
+        load_fp8_checkpoint(loaded)
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    loaded.to(torch.bfloat16)  # casts the float8 values: meaningless without their scales, so an error
+    with pytest.raises(TypeError, match="gate_up_proj: has gate_up_proj_scale_inv but is torch.bfloat16"):
+        _logits(loaded, ids)
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(load_fp8_checkpoint(path),
+                                  peft.LoraConfig(r=2, target_parameters=["mlp.experts.down_proj"]))
+    with pytest.raises(TypeError, match="down_proj: PEFT's W \\+ dW fold cannot run on FP8"):
+        _logits(wrapped, ids)  # without fuse_lora PEFT would add W + dW to the unscaled float8 values
+    with pytest.raises(ValueError, match="wrapped by PEFT"):
+        load_fp8_checkpoint(wrapped, path)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "mxfp8"])
+def test_training_recipe_on_fp8_storage(recipe):
+    """An FP8 training recipe casts the GEMM operands from the dequantised values: the same as on dense weights."""
+    x, ids, tw, q, lora = _case(20, 256, 128, 4, 2, rank=4)
+    got = _run(x, ids, tw, *q, lora, "bmm_padded", recipe=recipe)
+    want = _run(x, ids, tw, *(s.dequantize() for s in q), lora, "bmm_padded", recipe=recipe)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -1,9 +1,10 @@
 """FP8 storage of one 3-D expert weight stack with 128 x 128 block scales: the checkpoint format of
 DeepSeek-V3/R1 and the Qwen3 FP8 models.
 
-Format (DeepSeek-V3 technical report, arXiv 2412.19437, section 3.3.2: "weights are grouped and scaled
-on a 128 x 128 block basis"; the checkpoints' ``quantization_config`` is ``{"quant_method": "fp8",
-"fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}``):
+Format (DeepSeek-V3 technical report, arXiv 2412.19437, section 3.3, fine-grained quantization:
+weights are grouped and scaled on a 128 x 128 block basis; the checkpoints' ``quantization_config``
+is ``{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme":
+"dynamic"}``):
 
 Legend: E experts, ``(a, b)`` one expert's matrix as the parameter stores it (``[out, in]`` in the
 standard layout, ``[in, out]`` in gpt-oss's transposed one), ``Ra = ceil(a / 128)``, ``Rb = ceil(b / 128)``.
@@ -86,7 +87,8 @@ class FP8BlockExperts(nn.Module):
     def from_float(cls, weight: Tensor, *, row_segments=None) -> "FP8BlockExperts":
         """Quantise ``weight [E, a, b]`` (float16, bfloat16, float32 or float64; any device) with
         :func:`moeyard.quant.fp8.quantize` (``Blocks(128, 128)``, scale mode ``"float"``) on its device
-        (no host sync); the compute dtype is ``weight.dtype``.
+        (no host sync), a few experts at a time (float32 temporaries of about :data:`TORCH_CHUNK`
+        elements); the compute dtype is ``weight.dtype``.
 
         Raises:
             TypeError: ``weight`` is not a tensor of one of those dtypes.
@@ -98,16 +100,16 @@ class FP8BlockExperts(nn.Module):
         check_shape(weight.shape, "weight")
         self = cls(weight.shape, dtype=weight.dtype, row_segments=row_segments, device=weight.device)
         w = weight.detach()
-        start = 0
-        q, scales = [], []
-        for size in self.row_segments:
-            qs, s = quantize(w[:, start:start + size], BLOCKS, "float")
-            q.append(qs)
-            scales.append(s)
-            start += size
+        E, a, b = w.shape
+        step = max(1, TORCH_CHUNK // max(1, a * b))  # bounds the cast's float32 temporaries
         with torch.no_grad():
-            self.weight.copy_(torch.cat(q, dim=1))
-            self.weight_scale_inv.copy_(torch.cat(scales, dim=1))
+            for e0 in range(0, E, step):
+                start, srow = 0, 0
+                for size in self.row_segments:
+                    q, scale = quantize(w[e0:e0 + step, start:start + size], BLOCKS, "float")
+                    self.weight[e0:e0 + step, start:start + size] = q
+                    self.weight_scale_inv[e0:e0 + step, srow:srow + scale.shape[1]] = scale
+                    start, srow = start + size, srow + scale.shape[1]
         return self
 
     @classmethod
