@@ -588,6 +588,23 @@ def test_checkpoint_loads_experts_in_fp8(fp8_checkpoint):
     assert all(torch.equal(p, ref_params[n]) for n, p in dense.items())  # attention dequantised, the rest as stored
 
 
+def test_checkpoint_into_a_model_built_without_weights(fp8_checkpoint):
+    from accelerate import init_empty_weights
+    from moeyard.quant import load_fp8_checkpoint
+    model, path, _ = fp8_checkpoint
+    with init_empty_weights(include_buffers=False):  # parameters on the meta device, rotary buffers real
+        empty = type(model)(model.config)
+    cast_parameters(empty, torch.bfloat16)
+    assert load_fp8_checkpoint(empty, path / "model.safetensors") is empty
+    empty.set_experts_implementation("moeyard")
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(_logits(empty.eval(), ids), _logits(load_fp8_checkpoint(path), ids))
+    with torch.device("meta"):
+        all_meta = type(model)(model.config)
+    with pytest.raises(RuntimeError, match="meta device after loading.*inv_freq"):
+        load_fp8_checkpoint(all_meta, path)
+
+
 def test_checkpoint_logits_and_decoding(fp8_checkpoint):
     from moeyard.quant import load_fp8_checkpoint
     model, path, tensors = fp8_checkpoint
@@ -597,6 +614,12 @@ def test_checkpoint_logits_and_decoding(fp8_checkpoint):
     ref.set_experts_implementation("moeyard")
     for backend in ("bmm_padded", "grouped_mm"):  # the same backend on the dequantised weights: the same bits
         assert torch.equal(_logits(loaded, ids, backend), _logits(ref, ids, backend))
+    experts = loaded.model.layers[0].mlp.experts
+    view = experts._moeyard_fp8_views["gate_up_proj"]  # the parameters themselves, adopted once
+    assert view.weight is experts.gate_up_proj and view.weight_scale_inv is experts.gate_up_proj_scale_inv
+    assert view.row_segments == (72, 72)
+    _logits(loaded, ids)
+    assert experts._moeyard_fp8_views["gate_up_proj"] is view
     ref.set_experts_implementation("eager")  # transformers' own experts on the dequantised weights
     got, want = _logits(loaded, ids), _logits(ref, ids)
     assert rel_err(got, want) < 2e-2  # bfloat16 rounding in another order

@@ -133,16 +133,31 @@ class FP8BlockExperts(nn.Module):
         if not weight_scale_inv.is_floating_point() or weight_scale_inv.element_size() < 2:
             raise TypeError(f"weight_scale_inv: expected a float32 tensor, got {weight_scale_inv.dtype}")
         check_shape(weight.shape, "weight")
-        self = cls(weight.shape, dtype=dtype, row_segments=row_segments, device="meta")
-        want = grid_shape(weight.shape, self.row_segments)
+        check_compute_dtype(dtype)
+        segments = normalize_segments(row_segments, weight.shape[1])
+        want = grid_shape(weight.shape, segments)
         if tuple(weight_scale_inv.shape) != want:
             raise ValueError(f"weight_scale_inv: expected shape {want} (one scale per 128 x 128 block of weight "
                              f"{tuple(weight.shape)}), got {tuple(weight_scale_inv.shape)}")
         if weight_scale_inv.device != weight.device:
             raise ValueError(f"weight_scale_inv: expected device {weight.device} (the weight's), "
                              f"got {weight_scale_inv.device}")
-        self.weight = weight.detach().contiguous()  # a copy only if it was not contiguous
-        self.weight_scale_inv = weight_scale_inv.detach().to(torch.float32)
+        # a copy only of a weight that is not contiguous, or of scales not in float32
+        return cls.adopt(weight.detach().contiguous(), weight_scale_inv.detach().to(torch.float32).contiguous(),
+                         dtype=dtype, row_segments=segments)
+
+    @classmethod
+    def adopt(cls, weight: Tensor, weight_scale_inv: Tensor, *, dtype: torch.dtype,
+              row_segments: tuple[int, ...]) -> "FP8BlockExperts":
+        """The storage over these very tensor objects, unchecked (:meth:`from_fp8` checks, then calls
+        this): ``weight`` contiguous float8_e4m3fn, ``weight_scale_inv`` contiguous float32 of the grid
+        of normalised ``row_segments``. Given ``nn.Parameter`` s, the storage follows them when a module
+        moves them (``param.data`` replaced by ``.to(device)``)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.shape, self.dtype, self.row_segments = weight.shape, dtype, row_segments
+        self._buffers["weight"] = weight
+        self._buffers["weight_scale_inv"] = weight_scale_inv
         return self
 
     # ------------------------------------------------------------------ tensor-like properties

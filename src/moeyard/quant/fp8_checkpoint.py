@@ -58,8 +58,8 @@ GATE_NAMES, UP_NAMES, DOWN_NAMES = ("gate_proj", "w1"), ("up_proj", "w3"), ("dow
 def fp8_experts_weight(module: nn.Module, name: str, weight, dtype: torch.dtype):
     """``weight`` as the experts forward should pass it: a float8_e4m3fn parameter of ``module`` with a
     sibling ``<name>_scale_inv`` becomes an :class:`FP8BlockExperts` of compute dtype ``dtype`` over the
-    same tensors (no copy; cached on the module while the tensors stay the same); anything else is
-    returned as it is.
+    same parameter objects (no copy; built once and kept on the module while they stay the same
+    objects); anything else is returned as it is.
 
     Raises:
         TypeError: a float8 weight without its ``<name>_scale_inv``; a ``<name>_scale_inv`` beside a
@@ -83,15 +83,16 @@ def fp8_experts_weight(module: nn.Module, name: str, weight, dtype: torch.dtype)
     if block is not None and tuple(block) != (BLOCK, BLOCK):
         raise ValueError(f"{name}: moeyard runs FP8 experts with {BLOCK} x {BLOCK} block scales, this module has "
                          f"block_size {block}")
-    key = (weight.data_ptr(), weight._version, scale.data_ptr(), scale._version, dtype)
     cache = module.__dict__.setdefault("_moeyard_fp8_views", {})
     hit = cache.get(name)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    gated = _gated(module, name)
-    storage = FP8BlockExperts.from_fp8(weight, scale, dtype=dtype,
-                                       row_segments=infer_row_segments(weight.shape, scale.shape, gated=gated))
-    cache[name] = (key, storage)
+    if hit is not None and hit.weight is weight and hit.weight_scale_inv is scale and hit.dtype == dtype:
+        return hit
+    segments = infer_row_segments(weight.shape, scale.shape, gated=_gated(module, name))
+    storage = FP8BlockExperts.from_fp8(weight, scale, dtype=dtype, row_segments=segments)  # checks
+    if weight.is_contiguous() and scale.dtype == torch.float32 and scale.is_contiguous():
+        # over the parameters themselves: no copy, and it follows them when the model moves
+        storage = FP8BlockExperts.adopt(weight, scale, dtype=dtype, row_segments=storage.row_segments)
+        cache[name] = storage
     return storage
 
 
@@ -118,8 +119,9 @@ def load_fp8_checkpoint(model_or_path, checkpoint: str | os.PathLike | None = No
     ``quantization_config``, ``experts_implementation="moeyard"`` unless given, parameters on the meta
     device through accelerate's ``init_empty_weights``, so nothing is allocated twice), loads the
     generation config, and returns the model in eval mode, as ``from_pretrained`` does. The second
-    loads into an unquantised transformers model of the same architecture (any weights, the meta
-    device included). Either way tensors are read one at a time with safetensors onto ``device``.
+    loads into an unquantised transformers model of the same architecture (any weights; parameters on
+    the meta device too, with real buffers: ``accelerate.init_empty_weights(include_buffers=False)``).
+    Either way tensors are read one at a time with safetensors onto ``device``.
 
     Args:
         model_or_path: a checkpoint directory (``config.json`` and ``model.safetensors`` or
@@ -141,7 +143,8 @@ def load_fp8_checkpoint(model_or_path, checkpoint: str | os.PathLike | None = No
             wrapped by PEFT (load first, then ``get_peft_model``); no experts module in the model.
         TypeError: ``model_or_path`` is neither a path nor a module; a model given without ``checkpoint``.
         FileNotFoundError: no safetensors checkpoint at the path.
-        RuntimeError: with ``strict``, unexpected or missing tensors (all named).
+        RuntimeError: with ``strict``, unexpected or missing tensors (all named); a parameter or buffer
+            still on the meta device after loading (a model built with buffers on the meta device).
         ImportError: transformers, accelerate (to build the model) or safetensors is missing.
     """
     if isinstance(model_or_path, nn.Module):
@@ -322,6 +325,11 @@ class _Loader:
         for name, buf in self.model.named_buffers():
             if buf.device.type != "meta" and self.device is not None and buf.device != self.device:
                 _set(self.model, name, buf.to(self.device), buffer=True)
+        meta = [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()] if t.device.type == "meta"]
+        if meta:
+            raise RuntimeError(f"load_fp8_checkpoint: still on the meta device after loading: {meta[:10]} (of "
+                               f"{len(meta)}); buffers a checkpoint does not hold (rotary inv_freq) must be real: "
+                               "build the model under accelerate.init_empty_weights(include_buffers=False)")
 
     # -- experts
 
