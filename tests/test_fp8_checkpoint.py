@@ -11,8 +11,12 @@ hub layout) and loaded with :func:`moeyard.quant.load_fp8_checkpoint`: logits an
 against transformers' own (dequantising) load of the same checkpoint, and LoRA training on top.
 """
 import gc
+import json
 import os
+import pathlib
+import re
 import weakref
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -493,32 +497,49 @@ CKPT_QC = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
 
 
 def is_fp8_linear(key, t):
-    """What Qwen3-FP8 / DeepSeek-V3 checkpoints store in FP8: every projection's weight (attention and
-    experts); embeddings, norms, the router (``mlp.gate``) and ``lm_head`` stay bfloat16."""
-    return key.endswith("_proj.weight") and t.dim() == 2
+    """What Qwen3-FP8 / DeepSeek-V3 / MiniMax-M2 checkpoints store in FP8: every projection's weight
+    (attention, dense and shared MLPs, experts: ``*_proj``, Mixtral's ``w1``/``w2``/``w3``); embeddings,
+    norms, the router (``mlp.gate``) and ``lm_head`` stay bfloat16."""
+    return t.dim() == 2 and (key.endswith("_proj.weight") or re.search(r"\.w[123]\.weight$", key) is not None)
 
 
-def write_fp8_checkpoint(model, path, qc=CKPT_QC):
+class Checkpoint(NamedTuple):
+    model: torch.nn.Module  # what was written
+    fp8: pathlib.Path  # the FP8 checkpoint
+    dequantized: pathlib.Path  # the same with every FP8 tensor dequantised (float32), no quantization_config
+    tensors: dict  # the FP8 checkpoint's tensors
+
+
+def write_fp8_checkpoint(model, path, qc=CKPT_QC) -> Checkpoint:
     """``model`` saved by transformers (per-expert tensors, as on the hub), its projections cast to e4m3
-    with 128 x 128 ``weight_scale_inv`` block scales by the reference :func:`moeyard.quant.fp8.quantize`."""
+    with 128 x 128 ``weight_scale_inv`` block scales by the reference :func:`moeyard.quant.fp8.quantize`;
+    beside it the same tensors dequantised by the reference :func:`moeyard.quant.fp8.dequantize` (float32
+    products), which transformers loads as the same model with the dequantised weights."""
     st = pytest.importorskip("safetensors.torch")
     plain = path / "bf16"
     model.save_pretrained(plain)
-    tensors = {}
+    tensors, dense = {}, {}
     for k, v in st.load_file(str(plain / "model.safetensors")).items():
         if is_fp8_linear(k, v):
             q, s = quantize(v, BLOCKS, "float")
             tensors[k], tensors[k.removesuffix("weight") + "weight_scale_inv"] = q, s
+            dense[k] = dequantize(q, s, BLOCKS)
         else:
             tensors[k] = v
-    out = path / "fp8"
-    out.mkdir()
-    st.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+            dense[k] = v.float()
     config = model.config.to_dict()
-    config["quantization_config"] = qc
-    (out / "config.json").write_text(__import__("json").dumps(config))
-    model.generation_config.save_pretrained(out)
-    return out, tensors
+    for d, t, quantized in ((path / "fp8", tensors, True), (path / "dequantized", dense, False)):
+        d.mkdir()
+        st.save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps({**config, **({"quantization_config": qc} if quantized else {})}))
+        model.generation_config.save_pretrained(d)
+    return Checkpoint(model, path / "fp8", path / "dequantized", tensors)
+
+
+def reference_model(ckpt: Checkpoint, dtype, **kw):
+    """transformers' own load of the dequantised checkpoint, in ``dtype`` (eval mode)."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(ckpt.dequantized, dtype=dtype, **kw)
 
 
 def cast_parameters(model, dtype):
@@ -529,24 +550,6 @@ def cast_parameters(model, dtype):
     return model
 
 
-def dequantized_model(model, tensors, dtype):
-    """``model`` (a copy, in ``dtype``) with every FP8 tensor of the checkpoint dequantised by the reference
-    casts (float32 products, then ``dtype``): the same model with the dequantised weights."""
-    import copy
-    ref = cast_parameters(copy.deepcopy(model), dtype)
-    deq = {k: dequantize(tensors[k], tensors[k.removesuffix("weight") + "weight_scale_inv"], BLOCKS).to(dtype)
-           for k, v in tensors.items() if v.dtype == torch.float8_e4m3fn}
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if name in deq:
-                p.copy_(deq[name])
-            elif p.dim() == 3:  # fused experts: stack the per-expert matrices (gate rows, then up rows)
-                prefix, attr = name.rsplit(".", 1)
-                parts = ("gate_proj", "up_proj") if attr == "gate_up_proj" else (attr,)
-                p.copy_(torch.stack([torch.cat([deq[f"{prefix}.{e}.{n}.weight"] for n in parts]) for e in range(len(p))]))
-    return ref
-
-
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory):
     """A tiny Qwen3-MoE in bfloat16, hidden size 160 and expert size 72 (partial blocks, gate and up halves in
@@ -555,8 +558,7 @@ def fp8_checkpoint(tmp_path_factory):
     with verify.quiet_transformers():
         model = cast_parameters(tiny_qwen3_moe(hidden_size=160, moe_intermediate_size=72), torch.bfloat16)
         model.generation_config.pad_token_id = 0
-        path, tensors = write_fp8_checkpoint(model, tmp_path_factory.mktemp("qwen3_moe"))
-    return model, path, tensors
+        return write_fp8_checkpoint(model, tmp_path_factory.mktemp("qwen3_moe"))
 
 
 def _logits(model, ids, backend="bmm_padded"):
@@ -566,8 +568,8 @@ def _logits(model, ids, backend="bmm_padded"):
 
 def test_checkpoint_loads_experts_in_fp8(fp8_checkpoint):
     from moeyard.quant import load_fp8_checkpoint
-    model, path, tensors = fp8_checkpoint
-    loaded = load_fp8_checkpoint(path)
+    ckpt = fp8_checkpoint
+    loaded = load_fp8_checkpoint(ckpt.fp8)
     assert not loaded.training and loaded.config._experts_implementation == "moeyard"
     assert loaded.generation_config.pad_token_id == 0
     for layer in range(2):
@@ -578,20 +580,19 @@ def test_checkpoint_loads_experts_in_fp8(fp8_checkpoint):
             w, s = getattr(experts, attr), getattr(experts, f"{attr}_scale_inv")
             assert w.dtype == torch.float8_e4m3fn and not w.requires_grad and tuple(s.shape) == grid
             for e in range(5):  # the checkpoint's bytes and scales, never dequantised
-                want = torch.cat([tensors[f"{prefix}.{e}.{n}.weight"] for n in parts])
+                want = torch.cat([ckpt.tensors[f"{prefix}.{e}.{n}.weight"] for n in parts])
                 assert torch.equal(w[e].view(torch.uint8), want.view(torch.uint8))
-                assert torch.equal(s[e], torch.cat([tensors[f"{prefix}.{e}.{n}.weight_scale_inv"] for n in parts]))
+                assert torch.equal(s[e], torch.cat([ckpt.tensors[f"{prefix}.{e}.{n}.weight_scale_inv"] for n in parts]))
     dense = {n: p for n, p in loaded.named_parameters() if p.dtype != torch.float8_e4m3fn and "_scale_inv" not in n}
     assert all(p.dtype == torch.bfloat16 and p.dim() < 3 for p in dense.values())
-    ref = dequantized_model(model, tensors, torch.bfloat16)
-    ref_params = dict(ref.named_parameters())
-    assert all(torch.equal(p, ref_params[n]) for n, p in dense.items())  # attention dequantised, the rest as stored
+    ref = dict(reference_model(ckpt, torch.bfloat16).named_parameters())
+    assert all(torch.equal(p, ref[n]) for n, p in dense.items())  # attention dequantised, the rest as stored
 
 
 def test_checkpoint_into_a_model_built_without_weights(fp8_checkpoint):
     from accelerate import init_empty_weights
     from moeyard.quant import load_fp8_checkpoint
-    model, path, _ = fp8_checkpoint
+    model, path = fp8_checkpoint.model, fp8_checkpoint.fp8
     with init_empty_weights(include_buffers=False):  # parameters on the meta device, rotary buffers real
         empty = type(model)(model.config)
     cast_parameters(empty, torch.bfloat16)
@@ -605,32 +606,49 @@ def test_checkpoint_into_a_model_built_without_weights(fp8_checkpoint):
         load_fp8_checkpoint(all_meta, path)
 
 
-def test_checkpoint_logits_and_decoding(fp8_checkpoint):
+def check_logits_and_decoding(ckpt: Checkpoint, vocab: int, backends=("bmm_padded",)):
+    """The loaded FP8 checkpoint against transformers' load of the dequantised one: the same logits on the same
+    moeyard backend (the same dense values), close to transformers' own experts, and the same greedy tokens."""
     from moeyard.quant import load_fp8_checkpoint
-    model, path, tensors = fp8_checkpoint
-    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
-    loaded = load_fp8_checkpoint(path)
-    ref = dequantized_model(model, tensors, torch.bfloat16).eval()
-    ref.set_experts_implementation("moeyard")
-    for backend in ("bmm_padded", "grouped_mm"):  # the same backend on the dequantised weights: the same bits
-        assert torch.equal(_logits(loaded, ids, backend), _logits(ref, ids, backend))
+    ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(0))
+    loaded = load_fp8_checkpoint(ckpt.fp8)
+    ref = reference_model(ckpt, torch.bfloat16, experts_implementation="moeyard")
+    for backend in backends:
+        assert torch.equal(_logits(loaded, ids, backend), _logits(ref, ids, backend)), backend
+    ref.set_experts_implementation("eager")  # transformers' own experts on the dequantised weights
+    assert rel_err(_logits(loaded, ids), _logits(ref, ids)) < 2e-2  # bfloat16 rounding in another order
+    loaded32 = load_fp8_checkpoint(ckpt.fp8, dtype=torch.float32)
+    ref32 = reference_model(ckpt, torch.float32)
+    assert rel_err(_logits(loaded32, ids), _logits(ref32, ids)) < 1e-5
+    with moeyard.use_backend("bmm_padded"), torch.no_grad():
+        tokens = loaded32.generate(ids, max_new_tokens=8, do_sample=False)
+        want = ref32.generate(ids, max_new_tokens=8, do_sample=False)
+    assert tokens.shape == (2, 17) and torch.equal(tokens, want)
+    return loaded
+
+
+def test_checkpoint_logits_and_decoding(fp8_checkpoint):
+    loaded = check_logits_and_decoding(fp8_checkpoint, 64, backends=("bmm_padded", "grouped_mm"))
     experts = loaded.model.layers[0].mlp.experts
     view = experts._moeyard_fp8_views["gate_up_proj"]  # the parameters themselves, adopted once
     assert view.weight is experts.gate_up_proj and view.weight_scale_inv is experts.gate_up_proj_scale_inv
     assert view.row_segments == (72, 72)
-    _logits(loaded, ids)
+    _logits(loaded, torch.zeros(1, 3, dtype=torch.long))
     assert experts._moeyard_fp8_views["gate_up_proj"] is view
-    ref.set_experts_implementation("eager")  # transformers' own experts on the dequantised weights
-    got, want = _logits(loaded, ids), _logits(ref, ids)
-    assert rel_err(got, want) < 2e-2  # bfloat16 rounding in another order
 
-    loaded32 = load_fp8_checkpoint(path, dtype=torch.float32)
-    ref32 = dequantized_model(model, tensors, torch.float32).eval()
-    assert rel_err(_logits(loaded32, ids), _logits(ref32, ids)) < 1e-5
-    with moeyard.use_backend("bmm_padded"), torch.no_grad():
-        tokens = loaded32.generate(ids, max_new_tokens=8, do_sample=False)
-        want_tokens = ref32.generate(ids, max_new_tokens=8, do_sample=False)
-    assert tokens.shape == (2, 17) and torch.equal(tokens, want_tokens)
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_checkpoint_other_architectures(arch, tmp_path):
+    """Mixtral's layout (``block_sparse_moe.experts.<e>.w1/w3/w2`` in the checkpoint, as MiniMax-M2's FP8 one:
+    transformers' renaming to ``mlp``) and DeepSeek-V3's (MLA projections, a shared expert, FP8 as released)."""
+    from moeyard import verify
+    with verify.quiet_transformers():
+        model = cast_parameters(verify.build_model(arch), torch.bfloat16).eval()
+        model.generation_config.pad_token_id = 0
+        ckpt = write_fp8_checkpoint(model, tmp_path)
+        if arch == "mixtral":
+            assert any(".block_sparse_moe.experts.0.w1.weight_scale_inv" in k for k in ckpt.tensors)
+        check_logits_and_decoding(ckpt, model.config.vocab_size)
 
 
 def test_checkpoint_against_transformers_dequantising_load(tmp_path):
@@ -642,7 +660,7 @@ def test_checkpoint_against_transformers_dequantising_load(tmp_path):
     from moeyard.quant import load_fp8_checkpoint
     with verify.quiet_transformers():
         model = cast_parameters(tiny_qwen3_moe(hidden_size=128, moe_intermediate_size=48, head_dim=64), torch.bfloat16)
-        path, _ = write_fp8_checkpoint(model, tmp_path)
+        path = write_fp8_checkpoint(model, tmp_path).fp8
         theirs = transformers.AutoModelForCausalLM.from_pretrained(path, experts_implementation="moeyard")
     assert theirs.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16  # dequantised on load
     ours = load_fp8_checkpoint(path)
@@ -659,14 +677,12 @@ def test_lora_training_on_fp8_checkpoint(fp8_checkpoint):
     peft = pytest.importorskip("peft")
     from moeyard.integrations.peft import fuse_lora
     from moeyard.quant import load_fp8_checkpoint
-    model, path, tensors = fp8_checkpoint
+    ckpt = fp8_checkpoint
     config = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                   target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    ours = peft.get_peft_model(load_fp8_checkpoint(path, dtype=torch.float32),
-                               peft.LoraConfig(**config))
-    ref = dequantized_model(model, tensors, torch.float32)
-    ref.set_experts_implementation("moeyard")
-    ref = peft.get_peft_model(ref, peft.LoraConfig(**config))
+    ours = peft.get_peft_model(load_fp8_checkpoint(ckpt.fp8, dtype=torch.float32), peft.LoraConfig(**config))
+    ref = peft.get_peft_model(reference_model(ckpt, torch.float32, experts_implementation="moeyard"),
+                              peft.LoraConfig(**config))
     for m in (ours, ref):
         fuse_lora(m)
         m.train()
@@ -709,7 +725,7 @@ def test_transformers_fp8_experts_run_on_moeyard(fp8_checkpoint):
     from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
     from moeyard.integrations.transformers import register_fp8
     from moeyard.quant import load_fp8_checkpoint
-    _, path, _ = fp8_checkpoint
+    path = fp8_checkpoint.fp8
     ours = load_fp8_checkpoint(path)
     theirs = load_fp8_checkpoint(path)
     qc = FineGrainedFP8Config(weight_block_size=[128, 128])
@@ -725,10 +741,9 @@ def test_transformers_fp8_experts_run_on_moeyard(fp8_checkpoint):
 
 
 def test_checkpoint_errors(fp8_checkpoint, tmp_path):
-    import json
     st = pytest.importorskip("safetensors.torch")
     from moeyard.quant import load_fp8_checkpoint
-    _, path, tensors = fp8_checkpoint
+    path, tensors = fp8_checkpoint.fp8, fp8_checkpoint.tensors
     config = json.loads((path / "config.json").read_text())
 
     def variant(name, change_config=None, change_tensors=None):
@@ -750,6 +765,11 @@ def test_checkpoint_errors(fp8_checkpoint, tmp_path):
         load_fp8_checkpoint(variant("method", lambda q: q.update(quant_method="bitsandbytes")))
     with pytest.raises(ValueError, match="quantization_config.activation_scheme"):
         load_fp8_checkpoint(variant("static", lambda q: q.update(activation_scheme="static")))
+    with pytest.raises(ValueError, match="quantization_config.fmt: moeyard loads 'e4m3', got 'e5m2'"):
+        load_fp8_checkpoint(variant("e5m2", lambda q: q.update(fmt="e5m2")))
+    with pytest.raises(ValueError, match="quantization_config.scale_fmt"):
+        load_fp8_checkpoint(variant("ue8m0", lambda q: q.update(scale_fmt="ue8m0")))
+    assert load_fp8_checkpoint(variant("fn", lambda q: q.update(fmt="float8_e4m3fn"))) is not None  # MiniMax-M2's
     key = "model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"
     with pytest.raises(ValueError, match=rf"{key}: expected a float32 tensor of shape \(1, 2\)"):
         load_fp8_checkpoint(variant("scale", change_tensors=lambda t: t.update({key: torch.ones(2, 2)})))

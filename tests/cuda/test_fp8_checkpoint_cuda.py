@@ -80,7 +80,7 @@ def test_checkpoint_on_gpu(tmp_path):
     from test_fp8_checkpoint import cast_parameters, tiny_qwen3_moe, write_fp8_checkpoint
     from moeyard.quant import load_fp8_checkpoint
     model = cast_parameters(tiny_qwen3_moe(hidden_size=160, moe_intermediate_size=72), torch.bfloat16)
-    path, _ = write_fp8_checkpoint(model, tmp_path)
+    path = write_fp8_checkpoint(model, tmp_path).fp8
     on_gpu = load_fp8_checkpoint(path, device="cuda")
     moved = load_fp8_checkpoint(path).to("cuda")
     assert on_gpu.model.layers[0].mlp.experts.gate_up_proj.device.type == "cuda"

@@ -18,8 +18,8 @@ whole model dequantised to the compute dtype (two bytes per weight instead of on
   parameters ``[E, a, b]`` (frozen) beside ``<name>_scale_inv`` float32 parameters ``[E, Ra, Rb]``:
   transformers' own ``FP8Experts`` convention, read from per-expert tensors
   (``experts.<e>.gate_proj.weight`` + ``.weight_scale_inv``, as DeepSeek-V3 and Qwen3-FP8 ship them;
-  Mixtral's ``w1`` / ``w3`` / ``w2`` too) or fused ones (``experts.gate_up_proj`` +
-  ``experts.gate_up_proj_scale_inv``);
+  Mixtral's and MiniMax-M2's ``w1`` / ``w3`` / ``w2`` too, after transformers' key renamings) or fused
+  ones (``experts.gate_up_proj`` + ``experts.gate_up_proj_scale_inv``);
 - at each forward, :func:`fp8_experts_weight` adopts them as :class:`FP8BlockExperts` (no copy), so
   every moeyard backend runs on them through the selective dequantisation of
   :mod:`moeyard.experts.quantized` (only the experts that receive tokens, forward and again in
@@ -170,7 +170,7 @@ def load_fp8_checkpoint(model_or_path, checkpoint: str | os.PathLike | None = No
     if any(hasattr(m, "base_layer") for m in model.modules()):
         raise ValueError("model: wrapped by PEFT; load the FP8 checkpoint into the base model first, then call "
                          "peft.get_peft_model (and moeyard.integrations.peft.fuse_lora)")
-    with _open(files) as reader:
+    with _open(files, model) as reader:
         _Loader(model, reader, block, device).run(strict)
     if built:
         _generation_config(model, config_dir)
@@ -208,7 +208,8 @@ def check_quantization_config(qc) -> Blocks:
 
     Raises:
         ValueError: not ``quant_method`` ``"fp8"``, or a ``weight_block_size`` other than ``[128, 128]``,
-            static activation scales, ue8m0 scales, or an e5m2 ``fmt`` (each named).
+            static activation scales, ue8m0 scales, or an ``fmt`` other than e4m3 (``"e4m3"``,
+            ``"float8_e4m3fn"``; each named).
     """
     if qc is None:
         return Blocks(BLOCK, BLOCK)  # a bare safetensors file: its tensors are checked one by one
@@ -217,10 +218,11 @@ def check_quantization_config(qc) -> Blocks:
     if method.split(".")[-1].lower() != "fp8":
         raise ValueError(f"quantization_config.quant_method: expected 'fp8' (FineGrainedFP8: DeepSeek-V3, Qwen3-FP8), "
                          f"got {method!r}")
+    fmt = str(qc.get("fmt") or "e4m3")
     checks = (("weight_block_size", list(qc.get("weight_block_size") or []), [BLOCK, BLOCK]),
-              ("activation_scheme", qc.get("activation_scheme", "dynamic"), "dynamic"),
+              ("activation_scheme", qc.get("activation_scheme") or "dynamic", "dynamic"),
               ("scale_fmt", qc.get("scale_fmt") or "float", "float"),
-              ("fmt", qc.get("fmt", "e4m3"), "e4m3"))
+              ("fmt", "e4m3" if fmt.removeprefix("float8_").removesuffix("fn") == "e4m3" else fmt, "e4m3"))
     for name, got, want in checks:
         if got != want:
             raise ValueError(f"quantization_config.{name}: moeyard loads {want!r}, got {got!r}")
@@ -269,10 +271,11 @@ def _generation_config(model: nn.Module, config_dir: str) -> None:
 
 
 class _Reader:
-    """Tensors of a sharded safetensors checkpoint by name, each file opened once."""
+    """Tensors of a sharded safetensors checkpoint by the model's names (the checkpoint's after ``rename``),
+    each file opened once."""
 
-    def __init__(self, handles: dict[str, object]):
-        self.where = {k: h for h in handles.values() for k in h.keys()}
+    def __init__(self, handles: dict[str, object], rename):
+        self.where = {rename(k): (h, k) for h in handles.values() for k in h.keys()}
         self.used: set[str] = set()
 
     def __contains__(self, key: str) -> bool:
@@ -280,17 +283,45 @@ class _Reader:
 
     def get(self, key: str, device) -> Tensor:
         self.used.add(key)
-        return self.where[key].get_tensor(key).to(device)
+        handle, stored = self.where[key]
+        return handle.get_tensor(stored).to(device)
+
+    def unused(self) -> list[str]:
+        """The checkpoint's names of the tensors nothing read."""
+        return [stored for key, (_, stored) in self.where.items() if key not in self.used]
 
 
 @contextlib.contextmanager
-def _open(files: list[str]) -> Iterator[_Reader]:
+def _open(files: list[str], model: nn.Module) -> Iterator[_Reader]:
     try:
         from safetensors import safe_open
     except ImportError as ex:
         raise ImportError("loading an FP8 checkpoint needs safetensors (pip install safetensors)") from ex
     with contextlib.ExitStack() as stack:
-        yield _Reader({f: stack.enter_context(safe_open(f, framework="pt", device="cpu")) for f in files})
+        yield _Reader({f: stack.enter_context(safe_open(f, framework="pt", device="cpu")) for f in files},
+                      _renamings(model))
+
+
+def _renamings(model: nn.Module):
+    """The checkpoint-to-model key renamings transformers applies when it loads ``model`` (its conversion
+    mapping's ``WeightRenaming`` entries, e.g. Mixtral's and MiniMax-M2's ``.block_sparse_moe.`` ->
+    ``.mlp.``), as a function of a key; the identity without them. Its merges of per-expert tensors into
+    fused ones are done here instead (FP8 kept)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:
+        return lambda key: key
+    if not isinstance(model, PreTrainedModel):
+        return lambda key: key
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+
+    def rename(key: str) -> str:
+        for r in renamings:
+            key, _ = r.rename_source_key(key)
+        return key
+    return rename
 
 
 class _Loader:
@@ -318,7 +349,7 @@ class _Loader:
             tie()
         self.missing = [n for n in self.missing if self._still_meta(n)]
         ignore = [re.compile(p) for p in (getattr(self.model, "_keys_to_ignore_on_load_unexpected", None) or [])]
-        unexpected = [k for k in self.reader.where if k not in self.reader.used and not any(p.search(k) for p in ignore)]
+        unexpected = [k for k in self.reader.unused() if not any(p.search(k) for p in ignore)]
         if strict and (unexpected or self.missing):
             raise RuntimeError(f"load_fp8_checkpoint: missing tensors {sorted(self.missing)[:20]} (of "
                                f"{len(self.missing)}), unexpected tensors {sorted(unexpected)[:20]} (of {len(unexpected)})")
