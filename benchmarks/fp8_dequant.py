@@ -14,6 +14,7 @@ Prints one row per (stack, active experts): the kernel's ms and GB/s, the torch 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
@@ -59,8 +60,8 @@ def main() -> None:
         for n_active in (E, 8):
             active = torch.zeros(E, dtype=torch.bool, device="cuda")
             active[torch.randperm(E, device="cuda")[:n_active]] = True
-            ms = _time(lambda: s.dequantize(active, out=out), args.iters)
-            torch_ms = _time(lambda: dequantize_torch(s, active, out), max(3, args.iters // 10))
+            ms = _time(functools.partial(s.dequantize, active, out=out), args.iters)
+            torch_ms = _time(functools.partial(dequantize_torch, s, active, out), max(3, args.iters // 10))
             gbs = n_active * a * b * 3 / ms / 1e6
             print(f"{name:<24} {n_active:>6} {ms:>10.3f} {gbs:>7.0f} {torch_ms:>9.2f}")
         del s, out

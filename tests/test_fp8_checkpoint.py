@@ -361,8 +361,7 @@ def test_quantize_transformers_model():
         check_quantized(model.get_submodule(owner), attr, w, segments=(40, 40) if attr == "gate_up_proj" else None)
     assert not [n for n, p in model.named_parameters() if p.dim() == 3]
     keys = model.state_dict().keys()
-    assert {"model.layers.1.mlp.experts.gate_up_proj.weight", "model.layers.1.mlp.experts.gate_up_proj.weight_scale_inv",
-            "model.layers.1.mlp.experts.down_proj.weight", "model.layers.1.mlp.experts.down_proj.weight_scale_inv"} <= keys
+    assert {f"model.layers.1.mlp.experts.{n}.{b}" for n in NAMES for b in ("weight", "weight_scale_inv")} <= keys
 
 
 def test_quantize_peft_wrapped_model():
@@ -715,7 +714,8 @@ def test_lora_training_on_fp8_checkpoint(fp8_checkpoint):
             losses.append(step.item())
     assert losses[-1] < 0.9 * losses[0], losses
     after = {n: p for n, p in ours.named_parameters() if n in frozen}
-    assert all(torch.equal(p.view(torch.uint8), frozen[n].view(torch.uint8)) and p.grad is None for n, p in after.items())
+    assert all(torch.equal(p.view(torch.uint8), frozen[n].view(torch.uint8)) and p.grad is None
+               for n, p in after.items())
 
 
 def test_transformers_fp8_experts_run_on_moeyard(fp8_checkpoint):
@@ -729,8 +729,9 @@ def test_transformers_fp8_experts_run_on_moeyard(fp8_checkpoint):
     ours = load_fp8_checkpoint(path)
     theirs = load_fp8_checkpoint(path)
     qc = FineGrainedFP8Config(weight_block_size=[128, 128])
-    replace_with_fp8_linear(theirs, modules_to_not_convert=["model.layers.*.self_attn", "lm_head", "model.layers.*.mlp.gate"],
-                            quantization_config=qc, pre_quantized=True)  # what from_pretrained does on a GPU
+    keep = ["model.layers.*.self_attn", "lm_head", "model.layers.*.mlp.gate"]  # only the experts become FP8Experts
+    replace_with_fp8_linear(theirs, modules_to_not_convert=keep, quantization_config=qc,
+                            pre_quantized=True)  # what from_pretrained does on a GPU
     register_fp8()
     for layer, mine in zip(theirs.model.layers, ours.model.layers):
         fp8_experts = layer.mlp.experts

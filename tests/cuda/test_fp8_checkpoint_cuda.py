@@ -44,7 +44,8 @@ def _case(dtype=torch.bfloat16):
         A, B = t[f"{n}.lora_A"].requires_grad_(), t[f"{n}.lora_B"].requires_grad_()
         lora[n] = moeyard.ExpertLoRA(lora_A=A, lora_B=B, scaling=LORA_SCALING[n])
         leaves += [A, B]
-    q = [FP8BlockExperts.from_float(t["gate_up_proj"], row_segments=(192, 192)), FP8BlockExperts.from_float(t["down_proj"])]
+    q = [FP8BlockExperts.from_float(t["gate_up_proj"], row_segments=(192, 192)),
+         FP8BlockExperts.from_float(t["down_proj"])]
     return t, leaves, lora, q
 
 

@@ -123,7 +123,8 @@ def quantize_experts(module: nn.Module, format: str = "nf4", *, blocksize: int |
         if format == "nf4":
             storage = NF4Experts.from_float(p, **opts)
         else:
-            storage = FP8BlockExperts.from_float(p, row_segments=fp8_block.gate_up_segments(p.shape[1], gated_rows(owner, attr)))
+            segments = fp8_block.gate_up_segments(p.shape[1], gated_rows(owner, attr))
+            storage = FP8BlockExperts.from_float(p, row_segments=segments)
         _replace(owner, attr, storage)
     _fuse_peft(module)
     return module

@@ -300,7 +300,8 @@ def normalize_segments(row_segments, rows: int) -> tuple[int, ...]:
         return (rows,)
     segs = tuple(row_segments)
     if not segs or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in segs) or sum(segs) != rows:
-        raise ValueError(f"row_segments: expected positive ints summing to the weight's {rows} rows, got {row_segments!r}")
+        raise ValueError(f"row_segments: expected positive ints summing to the weight's {rows} rows, "
+                         f"got {row_segments!r}")
     if all(s % BLOCK == 0 for s in segs[:-1]):
         return (rows,)
     return segs

@@ -246,7 +246,8 @@ def _build(config_dir: str, dtype, model_kwargs: dict) -> nn.Module:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as ex:
-        raise ImportError("building a model from an FP8 checkpoint needs transformers (pip install 'transformers>=5')") from ex
+        raise ImportError("building a model from an FP8 checkpoint needs transformers "
+                          "(pip install 'transformers>=5')") from ex
     try:
         from accelerate import init_empty_weights
     except ImportError as ex:
@@ -352,7 +353,8 @@ class _Loader:
         unexpected = [k for k in self.reader.unused() if not any(p.search(k) for p in ignore)]
         if strict and (unexpected or self.missing):
             raise RuntimeError(f"load_fp8_checkpoint: missing tensors {sorted(self.missing)[:20]} (of "
-                               f"{len(self.missing)}), unexpected tensors {sorted(unexpected)[:20]} (of {len(unexpected)})")
+                               f"{len(self.missing)}), unexpected tensors {sorted(unexpected)[:20]} "
+                               f"(of {len(unexpected)})")
         for name, buf in self.model.named_buffers():
             if buf.device.type != "meta" and self.device is not None and buf.device != self.device:
                 _set(self.model, name, buf.to(self.device), buffer=True)
