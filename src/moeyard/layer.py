@@ -156,7 +156,7 @@ class MoE(nn.Module):
             w = getattr(self, name)
             if not isinstance(w, torch.Tensor):
                 raise TypeError(f"merge_lora: {name} is quantised ({type(w).__name__}); LoRA cannot be merged into "
-                                "4-bit storage")
+                                "quantised storage")
             w += adapter.delta_weight().to(w.dtype)
         self.lora = None
         return self

@@ -56,7 +56,8 @@ def experts(
         topk_weights: ``[T, K]`` float routing weights (cast to ``hidden_states.dtype``).
         gate_up_proj: ``[E, 2I, H]`` (gate rows then up rows), or ``[E, I, H]`` for a plain
             activation (transformers' ``up_proj``); ``[E, H, 2I]`` if ``transposed``. Either weight
-            may be quantised storage (:class:`moeyard.quant.NF4Experts`, frozen): then only the
+            may be quantised storage (:class:`moeyard.quant.NF4Experts`,
+            :class:`moeyard.quant.FP8BlockExperts`; frozen): then only the
             experts that receive tokens are dequantised, and again in backward
             (:mod:`moeyard.experts.quantized`).
         down_proj: ``[E, H, I]``; ``[E, I, H]`` if ``transposed``.

@@ -165,14 +165,17 @@ def expert_weights(
             ``[r*E, I]`` and ``[H, r*E]``, in every weight layout.
         recipe: an FP8 recipe name or :class:`moeyard.quant.Recipe` (:mod:`moeyard.quant.recipe`), or None.
     Raises:
-        TypeError: a weight or factor is not a floating-point tensor, dtypes differ, or ``lora`` is
-            not a dict of :class:`ExpertLoRA`.
+        TypeError: a weight or factor is not a floating-point tensor, a weight is float8 (raw values
+            without their scales), dtypes differ, or ``lora`` is not a dict of :class:`ExpertLoRA`.
         ValueError: shapes do not agree (the message names the argument and the expected shape), or an
             unknown recipe name.
     """
     recipe = resolve_recipe(recipe)
     for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
         check_float(name, t)
+        if t.element_size() == 1:
+            raise TypeError(f"{name}: {t.dtype} values need their block scales: pass "
+                            "moeyard.quant.FP8BlockExperts.from_fp8(weight, weight_scale_inv, dtype=...)")
         if t.dim() != 3:
             raise ValueError(f"{name}: expected a 3-D tensor [E, out, in], got shape {tuple(t.shape)}")
     if gate_up_proj.dtype != down_proj.dtype:
