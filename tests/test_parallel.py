@@ -226,19 +226,16 @@ def test_bench_ep_under_torchrun(tmp_path):
     assert all(r["pairs_computed"] == 32 * 2 for r in rows if r["routing"] == "balanced")
 
 
-def test_lora_is_refused():
-    """LoRA factors cover all E experts: a layer with adapters is refused by expert_parallel, and
-    adapters reaching an installed ExpertParallel (added afterwards, or PEFT's through transformers)
-    raise before any collective."""
+def test_lora_of_all_experts_is_refused():
+    """An installed ExpertParallel takes only this rank's block of the LoRA factors: an adapter of all E
+    experts (one that says so: ``ExpertLoRA.num_experts``) raises before any collective, naming shard_lora."""
     from moeyard.parallel import EPOptions, ExpertParallel
     from moeyard.parallel.comm import EPGroup
 
     layer = MoE(MoEConfig(num_experts=4, hidden_size=8, intermediate_size=4, top_k=2)).add_lora(2)
-    with pytest.raises(ValueError, match="LoRA adapters"):
-        expert_parallel(layer)
     call = ExpertParallel(EPGroup(group=None, world_size=2, rank=0), EPOptions(num_experts=4))
     lora = {n: a.expert_lora() for n, a in layer.lora.items()}
-    with pytest.raises(ValueError, match="lora: LoRA adapters are not supported"):
+    with pytest.raises(ValueError, match=r"lora\['gate_up_proj'\]: the adapter covers 4 experts.*shard_lora"):
         call(torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2),
              layer.gate_up_proj[:2], layer.down_proj[:2], lora=lora)
 

@@ -79,7 +79,7 @@ def _proxy_factors(proxy, *, transposed: bool) -> ExpertLoRA | None:
     A, B = (lhs.mT, rhs.mT) if transposed else (rhs, lhs)  # A [E, r, in], B [E, out, r]
     E, r, _ = A.shape
     return ExpertLoRA(lora_A=A.reshape(E * r, A.shape[2]), lora_B=B.permute(1, 2, 0).reshape(B.shape[1], r * E),
-                      scaling=float(proxy.scaling))
+                      scaling=float(proxy.scaling), num_experts=E)
 
 
 # ---------------------------------------------------------------- explicit: fuse_lora
@@ -101,20 +101,34 @@ def fuse_lora(model: nn.Module) -> int:
     Raises:
         ImportError: peft is not installed. ValueError: no PEFT-wrapped experts module in ``model``.
     """
-    wrapper_cls = _param_wrapper_class()
-    wrappers = [m for m in model.modules() if isinstance(m, wrapper_cls)]
-    inner = {id(w.base_layer) for w in wrappers if isinstance(w.base_layer, wrapper_cls)}
     count = 0
-    for outer in (w for w in wrappers if id(w) not in inner):
-        chain, base = _chain(outer, wrapper_cls)
-        if lora_key(outer.parameter_name) is None or not hasattr(base, "down_proj"):
+    for base, chain in wrapper_chains(model):
+        if lora_key(chain[0].parameter_name) is None:
             continue
-        outer.forward = types.MethodType(_fused_forward, outer)
+        chain[0].forward = types.MethodType(_fused_forward, chain[0])
         count += 1
     if not count:
         raise ValueError("model: no PEFT ParamWrapper around a transformers experts module "
                          "(LoraConfig(target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']))")
     return count
+
+
+def wrapper_chains(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
+    """``[(experts module, [its PEFT ParamWrappers, outermost first])]`` for every transformers experts
+    module (one with a ``down_proj``) that PEFT wraps in ``model``.
+
+    Raises:
+        ImportError: peft is not installed.
+    """
+    wrapper_cls = _param_wrapper_class()
+    wrappers = [m for m in model.modules() if isinstance(m, wrapper_cls)]
+    inner = {id(w.base_layer) for w in wrappers if isinstance(w.base_layer, wrapper_cls)}
+    found = []
+    for outer in (w for w in wrappers if id(w) not in inner):
+        chain, base = _chain(outer, wrapper_cls)
+        if hasattr(base, "down_proj"):
+            found.append((base, chain))
+    return found
 
 
 def _param_wrapper_class():
@@ -157,7 +171,7 @@ def _fused_forward(self: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
         if active:
             a = active[0]
             lora[lora_key(w.parameter_name)] = ExpertLoRA(lora_A=w.lora_A[a].weight, lora_B=w.lora_B[a].weight,
-                                                          scaling=float(w.scaling[a]))
+                                                          scaling=float(w.scaling[a]), num_experts=w.num_experts)
     base._moeyard_lora = lora or None
     try:
         return base(x, *args, **kwargs)

@@ -15,6 +15,8 @@ routed rows to the ranks owning their experts and brings the results back. One m
 - :mod:`.overlap`: ``overlap_chunks=N``: the tokens in N chunks, exchanges in flight during experts;
 - :mod:`.apply`: :func:`expert_parallel` (shards the weights, installs the layer's seam),
   :func:`release_buffers` (the symmetric-memory exchanges' buffers, before the group is destroyed);
+- :mod:`.lora`: LoRA adapters of the split experts (each rank its experts' factors, PEFT's layout):
+  :func:`shard_lora`, :func:`lora_state_dict` (the global factors, to save on rank 0);
 - :mod:`.fsdp`: :func:`fsdp_expert_parallel`, composed with FSDP2 on a 2-D ``(dp, ep)`` mesh;
 - :mod:`.bench`: ``moeyard bench --ep N`` under torchrun.
 
@@ -37,6 +39,7 @@ from .comm import EPGroup
 from .common import Dispatched, EPOptions
 from .experts import DISPATCHERS, ExpertParallel
 from .fsdp import fsdp_expert_parallel
+from .lora import lora_state_dict, shard_lora
 
 __all__ = ["DISPATCHERS", "Dispatched", "EPGroup", "EPOptions", "ExpertParallel", "expert_parallel", "find_experts",
-           "fsdp_expert_parallel", "release_buffers"]
+           "fsdp_expert_parallel", "lora_state_dict", "release_buffers", "shard_lora"]
