@@ -361,3 +361,80 @@ def worker_2(rank: int, W: int, ckpt_dir: str) -> None:
     check_qlora(rank, W, before=True, dispatcher="all_gather", size=QLORA_SIZES[0], mesh=mesh)
     check_peft(rank, W, ckpt_dir, mesh)
     check_moe_save(rank, W, ckpt_dir)
+
+
+# ---------------------------------------------------------------- FSDP2 x expert parallelism, QLoRA
+
+def check_fsdp_qlora(rank: int, W: int, dp: int = 2) -> None:
+    """QLoRA with :func:`fsdp_expert_parallel` on a ``(dp, ep)`` mesh: NF4 experts, LoRA on them, frozen
+    embedding and head, trainable dense block, router and shared expert (float32). Two AdamW steps
+    against one process on the global batch: each rank's loss, every trainable parameter's gradient
+    (gathered: the adapters' this EP rank's block) and value after each step; the adapters, the
+    non-expert weights and their AdamW state are sharded (the adapters over dp, the rest over dp * ep)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from ep_workers import TinyLM, lm_loss
+    from moeyard.parallel import fsdp_expert_parallel
+    from moeyard.quant import NF4Experts, quantize_experts
+
+    kw = dict(LAYER_CONFIGS["deepseek_v3"])  # shared expert, router with a bias buffer, sigmoid scores
+    E, ep = kw["num_experts"], W // dp
+
+    def build():
+        model = TinyLM(kw).float()
+        quantize_experts(model.moe, "nf4", blocksize=32)
+        random_lora(model.moe, seed=4)
+        for p in list(model.embed.parameters()) + list(model.head.parameters()):
+            p.requires_grad_(False)
+        return model
+
+    B, S, vocab = 2, 3, 11
+    g = torch.Generator().manual_seed(23)
+    ids = torch.randint(0, vocab, (2, W * B, S), generator=g)
+    targets = torch.randint(0, vocab, (2, W * B, S), generator=g)
+    ref, model = build(), build()
+    ref_params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+    ref_opt = torch.optim.AdamW(ref_params.values(), lr=1e-2)
+    mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
+    fsdp_expert_parallel(model, mesh, dispatcher="sync_free", max_tokens=B * S)
+    ep_rank = mesh["ep"].get_local_rank()
+    check(isinstance(model.moe.gate_up_proj, NF4Experts) and model.moe.gate_up_proj.shape[0] == E // ep,
+          "fsdp qlora: this EP rank's NF4 block")
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    check(set(params) == set(ref_params), f"fsdp qlora: trainable {sorted(set(params) ^ set(ref_params))}")
+    for n, p in params.items():  # sharded: the adapters (their E_l block) over dp, the rest over dp * ep
+        over = dp if n.startswith("moe.lora.") else W
+        check(isinstance(p, DTensor) and p.to_local().numel() <= -(-p.shape[0] // over) * p.shape[1:].numel(),
+              f"fsdp qlora: {n} sharded")
+    opt = torch.optim.AdamW(params.values(), lr=1e-2)
+    mine = slice(rank * B, (rank + 1) * B)
+    tol = 2e-5
+    for step in range(2):
+        what = f"fsdp qlora/dp{dp}/step{step}/rank{rank}"
+        ref_opt.zero_grad()
+        ref_losses = [lm_loss(ref, ids[step, r * B:(r + 1) * B], targets[step, r * B:(r + 1) * B]) for r in range(W)]
+        (sum(ref_losses) / W).backward()
+        opt.zero_grad()
+        loss = lm_loss(model, ids[step, mine], targets[step, mine])
+        loss.backward()
+        check_err(f"{what}: loss", loss.detach(), ref_losses[rank].detach(), tol)
+        grads = factor_blocks({n: p.grad for n, p in ref_params.items() if n.startswith("moe.lora.")}, E, ep_rank, ep)
+        for n, p in params.items():
+            check_err(f"{what}: grad {n}", p.grad.full_tensor(), grads.get(n, ref_params[n].grad), tol)
+        ref_opt.step()
+        opt.step()
+        values = factor_blocks({n: p.detach() for n, p in ref_params.items() if n.startswith("moe.lora.")}, E,
+                               ep_rank, ep)
+        for n, p in params.items():
+            check_err(f"{what}: {n} after the step", p.detach().full_tensor(), values.get(n, ref_params[n].detach()),
+                      tol)
+    for n, p in params.items():  # AdamW's state is sharded as its parameter
+        state = opt.state[p]["exp_avg"]
+        check(isinstance(state, DTensor) and state.to_local().shape == p.to_local().shape, f"AdamW state of {n}")
+
+
+def worker_4(rank: int, W: int, ckpt_dir: str) -> None:
+    check_lora_layer(rank, W, dispatchers=("all_to_all", "sync_free"))
+    check_load(rank, W, ckpt_dir)
+    check_fsdp_qlora(rank, W)
