@@ -296,6 +296,27 @@ def step(model, ids, probe, lr: float) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def check_peft_qlora(rank: int, W: int) -> None:
+    """A PEFT-wrapped transformers Qwen3-MoE quantised to NF4, then expert parallel: each rank keeps its
+    block of every NF4 storage, and computes as the quantised model on one process."""
+    from moeyard import verify
+    from moeyard.quant import NF4Experts, quantize_experts
+
+    with verify.quiet_transformers():
+        base = verify.build_model("qwen3_moe", lora_rank=R, experts_implementation="moeyard")
+    quantize_experts(base, "nf4")
+    E = base.base_model.model.config.num_experts
+    ids, probe = verify.make_inputs(base, batch=W, seq=6)
+    model = expert_parallel(copy.deepcopy(base), dispatcher="all_to_all")
+    for m in verify.experts_modules(model):
+        check(all(isinstance(getattr(m, n), NF4Experts) and getattr(m, n).shape[0] == E // W
+                  for n in ("gate_up_proj", "down_proj")), "peft qlora: this rank's NF4 blocks")
+    with moeyard.use_backend("loop"):
+        oracle = verify.forward_backward(base, ids, probe)
+        got = verify.forward_backward(model, ids[rank:rank + 1], probe[rank:rank + 1])
+    _peft_compare(f"peft qlora/rank{rank}", got, oracle, rank, W, E)
+
+
 def check_moe_save(rank: int, W: int, ckpt_dir: str) -> None:
     """A ``MoE``'s adapters gathered at this EP size and saved by rank 0 (the global layout)."""
     kw = LAYER_CONFIGS["qwen3"]
@@ -359,6 +380,8 @@ def worker_2(rank: int, W: int, ckpt_dir: str) -> None:
         for size in QLORA_SIZES:
             check_qlora(rank, W, before=before, dispatcher="sync_free" if before else "all_to_all", size=size)
     check_qlora(rank, W, before=True, dispatcher="all_gather", size=QLORA_SIZES[0], mesh=mesh)
+    check_qlora(rank, W, before=False, dispatcher="all_gather", size=QLORA_SIZES[0], mesh=mesh)
+    check_peft_qlora(rank, W)
     check_peft(rank, W, ckpt_dir, mesh)
     check_moe_save(rank, W, ckpt_dir)
 
