@@ -226,6 +226,38 @@ def test_bench_ep_under_torchrun(tmp_path):
     assert all(r["pairs_computed"] == 32 * 2 for r in rows if r["routing"] == "balanced")
 
 
+def test_bench_ep_lora_weak_scaling_under_torchrun(tmp_path):
+    """``moeyard bench --ep 2 --lora 4``: the LoRA step, and per row the one-GPU step on the same tokens
+    and the weak-scaling ratio; ``--quant`` is refused with ``--ep``."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from moeyard.cli import check_bench_arguments
+
+    out = tmp_path / "ep_lora.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moeyard",
+           "bench", "--ep", "2", "--shape", "16,16,8,4,2", "--warmup", "0", "--iters", "1", "--lora", "4",
+           "--routing", "zipf", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LoRA r=4 step" in proc.stdout and "per GPU vs 1 GPU" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["lora_rank"] == 4 and all(r["lora_rank"] == 4 for r in result["rows"])
+    assert all(r["one_gpu"]["fwd_bwd_ms"] > 0 for r in result["rows"])
+    scaling = result["weak_scaling"]
+    assert {s["dispatcher"] for s in scaling} == {"all_to_all", "sync_free", "all_gather"}
+    assert all(s["routing"] == "zipf" and s["per_gpu"] == s["one_gpu_fwd_bwd_ms"] / s["ep_fwd_bwd_ms"] > 0
+               for s in scaling)
+    args = SimpleNamespace(from_json=None, plot=None, e2e=False, lora=None, quant="nf4", ep=2, trace=None,
+                           compile=None, tiny=False, seq_len=None, vocab=None)
+    with pytest.raises(ValueError, match="--ep: .*--quant"):
+        check_bench_arguments(args)
+
+
 def test_lora_of_all_experts_is_refused():
     """An installed ExpertParallel takes only this rank's block of the LoRA factors: an adapter of all E
     experts (one that says so: ``ExpertLoRA.num_experts``) raises before any collective, naming shard_lora."""

@@ -80,7 +80,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", type=int, nargs="?", const=16, metavar="R",
                    help="time the LoRA fine-tuning step of the routed experts (rank R, default 16) against the "
                         "frozen-base step and PEFT's default path (moeyard.bench_lora); --backends then names "
-                        "its implementations")
+                        "its implementations; with --ep: the expert-parallel LoRA step")
     p.add_argument("--quant", choices=["nf4"], help="with --lora: QLoRA rows (bf16 LoRA, NF4 with selective "
                    "dequantisation, NF4 dequantised whole) on a stack of --layers layers")
     p.add_argument("--layers", type=int, metavar="L", help="layers of the --quant stack (default 4) or of the --e2e "
@@ -219,8 +219,9 @@ def check_bench_arguments(args) -> None:
             raise ValueError(f"--from: redraws a saved result without running; drop {', '.join(clash)}")
     if args.e2e and (given("lora") or given("quant")):
         raise ValueError("--e2e: cannot be combined with --lora / --quant (one benchmark mode at a time)")
-    if args.ep and (args.e2e or args.plot or args.trace):
-        raise ValueError("--ep: --e2e, --plot and --trace are not available with expert parallelism")
+    if args.ep and (args.e2e or args.plot or args.trace or given("quant")):
+        raise ValueError("--ep: --e2e, --plot, --trace and --quant are not available with expert parallelism "
+                         "(--lora R times the LoRA step)")
     if given("compile") and (args.e2e or given("lora") or given("quant") or args.ep):
         raise ValueError("--compile: times the layer benchmark only (not with --e2e, --lora, --quant or --ep)")
     for name in ("tiny", "seq_len", "vocab"):
