@@ -158,7 +158,7 @@ def _chain(outer: nn.Module, wrapper_cls) -> tuple[list[nn.Module], nn.Module]:
 def _fused_forward(self: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
     """``ParamWrapper.forward`` for the outermost wrapper of an experts module: collect the active
     adapter of every wrapper in the chain, then call the experts module with them (no parametrization)."""
-    chain, base = _chain(self, type(self))
+    chain, base = _chain(self, _param_wrapper_class())  # not type(self): FSDP2 subclasses the outermost only
     impl = getattr(getattr(base, "config", None), "_experts_implementation", None)
     if impl != "moeyard":
         warn_once(f"impl:{impl}", f"moeyard.fuse_lora: these experts run experts_implementation={impl!r}, not "

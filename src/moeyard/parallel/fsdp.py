@@ -84,6 +84,8 @@ def fsdp_expert_parallel(model: nn.Module, mesh, *, dp_dim: str = "dp", ep_dim: 
                 if name != "lora" and any(True for _ in child.parameters()):
                     fully_shard(child, mesh=flat, **kw)
         for unit in [layer] + wrappers.get(id(layer), []):
+            if not any(True for _ in unit.parameters()):
+                continue  # NF4 storage (buffers) under PEFT's wrappers: nothing for FSDP to shard
             fully_shard(unit, mesh=dp_mesh, **kw)
             if mesh[ep_dim].size() > 1:
                 unit.set_all_reduce_hook(_divide_by(mesh[ep_dim].size()))
