@@ -22,7 +22,7 @@ What it does, on every rank (W processes, one GPU each):
    A ~ U(+-1/sqrt(in)), B = 0 as PEFT initialises them; the replicated weights from one seed on every
    rank, each rank's expert block from its own) and quantises that layer's expert block to NF4
    (``moeyard.quantize_experts(layer)``) before the next, so a rank never holds more than one layer's
-   block of bf16 experts (0.6 GB at W = 4) and no device ever holds the whole model.
+   block of bf16 experts (1.2 GB at W = 4) and no device ever holds the whole model.
 4. FSDP2 (default; ``--no-fsdp`` keeps them replicated): ``moeyard.parallel.fsdp_expert_parallel`` on a
    ``(dp = 1, ep = W)`` mesh shards the decoder layers' non-expert weights, the embedding and their
    LoRA factors over the W ranks (each decoder layer gathered in turn), and the experts' adapters
@@ -40,18 +40,21 @@ What it does, on every rank (W processes, one GPU each):
 Memory per GPU at W = 4, batch 2 x 4096 tokens per GPU (estimate; the run prints the measured numbers):
 
 - NF4 experts: 94 x 128 x 3 x 4096 x 1536 = 226.9 B weights at 0.516 bytes (4 bits + the
-  double-quantised block scales) = 117 GB in all, 29.3 GB (27.2 GiB) per GPU;
+  double-quantised block scales) = 117 GB in all, 29.3 GB per GPU;
 - non-expert weights, bf16: attention 71.3 M per layer (6.70 B), routers 49 M, embedding and
-  ``lm_head`` 0.62 B each: 8.0 B, 16 GB replicated; with FSDP2 the 7.4 B besides ``lm_head`` are
-  sharded, 3.7 GB per GPU, plus ``lm_head`` 1.2 GB and one layer gathered at a time (0.14 GB);
+  ``lm_head`` 0.62 B each: 8.0 B, 16.0 GB replicated. With FSDP2 the 7.4 B besides ``lm_head`` are
+  sharded, 3.7 GB per GPU, plus ``lm_head`` (1.25 GB), the embedding gathered for the step (FSDP2 keeps
+  the root unit's parameters gathered between forward and backward, 1.25 GB) and one decoder layer
+  gathered at a time (0.14 GB);
 - LoRA, float32: experts 26.2 M per layer (2.46 B), 616 M per GPU: 2.5 GB, their gradients 2.5 GB,
-  AdamW 4.9 GB; attention 51 M in all (0.8 GB with gradients and AdamW, a quarter of it with FSDP2);
+  AdamW 4.9 GB (``--lora-dtype bfloat16`` halves the 9.9 GB); attention 51 M in all (0.8 GB with
+  gradients and AdamW, a quarter of it with FSDP2);
 - activations: checkpointed layer inputs 94 x 8192 x 4096 x 2 B = 6.3 GB, one layer recomputed with
-  its backward (routed rows 0.5 GB, the active experts dequantised 1.2 GB, attention) and the loss's
-  chunk (0.9 GB): about 4 GB.
+  its backward (routed rows 0.5 GB and their intermediates, the active experts dequantised 1.2 GB,
+  attention) and the loss's chunk (0.9 GB): about 4.5 GB.
 
-About 50 GB (47 GiB) per GPU with FSDP2, 62 GB without: under 70 GB either way on 80 GB H100s. Two
-GPUs would need 59 GB of NF4 experts each: use 4 or more.
+About 57 GB (53 GiB) per GPU with FSDP2, 68 GB without (``--no-fsdp``; ``--batch 1`` saves 5 GB of
+activations): under 70 GB on 80 GB H100s. Two GPUs would need 59 GB of NF4 experts each: use 4 or more.
 
 Run (4 GPUs; torch.cuda.set_device(local rank), NCCL)::
 
