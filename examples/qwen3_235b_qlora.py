@@ -184,8 +184,8 @@ def build(config_kwargs: dict, *, layers: int, device: torch.device, dtype, lora
         single._sync(device)
         t_quant += time.perf_counter() - tq
         if i == 0 or i == layers - 1 or (i + 1) % 16 == 0:
-            log(f"  layer {i + 1}/{layers} materialised and its experts quantised"
-                + (f", {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB allocated" if device.type == "cuda" else ""))
+            gib = f", {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB allocated" if device.type == "cuda" else ""
+            log(f"  layer {i + 1}/{layers} materialised and its experts quantised{gib}")
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"still on the meta device: {left[:5]}")
@@ -343,7 +343,8 @@ def run(args, device: torch.device, bnb_version: str) -> dict:
     log(f"built in {build_info['build_s']:.1f} s (NF4 quantisation {build_info['quantize_s']:.1f} s); activation "
         f"checkpointing {checkpointing}")
     log(f"rank 0 holds: NF4 experts {mem['nf4_expert_bytes'] / 2**30:.2f} GiB ({mem['experts_per_layer']} experts per "
-        f"layer, {mem['nf4_expert_weights'] / 1e9:.2f} B weights); non-expert {mem['non_expert_bytes'] / 2**30:.2f} GiB; "
+        f"layer, {mem['nf4_expert_weights'] / 1e9:.2f} B weights); non-expert "
+        f"{mem['non_expert_bytes'] / 2**30:.2f} GiB; "
         f"LoRA {mem['lora_bytes'] / 2**30:.2f} GiB {mem['lora_dtype']} (+ as much for gradients, 2x for AdamW)"
         + (f"; allocated {alloc:.2f} GiB" if alloc is not None else ""))
 
@@ -361,8 +362,9 @@ def run(args, device: torch.device, bnb_version: str) -> dict:
         "world_size": W, "expert_parallel": W, "fsdp": args.fsdp, "dispatcher": args.dispatcher, "layers": layers,
         "batch_per_rank": args.batch, "seq": seq, "tokens_per_step": tokens,
         "data": "one batch of random token ids per rank, repeated every step", "dtype": str(dtype),
-        "lora_dtype": str(lora_dtype), "lora": {"r": LORA_RANK, "alpha": LORA_ALPHA, "target_modules": single.ATTN_TARGETS,
-                                                "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]},
+        "lora_dtype": str(lora_dtype),
+        "lora": {"r": LORA_RANK, "alpha": LORA_ALPHA, "target_modules": single.ATTN_TARGETS,
+                 "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]},
         "activation_checkpointing": checkpointing, "loss_chunk": args.loss_chunk, "attn": args.attn, "lr": args.lr,
         "backend": moeyard.get_backend(), "device": str(device), "gpu": gpu, "versions": versions, **build_info,
         "memory_per_rank": everyone, "allocated_after_build_gib": alloc, "steps": records, "timed_steps": len(timed),

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .apply import MOE_SEAM, find_experts
+from .apply import MOE_SEAM, TRANSFORMERS_SEAM
 
 Tensor = torch.Tensor
 
@@ -92,11 +92,15 @@ class ExpertAdapter:
 def expert_adapters(module: nn.Module) -> list[ExpertAdapter]:
     """The LoRA adapters of every expert-parallel layer in ``module``: a ``MoE``'s ``lora`` and the PEFT
     ``ParamWrapper`` adapters on a transformers experts module's weights."""
-    found = []
-    layers = {id(m): getattr(m, seam) for m, seam in find_experts(module).values() if getattr(m, seam, None)}
-    for m, seam in find_experts(module).values():
-        call = layers.get(id(m))
-        if call is not None and seam == MOE_SEAM:
+    from ..layer import MoE
+
+    found, layers = [], {}
+    for m in module.modules():
+        call = getattr(m, MOE_SEAM if isinstance(m, MoE) else TRANSFORMERS_SEAM, None)
+        if call is None:
+            continue
+        layers[id(m)] = call
+        if isinstance(m, MoE):
             found += [ExpertAdapter(a, None, a.rank, call) for a in (m.lora or {}).values()]
     if not layers or not _peft_installed():
         return found

@@ -95,7 +95,8 @@ def quantize_experts(module: nn.Module, format: str = "nf4", *, blocksize: int =
     bnb_functional()
     for _, owner, attr, p in targets:
         local = p.to_local() if hasattr(p, "to_local") else p  # an expert-parallel rank's DTensor block
-        _replace(owner, attr, NF4Experts.from_float(local, blocksize=blocksize, compress_statistics=compress_statistics))
+        _replace(owner, attr, NF4Experts.from_float(local, blocksize=blocksize,
+                                                    compress_statistics=compress_statistics))
     _fuse_peft(module)
     return module
 
