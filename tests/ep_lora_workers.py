@@ -255,6 +255,12 @@ def check_peft(rank: int, W: int, ckpt_dir: str, mesh) -> None:
             expert_parallel(model, group, dispatcher=dispatcher, **({"max_tokens": 6} if dispatcher == "sync_free"
                                                                     else {}))
             _peft_compare(f"peft before/{label}/rank{rank}", verify.forward_backward(model, *own), oracle, rank, W, E)
+        # PEFT's merge_and_unload on the split model: each rank folds its block into its experts
+        merged = model.merge_and_unload() if group is None else None
+        if merged is not None:
+            check(not any("lora_" in n for n, _ in merged.named_parameters()), "merge_and_unload drops the adapters")
+            check_err(f"peft merged/rank{rank}: logits", merged(input_ids=own[0]).logits.detach().double(),
+                      oracle["logits"][rank:rank + 1], 1e-5)
         # get_peft_model after expert_parallel on a process group: PEFT's own parametrization path, local adapters
         model = expert_parallel(copy.deepcopy(plain), dispatcher="all_to_all")
         model = verify.add_expert_lora(model, R, seed=1)   # the same values on every rank: not a block of one draw

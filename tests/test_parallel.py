@@ -270,6 +270,11 @@ def test_lora_of_all_experts_is_refused():
     with pytest.raises(ValueError, match=r"lora\['gate_up_proj'\]: the adapter covers 4 experts.*shard_lora"):
         call(torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2),
              layer.gate_up_proj[:2], layer.down_proj[:2], lora=lora)
+    from moeyard import ExpertLoRA
+    bad = {"down_proj": ExpertLoRA(lora_A=torch.randn(5, 4), lora_B=torch.randn(8, 5))}  # 5 rows: not r * 2
+    with pytest.raises(ValueError, match=r"lora\['down_proj'\]: expected lora_A \[r\*2, in\]"):
+        call(torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2),
+             layer.gate_up_proj[:2], layer.down_proj[:2], lora=bad)
 
 
 def test_nccl_device_check():

@@ -108,8 +108,9 @@ class ExpertParallel:
 
 
 def check_local_lora(lora, E: int, El: int) -> None:
-    """Raise ValueError when an adapter of ``lora`` says it covers other than this rank's ``El`` experts
-    (``ExpertLoRA.num_experts``; None is taken as local and checked by the experts call)."""
+    """Raise ValueError, before any collective, when an adapter of ``lora`` says it covers other than this
+    rank's ``El`` experts (``ExpertLoRA.num_experts``; None is taken as local) or its factors' rows and
+    columns are not ``r * El`` (the other checks are the experts call's). Host metadata only."""
     for name, a in (lora or {}).items() if isinstance(lora, dict) else ():
         n = getattr(a, "num_experts", None)
         if n is not None and n != El:
@@ -117,6 +118,11 @@ def check_local_lora(lora, E: int, El: int) -> None:
                     "this rank's block, before the optimizer is built)" if n == E else "")
             raise ValueError(f"lora['{name}']: the adapter covers {n} experts, this rank computes its block of "
                              f"E / W = {El} of {E}{hint}")
+        A, B = getattr(a, "lora_A", None), getattr(a, "lora_B", None)
+        if isinstance(A, Tensor) and isinstance(B, Tensor) and A.dim() == B.dim() == 2 and \
+                (A.shape[0] == 0 or A.shape[0] % El or B.shape[1] != A.shape[0]):
+            raise ValueError(f"lora['{name}']: expected lora_A [r*{El}, in] and lora_B [out, r*{El}] (this rank's "
+                             f"E_l = {El} experts), got {tuple(A.shape)} and {tuple(B.shape)}")
 
 
 def check_overlap_options(overlap_chunks, dispatcher, capacity_factor, exchange) -> None:
