@@ -56,15 +56,15 @@ class ExpertParallel:
         weights ``gate_up_proj [E_l, 2I, H]``, ``down_proj [E_l, H, I]`` (or their DTensors); the
         other keyword arguments go to the local :func:`moeyard.experts` call (DTensors made local).
 
-        Collective: every rank of the group must call it (with any T, 0 included).
-
-        Returns:
-            ``[T, H]`` in ``hidden_states.dtype``, differentiable w.r.t. ``hidden_states``,
-            ``topk_weights`` and the local weights.
         LoRA adapters (``lora=``) are this rank's block in PEFT's layout, ``lora_A [r*E_l, in]``,
         ``lora_B [out, r*E_l]`` (:mod:`moeyard.parallel.lora`); their gradients are those of every
         rank's tokens routed to the local experts.
 
+        Collective: every rank of the group must call it (with any T, 0 included).
+
+        Returns:
+            ``[T, H]`` in ``hidden_states.dtype``, differentiable w.r.t. ``hidden_states``,
+            ``topk_weights``, the local weights and the LoRA factors.
         Raises:
             ValueError, TypeError: as :func:`moeyard.experts`; weights that are not this rank's
             block of ``E / W`` experts; LoRA adapters covering other than E_l experts (their

@@ -183,11 +183,11 @@ def _add_load_hooks(a: ExpertAdapter) -> None:
             if not isinstance(t, Tensor) or hasattr(t, "to_local"):
                 return
             glob = (r * E, mod.in_features) if which == "A" else (mod.out_features, r * E)
-            if tuple(t.shape) == glob:
+            if tuple(t.shape) == glob:  # (load_state_dict hands its hooks a copy of the user's dict)
                 if which == "A":
                     state_dict[key] = t[p * r * El:(p + 1) * r * El]
                 else:
-                    state_dict[key] = t.view(glob[0], r, E)[:, :, p * El:(p + 1) * El].reshape(glob[0], r * El)
+                    state_dict[key] = t.reshape(glob[0], r, E)[:, :, p * El:(p + 1) * El].reshape(glob[0], r * El)
 
         linear._moeyard_ep_lora_hook = linear.register_load_state_dict_pre_hook(hook)
 
@@ -230,5 +230,5 @@ def lora_state_dict(module: nn.Module, *, rank0_only: bool = True, device: torch
             a, which = local[id(p)]
             t = gather_factor(t, which, a.rank, a.call.ep.group, a.call.ep.world_size)
         if keep:
-            out[name] = t.to(device, copy=True) if t.device == torch.device(device) else t.to(device)
+            out[name] = t.to(device, copy=True)  # never the parameter itself
     return out
