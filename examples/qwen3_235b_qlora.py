@@ -80,7 +80,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qwen3_30b_qlora as single  # noqa: E402  (the chunked loss, the memory breakdown)
 
 import moeyard  # noqa: E402
-from moeyard.parallel import expert_parallel, fsdp_expert_parallel  # noqa: E402
+from moeyard.parallel import expert_parallel, fsdp_expert_parallel, param_groups_by_mesh  # noqa: E402
 from moeyard.parallel.lora import expert_adapters  # noqa: E402
 
 # https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json
@@ -220,8 +220,9 @@ def train(model, *, batch: int, seq: int, steps: int, warmup: int, device, loss_
     """``steps`` AdamW steps on one repeated batch per rank; rank 0 logs; every rank returns the records."""
     lm = model.base_model.model
     W, rank = dist.get_world_size(), dist.get_rank()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    # one group per device mesh: FSDP2 puts the experts' adapters and the rest on different meshes, and
+    # the foreach step (CUDA's default; also on CPU here) cannot mix them
+    opt = torch.optim.AdamW(param_groups_by_mesh(model.parameters()), lr=lr, weight_decay=0.0, foreach=True)
     gen = torch.Generator(device=device).manual_seed(seed + 100 + rank)
     ids = torch.randint(0, lm.config.vocab_size, (batch, seq + 1), device=device, generator=gen)
     inputs, labels = ids[:, :-1], ids[:, 1:]

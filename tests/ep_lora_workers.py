@@ -404,7 +404,7 @@ def check_fsdp_qlora(rank: int, W: int, dp: int = 2) -> None:
     from torch.distributed.tensor import DTensor
 
     from ep_workers import TinyLM, lm_loss
-    from moeyard.parallel import fsdp_expert_parallel
+    from moeyard.parallel import fsdp_expert_parallel, param_groups_by_mesh
     from moeyard.quant import NF4Experts, quantize_experts
 
     kw = dict(LAYER_CONFIGS["deepseek_v3"])  # shared expert, router with a bias buffer, sigmoid scores
@@ -424,7 +424,7 @@ def check_fsdp_qlora(rank: int, W: int, dp: int = 2) -> None:
     targets = torch.randint(0, vocab, (2, W * B, S), generator=g)
     ref, model = build(), build()
     ref_params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
-    ref_opt = torch.optim.AdamW(ref_params.values(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref_params.values(), lr=1e-2, foreach=True)
     mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
     fsdp_expert_parallel(model, mesh, dispatcher="sync_free", max_tokens=B * S)
     ep_rank = mesh["ep"].get_local_rank()
@@ -436,7 +436,7 @@ def check_fsdp_qlora(rank: int, W: int, dp: int = 2) -> None:
         over = dp if n.startswith("moe.lora.") else W
         check(isinstance(p, DTensor) and p.to_local().numel() <= -(-p.shape[0] // over) * p.shape[1:].numel(),
               f"fsdp qlora: {n} sharded")
-    opt = torch.optim.AdamW(params.values(), lr=1e-2)
+    opt = torch.optim.AdamW(param_groups_by_mesh(params.values()), lr=1e-2, foreach=True)  # CUDA's default
     mine = slice(rank * B, (rank + 1) * B)
     tol = 2e-5
     for step in range(2):

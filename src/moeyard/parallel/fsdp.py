@@ -95,6 +95,26 @@ def fsdp_expert_parallel(model: nn.Module, mesh, *, dp_dim: str = "dp", ep_dim: 
     return model
 
 
+def param_groups_by_mesh(params) -> list[dict]:
+    """Optimizer parameter groups, one per ``DeviceMesh`` of the trainable ``params`` (DTensors after
+    :func:`fsdp_expert_parallel`: the experts' weights and adapters on ``mesh["dp"]`` or ``(dp, ep)``,
+    the rest on the flattened mesh), plain tensors in one more. An optimizer's foreach (or fused)
+    step runs each group's tensors together, and DTensor refuses an op over several meshes ("does not
+    support cross-mesh operation"), which is what ``torch.optim.AdamW(model.parameters())`` runs into
+    on CUDA, where foreach is the default::
+
+        optimizer = torch.optim.AdamW(param_groups_by_mesh(model.parameters()), lr=1e-4)
+
+    Returns:
+        ``[{"params": [...]}, ...]`` in first-seen order (parameters that do not require grad left out).
+    """
+    groups: dict = {}
+    for p in params:
+        if p.requires_grad:
+            groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return [{"params": ps} for ps in groups.values()]
+
+
 def _already_split(model: nn.Module, ep_mesh, ep_kwargs: dict) -> bool:
     """True when every expert layer of ``model`` is expert parallel over the ranks of ``ep_mesh``; False
     when none is.
