@@ -219,14 +219,15 @@ def check_bench_arguments(args) -> None:
             raise ValueError(f"--from: redraws a saved result without running; drop {', '.join(clash)}")
     if args.e2e and (given("lora") or given("quant")):
         raise ValueError("--e2e: cannot be combined with --lora / --quant (one benchmark mode at a time)")
-    if args.ep and (args.e2e or args.plot or args.trace or given("quant")):
-        raise ValueError("--ep: --e2e, --plot, --trace and --quant are not available with expert parallelism "
-                         "(--lora R times the LoRA step)")
+    if args.ep and (args.e2e or args.plot or args.trace):
+        raise ValueError("--ep: --e2e, --plot and --trace are not available with expert parallelism")
     if given("compile") and (args.e2e or given("lora") or given("quant") or args.ep):
         raise ValueError("--compile: times the layer benchmark only (not with --e2e, --lora, --quant or --ep)")
     for name in ("tiny", "seq_len", "vocab"):
         if given(name) and not args.e2e:
             raise ValueError(f"--{name.replace('_', '-')}: only with --e2e")
+    if args.ep and given("quant"):
+        raise ValueError("--ep: --quant is not available with expert parallelism (--lora R times the LoRA step)")
     if args.plot:
         bench_plot.check_plot_path(args.plot)
         bench_plot._figure_class()  # matplotlib missing: say so before a long run
