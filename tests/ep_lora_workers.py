@@ -323,6 +323,23 @@ def check_peft_qlora(rank: int, W: int) -> None:
     _peft_compare(f"peft qlora/rank{rank}", got, oracle, rank, W, E)
 
 
+def check_unsplittable_storage(rank: int, W: int) -> None:
+    """Quantised storage that cannot keep one rank's experts (FP8 blocks: no ``select``) is refused by
+    expert_parallel before anything changes; quantised after it, each rank stores its own experts."""
+    import pytest
+
+    from moeyard.quant import FP8BlockExperts, quantize_experts
+
+    m = quantize_experts(make_layer(LAYER_CONFIGS["qwen3"], hidden=128, intermediate=64).float(), "fp8_block")
+    with pytest.raises(ValueError, match="FP8BlockExperts storage, which cannot keep one rank's experts"):
+        expert_parallel(m)
+    check(m.expert_parallel is None and m.gate_up_proj.shape[0] == 8, "refused: the layer untouched")
+    m = quantize_experts(expert_parallel(make_layer(LAYER_CONFIGS["qwen3"], hidden=128, intermediate=64).float()),
+                         "fp8_block")
+    check(isinstance(m.down_proj, FP8BlockExperts) and m.down_proj.shape[0] == 8 // W, "fp8 after: local block")
+    check(torch.isfinite(m(torch.randn(3, 128))).all(), "fp8 after: runs")
+
+
 def check_moe_save(rank: int, W: int, ckpt_dir: str) -> None:
     """A ``MoE``'s adapters gathered at this EP size and saved by rank 0 (the global layout)."""
     kw = LAYER_CONFIGS["qwen3"]
@@ -388,6 +405,7 @@ def worker_2(rank: int, W: int, ckpt_dir: str) -> None:
     check_qlora(rank, W, before=True, dispatcher="all_gather", size=QLORA_SIZES[0], mesh=mesh)
     check_qlora(rank, W, before=False, dispatcher="all_gather", size=QLORA_SIZES[0], mesh=mesh)
     check_peft_qlora(rank, W)
+    check_unsplittable_storage(rank, W)
     check_peft(rank, W, ckpt_dir, mesh)
     check_moe_save(rank, W, ckpt_dir)
 

@@ -158,6 +158,28 @@ def test_gradients(align):
     torch.testing.assert_close(gw, 2 * (g * x).sum(1, keepdim=True).expand(T, K))
 
 
+@pytest.mark.parametrize("align", [1, 4])
+def test_permute_backward_with_invalid_ids(align):
+    """permute's backward (a gathered sum per token) equals the scatter-add of a plain index_select, also
+    with ids outside [0, E): with align 1 their rows hold the token (and pass its gradient back), with
+    align > 1 they hold the zero row (and pass none)."""
+    T, K, E, H = 9, 3, 4, 5
+    ids = random_ids(T, K, E)
+    ids[::2, 1] = E + 3
+    ids[1, 0] = -1
+    plan = make_plan(ids, E, align=align)
+    x = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+    d_rows = torch.randn(plan.num_rows, H, dtype=torch.float64)
+    (gx,) = torch.autograd.grad(permute(x, plan), x, d_rows)
+    ref = x.detach().clone().requires_grad_()
+    if align == 1:
+        rows = ref.index_select(0, plan.sort_order // K)
+    else:
+        rows = torch.cat([ref, ref.new_zeros(1, H)]).index_select(0, plan.row_tokens())
+    (want,) = torch.autograd.grad(rows, ref, d_rows)
+    torch.testing.assert_close(gx, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_low_precision_combine(dtype):
     """The weighted combine of bf16 rows is no worse than rounding the float64 result once (+ one unit)."""

@@ -407,6 +407,7 @@ def test_missing_bitsandbytes(monkeypatch):
 
 def test_import_loads_neither_bitsandbytes_nor_kernel():
     code = ("import sys, moeyard, moeyard.quant; "
-            "assert 'bitsandbytes' not in sys.modules; assert 'moeyard.quant.triton_nf4' not in sys.modules")
+            "assert 'bitsandbytes' not in sys.modules; assert 'moeyard.quant.triton_nf4' not in sys.modules; "
+            "assert 'moeyard.quant.triton_fp8_block' not in sys.modules")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)

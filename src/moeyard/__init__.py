@@ -13,6 +13,7 @@ from .experts import (ExpertLoRA, available_backends, backend_names, experts, ge
                       use_backend)
 from .layer import MoE, SharedExpert
 from .quant import quantize_experts
+from .quant.recipe import Recipe, get_recipe, recipe_names, set_recipe, use_recipe
 from .routing import Router, RoutingOutput, route, update_correction_bias
 
 __version__ = "0.1.0"
@@ -26,5 +27,5 @@ if _importlib_util.find_spec("transformers") is not None:
 
 __all__ = ["Activation", "DispatchPlan", "ExpertLoRA", "MoE", "MoEConfig", "Router", "RoutingOutput", "SharedExpert",
            "available_backends", "backend_names", "experts", "get_backend", "is_debug", "make_plan", "permute",
-           "quantize_experts", "route", "set_backend", "set_debug", "unpermute", "update_correction_bias",
-           "use_backend", "__version__"]
+           "quantize_experts", "Recipe", "get_recipe", "recipe_names", "route", "set_backend", "set_debug", "set_recipe", "unpermute", "update_correction_bias",
+           "use_backend", "use_recipe", "__version__"]

@@ -48,6 +48,7 @@ from .experts import available_backends, backend_names
 from .layer import MoE
 from .models import ANCHOR_MODELS, ModelShape, get_model, parse_shape, routed_only, with_tokens
 from .peers import PEERS, peer_config, peer_note, peer_status
+from .quant.recipe import recipe_names
 from .routing import route, router_impl
 
 Tensor = torch.Tensor
@@ -58,6 +59,7 @@ CPU_DEFAULT_SHAPE = "512,256,128,8,2"  # T, H, I, E, k
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # torch.compile's modes
 ROTATE_BYTES = 128 * 2 ** 20  # rotate input sets until they span this much (beyond any GPU L2)
 DENSE_N = 8192
+NO_RECIPE = "none"
 
 
 # ---------------------------------------------------------------- FLOPs
@@ -97,6 +99,7 @@ class BenchOptions:
     command: str = ""
     trace: str | None = None
     compile: str | None = None  # a torch.compile mode (COMPILE_MODES) for moeyard's rows; peers run eager
+    recipes: list[str] | None = None  # FP8 recipes (names, "none" for the compute dtype) for moeyard's rows
 
 
 def default_device() -> str:
@@ -126,6 +129,9 @@ def resolve_options(opts: BenchOptions) -> BenchOptions:
     for name in opts.backends or []:
         if name not in backend_names() and name not in PEERS:
             raise ValueError(f"--backends: unknown name {name!r}; backends: {backend_names()}, peers: {list(PEERS)}")
+    for name in opts.recipes or []:
+        if name != NO_RECIPE and name not in recipe_names():
+            raise ValueError(f"--recipe: expected names among {[NO_RECIPE] + recipe_names()}, got {name!r}")
     return BenchOptions(**{**opts.__dict__, "device": device, "dtype": dtype, "warmup": warmup, "iters": iters})
 
 
@@ -142,10 +148,14 @@ def cases(opts: BenchOptions) -> list[ModelShape]:
 
 
 def implementations(opts: BenchOptions) -> tuple[list[str], dict[str, str]]:
-    """(names to run, {skipped peer: reason}). Backends: ``--backends`` or all that run here; peers:
-    those that run here (when ``--peers``), plus any named in ``--backends``."""
+    """(names to run, {skipped peer: reason}). Backends: ``--backends`` or all that run here, each once
+    per ``--recipe`` (named ``backend+recipe``; ``none``: the plain backend); peers: those that run here
+    (when ``--peers``), plus any named in ``--backends``."""
     device, dtype = torch.device(opts.device), DTYPES[opts.dtype]
     names = list(opts.backends) if opts.backends else available_backends(device, dtype)
+    recipes = opts.recipes or [NO_RECIPE]
+    names = [n if n in PEERS or r == NO_RECIPE else f"{n}+{r}" for n in names for r in recipes
+             if r == NO_RECIPE or n not in PEERS]
     skipped = {}
     if opts.peers:
         for name, reason in peer_status(device, dtype).items():
@@ -246,13 +256,31 @@ def dense_tflops(device: torch.device, warmup: int, iters: int) -> float | None:
     return 2 * DENSE_N ** 3 / ms / 1e9
 
 
+def dense_fp8_tflops(device: torch.device, warmup: int, iters: int) -> float | None:
+    """Dense e4m3 matmul rate (8192^3, random inputs, rowwise float32 scales, bf16 out, fast accumulation:
+    ``torch._scaled_mm``) in TFLOP/s on a CUDA GPU with FP8 tensor cores; None elsewhere or on failure."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    try:
+        a = torch.randn(DENSE_N, DENSE_N, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(DENSE_N, DENSE_N, device=device).to(torch.float8_e4m3fn).t()  # column-major
+        sa = torch.ones(DENSE_N, 1, device=device)
+        sb = torch.ones(1, DENSE_N, device=device)
+        ms = time_ms(lambda i: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True), 1,
+                     warmup, iters, device)
+    except (RuntimeError, AttributeError):
+        return None
+    return 2 * DENSE_N ** 3 / ms / 1e9
+
+
 # ---------------------------------------------------------------- one implementation on one case
 
 def build(name: str, config: MoEConfig, device, dtype) -> nn.Module:
-    """A moeyard ``MoE`` with backend ``name``, or the peer ``name``."""
+    """A moeyard ``MoE`` with backend ``name`` (``backend+recipe``: under that FP8 recipe), or the peer ``name``."""
     if name in PEERS:
         return PEERS[name].build(peer_config(config), device=device, dtype=dtype)
-    return MoE(config, backend=name, device=device, dtype=dtype)
+    backend, _, recipe = name.partition("+")
+    return MoE(config, backend=backend, recipe=recipe or None, device=device, dtype=dtype)
 
 
 def measure(module: nn.Module, inputs: Inputs, opts: BenchOptions, trace_stem: str | None = None) -> dict:
@@ -391,6 +419,9 @@ def run(opts: BenchOptions, progress: Callable[[str, int, int], None] | None = N
     env = {**environment(opts), "mode": "layer", "skipped": skipped, "trace": opts.trace}
     report("dense bf16 matmul", 0, total)
     env["dense_bf16_tflops"] = dense_tflops(torch.device(opts.device), opts.warmup, opts.iters)
+    if opts.recipes and any(r != NO_RECIPE for r in opts.recipes):
+        env["dense_fp8_tflops"] = dense_fp8_tflops(torch.device(opts.device), opts.warmup, opts.iters)
+    env["recipes"] = opts.recipes
     _free(opts.device)
     for shape in shapes:
         rows += run_case(shape, names, opts, lambda desc, n: report(desc, len(rows) + n, total))

@@ -223,17 +223,22 @@ def experts_registry() -> dict:
     return {"eager": None, **_moe_module().ExpertsInterface._global_mapping}
 
 
-def implementations(backends: list[str] | None, peers: bool, device: torch.device) -> tuple[list[str], dict[str, str]]:
+def implementations(backends: list[str] | None, peers: bool, device: torch.device,
+                    recipes: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
     """(names to run, {skipped name: reason}): ``backends`` or ``moeyard``, ``grouped_mm`` and, with
-    ``peers``, ``sonicmoe`` where it runs.
+    ``peers``, ``sonicmoe`` where it runs; each ``moeyard`` name once per recipe of ``recipes`` (named
+    ``moeyard[:<backend>]+<recipe>``; ``none``: the compute dtype's GEMMs, the plain name).
 
     Raises:
         ValueError: a name that is neither in transformers' experts registry nor ``moeyard:<backend>``.
     """
     registry = experts_registry()
     names = list(backends or DEFAULT_IMPLS)
+    if recipes:
+        names = [n if r == "none" else f"{n}+{r}" for n in names for r in recipes
+                 if r == "none" or n.startswith("moeyard")]
     for name in names:
-        impl, _, backend = name.partition(":")
+        impl, _, backend = name.partition("+")[0].partition(":")
         if impl not in registry or (backend and impl != "moeyard"):
             raise ValueError(f"--backends: with --e2e expected transformers experts implementations "
                              f"{sorted(registry)} or moeyard:<backend>, got {name!r}")
@@ -278,10 +283,12 @@ class Trainer:
     ids: list[torch.Tensor]
     labels: list[torch.Tensor]
     backend: str | None
+    recipe: str | None = None
 
     def step(self, i: int = 0) -> torch.Tensor:
         """Forward, loss, backward, optimizer step, zero_grad; returns the (detached) loss."""
-        with self._backend():
+        from .quant.recipe import use_recipe
+        with self._backend(), use_recipe(self.recipe):
             loss = self.model(input_ids=self.ids[i], labels=self.labels[i]).loss
             loss.backward()
         self.optimizer.step()
@@ -301,6 +308,7 @@ def build_trainer(config, impl: str, size: StepSize, device: torch.device, dtype
     ``[size.batch, size.seq]`` id / label sets."""
     from transformers import AutoModelForCausalLM
 
+    impl, _, recipe = impl.partition("+")
     hf_impl, _, backend = impl.partition(":")
     torch.manual_seed(0)
     with torch.device(device), _quiet():
@@ -312,7 +320,8 @@ def build_trainer(config, impl: str, size: StepSize, device: torch.device, dtype
     gen = torch.Generator(device=device).manual_seed(1)
     ids = [torch.randint(0, vocab, shape, device=device, generator=gen) for _ in range(n_sets)]
     labels = [torch.randint(0, vocab, shape, device=device, generator=gen) for _ in range(n_sets)]
-    return Trainer(model=model, optimizer=optimizer, ids=ids, labels=labels, backend=backend or None)
+    return Trainer(model=model, optimizer=optimizer, ids=ids, labels=labels, backend=backend or None,
+                   recipe=recipe or None)
 
 
 def _quiet():
@@ -393,7 +402,7 @@ def run(opts: bench.BenchOptions, progress: Callable[[str, int, int], None] | No
     device = torch.device(opts.device)
     entries = [get_e2e_model(n) for n in opts.models or ["qwen3-30b-a3b"]]
     sizes = [step_size(e, tokens=opts.tokens, seq_len=seq_len, vocab=vocab, layers=layers, tiny=tiny) for e in entries]
-    names, skipped = implementations(opts.backends, opts.peers, device)
+    names, skipped = implementations(opts.backends, opts.peers, device, opts.recipes)
     report = progress or (lambda desc, done, total: None)
     env = {**bench.environment(opts), "mode": "e2e", "skipped": skipped, "tiny": tiny, "trace": trace,
            "optimizer": "AdamW (fused)" if device.type == "cuda" else "AdamW (foreach)",
@@ -439,7 +448,7 @@ def run_one(impl: str, config, size: StepSize, base: dict, opts: bench.BenchOpti
 def _moeyard_backend(impl: str, device: torch.device, dtype: torch.dtype) -> str:
     from .experts.registry import resolve_backend
 
-    _, _, backend = impl.partition(":")
+    _, _, backend = impl.partition("+")[0].partition(":")
     return resolve_backend(backend or None, device, dtype).name
 
 

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import bench, bench_plot
+from .quant.recipe import recipe_names
 from .bench_plot import case_label
 from .models import MODELS
 
@@ -77,6 +78,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "max-autotune-no-cudagraphs; compiled before the warm-up); peers stay eager")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the results as JSON to PATH ('-' or no PATH: stdout; the table goes to stderr)")
+    p.add_argument("--recipe", metavar="A,B", help="FP8 training recipes for moeyard's rows, comma-separated: "
+                   f"{', '.join(['none'] + recipe_names())} (none: the compute dtype); each backend (with --e2e: "
+                   "each moeyard implementation) runs once per recipe, named <name>+<recipe>")
     p.add_argument("--lora", type=int, nargs="?", const=16, metavar="R",
                    help="time the LoRA fine-tuning step of the routed experts (rank R, default 16) against the "
                         "frozen-base step and PEFT's default path (moeyard.bench_lora); --backends then names "
@@ -162,7 +166,11 @@ def bench_options(args, command: str) -> bench.BenchOptions:
                               dtype=args.dtype, backends=backends, peers=args.peers, routing=args.routing,
                               zipf_alpha=args.zipf_alpha, warmup=args.warmup, iters=args.iters,
                               routed_only=args.routed_only, command=command, trace=args.trace,
-                              compile=args.compile)
+                              compile=args.compile, recipes=_names(args.recipe))
+
+
+def _names(csv: str | None) -> list[str] | None:
+    return [n.strip() for n in csv.split(",") if n.strip()] if csv else None
 
 
 def run_bench(args, command: str) -> int:
@@ -221,6 +229,8 @@ def check_bench_arguments(args) -> None:
         raise ValueError("--e2e: cannot be combined with --lora / --quant (one benchmark mode at a time)")
     if args.ep and (args.e2e or args.plot or args.trace):
         raise ValueError("--ep: --e2e, --plot and --trace are not available with expert parallelism")
+    if given("recipe") and (given("lora") or given("quant") or args.ep):
+        raise ValueError("--recipe: times the layer benchmark or --e2e (not with --lora, --quant or --ep)")
     if given("compile") and (args.e2e or given("lora") or given("quant") or args.ep):
         raise ValueError("--compile: times the layer benchmark only (not with --e2e, --lora, --quant or --ep)")
     for name in ("tiny", "seq_len", "vocab"):
@@ -299,6 +309,8 @@ def results_table(result: dict) -> Table:
              f"python {env['python']} · {env['date']}")
     caption = [f"$ {env['command']}" if env["command"] else "",
                f"dense bf16 matmul (8192^3) this run: {dense:.0f} TFLOP/s" if dense else "",
+               f"dense e4m3 matmul (8192^3, rowwise scales) this run: {env['dense_fp8_tflops']:.0f} TFLOP/s"
+               if env.get("dense_fp8_tflops") else "",
                "FLOPs: fwd = 6*T*k*H*I (gated; 4* plain) + shared experts, fwd+bwd = 3x fwd, router not counted; "
                f"median of {env['iters']} after {env['warmup']} warm-up; peak = extra GiB of fwd+bwd",
                *[f"{name} skipped: {why}" for name, why in env.get("skipped", {}).items()], _trace_line(result),
@@ -332,6 +344,8 @@ def lora_table(result: dict) -> Table:
              f"base frozen\ntorch {env['torch']} · triton {env['triton']} · moeyard {env['moeyard']} · {env['date']}")
     caption = [f"$ {env['command']}" if env["command"] else "",
                f"dense bf16 matmul (8192^3) this run: {dense:.0f} TFLOP/s" if dense else "",
+               f"dense e4m3 matmul (8192^3, rowwise scales) this run: {env['dense_fp8_tflops']:.0f} TFLOP/s"
+               if env.get("dense_fp8_tflops") else "",
                "step = forward + backward (input gradient; LoRA factor gradients where adapted); FLOPs 12*N*H*I "
                "+ 6*N*r*(in+out) per adapter; x frozen = step / frozen step; x lora = step / lora step; "
                f"median of {env['iters']} after {env['warmup']} warm-up; peak = extra GiB of the step",

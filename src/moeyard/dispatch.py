@@ -23,7 +23,7 @@ import torch
 
 from .checks import kind
 from .kernel_op import have_triton, interpreting
-from .weighted_sum import gathered_weighted_sum, weighted_sum
+from .weighted_sum import gathered_sum, gathered_weighted_sum, weighted_sum
 
 Tensor = torch.Tensor
 
@@ -187,14 +187,36 @@ def make_plan(topk_ids: Tensor, num_experts: int, *, align: int = 1) -> Dispatch
 def permute(x: Tensor, plan: DispatchPlan) -> Tensor:
     """Gather token rows into expert-major order: ``x [T, H] -> rows [R, H]``.
 
-    Row ``plan.pair_rows[n]`` holds ``x[n // K]``; pad rows (``align > 1``) are zero. Differentiable
-    (the backward is a scatter-add into ``[T, H]``).
+    Row ``plan.pair_rows[n]`` holds ``x[n // K]``; pad rows (``align > 1``) are zero. Differentiable:
+    the backward sums each token's K rows, read where they lie (``pair_rows``), in a fixed order
+    (:func:`moeyard.weighted_sum.gathered_sum`: float32 sums, no atomics, deterministic; on an H100 at
+    qwen3-30b-a3b's 262144 rows the scatter-add it replaces took 4.6 ms). With ``align > 1`` a pair whose
+    id is invalid holds the zero row, so it contributes no gradient.
     """
     _check_x(x, plan)
+    T, K = plan.num_tokens, plan.top_k
     if plan.align == 1:
-        return x.index_select(0, plan.sort_order // plan.top_k)
-    x_pad = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row T is the zero row
-    return x_pad.index_select(0, plan.row_tokens())
+        return _Permute.apply(x, plan.sort_order // K, plan.pair_rows.view(T, K), None)
+    return _Permute.apply(x, plan.row_tokens(), plan.pair_rows.view(T, K), plan.valid.view(T, K))
+
+
+class _Permute(torch.autograd.Function):
+    """``rows = [x; 0][index]`` (``index`` may name the zero row ``T``); backward: ``dx[t] = sum_k
+    live[t, k] * d rows[pair_rows[t, k]]`` (``live`` None: every pair)."""
+
+    @staticmethod
+    def forward(ctx, x, index, pair_rows, live):
+        ctx.save_for_backward(pair_rows, live)
+        if live is None:
+            return x.index_select(0, index)
+        return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, index)  # row T is the zero row
+
+    @staticmethod
+    def backward(ctx, d_rows):
+        pair_rows, live = ctx.saved_tensors
+        weights = None if live is None else live.to(d_rows.dtype)
+        dx, _ = gathered_sum(d_rows.contiguous(), pair_rows, weights)
+        return dx, None, None, None
 
 
 def unpermute(rows: Tensor, plan: DispatchPlan, topk_weights: Tensor | None = None, *,

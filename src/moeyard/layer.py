@@ -17,6 +17,7 @@ from .config import MoEConfig
 from .experts import experts
 from .experts.lora import LoRAAdapter
 from .experts.registry import check_backend_name
+from .quant.recipe import Recipe, resolve_recipe
 from .routing import Router, RoutingOutput
 
 Tensor = torch.Tensor
@@ -79,18 +80,24 @@ class MoE(nn.Module):
         config: the :class:`MoEConfig`.
         backend: expert backend name, ``auto`` (default: the best that runs on the input's device and
             dtype) or None (the process default, :func:`moeyard.set_backend` / ``MOEYARD_BACKEND``).
+        recipe: an FP8 training recipe for the routed experts' GEMMs (``"fp8_rowwise"``,
+            ``"fp8_blockwise"``, ``"mxfp8"`` or a :class:`moeyard.quant.Recipe`: see
+            :func:`moeyard.experts`), or None (default: the weights' dtype). The attribute
+            ``self.recipe`` may be changed between steps. Router and shared experts stay in the compute dtype.
     Raises:
-        ValueError: unknown backend (here), or one that cannot run on the input (at forward).
+        ValueError: unknown backend or recipe (here), or a backend that cannot run on the input (at forward).
         TypeError / ValueError: a bad input at forward (wrong dtype or last dimension).
     """
 
-    def __init__(self, config: MoEConfig, backend: str | None = "auto", *, device=None, dtype=None):
+    def __init__(self, config: MoEConfig, backend: str | None = "auto", *, recipe: str | Recipe | None = None,
+                 device=None, dtype=None):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config: expected a moeyard.MoEConfig, got {type(config).__name__}")
         if backend is not None:
             check_backend_name(backend)
-        self.config, self.backend = config, backend
+        resolve_recipe(recipe)
+        self.config, self.backend, self.recipe = config, backend, recipe
         self.activation = Activation(name=config.activation, alpha=config.activation_alpha,
                                      limit=config.activation_limit)
         E, H, I = config.num_experts, config.hidden_size, config.intermediate_size
@@ -157,7 +164,7 @@ class MoE(nn.Module):
             w = getattr(self, name)
             if not isinstance(w, torch.Tensor):
                 raise TypeError(f"merge_lora: {name} is quantised ({type(w).__name__}); LoRA cannot be merged into "
-                                "4-bit storage")
+                                "quantised storage")
             w = w.to_local() if hasattr(w, "to_local") else w  # a DTensor block on a DeviceMesh
             w += adapter.delta_weight().to(w.dtype)
         self.lora = None
@@ -184,7 +191,7 @@ class MoE(nn.Module):
         run = experts if self.expert_parallel is None else self.expert_parallel
         out = run(x2, routing.topk_ids, routing.topk_weights.to(x.dtype), self.gate_up_proj, self.down_proj,
                   activation=self.activation, backend=self.backend, gate_up_bias=self.gate_up_proj_bias,
-                  down_bias=self.down_proj_bias, check_ids=False,  # the router's ids lie in [0, E)
+                  down_bias=self.down_proj_bias, recipe=self.recipe, check_ids=False,  # the router's ids lie in [0, E)
                   lora=None if self.lora is None else {n: a.expert_lora() for n, a in self.lora.items()})
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
@@ -202,4 +209,5 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         c = self.config
         return (f"num_experts={c.num_experts}, top_k={c.top_k}, hidden_size={c.hidden_size}, "
-                f"intermediate_size={c.intermediate_size}, activation={c.activation}, backend={self.backend}")
+                f"intermediate_size={c.intermediate_size}, activation={c.activation}, backend={self.backend}"
+                + ("" if self.recipe is None else f", recipe={getattr(self.recipe, 'name', self.recipe)}"))

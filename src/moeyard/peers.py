@@ -6,6 +6,10 @@
   (CUDA in bf16; CPU in float32).
 - ``sonicmoe``: SonicMoE (``sonic-moe``, CuTe-DSL kernels for Hopper), when ``import sonicmoe`` works
   and the device is CUDA; skipped with a reason otherwise.
+- ``torchao_fp8``: the same pipeline with torchao's FP8 rowwise grouped GEMM
+  (``torchao.prototype.moe_training._to_fp8_rowwise_then_scaled_grouped_mm``: dynamic e4m3 casts, all three
+  GEMMs on ``torch._scaled_grouped_mm``), each expert's rows padded to a multiple of 16 as it requires
+  (torchtitan's FP8 MoE path). Needs torchao and a CUDA GPU of compute capability 9.0, in bfloat16.
 
 Both implement the routed experts of a softmax top-k, SwiGLU layer without biases or shared experts;
 :func:`peer_note` says how a :class:`MoEConfig` differs from that. Each peer is an ``nn.Module``
@@ -59,6 +63,50 @@ class TorchGroupedMM(nn.Module):
         return torch.zeros_like(x_TH).index_add(0, token_N, y_NH)
 
 
+class TorchaoFP8(nn.Module):
+    """The torch pipeline on torchao's FP8 rowwise grouped GEMM (module docstring); weights ``w13 [E, 2I, H]``,
+    ``w2 [E, H, I]`` (torchao reads ``B_t = w.mT`` column-major)."""
+
+    ALIGN = 16
+
+    def __init__(self, config: MoEConfig, *, device=None, dtype=None):
+        super().__init__()
+        E, H, I = config.num_experts, config.hidden_size, config.intermediate_size
+        kw = {"device": device, "dtype": dtype}
+        self.top_k = config.top_k
+        self.router = nn.Linear(H, E, bias=False, **kw)
+        self.w13_E2IH = nn.Parameter(torch.empty(E, 2 * I, H, **kw))
+        self.w2_EHI = nn.Parameter(torch.empty(E, H, I, **kw))
+        for p in self.parameters():
+            nn.init.normal_(p, std=0.02)
+
+    def forward(self, x_TH: Tensor) -> Tensor:
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm as fp8_gmm
+
+        E, K, A = self.router.out_features, self.top_k, self.ALIGN
+        T, H = x_TH.shape
+        probs_TE = F.linear(x_TH, self.router.weight).float().softmax(-1)
+        w_TK, ids_TK = probs_TE.topk(K, dim=-1)
+        w_TK = (w_TK / w_TK.sum(-1, keepdim=True)).to(x_TH.dtype)
+        flat_N = ids_TK.reshape(-1)
+        order_N = flat_N.argsort(stable=True)
+        counts_E = torch.bincount(flat_N, minlength=E)
+        padded_E = (counts_E + A - 1) // A * A
+        starts_E = padded_E.cumsum(0) - padded_E
+        expert_N = flat_N[order_N]
+        rank_N = torch.arange(T * K, device=x_TH.device) - (counts_E.cumsum(0) - counts_E)[expert_N]
+        row_N = starts_E[expert_N] + rank_N  # each sorted pair's row in the padded buffer
+        token_N = order_N // K
+        rows = x_TH.new_zeros(T * K + E * A, H).index_copy(0, row_N, x_TH[token_N])
+        offs_E = padded_E.cumsum(0).to(torch.int32)
+        h = fp8_gmm(rows, self.w13_E2IH.mT, offs_E, out_dtype=x_TH.dtype, pad_token_groups_for_grouped_mm=False)
+        gate, up = h.chunk(2, dim=-1)
+        y = fp8_gmm((F.silu(gate) * up).contiguous(), self.w2_EHI.mT, offs_E, out_dtype=x_TH.dtype,
+                    pad_token_groups_for_grouped_mm=False)
+        y_NH = y[row_N] * w_TK.reshape(-1)[order_N].unsqueeze(-1)
+        return torch.zeros_like(x_TH).index_add(0, token_N, y_NH)
+
+
 class SonicMoE(nn.Module):
     """SonicMoE's ``MoE`` layer (SwiGLU, no bias) behind ``forward(x [T, H]) -> [T, H]``."""
 
@@ -105,6 +153,20 @@ def _sonicmoe_unsupported(device: torch.device, dtype: torch.dtype) -> str | Non
     return None
 
 
+def _torchao_fp8_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "needs a CUDA GPU of compute capability 9.0 (torch._scaled_grouped_mm's rowwise FP8)"
+    if dtype != torch.bfloat16:
+        return f"needs bfloat16, got {dtype}"
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (pip install torchao)"
+    try:
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm  # noqa: F401
+    except Exception as ex:  # an installed but incompatible torchao: say why
+        return f"torchao's FP8 grouped GEMM does not import: {type(ex).__name__}: {str(ex).splitlines()[0][:160]}"
+    return None
+
+
 @dataclass(frozen=True)
 class Peer:
     """A peer: ``build(config, device=, dtype=) -> nn.Module``; ``unsupported(device, dtype)`` -> reason or None."""
@@ -117,6 +179,7 @@ class Peer:
 PEERS: dict[str, Peer] = {
     "torch_gmm": Peer("torch_gmm", TorchGroupedMM, _torch_gmm_unsupported),
     "sonicmoe": Peer("sonicmoe", SonicMoE, _sonicmoe_unsupported),
+    "torchao_fp8": Peer("torchao_fp8", TorchaoFP8, _torchao_fp8_unsupported),
 }
 
 

@@ -10,6 +10,7 @@ import torch
 from ..activations import Activation, get_activation
 from ..checks import check_drop_invalid, check_float, check_ids_on_host, check_topk, invalid_ids
 from ..kernel_op import records_graph
+from ..quant.recipe import Recipe
 from . import bmm_padded as _bmm_padded  # noqa: F401  (registers)
 from . import grouped_mm as _grouped_mm  # noqa: F401  (registers)
 from . import loop as _loop  # noqa: F401  (registers)
@@ -40,6 +41,7 @@ def experts(
     interleaved: bool = False,
     drop_invalid: bool | str = False,
     lora: dict[str, ExpertLoRA] | None = None,
+    recipe: str | Recipe | None = None,
     check_ids: bool = True,
 ) -> Tensor:
     """The routed expert FFN: ``out[t] = sum_k topk_weights[t, k] * FFN_e(hidden_states[t])`` with
@@ -54,7 +56,8 @@ def experts(
         topk_weights: ``[T, K]`` float routing weights (cast to ``hidden_states.dtype``).
         gate_up_proj: ``[E, 2I, H]`` (gate rows then up rows), or ``[E, I, H]`` for a plain
             activation (transformers' ``up_proj``); ``[E, H, 2I]`` if ``transposed``. Either weight
-            may be quantised storage (:class:`moeyard.quant.NF4Experts`, frozen): then only the
+            may be quantised storage (:class:`moeyard.quant.NF4Experts`,
+            :class:`moeyard.quant.FP8BlockExperts`; frozen): then only the
             experts that receive tokens are dequantised, and again in backward
             (:mod:`moeyard.experts.quantized`).
         down_proj: ``[E, H, I]``; ``[E, I, H]`` if ``transposed``.
@@ -78,6 +81,13 @@ def experts(
             ``lora_A [r*E, in]``, ``lora_B [out, r*E]`` (see :class:`moeyard.ExpertLoRA`). Each
             projection computes ``x W_e^T + b_e + s (x A_e^T) B_e^T``; ``W + dW`` is never formed. With
             the base weights frozen (``requires_grad=False``) no base weight gradient is computed.
+        recipe: an FP8 training recipe (``"fp8_rowwise"``, ``"fp8_blockwise"``, ``"mxfp8"`` or a
+            :class:`moeyard.quant.Recipe`; :mod:`moeyard.quant.recipe`): the base GEMMs of both
+            projections, forward, input gradient and weight gradient, read e4m3 operands scaled per the
+            recipe's blocks; biases and LoRA terms stay in the compute dtype. ``fp8_rowwise`` in bfloat16
+            on Hopper runs ``torch._scaled_grouped_mm`` (``grouped_mm`` and ``triton`` backends); every
+            other combination runs the recipe emulated (quantise, dequantise, the backend's own GEMMs).
+            None (default): the compute dtype's GEMMs.
         check_ids: False where the caller guarantees every id lies in ``[0, E)`` (as moeyard's router
             does): skips the check of ``drop_invalid`` (on an accelerator, four small device ops per
             call that make the rows of invalid ids NaN). An id outside the range then gives a wrong
@@ -100,9 +110,11 @@ def experts(
         with dequantized((gate_up_proj, down_proj), topk_ids) as (up, down):
             return experts(hidden_states, topk_ids, topk_weights, up, down, activation=act, backend=backend,
                            gate_up_bias=gate_up_bias, down_bias=down_bias, transposed=transposed,
-                           interleaved=interleaved, drop_invalid=drop_invalid, lora=lora, check_ids=check_ids)
+                           interleaved=interleaved, drop_invalid=drop_invalid, lora=lora, recipe=recipe,
+                           check_ids=check_ids)
     weights = expert_weights(gate_up_proj, down_proj, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                             transposed=transposed, interleaved=interleaved, gated=act.gated, lora=lora)
+                             transposed=transposed, interleaved=interleaved, gated=act.gated, lora=lora,
+                             recipe=recipe)
     T, H = hidden_states.shape
     if H != weights.hidden_size:
         raise ValueError(f"hidden_states: expected hidden size {weights.hidden_size} (from gate_up_proj), got {H}")

@@ -13,6 +13,7 @@ import torch
 from ..activations import Activation
 from ..dispatch import make_plan
 from .registry import ExpertBackend, floating_only, register_backend
+from .scaled import Emulated, GroupedOps, scaled_linear
 from .weights import ExpertWeights, Projection
 
 Tensor = torch.Tensor
@@ -48,13 +49,23 @@ def bmm_padded_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weight
 
 
 def _bmm(a: Tensor, proj: Projection) -> Tensor:
-    """``a [E, C, in] @ W[e].T (+ b[e]) (+ s (a A_e^T) B_e^T)`` with ``W [E, out, in]`` -> ``[E, C, out]``."""
+    """``a [E, C, in] @ W[e].T (+ b[e]) (+ s (a A_e^T) B_e^T)`` with ``W [E, out, in]`` -> ``[E, C, out]``
+    (``a @ W[e].T`` under ``proj.recipe``'s emulated FP8 GEMMs when it has one; the pad rows are zero, so
+    they leave every block's scale as it is)."""
     w, b, lora = proj.weight, proj.bias, proj.lora
-    y = torch.bmm(a, w.mT) if b is None else torch.baddbmm(b.to(a.dtype).unsqueeze(1), a, w.mT)
+    if proj.recipe is not None:
+        y = scaled_linear(a, w, None, proj.recipe, EMULATED)
+        y = y if b is None else y + b.to(a.dtype).unsqueeze(1)
+    else:
+        y = torch.bmm(a, w.mT) if b is None else torch.baddbmm(b.to(a.dtype).unsqueeze(1), a, w.mT)
     if lora is not None:
         y = torch.baddbmm(y, torch.bmm(a, lora.a.mT), lora.b.mT, alpha=lora.scaling)
     return y
 
+
+# a batch of experts: a [E, C, K], w [E, N, K]
+EMULATED = Emulated(GroupedOps(mm=lambda a, w, offsets: torch.bmm(a, w.mT),
+                               kmm=lambda dy, a, offsets: torch.bmm(dy.mT, a)))
 
 register_backend(ExpertBackend(
     name="bmm_padded", forward=bmm_padded_forward, unsupported=floating_only,

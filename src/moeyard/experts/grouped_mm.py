@@ -15,6 +15,8 @@ from ..activations import Activation
 from ..dispatch import DispatchPlan
 from .pipeline import routed_ffn
 from .registry import ExpertBackend, register_backend
+from .scaled import Emulated, GroupedOps
+from . import scaled_hopper
 from .weights import ExpertWeights
 
 Tensor = torch.Tensor
@@ -29,8 +31,22 @@ def grouped_gemm(rows: Tensor, w: Tensor, plan: DispatchPlan) -> Tensor:
 def grouped_mm_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
                        activation: Activation, *, drop_invalid: bool = False) -> Tensor:
     """The routed expert FFN on ``torch._grouped_mm`` (shapes, dtypes and semantics as
-    :func:`moeyard.experts`): ``x [T, H]``, ``topk_ids`` / ``topk_weights`` ``[T, K]`` -> ``[T, H]``."""
-    return routed_ffn(x, topk_ids, topk_weights, weights, activation, grouped_gemm, drop_invalid=drop_invalid)
+    :func:`moeyard.experts`): ``x [T, H]``, ``topk_ids`` / ``topk_weights`` ``[T, K]`` -> ``[T, H]``.
+    Under an FP8 recipe the base GEMMs run on ``torch._scaled_grouped_mm`` where the Hopper fast path
+    serves the recipe (:mod:`.scaled_hopper`: the whole FFN fused around them where it can, else each
+    projection), else emulated on ``torch._grouped_mm``."""
+    if weights.recipe is None:
+        return routed_ffn(x, topk_ids, topk_weights, weights, activation, grouped_gemm, drop_invalid=drop_invalid)
+    gemms, align = scaled_hopper.recipe_gemms(weights.recipe, x.device, x.dtype, weights, EMULATED)
+    if gemms is scaled_hopper.HOPPER_ROWWISE and scaled_hopper.fused(weights, activation):
+        return scaled_hopper.routed_ffn(x, topk_ids, topk_weights, weights, activation, drop_invalid=drop_invalid)
+    return routed_ffn(x, topk_ids, topk_weights, weights, activation, grouped_gemm, drop_invalid=drop_invalid,
+                      align=align, recipe_gemms=gemms)
+
+
+# expert-major rows with offsets [E + 1] (int32): torch._grouped_mm's 2-D x 3-D and 2-D x 2-D forms
+EMULATED = Emulated(GroupedOps(mm=lambda x, w, offsets: torch._grouped_mm(x, w.mT, offs=offsets[1:]),
+                               kmm=lambda dy, x, offsets: torch._grouped_mm(dy.mT, x, offs=offsets[1:])))
 
 
 _PROBED: dict[tuple, str | None] = {}

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from ..activations import Activation
 from ..checks import raise_invalid_ids
 from .registry import ExpertBackend, floating_only, register_backend
+from .scaled import Emulated, GroupedOps, scaled_linear
 from .weights import ExpertWeights, Projection
 
 Tensor = torch.Tensor
@@ -41,12 +42,20 @@ def loop_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: Exp
 
 
 def expert_linear(x: Tensor, proj: Projection, e: int) -> Tensor:
-    """Expert ``e``'s projection of ``x [R, in]``: ``x W_e^T + b_e + s (x A_e^T) B_e^T`` -> ``[R, out]``."""
-    y = F.linear(x, proj.weight[e], None if proj.bias is None else proj.bias[e])
+    """Expert ``e``'s projection of ``x [R, in]``: ``x W_e^T + b_e + s (x A_e^T) B_e^T`` -> ``[R, out]``
+    (``x W_e^T`` under ``proj.recipe``'s emulated FP8 GEMMs when it has one)."""
+    if proj.recipe is not None:
+        y = scaled_linear(x, proj.weight[e], None, proj.recipe, EMULATED)
+        y = y if proj.bias is None else y + proj.bias[e]
+    else:
+        y = F.linear(x, proj.weight[e], None if proj.bias is None else proj.bias[e])
     if proj.lora is not None:
         y = y + proj.lora.scaling * F.linear(F.linear(x, proj.lora.a[e]), proj.lora.b[e])
     return y
 
+
+# one expert's rows [R, K] and weight [N, K]: plain matrix products
+EMULATED = Emulated(GroupedOps(mm=lambda x, w, offsets: x @ w.mT, kmm=lambda dy, x, offsets: dy.mT @ x))
 
 register_backend(ExpertBackend(
     name="loop", forward=loop_forward, unsupported=floating_only, priority={},

@@ -12,6 +12,7 @@ import torch
 
 from ..activations import Activation
 from ..dispatch import DispatchPlan, make_plan, permute, unpermute
+from .scaled import RecipeGEMMs, scaled_linear
 from .weights import ExpertWeights, Projection
 
 Tensor = torch.Tensor
@@ -19,10 +20,16 @@ Tensor = torch.Tensor
 GroupedGEMM = Callable[[Tensor, Tensor, DispatchPlan], Tensor]
 
 
-def project(rows: Tensor, proj: Projection, gemm: GroupedGEMM, plan: DispatchPlan) -> Tensor:
+def project(rows: Tensor, proj: Projection, gemm: GroupedGEMM, plan: DispatchPlan,
+            recipe_gemms: RecipeGEMMs | None = None) -> Tensor:
     """``rows [R, in]`` -> ``[R, out]``: ``rows W_e^T + b_e + s (rows A_e^T) B_e^T`` per expert's rows
-    (the LoRA term as two thin grouped GEMMs through an ``[R, r]`` intermediate)."""
-    y = add_row_bias(gemm(rows, proj.weight, plan), proj.bias, plan)
+    (the LoRA term as two thin grouped GEMMs through an ``[R, r]`` intermediate; ``rows W_e^T`` through
+    ``recipe_gemms`` under ``proj.recipe``, when it has one)."""
+    if proj.recipe is not None:
+        base = scaled_linear(rows, proj.weight, plan.padded_offsets, proj.recipe, recipe_gemms)
+    else:
+        base = gemm(rows, proj.weight, plan)
+    y = add_row_bias(base, proj.bias, plan)
     if proj.lora is not None:
         lora = proj.lora
         y = y + lora.scaling * gemm(gemm(rows, lora.a, plan), lora.b, plan)
@@ -31,8 +38,9 @@ def project(rows: Tensor, proj: Projection, gemm: GroupedGEMM, plan: DispatchPla
 
 def routed_ffn(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
                activation: Activation, gemm: GroupedGEMM, *, drop_invalid: bool = False,
-               align: int = 1) -> Tensor:
-    """``[T, H] -> [T, H]``: the whole routed expert FFN built from ``gemm``."""
+               align: int = 1, recipe_gemms: RecipeGEMMs | None = None) -> Tensor:
+    """``[T, H] -> [T, H]``: the whole routed expert FFN built from ``gemm`` (and ``recipe_gemms`` for
+    the base GEMMs under ``weights.recipe``)."""
     plan = make_plan(topk_ids, weights.num_experts, align=align)
     rows = permute(x, plan)
     if drop_invalid:
@@ -40,9 +48,9 @@ def routed_ffn(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: Exper
         # unwritten, so cut them out of the graph (masked_fill: its backward writes zeros there)
         live = torch.arange(plan.num_rows, device=x.device) < plan.padded_offsets[-1]
         rows = rows.masked_fill(~live.unsqueeze(-1), 0)
-    h = project(rows, weights.up, gemm, plan)
+    h = project(rows, weights.up, gemm, plan, recipe_gemms)
     a = activation(h, interleaved=weights.interleaved)
-    y = project(a, weights.down, gemm, plan)
+    y = project(a, weights.down, gemm, plan, recipe_gemms)
     return unpermute(y, plan, topk_weights, drop_invalid=drop_invalid)
 
 

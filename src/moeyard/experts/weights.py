@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_float, kind
+from ..quant.recipe import Recipe, resolve_recipe
 from .relayout import expert_major
 
 Tensor = torch.Tensor
@@ -83,12 +84,15 @@ class LowRank:
 class Projection:
     """One expert projection as a backend applies it: ``y = x W_e^T + b_e (+ s (x A_e^T) B_e^T)``.
 
-    Attributes: weight ``[E, out, in]``, bias ``[E, out]`` or None, lora :class:`LowRank` or None.
+    Attributes: weight ``[E, out, in]``, bias ``[E, out]`` or None, lora :class:`LowRank` or None,
+    recipe: the FP8 :class:`moeyard.quant.Recipe` of ``x W_e^T`` (its three GEMMs), or None. The bias
+    and the LoRA term stay in the compute dtype.
     """
 
     weight: Tensor
     bias: Tensor | None = None
     lora: LowRank | None = None
+    recipe: Recipe | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +106,9 @@ class ExpertWeights:
         b_down: ``[E, H]`` or None.
         interleaved: gate/up rows of ``w_up`` alternate (gpt-oss) instead of gate-then-up.
         lora_up, lora_down: :class:`LowRank` adapters of the two projections, or None.
+        recipe: the FP8 training recipe both projections' base GEMMs run under
+            (:mod:`moeyard.quant.recipe`: operands' blocks and scale format), or None (the compute
+            dtype's own GEMMs).
     """
 
     w_up: Tensor
@@ -111,14 +118,15 @@ class ExpertWeights:
     interleaved: bool = False
     lora_up: LowRank | None = None
     lora_down: LowRank | None = None
+    recipe: Recipe | None = None
 
     @property
     def up(self) -> Projection:
-        return Projection(weight=self.w_up, bias=self.b_up, lora=self.lora_up)
+        return Projection(weight=self.w_up, bias=self.b_up, lora=self.lora_up, recipe=self.recipe)
 
     @property
     def down(self) -> Projection:
-        return Projection(weight=self.w_down, bias=self.b_down, lora=self.lora_down)
+        return Projection(weight=self.w_down, bias=self.b_down, lora=self.lora_down, recipe=self.recipe)
 
     @property
     def max_rank(self) -> int:
@@ -148,6 +156,7 @@ def expert_weights(
     interleaved: bool = False,
     gated: bool = True,
     lora: dict[str, ExpertLoRA] | None = None,
+    recipe: str | Recipe | None = None,
 ) -> ExpertWeights:
     """Check the weights and return their canonical views (no copies but ``lora_B``'s relayout).
 
@@ -159,13 +168,19 @@ def expert_weights(
         lora: optional ``{"gate_up_proj": ExpertLoRA, "down_proj": ExpertLoRA}`` (either key may be
             absent): ``gate_up_proj``'s factors are ``[r*E, H]`` and ``[N1, r*E]``, ``down_proj``'s
             ``[r*E, I]`` and ``[H, r*E]``, in every weight layout.
+        recipe: an FP8 recipe name or :class:`moeyard.quant.Recipe` (:mod:`moeyard.quant.recipe`), or None.
     Raises:
-        TypeError: a weight or factor is not a floating-point tensor, dtypes differ, or ``lora`` is
-            not a dict of :class:`ExpertLoRA`.
-        ValueError: shapes do not agree (the message names the argument and the expected shape).
+        TypeError: a weight or factor is not a floating-point tensor, a weight is float8 (raw values
+            without their scales), dtypes differ, or ``lora`` is not a dict of :class:`ExpertLoRA`.
+        ValueError: shapes do not agree (the message names the argument and the expected shape), or an
+            unknown recipe name.
     """
+    recipe = resolve_recipe(recipe)
     for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
         check_float(name, t)
+        if t.element_size() == 1:
+            raise TypeError(f"{name}: {t.dtype} values need their block scales: pass "
+                            "moeyard.quant.FP8BlockExperts.from_fp8(weight, weight_scale_inv, dtype=...)")
         if t.dim() != 3:
             raise ValueError(f"{name}: expected a 3-D tensor [E, out, in], got shape {tuple(t.shape)}")
     if gate_up_proj.dtype != down_proj.dtype:
@@ -195,7 +210,7 @@ def expert_weights(
         raise ValueError(f"down_proj: expected device {w_up.device}, got {w_down.device}")
     lora_up, lora_down = _lora_views(lora, E, (N1, H), (H, I), w_up)
     return ExpertWeights(w_up=w_up, w_down=w_down, b_up=gate_up_bias, b_down=down_bias, interleaved=interleaved,
-                         lora_up=lora_up, lora_down=lora_down)
+                         lora_up=lora_up, lora_down=lora_down, recipe=recipe)
 
 
 LORA_KEYS = ("gate_up_proj", "down_proj")

@@ -8,7 +8,9 @@ its forward from ``ExpertsInterface`` by ``config._experts_implementation``. :fu
     model.set_experts_implementation("moeyard")
 
 run every such architecture on :func:`moeyard.experts`, with the backend of
-:func:`moeyard.get_backend` (``moeyard.set_backend`` / ``MOEYARD_BACKEND``, else ``auto``).
+:func:`moeyard.get_backend` (``moeyard.set_backend`` / ``MOEYARD_BACKEND``, else ``auto``) and the FP8
+recipe of :func:`moeyard.get_recipe` (``moeyard.set_recipe`` / ``moeyard.use_recipe`` / ``MOEYARD_RECIPE``,
+else none).
 
 The decorator's flags on the module are honoured: ``is_transposed``, ``is_concatenated`` (False:
 interleaved gate/up columns), ``has_bias``, ``has_gate`` (False: ``up_proj`` and a plain
@@ -24,12 +26,15 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 
 import torch
 import torch.nn.functional as F
 
 from ..activations import Activation
 from ..experts import experts
+from ..quant.fp8_checkpoint import fp8_experts_weight
+from ..quant.recipe import get_recipe
 
 Tensor = torch.Tensor
 NAME = "moeyard"
@@ -72,6 +77,28 @@ def register() -> None:
     interface = _moe_module().ExpertsInterface
     if interface._global_mapping.get(NAME) is not moeyard_experts_forward:
         interface.register(NAME, moeyard_experts_forward)
+    if "transformers.integrations.finegrained_fp8" in sys.modules:
+        register_fp8()
+
+
+def register_fp8() -> None:
+    """Register :func:`moeyard_experts_forward` with transformers' FP8 experts too
+    (``FP8ExpertsInterface``, used by the ``FP8Experts`` modules its FineGrainedFP8 integration builds
+    on a GPU), so ``from_pretrained(fp8_checkpoint, experts_implementation="moeyard")`` runs their
+    float8 weights and ``*_scale_inv`` scales on moeyard (:func:`moeyard.quant.fp8_checkpoint.fp8_experts_weight`).
+
+    Imports ``transformers.integrations.finegrained_fp8`` (about a second: transformers' quantizers),
+    so :func:`register` does this only when that module is already imported. Idempotent.
+
+    Raises:
+        ImportError: transformers has no FineGrainedFP8 integration.
+    """
+    try:
+        fp8 = importlib.import_module("transformers.integrations.finegrained_fp8")
+    except ImportError as ex:
+        raise ImportError("register_fp8 needs transformers >= 5 with its FineGrainedFP8 integration") from ex
+    if fp8.FP8ExpertsInterface._global_mapping.get(NAME) is not moeyard_experts_forward:
+        fp8.FP8ExpertsInterface.register(NAME, moeyard_experts_forward)
 
 
 def moeyard_experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor,
@@ -92,7 +119,10 @@ def moeyard_experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_
         ValueError, TypeError: as :func:`moeyard.experts` (shapes, ids out of range, backend).
     """
     has_gate = getattr(self, "has_gate", True)
-    w_up, w_down, lora = _weights_and_lora(self, "gate_up_proj" if has_gate else "up_proj")
+    up_name = "gate_up_proj" if has_gate else "up_proj"
+    w_up, w_down, lora = _weights_and_lora(self, up_name)
+    w_up = fp8_experts_weight(self, up_name, w_up, hidden_states.dtype)  # FP8 checkpoint weights: FP8BlockExperts
+    w_down = fp8_experts_weight(self, "down_proj", w_down, hidden_states.dtype)
     b_up = b_down = None
     if getattr(self, "has_bias", False):
         b_up = self.gate_up_proj_bias if has_gate else self.up_proj_bias
@@ -102,7 +132,7 @@ def moeyard_experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_
     interleaved = activation.fn is None and activation.gated and not getattr(self, "is_concatenated", True)
     kwargs = dict(activation=activation, backend=None, gate_up_bias=b_up, down_bias=b_down,
                   transposed=getattr(self, "is_transposed", False), interleaved=interleaved,
-                  drop_invalid=getattr(self, "_is_expert_parallel", True), lora=lora)
+                  drop_invalid=getattr(self, "_is_expert_parallel", True), lora=lora, recipe=get_recipe())
     run = getattr(self, "moeyard_expert_parallel", None) or experts  # set by moeyard.parallel
     if getattr(self, "has_post_expert_norm", False):
         out = _experts_with_post_norm(self.post_expert_norm, x, top_k_index, top_k_weights, w_up, w_down, kwargs, run)
@@ -117,6 +147,11 @@ def _weights_and_lora(self: torch.nn.Module, up_name: str) -> tuple[Tensor, Tens
     fused = getattr(self, "_moeyard_lora", None)
     if fused is not None or not torch.nn.utils.parametrize.is_parametrized(self):
         return getattr(self, up_name), self.down_proj, fused
+    for name in (up_name, "down_proj"):
+        if torch.nn.utils.parametrize.is_parametrized(self, name) and \
+                self.parametrizations[name].original.dtype == torch.float8_e4m3fn:
+            raise TypeError(f"{name}: PEFT's W + dW fold cannot run on FP8 block-scaled weights; call "
+                            "moeyard.integrations.peft.fuse_lora(model) after peft.get_peft_model")
     from .peft import weight_and_lora
     w_up, lora_up = weight_and_lora(self, up_name)
     w_down, lora_down = weight_and_lora(self, "down_proj")

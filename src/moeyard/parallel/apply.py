@@ -82,8 +82,9 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
             no experts, already expert parallel, a transformers experts module not running
             ``"moeyard"``, or expert shapes that differ across ranks (checked with one all-gather);
             expert weights on another device type than the mesh's (the meta device is accepted: a
-            model built there is split before its weights exist); a LoRA adapter covering neither
-            E nor E / W experts.
+            model built there is split before its weights exist); quantised expert storage without
+            ``select`` (quantise after ``expert_parallel`` instead); a LoRA adapter covering neither E
+            nor E / W experts.
         TypeError: ``module`` is not an ``nn.Module``, ``group`` of the wrong kind.
     """
     _check_options(dispatcher, capacity_factor, max_tokens, align, exchange)
@@ -104,6 +105,10 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         if E % ep.world_size:
             raise ValueError(f"group: its size {ep.world_size} does not divide num_experts={E} "
                              f"of {name or type(m).__name__}")
+        for attr, q in _quantized_experts(m):
+            if not callable(getattr(q, "select", None)):
+                raise ValueError(f"module: {name or type(m).__name__}.{attr} is {type(q).__name__} storage, which "
+                                 "cannot keep one rank's experts; quantise after expert_parallel")
         if ep.mesh is not None and m.down_proj.device.type not in (ep.mesh.device_type, "meta"):
             raise ValueError(f"group: a {ep.mesh.device_type} DeviceMesh, but the expert weights of "
                              f"{name or type(m).__name__} are on {m.down_proj.device}; move the module first")

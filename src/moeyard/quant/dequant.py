@@ -1,4 +1,5 @@
-"""Selective dequantisation of :class:`NF4Experts`: only the active experts, no host sync.
+"""Selective dequantisation of :class:`NF4Experts`: only the active experts, no host sync (and the
+argument checks every quantised storage shares: :func:`check_active`, :func:`check_out`, :func:`use_triton`).
 
 Two implementations behind :func:`dequantize`: a Triton kernel on CUDA (:mod:`.triton_nf4`) and a
 vectorised torch path elsewhere (:func:`dequantize_torch`); both reproduce bitsandbytes'
@@ -47,14 +48,23 @@ def dequantize(storage, active: Tensor | None = None, *, out: Tensor | None = No
     else:
         check_out(storage, out)
     with torch.no_grad():
-        if storage.device.type == "cuda" and have_triton():
+        if use_triton(storage.device):
             from .triton_nf4 import dequantize_triton
             dequantize_triton(storage, active, out)
         else:
-            if storage.device.type == "cuda":
-                _warn_no_triton()
             dequantize_torch(storage, active, out)
     return out
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether quantised experts on ``device`` are dequantised by a Triton kernel: on CUDA where Triton
+    is installed (without it, one warning, and the torch path)."""
+    if device.type != "cuda":
+        return False
+    if have_triton():
+        return True
+    _warn_no_triton()
+    return False
 
 
 def decoded_absmax(storage) -> Tensor:
@@ -148,5 +158,5 @@ def check_out(storage, out: Tensor) -> None:
 
 @functools.cache
 def _warn_no_triton() -> None:
-    warnings.warn("moeyard: triton is not installed, so NF4 experts are dequantised on CUDA by the torch path, "
-                  "which decodes every expert whatever `active` says (pip install triton)", stacklevel=3)
+    warnings.warn("moeyard: triton is not installed, so quantised experts are dequantised on CUDA by the torch "
+                  "path, which decodes every expert whatever `active` says (pip install triton)", stacklevel=4)

@@ -37,7 +37,15 @@ def triton_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: E
     ``[T, K]`` -> ``[T, H]`` in ``x.dtype``. Differentiable w.r.t. ``x``, the weights, biases and
     ``topk_weights``. Pairs with an id outside ``[0, E)`` add nothing with ``drop_invalid``; otherwise
     they add ``w * 0`` (the caller puts NaN in their weights, so those tokens come out NaN).
+
+    Under an FP8 recipe (``weights.recipe``) the layer runs the composed pipeline of the ``grouped_mm``
+    backend, whose base GEMMs are ``torch._scaled_grouped_mm`` on Hopper with the rowwise recipe (FP8
+    casts by Triton kernels, :mod:`moeyard.quant.fp8_triton`), emulated otherwise
+    (:mod:`moeyard.experts.scaled_hopper`).
     """
+    if weights.recipe is not None:
+        from ..grouped_mm import grouped_mm_forward
+        return grouped_mm_forward(x, topk_ids, topk_weights, weights, activation, drop_invalid=drop_invalid)
     from .function import triton_experts
     return triton_experts(x, topk_ids, topk_weights, weights, activation, drop_invalid=drop_invalid)
 

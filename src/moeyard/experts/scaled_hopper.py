@@ -1,0 +1,236 @@
+"""The Hopper fast path of the ``fp8_rowwise`` recipe: ``torch._scaled_grouped_mm`` (CUTLASS, SM 9.0) on
+e4m3 operands with float32 rowwise scales, cast by :mod:`moeyard.quant.fp8_triton`.
+
+Which scale each GEMM's operands carry (expert-major rows ``x [R, K]``, ``w [E, N, K]``, offsets ``[E + 1]``):
+
+- forward ``y = x w_e^T``: ``x`` one scale per row (over K), ``w_e`` one per output channel (over K);
+- dgrad ``dx = dy w_e``: ``dy`` one per row (over N), ``w_e^T`` one per input channel (over N);
+- wgrad ``dw_e = dy_e^T x_e``: ``dy^T`` and ``x^T`` one per channel and expert, over the expert's tokens
+  (so the rows of each expert are padded to a multiple of 16: ``Recipe.align``).
+
+Forward and dgrad accumulate with ``use_fast_accum`` (contraction over H or I, at most a few thousand);
+wgrad contracts over an expert's tokens (thousands to hundreds of thousands) and accumulates exactly.
+
+Two forms:
+
+- :class:`HopperRowwise`, the three GEMMs of one projection (:func:`moeyard.experts.scaled.scaled_linear`):
+  any layer the composed pipeline builds (biases, LoRA terms, custom activations).
+- :func:`routed_ffn`, the whole routed FFN fused around the same GEMMs, for a named activation with no
+  LoRA term and no down-projection bias: the up projection casts each token's row once and gathers the
+  e4m3 rows (the bf16 permuted copy of x is never made; its wgrad cast reads ``x`` through the rows'
+  token index); the down projection casts ``act(h)`` straight from ``h`` with the routing weight folded into
+  its rowwise scale (``act(h)`` is never written in bf16, nor kept: only ``h`` is); the combine is then an
+  unweighted sum of each token's rows, and the routing weights' gradient ``<d out[t], y_r> = <d act_r,
+  act(h_r)>`` comes out of the activation's backward kernel (the ``[T, K, H]`` pair copy a weighted combine
+  keeps for it is never made). Same results as the composed form, up to where bf16 rounding happens.
+
+On a CPU (Triton's interpreter) ``torch._scaled_grouped_mm`` is replaced by its definition
+(:func:`scaled_grouped_mm`), so the tests run both forms everywhere. Elsewhere (another GPU, dtype or
+recipe, or sizes that are not multiples of 16) a recipe runs emulated (:class:`moeyard.experts.scaled.Emulated`)
+and, on a GPU, says so once.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..activations import Activation
+from ..dispatch import DispatchPlan, make_plan
+from ..kernel_op import have_triton
+from ..quant.recipe import Recipe
+from ..weighted_sum import gathered_sum, gathered_weighted_sum
+from .scaled import Emulated, RecipeGEMMs
+from .weights import ExpertWeights
+
+Tensor = torch.Tensor
+_warned: set[tuple] = set()
+
+
+def scaled_grouped_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offsets: Tensor, out_dtype: torch.dtype,
+                      fast_accum: bool) -> Tensor:
+    """``torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offsets[1:])`` on CUDA; on a CPU its definition
+    in float32 (dequantise, ``torch._grouped_mm``): ``a [M, K]`` e4m3 row-major with ``scale_a [M]``, ``b
+    [G, K, N]`` column-major with ``scale_b [G, N]`` -> ``[M, N]``; or, for wgrad, ``a [N, M]`` and ``b [M, K]``
+    grouped along M with ``scale_a [G * N]``, ``scale_b [G * K]`` (group-major) -> ``[G, N, K]``."""
+    if a.is_cuda:
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offsets[1:], out_dtype=out_dtype,
+                                        use_fast_accum=fast_accum)
+    if b.dim() == 3:
+        a_deq = a.float() * scale_a[:, None]
+        b_deq = b.float() * scale_b[:, None, :]
+        return torch._grouped_mm(a_deq, b_deq, offs=offsets[1:]).to(out_dtype)
+    G = offsets.numel() - 1
+    group = torch.searchsorted(offsets[1:].to(torch.int64), torch.arange(a.shape[1]), right=True).clamp(max=G - 1)
+    a_deq = a.float() * scale_a.view(G, -1).mT[:, group]
+    b_deq = b.float() * scale_b.view(G, -1)[group]
+    return torch._grouped_mm(a_deq, b_deq, offs=offsets[1:]).to(out_dtype)
+
+
+def _cast():
+    from ..quant import fp8_triton
+    return fp8_triton
+
+
+class HopperRowwise(RecipeGEMMs):
+    """``fp8_rowwise`` on ``torch._scaled_grouped_mm`` (shapes: :mod:`moeyard.experts.scaled`, offsets form)."""
+
+    def forward(self, x, w, offsets, recipe):
+        return _forward(_cast().rowwise(x), w, offsets, x.dtype)
+
+    def dgrad(self, dy, w, offsets, recipe):
+        dyq, dys = _cast().rowwise(dy)
+        wq, ws = _cast().colwise_per_expert(w)  # [E, K, N], [E, K]
+        return scaled_grouped_mm(dyq, wq.mT, dys, ws, offsets, dy.dtype, True)
+
+    def wgrad(self, dy, x, offsets, recipe):
+        return _wgrad(_cast().colwise_per_group(dy, offsets), _cast().colwise_per_group(x, offsets), offsets, dy.dtype)
+
+
+HOPPER_ROWWISE = HopperRowwise()
+
+
+def _forward(xq_xs: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x w_e^T`` from the cast rows ``(xq [R, K], xs [R])``: casts ``w [E, N, K]`` per output channel."""
+    E, N, K = w.shape
+    wq, ws = _cast().rowwise(w.reshape(E * N, K))
+    return scaled_grouped_mm(xq_xs[0], wq.view(E, N, K).mT, xq_xs[1], ws.view(E, N), offsets, dtype, True)
+
+
+def _wgrad(dyq_dys: tuple[Tensor, Tensor], xq_xs: tuple[Tensor, Tensor], offsets: Tensor, dtype) -> Tensor:
+    """``dw_e = dy_e^T x_e`` ``[E, N, K]`` from the per-expert column casts ``(dy^T [N, R], [E, N])`` and
+    ``(x^T [K, R], [E, K])``."""
+    (dyq, dys), (xq, xs) = dyq_dys, xq_xs
+    return scaled_grouped_mm(dyq, xq.mT, dys.reshape(-1), xs.reshape(-1), offsets, dtype, False)
+
+
+# ---------------------------------------------------------------------------------- the fused form
+
+
+def fused(weights: ExpertWeights, activation: Activation) -> bool:
+    """Whether :func:`routed_ffn` computes this layer (a named activation; no LoRA term; no down bias)."""
+    return (activation.fn is None and weights.lora_up is None and weights.lora_down is None
+            and weights.b_down is None)
+
+
+def routed_ffn(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights, activation: Activation,
+               *, drop_invalid: bool = False) -> Tensor:
+    """The routed expert FFN under ``weights.recipe`` (``fp8_rowwise``) in the fused form (module docstring):
+    ``x [T, H]``, ``topk_ids`` / ``topk_weights`` ``[T, K]`` -> ``[T, H]``; differentiable w.r.t. ``x``,
+    ``topk_weights``, both weights and the up bias. Pairs with an invalid id add nothing; without
+    ``drop_invalid`` their NaN routing weight (:func:`moeyard.experts` sets it) makes their token's row NaN."""
+    recipe = weights.recipe
+    T, K = topk_ids.shape
+    plan = make_plan(topk_ids, weights.num_experts, align=recipe.align)
+    live = plan.valid.view(T, K)
+    offsets = plan.padded_offsets
+    h = _GatheredUp.apply(x, weights.w_up, plan.row_tokens(), plan.pair_rows.view(T, K), live, offsets)
+    if weights.b_up is not None:
+        from .pipeline import add_row_bias
+        h = add_row_bias(h, weights.b_up, plan)
+    rw = _row_weights(topk_weights, plan, live)
+    y = _ActDown.apply(h, weights.w_down, offsets, rw, activation, weights.interleaved)
+    out = gathered_weighted_sum(y, plan.pair_rows.view(T, K), live.to(y.dtype))  # no weight gradient: no copy
+    if not drop_invalid:  # the NaN weight of an invalid id reaches its token's row (0 * NaN); no gradient
+        out = out + 0 * topk_weights.masked_fill(live, 0).sum(1, keepdim=True).to(out.dtype)
+    return out
+
+
+def _row_weights(topk_weights: Tensor, plan: DispatchPlan, live: Tensor) -> Tensor:
+    """``[R]`` float32: each live pair's routing weight at its row, zero elsewhere (pad rows, invalid pairs);
+    differentiable w.r.t. ``topk_weights`` (the gradient reads back the same rows)."""
+    w = topk_weights.float().masked_fill(~live, 0).reshape(-1)
+    return w.new_zeros(plan.num_rows).index_put((plan.pair_rows,), w)
+
+
+class _GatheredUp(torch.autograd.Function):
+    """``h = x[row_tokens] w_e^T`` with the e4m3 rows gathered from one cast per token; backward: ``dx``
+    summed over each token's live rows, ``dw`` from ``x`` read through ``row_tokens``."""
+
+    @staticmethod
+    def forward(ctx, x, w, row_tokens, pair_rows, live, offsets):
+        cast = _cast()
+        xq, xs = cast.rowwise(x)
+        zero = torch.zeros(1, x.shape[1], device=x.device, dtype=torch.uint8)
+        rows_q = torch.cat([xq.view(torch.uint8), zero]).index_select(0, row_tokens).view(xq.dtype)
+        rows_s = torch.cat([xs, xs.new_ones(1)]).index_select(0, row_tokens)
+        ctx.save_for_backward(x, w, row_tokens, pair_rows, live, offsets)
+        return _forward((rows_q, rows_s), w, offsets, x.dtype)
+
+    @staticmethod
+    def backward(ctx, dh):
+        x, w, row_tokens, pair_rows, live, offsets = ctx.saved_tensors
+        cast = _cast()
+        dh = dh.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            d_rows = HOPPER_ROWWISE.dgrad(dh, w, offsets, None)
+            dx, _ = gathered_sum(d_rows, pair_rows, live.to(d_rows.dtype))
+        if ctx.needs_input_grad[1]:
+            dw = _wgrad(cast.colwise_per_group(dh, offsets), cast.colwise_per_group(x, offsets, index=row_tokens),
+                        offsets, dh.dtype)
+        return dx, dw, None, None, None, None
+
+
+class _ActDown(torch.autograd.Function):
+    """``y_r = rw_r * act(h_r) w_e^T`` (``rw`` folded into the rowwise scale of ``act(h)``); backward: ``d h``
+    and ``d rw`` from one kernel over ``h`` and ``d act``, ``dw`` from ``act(h)`` cast again from ``h``."""
+
+    @staticmethod
+    def forward(ctx, h, w, offsets, rw, act, interleaved):
+        aq, a_s = _cast().rowwise(h, act, interleaved=interleaved)
+        ctx.save_for_backward(h, w, offsets, rw)
+        ctx.act, ctx.interleaved = act, interleaved
+        return _forward((aq, a_s * rw), w, offsets, h.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, w, offsets, rw = ctx.saved_tensors
+        cast = _cast()
+        dy = dy.contiguous()
+        dh = drw = dw = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
+            da = HOPPER_ROWWISE.dgrad(dy, w, offsets, None)  # d y / d (rw * act(h)), before the weight
+            dh, drw = cast.act_backward(h, da, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
+        if ctx.needs_input_grad[1]:
+            a_t = cast.colwise_per_group(h, offsets, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
+            dw = _wgrad(cast.colwise_per_group(dy, offsets), a_t, offsets, dy.dtype)
+        return dh, dw, None, drw, None, None
+
+
+# ---------------------------------------------------------------------------------- the choice
+
+
+def fast_path_reason(recipe: Recipe, device: torch.device, dtype: torch.dtype, weights: ExpertWeights | None) -> str | None:
+    """None when the Hopper fast path serves ``recipe`` here, else why not."""
+    if not recipe.rowwise:
+        return f"{recipe.name} has no Hopper fast path (torch._scaled_grouped_mm takes rowwise scales on SM 9.0)"
+    if device.type != "cuda":
+        return f"no FP8 GEMM on {device.type}"
+    if not hasattr(torch, "_scaled_grouped_mm") or not have_triton():
+        return "needs torch._scaled_grouped_mm and Triton"
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        return f"the rowwise FP8 grouped GEMM runs on SM 9.0 (Hopper), this GPU is SM {cap[0]}.{cap[1]}"
+    if dtype != torch.bfloat16:
+        return f"the fast path computes in bfloat16, got {dtype}"
+    if weights is not None:
+        for name, n in (("hidden_size", weights.hidden_size), ("intermediate_size", weights.intermediate_size)):
+            if n % 16:
+                return f"{name}={n} is not a multiple of 16 (FP8 rows need 16-byte strides)"
+    return None
+
+
+def recipe_gemms(recipe: Recipe, device: torch.device, dtype: torch.dtype, weights: ExpertWeights,
+                 emulated: Emulated) -> tuple[RecipeGEMMs, int]:
+    """``(gemms, align)`` for a grouped backend: the Hopper fast path and ``recipe.align`` where it runs,
+    else ``emulated`` and 1 (with one warning per reason on a GPU: emulation is slower than the compute
+    dtype's own GEMMs)."""
+    reason = fast_path_reason(recipe, device, dtype, weights)
+    if reason is None:
+        return HOPPER_ROWWISE, recipe.align
+    if device.type == "cuda" and (recipe.name, reason) not in _warned:
+        _warned.add((recipe.name, reason))
+        warnings.warn(f"moeyard: recipe {recipe.name!r} runs emulated (quantise, dequantise, bf16 GEMMs: its "
+                      f"numerics, slower than bf16): {reason}", stacklevel=4)
+    return emulated, 1

@@ -1,0 +1,302 @@
+"""Triton kernels for the FP8 casts of the rowwise recipe's fast path (power-of-two scales), beside
+their reference, :func:`moeyard.quant.fp8.quantize` (same values: the tests compare them).
+
+- :func:`rowwise`: ``t [M, K]`` -> e4m3 ``[M, K]`` with one scale per row (forward and dgrad operands:
+  token rows, ``W_e`` rows). One program per ``BLOCK_M`` rows: a pass for the rows' ``amax``, a pass to
+  scale and cast.
+- :func:`colwise_per_group`: ``t [R, N]`` with expert offsets -> e4m3 ``t^T [N, R]`` with one scale per
+  column and expert (the wgrad operands ``dy^T`` and ``x^T``, transposed as ``torch._scaled_grouped_mm``
+  reads them). One program per (expert, ``BLOCK_N`` columns), looping over the expert's rows twice.
+- :func:`colwise_per_expert`: ``w [E, N, K]`` -> e4m3 ``w^T [E, K, N]`` with one scale per (expert,
+  column) (``W_e^T`` for dgrad), the same kernel with the experts as equal groups.
+- With ``act`` (an :class:`moeyard.activations.Activation` by name), :func:`rowwise` and
+  :func:`colwise_per_group` cast ``act(h)`` computed in float32 from the up projection's output ``h``
+  (``[R, 2I]`` gated, gate then up columns or interleaved; ``[R, I]`` plain) as they load it, so the
+  activation's output is never written in the compute dtype; :func:`act_backward` gives ``d h`` from ``h``
+  and ``d act(h)``. The activations are those of the ``triton`` backend's epilogues
+  (:mod:`moeyard.experts.triton.act`).
+
+Under Triton's CPU interpreter, whose float8 conversion does not round to nearest (seen with triton 3.9:
+127.6 became 64), the kernels store the scaled float32 values and the wrapper casts them with torch;
+on CUDA the kernels cast (``cvt.rn.satfinite``, the same rounding as torch's). No host sync.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..activations import Activation
+from ..experts.triton.act import act_fwd, act_grad
+from ..kernel_op import interpreting
+from .fp8 import E4M3, E4M3_MAX
+
+Tensor = torch.Tensor
+
+
+@triton.jit
+def _pow2_scale(amax):
+    """``2^-floor(log2(448 / max(amax, EPS)))`` from the float32 exponent bits (exact)."""
+    inv = 448.0 / tl.maximum(amax, 1e-12)
+    e = ((inv.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(inv)): inv is a normal float
+    return ((127 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load(x_ptr, idx_ptr, rw_ptr, n_src, rows, m_rows, cols, m_cols, stride_r, K, alpha, limit,
+          ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_INDEX: tl.constexpr,
+          HAS_RW: tl.constexpr):
+    """The float32 block ``[rows, cols]`` of the operand a cast reads (``_source`` in the wrappers):
+    ``x[rows]``, or ``x[idx[rows]]`` with ``HAS_INDEX`` (an index ``>= n_src`` reads zeros: pad rows); with
+    ``ACT`` the activation's output there (``x`` is then the up projection's output: gate at ``cols``
+    and up at ``cols + K``, or at ``2 cols`` and ``2 cols + 1``); with ``HAS_RW`` times ``rw[rows]``."""
+    m = m_rows
+    src = rows
+    if HAS_INDEX:
+        src = tl.load(idx_ptr + rows, mask=m_rows, other=n_src)
+        m = m_rows & (src < n_src)
+    mask = m[:, None] & m_cols[None, :]
+    base = x_ptr + src[:, None].to(tl.int64) * stride_r
+    if ACT == "none":
+        v = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        if GATED:
+            if INTERLEAVED:
+                g = tl.load(base + 2 * cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                u = tl.load(base + 2 * cols[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
+            else:
+                g = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                u = tl.load(base + cols[None, :] + K, mask=mask, other=0.0).to(tl.float32)
+        else:
+            g = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            u = g
+        v = tl.where(mask, act_fwd(g, u, alpha, limit, ACT), 0.0)
+    if HAS_RW:
+        v = v * tl.load(rw_ptr + rows, mask=m_rows, other=0.0).to(tl.float32)[:, None]
+    return v
+
+
+@triton.jit
+def _rowwise_kernel(
+    x_ptr, idx_ptr, rw_ptr, n_src,  # the operand (see _load): x [n_src or M, *] float, unit column stride
+    q_ptr,      # [M, K] e4m3 (float32 under the interpreter), contiguous
+    s_ptr,      # [M] float32
+    M, K, stride_xm, alpha, limit,
+    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_INDEX: tl.constexpr,
+    HAS_RW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_rows = rows < M
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        b_x = _load(x_ptr, idx_ptr, rw_ptr, n_src, rows, m_rows, cols, cols < K, stride_xm, K, alpha, limit,
+                    ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW)
+        amax = tl.maximum(amax, tl.max(tl.abs(b_x), axis=1))
+    scale = _pow2_scale(amax)
+    tl.store(s_ptr + rows, scale, mask=m_rows)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        b_x = _load(x_ptr, idx_ptr, rw_ptr, n_src, rows, m_rows, cols, cols < K, stride_xm, K, alpha, limit,
+                    ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW)
+        b_q = tl.clamp(b_x / scale[:, None], -448.0, 448.0)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], b_q.to(q_ptr.dtype.element_ty),
+                 mask=m_rows[:, None] & (cols < K)[None, :])
+
+
+@triton.jit
+def _colwise_kernel(
+    x_ptr, idx_ptr, rw_ptr, n_src,  # the operand (see _load): rows r of the groups, unit column stride
+    offsets_ptr,  # [G + 1] int32: rows of group g are offsets[g] .. offsets[g + 1]
+    q_ptr,        # transposed e4m3 output (float32 under the interpreter); element (g, n, r) at
+                  # g * stride_qg + n * stride_qn + (r - offsets[g] if LOCAL else r)
+    s_ptr,        # [G, N] float32
+    N, stride_xr, stride_qg, stride_qn, alpha, limit,
+    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_INDEX: tl.constexpr,
+    HAS_RW: tl.constexpr, LOCAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_cols = cols < N
+    start = tl.load(offsets_ptr + g)
+    end = tl.load(offsets_ptr + g + 1)
+    amax = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        b_x = _load(x_ptr, idx_ptr, rw_ptr, n_src, rows, rows < end, cols, m_cols, stride_xr, N, alpha, limit,
+                    ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW)
+        amax = tl.maximum(amax, tl.max(tl.abs(b_x), axis=0))
+    scale = _pow2_scale(amax)
+    tl.store(s_ptr + g * N + cols, scale, mask=m_cols)
+    base = q_ptr + g.to(tl.int64) * stride_qg
+    for r0 in range(start, end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        b_x = _load(x_ptr, idx_ptr, rw_ptr, n_src, rows, rows < end, cols, m_cols, stride_xr, N, alpha, limit,
+                    ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW)
+        b_q = tl.clamp(b_x / scale[None, :], -448.0, 448.0).to(q_ptr.dtype.element_ty)
+        at = rows - start if LOCAL else rows
+        tl.store(base + cols[None, :].to(tl.int64) * stride_qn + at[:, None], b_q,
+                 mask=(rows < end)[:, None] & m_cols[None, :])
+
+
+def _out(shape, device) -> Tensor:
+    """The kernels' output: e4m3 on CUDA, float32 (cast afterwards) under the interpreter."""
+    return torch.empty(shape, device=device, dtype=torch.float32 if interpreting() else E4M3)
+
+
+def _cast(q: Tensor) -> Tensor:
+    return q.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3) if q.dtype != E4M3 else q
+
+
+def _act_args(act: Activation | None, interleaved: bool) -> dict:
+    """The kernels' activation arguments for ``act`` (None: the identity)."""
+    if act is None:
+        return dict(alpha=0.0, limit=0.0, ACT="none", GATED=False, INTERLEAVED=False)
+    if act.fn is not None:
+        raise ValueError("act: a custom activation callable cannot run inside a cast kernel")
+    return dict(alpha=float(act.alpha), limit=float(act.limit), ACT=act.name, GATED=act.gated,
+                INTERLEAVED=bool(interleaved and act.gated))
+
+
+def _out_columns(t: Tensor, act: Activation | None) -> int:
+    return t.shape[1] // 2 if act is not None and act.gated else t.shape[1]
+
+
+def _source(t: Tensor, index: Tensor | None, row_weights: Tensor | None) -> dict:
+    """The operand arguments of the kernels (``_load``): ``t`` (unit column stride), an optional row
+    ``index`` (int64 or int32, ``>= t.shape[0]``: a zero row) and optional float32 ``row_weights``."""
+    return dict(x_ptr=t, idx_ptr=t if index is None else index, rw_ptr=t if row_weights is None else row_weights,
+                n_src=t.shape[0], HAS_INDEX=index is not None, HAS_RW=row_weights is not None)
+
+
+def rowwise(t: Tensor, act: Activation | None = None, *, interleaved: bool = False, index: Tensor | None = None,
+            row_weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``t [M, K]`` (unit column stride) -> ``(q [M, K] e4m3 contiguous, s [M] float32)``: one power-of-two
+    scale per row (:func:`moeyard.quant.fp8.quantize` with ``Blocks(None, 1)``, mode ``pow2``). With
+    ``act``: of ``act(t)`` (``t`` the up projection's output, ``K`` its output columns; module docstring);
+    with ``index [M]``: of ``t[index]`` (an index ``>= len(t)`` gives a zero row); with ``row_weights [M]``
+    (float32): of each row times its weight."""
+    M = t.shape[0] if index is None else index.shape[0]
+    K = _out_columns(t, act)
+    if t.stride(1) != 1:
+        t = t.contiguous()
+    q, s = _out((M, K), t.device), torch.empty(M, device=t.device, dtype=torch.float32)
+    if M:
+        _rowwise_kernel[(triton.cdiv(M, 16),)](**_source(t, index, row_weights), q_ptr=q, s_ptr=s, M=M, K=K,
+                                               stride_xm=t.stride(0), **_act_args(act, interleaved),
+                                               BLOCK_M=16, BLOCK_K=128)
+    return _cast(q), s
+
+
+def colwise_per_group(t: Tensor, offsets: Tensor, act: Activation | None = None, *, interleaved: bool = False,
+                      index: Tensor | None = None, row_weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``t [R, N]`` (unit column stride), ``offsets [G + 1]`` int32 -> ``(q [N, R] e4m3, s [G, N] float32)``:
+    ``q[n, r] = t[r, n] / s[g, n]`` for the rows of each group ``g``, ``s[g, n]`` the power-of-two scale of
+    column ``n`` over the group's rows (:func:`moeyard.quant.fp8.quantize` of ``t^T`` with offsets). Columns
+    ``r`` of ``q`` past ``offsets[G]`` are left unwritten. ``act``, ``index [R]`` and ``row_weights [R]`` as
+    :func:`rowwise`'s (then ``R`` is the index's length)."""
+    R = t.shape[0] if index is None else index.shape[0]
+    N = _out_columns(t, act)
+    if t.stride(1) != 1:
+        t = t.contiguous()
+    G = offsets.numel() - 1
+    q, s = _out((N, R), t.device), torch.empty(G, N, device=t.device, dtype=torch.float32)
+    if G and N:
+        _colwise_kernel[(G, triton.cdiv(N, 64))](**_source(t, index, row_weights), offsets_ptr=offsets, q_ptr=q,
+                                                 s_ptr=s, N=N, stride_xr=t.stride(0), stride_qg=0, stride_qn=R,
+                                                 **_act_args(act, interleaved), LOCAL=False, BLOCK_R=64, BLOCK_N=64)
+    return _cast(q), s
+
+
+@triton.jit
+def _act_backward_kernel(
+    h_ptr,   # [R, 2I] gated (gate then up, or interleaved) or [R, I] plain, float, unit column stride
+    g_ptr,   # [R, I] float, unit column stride: the gradient of act(h) (HAS_RW: of rw * act(h), before rw)
+    rw_ptr,  # [R] float32 row weights (HAS_RW)
+    dh_ptr,  # [R, 2I] or [R, I], h's dtype, contiguous
+    drw_ptr,  # [R] float32: sum_i g[r, i] * act(h)[r, i] (HAS_RW)
+    R, I, stride_h, stride_g, alpha, limit,
+    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_RW: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_rows = rows < R
+    r64 = rows[:, None].to(tl.int64)
+    rw = tl.load(rw_ptr + rows, mask=m_rows, other=0.0).to(tl.float32) if HAS_RW else tl.zeros([BLOCK_R], tl.float32)
+    dot = tl.zeros([BLOCK_R], dtype=tl.float32)
+    width = 2 * I if GATED else I
+    for i0 in range(0, I, BLOCK_I):  # the whole row in one program: the row sums in a fixed order
+        cols = i0 + tl.arange(0, BLOCK_I)
+        mask = m_rows[:, None] & (cols < I)[None, :]
+        if GATED:
+            gcol = 2 * cols if INTERLEAVED else cols
+            ucol = 2 * cols + 1 if INTERLEAVED else cols + I
+        else:
+            gcol = cols
+            ucol = cols
+        g_in = tl.load(h_ptr + r64 * stride_h + gcol[None, :], mask=mask, other=0.0).to(tl.float32)
+        u_in = g_in
+        if GATED:
+            u_in = tl.load(h_ptr + r64 * stride_h + ucol[None, :], mask=mask, other=0.0).to(tl.float32)
+        da = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        a, dg, du = act_grad(g_in, u_in, alpha, limit, ACT)
+        if HAS_RW:
+            dot += tl.sum(tl.where(mask, da * a, 0.0), axis=1)
+            da = da * rw[:, None]
+        tl.store(dh_ptr + r64 * width + gcol[None, :], (da * dg).to(dh_ptr.dtype.element_ty), mask=mask)
+        if GATED:
+            tl.store(dh_ptr + r64 * width + ucol[None, :], (da * du).to(dh_ptr.dtype.element_ty), mask=mask)
+    if HAS_RW:
+        tl.store(drw_ptr + rows, dot, mask=m_rows)
+
+
+def act_backward(h: Tensor, da: Tensor, act: Activation, *, interleaved: bool = False,
+                 row_weights: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """``(d h, d row_weights)`` of ``y = row_weights * act(h)`` (``row_weights`` None: ``y = act(h)``) given
+    ``da = d y / row_weights`` (``[R, I]``, the gradient before the row weight): ``d h`` in ``h``'s shape and
+    dtype with ``d act = row_weights * da``, and ``d row_weights [R]`` float32 ``= sum_i da * act(h)`` (None
+    without row weights). Derivatives in float32 (:func:`moeyard.experts.triton.act.act_grad`; torch
+    autograd's conventions at kinks); one program per 32 rows, so the row sums have a fixed order."""
+    R, I = da.shape
+    if h.stride(1) != 1:
+        h = h.contiguous()
+    if da.stride(1) != 1:
+        da = da.contiguous()
+    dh = torch.empty(h.shape, device=h.device, dtype=h.dtype)
+    drw = None if row_weights is None else torch.empty(R, device=h.device, dtype=torch.float32)
+    if R and I:
+        _act_backward_kernel[(triton.cdiv(R, 32),)](
+            h, da, h if row_weights is None else row_weights, dh, dh if drw is None else drw, R, I, h.stride(0),
+            da.stride(0), **_act_args(act, interleaved), HAS_RW=row_weights is not None, BLOCK_R=32, BLOCK_I=128)
+    elif drw is not None:
+        drw.zero_()
+    return dh, drw
+
+
+def colwise_per_expert(w: Tensor) -> tuple[Tensor, Tensor]:
+    """``w [E, N, K]`` (contiguous) -> ``(q [E, K, N] e4m3, s [E, K] float32)``: ``w_e^T`` with one power-of-two
+    scale per (expert, column of ``w_e``) over its ``N`` rows."""
+    E, N, K = w.shape
+    w = w.contiguous()
+    q, s = _out((E, K, N), w.device), torch.empty(E, K, device=w.device, dtype=torch.float32)
+    if E and K and N:
+        _colwise_kernel[(E, triton.cdiv(K, 64))](**_source(w.view(E * N, K), None, None),
+                                                 offsets_ptr=_equal_offsets(E, N, w.device), q_ptr=q, s_ptr=s, N=K,
+                                                 stride_xr=K, stride_qg=K * N, stride_qn=N, **_act_args(None, False),
+                                                 LOCAL=True, BLOCK_R=64, BLOCK_N=64)
+    return _cast(q), s
+
+
+def _equal_offsets(E: int, N: int, device: torch.device) -> Tensor:
+    """``[0, N, 2N, ..., EN]`` int32: made once per (E, N, device) eagerly, fresh while a CUDA graph is
+    captured (a captured ``arange`` fills its tensor only when the graph replays)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.arange(0, (E + 1) * N, N, device=device, dtype=torch.int32)
+    return _cached_offsets(E, N, device)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_offsets(E: int, N: int, device: torch.device) -> Tensor:
+    return torch.arange(0, (E + 1) * N, N, device=device, dtype=torch.int32)

@@ -1,0 +1,164 @@
+"""FP8 recipes on a CUDA GPU: the Triton casts bit-equal to the reference on the device (they cast
+themselves there), the Hopper fast path of ``fp8_rowwise`` (``torch._scaled_grouped_mm``) against the
+float64 ``loop`` oracle under the same recipe for the output and every gradient (judged against torch's
+own bfloat16 error under the recipe; the fused form's gradients, rounded in another order, by their error
+against the exact layer: see ``tests/test_fp8.py::_check_fused``), on the ``grouped_mm`` and ``triton``
+backends, with empty experts, one hot expert, dropped pairs, LoRA on a frozen FP8 base; no host sync; a
+CUDA graph capture."""
+import pytest
+import torch
+
+import moeyard
+from helpers import add_lora, assert_matches_oracle, make_inputs, run_experts
+from moeyard.quant import fp8
+from moeyard.quant.fp8 import Blocks
+
+pytestmark = pytest.mark.cuda
+DEV = "cuda"
+FROZEN = ("gate_up_proj", "down_proj")
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _check(backend, inputs, recipe="fp8_rowwise", fused=False, **kw):
+    T, H = inputs["hidden_states"].shape
+    g = torch.randn(T, H, dtype=torch.float64)
+    oracle = run_experts(inputs, torch.float64, "loop", g, recipe=recipe, **kw)
+    lowp = run_experts(inputs, torch.bfloat16, "loop", g, device=DEV, recipe=recipe, **kw)
+    got = run_experts(inputs, torch.bfloat16, backend, g, device=DEV, recipe=recipe, **kw)
+    if not fused:
+        assert_matches_oracle(got, lowp, oracle, torch.bfloat16, what=f"{backend} {recipe}")
+        return
+    assert_matches_oracle({"out": got["out"]}, {"out": lowp["out"]}, {"out": oracle["out"]}, torch.bfloat16)
+    exact = run_experts(inputs, torch.float64, "loop", g, **kw)
+    for k in exact:
+        e_got = ((got[k] - exact[k]).norm() / exact[k].norm()).item()
+        e_recipe = ((oracle[k] - exact[k]).norm() / exact[k].norm()).item()
+        assert e_got <= 1.25 * e_recipe + 4e-3, f"{backend} fused {k}: err {e_got:.3g} > 1.25 * {e_recipe:.3g}"
+
+
+@pytest.fixture
+def fast_path_calls(monkeypatch):
+    """The Hopper fast path's calls: "gemm" per scaled grouped GEMM, "fused" per fused FFN."""
+    import importlib
+    hop = importlib.import_module("moeyard.experts.scaled_hopper")
+    calls = []
+    real_mm, real_ffn = hop.scaled_grouped_mm, hop.routed_ffn
+    monkeypatch.setattr(hop, "scaled_grouped_mm", lambda *a: calls.append("gemm") or real_mm(*a))
+    monkeypatch.setattr(hop, "routed_ffn", lambda *a, **k: calls.append("fused") or real_ffn(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("M, K", [(1, 16), (4097, 2048), (333, 768)])
+def test_rowwise_cast_on_device(M, K):
+    from moeyard.quant import fp8_triton
+    t = (torch.randn(M, K, device=DEV) * torch.logspace(-4, 4, K, device=DEV)).bfloat16()
+    q, s = fp8_triton.rowwise(t)
+    q_ref, s_ref = fp8.quantize(t, Blocks(None), "pow2")
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref[:, 0])
+
+
+def test_colwise_casts_on_device():
+    from moeyard.quant import fp8_triton
+    R, N = 3000, 384
+    t = (torch.randn(R, N, device=DEV) * torch.logspace(-3, 3, N, device=DEV)).bfloat16()
+    off = torch.tensor([0, 0, 512, 2048, 2048, 2992], dtype=torch.int32, device=DEV)
+    q, s = fp8_triton.colwise_per_group(t, off)
+    q_ref, s_ref = fp8.quantize(t.mT, Blocks(None), "pow2", off)
+    assert torch.equal(q[:, :2992].view(torch.uint8), q_ref[:, :2992].view(torch.uint8))
+    live = off.diff() > 0
+    assert torch.equal(s[live], s_ref.mT[:-1][live])
+    w = torch.randn(5, 256, 128, device=DEV).bfloat16()
+    q, s = fp8_triton.colwise_per_expert(w)
+    q_ref, s_ref = fp8.quantize(w.mT, Blocks(None), "pow2")
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref[..., 0])
+
+
+@pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
+@pytest.mark.parametrize("case", ["base", "empty_experts", "one_hot_expert"])
+def test_fast_path_matches_oracle(backend, case, fast_path_calls):
+    T, H, I, E, K = 1024, 256, 128, 16, 4
+    ids = None
+    if case == "empty_experts":  # 12 of 16 experts receive nothing
+        ids = torch.stack([torch.randperm(4)[:K] * 4 for _ in range(T)])
+    elif case == "one_hot_expert":  # every token's first choice is expert 3
+        ids = torch.stack([torch.cat([torch.tensor([3]), torch.randperm(E - 1)[:K - 1] + 4]) % E for _ in range(T)])
+    inp = make_inputs(T, H, I, E, K, ids=ids)
+    inp["hidden_states"][:, :3] *= 30  # outlier channels
+    _check(backend, inp, fused=True)
+    assert fast_path_calls.count("fused") == (1 if _hopper() else 0)
+    assert fast_path_calls.count("gemm") == (6 if _hopper() else 0)  # 2 forward, 2 dgrad, 2 wgrad
+
+
+def test_fast_path_lora_on_frozen_base(fast_path_calls):
+    inp = add_lora(make_inputs(512, 256, 128, 8, 2), 16)
+    _check("triton", inp, frozen=FROZEN)
+    assert fast_path_calls.count("gemm") == (4 if _hopper() else 0)  # no wgrad for the frozen base
+
+
+def test_fast_path_drop_invalid():
+    inp = make_inputs(512, 128, 64, 8, 2)
+    ids = inp["topk_ids"].clone()
+    ids[::3, 1] = 8  # another rank's experts
+    inp["topk_ids"] = ids
+    _check("grouped_mm", inp, fused=True, drop_invalid=True)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "mxfp8"])
+def test_emulated_recipes_on_device(recipe):
+    with pytest.warns(UserWarning, match="emulated"):
+        _check("grouped_mm", make_inputs(256, 128, 64, 8, 2), recipe=recipe)
+
+
+def test_no_host_sync_and_cuda_graph():
+    if not _hopper():
+        pytest.skip("the fast path needs SM 9.0")
+    cfg = moeyard.MoEConfig(num_experts=16, hidden_size=256, intermediate_size=128, top_k=4)
+    moe = moeyard.MoE(cfg, backend="triton", recipe="fp8_rowwise", device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(2048, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    moe(x).backward(dy)  # warm-up (compiles)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe(x).backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    moe.aux_loss = moe.routing = None
+    for p in moe.parameters():
+        p.grad = None
+    x.grad = None
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe(x).backward(dy)
+        moe.aux_loss = moe.routing = None
+    torch.cuda.current_stream().wait_stream(s)
+    ref_grad = moe.gate_up_proj.grad.clone()
+    graph = torch.cuda.CUDAGraph()
+    for p in moe.parameters():
+        p.grad = None
+    x.grad = None
+    with torch.cuda.graph(graph):
+        y = moe(x)
+        y.backward(dy)
+    moe.aux_loss = moe.routing = None
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(moe.gate_up_proj.grad, ref_grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["gpt_oss", "gelu", "lora_down"])
+def test_fast_path_activations(case):
+    # the down projection with the activation fused (gpt-oss: clamped SwiGLU, interleaved, biases; a plain
+    # activation), and unfused where the down projection has a LoRA term
+    if case == "gpt_oss":  # the down bias takes the per-projection form
+        inp = make_inputs(512, 128, 64, 8, 2, bias=True, transposed=True)
+        _check("grouped_mm", inp, transposed=True, interleaved=True, activation="clamped_swiglu")
+    elif case == "gelu":
+        _check("triton", make_inputs(512, 128, 64, 8, 2, gated=False), fused=True, activation="gelu")
+    else:
+        _check("triton", add_lora(make_inputs(512, 128, 64, 8, 2), 8, projections=("down_proj",)), frozen=FROZEN)
