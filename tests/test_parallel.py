@@ -233,9 +233,7 @@ def test_bench_ep_lora_weak_scaling_under_torchrun(tmp_path):
     import os
     import subprocess
     import sys
-    from types import SimpleNamespace
-
-    from moeyard.cli import check_bench_arguments
+    from moeyard.cli import build_parser, check_bench_arguments
 
     out = tmp_path / "ep_lora.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moeyard",
@@ -252,8 +250,7 @@ def test_bench_ep_lora_weak_scaling_under_torchrun(tmp_path):
     assert {s["dispatcher"] for s in scaling} == {"all_to_all", "sync_free", "all_gather"}
     assert all(s["routing"] == "zipf" and s["per_gpu"] == s["one_gpu_fwd_bwd_ms"] / s["ep_fwd_bwd_ms"] > 0
                for s in scaling)
-    args = SimpleNamespace(from_json=None, plot=None, e2e=False, lora=None, quant="nf4", ep=2, trace=None,
-                           compile=None, tiny=False, seq_len=None, vocab=None)
+    args = build_parser().parse_args(["bench", "--ep", "2", "--lora", "16", "--quant", "nf4"])
     with pytest.raises(ValueError, match="--ep: .*--quant"):
         check_bench_arguments(args)
 
