@@ -226,21 +226,52 @@ def test_bench_ep_under_torchrun(tmp_path):
     assert all(r["pairs_computed"] == 32 * 2 for r in rows if r["routing"] == "balanced")
 
 
-def test_lora_is_refused():
-    """LoRA factors cover all E experts: a layer with adapters is refused by expert_parallel, and
-    adapters reaching an installed ExpertParallel (added afterwards, or PEFT's through transformers)
-    raise before any collective."""
+def test_bench_ep_lora_weak_scaling_under_torchrun(tmp_path):
+    """``moeyard bench --ep 2 --lora 4``: the LoRA step, and per row the one-GPU step on the same tokens
+    and the weak-scaling ratio; ``--quant`` is refused with ``--ep``."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from moeyard.cli import build_parser, check_bench_arguments
+
+    out = tmp_path / "ep_lora.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moeyard",
+           "bench", "--ep", "2", "--shape", "16,16,8,4,2", "--warmup", "0", "--iters", "1", "--lora", "4",
+           "--routing", "zipf", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LoRA r=4 step" in proc.stdout and "per GPU vs 1 GPU" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["lora_rank"] == 4 and all(r["lora_rank"] == 4 for r in result["rows"])
+    assert all(r["one_gpu"]["fwd_bwd_ms"] > 0 for r in result["rows"])
+    scaling = result["weak_scaling"]
+    assert {s["dispatcher"] for s in scaling} == {"all_to_all", "sync_free", "all_gather"}
+    assert all(s["routing"] == "zipf" and s["per_gpu"] == s["one_gpu_fwd_bwd_ms"] / s["ep_fwd_bwd_ms"] > 0
+               for s in scaling)
+    args = build_parser().parse_args(["bench", "--ep", "2", "--lora", "16", "--quant", "nf4"])
+    with pytest.raises(ValueError, match="--ep: .*--quant"):
+        check_bench_arguments(args)
+
+
+def test_lora_of_all_experts_is_refused():
+    """An installed ExpertParallel takes only this rank's block of the LoRA factors: an adapter of all E
+    experts (one that says so: ``ExpertLoRA.num_experts``) raises before any collective, naming shard_lora."""
     from moeyard.parallel import EPOptions, ExpertParallel
     from moeyard.parallel.comm import EPGroup
 
     layer = MoE(MoEConfig(num_experts=4, hidden_size=8, intermediate_size=4, top_k=2)).add_lora(2)
-    with pytest.raises(ValueError, match="LoRA adapters"):
-        expert_parallel(layer)
     call = ExpertParallel(EPGroup(group=None, world_size=2, rank=0), EPOptions(num_experts=4))
     lora = {n: a.expert_lora() for n, a in layer.lora.items()}
-    with pytest.raises(ValueError, match="lora: LoRA adapters are not supported"):
+    with pytest.raises(ValueError, match=r"lora\['gate_up_proj'\]: the adapter covers 4 experts.*shard_lora"):
         call(torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2),
              layer.gate_up_proj[:2], layer.down_proj[:2], lora=lora)
+    from moeyard import ExpertLoRA
+    bad = {"down_proj": ExpertLoRA(lora_A=torch.randn(5, 4), lora_B=torch.randn(8, 5))}  # 5 rows: not r * 2
+    with pytest.raises(ValueError, match=r"lora\['down_proj'\]: expected lora_A \[r\*2, in\]"):
+        call(torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2),
+             layer.gate_up_proj[:2], layer.down_proj[:2], lora=bad)
 
 
 def test_nccl_device_check():

@@ -134,3 +134,20 @@ def test_several_active_adapters_fall_back_with_a_warning(fuse):
 def test_fuse_lora_needs_wrapped_experts():
     with pytest.raises(ValueError, match="no PEFT ParamWrapper"):
         integration.fuse_lora(verify.build_model("qwen3_moe", seed=0))
+
+
+def test_unfused_path_warns_once_naming_fuse_lora():
+    """Trained as wrapped (no fuse_lora), PEFT's fold runs once per forward: one warning, the first time,
+    naming fuse_lora; none on later forwards, none once fused (and the fold then never runs)."""
+    model = _model()
+    ids, _ = verify.make_inputs(model)
+    integration._warned.clear()
+    with pytest.warns(UserWarning, match=r"fuse_lora\(model\)") as record:
+        _logits(model, "moeyard", ids)
+    assert sum("fuse_lora" in str(w.message) for w in record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _logits(model, "moeyard", ids)             # once per process
+        integration._warned.clear()
+        integration.fuse_lora(model)
+        _logits(model, "moeyard", ids)             # fused: no fold, no warning

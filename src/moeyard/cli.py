@@ -84,7 +84,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", type=int, nargs="?", const=16, metavar="R",
                    help="time the LoRA fine-tuning step of the routed experts (rank R, default 16) against the "
                         "frozen-base step and PEFT's default path (moeyard.bench_lora); --backends then names "
-                        "its implementations")
+                        "its implementations; with --ep: the expert-parallel LoRA step")
     p.add_argument("--quant", choices=["nf4"], help="with --lora: QLoRA rows (bf16 LoRA, NF4 with selective "
                    "dequantisation, NF4 dequantised whole) on a stack of --layers layers")
     p.add_argument("--layers", type=int, metavar="L", help="layers of the --quant stack (default 4) or of the --e2e "
@@ -236,6 +236,8 @@ def check_bench_arguments(args) -> None:
     for name in ("tiny", "seq_len", "vocab"):
         if given(name) and not args.e2e:
             raise ValueError(f"--{name.replace('_', '-')}: only with --e2e")
+    if args.ep and given("quant"):
+        raise ValueError("--ep: --quant is not available with expert parallelism (--lora R times the LoRA step)")
     if args.plot:
         bench_plot.check_plot_path(args.plot)
         bench_plot._figure_class()  # matplotlib missing: say so before a long run

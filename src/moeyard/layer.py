@@ -127,6 +127,9 @@ class MoE(nn.Module):
         ``freeze_base`` the expert weights and biases stop requiring grad. Returns ``self``.
 
         State dict keys: ``lora.<target>.lora_A.weight [r*E, in]``, ``lora.<target>.lora_B.weight [out, r*E]``.
+        Under expert parallelism (before or after :func:`moeyard.parallel.expert_parallel`) the factors of
+        all E experts are drawn as here, then each rank keeps its block ``[r*E_l, in]``, ``[out, r*E_l]``
+        (:mod:`moeyard.parallel.lora`), so the adapters equal those of the unsplit layer.
 
         Raises:
             ValueError: unknown target, a bad rank/alpha, or adapters already present.
@@ -137,8 +140,12 @@ class MoE(nn.Module):
         if not targets or any(t not in sizes for t in targets):
             raise ValueError(f"targets: expected a non-empty subset of {tuple(sizes)}, got {targets!r}")
         kw = {"device": self.down_proj.device, "dtype": self.down_proj.dtype}
-        self.lora = nn.ModuleDict({t: LoRAAdapter(sizes[t][0], sizes[t][2], sizes[t][1], rank, alpha=alpha,
+        E = self.config.num_experts  # all experts, also where this rank holds only its block of the weights
+        self.lora = nn.ModuleDict({t: LoRAAdapter(E, sizes[t][2], sizes[t][1], rank, alpha=alpha,
                                                   rslora=rslora, **kw) for t in targets})
+        if self.expert_parallel is not None:
+            from .parallel.lora import shard_lora
+            shard_lora(self)
         if freeze_base:
             for p in (self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias):
                 if p is not None:
@@ -148,6 +155,7 @@ class MoE(nn.Module):
     @torch.no_grad()
     def merge_lora(self) -> "MoE":
         """Fold the adapters into the expert weights (``W += s B A``) and remove them. Returns ``self``.
+        Under expert parallelism each rank folds its block (its experts' factors into its weights).
 
         Raises:
             TypeError: the expert weights are quantised (dequantise, merge, quantise again instead).
@@ -157,6 +165,7 @@ class MoE(nn.Module):
             if not isinstance(w, torch.Tensor):
                 raise TypeError(f"merge_lora: {name} is quantised ({type(w).__name__}); LoRA cannot be merged into "
                                 "quantised storage")
+            w = w.to_local() if hasattr(w, "to_local") else w  # a DTensor block on a DeviceMesh
             w += adapter.delta_weight().to(w.dtype)
         self.lora = None
         return self

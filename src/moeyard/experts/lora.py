@@ -50,7 +50,8 @@ class LoRAAdapter(nn.Module):
 
     def expert_lora(self) -> ExpertLoRA:
         """The adapter as :func:`moeyard.experts` takes it."""
-        return ExpertLoRA(lora_A=self.lora_A.weight, lora_B=self.lora_B.weight, scaling=self.scaling)
+        return ExpertLoRA(lora_A=self.lora_A.weight, lora_B=self.lora_B.weight, scaling=self.scaling,
+                          num_experts=self.num_experts)
 
     def delta_weight(self) -> Tensor:
         """``[E, out, in]``: ``s * B_e @ A_e`` (for merging; the forward never forms it)."""

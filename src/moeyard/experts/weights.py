@@ -40,6 +40,10 @@ class ExpertLoRA:
         lora_A: ``[r*E, in]`` float (PEFT's ``lora_A[name].weight``), rows expert-major.
         lora_B: ``[out, r*E]`` float (PEFT's ``lora_B[name].weight``), columns rank-major.
         scaling: the factor ``s`` of ``s * B A`` (PEFT: ``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA).
+        num_experts: the number of experts the factors cover, when the caller knows it (an adapter
+            module does); None: as many as the expert weights. Checked against the weights, so an
+            expert-parallel rank cannot mistake the factors of all E experts for its own block
+            (``r*E`` rows read as rank ``r*W`` over ``E/W`` experts).
 
     Factors in another float dtype than the expert weights (PEFT keeps adapters in float32 by
     default) are cast to the weights' dtype on each call; their gradients come back in their own dtype.
@@ -48,6 +52,7 @@ class ExpertLoRA:
     lora_A: Tensor
     lora_B: Tensor
     scaling: float = 1.0
+    num_experts: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,13 +235,16 @@ def low_rank(adapter: ExpertLoRA, E: int, out: int, inp: int, like: Tensor, name
 
     Raises:
         TypeError: not an :class:`ExpertLoRA`, non-float factors, non-numeric scaling.
-        ValueError: shapes (``lora_A [r*E, in]``, ``lora_B [out, r*E]``) or devices disagree.
+        ValueError: shapes (``lora_A [r*E, in]``, ``lora_B [out, r*E]``) or devices disagree, or the
+            adapter's ``num_experts`` is not E.
     """
     if not isinstance(adapter, ExpertLoRA):
         raise TypeError(f"{name}: expected a moeyard.ExpertLoRA, got {kind(adapter)}")
     A, B = adapter.lora_A, adapter.lora_B
     check_float(f"{name}.lora_A", A, dim=2)
     check_float(f"{name}.lora_B", B, dim=2)
+    if adapter.num_experts is not None and adapter.num_experts != E:
+        raise ValueError(f"{name}: the adapter covers num_experts={adapter.num_experts} experts, the weights {E}")
     rE = A.shape[0]
     if rE == 0 or rE % E or A.shape[1] != inp:
         raise ValueError(f"{name}.lora_A: expected shape [r*{E}, {inp}] (r >= 1), got {tuple(A.shape)}")

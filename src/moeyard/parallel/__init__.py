@@ -15,6 +15,8 @@ routed rows to the ranks owning their experts and brings the results back. One m
 - :mod:`.overlap`: ``overlap_chunks=N``: the tokens in N chunks, exchanges in flight during experts;
 - :mod:`.apply`: :func:`expert_parallel` (shards the weights, installs the layer's seam),
   :func:`release_buffers` (the symmetric-memory exchanges' buffers, before the group is destroyed);
+- :mod:`.lora`: LoRA adapters of the split experts (each rank its experts' factors, PEFT's layout):
+  :func:`shard_lora`, :func:`lora_state_dict` (the global factors, to save on rank 0);
 - :mod:`.fsdp`: :func:`fsdp_expert_parallel`, composed with FSDP2 on a 2-D ``(dp, ep)`` mesh;
 - :mod:`.bench`: ``moeyard bench --ep N`` under torchrun.
 
@@ -23,7 +25,7 @@ process on the global batch: losses, every gradient, two optimizer steps)::
 
     mesh = init_device_mesh("cuda", (dp, ep), mesh_dim_names=("dp", "ep"))
     fsdp_expert_parallel(model, mesh, blocks=model.model.layers, dispatcher="sync_free", max_tokens=T)
-    optimizer = torch.optim.AdamW(model.parameters())   # afterwards: DTensor parameters
+    optimizer = torch.optim.AdamW(param_groups_by_mesh(model.parameters()))  # afterwards: one group per mesh
     loss = loss_fn(model(batch_of_this_rank))            # mean over this rank's tokens
     loss.backward(); optimizer.step()
 
@@ -36,7 +38,8 @@ from .apply import expert_parallel, find_experts, release_buffers
 from .comm import EPGroup
 from .common import Dispatched, EPOptions
 from .experts import DISPATCHERS, ExpertParallel
-from .fsdp import fsdp_expert_parallel
+from .fsdp import fsdp_expert_parallel, param_groups_by_mesh
+from .lora import lora_state_dict, shard_lora
 
 __all__ = ["DISPATCHERS", "Dispatched", "EPGroup", "EPOptions", "ExpertParallel", "expert_parallel", "find_experts",
-           "fsdp_expert_parallel", "release_buffers"]
+           "fsdp_expert_parallel", "lora_state_dict", "param_groups_by_mesh", "release_buffers", "shard_lora"]

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..experts.quantized import is_quantized
 from .comm import EPGroup, resolve_group
 from .common import EPOptions
 from .experts import DISPATCHERS, ExpertParallel, check_overlap_options
@@ -27,6 +28,15 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
     ``[r * E / W, (r + 1) * E / W)`` (each ``[E, ...]`` parameter is replaced by a new
     ``nn.Parameter`` of the local block: build the optimizer afterwards) and its forward exchanges
     tokens with the other ranks. The router, shared experts and everything else stay replicated.
+
+    LoRA adapters (``MoE.add_lora`` before or after, PEFT ``target_parameters`` adapters on the
+    transformers experts' weights) are split with the experts: each rank keeps its experts' factors in
+    PEFT's layout, ``lora_A [r*E_l, in]``, ``lora_B [out, r*E_l]``, under the same names
+    (:mod:`moeyard.parallel.lora`: :func:`~moeyard.parallel.lora.shard_lora`; PEFT's wrappers are switched
+    to :func:`moeyard.integrations.peft.fuse_lora`); save them gathered with
+    :func:`~moeyard.parallel.lora.lora_state_dict`. Quantised expert weights
+    (:func:`moeyard.quantize_experts`, before or after) keep only this rank's block of their storage
+    (``NF4Experts.select``; plain modules also on a mesh).
 
     Each rank passes its own tokens (any count, 0 included; every rank must call the layer) and gets
     its own outputs; gradients flow back through both exchanges. Local expert weights get the
@@ -71,8 +81,10 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
             ``group`` not initialised, a mesh not 1-D, or a world size not dividing E; ``module`` with
             no experts, already expert parallel, a transformers experts module not running
             ``"moeyard"``, or expert shapes that differ across ranks (checked with one all-gather);
-            a ``MoE`` with LoRA adapters (``MoE.add_lora``: not supported under expert parallelism;
-            merge them first); expert weights on another device type than the mesh's.
+            expert weights on another device type than the mesh's (the meta device is accepted: a
+            model built there is split before its weights exist); quantised expert storage without
+            ``select`` (quantise after ``expert_parallel`` instead); a LoRA adapter covering neither E
+            nor E / W experts.
         TypeError: ``module`` is not an ``nn.Module``, ``group`` of the wrong kind.
     """
     _check_options(dispatcher, capacity_factor, max_tokens, align, exchange)
@@ -83,10 +95,6 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
     if not targets:
         raise ValueError("module: no moeyard.MoE or transformers experts module (gate_up_proj/up_proj and "
                          "down_proj of shape [E, ...]) found")
-    for name, (m, _) in targets.items():
-        if getattr(m, "lora", None) is not None:
-            raise ValueError(f"module: {name or type(m).__name__} has LoRA adapters, not supported under expert "
-                             "parallelism (their factors cover all experts); merge_lora() them first")
     ep = resolve_group(group)
     _check_same_on_every_rank(targets, ep)  # first: the checks below then fail alike on every rank
     check_exchange(ep, EPOptions(num_experts=ep.world_size, dispatcher=dispatcher, exchange=exchange))
@@ -97,7 +105,11 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         if E % ep.world_size:
             raise ValueError(f"group: its size {ep.world_size} does not divide num_experts={E} "
                              f"of {name or type(m).__name__}")
-        if ep.mesh is not None and m.down_proj.device.type != ep.mesh.device_type:
+        for attr, q in _quantized_experts(m):
+            if not callable(getattr(q, "select", None)):
+                raise ValueError(f"module: {name or type(m).__name__}.{attr} is {type(q).__name__} storage, which "
+                                 "cannot keep one rank's experts; quantise after expert_parallel")
+        if ep.mesh is not None and m.down_proj.device.type not in (ep.mesh.device_type, "meta"):
             raise ValueError(f"group: a {ep.mesh.device_type} DeviceMesh, but the expert weights of "
                              f"{name or type(m).__name__} are on {m.down_proj.device}; move the module first")
     for m, seam in targets.values():
@@ -106,6 +118,8 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         options = EPOptions(num_experts=E, dispatcher=dispatcher, capacity_factor=capacity_factor,
                             max_tokens=max_tokens, align=align, exchange=exchange, overlap_chunks=overlap_chunks)
         setattr(m, seam, ExpertParallel(ep, options))
+    from .lora import shard_lora
+    shard_lora(module)
     return module
 
 
@@ -133,7 +147,8 @@ def find_experts(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
 
 
 def _is_3d(p) -> bool:
-    return isinstance(p, torch.Tensor) and p.dim() == 3
+    """A 3-D tensor, or 3-D quantised expert storage (:class:`moeyard.quant.NF4Experts`)."""
+    return (isinstance(p, torch.Tensor) and p.dim() == 3) or (is_quantized(p) and len(p.shape) == 3)
 
 
 def _num_experts(m: nn.Module) -> int:
@@ -145,8 +160,17 @@ def _expert_params(m: nn.Module, E: int) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in m.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == E]
 
 
+def _quantized_experts(m: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The module's quantised expert weights (submodules such as :class:`moeyard.quant.NF4Experts`)."""
+    return [(n, q) for n, q in m.named_children() if is_quantized(q)]
+
+
 def _shard(m: nn.Module, E: int, ep: EPGroup) -> None:
+    """Keep this rank's block of every ``[E, ...]`` parameter (a DTensor ``Shard(0)`` on a mesh) and of
+    every quantised expert weight (its own storage, ``select``: a plain module on a mesh too)."""
     El = E // ep.world_size
+    for name, q in _quantized_experts(m):
+        setattr(m, name, q.select(ep.rank * El, (ep.rank + 1) * El))
     for name, p in _expert_params(m, E):
         local = p.detach()[ep.rank * El:(ep.rank + 1) * El].clone()
         if ep.mesh is not None:
@@ -160,7 +184,8 @@ def _check_same_on_every_rank(targets: dict, ep: EPGroup) -> None:
     """One all-gather of the layers' names and expert-parameter shapes: a mismatch raises on every
     rank (instead of a hang in the first exchange)."""
     mine = [(name, type(m).__name__, getattr(m, seam, None) is not None,
-             [(n, tuple(p.shape), str(p.dtype)) for n, p in _expert_params(m, _num_experts(m))])
+             [(n, tuple(p.shape), str(p.dtype)) for n, p in _expert_params(m, _num_experts(m))]
+             + [(n, tuple(q.shape), str(q.dtype), type(q).__name__) for n, q in _quantized_experts(m)])
             for name, (m, seam) in targets.items()]
     everyone = [None] * ep.world_size
     dist.all_gather_object(everyone, mine, group=ep.group)

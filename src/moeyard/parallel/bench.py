@@ -21,6 +21,17 @@ E / N random experts. For each dispatcher it times, forward only (CUDA events on
 ``sync_free`` is timed with ``exchange="all_to_all"`` and, on CUDA/NCCL, again with ``exchange="p2p"``
 (what its default ``auto`` takes there).
 
+Weak scaling: each rank also times the same step on one device, no exchange: its own T tokens through
+all E experts (the whole layer's weights on this GPU), forward + backward. Every GPU computes about
+T * K pairs either way, so the ratio ``one-GPU step / expert-parallel step`` (the slowest rank's, at
+``overlap_chunks`` 1) is the per-GPU throughput against one GPU on the same rows (100%: the exchange
+costs nothing). Run ``--ep 1`` too for the 1-GPU row of the table.
+
+``--lora R``: every call carries LoRA adapters of rank R on both projections (this rank's block of the
+factors, PEFT's layout, :mod:`moeyard.parallel.lora`; all E experts' on the one-device step) and the
+step is the LoRA fine-tuning step: the base weights frozen, gradients of the tokens, routing weights
+and LoRA factors. (The TFLOP/s columns count the base FLOPs only.)
+
 Rank 0 prints one row per (routing, dispatcher) with the slowest rank's times (what a step waits
 for) and writes every rank's numbers with ``--json``. Processes use NCCL on CUDA (device
 ``cuda:LOCAL_RANK``, set before the group is created and bound to it), gloo on CPU (``--device cpu``,
@@ -38,7 +49,7 @@ import torch.distributed as dist
 
 from .. import bench as layer_bench
 from ..activations import GATED
-from ..experts import experts
+from ..experts import ExpertLoRA, experts
 from ..routing import route
 from .comm import resolve_group
 from .apply import release_buffers
@@ -76,6 +87,9 @@ def _run(args, command: str, device: torch.device) -> int:
     from ..cli import bench_options
 
     overlaps = parse_overlap(args.overlap)
+    lora_rank = getattr(args, "lora", None)
+    if lora_rank is not None and (isinstance(lora_rank, bool) or lora_rank < 1):
+        raise SystemExit(f"--lora: expected a positive LoRA rank, got {lora_rank}")
     opts = layer_bench.resolve_options(_with(bench_options(args, command), device=str(device)))
     backend = (opts.backends or ["auto"])[0]
     routings = [opts.routing] if opts.routing != "random" else ["balanced", "zipf"]
@@ -87,7 +101,7 @@ def _run(args, command: str, device: torch.device) -> int:
         for routing in routings:
             for name, exchange in _variants(ep):
                 rows.append(measure(shape, config, routing, name, backend, ep, opts, device, overlaps,
-                                    exchange=exchange))
+                                    exchange=exchange, lora_rank=lora_rank))
     everyone = [None] * ep.world_size
     dist.all_gather_object(everyone, rows)
     if ep.rank == 0:
@@ -120,11 +134,23 @@ def parse_overlap(text: str) -> list[int]:
     return sorted(set(values))
 
 
+def lora_factors(num_experts: int, n1: int, H: int, I: int, rank: int, device, dtype) -> dict[str, ExpertLoRA]:
+    """Random LoRA adapters of ``rank`` on both projections of ``num_experts`` experts (PEFT's layout,
+    B nonzero so every factor gets a gradient), leaves that require grad."""
+    def leaf(*shape):
+        return (torch.randn(*shape, device=device, dtype=dtype) / shape[-1] ** 0.5).requires_grad_()
+
+    rE = rank * num_experts
+    return {"gate_up_proj": ExpertLoRA(lora_A=leaf(rE, H), lora_B=leaf(n1, rE), scaling=2.0, num_experts=num_experts),
+            "down_proj": ExpertLoRA(lora_A=leaf(rE, I), lora_B=leaf(H, rE), scaling=2.0, num_experts=num_experts)}
+
+
 def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts, device,
-            overlaps: list[int] = (1,), *, exchange: str = "auto") -> dict:
+            overlaps: list[int] = (1,), *, exchange: str = "auto", lora_rank: int | None = None) -> dict:
     """One rank's numbers for one (shape, routing, dispatcher); ``sync_free`` rows moved by
     ``exchange``; the whole call timed at each of ``overlaps`` that the options take (1 only for
-    ``all_gather`` and the ``symm_mem`` exchange)."""
+    ``all_gather`` and the ``symm_mem`` exchange), and the same step on one device (module docstring);
+    with ``lora_rank``, LoRA adapters on every call and the LoRA step."""
     T, E, H, I, K = shape.tokens, config.num_experts, config.hidden_size, config.intermediate_size, config.top_k
     El, dtype = E // ep.world_size, layer_bench.DTYPES[opts.dtype]
     torch.manual_seed(1000 + ep.rank)  # each rank its own tokens
@@ -133,13 +159,15 @@ def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts
         r = route(inputs.xs[0], inputs.router_weight, config)
         x, ids, w = inputs.xs[0].detach(), r.topk_ids, r.topk_weights.to(dtype)
     gated = config.activation in GATED
-    w_up = torch.randn(El, (2 if gated else 1) * I, H, device=device, dtype=dtype) / H ** 0.5
+    n1 = (2 if gated else 1) * I
+    w_up = torch.randn(El, n1, H, device=device, dtype=dtype) / H ** 0.5
     w_down = torch.randn(El, H, I, device=device, dtype=dtype) / I ** 0.5
     more = {"exchange": exchange} if dispatcher == "sync_free" else {}
     options = EPOptions(num_experts=E, dispatcher=dispatcher, max_tokens=None if dispatcher == "all_to_all" else T,
                         **more)
     mod = DISPATCHERS[dispatcher]
-    kw = dict(activation=config.activation, backend=backend, drop_invalid=True)
+    lora = None if lora_rank is None else lora_factors(El, n1, H, I, lora_rank, device, dtype)
+    kw = dict(activation=config.activation, backend=backend, drop_invalid=True, lora=lora)
     rows_kw = {**kw, "drop_invalid": mod.EXPERTS_DROP_INVALID}  # as ExpertParallel calls them
 
     def time_ms(fn) -> float:
@@ -161,6 +189,7 @@ def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts
     layer = {str(n): measure_layer(ExpertParallel(ep, EPOptions(**{**options.__dict__, "overlap_chunks": n})),
                                    x, ids, w, w_up, w_down, kw, time_ms)
              for n in overlaps if n == 1 or _overlaps(options)}
+    one_gpu = measure_one_gpu(x, ids, w, E, n1, H, I, lora_rank, kw, time_ms)
     flops = (6 if gated else 4) * pairs * H * I
     nbytes = sent * H * dtype.itemsize
     return {"case": shape.name, "routing": routing, "dispatcher": dispatcher, "exchange": options.exchange,
@@ -170,13 +199,16 @@ def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts
             "dispatch_GBps": nbytes / t_dispatch / 1e6, "plain_all_to_all_ms": plain,
             "plain_all_to_all_GBps": nbytes / plain / 1e6, "experts_tflops": flops / t_experts / 1e9,
             "one_device_ms": t_ref, "one_device_tflops": flops / t_ref / 1e9,
-            "dropped": None if d.dropped is None else int(d.dropped), "overlap": layer}
+            "dropped": None if d.dropped is None else int(d.dropped), "overlap": layer,
+            "lora_rank": lora_rank, "one_gpu": one_gpu}
 
 
 def measure_layer(call, x, ids, w, w_up, w_down, kw: dict, time_ms) -> dict:
     """``{"fwd_ms", "fwd_bwd_ms"}`` of the whole expert-parallel call: forward alone, and forward +
-    backward into fresh leaves of the tokens, routing weights and local expert weights."""
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w_up, w_down)]
+    backward into fresh leaves of the tokens, routing weights and local expert weights (with LoRA
+    adapters in ``kw``: the weights frozen, the adapters' factors get the gradients)."""
+    train_weights = kw.get("lora") is None
+    leaves = [t.detach().clone().requires_grad_(train_weights or i < 2) for i, t in enumerate((x, w, w_up, w_down))]
     dy = torch.randn_like(x)
 
     def step():
@@ -186,6 +218,18 @@ def measure_layer(call, x, ids, w, w_up, w_down, kw: dict, time_ms) -> dict:
     with torch.no_grad():
         fwd = time_ms(lambda: call(x, ids, w, w_up, w_down, **kw))
     return {"fwd_ms": fwd, "fwd_bwd_ms": time_ms(step)}
+
+
+def measure_one_gpu(x, ids, w, E: int, n1: int, H: int, I: int, lora_rank: int | None, kw: dict, time_ms) -> dict:
+    """``{"fwd_ms", "fwd_bwd_ms"}`` of this rank's tokens through all E experts on this device, no
+    exchange (:func:`moeyard.experts` with the whole layer's weights, and all E experts' adapters with
+    ``lora_rank``): the weak-scaling reference. Every rank calls it (it times after a barrier)."""
+    w_up = torch.randn(E, n1, H, device=x.device, dtype=x.dtype) / H ** 0.5
+    w_down = torch.randn(E, H, I, device=x.device, dtype=x.dtype) / I ** 0.5
+    lora = None if lora_rank is None else lora_factors(E, n1, H, I, lora_rank, x.device, x.dtype)
+    out = measure_layer(experts, x, ids, w, w_up, w_down, {**kw, "lora": lora}, time_ms)
+    del w_up, w_down, lora
+    return out
 
 
 def _overlaps(options: EPOptions) -> bool:
@@ -228,16 +272,28 @@ def _slowest(per: list[dict], key: str) -> str:
     return " / ".join(f"{max(p['overlap'][n][key] for p in per):.3f}" for n in per[0]["overlap"])
 
 
+def weak_scaling(per: list[dict]) -> dict:
+    """One row's weak scaling from every rank's numbers: the slowest rank's expert-parallel step
+    (forward + backward, ``overlap_chunks`` 1), the ranks' mean one-GPU step on their own tokens, and
+    ``per_gpu`` = one-GPU / expert-parallel (1.0: each GPU as fast as one GPU alone on the same rows)."""
+    ep_ms = max(p["overlap"]["1"]["fwd_bwd_ms"] for p in per)
+    one_ms = sum(p["one_gpu"]["fwd_bwd_ms"] for p in per) / len(per)
+    return {"ep_fwd_bwd_ms": ep_ms, "one_gpu_fwd_bwd_ms": one_ms, "per_gpu": one_ms / ep_ms}
+
+
 def _report(everyone: list[list[dict]], opts, args, device) -> None:
     from rich.console import Console
     from rich.table import Table
 
     W = len(everyone)
+    lora = everyone[0][0].get("lora_rank")
+    step = f"LoRA r={lora} step" if lora else "training step"
     table = Table(title=f"moeyard bench --ep {W} · {layer_bench.device_info(device)['device']} · {opts.dtype} · "
-                        f"slowest rank's ms, rank 0's rates")
+                        f"{step} · slowest rank's ms, rank 0's rates")
     cols = ("case", "routing", "dispatcher", "T/rank", "rows recv (max)", "dispatch ms", "experts ms", "combine ms",
             "GB/s", "plain a2a GB/s", "TFLOP/s", "1-device TFLOP/s", "dropped",
-            f"fwd ms (overlap {'/'.join(everyone[0][0]['overlap'])})", "fwd+bwd ms")
+            f"fwd ms (overlap {'/'.join(everyone[0][0]['overlap'])})", "fwd+bwd ms", "1-GPU fwd+bwd ms",
+            "per GPU vs 1 GPU")
     for c in cols:
         table.add_column(c, justify="left" if c in ("case", "routing", "dispatcher") else "right")
     for i, r0 in enumerate(everyone[0]):
@@ -249,11 +305,15 @@ def _report(everyone: list[list[dict]], opts, args, device) -> None:
                       f"{r0['dispatch_GBps']:.2f}", f"{r0['plain_all_to_all_GBps']:.2f}",
                       f"{r0['experts_tflops']:.3g}", f"{r0['one_device_tflops']:.3g}",
                       "-" if r0["dropped"] is None else str(sum(p["dropped"] for p in per)),
-                      _slowest(per, "fwd_ms"), _slowest(per, "fwd_bwd_ms"))
-    Console(width=260).print(table)
+                      _slowest(per, "fwd_ms"), _slowest(per, "fwd_bwd_ms"),
+                      f"{weak_scaling(per)['one_gpu_fwd_bwd_ms']:.3f}", f"{weak_scaling(per)['per_gpu']:.1%}")
+    Console(width=280).print(table)
     if args.json:
-        text = json.dumps({"env": layer_bench.environment(opts), "world_size": W,
-                           "rows": [r for rank_rows in everyone for r in rank_rows]}, indent=1)
+        text = json.dumps({"env": layer_bench.environment(opts), "world_size": W, "lora_rank": lora,
+                           "rows": [r for rank_rows in everyone for r in rank_rows],
+                           "weak_scaling": [{"case": p[0]["case"], "routing": p[0]["routing"],
+                                             "dispatcher": p[0]["dispatcher"], "exchange": p[0]["exchange"],
+                                             **weak_scaling(p)} for p in zip(*everyone)]}, indent=1)
         if args.json == "-":
             print(text)
         else:

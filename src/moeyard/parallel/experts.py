@@ -56,23 +56,25 @@ class ExpertParallel:
         weights ``gate_up_proj [E_l, 2I, H]``, ``down_proj [E_l, H, I]`` (or their DTensors); the
         other keyword arguments go to the local :func:`moeyard.experts` call (DTensors made local).
 
+        LoRA adapters (``lora=``) are this rank's block in PEFT's layout, ``lora_A [r*E_l, in]``,
+        ``lora_B [out, r*E_l]`` (:mod:`moeyard.parallel.lora`); their gradients are those of every
+        rank's tokens routed to the local experts.
+
         Collective: every rank of the group must call it (with any T, 0 included).
 
         Returns:
             ``[T, H]`` in ``hidden_states.dtype``, differentiable w.r.t. ``hidden_states``,
-            ``topk_weights`` and the local weights.
+            ``topk_weights``, the local weights and the LoRA factors.
         Raises:
             ValueError, TypeError: as :func:`moeyard.experts`; weights that are not this rank's
-            block of ``E / W`` experts; LoRA adapters (``lora=``: their factors cover all E experts,
-            not supported under expert parallelism); on an NCCL group, ``hidden_states`` off this
-            process's current CUDA device. Raised before any collective.
+            block of ``E / W`` experts; LoRA adapters covering other than E_l experts (their
+            ``ExpertLoRA.num_experts``: e.g. all E, added after :func:`expert_parallel` and not
+            sharded); on an NCCL group, ``hidden_states`` off this process's current CUDA device.
+            Raised before any collective.
         """
-        if kwargs.get("lora"):
-            raise ValueError("lora: LoRA adapters are not supported under expert parallelism (their factors "
-                             "cover all experts, this rank computes only its own); merge them first "
-                             "(MoE.merge_lora()) or train without expert parallelism")
         check_device(hidden_states.device, self.ep.backend)
         E, El = self.options.num_experts, local_experts(self.options, self.ep)
+        check_local_lora(kwargs.get("lora"), E, El)
         w_up, w_down = to_local(gate_up_proj), to_local(down_proj)
         kwargs = {k: to_local(v) for k, v in kwargs.items()}
         if w_up.shape[0] != El or w_down.shape[0] != El:
@@ -103,6 +105,24 @@ class ExpertParallel:
         extra = "".join(f", {k}={getattr(o, k)}" for k, default in REPR_DEFAULTS.items() if getattr(o, k) != default)
         return (f"ExpertParallel(dispatcher={o.dispatcher}, num_experts={o.num_experts}, "
                 f"world_size={self.ep.world_size}, rank={self.ep.rank}{extra})")
+
+
+def check_local_lora(lora, E: int, El: int) -> None:
+    """Raise ValueError, before any collective, when an adapter of ``lora`` says it covers other than this
+    rank's ``El`` experts (``ExpertLoRA.num_experts``; None is taken as local) or its factors' rows and
+    columns are not ``r * El`` (the other checks are the experts call's). Host metadata only."""
+    for name, a in (lora or {}).items() if isinstance(lora, dict) else ():
+        n = getattr(a, "num_experts", None)
+        if n is not None and n != El:
+            hint = (" (all of them: adapters added after expert_parallel; moeyard.parallel.shard_lora(model) keeps "
+                    "this rank's block, before the optimizer is built)" if n == E else "")
+            raise ValueError(f"lora['{name}']: the adapter covers {n} experts, this rank computes its block of "
+                             f"E / W = {El} of {E}{hint}")
+        A, B = getattr(a, "lora_A", None), getattr(a, "lora_B", None)
+        if isinstance(A, Tensor) and isinstance(B, Tensor) and A.dim() == B.dim() == 2 and \
+                (A.shape[0] == 0 or A.shape[0] % El or B.shape[1] != A.shape[0]):
+            raise ValueError(f"lora['{name}']: expected lora_A [r*{El}, in] and lora_B [out, r*{El}] (this rank's "
+                             f"E_l = {El} experts), got {tuple(A.shape)} and {tuple(B.shape)}")
 
 
 def check_overlap_options(overlap_chunks, dispatcher, capacity_factor, exchange) -> None:

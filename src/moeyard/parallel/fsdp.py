@@ -5,7 +5,10 @@ The layout (torchtitan's ``apply_fsdp`` with ``ep_degree > 1``): the routed expe
 block is replicated over ``mesh["dp"]`` only, so FSDP shards and reduces the expert weights over
 ``mesh["dp"]``. Every other parameter (router, shared experts, attention, embeddings) is replicated
 over all ``dp * ep`` ranks, each of which sees its own tokens, so FSDP shards and reduces it over the
-flattened mesh.
+flattened mesh. LoRA adapters of the experts (``MoE.add_lora``, PEFT's wrappers around a transformers
+experts module) hold only their rank's experts' factors (:mod:`moeyard.parallel.lora`), so they go
+with the expert weights: sharded and reduced over ``mesh["dp"]``, with their optimizer state. NF4 expert
+storage (:func:`moeyard.quantize_experts`) is buffers: each rank keeps its block, FSDP leaves it alone.
 
 Gradient scale: each rank's loss is the mean over its own tokens, FSDP averages the replicated
 parameters' gradients over the ``dp * ep`` ranks of the flattened mesh, i.e. the gradient of the
@@ -28,12 +31,15 @@ def fsdp_expert_parallel(model: nn.Module, mesh, *, dp_dim: str = "dp", ep_dim: 
     """Expert parallelism over ``mesh[ep_dim]`` and FSDP2 (``fully_shard``) over the rest; in place,
     returns ``model``.
 
-    Steps: :func:`expert_parallel` ``(model, mesh[ep_dim], **ep_kwargs)``; then for every expert layer
-    (a ``moeyard.MoE`` or a transformers experts module): ``fully_shard`` each child module holding
-    parameters (a ``MoE``'s router and shared expert) over the flattened ``(dp, ep)`` mesh, then the
-    layer itself (its own expert weights) over ``mesh[dp_dim]``, its gradients divided by ``dp * ep``
-    in all (see the module docstring); then each module of ``blocks`` (e.g. the decoder layers,
-    each its own all-gather) and ``model`` over the flattened mesh.
+    Steps: :func:`expert_parallel` ``(model, mesh[ep_dim], **ep_kwargs)`` (skipped when every expert
+    layer is already expert parallel over the ranks of ``mesh[ep_dim]``: e.g. split on the meta device
+    before its weights were built); then for every expert layer (a ``moeyard.MoE`` or a transformers
+    experts module): ``fully_shard`` each child module holding parameters (a ``MoE``'s router and
+    shared expert; not its ``lora`` adapters) over the flattened ``(dp, ep)`` mesh, then the layer
+    itself (its own expert weights and LoRA adapters) and the PEFT ``ParamWrapper`` chain around a
+    transformers experts module (its adapters) over ``mesh[dp_dim]``, their gradients divided by
+    ``dp * ep`` in all (see the module docstring); then each module of ``blocks`` (e.g. the decoder
+    layers, each its own all-gather) and ``model`` over the flattened mesh.
 
     Each rank passes its own batch; its loss must be the mean over its own tokens (as with plain
     FSDP), and every rank must run the same number of forward calls. Build the optimizer afterwards.
@@ -52,7 +58,8 @@ def fsdp_expert_parallel(model: nn.Module, mesh, *, dp_dim: str = "dp", ep_dim: 
     Raises:
         TypeError: ``mesh`` is not a ``DeviceMesh``.
         ValueError: ``mesh`` not 2-D or without the named dimensions; ``fsdp_kwargs`` naming ``mesh``;
-            anything :func:`expert_parallel` raises.
+            ``ep_kwargs`` given for a model already expert parallel, or one split over other ranks
+            than ``mesh[ep_dim]``'s; anything :func:`expert_parallel` raises.
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
@@ -68,19 +75,73 @@ def fsdp_expert_parallel(model: nn.Module, mesh, *, dp_dim: str = "dp", ep_dim: 
         raise ValueError("fsdp_kwargs: the meshes come from mesh (dp for the experts, the flattened mesh for the rest)")
     dp_mesh = mesh[dp_dim]
     flat = mesh[(dp_dim, ep_dim)]._flatten(f"{dp_dim}_{ep_dim}")
-    expert_parallel(model, mesh[ep_dim], **ep_kwargs)
+    if not _already_split(model, mesh[ep_dim], ep_kwargs):
+        expert_parallel(model, mesh[ep_dim], **ep_kwargs)
+    wrappers = _peft_wrappers(model)
     for layer, seam in find_experts(model).values():
         if seam == MOE_SEAM:
-            for child in layer.children():
-                if any(True for _ in child.parameters()):
+            for name, child in layer.named_children():
+                if name != "lora" and any(True for _ in child.parameters()):
                     fully_shard(child, mesh=flat, **kw)
-        fully_shard(layer, mesh=dp_mesh, **kw)
-        if mesh[ep_dim].size() > 1:
-            layer.set_all_reduce_hook(_divide_by(mesh[ep_dim].size()))
+        for unit in [layer] + wrappers.get(id(layer), []):
+            if not any(True for _ in unit.parameters()):
+                continue  # NF4 storage (buffers) under PEFT's wrappers: nothing for FSDP to shard
+            fully_shard(unit, mesh=dp_mesh, **kw)
+            if mesh[ep_dim].size() > 1:
+                unit.set_all_reduce_hook(_divide_by(mesh[ep_dim].size()))
     for block in blocks:
         fully_shard(block, mesh=flat, **kw)
     fully_shard(model, mesh=flat, **kw)
     return model
+
+
+def param_groups_by_mesh(params) -> list[dict]:
+    """Optimizer parameter groups, one per ``DeviceMesh`` of the trainable ``params`` (DTensors after
+    :func:`fsdp_expert_parallel`: the experts' weights and adapters on ``mesh["dp"]`` or ``(dp, ep)``,
+    the rest on the flattened mesh), plain tensors in one more. An optimizer's foreach (or fused)
+    step runs each group's tensors together, and DTensor refuses an op over several meshes ("does not
+    support cross-mesh operation"), which is what ``torch.optim.AdamW(model.parameters())`` runs into
+    on CUDA, where foreach is the default::
+
+        optimizer = torch.optim.AdamW(param_groups_by_mesh(model.parameters()), lr=1e-4)
+
+    Returns:
+        ``[{"params": [...]}, ...]`` in first-seen order (parameters that do not require grad left out).
+    """
+    groups: dict = {}
+    for p in params:
+        if p.requires_grad:
+            groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return [{"params": ps} for ps in groups.values()]
+
+
+def _already_split(model: nn.Module, ep_mesh, ep_kwargs: dict) -> bool:
+    """True when every expert layer of ``model`` is expert parallel over the ranks of ``ep_mesh``; False
+    when none is.
+
+    Raises:
+        ValueError: some are and some are not, they are split over other ranks, or ``ep_kwargs`` were
+            given for layers already split."""
+    import torch.distributed as dist
+
+    calls = [getattr(m, seam, None) for m, seam in find_experts(model).values()]
+    if not any(calls):
+        return False
+    ranks = dist.get_process_group_ranks(ep_mesh.get_group())
+    if not all(calls) or any(dist.get_process_group_ranks(c.ep.group) != ranks for c in calls):
+        raise ValueError(f"model: its expert layers must all be expert parallel over mesh's ep ranks {ranks}, "
+                         "or none (fsdp_expert_parallel then splits them)")
+    if ep_kwargs:
+        raise ValueError(f"ep_kwargs: the model is already expert parallel; {sorted(ep_kwargs)} cannot change it")
+    return True
+
+
+def _peft_wrappers(model: nn.Module) -> dict[int, list[nn.Module]]:
+    """``{id(experts module): [its outermost PEFT ParamWrapper]}`` (the unit holding the chain's adapters)."""
+    if not any(hasattr(m, "parameter_name") and hasattr(m, "base_layer") for m in model.modules()):
+        return {}
+    from ..integrations.peft import wrapper_chains
+    return {id(base): chain[:1] for base, chain in wrapper_chains(model)}
 
 
 def _divide_by(n: int):

@@ -95,6 +95,9 @@ def quantize_experts(module: nn.Module, format: str = "nf4", *, blocksize: int |
     which dequantises only the active experts, in forward and again in backward. PEFT's ``W + dW`` fold
     cannot run on quantised storage, so a PEFT-wrapped model is switched to
     :func:`moeyard.integrations.peft.fuse_lora` here (call that yourself after a later ``get_peft_model``).
+    After :func:`moeyard.parallel.expert_parallel` each rank quantises its own block of experts (a DTensor
+    block on a mesh: its local tensor); before it, ``expert_parallel`` keeps each rank's block of the
+    storage (:meth:`NF4Experts.select`).
 
     Args:
         module: a :class:`moeyard.MoE`, a transformers model or any module containing experts modules
@@ -120,6 +123,7 @@ def quantize_experts(module: nn.Module, format: str = "nf4", *, blocksize: int |
     if format == "nf4":
         bnb_functional()
     for _, owner, attr, p in targets:
+        p = p.to_local() if hasattr(p, "to_local") else p  # an expert-parallel rank's DTensor block
         if format == "nf4":
             storage = NF4Experts.from_float(p, **opts)
         else:
