@@ -29,8 +29,9 @@ from .routing import RoutingOutput, route, select_experts, update_correction_bia
 _LAYER = ("MoE", "Router", "SharedExpert", "load_state_dict", "state_dict")
 _PARALLEL = ("expert_parallel", "ep_experts", "ep_apply")
 
-__all__ = ["Activation", "DispatchPlan", "MoEConfig", "RoutingOutput", "experts", "make_plan", "permute", "route",
-           "select_experts", "unpermute", "update_correction_bias", *_LAYER, *_PARALLEL]
+__all__ = ["Activation", "DispatchPlan", "MoE", "MoEConfig", "Router", "RoutingOutput", "SharedExpert", "ep_apply",
+           "ep_experts", "expert_parallel", "experts", "load_state_dict", "make_plan", "permute", "route",
+           "select_experts", "state_dict", "unpermute", "update_correction_bias"]
 
 
 def __getattr__(name):

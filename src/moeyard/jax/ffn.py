@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from ..activations import Activation
 from .activations import apply_activation
 from .checks import accumulation_dtype, precision
-from .dispatch import DispatchPlan, permute_unchecked, plan_unchecked, unpermute_unchecked
+from .dispatch import permute_unchecked, plan_unchecked, unpermute_unchecked
 
 _RAGGED = dict(lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
@@ -111,11 +111,12 @@ def _routed_ffn_vjp(spec, x, topk_ids, topk_weights, up, b_up, down, b_down):
 
 def _vjp_fwd(spec, x, topk_ids, topk_weights, up, b_up, down, b_down):
     out, (plan, h) = _forward(spec, x, topk_ids, topk_weights, up, b_up, down, b_down)
-    return out, (x, topk_ids, topk_weights, up, b_up, down, b_down, plan, h)
+    vma = _Static(tuple(_vma(a) for a in (x, topk_weights, up, b_up, down, b_down)))
+    return out, (x, topk_weights, up, b_up, down, b_down, plan, h, vma)
 
 
 def _vjp_bwd(spec: FFNSpec, res, dout):
-    x, topk_ids, w, up, b_up, down, b_down, plan, h = res
+    x, w, up, b_up, down, b_down, plan, h, vma = res
     T, K = plan.num_tokens, plan.top_k
     acc = accumulation_dtype(x.dtype)
     gs, re = plan.group_sizes, plan.row_experts()
@@ -138,7 +139,37 @@ def _vjp_bwd(spec: FFNSpec, res, dout):
     d_rows = mm_t(dh, up, gs, spec.transposed)
     d_up = _weight_grad(rows, dh, up, gs, spec.transposed)
     dx = jnp.zeros((T + 1, x.shape[1]), acc).at[row_tokens].add(d_rows.astype(acc))[:T].astype(x.dtype)
-    return (dx, None, dw, d_up, _bias_grad(dh, b_up, re), d_down, _bias_grad(dy, b_down, re))
+    cts = (dx, dw, d_up, _bias_grad(dh, b_up, re), d_down, _bias_grad(dy, b_down, re))
+    dx, dw, d_up, d_b_up, d_down, d_b_down = map(_match_vma, cts, vma.value)
+    return dx, None, dw, d_up, d_b_up, d_down, d_b_down
+
+
+@jax.tree_util.register_static
+@dataclass(frozen=True)
+class _Static:
+    """Static data among the residuals (no leaves)."""
+
+    value: tuple
+
+
+def _vma(a) -> frozenset:
+    """The mesh axes ``a`` varies over inside ``jax.shard_map`` (empty elsewhere, and for None): the
+    type's ``manual_axis_type.varying`` (jax 0.10), or its ``vma`` (earlier releases)."""
+    if a is None:
+        return frozenset()
+    t = jax.typeof(a)
+    manual = getattr(t, "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", None) or getattr(t, "vma", None) or ())
+
+
+def _match_vma(ct, vma: frozenset):
+    """``ct`` summed over the mesh axes it varies over and its input (of mesh axes ``vma``) does not: the
+    gradient of an input that is the same on every device of an axis (replicated weights inside
+    ``jax.shard_map``) is the sum of the devices' contributions, as JAX's own transposes make it."""
+    if ct is None:
+        return None
+    extra = tuple(sorted(_vma(ct) - vma))
+    return jax.lax.psum(ct, extra) if extra else ct
 
 
 def _weight_grad(lhs, ct, w, group_sizes, transposed: bool):
@@ -159,13 +190,3 @@ def _bias_grad(ct, bias, row_experts):
 
 _routed_ffn_vjp.defvjp(_vjp_fwd, _vjp_bwd)
 
-
-def identity_plan(group_sizes, num_rows: int) -> DispatchPlan:
-    """The plan of rows already in expert-major order: ``num_rows`` rows, expert e owning the next
-    ``group_sizes[e]`` of them (one pair per row, weight 1; the rows past the groups invalid)."""
-    E = group_sizes.shape[0]
-    offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(group_sizes, dtype=jnp.int32)])
-    rows = jnp.arange(num_rows, dtype=jnp.int32)
-    return DispatchPlan(num_tokens=num_rows, top_k=1, num_experts=E, align=1, num_rows=num_rows,
-                        tokens_per_expert=group_sizes.astype(jnp.int32), expert_offsets=offsets,
-                        padded_offsets=offsets, sort_order=rows, pair_rows=rows, valid=rows < offsets[E])
