@@ -10,9 +10,10 @@ import os
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                           "--xla_llvm_disable_expensive_passes=true")
 sys.path.insert(0, os.path.dirname(__file__))
+from jax_flags import set_xla_flags  # noqa: E402
+
+set_xla_flags("--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -3,13 +3,10 @@
 Legend: B sequences, S tokens each, T = B * S, H hidden size, I intermediate size, E experts, K top-k.
 """
 import math
-import os
 
-# The JAX tests' time is XLA:CPU compile time: without its expensive optimisation passes it compiles these
-# small graphs about 3x faster. Set before JAX starts its backend (the first test that runs JAX code).
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE).strip()
+from jax_flags import set_xla_flags
+
+set_xla_flags()  # before JAX starts its backend (the first test that runs JAX code)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -39,8 +36,9 @@ def torch_layer(cfg, dtype, seed=0):
 
 
 def jax_layer(cfg, torch_module, dtype, **kw):
-    """The ``moeyard.jax.MoE`` with ``torch_module``'s parameters."""
-    m = mj.MoE(cfg, rngs=nnx.Rngs(0), dtype=JAX_DTYPES[dtype], **kw)
+    """The ``moeyard.jax.MoE`` with ``torch_module``'s parameters (built abstractly, then loaded: no
+    eager initialisation, whose every op would compile on its own)."""
+    m = nnx.eval_shape(lambda: mj.MoE(cfg, rngs=nnx.Rngs(0), dtype=JAX_DTYPES[dtype], **kw))
     return mj.load_state_dict(m, torch_module.state_dict())
 
 

@@ -37,7 +37,12 @@ __all__ = ["Activation", "DispatchPlan", "MoE", "MoEConfig", "Router", "RoutingO
 def __getattr__(name):
     """The flax NNX layer and expert parallelism, imported on first use (flax only then)."""
     if name in _LAYER:
-        from . import layer
+        try:
+            from . import layer
+        except ImportError as ex:
+            if "flax" not in str(ex):
+                raise
+            raise ImportError(f"moeyard.jax.{name} needs flax (NNX): pip install 'moeyard[jax]'") from ex
         return getattr(layer, name)
     if name in _PARALLEL:
         from . import parallel
