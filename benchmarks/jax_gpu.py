@@ -16,10 +16,18 @@ failing part prints its error and the next one runs), then a short table of ever
   PyTorch rows, the JAX layer, its plain-autodiff and Pallas-lowering variants and MaxText's plain
   ``ragged_dot`` pipeline, in one run; the JSON goes to ``--out``.
 
+``ragged_dot``'s GPU lowering matters more than anything here: XLA's default rewrites it into a dense,
+zero-padded GEMM (``[rows, E * in]``: out of memory at the ANCHORS shapes, e.g. 128 GiB for qwen3-30b-a3b's
+up projection), ``--lowering cudnn`` turns on XLA's cuDNN ragged-dot fusion
+(``--xla_gpu_experimental_use_ragged_dot_fusion``, forward and input gradient; the weight gradient stays
+dense), ``--lowering pallas`` JAX's Pallas/Triton lowering (``jax_ragged_dot_use_gpu_pallas_triton_lowering``).
+A lowering this jax lacks is reported, not crashed on. Every part runs under the one chosen.
+
 Run from the repository root (one GPU; ``ep`` wants two or more):
 
     PYTHONPATH=src python3 benchmarks/jax_gpu.py                         # all parts
     PYTHONPATH=src python3 benchmarks/jax_gpu.py --parts parity,memory   # about 3 min
+    PYTHONPATH=src python3 benchmarks/jax_gpu.py --parts parity,memory --lowering pallas
     PYTHONPATH=src python3 benchmarks/jax_gpu.py --parts ep              # on 2+ GPUs, about 2 min
     PYTHONPATH=src python3 benchmarks/jax_gpu.py --parts bench --models sonic-7b,qwen3-30b-a3b \
         --backends triton,grouped_mm,torch_gmm                           # one 10-minute call per 2-3 shapes
@@ -38,6 +46,11 @@ import time
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the GPU; peaks measured
+LOWERINGS = {  # --lowering: the environment that selects it (read when JAX starts, also by the child processes)
+    "default": {},
+    "cudnn": {"XLA_FLAGS": "--xla_gpu_experimental_use_ragged_dot_fusion=true"},
+    "pallas": {"JAX_RAGGED_DOT_USE_GPU_PALLAS_TRITON_LOWERING": "true"},
+}
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SUMMARY: list[tuple[str, str, str]] = []  # (part, what, result)
@@ -176,7 +189,7 @@ def part_ep(args) -> None:
     mesh = jax.make_mesh((W,), ("ep",), axis_types=(AxisType.Auto,), devices=devices)
     sizes = [("small, float32", 64, 16, 4, 64, 32, jnp.float32)]
     if not args.quick:
-        sizes.append(("qwen3-30b-a3b sizes, bf16", 4096, 128, 8, 2048, 768, jnp.bfloat16))
+        sizes.append(("qwen3-30b-a3b sizes, bf16", 2048, 128, 8, 2048, 768, jnp.bfloat16))
     for label, T, E, K, H, I, dtype in sizes:
         g = np.random.default_rng(0)
         p = (np.arange(E) + 1.0) ** -1.2
@@ -235,7 +248,8 @@ def part_memory(args) -> None:
         for layers in (1, 4):
             row = {}
             for custom in (True, False):
-                cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", model, str(layers), str(int(custom))]
+                cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", model, str(layers), str(int(custom)),
+                       "--mem-tokens", str(args.mem_tokens)]
                 if args.quick:
                     cmd.append("--quick")
                 run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
@@ -246,12 +260,13 @@ def part_memory(args) -> None:
             a, b = row[True], row[False]
             peak = "n/a (no allocator statistics here)" if a["peak_gib"] is None else \
                 f"custom VJP {a['peak_gib']:.2f} vs autodiff {b['peak_gib']:.2f} (x{b['peak_gib'] / a['peak_gib']:.2f})"
-            note("memory", f"{model}{' (quick)' if args.quick else ''}, {layers} layer(s), fwd+bwd peak GiB",
+            size = "quick" if args.quick else f"T={args.mem_tokens}"
+            note("memory", f"{model} ({size}), {layers} layer(s), fwd+bwd peak GiB",
                  f"{peak}; XLA temp {a['xla_temp_gib']:.2f} vs {b['xla_temp_gib']:.2f}; "
                  f"fwd+bwd ms {a['ms']:.2f} vs {b['ms']:.2f}")
 
 
-def memory_child(model: str, layers: int, custom: bool, quick: bool) -> None:
+def memory_child(model: str, layers: int, custom: bool, quick: bool, tokens: int) -> None:
     """One process, one measurement: L chained layers (routed experts only, bf16), forward + backward of
     ``sum(y * dy)`` w.r.t. x and every parameter; prints JSON."""
     import jax
@@ -263,7 +278,7 @@ def memory_child(model: str, layers: int, custom: bool, quick: bool) -> None:
 
     shape = get_model(model)
     cfg = routed_only(shape.moe_config())
-    T = 512 if quick else shape.tokens
+    T = 512 if quick else tokens
     if quick:
         import dataclasses
         cfg = dataclasses.replace(cfg, hidden_size=128, intermediate_size=64, num_experts=16)
@@ -326,6 +341,23 @@ def part_bench(args) -> None:
     print(f"  JSON: {out}")
 
 
+def use_lowering(name: str) -> bool:
+    """Put lowering ``name``'s settings into the environment (this process and its children), after
+    checking in a throw-away process that this jax accepts them (an unknown XLA flag aborts XLA)."""
+    env = dict(LOWERINGS[name])
+    if "XLA_FLAGS" in env:
+        env["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), env["XLA_FLAGS"]) if f)
+    if not env:
+        return True
+    probe = subprocess.run([sys.executable, "-c", "import jax, jax.numpy as jnp; jnp.ones(2).block_until_ready()"],
+                           env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        print(f"--lowering {name}: this jax does not accept {env}: {probe.stderr.strip().splitlines()[-1:]}")
+        return False
+    os.environ.update(env)
+    return True
+
+
 PARTS = {"parity": part_parity, "ep": part_ep, "memory": part_memory, "bench": part_bench}
 
 
@@ -337,17 +369,23 @@ def main() -> int:
                    "backend that runs, and the peers)")
     p.add_argument("--out", default="/tmp/moeyard_jax_gpu", help="where the bench JSON goes")
     p.add_argument("--quick", action="store_true", help="toy sizes (implied without a GPU)")
+    p.add_argument("--lowering", choices=list(LOWERINGS), default="default",
+                   help="ragged_dot's GPU lowering for every part (module docstring)")
+    p.add_argument("--mem-tokens", type=int, default=8192, help="memory: tokens per layer call (default 8192)")
     p.add_argument("--memory-child", nargs=3, metavar=("MODEL", "LAYERS", "CUSTOM"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.memory_child:
         model, layers, custom = args.memory_child
-        memory_child(model, int(layers), custom == "1", args.quick)
+        memory_child(model, int(layers), custom == "1", args.quick, args.mem_tokens)
         return 0
+    if not use_lowering(args.lowering):
+        return 1
     import jax
 
     args.quick = args.quick or not on_gpu()
     os.makedirs(args.out, exist_ok=True)
-    print(f"jax {jax.__version__} on {[d.device_kind for d in jax.devices()]}", flush=True)
+    print(f"jax {jax.__version__} on {[d.device_kind for d in jax.devices()]}; ragged_dot lowering {args.lowering}; "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     failed = []
     for name in args.parts.split(","):
         if name not in PARTS:

@@ -21,6 +21,11 @@ fwd+bwd (temporaries + outputs, the saved activations and the gradients), not a 
 of the ``jax`` row gives its speed against the ``ragged_dot`` pipeline and the fastest PyTorch row
 (``other ms / jax ms``, fwd+bwd (fwd): > 1 means the JAX layer is faster).
 
+``ragged_dot``'s GPU lowering decides these rows: XLA's default is a dense zero-padded GEMM (out of memory
+at the larger shapes); ``XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true`` (cuDNN) or
+``JAX_RAGGED_DOT_USE_GPU_PALLAS_TRITON_LOWERING=true`` choose another for the whole run, and the caption
+says which was in force (``benchmarks/jax_gpu.py --lowering`` sets them).
+
 JAX's GPU memory preallocation is turned off for the run (``XLA_PYTHON_CLIENT_PREALLOCATE=false``, set
 before JAX's first computation): PyTorch and JAX share the GPU.
 """
@@ -85,7 +90,9 @@ def environment(opts: bench.BenchOptions) -> dict:
     except ImportError:
         flax_version = "not installed"
     dev = _device(opts.device)
-    note = f"JAX rows: jax {jax.__version__} · flax {flax_version} · {dev.device_kind} ({dev.platform})"
+    note = (f"JAX rows: jax {jax.__version__} · flax {flax_version} · {dev.device_kind} ({dev.platform}) · "
+            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+            + (" · Pallas ragged_dot lowering on" if getattr(jax.config, PALLAS_FLAG, False) else ""))
     return {"jax": jax.__version__, "flax": flax_version, "framework_note": note}
 
 
@@ -152,14 +159,14 @@ def measure(name: str, config: MoEConfig, inputs: dict, opts: bench.BenchOptions
         note = f"max |y - y(jax)| = {err:.2e}"
     else:
         fwd, params = layer_fwd, layer_params
-    flag = getattr(jax.config, PALLAS_FLAG) if name == "jax pallas" else None
-    previous = None if flag is None else flag.value
+    pallas = name == "jax pallas"
+    previous = getattr(jax.config, PALLAS_FLAG, False)
     try:
-        if flag is not None:
-            jax.config.update(PALLAS_FLAG, True)
+        if pallas:
+            jax.config.update(PALLAS_FLAG, True)  # part of jit's cache key: this row compiles its own
         return {**_time(fwd, params, xs, dys, opts), "note": note}
     finally:
-        if flag is not None:
+        if pallas:
             jax.config.update(PALLAS_FLAG, previous)
 
 
