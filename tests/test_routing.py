@@ -190,6 +190,23 @@ def test_router_bias_and_buffer():
     torch.testing.assert_close(to_dense(out, 4), want, rtol=1e-5, atol=1e-6)
 
 
+
+@pytest.mark.parametrize("kw", [CONFIGS[0], CONFIGS[3], CONFIGS[7]])
+def test_router_float64(kw):
+    """float64 input routes in float64: the weights and every loss match the float64 formulas to
+    1e-12 (a float32 router would miss by ~1e-7)."""
+    cfg, x, W, bias, corr = _setup(kw)
+    cfg = dataclasses.replace(cfg, aux_loss_coef=0.1, seq_aux_loss_coef=0.01, z_loss_coef=0.001)
+    x, W = x.double(), W.double()
+    out = route(x, W, cfg, bias=None if bias is None else bias.double(), correction_bias=corr, num_sequences=2)
+    for f in ("topk_weights", "router_logits", "scores", "aux_loss", "seq_aux_loss", "z_loss", "loss"):
+        assert getattr(out, f).dtype == torch.float64, f
+    torch.testing.assert_close(to_dense(out, cfg.num_experts), ref_route(x, W, cfg, bias, corr), rtol=1e-12, atol=1e-12)
+    if bias is None:
+        aux, seq, z = ref_losses(x, W, cfg, out.topk_ids, 2)
+        for got, want in ((out.aux_loss, aux), (out.seq_aux_loss, seq), (out.z_loss, z)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
 # ---- losses ---------------------------------------------------------------------------------------
 
 def ref_losses(x, W, cfg, ids, B):

@@ -106,6 +106,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", metavar="DIR", help="after timing, profile one more step per case and implementation: "
                    "DIR/<case>-<impl>.json (Chrome trace) and, on CUDA, DIR/<case>-<impl>-memory.pickle "
                    "(allocator snapshot; moeyard.bench_trace)")
+    p.add_argument("--framework", choices=("torch", "jax"), default="torch",
+                   help="jax: after each case's PyTorch rows, time moeyard.jax's layer and a plain jax.lax.ragged_dot "
+                        "pipeline on the same inputs (moeyard.jax.bench; needs pip install 'moeyard[jax]')")
     p.add_argument("--list-models", action="store_true", help="list the registered model shapes and exit")
     p.add_argument("--ep", type=int, metavar="N", help="expert parallel over N processes: run under torchrun "
                    "--nproc-per-node N -m moeyard bench --ep N (see moeyard.parallel.bench)")
@@ -231,6 +234,9 @@ def check_bench_arguments(args) -> None:
         raise ValueError("--ep: --e2e, --plot and --trace are not available with expert parallelism")
     if given("recipe") and (given("lora") or given("quant") or args.ep):
         raise ValueError("--recipe: times the layer benchmark or --e2e (not with --lora, --quant or --ep)")
+    if args.framework == "jax" and (args.e2e or given("lora") or given("quant") or args.ep or given("compile")):
+        raise ValueError("--framework jax: times the layer benchmark only (not with --e2e, --lora, --quant, --ep or "
+                         "--compile)")
     if given("compile") and (args.e2e or given("lora") or given("quant") or args.ep):
         raise ValueError("--compile: times the layer benchmark only (not with --e2e, --lora, --quant or --ep)")
     for name in ("tiny", "seq_len", "vocab"):
@@ -287,6 +293,9 @@ def _run_with_progress(opts: bench.BenchOptions, args) -> dict:
             tiny = args.tiny or (not opts.models and (opts.device or bench.default_device()) == "cpu")
             return bench_e2e.run(opts, progress=report, layers=args.layers, seq_len=args.seq_len, vocab=args.vocab,
                                  tiny=tiny, trace=args.trace)
+        if args.framework == "jax":
+            from .jax import bench as jax_bench
+            return jax_bench.run(opts, progress=report)
         if args.lora is not None:
             from . import bench_lora
             return bench_lora.run(opts, args.lora, progress=report, quant=args.quant,
@@ -314,7 +323,7 @@ def results_table(result: dict) -> Table:
                "FLOPs: fwd = 6*T*k*H*I (gated; 4* plain) + shared experts, fwd+bwd = 3x fwd, router not counted; "
                f"median of {env['iters']} after {env['warmup']} warm-up; peak = extra GiB of fwd+bwd",
                *[f"{name} skipped: {why}" for name, why in env.get("skipped", {}).items()], _trace_line(result),
-               *peer_ratio_lines(result["rows"])]
+               *peer_ratio_lines(result["rows"]), env.get("framework_note", "")]
     return _case_table(title, caption, ("case (T,H,I,E,k)", "impl", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms",
                                         "fwd+bwd TFLOP/s", "peak GiB", "load max/mean", "note"),
                        result["rows"], _cells)

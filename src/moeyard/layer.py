@@ -54,7 +54,7 @@ class MoE(nn.Module):
 
     ``forward(x [..., H]) -> [..., H]`` in ``x.dtype``. For ``x [B, S, H]`` the sequence-wise loss uses
     the B sequences. After a forward, ``self.aux_loss`` holds the coefficient-weighted router loss
-    (a float32 scalar to add to the training loss) and ``self.routing`` the :class:`RoutingOutput` (unless
+    (a float32 scalar, float64 for a float64 layer, to add to the training loss) and ``self.routing`` the :class:`RoutingOutput` (unless
     ``self.keep_routing`` is set False).
 
     LoRA: :meth:`add_lora` gives the expert projections PEFT-layout adapters (``self.lora``), trained

@@ -410,6 +410,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fuse-lora", action="store_true",
                         help="with --lora: run moeyard through moeyard.integrations.peft.fuse_lora")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    parser.add_argument("--framework", choices=("torch", "jax"), default="torch",
+                        help="jax: add a column with the experts computed by moeyard.jax (moeyard.jax.verify)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -438,7 +440,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--lora: expected a positive rank (needed by --fuse-lora), got {args.lora}")
     archs = [ARCHS[a] for a in (args.arch or ARCHS)]
     t0 = time.perf_counter()
-    with quiet_transformers():
+    with quiet_transformers(), _framework(args.framework, dtype) as extra:
+        backends = [*backends, *extra]
         results = [r for a in archs for r in check_arch(a, list(backends), device=device, dtype=dtype, seed=args.seed,
                                                         lora_rank=args.lora, fuse_lora=args.fuse_lora)]
     elapsed = time.perf_counter() - t0
@@ -449,6 +452,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(results, backends, device=device, dtype=args.dtype, seconds=elapsed)
     return 1 if failed else 0
+
+
+@contextlib.contextmanager
+def _framework(framework: str, dtype: torch.dtype):
+    """The extra columns of ``--framework``: none for torch; ``jax`` (:mod:`moeyard.jax.verify`)."""
+    if framework != "jax":
+        yield []
+        return
+    from .jax.verify import jax_column
+    with jax_column(dtype) as name:
+        yield [name]
 
 
 @contextlib.contextmanager

@@ -75,6 +75,12 @@ def register_backend(backend: ExpertBackend) -> ExpertBackend:
     return backend
 
 
+def unregister_backend(name: str) -> ExpertBackend | None:
+    """Remove backend ``name`` from the registry (a temporary one, e.g. ``moeyard verify``'s ``jax``
+    column); returns it, or None when it was not registered. The process default is not changed."""
+    return _BACKENDS.pop(name, None)
+
+
 def backend_names() -> list[str]:
     """Every registered backend name, plus ``auto``."""
     return sorted(_BACKENDS) + ["auto"]

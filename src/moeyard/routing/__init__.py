@@ -10,7 +10,10 @@ Schemes (see :class:`moeyard.MoEConfig`):
 - top-k then score (gpt-oss: softmax over the top-k logits; Llama 4: sigmoid of the top-1 logit).
 - ``norm_topk_prob``: ``w / sum(w)``; then ``w * routed_scaling_factor``.
 
-Losses (all scalars, float32, differentiable w.r.t. the router weight):
+Precision: logits, scores, weights and losses are float32, or float64 for float64 input (the
+float64 oracle routes in float64 too, so a float64 layer is float64 end to end).
+
+Losses (all scalars, float32 (float64 for float64 input), differentiable w.r.t. the router weight):
 - ``aux_loss``, the Switch/GShard load-balancing loss generalised to top-k (Switch Transformer,
   arXiv 2101.03961, eq. 4; DeepSeekMoE's expert-level form, arXiv 2401.06066, eq. 12-14):
   ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the T*K routed pairs sent to expert e and
@@ -50,9 +53,10 @@ class RoutingOutput:
 
     Attributes:
         topk_ids: ``[T, K]`` int64 expert ids.
-        topk_weights: ``[T, K]`` float32 routing weights (differentiable).
-        router_logits: ``[T, E]`` float32.
-        scores: ``[T, E]`` float32, ``softmax`` or ``sigmoid`` of the logits.
+        topk_weights: ``[T, K]`` float32 routing weights (differentiable); float64 for float64 input,
+            as every floating field here.
+        router_logits: ``[T, E]`` float32 (float64).
+        scores: ``[T, E]`` float32 (float64), ``softmax`` or ``sigmoid`` of the logits.
         tokens_per_expert: ``[E]`` float32 counts of routed pairs (no gradient), for monitoring and
             :func:`update_correction_bias`.
         aux_loss, seq_aux_loss, z_loss: unweighted scalar losses (module docstring).
@@ -110,7 +114,8 @@ def route(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None =
     if training and config.router_jitter > 0:
         eps = config.router_jitter
         x = x * torch.empty_like(x).uniform_(1 - eps, 1 + eps)
-    logits = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype)).float()
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    logits = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype)).to(acc)
     scores = _score(logits, config.score_func)
     if config.topk_before_score:
         top_logits, ids = logits.topk(config.top_k, dim=-1)
@@ -172,7 +177,7 @@ def _fused_module():
 
 def select_experts(scores: Tensor, config: MoEConfig, correction_bias: Tensor | None = None) -> Tensor:
     """Top-k expert ids ``[T, K]`` from ``scores [T, E]`` (+ selection bias, grouped top-k)."""
-    choice = scores if correction_bias is None else scores + correction_bias.float()
+    choice = scores if correction_bias is None else scores + correction_bias.to(scores.dtype)
     if config.n_group > 1:
         T, E = choice.shape
         grouped = choice.view(T, config.n_group, E // config.n_group)

@@ -26,7 +26,7 @@ def balance_loss_from_stats(counts: Tensor, prob_sum: Tensor, num_tokens: int, t
     if num_tokens == 0:
         return prob_sum.sum() * 0
     E = prob_sum.shape[-1]
-    f = counts / (num_tokens * top_k)
+    f = counts.to(prob_sum.dtype) / (num_tokens * top_k)  # float64 probabilities: f in float64 too
     return E * (f * (prob_sum / num_tokens)).sum()
 
 
@@ -42,7 +42,7 @@ def sequence_balance_from_stats(counts: Tensor, prob_sum: Tensor, seq_len: int, 
     if seq_len == 0 or prob_sum.shape[0] == 0:
         return prob_sum.sum() * 0
     E = prob_sum.shape[-1]
-    f = counts * (E / (top_k * seq_len))
+    f = counts.to(prob_sum.dtype) * (E / (top_k * seq_len))
     return (f * (prob_sum / seq_len)).sum(-1).mean()
 
 

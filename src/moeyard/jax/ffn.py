@@ -1,0 +1,192 @@
+"""The routed expert FFN on ``jax.lax.ragged_dot``: permute -> grouped up-proj (+ bias) -> activation
+-> grouped down-proj (+ bias) -> weighted combine, and its one custom VJP.
+
+Legend: T tokens, H hidden, I intermediate, N1 = 2I (gated) or I, E experts, K top-k, R rows.
+
+Weights stay as stored (no transposed copy per call): ``[E, out, in]`` (transformers v5's layout)
+contracts its last dimension, gpt-oss's transposed ``[E, in, out]`` its middle one, through
+``jax.lax.ragged_dot_general``'s dimension numbers. float32 and float64 matmuls run at
+``Precision.HIGHEST`` (PyTorch's defaults compute full float32 products).
+
+The custom VJP (:func:`routed_ffn` with ``custom_vjp=True``) keeps for the backward only what the
+inputs do not already hold: the up projection's output ``h [R, N1]`` and the plan (int32). Plain
+autodiff keeps, besides ``h``, the permuted rows ``[R, H]``, the activation ``[R, I]`` and the down
+projection's output ``[R, H]`` (the combine's weight gradient reads it). The backward instead gathers
+the rows again from ``x``, recomputes the activation from ``h``, and takes the routing weights'
+gradient as ``<dout[t], y_pair> = <dout[t] W_down_e, a_pair> + <dout[t], b_e>`` from the product
+``dout W_down_e`` it needs anyway (SonicMoE's way of not caching ``y``, arXiv 2512.14080). The
+gradients are the same up to float rounding (tested in float64 to 1e-10 against plain autodiff and
+the PyTorch side).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from ..activations import Activation
+from .activations import apply_activation
+from .checks import accumulation_dtype, precision
+from .dispatch import permute_unchecked, plan_unchecked, unpermute_unchecked
+
+_RAGGED = dict(lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+@dataclass(frozen=True)
+class FFNSpec:
+    """The static part of one expert FFN call (hashable: a ``jax.jit`` static argument).
+
+    Attributes:
+        activation: the :class:`moeyard.Activation`.
+        interleaved: gate/up columns interleaved (gpt-oss).
+        transposed: weights stored ``[E, in, out]`` (gpt-oss).
+        drop_invalid: pairs with ids outside ``[0, E)`` contribute nothing (else their weight is NaN).
+        num_experts: E.
+    """
+
+    activation: Activation
+    interleaved: bool
+    transposed: bool
+    drop_invalid: bool
+    num_experts: int
+
+
+def mm(rows, w, group_sizes, transposed: bool):
+    """``rows [R, in]`` -> ``[R, out]``: the rows of group e times expert e's weight (``w [E, out, in]``,
+    or ``[E, in, out]`` when ``transposed``); rows past the last group give zeros."""
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [1 if transposed else 2]), ([], [])), **_RAGGED)
+    return jax.lax.ragged_dot_general(rows, w.astype(rows.dtype), group_sizes, dims, precision=precision(rows.dtype))
+
+
+def mm_t(g, w, group_sizes, transposed: bool):
+    """``g [R, out]`` -> ``[R, in]``: the rows of group e times expert e's weight transposed (the
+    input gradient of :func:`mm`)."""
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2 if transposed else 1]), ([], [])), **_RAGGED)
+    return jax.lax.ragged_dot_general(g, w.astype(g.dtype), group_sizes, dims, precision=precision(g.dtype))
+
+
+def add_bias(y, bias, row_experts):
+    """``y [R, out] + bias[expert of each row]`` (rows past the last expert: none), added in float32
+    (float64) and rounded once, so the bias gradient is summed in float32 as on the PyTorch side."""
+    if bias is None:
+        return y
+    acc = accumulation_dtype(y.dtype)
+    padded = jnp.concatenate([bias.astype(acc), jnp.zeros((1, bias.shape[1]), acc)])  # row E: no bias
+    return (y.astype(acc) + padded[row_experts]).astype(y.dtype)
+
+
+def grouped_ffn(rows, group_sizes, row_experts, up, b_up, down, b_down, spec: FFNSpec):
+    """``rows [R, H]`` (expert-major, ``group_sizes [E]``) -> ``(y [R, H], h [R, N1])``: each expert's
+    ``down(act(up(rows)))`` with biases; rows past the last group give zeros (and no gradient)."""
+    h = add_bias(mm(rows, up, group_sizes, spec.transposed), b_up, row_experts)
+    a = apply_activation(spec.activation, h, interleaved=spec.interleaved)
+    y = add_bias(mm(a, down, group_sizes, spec.transposed), b_down, row_experts)
+    return y, h
+
+
+def _forward(spec: FFNSpec, x, topk_ids, topk_weights, up, b_up, down, b_down):
+    plan = plan_unchecked(topk_ids, spec.num_experts)
+    rows = permute_unchecked(x, plan)
+    y, h = grouped_ffn(rows, plan.group_sizes, plan.row_experts(), up, b_up, down, b_down, spec)
+    return unpermute_unchecked(y, plan, topk_weights, spec.drop_invalid), (plan, h)
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def routed_ffn(spec: FFNSpec, custom_vjp: bool, x, topk_ids, topk_weights, up, b_up, down, b_down):
+    """``out [T, H] = sum_k w[t, k] * FFN_{ids[t, k]}(x[t])`` (arguments checked by the caller);
+    ``custom_vjp`` chooses the backward (module docstring)."""
+    if custom_vjp:
+        return _routed_ffn_vjp(spec, x, topk_ids, topk_weights, up, b_up, down, b_down)
+    return _forward(spec, x, topk_ids, topk_weights, up, b_up, down, b_down)[0]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _routed_ffn_vjp(spec, x, topk_ids, topk_weights, up, b_up, down, b_down):
+    return _forward(spec, x, topk_ids, topk_weights, up, b_up, down, b_down)[0]
+
+
+def _vjp_fwd(spec, x, topk_ids, topk_weights, up, b_up, down, b_down):
+    out, (plan, h) = _forward(spec, x, topk_ids, topk_weights, up, b_up, down, b_down)
+    vma = _Static(tuple(_vma(a) for a in (x, topk_weights, up, b_up, down, b_down)))
+    return out, (x, topk_weights, up, b_up, down, b_down, plan, h, vma)
+
+
+def _vjp_bwd(spec: FFNSpec, res, dout):
+    x, w, up, b_up, down, b_down, plan, h, vma = res
+    T, K = plan.num_tokens, plan.top_k
+    acc = accumulation_dtype(x.dtype)
+    gs, re = plan.group_sizes, plan.row_experts()
+    rows = permute_unchecked(x, plan)
+    a, act_vjp = jax.vjp(lambda v: apply_activation(spec.activation, v, interleaved=spec.interleaved), h)
+    row_tokens = plan.row_tokens()  # T for pad rows and invalid pairs
+    dout_rows = jnp.concatenate([dout, jnp.zeros((1, dout.shape[1]), dout.dtype)])[row_tokens]  # [R, H]
+    pair_w = jnp.where(plan.valid, w.reshape(-1).astype(acc), 0)
+    w_rows = jnp.zeros(plan.num_rows, acc).at[plan.pair_rows].set(pair_w)  # 0 for pad rows, invalid pairs
+    g = mm_t(dout_rows, down, gs, spec.transposed)  # [R, I]: dout[t] W_down_e
+    dw_rows = jnp.sum(g.astype(acc) * a.astype(acc), axis=-1)
+    if b_down is not None:
+        b_rows = jnp.concatenate([b_down.astype(acc), jnp.zeros((1, b_down.shape[1]), acc)])[re]
+        dw_rows = dw_rows + jnp.sum(dout_rows.astype(acc) * b_rows, axis=-1)
+    dw = jnp.where(plan.valid, dw_rows[plan.pair_rows], 0).reshape(T, K).astype(w.dtype)
+    dy = (dout_rows.astype(acc) * w_rows[:, None]).astype(x.dtype)
+    da = (g.astype(acc) * w_rows[:, None]).astype(x.dtype)
+    d_down = _weight_grad(a, dy, down, gs, spec.transposed)
+    dh = act_vjp(da)[0]
+    d_rows = mm_t(dh, up, gs, spec.transposed)
+    d_up = _weight_grad(rows, dh, up, gs, spec.transposed)
+    dx = jnp.zeros((T + 1, x.shape[1]), acc).at[row_tokens].add(d_rows.astype(acc))[:T].astype(x.dtype)
+    cts = (dx, dw, d_up, _bias_grad(dh, b_up, re), d_down, _bias_grad(dy, b_down, re))
+    dx, dw, d_up, d_b_up, d_down, d_b_down = map(_match_vma, cts, vma.value)
+    return dx, None, dw, d_up, d_b_up, d_down, d_b_down
+
+
+@jax.tree_util.register_static
+@dataclass(frozen=True)
+class _Static:
+    """Static data among the residuals (no leaves)."""
+
+    value: tuple
+
+
+def _vma(a) -> frozenset:
+    """The mesh axes ``a`` varies over inside ``jax.shard_map`` (empty elsewhere, and for None): the
+    type's ``manual_axis_type.varying`` (jax 0.10), or its ``vma`` (earlier releases)."""
+    if a is None:
+        return frozenset()
+    t = jax.typeof(a)
+    manual = getattr(t, "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", None) or getattr(t, "vma", None) or ())
+
+
+def _match_vma(ct, vma: frozenset):
+    """``ct`` summed over the mesh axes it varies over and its input (of mesh axes ``vma``) does not: the
+    gradient of an input that is the same on every device of an axis (replicated weights inside
+    ``jax.shard_map``) is the sum of the devices' contributions, as JAX's own transposes make it."""
+    if ct is None:
+        return None
+    extra = tuple(sorted(_vma(ct) - vma))
+    return jax.lax.psum(ct, extra) if extra else ct
+
+
+def _weight_grad(lhs, ct, w, group_sizes, transposed: bool):
+    """The gradient of :func:`mm`'s weight for cotangent ``ct``, in ``w``'s dtype (JAX's own transpose of
+    ``ragged_dot_general``; the forward product it traces is dead code under ``jit``)."""
+    return jax.vjp(lambda v: mm(lhs, v, group_sizes, transposed), w)[1](ct)[0]
+
+
+def _bias_grad(ct, bias, row_experts):
+    """``[E, out]`` sum of ``ct``'s rows per expert in float32 (float64), in ``bias``'s dtype."""
+    if bias is None:
+        return None
+    acc = accumulation_dtype(ct.dtype)
+    E = bias.shape[0]
+    summed = jnp.zeros((E + 1, ct.shape[1]), acc).at[row_experts].add(ct.astype(acc))
+    return summed[:E].astype(bias.dtype)
+
+
+_routed_ffn_vjp.defvjp(_vjp_fwd, _vjp_bwd)
+

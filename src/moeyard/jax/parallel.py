@@ -1,0 +1,274 @@
+"""Expert parallelism under ``jax.shard_map``: the routed experts split over one mesh axis, tokens sent
+to their experts' devices and back, forward and backward.
+
+Device r of the axis (size W) holds experts ``[r * E_l, (r + 1) * E_l)``, ``E_l = E / W``, and its own
+tokens; the router, shared experts and everything else are replicated. Inside ``shard_map``,
+:func:`ep_experts` takes the local tokens, their global expert ids and the local expert weights and
+returns the local outputs: equal to :func:`moeyard.jax.experts` on one device (tested on 4 and 8 CPU
+devices under skewed routing, outputs and every gradient). Two exchanges, both with static
+worst-case shapes (no host sync):
+
+- ``all_to_all`` (default; runs on every backend, CPU included): each device sends every other device
+  one block of ``C = T * min(K, E_l)`` rows (a token sends at most ``min(K, E_l)`` pairs to one device,
+  its K ids being distinct) through ``jax.lax.all_to_all``; the receiver runs its local experts on the
+  ``W * C`` rows (empty slots carry an invalid local id and contribute nothing), and the results return
+  the same way. Moves ``W * C`` rows each way whatever the routing.
+- ``ragged_all_to_all``: only the routed rows, through ``jax.lax.ragged_all_to_all``, laid out
+  expert-major on arrival (each local expert's rows from every source contiguous, each expert's block
+  padded to a multiple of ``align``), so the local experts read the receive buffer as is. Per-expert
+  counts are all-gathered first (``[W, E]`` int32). The receive buffer is sized for the worst case
+  including the alignment padding: ``W * C + E_l * (align - 1)`` rows, rounded up to a multiple of
+  ``align``. The backward runs the same exchanges reversed (JAX's transpose of the collective).
+  XLA:CPU does not implement the collective: GPU (``benchmarks/jax_gpu.py`` checks it against
+  ``all_to_all`` on the GPUs present).
+
+A token that repeats an id could send more than C pairs to one device: those pairs are not sent and
+the token's output row is NaN (visible, never silently wrong); moeyard's router never repeats an id.
+
+The layer::
+
+    layer = moeyard.jax.MoE(config, rngs=nnx.Rngs(0))
+    moeyard.jax.expert_parallel(layer, axis_name="ep")            # its experts call ep_experts
+    mesh = jax.make_mesh((W,), ("ep",), axis_types=(AxisType.Auto,))
+    y, aux_loss = moeyard.jax.ep_apply(layer, x, mesh=mesh)       # x [T, H] sharded over "ep"
+
+or, in your own ``shard_map``, ``partition_specs(layer)`` for the layer's state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from ..activations import Activation, get_activation
+from .checks import check_bool, check_float, check_topk, invalid_ids
+from .dispatch import plan_unchecked, weighted_sum
+from .experts import check_weights
+from .ffn import FFNSpec, grouped_ffn, routed_ffn
+
+__all__ = ["EXCHANGES", "EPExperts", "ep_apply", "ep_experts", "expert_parallel", "partition_specs"]
+
+EXCHANGES = ("all_to_all", "ragged_all_to_all")
+ragged_all_to_all = jax.lax.ragged_all_to_all  # the collective the ragged exchange calls (the CPU tests emulate it)
+EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # sharded on their dim 0
+
+
+def ep_experts(hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, *, axis_name: str,
+               exchange: str = "all_to_all", align: int = 1, activation: str | Activation = "swiglu",
+               gate_up_bias=None, down_bias=None, transposed: bool = False, interleaved: bool = False,
+               drop_invalid: bool = False, custom_vjp: bool = True):
+    """:func:`moeyard.jax.experts` with the experts split over mesh axis ``axis_name``; call it inside
+    ``jax.shard_map`` (module docstring).
+
+    Args:
+        hidden_states: ``[T, H]`` this device's tokens.
+        topk_ids: ``[T, K]`` global expert ids in ``[0, E)``, ``E = E_l * W``.
+        topk_weights: ``[T, K]`` routing weights.
+        gate_up_proj, down_proj, gate_up_bias, down_bias: this device's ``E_l`` experts, in any layout of
+            :func:`moeyard.jax.experts`.
+        axis_name: the mesh axis the experts are split over.
+        exchange: ``all_to_all`` or ``ragged_all_to_all`` (module docstring).
+        align: ``ragged_all_to_all`` only: pad each local expert's received rows to a multiple of this.
+        activation, transposed, interleaved, drop_invalid: as :func:`moeyard.jax.experts` (ids outside
+            ``[0, E)`` are never read on the host here: NaN rows, or nothing with ``drop_invalid``).
+        custom_vjp: the local experts' backward with ``all_to_all`` (:func:`moeyard.jax.experts`);
+            ``ragged_all_to_all`` runs them with plain autodiff.
+    Returns:
+        ``[T, H]`` in ``hidden_states.dtype``.
+    Raises:
+        TypeError / ValueError: as :func:`moeyard.jax.experts`; an unknown ``exchange``, a bad ``align``,
+            or not inside a ``shard_map`` over ``axis_name``.
+    """
+    act = get_activation(activation)
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"align: expected a positive int, got {align!r}")
+    for name, v in (("drop_invalid", drop_invalid), ("custom_vjp", custom_vjp)):
+        check_bool(name, v)
+    check_float("hidden_states", hidden_states, dim=2)
+    E_l, H, _ = check_weights(gate_up_proj, down_proj, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                              transposed=transposed, interleaved=interleaved, gated=act.gated)
+    if hidden_states.shape[1] != H:
+        raise ValueError(f"hidden_states: expected hidden size {H} (from gate_up_proj), got {hidden_states.shape[1]}")
+    if hidden_states.dtype != gate_up_proj.dtype:
+        raise TypeError(f"hidden_states: expected dtype {gate_up_proj.dtype} (as the expert weights), "
+                        f"got {hidden_states.dtype}")
+    try:
+        W = jax.lax.axis_size(axis_name)
+    except NameError as ex:
+        raise ValueError(f"axis_name: {axis_name!r} is not a mesh axis here (call ep_experts inside "
+                         f"jax.shard_map over it)") from ex
+    E = E_l * W
+    check_topk(topk_ids, topk_weights, hidden_states.shape[0], E, drop_invalid)
+    spec = FFNSpec(activation=act, interleaved=bool(interleaved), transposed=bool(transposed), drop_invalid=True,
+                   num_experts=E_l)
+    ids = topk_ids.astype(jnp.int32)
+    w = topk_weights.astype(hidden_states.dtype)
+    w = jnp.where(invalid_ids(ids, E), 0 if drop_invalid else jnp.nan, w)
+    weights = (gate_up_proj, gate_up_bias, down_proj, down_bias)
+    if exchange == "all_to_all":
+        pairs, sent = _dense_exchange(hidden_states, ids, weights, spec, axis_name, W, custom_vjp)
+    else:
+        pairs, sent = _ragged_exchange(hidden_states, ids, weights, spec, axis_name, W, align)
+    # a valid pair that found no room (a repeated id) makes its token's row NaN
+    w = jnp.where(sent | invalid_ids(ids, E), w, jnp.nan)
+    return weighted_sum(pairs, w)
+
+
+def block_rows(num_tokens: int, top_k: int, local_experts: int) -> int:
+    """C: the rows one device sends another at most, ``T * min(K, E_l)``."""
+    return num_tokens * min(top_k, local_experts)
+
+
+def _dense_exchange(x, ids, weights, spec: FFNSpec, axis_name: str, W: int, custom_vjp: bool):
+    """``all_to_all`` of ``[W, C, H]`` blocks: returns the pairs' expert outputs ``[T, K, H]`` (zero where
+    not sent) and which valid pairs were sent ``[T, K]``."""
+    T, K = ids.shape
+    H, E_l = x.shape[1], spec.num_experts
+    N, C = T * K, block_rows(T, K, spec.num_experts)
+    plan = plan_unchecked(ids, E_l * W)  # the pairs sorted by global expert: by destination, then local expert
+    dest_start = plan.expert_offsets[::E_l]  # [W + 1]: each destination's first sorted pair
+    slots = jnp.arange(C, dtype=jnp.int32)
+    filled = slots[None, :] < jnp.diff(dest_start)[:, None]  # [W, C]
+    pair = plan.sort_order[jnp.clip(dest_start[:W, None] + slots[None, :], 0, max(N - 1, 0))]  # [W, C]
+    flat_ids = ids.reshape(-1)
+    send_x = jnp.where(filled[..., None], x[pair // K], 0)
+    send_local = jnp.where(filled, flat_ids[pair] - jnp.arange(W, dtype=jnp.int32)[:, None] * E_l, E_l)
+    recv_x = jax.lax.all_to_all(send_x, axis_name, 0, 0)  # [W, C, H]: block s came from device s
+    recv_local = jax.lax.all_to_all(send_local, axis_name, 0, 0)
+    ones = jnp.ones((W * C, 1), x.dtype)
+    up, b_up, down, b_down = weights
+    y = routed_ffn(spec, custom_vjp, recv_x.reshape(W * C, H), recv_local.reshape(W * C, 1), ones, up, b_up, down,
+                   b_down)
+    back = jax.lax.all_to_all(y.reshape(W, C, H), axis_name, 0, 0).reshape(W * C, H)
+    valid = plan.valid
+    dest = jnp.where(valid, flat_ids // E_l, 0)
+    slot = plan.pair_rows - dest_start[dest]  # the pair's place in its destination's block
+    sent = valid & (slot < C)
+    row = jnp.where(sent, dest * C + slot, W * C)  # row W * C: the zero row
+    back = jnp.concatenate([back, jnp.zeros((1, H), back.dtype)])
+    return back[row].reshape(T, K, H), sent.reshape(T, K)
+
+
+def _ragged_exchange(x, ids, weights, spec: FFNSpec, axis_name: str, W: int, align: int):
+    """``ragged_all_to_all`` of the routed rows only (module docstring): returns as :func:`_dense_exchange`."""
+    T, K = ids.shape
+    H, E_l = x.shape[1], spec.num_experts
+    E, N, C = E_l * W, T * K, block_rows(T, K, spec.num_experts)
+    me = jax.lax.axis_index(axis_name)
+    plan = plan_unchecked(ids, E)
+    sorted_x = x[plan.sort_order // K]  # [N, H], expert-major (invalid pairs at the tail, never sent)
+    counts = jax.lax.all_gather(plan.tokens_per_expert, axis_name)  # [W, E]: source s's pairs per expert
+    sizes = _clip_blocks(counts, W, E_l, C)  # [W, E]: what source s sends of expert e (C rows per block at most)
+    total = sizes.sum(0)  # [E] rows each expert receives
+    padded = ((total + align - 1) // align * align).reshape(W, E_l)
+    base = (jnp.cumsum(padded, axis=1) - padded).reshape(E)  # expert e's first row on its device
+    prefix = jnp.cumsum(sizes, axis=0) - sizes  # [W, E]: rows of e from the sources before s
+    src_offsets = jnp.cumsum(counts, axis=1) - counts  # [W, E]: expert e's first row in source s's sorted rows
+    num_rows = -(-(W * C + E_l * (align - 1)) // align) * align  # worst case, alignment padding included
+    local = me * E_l + jnp.arange(E_l, dtype=jnp.int32)  # my experts' global ids
+
+    # dispatch: slice e of my sorted rows to device e // E_l, at its rows for (expert e, source me)
+    recv = ragged_all_to_all(
+        sorted_x, jnp.zeros((num_rows, H), x.dtype), plan.expert_offsets[:E], sizes[me], base + prefix[me],
+        sizes[:, local].reshape(W * E_l), axis_name=axis_name)
+    group_sizes = padded[me]
+    group_ends = jnp.cumsum(group_sizes)
+    row_experts = jnp.searchsorted(group_ends, jnp.arange(num_rows, dtype=jnp.int32), side="right").astype(jnp.int32)
+    up, b_up, down, b_down = weights
+    y, _ = grouped_ffn(recv, group_sizes, row_experts, up, b_up, down, b_down, spec)
+    # combine: the rows of (my expert l, source s) back to source s, where its sorted rows of l start
+    back = ragged_all_to_all(
+        y, jnp.zeros((N, H), x.dtype), (base[local] + prefix[:, local]).reshape(W * E_l),
+        sizes[:, local].reshape(W * E_l), src_offsets[:, local].reshape(W * E_l), sizes[me], axis_name=axis_name)
+    flat_ids = ids.reshape(-1)
+    rank = plan.pair_rows - plan.expert_offsets[jnp.where(plan.valid, flat_ids, 0)]  # place among its expert's pairs
+    sent = plan.valid & (rank < sizes[me][jnp.where(plan.valid, flat_ids, 0)])
+    pairs = jnp.where(sent[:, None], back[plan.pair_rows], 0)
+    return pairs.reshape(T, K, H), sent.reshape(T, K)
+
+
+def _clip_blocks(counts, W: int, E_l: int, C: int):
+    """``counts [W, E]`` clipped so that no source sends more than ``C`` rows to one device (the
+    excess only with repeated ids), the lower local experts first; every device computes the same."""
+    c = counts.reshape(W, W, E_l)  # [source, destination, local expert]
+    before = jnp.cumsum(c, axis=2) - c
+    return jnp.clip(c, 0, jnp.maximum(C - before, 0)).reshape(W, W * E_l)
+
+
+@dataclass(frozen=True)
+class EPExperts:
+    """The experts call of an expert-parallel :class:`moeyard.jax.MoE` (``layer.expert_parallel``): the
+    signature of :func:`moeyard.jax.experts`, running :func:`ep_experts` over ``axis_name``."""
+
+    axis_name: str = "ep"
+    exchange: str = "all_to_all"
+    align: int = 1
+
+    def __call__(self, hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, **kwargs):
+        return ep_experts(hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, axis_name=self.axis_name,
+                          exchange=self.exchange, align=self.align, **kwargs)
+
+
+def expert_parallel(layer, *, axis_name: str = "ep", exchange: str = "all_to_all", align: int = 1):
+    """Make ``layer`` (a :class:`moeyard.jax.MoE`) run its experts with :func:`ep_experts` over
+    ``axis_name``; returns ``layer`` (changed in place: only its experts call). Call it then inside
+    ``jax.shard_map`` with :func:`partition_specs`, or through :func:`ep_apply`.
+
+    Raises:
+        TypeError: ``layer`` is not a moeyard.jax.MoE. ValueError: unknown ``exchange``, bad ``align``.
+    """
+    from .layer import MoE
+
+    if not isinstance(layer, MoE):
+        raise TypeError(f"layer: expected a moeyard.jax.MoE, got {type(layer).__name__}")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"align: expected a positive int, got {align!r}")
+    layer.expert_parallel = EPExperts(axis_name=axis_name, exchange=exchange, align=align)
+    return layer
+
+
+def partition_specs(state, axis_name: str = "ep"):
+    """``PartitionSpec``s for a layer's state (``nnx.state(layer)`` or one of ``nnx.split``'s states):
+    ``P(axis_name)`` for the routed experts' weights and biases (split on their expert dimension),
+    ``P()`` (replicated) for everything else."""
+    def spec(path, _):
+        top = getattr(path[0], "key", getattr(path[0], "name", None)) if path else None
+        return P(axis_name) if top in EXPERT_PARAMS else P()
+
+    return jax.tree_util.tree_map_with_path(spec, state)
+
+
+def ep_apply(layer, x, *, mesh, axis_name: str = "ep"):
+    """Run an expert-parallel :class:`moeyard.jax.MoE` (:func:`expert_parallel`) on the global tokens
+    ``x [T, H]`` under ``jax.shard_map`` over ``mesh``'s ``axis_name``: ``x`` split into W equal
+    shards, the experts into W blocks, the rest replicated. Returns ``(y [T, H], aux_loss)``, the loss
+    the mean of the W shards' losses (each from its own tokens, as on the PyTorch side). Differentiable
+    (inside ``nnx.grad`` / ``jax.grad``): the replicated parameters get the sum of the shards' gradients.
+    The router's jitter draws the same key on every shard and does not advance the layer's stream.
+
+    Raises:
+        ValueError: T or E not a multiple of the axis size, or the layer is not expert parallel.
+    """
+    from flax import nnx
+
+    if getattr(layer, "expert_parallel", None) is None or layer.expert_parallel.axis_name != axis_name:
+        raise ValueError(f"layer: expected expert_parallel(layer, axis_name={axis_name!r}) first")
+    W = mesh.shape[axis_name]
+    E = layer.config.num_experts
+    if E % W or x.shape[0] % W:
+        raise ValueError(f"mesh: axis {axis_name!r} of size {W} must divide num_experts={E} and the {x.shape[0]} tokens")
+    graphdef, state = nnx.split(layer)
+
+    def body(state, x):
+        m = nnx.merge(graphdef, state, copy=True)
+        y, aux = m(x, return_aux_loss=True)
+        return y, jax.lax.pmean(aux, axis_name)
+
+    specs = partition_specs(state, axis_name)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis_name)), out_specs=(P(axis_name), P()))(state, x)
