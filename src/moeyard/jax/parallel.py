@@ -18,7 +18,9 @@ worst-case shapes (no host sync):
   padded to a multiple of ``align``), so the local experts read the receive buffer as is. Per-expert
   counts are all-gathered first (``[W, E]`` int32). The receive buffer is sized for the worst case
   including the alignment padding: ``W * C + E_l * (align - 1)`` rows, rounded up to a multiple of
-  ``align``. The backward runs the same exchanges reversed (JAX's transpose of the collective).
+  ``align``. The backward runs the same exchanges reversed, each written out as the other direction's
+  ``ragged_all_to_all`` (a custom VJP: JAX 0.11's transpose of the collective gave wrong gradients on two
+  H200s, 2026-11-27, where its forward matched the dense exchange exactly; ``benchmarks/jax_ragged_diag.py``).
   XLA:CPU does not implement the collective: GPU (``benchmarks/jax_gpu.py`` checks it against
   ``all_to_all`` on the GPUs present).
 
@@ -37,6 +39,7 @@ or, in your own ``shard_map``, ``partition_specs(layer)`` for the layer's state.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -171,24 +174,52 @@ def _ragged_exchange(x, ids, weights, spec: FFNSpec, axis_name: str, W: int, ali
     num_rows = -(-(W * C + E_l * (align - 1)) // align) * align  # worst case, alignment padding included
     local = me * E_l + jnp.arange(E_l, dtype=jnp.int32)  # my experts' global ids
 
-    # dispatch: slice e of my sorted rows to device e // E_l, at its rows for (expert e, source me)
-    recv = ragged_all_to_all(
-        sorted_x, jnp.zeros((num_rows, H), x.dtype), plan.expert_offsets[:E], sizes[me], base + prefix[me],
-        sizes[:, local].reshape(W * E_l), axis_name=axis_name)
+    # dispatch: slice e of my sorted rows to device e // E_l, at its rows for (expert e, source me);
+    # combine: the rows of (my expert l, source s) back to source s, where its sorted rows of l start
+    dispatch = (plan.expert_offsets[:E], sizes[me], base + prefix[me], sizes[:, local].reshape(W * E_l))
+    combine = ((base[local] + prefix[:, local]).reshape(W * E_l), sizes[:, local].reshape(W * E_l),
+               src_offsets[:, local].reshape(W * E_l), sizes[me])
+    recv = _exchange(sorted_x, num_rows, dispatch, combine, axis_name)
     group_sizes = padded[me]
     group_ends = jnp.cumsum(group_sizes)
     row_experts = jnp.searchsorted(group_ends, jnp.arange(num_rows, dtype=jnp.int32), side="right").astype(jnp.int32)
     up, b_up, down, b_down = weights
     y, _ = grouped_ffn(recv, group_sizes, row_experts, up, b_up, down, b_down, spec)
-    # combine: the rows of (my expert l, source s) back to source s, where its sorted rows of l start
-    back = ragged_all_to_all(
-        y, jnp.zeros((N, H), x.dtype), (base[local] + prefix[:, local]).reshape(W * E_l),
-        sizes[:, local].reshape(W * E_l), src_offsets[:, local].reshape(W * E_l), sizes[me], axis_name=axis_name)
+    back = _exchange(y, N, combine, dispatch, axis_name)
     flat_ids = ids.reshape(-1)
     rank = plan.pair_rows - plan.expert_offsets[jnp.where(plan.valid, flat_ids, 0)]  # place among its expert's pairs
     sent = plan.valid & (rank < sizes[me][jnp.where(plan.valid, flat_ids, 0)])
     pairs = jnp.where(sent[:, None], back[plan.pair_rows], 0)
     return pairs.reshape(T, K, H), sent.reshape(T, K)
+
+
+def _exchange(operand, rows: int, there: tuple, back: tuple, axis_name: str):
+    """``ragged_all_to_all`` of ``operand`` into ``rows`` zero rows by ``there`` (input offsets, send sizes,
+    output offsets, receive sizes); its VJP sends the output's cotangent back by ``back``, the same
+    slices in the other direction (rows no slice names get a zero gradient)."""
+    return _ragged(operand, jnp.zeros((rows, *operand.shape[1:]), operand.dtype), there, back, axis_name)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ragged(operand, output, there, back, axis_name):
+    return ragged_all_to_all(operand, output, *there, axis_name=axis_name)
+
+
+def _ragged_fwd(operand, output, there, back, axis_name):
+    return _ragged(operand, output, there, back, axis_name), (operand.shape[0], output.shape, there, back)
+
+
+def _ragged_bwd(axis_name, res, g):
+    rows, out_shape, there, back = res
+    # the receive buffer of the backward exchange varies over the axis as the operand's cotangent must
+    buffer = jax.lax.pcast(jnp.zeros((rows, *g.shape[1:]), g.dtype), axis_name, to="varying")
+    d_operand = ragged_all_to_all(g, buffer, *back, axis_name=axis_name)
+    d_output = jnp.zeros(out_shape, g.dtype)  # a constant zero buffer: no gradient to pass on
+    return (d_operand, d_output, tuple(jnp.zeros(a.shape, jax.dtypes.float0) for a in there),
+            tuple(jnp.zeros(a.shape, jax.dtypes.float0) for a in back))
+
+
+_ragged.defvjp(_ragged_fwd, _ragged_bwd)
 
 
 def _clip_blocks(counts, W: int, E_l: int, C: int):
