@@ -651,8 +651,6 @@ def check_p2p(rank: int, W: int) -> None:
 def check_p2p_ops(rank: int, W: int, ops) -> None:
     """Forward + backward is four ops, two barriers each, on buffers allocated once; steps without
     the input's gradient (three ops) between full ones are still exact."""
-    from moeyard.parallel import p2p
-
     E, K, T = 4 * W, 2, 5
     g = torch.Generator().manual_seed(78)
     inputs = make_functional_inputs(T * W, K, E, 8, 4, g)
