@@ -18,8 +18,8 @@ import copy
 import datetime
 import math
 import os
-import socket
 import sys
+import tempfile
 import time
 import traceback
 
@@ -45,30 +45,30 @@ SOFT_FAILURES: list[str] | None = None
 
 # ---------------------------------------------------------------- process plumbing
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(fn, world: int, *args, timeout: float = 240.0) -> None:
-    """Run ``fn(rank, world, port, *args)`` in ``world`` spawned processes; a failure in any re-raises
-    here; past ``timeout`` seconds all are killed and TimeoutError is raised (never a hang)."""
-    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(0.5, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish in {timeout:.0f} s")
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; a failure in any re-raises
+    here; past ``timeout`` seconds all are killed and TimeoutError is raised (never a hang).
+
+    The ranks meet through a file in a fresh temporary folder (``file://`` rendezvous), not a TCP port:
+    test processes running side by side (pytest-xdist workers) can never pick the same rendezvous, as
+    they could a port found free and then bound later."""
+    with tempfile.TemporaryDirectory(prefix="moeyard-ep-") as folder:
+        init_method = "file://" + os.path.join(folder, "rendezvous")
+        ctx = mp.start_processes(_entry, args=(fn, world, init_method, args), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.5, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish in {timeout:.0f} s")
 
 
-def _entry(rank: int, fn, world: int, port: int, args) -> None:
+def _entry(rank: int, fn, world: int, init_method: str, args) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
         fn(rank, world, *args)
@@ -651,8 +651,6 @@ def check_p2p(rank: int, W: int) -> None:
 def check_p2p_ops(rank: int, W: int, ops) -> None:
     """Forward + backward is four ops, two barriers each, on buffers allocated once; steps without
     the input's gradient (three ops) between full ones are still exact."""
-    from moeyard.parallel import p2p
-
     E, K, T = 4 * W, 2, 5
     g = torch.Generator().manual_seed(78)
     inputs = make_functional_inputs(T * W, K, E, 8, 4, g)

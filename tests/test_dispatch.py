@@ -2,6 +2,8 @@
 
 Legend: T tokens, H hidden size, E experts, K top-k, N = T*K pairs, R rows of the permuted buffer.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -222,7 +224,7 @@ def test_errors():
 
 def test_plan_is_frozen():
     plan = make_plan(random_ids(4, 2, 4), 4)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         plan.align = 2
     assert isinstance(plan, moeyard.DispatchPlan) and plan.num_pairs == 8
 

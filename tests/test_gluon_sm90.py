@@ -29,6 +29,7 @@ GATHER_VARIANTS = [("up", 128, "swiglu", True, 16), ("up", 128, "swiglu", False,
 # the weight gradients: (gathered operand: "rhs" for dW_up = d_h^T x[token], "lhs" for dW_down; dW's dtype)
 WGRAD_VARIANTS = [("rhs", "bfloat16"), ("lhs", "bfloat16"), ("rhs", "float32")]
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
+pytestmark = pytest.mark.xdist_group("gluon_sm90")  # one pytest-xdist worker compiles them all, once
 
 
 def _compile_all() -> list[dict]:

@@ -22,12 +22,14 @@ def ep2_checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.mark.xdist_group("ep2_checkpoint")  # one worker runs the module fixture once
 def test_two_ranks(ep2_checkpoint):
     """Every dispatcher: functional cases (uneven, empty rank, all to one rank, sentinels, capacity),
     the MoE layer, a transformers Qwen3-MoE, a DTensor checkpoint save, bad input."""
     assert (ep2_checkpoint / "full.pt").exists()
 
 
+@pytest.mark.xdist_group("ep2_checkpoint")  # one worker runs the module fixture once
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_checkpoint_from_ep2_loads_at_ep1(ep2_checkpoint):
     """The EP = 2 DTensor checkpoint loads into one unsharded layer (no process group)."""
@@ -42,6 +44,7 @@ def test_checkpoint_from_ep2_loads_at_ep1(ep2_checkpoint):
         assert torch.equal(sd[k], full[k]), k
 
 
+@pytest.mark.xdist_group("ep2_checkpoint")  # one worker runs the module fixture once
 def test_four_ranks(ep2_checkpoint):
     """Functional cases and the layer on 4 ranks (one with no tokens); the EP = 2 checkpoint loads at
     EP = 4; bad input."""

@@ -19,6 +19,7 @@ import moeyard  # noqa: E402,F401  (registers the "moeyard" experts implementati
 from moeyard.quant import NF4Experts  # noqa: E402
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "qwen3_30b_qlora.py"
+pytestmark = pytest.mark.xdist_group("qwen3_30b_example")  # one pytest-xdist worker runs the example once
 
 
 @pytest.fixture(scope="module")

@@ -161,7 +161,7 @@ def test_every_list_keeps_a_config(rank, mode):
 
 def test_report_lists_every_launcher():
     text = schedule.report()
-    for title, configs, *_ in schedule._report_lists():
+    for title, _configs, *_ in schedule._report_lists():
         assert title in text
     assert "PRUNED" in text and "kept" in text and "r=128 f" in text
 
