@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import fp8_rows
 from .comm import EPGroup, all_gather, gather_ints, reduce_scatter
 from .common import Dispatched, EPOptions, local_experts, token_counts
 
@@ -45,7 +46,8 @@ def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, opt
     first = ep.rank * local_experts(options, ep)
     ids = gather_ints(F.pad(topk_ids.to(torch.int64), (0, 0, 0, pad), value=-1), ep.group)
     ids = torch.where(ids >= 0, ids - first, -1)  # others' and pad ids fall outside [0, E_l)
-    return Dispatched(rows=all_gather(F.pad(x, (0, 0, 0, pad)), ep.group), topk_ids=ids,
+    gather = fp8_rows.all_gather if options.fp8_dispatch else all_gather  # e4m3 rows: .fp8_rows
+    return Dispatched(rows=gather(F.pad(x, (0, 0, 0, pad)), ep.group), topk_ids=ids,
                       topk_weights=all_gather(F.pad(topk_weights, (0, 0, 0, pad)), ep.group),
                       state=(T, ep.group))
 

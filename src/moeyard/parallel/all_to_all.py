@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import make_plan, permute, unpermute
+from . import fp8_rows
 from .comm import EPGroup, all_to_all, exchange
 from .common import Dispatched, EPOptions, Outgoing, chunk_bounds, local_experts
 
@@ -30,8 +31,12 @@ EXPERTS_DROP_INVALID = True  # the local experts' drop_invalid (the received row
 
 def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions) -> Dispatched:
     """``x [T, H]``, ``topk_ids [T, K]`` (global ids; others dropped), ``topk_weights [T, K]`` ->
-    the rows this rank's experts compute, ``[R, H]`` with ``[R, 1]`` local ids."""
+    the rows this rank's experts compute, ``[R, H]`` with ``[R, 1]`` local ids (with
+    ``options.fp8_dispatch`` sent as e4m3 rows, :mod:`.fp8_rows`)."""
     out, = depart_dispatch(x, topk_ids, topk_weights, ep, options)
+    if options.fp8_dispatch:
+        rows = fp8_rows.all_to_all(out.rows, out.out_splits, out.in_splits, ep.group, pad_rows=out.pad_rows)
+        return arrive_dispatch(rows, None, out, ep, options)
     return arrive_dispatch(*exchange(out, ep.group), out, ep, options)
 
 

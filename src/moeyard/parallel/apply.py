@@ -9,7 +9,7 @@ import torch.nn as nn
 from ..experts.quantized import is_quantized
 from .comm import EPGroup, resolve_group
 from .common import EPOptions
-from .experts import DISPATCHERS, ExpertParallel, check_overlap_options
+from .experts import DISPATCHERS, ExpertParallel, check_fp8_dispatch, check_overlap_options
 from .sync_free import EXCHANGES, check_exchange
 
 # the attribute each kind of module reads instead of calling moeyard.experts itself
@@ -19,7 +19,8 @@ TRANSFORMERS_SEAM = "moeyard_expert_parallel"  # transformers experts modules (m
 
 def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_all",
                     capacity_factor: float | None = None, max_tokens: int | None = None,
-                    align: int = 1, exchange: str = "auto", overlap_chunks: int = 1) -> nn.Module:
+                    align: int = 1, exchange: str = "auto", overlap_chunks: int = 1,
+                    fp8_dispatch: bool = False) -> nn.Module:
     """Split the routed experts of ``module`` over the ranks of ``group``; returns ``module``.
 
     Every :class:`moeyard.MoE` in ``module`` (itself included) and every transformers experts module
@@ -69,6 +70,11 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
             blocks at ``ceil(T_max / overlap_chunks)`` tokens (no host sync added). Not with
             ``capacity_factor`` (capacity would then apply per chunk), nor with ``exchange="symm_mem"``
             or ``"p2p"`` (their exchanges are kernels on the current stream, not async collectives).
+        fp8_dispatch: ``all_to_all`` and ``all_gather`` dispatchers, ``overlap_chunks == 1``: the dispatch
+            carries each token row as e4m3 with one power-of-two scale (:mod:`moeyard.parallel.fp8_rows`:
+            ``H + 16`` bytes a row against bf16's ``2H``); the combine and every backward exchange stay in
+            the compute dtype. Under the ``fp8_rowwise`` recipe the forward is unchanged (the experts' own
+            cast gives the same bytes); without a recipe the experts see e4m3-rounded rows.
 
     On NCCL call ``torch.cuda.set_device(local_rank)`` first (the shape check's ``all_gather_object``
     and every exchange use the current device) and keep the layers' tensors on that device.
@@ -76,7 +82,8 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
     Raises:
         ValueError: unknown ``dispatcher``; bad ``capacity_factor``, ``max_tokens``, ``align`` or
             ``exchange`` (``symm_mem`` where it cannot run: not CUDA, not NCCL, no NVSHMEM, W > 32;
-            ``p2p``: not CUDA, not NCCL); ``overlap_chunks`` (not a positive int, or > 1 with
+            ``p2p``: not CUDA, not NCCL); ``fp8_dispatch`` with another dispatcher or with
+            ``overlap_chunks > 1``; ``overlap_chunks`` (not a positive int, or > 1 with
             ``all_gather``, ``capacity_factor`` or ``exchange`` ``symm_mem`` / ``p2p``);
             ``group`` not initialised, a mesh not 1-D, or a world size not dividing E; ``module`` with
             no experts, already expert parallel, a transformers experts module not running
@@ -85,10 +92,11 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
             model built there is split before its weights exist); quantised expert storage without
             ``select`` (quantise after ``expert_parallel`` instead); a LoRA adapter covering neither E
             nor E / W experts.
-        TypeError: ``module`` is not an ``nn.Module``, ``group`` of the wrong kind.
+        TypeError: ``module`` is not an ``nn.Module``, ``group`` of the wrong kind, ``fp8_dispatch`` not a bool.
     """
     _check_options(dispatcher, capacity_factor, max_tokens, align, exchange)
     check_overlap_options(overlap_chunks, dispatcher, capacity_factor, exchange)
+    check_fp8_dispatch(fp8_dispatch, dispatcher, overlap_chunks)
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
     targets = find_experts(module)
@@ -116,7 +124,8 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         E = _num_experts(m)
         _shard(m, E, ep)
         options = EPOptions(num_experts=E, dispatcher=dispatcher, capacity_factor=capacity_factor,
-                            max_tokens=max_tokens, align=align, exchange=exchange, overlap_chunks=overlap_chunks)
+                            max_tokens=max_tokens, align=align, exchange=exchange, overlap_chunks=overlap_chunks,
+                            fp8_dispatch=fp8_dispatch)
         setattr(m, seam, ExpertParallel(ep, options))
     from .lora import shard_lora
     shard_lora(module)

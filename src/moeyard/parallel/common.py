@@ -35,6 +35,9 @@ class EPOptions:
         overlap_chunks: ``all_to_all`` / ``sync_free``: the layer's tokens go in this many chunks, each
             chunk's exchanges in flight while another chunk's experts compute (:mod:`.overlap`); 1: one
             blocking exchange each way. ``sync_free`` overlaps the ``all_to_all`` exchange only.
+        fp8_dispatch: ``all_to_all`` / ``all_gather`` with ``overlap_chunks == 1``: the dispatch carries
+            each token row as e4m3 with one power-of-two scale (:mod:`.fp8_rows`: half the bytes of bf16);
+            the combine and every backward exchange stay in the compute dtype.
     """
 
     num_experts: int
@@ -44,6 +47,7 @@ class EPOptions:
     align: int = 1
     exchange: str = "auto"
     overlap_chunks: int = 1
+    fp8_dispatch: bool = False
 
 
 @dataclass(kw_only=True)

@@ -41,6 +41,7 @@ class ExpertParallel:
         self.ep, self.options = ep, options
         self.dispatcher = DISPATCHERS[options.dispatcher]
         check_overlap_options(options.overlap_chunks, options.dispatcher, options.capacity_factor, options.exchange)
+        check_fp8_dispatch(options.fp8_dispatch, options.dispatcher, options.overlap_chunks)
         if options.dispatcher == "sync_free":
             sync_free.check_exchange(ep, options)
         self.dropped: Tensor | None = None
@@ -123,6 +124,19 @@ def check_local_lora(lora, E: int, El: int) -> None:
                 (A.shape[0] == 0 or A.shape[0] % El or B.shape[1] != A.shape[0]):
             raise ValueError(f"lora['{name}']: expected lora_A [r*{El}, in] and lora_B [out, r*{El}] (this rank's "
                              f"E_l = {El} experts), got {tuple(A.shape)} and {tuple(B.shape)}")
+
+
+def check_fp8_dispatch(fp8_dispatch, dispatcher, overlap_chunks) -> None:
+    """Raise ValueError (TypeError for a non-bool) unless ``fp8_dispatch`` can run with these options: the
+    ``all_to_all`` and ``all_gather`` dispatchers, one exchange each way (``overlap_chunks == 1``). Host
+    metadata only."""
+    if not isinstance(fp8_dispatch, bool):
+        raise TypeError(f"fp8_dispatch: expected a bool, got {type(fp8_dispatch).__name__}")
+    if fp8_dispatch and dispatcher not in ("all_to_all", "all_gather"):
+        raise ValueError(f"fp8_dispatch: the all_to_all and all_gather dispatchers carry e4m3 rows, got "
+                         f"dispatcher={dispatcher!r}")
+    if fp8_dispatch and overlap_chunks != 1:
+        raise ValueError("fp8_dispatch: not with overlap_chunks > 1 (the chunked exchanges carry the compute dtype)")
 
 
 def check_overlap_options(overlap_chunks, dispatcher, capacity_factor, exchange) -> None:
