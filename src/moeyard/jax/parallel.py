@@ -49,7 +49,7 @@ from ..activations import Activation, get_activation
 from .checks import check_bool, check_float, check_topk, invalid_ids
 from .dispatch import plan_unchecked, weighted_sum
 from .experts import check_weights
-from .ffn import FFNSpec, grouped_ffn, routed_ffn
+from .ffn import FFNSpec, routed_ffn
 
 __all__ = ["EXCHANGES", "EPExperts", "ep_apply", "ep_experts", "expert_parallel", "partition_specs"]
 
@@ -76,8 +76,7 @@ def ep_experts(hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, *
         align: ``ragged_all_to_all`` only: pad each local expert's received rows to a multiple of this.
         activation, transposed, interleaved, drop_invalid: as :func:`moeyard.jax.experts` (ids outside
             ``[0, E)`` are never read on the host here: NaN rows, or nothing with ``drop_invalid``).
-        custom_vjp: the local experts' backward with ``all_to_all`` (:func:`moeyard.jax.experts`);
-            ``ragged_all_to_all`` runs them with plain autodiff.
+        custom_vjp: the local experts' backward (:func:`moeyard.jax.experts`), with either exchange.
     Returns:
         ``[T, H]`` in ``hidden_states.dtype``.
     Raises:
@@ -115,7 +114,7 @@ def ep_experts(hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, *
     if exchange == "all_to_all":
         pairs, sent = _dense_exchange(hidden_states, ids, weights, spec, axis_name, W, custom_vjp)
     else:
-        pairs, sent = _ragged_exchange(hidden_states, ids, weights, spec, axis_name, W, align)
+        pairs, sent = _ragged_exchange(hidden_states, ids, weights, spec, axis_name, W, align, custom_vjp)
     # a valid pair that found no room (a repeated id) makes its token's row NaN
     w = jnp.where(sent | invalid_ids(ids, E), w, jnp.nan)
     return weighted_sum(pairs, w)
@@ -156,7 +155,7 @@ def _dense_exchange(x, ids, weights, spec: FFNSpec, axis_name: str, W: int, cust
     return back[row].reshape(T, K, H), sent.reshape(T, K)
 
 
-def _ragged_exchange(x, ids, weights, spec: FFNSpec, axis_name: str, W: int, align: int):
+def _ragged_exchange(x, ids, weights, spec: FFNSpec, axis_name: str, W: int, align: int, custom_vjp: bool):
     """``ragged_all_to_all`` of the routed rows only (module docstring): returns as :func:`_dense_exchange`."""
     T, K = ids.shape
     H, E_l = x.shape[1], spec.num_experts
@@ -180,11 +179,13 @@ def _ragged_exchange(x, ids, weights, spec: FFNSpec, axis_name: str, W: int, ali
     combine = ((base[local] + prefix[:, local]).reshape(W * E_l), sizes[:, local].reshape(W * E_l),
                src_offsets[:, local].reshape(W * E_l), sizes[me])
     recv = _exchange(sorted_x, num_rows, dispatch, combine, axis_name)
-    group_sizes = padded[me]
-    group_ends = jnp.cumsum(group_sizes)
+    # the local experts through the same routed FFN as the dense exchange (its custom VJP when asked): the
+    # receive buffer's rows are expert-major already; rows past the last expert's carry the id E_l (dropped)
+    group_ends = jnp.cumsum(padded[me])
     row_experts = jnp.searchsorted(group_ends, jnp.arange(num_rows, dtype=jnp.int32), side="right").astype(jnp.int32)
     up, b_up, down, b_down = weights
-    y, _ = grouped_ffn(recv, group_sizes, row_experts, up, b_up, down, b_down, spec)
+    y = routed_ffn(spec, custom_vjp, recv, row_experts[:, None], jnp.ones((num_rows, 1), x.dtype), up, b_up, down,
+                   b_down)
     back = _exchange(y, N, combine, dispatch, axis_name)
     flat_ids = ids.reshape(-1)
     rank = plan.pair_rows - plan.expert_offsets[jnp.where(plan.valid, flat_ids, 0)]  # place among its expert's pairs
