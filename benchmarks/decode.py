@@ -4,7 +4,7 @@
         [--new-tokens 32] [--impls moeyard,grouped_mm,batched_mm] [--modes eager,compiled] [--reps 5]
         [--vocab 32768] [--tiny] [--json PATH]
 
-The model is :mod:`moeyard.bench_e2e`'s (``--model``'s attention, router and experts at their real sizes,
+The model is :mod:`moeyard.bench.e2e`'s (``--model``'s attention, router and experts at their real sizes,
 ``--layers`` layers, every layer MoE, a reduced vocabulary, random weights, bf16 on CUDA, float32 on CPU; ``--tiny``:
 :mod:`moeyard.verify`'s tiny configuration), built once per experts implementation with the same seed.
 Each row is transformers' greedy ``generate`` over ``batch`` random prompts of ``--prompt`` tokens:
@@ -30,7 +30,8 @@ import time
 
 import torch
 
-from moeyard import bench, bench_e2e
+from moeyard import bench
+from moeyard.bench import e2e as bench_e2e
 
 MODES = ("eager", "compiled")
 
@@ -118,7 +119,7 @@ def run_impl(impl: str, config, batches: list[int], args, device: torch.device, 
         print(_line(rows[-1]), flush=True)
     finally:
         del model
-        bench._free(str(device))
+        bench.free_memory(str(device))
     return rows
 
 

@@ -3,7 +3,7 @@
 Each file holds, per (case, routing, dispatcher), the slowest rank's expert-parallel step (forward +
 backward, ``overlap_chunks`` 1) and the same step on one GPU on each rank's own tokens (all E experts,
 no exchange), whose ratio is the per-GPU throughput against one GPU (``weak_scaling`` in the JSON,
-:func:`moeyard.parallel.bench.weak_scaling`). This prints one markdown row per (case, step, routing,
+:func:`moeyard.bench.ep.weak_scaling`). This prints one markdown row per (case, step, routing,
 dispatcher) with, for each N, the expert-parallel ms and that ratio, and the target line (>= 85% per
 GPU at EP 4, balanced routing).
 

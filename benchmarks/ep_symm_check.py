@@ -31,7 +31,7 @@ failure or mismatch):
     ``all_to_all_single``, a local copy: ms and GB/s); the device kernels of three dispatch + combine
     calls (``torch.profiler``, rank 0) of ``sync_free`` + ``symm_mem`` and of ``all_to_all``; then timing at qwen3-30b-a3b per rank (T = 32768, E = 128, K = 8, H = 2048, bf16; balanced and Zipf
     routing): dispatch and combine ms (slowest rank) of ``all_to_all``, ``sync_free`` + equal
-    splits and ``sync_free`` + ``symm_mem`` (``moeyard.parallel.bench.measure``), one table.
+    splits and ``sync_free`` + ``symm_mem`` (``moeyard.bench.ep.measure``), one table.
 """
 from __future__ import annotations
 
@@ -265,8 +265,8 @@ def _qwen3(device):
 
 
 def timing(ep, device, variants) -> list[dict]:
-    """Every rank's ``moeyard.parallel.bench.measure`` rows at qwen3-30b-a3b, per routing and variant."""
-    from moeyard.parallel import bench as ep_bench
+    """Every rank's ``moeyard.bench.ep.measure`` rows at qwen3-30b-a3b, per routing and variant."""
+    from moeyard.bench import ep as ep_bench
 
     opts, shape = _qwen3(device)
     rows = []
@@ -281,9 +281,9 @@ def timing(ep, device, variants) -> list[dict]:
 def raw_timing(ep, device, rows: int = 262144, hidden: int = 2048) -> dict:
     """The bare exchanges of ``rows x hidden`` bf16 per rank (qwen3-30b-a3b's pairs at EP = 2), equal
     splits: ``all_to_all_vdev`` on symmetric buffers, NCCL ``all_to_all_single`` on plain ones, and
-    a local copy of the same rows; ms (median, ``moeyard.parallel.bench``'s timer) and GB/s of the bytes
+    a local copy of the same rows; ms (median, ``moeyard.bench.ep``'s timer) and GB/s of the bytes
     each rank sends."""
-    from moeyard.parallel import bench as ep_bench
+    from moeyard.bench import ep as ep_bench
 
     opts, _ = _qwen3(device)
     W, name = ep.world_size, symm_mem.OPS.prepare(dist.group.WORLD, device)

@@ -42,7 +42,7 @@ import sys
 import torch
 
 import moeyard
-from moeyard.models import get_model
+from moeyard.bench.models import get_model
 
 QUANTITIES = ("out", "dx", "dw_up", "dw_down", "d_router")
 BARS = {"out": 23.0, "dx": 29.0, "dw_up": 21.0, "dw_down": 21.0}  # torchao's test bars (dB)

@@ -16,7 +16,7 @@ import torch
 
 import moeyard
 from moeyard.bench import dense_fp8_tflops, dense_tflops, layer_flops
-from moeyard.models import get_model, routed_only
+from moeyard.bench.models import get_model, routed_only
 
 
 def step_kernels(moe, x, dy, warmup: int = 3) -> tuple[float, dict[str, tuple[int, float]]]:

@@ -46,7 +46,7 @@ import time
 import torch
 
 from moeyard import bench
-from moeyard.models import get_model, routed_only, with_tokens
+from moeyard.bench.models import get_model, routed_only, with_tokens
 from moeyard.routing import use_router
 
 SLEEP_CYCLES = 200_000_000  # ~0.1 s at H100 clocks: longer than any step's host time

@@ -274,7 +274,7 @@ def memory_child(model: str, layers: int, custom: bool, quick: bool, tokens: int
     from flax import nnx
 
     import moeyard.jax as mj
-    from moeyard.models import get_model, routed_only
+    from moeyard.bench.models import get_model, routed_only
 
     shape = get_model(model)
     cfg = routed_only(shape.moe_config())

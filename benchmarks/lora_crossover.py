@@ -13,9 +13,10 @@ import json
 
 import torch
 
-from moeyard import bench, bench_lora
+from moeyard import bench
+from moeyard.bench import lora as bench_lora
 from moeyard.experts.triton import options
-from moeyard.models import get_model, with_tokens
+from moeyard.bench.models import get_model, with_tokens
 
 MODELS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b", "olmoe-1b-7b", "mixtral-8x7b", "gpt-oss-20b", "sonic-120b",
           "qwen3-235b-a22b")
@@ -47,7 +48,7 @@ def main() -> None:
                              faster=best))
             print(f"{name:18} {rank:>3} {ms['split']:9.3f} {ms['fused']:9.3f} {best:>7}", flush=True)
             del case
-            bench._free(opts.device)
+            bench.free_memory(opts.device)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

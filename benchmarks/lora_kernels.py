@@ -32,7 +32,7 @@ from moeyard.experts.triton import kernels_gluon, kernels_tma, ops
 from moeyard.experts.triton.options import use_options
 from moeyard.experts.triton.schedule import tma_block_m
 from moeyard.experts.triton.tuning import LORA_NONE, LORA_SPLIT
-from moeyard.models import get_model
+from moeyard.bench.models import get_model
 
 
 def timed(fn, iters: int, reps: int = 5, warmup: int = 3) -> float:

@@ -1,5 +1,5 @@
 """Where the LoRA step's time goes: per-kernel CUDA time of one ``frozen`` and one ``lora`` step of
-:mod:`moeyard.bench_lora` (torch.profiler), and the tile configs the autotuner picked.
+:mod:`moeyard.bench.lora` (torch.profiler), and the tile configs the autotuner picked.
 
     python benchmarks/lora_profile.py [--model qwen3-30b-a3b] [--rank 16] [--modes split fused] [--regs] [--sequence]
 
@@ -16,9 +16,10 @@ import collections
 
 import torch
 
-from moeyard import bench, bench_lora
+from moeyard import bench
+from moeyard.bench import lora as bench_lora
 from moeyard.experts.triton import kernels_bwd, kernels_fwd, ops, options, tuning
-from moeyard.models import get_model
+from moeyard.bench.models import get_model
 
 
 def kernel_times(module, case, steps: int = 3) -> tuple[dict[str, float], list[tuple[str, float]]]:
@@ -114,7 +115,7 @@ def main() -> None:
             print(f"-- {col}: one step in launch order (ms)")
             for name, ms in seq:
                 print(f"   {ms:8.3f}  {name}")
-    bench._free("cuda")
+    bench.free_memory("cuda")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import os
 import torch
 
 from moeyard.bench import BenchOptions, make_inputs, build
-from moeyard.models import get_model, routed_only
+from moeyard.bench.models import get_model, routed_only
 
 OUT = os.environ.get("OUT", "/tmp")
 shape = get_model(os.environ.get("MODEL", "qwen3-30b-a3b"))

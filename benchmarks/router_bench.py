@@ -21,7 +21,7 @@ import sys
 import torch
 
 from moeyard import bench
-from moeyard.models import get_model
+from moeyard.bench.models import get_model
 from moeyard.routing import fused, route, use_router
 
 MODELS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b", "olmoe-1b-7b", "deepseek-v3", "gpt-oss-20b", "gpt-oss-120b")
@@ -156,7 +156,7 @@ def main() -> int:
               f"{t['torch_fwd_bwd_ms']:9.3f} {t['fused_fwd_bwd_ms']:9.3f}", flush=True)
         if a.kernels > 0:
             print(kernel_table(cfg, a.tokens, dtype, device, a.kernels), flush=True)
-        bench._free("cuda")
+        bench.free_memory("cuda")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

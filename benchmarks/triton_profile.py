@@ -21,7 +21,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-CONFIGS = ("qwen3-30b-a3b", "sonic-7b")  # default shapes: names in moeyard.models (any registered name works)
+CONFIGS = ("qwen3-30b-a3b", "sonic-7b")  # default shapes: names in moeyard.bench.models (any registered name works)
 # --variants: name -> backend options (moeyard.experts.triton.options)
 VARIANTS = {
     "default": {},
@@ -52,8 +52,8 @@ class Shape:
 
     @classmethod
     def of(cls, name: str) -> "Shape":
-        """The routed experts of a registered model shape (``moeyard.models``) at its benchmark T."""
-        from moeyard.models import get_model
+        """The routed experts of a registered model shape (``moeyard.bench.models``) at its benchmark T."""
+        from moeyard.bench.models import get_model
         m = get_model(name)
         c = m.moe_config()
         return cls(T=m.tokens, H=c.hidden_size, I=c.intermediate_size, E=c.num_experts, K=c.top_k)
@@ -134,7 +134,7 @@ def _wgrad_costs(tag, s: Shape, *, NL, NR, b, operands, slots, split, chunked=Fa
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of moeyard.models names")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of moeyard.bench.models names")
     ap.add_argument("--variants", nargs="?", const=",".join(VARIANTS), default="",
                     help=f"also profile these option sets (default all of {sorted(VARIANTS)})")
     ap.add_argument("--chunk", type=int, default=4096, help="rows per chunk of the 'chunk'/'all' variants")
@@ -146,7 +146,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/triton_profile"))
     args = ap.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
-    from moeyard.models import model_names
+    from moeyard.bench.models import model_names
     unknown = [c for c in args.configs if c not in model_names()]
     if unknown:
         ap.error(f"unknown configs {unknown}; known: {model_names()}")

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import moeyard
-from moeyard import bench, models
-from moeyard.peers import TorchGroupedMM, peer_config, peer_note
+from moeyard import bench
+from moeyard.bench import models
+from moeyard.bench.peers import TorchGroupedMM, peer_config, peer_note
 from helpers import load_benchmark
 
 TINY = dict(warmup=1, iters=2, peers=True)
@@ -222,8 +223,8 @@ def test_bad_options_name_the_flag(kw, flag):
 @pytest.mark.parametrize("impl", ["lora", "peft+moeyard", "peft-auto+moeyard", "peft-fold+moeyard", "peft+grouped_mm"])
 def test_lora_bench_rows_train_the_adapters(impl):
     # every LoRA row computes the adapted layer (same output) and the factor gradients (same values)
-    from moeyard import bench_lora
-    from moeyard.models import parse_shape
+    from moeyard.bench import lora as bench_lora
+    from moeyard.bench.models import parse_shape
     if impl != "lora" and importlib.util.find_spec("peft") is None:
         pytest.skip("peft is not installed")
     case = bench_lora.make_case(parse_shape("48,32,16,4,2"), 4, torch.device("cpu"), torch.float32)
@@ -247,8 +248,8 @@ def test_lora_bench_rows_train_the_adapters(impl):
 def test_quant_bench_rows():
     # the QLoRA rows: selective and whole-stack dequantisation compute the same step; NF4 stores <= 0.3x
     pytest.importorskip("bitsandbytes")
-    from moeyard import bench_lora
-    from moeyard.models import parse_shape
+    from moeyard.bench import lora as bench_lora
+    from moeyard.bench.models import parse_shape
     case = bench_lora.make_case(parse_shape("32,64,32,4,2"), 4, torch.device("cpu"), torch.float32)
     rows = {}
     for impl in bench_lora.QUANT_IMPLS:
@@ -300,7 +301,7 @@ def test_host_time_rows_and_profile(monkeypatch, tmp_path, capsys):
     import time as _time
 
     from moeyard import bench
-    from moeyard.models import parse_shape
+    from moeyard.bench.models import parse_shape
 
     ht = load_benchmark("host_time")
 
@@ -361,7 +362,7 @@ def test_host_time_rows_and_profile(monkeypatch, tmp_path, capsys):
 @pytest.mark.parametrize("step", ["fwd", "infer", "fwdbwd"])
 def test_host_time_forward_step_runs_no_backward(step):
     from moeyard import bench
-    from moeyard.models import parse_shape
+    from moeyard.bench.models import parse_shape
 
     ht = load_benchmark("host_time")
     opts = bench.resolve_options(bench.BenchOptions(device="cpu", shapes=["32,32,16,4,2"]))

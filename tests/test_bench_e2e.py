@@ -6,7 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeyard import bench, bench_e2e, bench_plot, cli, models, verify
+from moeyard import bench, cli, verify
+from moeyard.bench import e2e as bench_e2e
+from moeyard.bench import models
+from moeyard.bench import plot as bench_plot
 
 pytest.importorskip("transformers")
 TINY_E2E = ["bench", "--e2e", "--device", "cpu", "--tiny", "--layers", "1", "--tokens", "32", "--warmup", "0",

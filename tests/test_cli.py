@@ -10,6 +10,7 @@ import torch
 
 import moeyard
 from moeyard import cli
+from moeyard.bench.tables import peer_ratio_lines
 
 
 def test_info_lists_backends(capsys):
@@ -109,5 +110,5 @@ def test_peer_ratio_lines():
     rows = [row("a", "triton", "moeyard", 2.0, 5.0), row("a", "torch_gmm", "peer", 4.0, 10.0),
             row("a", "sonicmoe", "peer", 1.0, 4.0), row("b", "triton", "moeyard", 1.0, 3.0),
             dict(case="b", impl="sonicmoe", kind="peer", error="boom")]
-    assert cli.peer_ratio_lines(rows) == [
+    assert peer_ratio_lines(rows) == [
         "a: triton vs torch_gmm 2.00x (2.00x), sonicmoe 0.80x (0.50x) (fwd+bwd (fwd) speed-up, > 1: triton faster)"]

@@ -236,7 +236,8 @@ def test_bench_ep_lora_weak_scaling_under_torchrun(tmp_path):
     import os
     import subprocess
     import sys
-    from moeyard.cli import build_parser, check_bench_arguments
+    from moeyard.bench.args import check_bench_arguments
+    from moeyard.cli import build_parser
 
     out = tmp_path / "ep_lora.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moeyard",

@@ -17,8 +17,9 @@ routed rows to the ranks owning their experts and brings the results back. One m
   :func:`release_buffers` (the symmetric-memory exchanges' buffers, before the group is destroyed);
 - :mod:`.lora`: LoRA adapters of the split experts (each rank its experts' factors, PEFT's layout):
   :func:`shard_lora`, :func:`lora_state_dict` (the global factors, to save on rank 0);
-- :mod:`.fsdp`: :func:`fsdp_expert_parallel`, composed with FSDP2 on a 2-D ``(dp, ep)`` mesh;
-- :mod:`.bench`: ``moeyard bench --ep N`` under torchrun.
+- :mod:`.fsdp`: :func:`fsdp_expert_parallel`, composed with FSDP2 on a 2-D ``(dp, ep)`` mesh.
+
+``moeyard bench --ep N`` times them under torchrun (:mod:`moeyard.bench.ep`).
 
 Composing with FSDP2 on a 2-D ``(dp, ep)`` mesh (tested on CPU/gloo at dp = 2 x ep = 2 against one
 process on the global batch: losses, every gradient, two optimizer steps)::

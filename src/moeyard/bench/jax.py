@@ -41,15 +41,15 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .. import bench
 from ..config import MoEConfig
-from ..models import ModelShape, routed_only
+from . import layer as layer_bench
+from .models import ModelShape, routed_only
 
 GIB = 2 ** 30
 PALLAS_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
 
 
-def run(opts: bench.BenchOptions, progress: Callable[[str, int, int], None] | None = None) -> dict:
+def run(opts: layer_bench.BenchOptions, progress: Callable[[str, int, int], None] | None = None) -> dict:
     """:func:`moeyard.bench.run`'s result with the JAX rows of every case added after its PyTorch rows
     (module docstring). Failing JAX implementations are rows with an ``error``.
 
@@ -58,11 +58,11 @@ def run(opts: bench.BenchOptions, progress: Callable[[str, int, int], None] | No
     """
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     report = progress or (lambda desc, done, total: None)
-    opts = bench.resolve_options(opts)
-    shapes = bench.cases(opts)
+    opts = layer_bench.resolve_options(opts)
+    shapes = layer_bench.cases(opts)
     names = _implementations(opts.device)
     extra = len(shapes) * len(names)
-    result = bench.run(opts, progress=lambda desc, done, total: report(desc, done, total + extra))
+    result = layer_bench.run(opts, progress=lambda desc, done, total: report(desc, done, total + extra))
     torch_rows = result["rows"]
     rows, done = [], len(torch_rows)
     for shape in shapes:
@@ -80,7 +80,7 @@ def run(opts: bench.BenchOptions, progress: Callable[[str, int, int], None] | No
     return result
 
 
-def environment(opts: bench.BenchOptions) -> dict:
+def environment(opts: layer_bench.BenchOptions) -> dict:
     """The JAX side of the run: versions and device, as a caption line (``framework_note``)."""
     import jax
 
@@ -111,12 +111,12 @@ def _device(device: str):
     return jax.devices("gpu" if str(device).startswith("cuda") else "cpu")[0]
 
 
-def run_one(name: str, shape: ModelShape, opts: bench.BenchOptions) -> dict:
+def run_one(name: str, shape: ModelShape, opts: layer_bench.BenchOptions) -> dict:
     """One JAX row: times, TFLOP/s, memory, or the error (never raises for a failing implementation)."""
     config = shape.moe_config()
     if opts.routed_only:
         config = routed_only(config)
-    flops = bench.layer_flops(config, shape.tokens)
+    flops = layer_bench.layer_flops(config, shape.tokens)
     row = {"case": shape.name, "T": shape.tokens, "H": config.hidden_size, "I": config.intermediate_size,
            "E": config.num_experts, "k": config.top_k, "impl": name, "kind": "jax", "flops_fwd": flops, "note": ""}
     try:
@@ -131,20 +131,20 @@ def run_one(name: str, shape: ModelShape, opts: bench.BenchOptions) -> dict:
     return row
 
 
-def _inputs(shape: ModelShape, opts: bench.BenchOptions) -> dict:
+def _inputs(shape: ModelShape, opts: layer_bench.BenchOptions) -> dict:
     """The case's inputs as the PyTorch rows had them (:func:`moeyard.bench.make_inputs` after the same
     seed), moved to JAX's device; the PyTorch copies are freed before the JAX rows run."""
     torch.manual_seed(0)  # moeyard.bench.run_case seeds the same before making its inputs
-    inputs = bench.make_inputs(shape, opts)
+    inputs = layer_bench.make_inputs(shape, opts)
     dev, dtype = _device(opts.device), _jax_dtype(opts.dtype)
     out = {"xs": [_to_jax(t, dtype, dev) for t in inputs.xs], "dys": [_to_jax(t, dtype, dev) for t in inputs.dys],
            "router_weight": _to_jax(inputs.router_weight, dtype, dev)}
     del inputs
-    bench._free(opts.device)
+    layer_bench.free_memory(opts.device)
     return out
 
 
-def measure(name: str, config: MoEConfig, inputs: dict, opts: bench.BenchOptions) -> dict:
+def measure(name: str, config: MoEConfig, inputs: dict, opts: layer_bench.BenchOptions) -> dict:
     """fwd / fwd+bwd milliseconds and XLA's fwd+bwd memory of implementation ``name``."""
     import jax
 
@@ -210,7 +210,7 @@ def _layer(config: MoEConfig, router_weight, dev, *, custom_vjp: bool):
     import jax
     from flax import nnx
 
-    from .layer import MoE
+    from ..jax import MoE
 
     with jax.default_device(dev):
         layer = MoE(config, rngs=nnx.Rngs(0), dtype=router_weight.dtype, custom_vjp=custom_vjp)

@@ -1,8 +1,8 @@
 """``moeyard bench --plot out.png``: grouped bars of a benchmark result, per case and implementation.
 
-- the layer benchmark (:mod:`moeyard.bench`): TFLOP/s, forward and forward+backward panels;
-- ``--lora`` (:mod:`moeyard.bench_lora`): TFLOP/s of the step;
-- ``--e2e`` (:mod:`moeyard.bench_e2e`): tokens/s of the training step.
+- the layer benchmark (:mod:`moeyard.bench.layer`): TFLOP/s, forward and forward+backward panels;
+- ``--lora`` (:mod:`moeyard.bench.lora`): TFLOP/s of the step;
+- ``--e2e`` (:mod:`moeyard.bench.e2e`): tokens/s of the training step.
 
 TFLOP/s panels draw the run's dense bf16 matmul rate (8192^3) as a dashed line when it was measured
 (CUDA). Failed rows are left out (a gap). The title names the device, dtype and date of the run.

@@ -41,10 +41,10 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from . import bench
-from .bench_trace import file_stem, trace_step
-from .experts import ExpertLoRA, experts
+from ..experts import ExpertLoRA, experts
+from . import layer as layer_bench
 from .models import ModelShape, get_model, parse_shape, with_tokens
+from .trace import file_stem, trace_step
 
 Tensor = torch.Tensor
 LORA_MODELS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b", "olmoe-1b-7b", "mixtral-8x7b")
@@ -78,7 +78,7 @@ def make_case(shape: ModelShape, rank: int, device, dtype) -> Case:
     """Random inputs for a shape (SwiGLU experts; routing: top-k of random logits)."""
     c = shape.moe_config()
     T, H, I, E, K = shape.tokens, c.hidden_size, c.intermediate_size, c.num_experts, c.top_k
-    n_sets = max(1, min(4, math.ceil(bench.ROTATE_BYTES / max(1, T * H * dtype.itemsize))))
+    n_sets = max(1, min(4, math.ceil(layer_bench.ROTATE_BYTES / max(1, T * H * dtype.itemsize))))
     kw = dict(device=device, dtype=dtype)
     logits = torch.randn(T, E, device=device)
     weights, ids = torch.softmax(logits, -1).topk(K, dim=-1)
@@ -159,7 +159,7 @@ class _Peft(nn.Module):
                 m.lora_A["default"].weight.data = A.clone().to(dev, dtype)
                 m.lora_B["default"].weight.data = B.clone().to(dev, dtype)
         if impl == "peft+moeyard":
-            from .integrations.peft import fuse_lora
+            from ..integrations.peft import fuse_lora
             fuse_lora(self)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -206,7 +206,7 @@ class _Stack(nn.Module):
 
 def _nf4(w: Tensor):
     """NF4 storage of ``w`` (bitsandbytes quantises on the GPU when it can, else on the CPU)."""
-    from .quant import NF4Experts
+    from ..quant import NF4Experts
     try:
         return NF4Experts.from_float(w)
     except (RuntimeError, NotImplementedError):
@@ -223,9 +223,9 @@ def build(impl: str, case: Case, layers: int = 0) -> nn.Module:
 
 # ---------------------------------------------------------------- the run
 
-def measure(module: nn.Module, case: Case, opts: bench.BenchOptions, trace_stem: str | None = None) -> dict:
+def measure(module: nn.Module, case: Case, opts: layer_bench.BenchOptions, trace_stem: str | None = None) -> dict:
     """Median step ms and peak extra GiB (CUDA) of forward + backward; with ``opts.trace``, then one
-    profiled step into ``opts.trace/<trace_stem>`` (:mod:`moeyard.bench_trace`)."""
+    profiled step into ``opts.trace/<trace_stem>`` (:mod:`moeyard.bench.trace`)."""
     device, n = torch.device(opts.device), len(case.xs)
     leaves = [x.requires_grad_() for x in case.xs] + module.trainable()
 
@@ -239,9 +239,9 @@ def measure(module: nn.Module, case: Case, opts: bench.BenchOptions, trace_stem:
 
     step(0)
     clear()
-    base = bench._reset_peak(device)
-    ms = bench.time_ms(step, n, opts.warmup, opts.iters, device)
-    peak = None if base is None else (torch.cuda.max_memory_allocated(device) - base) / bench.GIB
+    base = layer_bench.reset_peak(device)
+    ms = layer_bench.time_ms(step, n, opts.warmup, opts.iters, device)
+    peak = None if base is None else (torch.cuda.max_memory_allocated(device) - base) / layer_bench.GIB
     out = {"step_ms": ms, "peak_gib": peak}
     if opts.trace:
         out.update(trace_step(lambda: step(0), opts.trace, trace_stem or "lora", device))
@@ -249,7 +249,7 @@ def measure(module: nn.Module, case: Case, opts: bench.BenchOptions, trace_stem:
     return out
 
 
-def run(opts: bench.BenchOptions, rank: int, progress: Callable[[str, int, int], None] | None = None, *,
+def run(opts: layer_bench.BenchOptions, rank: int, progress: Callable[[str, int, int], None] | None = None, *,
         quant: str | None = None, layers: int = 4) -> dict:
     """Run the LoRA benchmark: ``{"env": {...}, "rows": [...]}`` (ms, TFLOP/s, GiB; ratios to the
     ``frozen`` and ``lora`` rows of the same case). ``quant="nf4"``: the QLoRA rows on a stack of
@@ -266,7 +266,7 @@ def run(opts: bench.BenchOptions, rank: int, progress: Callable[[str, int, int],
         raise ValueError(f"--layers: expected a positive int, got {layers!r}")
     layers = layers if quant else 0
     # --backends names this benchmark's implementations (checked below), not moeyard backends
-    opts = replace(bench.resolve_options(replace(opts, backends=None)), backends=opts.backends)
+    opts = replace(layer_bench.resolve_options(replace(opts, backends=None)), backends=opts.backends)
     shapes = [get_model(n) for n in opts.models] + [parse_shape(s) for s in opts.shapes]
     shapes = shapes or [get_model(n) for n in LORA_MODELS]
     if opts.tokens is not None:
@@ -277,10 +277,10 @@ def run(opts: bench.BenchOptions, rank: int, progress: Callable[[str, int, int],
         if i not in known:
             raise ValueError(f"--backends: with --lora{' --quant' if quant else ''} expected names from {known}, "
                              f"got {i!r}")
-    device, dtype = torch.device(opts.device), bench.DTYPES[opts.dtype]
+    device, dtype = torch.device(opts.device), layer_bench.DTYPES[opts.dtype]
     report = progress or (lambda desc, done, total: None)
-    env = {**bench.environment(opts), "mode": "lora", "trace": opts.trace, "lora_rank": rank, "quant": quant, "layers": layers,
-           "dense_bf16_tflops": bench.dense_tflops(device, opts.warmup, opts.iters)}
+    env = {**layer_bench.environment(opts), "mode": "lora", "trace": opts.trace, "lora_rank": rank, "quant": quant, "layers": layers,
+           "dense_bf16_tflops": layer_bench.dense_tflops(device, opts.warmup, opts.iters)}
     rows, total = [], len(shapes) * len(impls)
     for shape in shapes:
         torch.manual_seed(0)
@@ -290,12 +290,12 @@ def run(opts: bench.BenchOptions, rank: int, progress: Callable[[str, int, int],
             rows.append(_row(impl, case, opts, layers))
         _ratios(rows[-len(impls):])
         del case
-        bench._free(opts.device)
+        layer_bench.free_memory(opts.device)
     report("done", len(rows), total)
     return {"env": env, "rows": rows}
 
 
-def _row(impl: str, case: Case, opts: bench.BenchOptions, layers: int) -> dict:
+def _row(impl: str, case: Case, opts: layer_bench.BenchOptions, layers: int) -> dict:
     T, H, I, E, K = case.sizes
     row = {"case": case.name, "T": T, "H": H, "I": I, "E": E, "k": K, "impl": impl,
            "flops": step_flops(case, impl != "frozen") * max(layers, 1)}
@@ -303,14 +303,14 @@ def _row(impl: str, case: Case, opts: bench.BenchOptions, layers: int) -> dict:
     try:
         module = build(impl, case, layers)
         if layers:
-            row["weights_gib"] = module.weight_bytes() / bench.GIB
-        row.update(measure(module, case, opts, trace_stem=file_stem(bench.case_name(case.name, case.sizes), impl)))
+            row["weights_gib"] = module.weight_bytes() / layer_bench.GIB
+        row.update(measure(module, case, opts, trace_stem=file_stem(layer_bench.case_name(case.name, case.sizes), impl)))
         row["tflops"] = row["flops"] / row["step_ms"] / 1e9
     except Exception as ex:  # a failing implementation is a row, not a crash
         row["error"] = f"{type(ex).__name__}: {(str(ex).strip().splitlines() or [''])[0][:300]}"
     finally:
         del module
-        bench._free(opts.device)
+        layer_bench.free_memory(opts.device)
     return row
 
 

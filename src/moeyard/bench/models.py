@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .config import MoEConfig
+from ..config import MoEConfig
 
 DEFAULT_TOKENS = 32768
 

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 8 -m moeyard bench --ep 8 --model qwen3-30b-a3b --tokens 8192
 
 Every rank routes its own T tokens (``--tokens``, or the shape's T; per rank) with ``balanced`` and
-``zipf`` routing (``moeyard.bench``'s routing codes; ``--routing balanced|zipf`` picks one) and holds
+``zipf`` routing (:mod:`moeyard.bench.layer`'s routing codes; ``--routing balanced|zipf`` picks one) and holds
 E / N random experts. For each dispatcher it times, forward only (CUDA events on CUDA, else
 ``time.perf_counter``; median of ``--iters`` after ``--warmup``):
 
@@ -47,15 +47,16 @@ import os
 import torch
 import torch.distributed as dist
 
-from .. import bench as layer_bench
 from ..activations import GATED
 from ..experts import ExpertLoRA, experts
+from ..parallel.apply import release_buffers
+from ..parallel.comm import resolve_group
+from ..parallel.common import EPOptions
+from ..parallel.experts import DISPATCHERS, ExpertParallel
+from ..parallel.sync_free import DEVICE_EXCHANGES
 from ..routing import route
-from .comm import resolve_group
-from .apply import release_buffers
-from .common import EPOptions
-from .experts import DISPATCHERS, ExpertParallel
-from .sync_free import DEVICE_EXCHANGES
+from . import layer as layer_bench
+from .args import bench_options
 
 Tensor = torch.Tensor
 
@@ -84,8 +85,6 @@ def _run(args, command: str, device: torch.device) -> int:
     ep = resolve_group(None)
     if ep.world_size != args.ep:
         raise SystemExit(f"--ep: {args.ep} but torchrun started {ep.world_size} processes")
-    from ..cli import bench_options
-
     overlaps = parse_overlap(args.overlap)
     lora_rank = getattr(args, "lora", None)
     if lora_rank is not None and (isinstance(lora_rank, bool) or lora_rank < 1):
@@ -112,7 +111,7 @@ def _run(args, command: str, device: torch.device) -> int:
 def _variants(ep) -> list[tuple[str, str]]:
     """``(dispatcher, exchange)`` to time: every dispatcher, ``sync_free`` with the ``all_to_all``
     exchange and, where it can run (CUDA, NCCL), with ``p2p`` (what ``auto`` takes there)."""
-    from . import p2p
+    from ..parallel import p2p
 
     out = [(name, "all_to_all" if name == "sync_free" else "auto") for name in DISPATCHERS]
     if p2p.OPS.unavailable(ep) is None:

@@ -1,7 +1,7 @@
-"""The benchmark runner: the full MoE layer, per backend and per peer, on named model shapes.
+"""The layer benchmark: the full MoE layer, per backend and per peer, on named model shapes.
 
-For each case (a :class:`moeyard.models.ModelShape`) and each implementation (a moeyard backend, run
-as ``moeyard.MoE(config, backend=name)``, or a peer from :mod:`moeyard.peers`) it times
+For each case (a :class:`moeyard.bench.models.ModelShape`) and each implementation (a moeyard backend, run
+as ``moeyard.MoE(config, backend=name)``, or a peer from :mod:`moeyard.bench.peers`) it times
 
 - ``fwd``: a training forward (autograd on: input and weights require grad), and
 - ``fwd+bwd``: forward plus backward w.r.t. the input and all weights (gradients set to None before
@@ -41,15 +41,15 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .activations import GATED
-from .bench_trace import check_trace_dir, file_stem, trace_step
-from .config import MoEConfig
-from .experts import available_backends, backend_names
-from .layer import MoE
+from ..activations import GATED
+from ..config import MoEConfig
+from ..experts import available_backends, backend_names
+from ..layer import MoE
+from ..quant.recipe import recipe_names
+from ..routing import route, router_impl
 from .models import ANCHOR_MODELS, ModelShape, get_model, parse_shape, routed_only, with_tokens
 from .peers import PEERS, peer_config, peer_note, peer_status
-from .quant.recipe import recipe_names
-from .routing import route, router_impl
+from .trace import check_trace_dir, file_stem, trace_step
 
 Tensor = torch.Tensor
 GIB = 2 ** 30
@@ -285,7 +285,7 @@ def build(name: str, config: MoEConfig, device, dtype) -> nn.Module:
 
 def measure(module: nn.Module, inputs: Inputs, opts: BenchOptions, trace_stem: str | None = None) -> dict:
     """fwd / fwd+bwd milliseconds and peak extra GiB (CUDA) of ``module`` on ``inputs``; with
-    ``opts.trace``, then one profiled fwd+bwd into ``opts.trace/<trace_stem>`` (:mod:`moeyard.bench_trace`)."""
+    ``opts.trace``, then one profiled fwd+bwd into ``opts.trace/<trace_stem>`` (:mod:`moeyard.bench.trace`)."""
     device, n = torch.device(opts.device), len(inputs.xs)
     params = [p for p in module.parameters() if p.requires_grad]
     with torch.no_grad():
@@ -312,7 +312,7 @@ def measure(module: nn.Module, inputs: Inputs, opts: BenchOptions, trace_stem: s
 
     fwd_ms = time_ms(fwd, n, opts.warmup, opts.iters, device)
     clear()
-    base = _reset_peak(device)
+    base = reset_peak(device)
     fwdbwd_ms = time_ms(fwd_bwd, n, opts.warmup, opts.iters, device)
     peak = None if base is None else (torch.cuda.max_memory_allocated(device) - base) / GIB
     out = {"fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms, "peak_gib": peak}
@@ -322,7 +322,9 @@ def measure(module: nn.Module, inputs: Inputs, opts: BenchOptions, trace_stem: s
     return out
 
 
-def _reset_peak(device: torch.device) -> int | None:
+def reset_peak(device: torch.device) -> int | None:
+    """On CUDA: synchronise ``device``, reset its peak-memory statistics and return the bytes allocated
+    now (the base a peak is measured from); None elsewhere."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)
@@ -352,7 +354,7 @@ def run_one(name: str, shape: ModelShape, config: MoEConfig, inputs: Inputs, opt
         row["detail"] = traceback.format_exc()[-1500:]
     finally:
         del module
-        _free(opts.device)
+        free_memory(opts.device)
     return row
 
 
@@ -361,7 +363,9 @@ def case_name(name: str, sizes: tuple[int, ...]) -> str:
     return name if name != "custom" else "custom-" + "x".join(str(v) for v in sizes)
 
 
-def _free(device: str) -> None:
+def free_memory(device: str) -> None:
+    """Collect garbage and, on CUDA, empty the caching allocator (between rows, so one row's memory is
+    not counted in the next)."""
     gc.collect()
     if str(device).startswith("cuda"):
         torch.cuda.empty_cache()
@@ -371,7 +375,7 @@ def _free(device: str) -> None:
 
 def versions() -> dict[str, str]:
     """Versions of moeyard, torch, triton, transformers ("not installed" when absent) and Python."""
-    from . import __version__
+    from .. import __version__
 
     out = {"moeyard": __version__, "torch": torch.__version__}
     for pkg in ("triton", "transformers"):
@@ -422,7 +426,7 @@ def run(opts: BenchOptions, progress: Callable[[str, int, int], None] | None = N
     if opts.recipes and any(r != NO_RECIPE for r in opts.recipes):
         env["dense_fp8_tflops"] = dense_fp8_tflops(torch.device(opts.device), opts.warmup, opts.iters)
     env["recipes"] = opts.recipes
-    _free(opts.device)
+    free_memory(opts.device)
     for shape in shapes:
         rows += run_case(shape, names, opts, lambda desc, n: report(desc, len(rows) + n, total))
     return {"env": env, "rows": rows}
@@ -446,5 +450,5 @@ def run_case(shape: ModelShape, names: list[str], opts: BenchOptions, report) ->
         rows.append({**run_one(name, shape, config, inputs, opts), **balance})
     report(shape.name, len(rows))
     del inputs
-    _free(opts.device)
+    free_memory(opts.device)
     return rows

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import MoEConfig
+from ..config import MoEConfig
 
 Tensor = torch.Tensor
 

@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from . import bench
+from . import layer as layer_bench
 from .models import get_model
 
 DEFAULT_TOKENS = 8192
@@ -58,7 +58,7 @@ class E2EModel:
     """A moeyard model shape as a transformers config.
 
     Attributes:
-        name: the :mod:`moeyard.models` name (``--model``).
+        name: the :mod:`moeyard.bench.models` name (``--model``).
         arch: the :data:`moeyard.verify.ARCHS` key (its ``model_type`` and tiny configuration).
         config: transformers config fields at the model's real sizes (attention and experts); every
             other field keeps the config class's default.
@@ -127,7 +127,7 @@ def get_e2e_model(name: str) -> E2EModel:
     """The :data:`E2E_MODELS` entry of a moeyard model name.
 
     Raises:
-        ValueError: an unknown model name (as :func:`moeyard.models.get_model`), or one with no
+        ValueError: an unknown model name (as :func:`moeyard.bench.models.get_model`), or one with no
             transformers config mapped (the message lists the mapped ones).
     """
     get_model(name)
@@ -201,12 +201,12 @@ def hf_config(model: E2EModel, size: StepSize):
 
 
 def _verify():
-    from . import verify
+    from .. import verify
     return verify
 
 
 def _transformers_version() -> str:
-    return bench.versions()["transformers"]
+    return layer_bench.versions()["transformers"]
 
 
 # ---------------------------------------------------------------- implementations
@@ -217,7 +217,7 @@ def experts_registry() -> dict:
     Raises:
         ImportError: transformers is missing or has no experts registry.
     """
-    from .integrations.transformers import _moe_module, register
+    from ..integrations.transformers import _moe_module, register
 
     register()
     return {"eager": None, **_moe_module().ExpertsInterface._global_mapping}
@@ -243,7 +243,7 @@ def implementations(backends: list[str] | None, peers: bool, device: torch.devic
             raise ValueError(f"--backends: with --e2e expected transformers experts implementations "
                              f"{sorted(registry)} or moeyard:<backend>, got {name!r}")
         if backend:
-            from .experts.registry import check_backend_name
+            from ..experts.registry import check_backend_name
             check_backend_name(backend, source="--backends")
     skipped = {}
     if peers and not backends:
@@ -287,7 +287,7 @@ class Trainer:
 
     def step(self, i: int = 0) -> torch.Tensor:
         """Forward, loss, backward, optimizer step, zero_grad; returns the (detached) loss."""
-        from .quant.recipe import use_recipe
+        from ..quant.recipe import use_recipe
         with self._backend(), use_recipe(self.recipe):
             loss = self.model(input_ids=self.ids[i], labels=self.labels[i]).loss
             loss.backward()
@@ -298,7 +298,7 @@ class Trainer:
     def _backend(self):
         if self.backend is None:
             return contextlib.nullcontext()
-        from .experts import use_backend
+        from ..experts import use_backend
         return use_backend(self.backend)
 
 
@@ -345,11 +345,11 @@ def check_fits(params: int, dtype: torch.dtype, device: torch.device) -> None:
     need = 4 * params * dtype.itemsize
     total = torch.cuda.get_device_properties(device).total_memory
     if need > MEMORY_HEADROOM * total:
-        raise MemoryError(f"{params / 1e9:.1f} B parameters need {need / bench.GIB:.0f} GiB for weights, gradients "
-                          f"and AdamW states; the device has {total / bench.GIB:.0f} GiB: use fewer --layers")
+        raise MemoryError(f"{params / 1e9:.1f} B parameters need {need / layer_bench.GIB:.0f} GiB for weights, gradients "
+                          f"and AdamW states; the device has {total / layer_bench.GIB:.0f} GiB: use fewer --layers")
 
 
-def measure(trainer: Trainer, opts: bench.BenchOptions) -> dict:
+def measure(trainer: Trainer, opts: layer_bench.BenchOptions) -> dict:
     """Median step ms and peak GiB (CUDA: allocated during the timed steps, after warm-up)."""
     device, n = torch.device(opts.device), len(trainer.ids)
     loss = trainer.step(0)
@@ -357,25 +357,25 @@ def measure(trainer: Trainer, opts: bench.BenchOptions) -> dict:
         raise RuntimeError(f"non-finite loss {float(loss)}")
     for i in range(opts.warmup):
         trainer.step(i % n)
-    bench._reset_peak(device)
-    ms = bench.time_ms(trainer.step, n, 0, opts.iters, device)
-    peak = torch.cuda.max_memory_allocated(device) / bench.GIB if device.type == "cuda" else None
+    layer_bench.reset_peak(device)
+    ms = layer_bench.time_ms(trainer.step, n, 0, opts.iters, device)
+    peak = torch.cuda.max_memory_allocated(device) / layer_bench.GIB if device.type == "cuda" else None
     return {"step_ms": ms, "peak_gib": peak}
 
 
 # ---------------------------------------------------------------- the run
 
-def resolve(opts: bench.BenchOptions) -> bench.BenchOptions:
+def resolve(opts: layer_bench.BenchOptions) -> layer_bench.BenchOptions:
     """``opts`` with e2e defaults for warm-up / iterations, checked by :func:`moeyard.bench.resolve_options`
     (``backends`` are checked by :func:`implementations`)."""
-    device = opts.device or bench.default_device()
+    device = opts.device or layer_bench.default_device()
     defaults = CUDA_DEFAULTS if device.startswith("cuda") else CPU_DEFAULTS
     given = {k: getattr(opts, k) for k in defaults if getattr(opts, k) is not None}
-    checked = bench.resolve_options(replace(opts, backends=None, **{**defaults, **given}))
+    checked = layer_bench.resolve_options(replace(opts, backends=None, **{**defaults, **given}))
     return replace(checked, backends=opts.backends)
 
 
-def run(opts: bench.BenchOptions, progress: Callable[[str, int, int], None] | None = None, *,
+def run(opts: layer_bench.BenchOptions, progress: Callable[[str, int, int], None] | None = None, *,
         layers: int | None = None, seq_len: int | None = None, vocab: int | None = None, tiny: bool = False,
         trace: str | None = None) -> dict:
     """Run the end-to-end benchmark: ``{"env": {...}, "rows": [...]}`` (ms, tokens/s, GiB).
@@ -385,13 +385,13 @@ def run(opts: bench.BenchOptions, progress: Callable[[str, int, int], None] | No
             ``--model`` makes it tiny), ``tokens`` per step, device, dtype,
             ``backends`` (experts implementations), warm-up and iterations.
         layers, seq_len, vocab, tiny: the step's sizes (:func:`step_size`).
-        trace: a directory: one profiled step per row (:mod:`moeyard.bench_trace`).
+        trace: a directory: one profiled step per row (:mod:`moeyard.bench.trace`).
         progress: optional ``progress(description, done, total)``.
     Raises:
         ValueError: a bad option (named), an unknown or unmapped model, ``--shape`` or ``--routing``.
         ImportError: transformers is missing.
     """
-    from .bench_trace import check_trace_dir
+    from .trace import check_trace_dir
 
     if opts.shapes:
         raise ValueError("--e2e: takes --model names (transformers configs), not --shape")
@@ -404,9 +404,9 @@ def run(opts: bench.BenchOptions, progress: Callable[[str, int, int], None] | No
     sizes = [step_size(e, tokens=opts.tokens, seq_len=seq_len, vocab=vocab, layers=layers, tiny=tiny) for e in entries]
     names, skipped = implementations(opts.backends, opts.peers, device, opts.recipes)
     report = progress or (lambda desc, done, total: None)
-    env = {**bench.environment(opts), "mode": "e2e", "skipped": skipped, "tiny": tiny, "trace": trace,
+    env = {**layer_bench.environment(opts), "mode": "e2e", "skipped": skipped, "tiny": tiny, "trace": trace,
            "optimizer": "AdamW (fused)" if device.type == "cuda" else "AdamW (foreach)",
-           "dense_bf16_tflops": bench.dense_tflops(device, opts.warmup, opts.iters)}
+           "dense_bf16_tflops": layer_bench.dense_tflops(device, opts.warmup, opts.iters)}
     rows, total = [], len(entries) * len(names)
     for entry, size in zip(entries, sizes):
         config = hf_config(entry, size)
@@ -420,9 +420,9 @@ def run(opts: bench.BenchOptions, progress: Callable[[str, int, int], None] | No
     return {"env": env, "rows": rows}
 
 
-def run_one(impl: str, config, size: StepSize, base: dict, opts: bench.BenchOptions, trace: str | None) -> dict:
+def run_one(impl: str, config, size: StepSize, base: dict, opts: layer_bench.BenchOptions, trace: str | None) -> dict:
     """One row: step ms, tokens/s, peak GiB, or the error (never raises for a failing implementation)."""
-    device, dtype = torch.device(opts.device), bench.DTYPES[opts.dtype]
+    device, dtype = torch.device(opts.device), layer_bench.DTYPES[opts.dtype]
     row = {**base, "impl": impl}
     trainer = None
     try:
@@ -435,18 +435,18 @@ def run_one(impl: str, config, size: StepSize, base: dict, opts: bench.BenchOpti
         row.update(measure(trainer, opts))
         row["tokens_per_s"] = base["tokens"] / row["step_ms"] * 1e3
         if trace:
-            from .bench_trace import file_stem, trace_step
+            from .trace import file_stem, trace_step
             row.update(trace_step(trainer.step, trace, file_stem(base["case"], impl), device))
     except Exception as ex:  # a failing implementation is a row, not a crash
         row["error"] = f"{type(ex).__name__}: {(str(ex).strip().splitlines() or [''])[0][:300]}"
     finally:
         del trainer
-        bench._free(opts.device)  # collects garbage, empties the CUDA cache
+        layer_bench.free_memory(opts.device)  # collects garbage, empties the CUDA cache
     return row
 
 
 def _moeyard_backend(impl: str, device: torch.device, dtype: torch.dtype) -> str:
-    from .experts.registry import resolve_backend
+    from ..experts.registry import resolve_backend
 
     _, _, backend = impl.partition("+")[0].partition(":")
     return resolve_backend(backend or None, device, dtype).name
