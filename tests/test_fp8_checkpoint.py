@@ -24,7 +24,7 @@ import torch
 import moeyard
 from helpers import EPS, LORA_SCALING, add_lora, cpu_backends, make_inputs, random_ids, rel_err
 from moeyard.quant import FP8BlockExperts, load_quantized_state_dict, quantize_experts
-from moeyard.quant import fp8_block
+from moeyard.quant import fp8_block, fp8_block_grid
 from moeyard.quant.fp8 import Blocks, dequantize, quantize
 
 BLOCKS = Blocks(128, 128)
@@ -99,10 +99,10 @@ def test_row_segments_gate_and_up_blocked_separately(chunk, monkeypatch):
     assert torch.equal(fp8_block.dequantize_reference(s).float(), s.dequantize())
     # segments on 128-row bounds are the plain grid, stored as such
     assert FP8BlockExperts.from_float(weights((2, 256, 64)), row_segments=(128, 128)).row_segments == (256,)
-    assert fp8_block.infer_row_segments((3, 144, 200), (3, 2, 2), gated=True) == (I, I)
-    assert fp8_block.infer_row_segments((3, 144, 200), (3, 2, 2), gated=False) == (144,)  # ceil(144/128) = 2 too
-    assert fp8_block.infer_row_segments((3, 384, 64), (3, 3, 1), gated=True) == (384,)  # the halves' grid: 4 rows
-    assert fp8_block.infer_row_segments((3, 400, 64), (3, 4, 1), gated=True) == (200, 200)
+    assert fp8_block_grid.infer_row_segments((3, 144, 200), (3, 2, 2), gated=True) == (I, I)
+    assert fp8_block_grid.infer_row_segments((3, 144, 200), (3, 2, 2), gated=False) == (144,)  # ceil(144/128) = 2 too
+    assert fp8_block_grid.infer_row_segments((3, 384, 64), (3, 3, 1), gated=True) == (384,)  # the halves' grid: 4 rows
+    assert fp8_block_grid.infer_row_segments((3, 400, 64), (3, 4, 1), gated=True) == (200, 200)
 
 
 def check_selective(s, dequant):

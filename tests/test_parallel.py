@@ -131,7 +131,7 @@ def test_p2p_layout_kernel_matches_reference():
     import os
     from unittest import mock
 
-    from moeyard.parallel.p2p import layout_reference, num_rows
+    from moeyard.parallel.p2p_layout import layout_reference, num_rows
 
     g = torch.Generator().manual_seed(5)
     with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):

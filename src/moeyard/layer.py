@@ -143,9 +143,8 @@ class MoE(nn.Module):
         E = self.config.num_experts  # all experts, also where this rank holds only its block of the weights
         self.lora = nn.ModuleDict({t: LoRAAdapter(E, sizes[t][2], sizes[t][1], rank, alpha=alpha,
                                                   rslora=rslora, **kw) for t in targets})
-        if self.expert_parallel is not None:
-            from .parallel.lora import shard_lora
-            shard_lora(self)
+        if self.expert_parallel is not None:  # keep this rank's block (moeyard.parallel.lora)
+            self.expert_parallel.shard_lora(self)
         if freeze_base:
             for p in (self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias):
                 if p is not None:

@@ -9,7 +9,8 @@ routed rows to the ranks owning their experts and brings the results back. One m
 - :mod:`.all_to_all`, :mod:`.sync_free`, :mod:`.all_gather`: the dispatchers (dispatch + combine, and
   ``EXPERTS_DROP_INVALID``: how the local experts treat the rows of pairs not theirs);
 - :mod:`.symm_mem`: ``sync_free``'s NVSHMEM exchange (``exchange="symm_mem"``);
-- :mod:`.p2p`: ``sync_free``'s peer-to-peer exchange (``exchange="p2p"``), its row copies in :mod:`.row_copy`;
+- :mod:`.p2p`: ``sync_free``'s peer-to-peer exchange (``exchange="p2p"``), its row copies in :mod:`.row_copy`,
+  its receive layout in :mod:`.p2p_layout`;
 - :mod:`.send_order`: what those two exchanges share (the pairs' send order, the autograd around them);
 - :mod:`.experts`: dispatch -> local experts (:func:`moeyard.experts`, any backend) -> combine;
 - :mod:`.overlap`: ``overlap_chunks=N``: the tokens in N chunks, exchanges in flight during experts;

@@ -8,13 +8,9 @@ import torch.nn as nn
 
 from ..experts.quantized import is_quantized
 from .comm import EPGroup, resolve_group
-from .common import EPOptions
+from .common import MOE_SEAM, TRANSFORMERS_SEAM, EPOptions
 from .experts import DISPATCHERS, ExpertParallel, check_fp8_dispatch, check_overlap_options
 from .sync_free import EXCHANGES, check_exchange
-
-# the attribute each kind of module reads instead of calling moeyard.experts itself
-MOE_SEAM = "expert_parallel"                 # moeyard.MoE
-TRANSFORMERS_SEAM = "moeyard_expert_parallel"  # transformers experts modules (moeyard_experts_forward)
 
 
 def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_all",

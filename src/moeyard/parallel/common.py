@@ -1,4 +1,5 @@
-"""What every dispatcher shares: the options, and what dispatch hands to the local experts.
+"""What every dispatcher shares: the options, the attribute a layer holds its expert-parallel call in
+(the seam), and what dispatch hands to the local experts.
 
 Legend: W ranks (EP size), E experts in all, E_l = E / W local experts (rank r owns the contiguous
 block ``[r * E_l, (r + 1) * E_l)``), T tokens on this rank, K top-k, N = T * K routed pairs, H hidden.
@@ -12,6 +13,9 @@ import torch
 from .comm import EPGroup, gather_ints
 
 Tensor = torch.Tensor
+# the attribute each kind of module reads instead of calling moeyard.experts itself
+MOE_SEAM = "expert_parallel"                 # moeyard.MoE
+TRANSFORMERS_SEAM = "moeyard_expert_parallel"  # transformers experts modules (moeyard_experts_forward)
 
 
 @dataclass(frozen=True, kw_only=True)

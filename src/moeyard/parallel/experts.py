@@ -101,6 +101,13 @@ class ExpertParallel:
             self.dropped = d.dropped
         return out if bad is None else out.masked_fill(bad, float("nan"))
 
+    def shard_lora(self, module) -> None:
+        """Keep this rank's block of the LoRA adapters of ``module`` (a layer this call is installed on)
+        that still cover all E experts: what ``MoE.add_lora`` calls for adapters added after
+        :func:`moeyard.parallel.expert_parallel` (:func:`moeyard.parallel.lora.shard_lora`)."""
+        from .lora import shard_lora
+        shard_lora(module)
+
     def __repr__(self) -> str:
         o = self.options
         extra = "".join(f", {k}={getattr(o, k)}" for k, default in REPR_DEFAULTS.items() if getattr(o, k) != default)

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .apply import MOE_SEAM, expert_parallel, find_experts
+from .apply import expert_parallel, find_experts
+from .common import MOE_SEAM
 
 
 def fsdp_expert_parallel(model: nn.Module, mesh, *, dp_dim: str = "dp", ep_dim: str = "ep",

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .apply import MOE_SEAM, TRANSFORMERS_SEAM
+from .common import MOE_SEAM, TRANSFORMERS_SEAM
 
 Tensor = torch.Tensor
 

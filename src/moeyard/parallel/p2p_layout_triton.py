@@ -1,4 +1,4 @@
-"""Triton kernel of :func:`moeyard.parallel.p2p.layout_reference` (CUDA; CPU under ``TRITON_INTERPRET=1``).
+"""Triton kernel of :func:`moeyard.parallel.p2p_layout.layout_reference` (CUDA; CPU under ``TRITON_INTERPRET=1``).
 
 The ``p2p`` dispatch lays out the rows a rank receives from every peer's counts ``[W, W, E_l]``: some
 30 small torch launches, whose host time showed in the dispatch's timing (``benchmarks/NOTES.md``,
@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .p2p_layout import layout_reference
 
 MAX_TILE = 2048  # BJ * E_P2: the [BJ, E_l] comparisons stay in registers (sm_90a, int64: no spills up to E_l 512)
 
@@ -78,10 +80,9 @@ def layout_kernel(counts_ptr, dst_ptr, window_ptr, received_ptr, pad_ptr, row_ex
 
 
 def layout_triton(all_counts: Tensor, me: int, align: int, C: int, R: int) -> tuple:
-    """As :func:`moeyard.parallel.p2p.layout_reference`, in one launch (``all_counts`` int64)."""
+    """As :func:`moeyard.parallel.p2p_layout.layout_reference`, in one launch (``all_counts`` int64)."""
     W, _, El = all_counts.shape
     if max(C, R) + MAX_TILE >= 2 ** 31:  # the kernel's rows and sums are int32
-        from .p2p import layout_reference
         return layout_reference(all_counts, me, align, C, R)
     dev, i64 = all_counts.device, torch.int64
     dst_rows = torch.empty(W, C, device=dev, dtype=i64)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
-from . import fp8_block
+from . import fp8_block, fp8_block_grid
 from ._bnb import bnb_functional
 from .fp8_block import FP8BlockExperts
 from .nf4 import NF4Experts, check_compute_dtype, check_layout
@@ -127,7 +127,7 @@ def quantize_experts(module: nn.Module, format: str = "nf4", *, blocksize: int |
         if format == "nf4":
             storage = NF4Experts.from_float(p, **opts)
         else:
-            segments = fp8_block.gate_up_segments(p.shape[1], gated_rows(owner, attr))
+            segments = fp8_block_grid.gate_up_segments(p.shape[1], gated_rows(owner, attr))
             storage = FP8BlockExperts.from_float(p, row_segments=segments)
         _replace(owner, attr, storage)
     _fuse_peft(module)
@@ -198,7 +198,7 @@ def _empty(format: str, name: str, owner: nn.Module, attr: str, p: Tensor, state
     scale = state_dict.get(f"{name}.weight_scale_inv")
     if scale is not None:
         try:
-            segments = fp8_block.infer_row_segments(p.shape, scale.shape, gated=gated_rows(owner, attr))
+            segments = fp8_block_grid.infer_row_segments(p.shape, scale.shape, gated=gated_rows(owner, attr))
         except ValueError as ex:
             raise ValueError(f"{name}.{ex}") from None
     return FP8BlockExperts.empty(p.shape, dtype=p.dtype, row_segments=segments, device=p.device)

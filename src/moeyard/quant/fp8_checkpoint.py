@@ -44,7 +44,8 @@ import torch
 import torch.nn as nn
 
 from .fp8 import E4M3, Blocks, dequantize
-from .fp8_block import BLOCK, FP8BlockExperts, infer_row_segments
+from .fp8_block import FP8BlockExperts
+from .fp8_block_grid import BLOCK, infer_row_segments
 
 Tensor = torch.Tensor
 SCALE = "weight_scale_inv"

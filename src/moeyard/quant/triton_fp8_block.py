@@ -25,6 +25,7 @@ import triton.language as tl
 
 from ..kernel_op import kernel_op
 from .fp8 import E4M3
+from .fp8_block_grid import BLOCK, row_block_ids
 from .triton_nf4 import MAX_GRID_Y, _round_bf16
 
 Tensor = torch.Tensor
@@ -93,7 +94,6 @@ def e4m3_table(device: torch.device) -> Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _row_blocks(row_segments: tuple[int, ...], device: torch.device) -> Tensor:
-    from .fp8_block import row_block_ids
     return row_block_ids(row_segments, device).to(torch.int32)
 
 
@@ -106,7 +106,6 @@ def dequantize_triton(storage, active: Optional[Tensor], out: Tensor) -> None:
     """
     if storage.shape[0] > MAX_GRID_Y:
         raise ValueError(f"FP8 dequantisation: at most {MAX_GRID_Y} experts per tensor, got {storage.shape[0]}")
-    from .fp8_block import BLOCK
     fp8_block_dequantize_(storage.weight.contiguous(), storage.weight_scale_inv.contiguous(),
                           _row_blocks(storage.row_segments, storage.device), e4m3_table(storage.device), active,
                           BLOCK, out)

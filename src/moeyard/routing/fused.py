@@ -30,6 +30,7 @@ from ..config import MoEConfig
 from ..kernel_op import kernel_op, records_graph
 from ..experts.triton.schedule import device_smem_limit, dot_precision, interpreting, tuned
 from . import kernels
+from .output import finish
 
 Tensor = torch.Tensor
 MAX_EXPERTS = 512
@@ -112,8 +113,6 @@ def route_fused(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | 
         TypeError: a non-floating or unsupported dtype (float64 x: use the torch path).
         ValueError: shapes, devices, ``num_sequences``, or an unsupported config (the message says which).
     """
-    from . import finish  # the package imports this module lazily
-
     _check(x, weight, config, bias, correction_bias, num_sequences)
     spec, loss_spec = Spec.of(config, num_sequences), LossSpec.of(config, x.shape[0], num_sequences)
     if records_graph(x, weight, bias):
