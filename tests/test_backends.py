@@ -198,6 +198,34 @@ def test_float64(backend):
     check_backend(backend, make_inputs(16, 32, 24, 8, 2, bias=True), torch.float64)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_row_bias_gradient_precision(dtype):
+    """The pipeline's expert-bias gradient (``add_row_bias``) is summed in float64 for float64 and in
+    float32 otherwise: each row's gradient is 1 + a part below float32's resolution, which only a
+    float64 sum keeps. The output is ``y + bias[expert of each row]``, ``dy`` passes through."""
+    from moeyard.dispatch import make_plan
+    from moeyard.experts.pipeline import add_row_bias
+
+    E, out = 4, 3
+    ids = torch.randint(0, E, (50, 2), generator=torch.Generator().manual_seed(0))
+    ids[0] = torch.tensor([1, 2])  # every expert but 0 and 3 may be rare; 1 and 2 surely have rows
+    plan = make_plan(ids, E, align=4)  # pad rows (no expert) between the blocks
+    R, experts = plan.num_rows, plan.row_experts()
+    y = torch.randn(R, out, dtype=torch.float64).to(dtype).requires_grad_()
+    bias = torch.randn(E, out, dtype=torch.float64).to(dtype).requires_grad_()
+    dy = (1 + 1e-9 * torch.arange(R * out, dtype=torch.float64).view(R, out)).to(dtype)
+    got = add_row_bias(y, bias, plan)
+    padded = torch.cat([bias.detach(), torch.zeros(1, out, dtype=dtype)])
+    assert torch.equal(got, y.detach() + padded[experts])
+    got.backward(dy)
+    assert torch.equal(y.grad, dy) and bias.grad.dtype == dtype
+    want = torch.stack([dy.double()[experts == e].sum(0) for e in range(E)])
+    err = ((bias.grad.double() - want).abs().max() / want.abs().max()).item()
+    assert err <= {torch.float64: 1e-15, torch.float32: 1e-6, torch.bfloat16: 2 ** -8}[dtype], err
+    if dtype == torch.float64:  # the sub-float32 parts are there: a float32 sum loses them
+        assert (bias.grad - want.float().double()).abs().max() > 1e-8
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_auto_backend(dtype):
     """``auto`` picks a backend that runs here, and it matches the oracle."""

@@ -47,9 +47,10 @@ def test_matches_oracle(gather_bmm, case, dtype):
     check_backend(gather_bmm, make_inputs(T, H, I, E, K, ids=ids), dtype)
 
 
-def test_bias_lora_and_gpt_oss_layout(gather_bmm):
-    """float32: the shared pipeline sums bias gradients in float32 (``pipeline.add_row_bias``)."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_bias_lora_and_gpt_oss_layout(gather_bmm, dtype):
+    """Biases (their gradients summed by the shared pipeline, ``pipeline.add_row_bias``), LoRA, gpt-oss."""
     inputs = add_lora(make_inputs(11, 8, 6, 4, 2, bias=True), 3)
-    check_backend(gather_bmm, inputs, torch.float32)
-    check_backend(gather_bmm, make_inputs(11, 8, 6, 4, 2, bias=True, transposed=True), torch.float32,
+    check_backend(gather_bmm, inputs, dtype)
+    check_backend(gather_bmm, make_inputs(11, 8, 6, 4, 2, bias=True, transposed=True), dtype,
                   transposed=True, interleaved=True, activation="clamped_swiglu")

@@ -56,8 +56,8 @@ def routed_ffn(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: Exper
 
 def add_row_bias(y: Tensor, bias: Tensor | None, plan: DispatchPlan) -> Tensor:
     """``y [R, out] + bias[expert of each row]`` (no-op without a bias; rows past the last expert get
-    none). The bias gradient is summed in float32: a bf16 scatter-add over thousands of rows per
-    expert would lose most of its precision."""
+    none). The bias gradient is summed in float64 for float64 (``y`` or ``bias``), else in float32: a
+    bf16 scatter-add over thousands of rows per expert would lose most of its precision."""
     if bias is None:
         return y
     return _RowBias.apply(y, bias, plan.row_experts())
@@ -75,5 +75,6 @@ class _RowBias(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         (row_experts,) = ctx.saved_tensors
         E, out = ctx.bias_shape
-        db = dy.new_zeros(E + 1, out, dtype=torch.float32).index_add_(0, row_experts, dy.float())
+        acc = torch.float64 if torch.float64 in (dy.dtype, ctx.bias_dtype) else torch.float32
+        db = dy.new_zeros(E + 1, out, dtype=acc).index_add_(0, row_experts, dy.to(acc))
         return dy, db[:E].to(ctx.bias_dtype), None
