@@ -41,7 +41,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import ep_workers as w  # noqa: E402
-
 from moeyard.parallel import expert_parallel, release_buffers  # noqa: E402
 from moeyard.parallel.comm import EPGroup  # noqa: E402
 from moeyard.parallel.common import EPOptions  # noqa: E402

@@ -52,7 +52,6 @@ sys.path.insert(0, HERE)
 import ep_check  # noqa: E402
 import ep_workers as w  # noqa: E402
 import symm_emulation as ref  # noqa: E402
-
 from moeyard.parallel import release_buffers, symm_mem  # noqa: E402
 
 FP32, BF16 = torch.float32, torch.bfloat16

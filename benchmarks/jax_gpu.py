@@ -37,6 +37,7 @@ Without a GPU it runs on the CPU at toy sizes (``--quick`` is then implied): a s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -77,7 +78,7 @@ def rel(a, b) -> float:
     import numpy as np
 
     worst = 0.0
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         if not np.isfinite(x).all():
             return float("inf")
@@ -108,7 +109,7 @@ def part_parity(args) -> None:
         torch.manual_seed(0)
         t = moeyard.MoE(cfg, backend="loop", device=tdev)
         with torch.no_grad():
-            for name, p in t.named_parameters():
+            for p in t.parameters():
                 p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
         with jax.default_device(dev):
             j = mj.load_state_dict(mj.MoE(cfg, rngs=nnx.Rngs(0)), t.state_dict())
@@ -122,7 +123,7 @@ def part_parity(args) -> None:
         graphdef, params, rest = nnx.split(j, nnx.Param, ...)
 
         def loss(params, x, probe, rest):
-            m = nnx.merge(graphdef, params, rest, copy=True)
+            m = nnx.merge(graphdef, params, rest, copy=True)  # noqa: B023  (traced and run in this iteration)
             out = m(x)
             routing = m.routing.get_value()
             return (out * probe).sum() + routing.loss, (out, routing.topk_weights, routing.topk_ids)
@@ -176,8 +177,7 @@ def part_ep(args) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import AxisType
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import AxisType, PartitionSpec as P
 
     import moeyard.jax as mj
 
@@ -201,7 +201,7 @@ def part_ep(args) -> None:
         ids_j, probe_j = jnp.asarray(ids), jnp.asarray(probe, dtype)
 
         def loss_one(x, w, up, down):
-            return (mj.experts(x, ids_j, w, up, down).astype(jnp.float32) * probe_j).sum()
+            return (mj.experts(x, ids_j, w, up, down).astype(jnp.float32) * probe_j).sum()  # noqa: B023  (traced and run in this iteration)
 
         ref = jax.jit(jax.value_and_grad(loss_one, argnums=(0, 1, 2, 3)))(*args_)
         results = {}
@@ -209,16 +209,16 @@ def part_ep(args) -> None:
             name = exchange + (f" align {align}" if align > 1 else "")
             try:
                 local = jax.shard_map(
-                    lambda x, i, w, u, d: mj.ep_experts(x, i, w, u, d, axis_name="ep", exchange=exchange, align=align),
+                    functools.partial(mj.ep_experts, axis_name="ep", exchange=exchange, align=align),
                     mesh=mesh, in_specs=(P("ep"),) * 5, out_specs=P("ep"))
 
                 def loss_ep(x, w, up, down):
-                    return (local(x, ids_j, w, up, down).astype(jnp.float32) * probe_j).sum()
+                    return (local(x, ids_j, w, up, down).astype(jnp.float32) * probe_j).sum()  # noqa: B023  (traced and run in this iteration)
 
                 step = jax.jit(jax.value_and_grad(loss_ep, argnums=(0, 1, 2, 3)))
                 got = step(*args_)
                 results[name] = got
-                ms = _time(lambda: step(*args_), 3 if args.quick else 10)
+                ms = _time(functools.partial(step, *args_), 3 if args.quick else 10)
                 note("ep", f"{label}, W={W}, {name}", f"max rel err vs one device {rel(got, ref):.1e}; "
                      f"fwd+bwd {ms:.2f} ms")
             except Exception as ex:  # noqa: BLE001  (each exchange reported on its own)

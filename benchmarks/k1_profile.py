@@ -8,6 +8,7 @@ calls), then a table; writes ``$OUT/k1_profile.json`` (default ``.``)::
 
     PYTHONPATH=src python benchmarks/k1_profile.py
 """
+import functools
 import json
 import os
 
@@ -61,8 +62,8 @@ def case(name: str, H: int, I: int, live: int) -> list[dict]:
         topk_ids = topk_ids.to(DEV)
         w = torch.ones(n, 1, device=DEV, dtype=BF16)
 
-        def fn():
-            return experts(x, topk_ids, w, w_up, w_down, activation="swiglu", backend="triton", drop_invalid=drop)
+        fn = functools.partial(experts, x, topk_ids, w, w_up, w_down, activation="swiglu", backend="triton",
+                               drop_invalid=drop)
 
         with torch.no_grad():
             ms, top = median_ms(fn), kernels(fn)

@@ -15,8 +15,8 @@ import torch
 
 from moeyard import bench
 from moeyard.bench import lora as bench_lora
-from moeyard.experts.triton import options
 from moeyard.bench.models import get_model, with_tokens
+from moeyard.experts.triton import options
 
 MODELS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b", "olmoe-1b-7b", "mixtral-8x7b", "gpt-oss-20b", "sonic-120b",
           "qwen3-235b-a22b")

@@ -24,15 +24,16 @@ Prints one table per model (ms), then the GPU and software versions.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import torch
 
+from moeyard.bench.models import get_model
 from moeyard.experts.triton import kernels_gluon, kernels_tma, ops
 from moeyard.experts.triton.options import use_options
 from moeyard.experts.triton.schedule import tma_block_m
 from moeyard.experts.triton.tuning import LORA_NONE, LORA_SPLIT
-from moeyard.bench.models import get_model
 
 
 def timed(fn, iters: int, reps: int = 5, warmup: int = 3) -> float:
@@ -86,7 +87,7 @@ def down_rows(p, rank: int, iters: int, variants: bool) -> list[tuple[str, str, 
             if gluon and not ready:  # past the K-step limit: run it anyway, to measure that limit
                 kernels_gluon.MAX_K_STEPS = 10 ** 9
             for lora in (False, True):
-                def run(lora=lora):
+                def run(lora=lora, rows=rows, w=w, tw=tw, lb=lb, y=y):
                     # the split term's epilogue reads only z and Lb (la is the thin pass's, made outside)
                     mode, z = (LORA_SPLIT, p["z"]) if lora else (LORA_NONE, None)
                     ops.launch_down(rows, w, None, tw, r.sort_order, r.expert_offsets, r.top_k, lb if lora else None,
@@ -125,12 +126,12 @@ def fold_rows(p, iters: int) -> list[tuple[str, str, float]]:
     out = []
     for name, d, z, b, by_token in (("dB + rows, d out", p["dout"], p["z"], p["b_down"], True),
                                     ("dB + rows, d_h", p["dh"], p["z"], p["b_up"], False)):
-        def two():
+        def two(d=d, z=z, b=b, by_token=by_token):
             ops.low_rank_rows(d, b, r, gather=by_token)
             ops.wgrad(d, z, lhs_by_token=by_token, rhs_by_token=False, scale=None, r=r, like_w=b, like_b=None,
                       low_rank=True)
         out.append((name, "two passes (thin GEMM + weight gradient)", timed(two, iters)))
-        out.append((name, "one pass (wgrad_rows)", timed(lambda: ops.wgrad_rows(d, z, b, lhs_by_token=by_token, r=r),
+        out.append((name, "one pass (wgrad_rows)", timed(functools.partial(ops.wgrad_rows, d, z, b, lhs_by_token=by_token, r=r),
                                                           iters)))
     return out
 
@@ -144,8 +145,8 @@ def relayout_rows(p, rank: int, iters: int) -> list[tuple[str, str, float]]:
     for name, n_out in (("lora_B relayout, up", 2 * p["I"]), ("lora_B relayout, down", p["H"])):
         b = torch.randn(n_out, rank * E, device="cuda", dtype=torch.bfloat16)
         out.append((name, "torch copy of the permuted view",
-                    timed(lambda: b.unflatten(1, (rank, E)).permute(2, 0, 1).contiguous(), iters)))
-        out.append((name, "Triton transpose (expert_major)", timed(lambda: expert_major(b, rank, E, b.dtype), iters)))
+                    timed(lambda b=b: b.unflatten(1, (rank, E)).permute(2, 0, 1).contiguous(), iters)))
+        out.append((name, "Triton transpose (expert_major)", timed(functools.partial(expert_major, b, rank, E, b.dtype), iters)))
     return out
 
 
@@ -191,9 +192,10 @@ def main(argv=None) -> None:
     kernels_tma.ensure_allocator()
     for model in args.models:
         p = _problem(model, args.rank, args.tokens)
-        groups = dict(down=lambda: down_rows(p, args.rank, args.iters, args.variants),
-                      fold=lambda: fold_rows(p, args.iters), relayout=lambda: relayout_rows(p, args.rank, args.iters),
-                      order=lambda: order_rows(p, args.iters), band=lambda: band_rows(p, args.iters))
+        groups = dict(down=lambda p=p: down_rows(p, args.rank, args.iters, args.variants),
+                      fold=lambda p=p: fold_rows(p, args.iters),
+                      relayout=lambda p=p: relayout_rows(p, args.rank, args.iters),
+                      order=lambda p=p: order_rows(p, args.iters), band=lambda p=p: band_rows(p, args.iters))
         rows = [row for g in args.groups for row in groups[g]()]
         print(f"\n{model}: T {p['T']}, H {p['H']}, I {p['I']}, E {p['E']}, k {p['K']}, r {args.rank} "
               f"(K steps of 64: down {-(-p['I'] // 64)}, dx {-(-2 * p['I'] // 64)})")

@@ -18,8 +18,8 @@ import torch
 
 from moeyard import bench
 from moeyard.bench import lora as bench_lora
-from moeyard.experts.triton import kernels_bwd, kernels_fwd, ops, options, tuning
 from moeyard.bench.models import get_model
+from moeyard.experts.triton import kernels_bwd, kernels_fwd, ops, options, tuning
 
 
 def kernel_times(module, case, steps: int = 3) -> tuple[dict[str, float], list[tuple[str, float]]]:

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from moeyard.bench import BenchOptions, make_inputs, build
+from moeyard.bench import BenchOptions, build, make_inputs
 from moeyard.bench.models import get_model, routed_only
 
 OUT = os.environ.get("OUT", "/tmp")

@@ -14,9 +14,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import triton_profile as tp  # noqa: E402
-
 import moeyard  # noqa: E402
+import triton_profile as tp  # noqa: E402
 
 
 def main():

@@ -82,7 +82,7 @@ class Launch:
 
     def named(self) -> dict:
         """The arguments by name, as the autotuner's ``early_config_prune`` sees them."""
-        return {**dict(zip(self.kernel.arg_names, self.args)), **self.kwargs}
+        return {**dict(zip(self.kernel.arg_names, self.args, strict=False)), **self.kwargs}  # the rest are in kwargs
 
 
 class _Recorder:
@@ -129,8 +129,8 @@ def record_step(T, H, I, E, K, dtype, lora_rank, lora_mode, tma=True, bias=False
     """Launches of one forward + backward (base weights trainable, or frozen with LoRA; ``bias``: with
     both projections' biases); ``tma``, ``tma_wgrad``: the backend's options (the CPU tensors count as a
     Hopper device for them)."""
-    from moeyard.experts import ExpertLoRA, expert_weights
     from moeyard.activations import get_activation
+    from moeyard.experts import ExpertLoRA, expert_weights
     from moeyard.experts.triton import ops, options
     from moeyard.experts.triton.function import triton_experts
 

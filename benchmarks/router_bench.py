@@ -74,7 +74,7 @@ def check(cfg, T: int, dtype, device) -> dict:
     res = dict(ids_equal_fp32=bool(torch.equal(a.topk_ids, b.topk_ids) or torch.allclose(*picked, rtol=1e-5, atol=0)),
                max_rel_fp32=max(_rel(getattr(a, n), getattr(b, n)) for n in
                                 ("topk_weights", "router_logits", "scores", "aux_loss", "z_loss", "loss")),
-               grad_rel_fp32=max(_rel(u, v) for u, v in zip(ga, gb)))
+               grad_rel_fp32=max(_rel(u, v) for u, v in zip(ga, gb, strict=True)))
     inp = make_inputs(cfg, T, dtype, device, 1, seed=8)[0]
     (a, _), (b, _) = (run_route(cfg, inp, impl, False) for impl in ("fused", "torch"))
     same = (a.topk_ids.sort(1).values == b.topk_ids.sort(1).values).all(1)
@@ -98,7 +98,7 @@ def time_case(cfg, T: int, dtype, device, warmup: int, iters: int) -> dict:
     out = {}
     for impl in ("torch", "fused"):
         for phase, bwd in (("fwd", False), ("fwd_bwd", True)):
-            out[f"{impl}_{phase}_ms"] = bench.time_ms(lambda i: run_route(cfg, sets[i], impl, bwd), N_SETS,
+            out[f"{impl}_{phase}_ms"] = bench.time_ms(lambda i, impl=impl, bwd=bwd: run_route(cfg, sets[i], impl, bwd), N_SETS,
                                                       warmup, iters, device)
     return out
 

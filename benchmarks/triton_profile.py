@@ -51,7 +51,7 @@ class Shape:
         return self.T * self.K
 
     @classmethod
-    def of(cls, name: str) -> "Shape":
+    def of(cls, name: str) -> Shape:
         """The routed experts of a registered model shape (``moeyard.bench.models``) at its benchmark T."""
         from moeyard.bench.models import get_model
         m = get_model(name)
@@ -205,6 +205,7 @@ NO_LORA = (None, None, 0, 0.0)  # the custom ops' LoRA arguments (la, lb, mode, 
 def launches(s: Shape, inputs, opts: dict) -> list[Cost]:
     """:func:`kernel_costs` with each entry's ``run`` bound to the backend's launch on prebuilt buffers."""
     import torch
+
     from moeyard.experts.triton import ops
     from moeyard.experts.triton.options import Options
     from moeyard.experts.triton.schedule import max_partial_slots
@@ -258,7 +259,7 @@ def launches(s: Shape, inputs, opts: dict) -> list[Cost]:
     runs += down_runs(dh, w_up.mT, None)
     runs += wgrad_runs(dh, x, False, True, w_up, chunks[1])
     assert len(runs) == len(costs), (len(runs), [c.name for c in costs])
-    for c, fn in zip(costs, runs):
+    for c, fn in zip(costs, runs, strict=True):
         c.run = fn
     costs[0].name += f" [wgrad chunk rows down/up: {chunks[0]}/{chunks[1]}, split experts {usage[0][1]}/{usage[1][1]}]"
     return costs
@@ -267,6 +268,7 @@ def launches(s: Shape, inputs, opts: dict) -> list[Cost]:
 def whole_layer(s: Shape, inputs, args) -> tuple[float, float, list]:
     """``(fwd ms, fwd+bwd ms, [out, grads...])`` of the whole layer through ``moeyard.experts``."""
     import torch
+
     import moeyard
     x, w_up, w_down, tw, ids, dout = inputs
     leaves = [t.detach().requires_grad_() for t in (x, w_up, w_down, tw)]
@@ -286,6 +288,7 @@ def reference(inputs, dtype=None) -> list:
     """``[out, dx, dw_up, dw_down, dtw]`` through the ``grouped_mm`` backend (float32 inputs unless
     ``dtype``): the yardstick for the triton results' error."""
     import torch
+
     import moeyard
     x, w_up, w_down, tw, ids, dout = inputs
     dt = dtype or torch.float32
@@ -308,13 +311,13 @@ def table(costs: list[Cost], times: list[float], dense: float, copy: float) -> s
     total = sum(times)
     lines = ["| kernel | phase | ms | TFLOP/s | GB/s | % dense | % copy | floor ms | x floor | share |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for c, ms in zip(costs, times):
+    for c, ms in zip(costs, times, strict=True):
         tf, gb = c.flops / ms / 1e9, c.bytes / ms / 1e6
         floor = max(c.flops / dense / 1e9, c.bytes / copy / 1e6)
         lines.append(f"| {c.name} | {c.phase} | {ms:.3f} | {tf:.0f} | {gb:.0f} | {100 * tf / dense:.0f} | "
                      f"{100 * gb / copy:.0f} | {floor:.3f} | {ms / max(floor, 1e-9):.2f} | {100 * ms / total:.1f}% |")
     for phase in ("fwd", "bwd"):
-        ms = sum(t for c, t in zip(costs, times) if c.phase == phase)
+        ms = sum(t for c, t in zip(costs, times, strict=True) if c.phase == phase)
         lines.append(f"| sum {phase} | | {ms:.3f} | | | | | | | {100 * ms / total:.1f}% |")
     return "\n".join(lines)
 
@@ -330,8 +333,8 @@ def profile_variant(s: Shape, inputs, name: str, args, dense: float, copy: float
             times.append(bench(c.run, args))
         f_ms, fb_ms, result = whole_layer(s, inputs, args)
     head = (f"variant {name} {opts}: whole layer fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms "
-            f"(kernels: fwd {sum(t for c, t in zip(costs, times) if c.phase == 'fwd'):.3f}, "
-            f"bwd {sum(t for c, t in zip(costs, times) if c.phase == 'bwd'):.3f}); configs: {best_configs()}")
+            f"(kernels: fwd {sum(t for c, t in zip(costs, times, strict=True) if c.phase == 'fwd'):.3f}, "
+            f"bwd {sum(t for c, t in zip(costs, times, strict=True) if c.phase == 'bwd'):.3f}); configs: {best_configs()}")
     return head + "\n" + table(costs, times, dense, copy), result
 
 
@@ -341,6 +344,7 @@ def rel(a, b) -> float:
 
 def main(argv=None):
     import torch
+
     from moeyard.experts import triton as _triton  # noqa: F401  (registers "triton")
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -356,17 +360,17 @@ def main(argv=None):
         base = None
         ref, ref_bf16 = reference(inputs), reference(inputs, torch.bfloat16)
         check = "rel error vs float32 grouped_mm (out, dx, dw_up, dw_down, dtw): bf16 grouped_mm " + \
-            ", ".join(f"{rel(a, b):.1e}" for a, b in zip(ref_bf16, ref))
+            ", ".join(f"{rel(a, b):.1e}" for a, b in zip(ref_bf16, ref, strict=True))
         report.append(check)
         print(check, flush=True)
         for vname in ["default", *[v for v in args.variants if v != "default"]]:
             t0 = time.time()
             text, result = profile_variant(s, inputs, vname, args, dense, copy)
-            text += "\nrel error vs float32 grouped_mm: " + ", ".join(f"{rel(a, b):.1e}" for a, b in zip(result, ref))
+            text += "\nrel error vs float32 grouped_mm: " + ", ".join(f"{rel(a, b):.1e}" for a, b in zip(result, ref, strict=True))
             if base is None:
                 base = result
             else:
-                diffs = ", ".join(f"{rel(a, b):.1e}" for a, b in zip(result, base))
+                diffs = ", ".join(f"{rel(a, b):.1e}" for a, b in zip(result, base, strict=True))
                 text += f"\nrel diff vs default (out, dx, dw_up, dw_down, dtw): {diffs}"
             text = f"## {cname} {(s.T, s.H, s.I, s.E, s.K)} ({time.time() - t0:.0f}s)\n{text}"
             report.append(text)

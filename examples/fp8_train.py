@@ -48,7 +48,7 @@ def gap(a: list[float], b: list[float]) -> float:
     """Mean ``|a - b|`` of the smoothed losses over the last half of the steps."""
     sa, sb = smooth(a), smooth(b)
     half = len(sa) // 2
-    return sum(abs(x - y) for x, y in zip(sa[half:], sb[half:])) / max(1, len(sa) - half)
+    return sum(abs(x - y) for x, y in zip(sa[half:], sb[half:], strict=True)) / max(1, len(sa) - half)
 
 
 def run_one(config, data, *, seed: int, recipe: str | None, dtype, device, lr: float, bar) -> list[float]:

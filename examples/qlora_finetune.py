@@ -263,7 +263,7 @@ def finetune_model(run: str, config, base: dict, *, dtype, device, rank: int, se
 def check(losses: dict[str, list[float]], evals: dict[str, dict], *, dtype, compare_steps: int) -> dict:
     """The pass/fail criteria of the module docstring, as a dict with ``ok``."""
     a, b = losses["lora_moeyard"][:compare_steps], losses["lora_peft"][:compare_steps]
-    diff = max(abs(x - y) for x, y in zip(a, b))
+    diff = max(abs(x - y) for x, y in zip(a, b, strict=True))
     q = losses["qlora_nf4"]
     quarter = max(1, len(q) // 4)
     first, last = sum(q[:quarter]) / quarter, sum(q[-quarter:]) / quarter
@@ -299,7 +299,7 @@ def plot(losses: dict[str, list[float]], base_losses: list[float], path: Path, *
     ax.set(xlabel="fine-tuning step", ylabel="next-byte loss (nats)", title=title)
     ax.legend(fontsize=8)
     for run in RUNS[:2]:
-        diff.plot(steps, [a - b for a, b in zip(losses[run], losses["lora_peft"])], label=LABELS[run], **STYLES[run])
+        diff.plot(steps, [a - b for a, b in zip(losses[run], losses["lora_peft"], strict=True)], label=LABELS[run], **STYLES[run])
     diff.axhspan(-tolerance, tolerance, color="green", alpha=0.15,
                  label=f"check tolerance (moeyard LoRA) +-{tolerance:g}")
     diff.axhline(0, color="black", lw=0.5)

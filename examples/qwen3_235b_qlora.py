@@ -77,9 +77,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import qwen3_30b_qlora as single  # noqa: E402  (the chunked loss, the memory breakdown)
-
 import moeyard  # noqa: E402
+import qwen3_30b_qlora as single  # noqa: E402  (the chunked loss, the memory breakdown)
 from moeyard.parallel import expert_parallel, fsdp_expert_parallel, param_groups_by_mesh  # noqa: E402
 from moeyard.parallel.lora import expert_adapters  # noqa: E402
 

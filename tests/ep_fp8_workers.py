@@ -6,6 +6,8 @@ the rows cast that way (``moeyard.quant.fp8.fake_quantize``, ``Blocks(None)``, `
 gradient taken with respect to those rows."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import moeyard
@@ -45,10 +47,7 @@ def check_fp8_dispatch(rank: int, W: int) -> None:
         oracle = oracle_fp8(T_counts, ids_all, inputs, rank, recipe)
         for name in ("all_to_all", "all_gather"):
             call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, fp8_dispatch=True))
-
-            def ep_call(*args, **kw):
-                return call(*args, recipe=recipe, **kw)
-
+            ep_call = functools.partial(call, recipe=recipe)
             got = run_functional(ep_call, T_counts, ids_all, inputs, rank, torch.float64, "loop")
             for k in oracle:
                 check_err(f"fp8 dispatch {name} recipe {recipe} rank {rank}: {k}", got[k], oracle[k], 1e-12)

@@ -476,9 +476,9 @@ def check_transformers(rank: int, W: int, arch: str = "qwen3_moe") -> None:
 def check_checkpoint_save(rank: int, W: int, ckpt_dir: str) -> None:
     """EP with a 1-D DeviceMesh: weights are DTensors Shard(0), the layer is still exact; save with
     torch.distributed.checkpoint (global [E, ...] tensors) and the unsharded weights beside it."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-    import torch.distributed.checkpoint as dcp
 
     mesh = init_device_mesh("cpu", (W,))
     check_layer(rank, W, mesh=mesh, dispatchers=["all_to_all"])
@@ -492,8 +492,8 @@ def check_checkpoint_save(rank: int, W: int, ckpt_dir: str) -> None:
 
 def check_checkpoint_load(rank: int, W: int, ckpt_dir: str) -> None:
     """Load a checkpoint saved at another EP size into this one; every local block matches."""
-    from torch.distributed.device_mesh import init_device_mesh
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (W,))
     m = expert_parallel(make_layer(LAYER_CONFIGS["gpt_oss"], seed=123), mesh)  # other values
@@ -536,9 +536,8 @@ def check_symm_mem(rank: int, W: int) -> None:
     real ops on gloo."""
     from unittest import mock
 
-    from symm_emulation import EmulatedSymmOps
-
     from moeyard.parallel import symm_mem
+    from symm_emulation import EmulatedSymmOps
 
     ops = EmulatedSymmOps()
     f64 = (("loop", torch.float64),)
@@ -606,9 +605,8 @@ def check_p2p(rank: int, W: int) -> None:
     then the clear errors of the real ops on gloo."""
     from unittest import mock
 
-    from peer_emulation import EmulatedPeerOps
-
     from moeyard.parallel import p2p
+    from peer_emulation import EmulatedPeerOps
 
     tag = [f"{os.getpid()}"]
     dist.broadcast_object_list(tag, src=0)

@@ -19,8 +19,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import AxisType  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import (
+    AxisType,  # noqa: E402
+    PartitionSpec as P,  # noqa: E402
+)
 
 import moeyard.jax as mj  # noqa: E402
 from jax_ep_emulation import ragged_all_to_all  # noqa: E402
@@ -53,7 +55,7 @@ def problem(W, seed=0):
 def max_err(got, want):
     got, want = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
     errs = [float(np.abs(np.asarray(a) - np.asarray(b)).max()) if np.isfinite(np.asarray(a)).all() else float("inf")
-            for a, b in zip(got, want)]
+            for a, b in zip(got, want, strict=True)]
     return max(errs) if len(got) == len(want) else float("inf")
 
 

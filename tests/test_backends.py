@@ -8,8 +8,19 @@ import pytest
 import torch
 
 import moeyard
-from helpers import (EPS, GATED, PLAIN, assert_unchanged, check_backend, clones, cpu_backends, make_inputs,
-                     nan_fill_empty, rel_err, run_experts)
+from helpers import (
+    EPS,
+    GATED,
+    PLAIN,
+    assert_unchanged,
+    check_backend,
+    clones,
+    cpu_backends,
+    make_inputs,
+    nan_fill_empty,
+    rel_err,
+    run_experts,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 BACKEND_DTYPE = [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for d in DTYPES for b in cpu_backends(d)]
@@ -372,7 +383,7 @@ def test_layer_compiles_fullgraph(monkeypatch, backend, dtype, lora):
         return
     same_backend = _meta_takes(dtype)  # else eager runs grouped_mm and compiled bmm_padded: equal to roundoff
     got, want = _compiled_step(layer, x, True, fullgraph=same_backend), _compiled_step(layer, x, False)
-    for a, b in zip([got[0], *got[1]], [want[0], *want[1]]):
+    for a, b in zip([got[0], *got[1]], [want[0], *want[1]], strict=True):
         assert torch.equal(a, b) if same_backend else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -413,6 +424,7 @@ def test_training_flag_of_experts_call(monkeypatch):
     """``moeyard.experts`` passes the call's pairs and whether base weight gradients will be computed
     to the registry."""
     import sys
+
     from moeyard.experts import registry
     seen = []
     real = registry.resolve_backend

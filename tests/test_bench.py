@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import moeyard
+from helpers import load_benchmark
 from moeyard import bench
 from moeyard.bench import models
 from moeyard.bench.peers import TorchGroupedMM, peer_config, peer_note
-from helpers import load_benchmark
 
 TINY = dict(warmup=1, iters=2, peers=True)
 REQUIRED = ["mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b",
@@ -239,7 +239,7 @@ def test_lora_bench_rows_train_the_adapters(impl):
     got.backward(case.dys[0])
     assert (want - frozen).abs().max() > 1e-3
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    grads = sorted((p.grad.abs().sum().item() for p in module.trainable()))
+    grads = sorted(p.grad.abs().sum().item() for p in module.trainable())
     want_grads = sorted(p.grad.abs().sum().item() for p in ref.trainable())
     assert len(grads) == 4 and all(g > 0 for g in grads)
     torch.testing.assert_close(torch.tensor(grads), torch.tensor(want_grads), rtol=1e-4, atol=1e-4)
@@ -259,7 +259,7 @@ def test_quant_bench_rows():
         out.backward(case.dys[0])
         rows[impl] = (m, out, [p.grad.clone() for p in m.trainable()])
     torch.testing.assert_close(rows["qlora"][1], rows["qlora-whole"][1], rtol=0, atol=0)
-    for a, b in zip(rows["qlora"][2], rows["qlora-whole"][2]):
+    for a, b in zip(rows["qlora"][2], rows["qlora-whole"][2], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert len(rows["qlora"][2]) == 8
     # float32 base here (0.13x asymptotically); the fixed 1 KiB code tables of each storage add 0.02x at this size

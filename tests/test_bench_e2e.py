@@ -7,9 +7,7 @@ import pytest
 import torch
 
 from moeyard import bench, cli, verify
-from moeyard.bench import e2e as bench_e2e
-from moeyard.bench import models
-from moeyard.bench import plot as bench_plot
+from moeyard.bench import e2e as bench_e2e, models, plot as bench_plot
 
 pytest.importorskip("transformers")
 TINY_E2E = ["bench", "--e2e", "--device", "cpu", "--tiny", "--layers", "1", "--tokens", "32", "--warmup", "0",
@@ -56,7 +54,7 @@ def test_e2e_step_trains_the_same_model_under_both_implementations():
         assert trainer.ids[0].shape == (2, 8)
         before = [p.detach().clone() for p in trainer.model.parameters()]
         losses.append(trainer.step(0))
-        assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+        assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters(), strict=True))
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
 
 

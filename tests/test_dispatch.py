@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import moeyard
-from moeyard import make_plan, permute, unpermute
 from helpers import random_ids
+from moeyard import make_plan, permute, unpermute
 
 
 def _ids(T, K, E, case):
@@ -405,7 +405,7 @@ def test_one_launch_sort_equals_the_torch_sort(T, K, E, id_dtype):
     ids = torch.randint(low, high, (T, K), generator=g).to(id_dtype)
     want = dispatch._sort(dispatch._sort_keys(ids, E), E)
     got = sort_by_expert_small(ids, E, dispatch._key_dtype(E))
-    for name, a, b in zip(("keys", "order", "offsets"), want, got):
+    for name, a, b in zip(("keys", "order", "offsets"), want, got, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert fits(T * K, E) and not fits(MAX_PAIRS + 1, E) and not fits(T * K, MAX_EXPERTS + 1) and not fits(0, E)
     with pytest.raises(ValueError, match="^topk_ids: expected 1 to"):
@@ -422,6 +422,6 @@ def test_sort_by_expert_takes_one_launch_for_few_pairs(monkeypatch):
     calls, real = [], torch.sort
     monkeypatch.setattr(torch, "sort", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     got = dispatch.sort_by_expert(ids, 16)
-    assert not calls and all(torch.equal(a, b) for a, b in zip(want, got))
+    assert not calls and all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
     dispatch.sort_by_expert(torch.cat([ids.reshape(-1), ids.new_zeros(1)]).unsqueeze(1), 16)
     assert calls

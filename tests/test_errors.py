@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import moeyard
-from moeyard import MoE, MoEConfig
 from helpers import assert_unchanged, clones, cpu_backends, make_inputs
+from moeyard import MoE, MoEConfig
 
 T, H, I, E, K = 6, 16, 8, 4, 2
 ALL = cpu_backends(torch.float32) + ["loop", "auto"]

@@ -47,14 +47,14 @@ def test_tiny_qlora_finetune(tmp_path, keep_threads):
     assert set(losses) == set(example.RUNS) and all(len(run) == steps for run in losses.values())
     assert all(math.isfinite(x) for run in [*losses.values(), result["base_losses"]] for x in run)
     # (2) moeyard LoRA and (3) PEFT's default path agree within float32 noise
-    diff = max(abs(a - b) for a, b in zip(losses["lora_moeyard"][:20], losses["lora_peft"][:20]))
+    diff = max(abs(a - b) for a, b in zip(losses["lora_moeyard"][:20], losses["lora_peft"][:20], strict=True))
     assert diff <= example.TOLERANCE[torch.float32], diff
     # (1) QLoRA on NF4 experts learns: training loss and held-out loss go down
     q, quarter = losses["qlora_nf4"], steps // 4
     assert sum(q[-quarter:]) < sum(q[:quarter])
     assert result["eval"]["qlora_nf4"]["after"] < result["eval"]["qlora_nf4"]["before"]
     # ... and differs from the dense runs only by the quantisation error
-    assert 0 < max(abs(a - b) for a, b in zip(q, losses["lora_moeyard"])) < 0.05
+    assert 0 < max(abs(a - b) for a, b in zip(q, losses["lora_moeyard"], strict=True)) < 0.05
     assert result["check"]["ok"]
     assert json.loads((tmp_path / "losses.json").read_text())["losses"] == losses
     if not has_matplotlib:

@@ -11,12 +11,10 @@ import pytest
 import torch
 
 import moeyard
+from helpers import assert_matches_oracle, cpu_backends, make_inputs, random_ids, rel_err, run_experts
 from moeyard.quant import fp8
 from moeyard.quant.fp8 import E4M3, Blocks
 from moeyard.quant.recipe import ENV_RECIPE, RECIPES, resolve_recipe
-
-from helpers import (EPS, assert_matches_oracle, cpu_backends, lora_arg, make_inputs, random_ids, rel_err,
-                     run_experts)
 
 RECIPE_NAMES = list(RECIPES)
 

@@ -23,8 +23,7 @@ import torch
 
 import moeyard
 from helpers import EPS, LORA_SCALING, add_lora, cpu_backends, make_inputs, random_ids, rel_err
-from moeyard.quant import FP8BlockExperts, load_quantized_state_dict, quantize_experts
-from moeyard.quant import fp8_block, fp8_block_grid
+from moeyard.quant import FP8BlockExperts, fp8_block, fp8_block_grid, load_quantized_state_dict, quantize_experts
 from moeyard.quant.fp8 import Blocks, dequantize, quantize
 
 BLOCKS = Blocks(128, 128)
@@ -247,9 +246,9 @@ def test_every_backend_equals_dequantised_weights_and_oracle(T, H, I, E, K, ids,
             continue  # the interpreter is slow: the triton backend runs the T = 1 case
         got = _run(x, ids, tw, *q, lora, backend)
         want = _run(x, ids, tw, *dense, lora, backend)
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w), backend  # the same call on the same dense values
-        for g, lp, o in zip(got, lowp, oracle):
+        for g, lp, o in zip(got, lowp, oracle, strict=True):
             assert rel_err(g, o) <= 2 * rel_err(lp, o) + EPS[dtype], backend
 
 
@@ -261,7 +260,7 @@ def test_gpt_oss_layout():
     for backend in ("bmm_padded", "grouped_mm"):
         got = _run(x, ids, tw, *q, lora, backend, **kw)
         want = _run(x, ids, tw, *(s.dequantize() for s in q), lora, backend, **kw)
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 def test_only_active_experts_and_no_dense_weight_kept(monkeypatch):
@@ -590,6 +589,7 @@ def test_checkpoint_loads_experts_in_fp8(fp8_checkpoint):
 
 def test_checkpoint_into_a_model_built_without_weights(fp8_checkpoint):
     from accelerate import init_empty_weights
+
     from moeyard.quant import load_fp8_checkpoint
     model, path = fp8_checkpoint.model, fp8_checkpoint.fp8
     with init_empty_weights(include_buffers=False):  # parameters on the meta device, rotary buffers real
@@ -688,7 +688,7 @@ def test_lora_training_on_fp8_checkpoint(fp8_checkpoint):
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         adapters = {n: p for n, p in ours.named_parameters() if p.requires_grad}
-        for n, p in adapters.items():
+        for p in adapters.values():
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)  # B nonzero: the adapters change the output
         ref_adapters = {n: p for n, p in ref.named_parameters() if p.requires_grad}
         assert adapters.keys() == ref_adapters.keys() and len(adapters) == 16  # 2 layers x 4 targets x (A, B)
@@ -723,6 +723,7 @@ def test_transformers_fp8_experts_run_on_moeyard(fp8_checkpoint):
     ``experts_implementation="moeyard"`` runs them (float8 parameters and ``*_scale_inv``) on moeyard."""
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
     from moeyard.integrations.transformers import register_fp8
     from moeyard.quant import load_fp8_checkpoint
     path = fp8_checkpoint.fp8
@@ -733,7 +734,7 @@ def test_transformers_fp8_experts_run_on_moeyard(fp8_checkpoint):
     replace_with_fp8_linear(theirs, modules_to_not_convert=keep, quantization_config=qc,
                             pre_quantized=True)  # what from_pretrained does on a GPU
     register_fp8()
-    for layer, mine in zip(theirs.model.layers, ours.model.layers):
+    for layer, mine in zip(theirs.model.layers, ours.model.layers, strict=True):
         fp8_experts = layer.mlp.experts
         assert type(fp8_experts).__name__ == "FP8Experts"
         fp8_experts.load_state_dict(mine.mlp.experts.state_dict(), assign=True)
@@ -807,4 +808,4 @@ def test_training_recipe_on_fp8_storage(recipe):
     x, ids, tw, q, lora = _case(20, 256, 128, 4, 2, rank=4)
     got = _run(x, ids, tw, *q, lora, "bmm_padded", recipe=recipe)
     want = _run(x, ids, tw, *(s.dequantize() for s in q), lora, "bmm_padded", recipe=recipe)
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

@@ -12,8 +12,9 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("flax")
 
-from jax_parity import (assert_parity, jax_layer, run_jax, run_torch, tolerance,  # noqa: E402  (sets XLA_FLAGS)
-                        torch_layer)
+from jax_parity import assert_parity, jax_layer, run_jax, run_torch, tolerance, torch_layer  # noqa: E402  (sets XLA_FLAGS)
+
+# isort: split
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -172,14 +173,14 @@ def _jax_experts(case, ids, probe, **kw):
     names = list(case)
 
     def loss(*leaves):
-        d = dict(zip(names, leaves))
+        d = dict(zip(names, leaves, strict=True))
         out = mj.experts(d["hidden_states"], jnp.asarray(ids, jnp.int32), d["topk_weights"], d["gate_up_proj"],
                          d["down_proj"], gate_up_bias=d["gate_up_bias"], down_bias=d["down_bias"], **kw)
         return (out * probe).sum(), out
 
     grads, out = jax.jit(jax.grad(loss, argnums=tuple(range(len(names))), has_aux=True))(
         *[jnp.asarray(case[n]) for n in names])
-    return {"out": np.asarray(out), **{f"grad.{n}": np.asarray(g) for n, g in zip(names, grads)}}
+    return {"out": np.asarray(out), **{f"grad.{n}": np.asarray(g) for n, g in zip(names, grads, strict=True)}}
 
 
 @pytest.mark.parametrize("layout,activation,interleaved", [
@@ -328,7 +329,7 @@ def test_bad_input_same_errors():
 
     torch_calls = _bad_calls(moeyard, lambda *a, **k: torch.from_numpy(np_arr(*a, **k)))
     jax_calls = _bad_calls(mj, lambda *a, **k: jnp.asarray(np_arr(*a, **k)))
-    for (label, t_call), (_, j_call) in zip(torch_calls, jax_calls):
+    for (label, t_call), (_, j_call) in zip(torch_calls, jax_calls, strict=True):
         want = _error(t_call)
         assert want is not None, f"{label}: the PyTorch side raised nothing"
         assert _error(j_call) == want, f"{label}: {_error(j_call)} != {want}"

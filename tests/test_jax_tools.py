@@ -9,7 +9,6 @@ pytest.importorskip("flax")
 pytest.importorskip("transformers")
 
 import jax_parity  # noqa: E402,F401  (sets the fast-compile XLA flags before JAX starts)
-
 import moeyard  # noqa: E402
 from moeyard import cli, verify  # noqa: E402
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import moeyard
-from moeyard import MoE, MoEConfig
 from helpers import assert_matches_oracle, cpu_backends
+from moeyard import MoE, MoEConfig
 
 LOSS = dict(aux_loss_coef=0.1, seq_aux_loss_coef=0.05, z_loss_coef=0.01)
 
@@ -224,14 +224,15 @@ def test_activation_checkpointing(backend, lora):
     for how in ("non_reentrant", "reentrant"):
         got, n = _checkpointed_step(m, x, how)
         assert n == 2, how
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), how
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), how
 
 
 def test_reentrant_checkpoint_without_returned_loss_warns():
     # the reentrant checkpoint's first forward runs without gradients, so self.aux_loss made there has none:
     # the router silently loses its load-balancing gradient; the layer says so (and only then)
-    from torch.utils.checkpoint import checkpoint
     import warnings
+
+    from torch.utils.checkpoint import checkpoint
     cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4, top_k=2, **LOSS)
     m = MoE(cfg, backend="bmm_padded")
     x = torch.randn(6, H, requires_grad=True)

@@ -21,9 +21,8 @@ import torch
 F = pytest.importorskip("bitsandbytes.functional")
 
 import moeyard  # noqa: E402
-from moeyard.quant import NF4Experts, dequantize_reference, load_quantized_state_dict, quantize_experts  # noqa: E402
-from moeyard.quant import dequant  # noqa: E402
 from helpers import bnb_dequantize  # noqa: E402
+from moeyard.quant import NF4Experts, dequant, dequantize_reference, load_quantized_state_dict, quantize_experts  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -146,13 +146,13 @@ def test_p2p_layout_kernel_matches_reference():
             for me in range(W):
                 want = layout_reference(counts, me, align, C, R)
                 got = layout_triton(counts, me, align, C, R)
-                for name, a, b in zip(("dst_rows", "window", "received", "pad_rows", "row_experts"), want, got):
+                for name, a, b in zip(("dst_rows", "window", "received", "pad_rows", "row_experts"), want, got, strict=True):
                     assert (a is None and b is None) or torch.equal(a, b), (name, W, El, align, C, me)
         # rows past int32 (the kernel's arithmetic): the reference answers, the kernel is not launched
         import moeyard.parallel.p2p_layout_triton as lt
         with mock.patch.object(lt, "MAX_TILE", 2 ** 31), mock.patch.object(lt, "layout_kernel", None):
             got = layout_triton(counts, 0, align, C, R)
-        assert all(torch.equal(a, b) for a, b in zip(layout_reference(counts, 0, align, C, R), got) if a is not None)
+        assert all(torch.equal(a, b) for a, b in zip(layout_reference(counts, 0, align, C, R), got, strict=True) if a is not None)
 
 
 @pytest.mark.slow  # ~60 s on 2 cores: 8 processes importing torch
@@ -236,6 +236,7 @@ def test_bench_ep_lora_weak_scaling_under_torchrun(tmp_path):
     import os
     import subprocess
     import sys
+
     from moeyard.bench.args import check_bench_arguments
     from moeyard.cli import build_parser
 

@@ -11,8 +11,10 @@ pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from moeyard import verify  # noqa: E402
-from moeyard.integrations import peft as integration  # noqa: E402
-from moeyard.integrations import transformers as tf_integration  # noqa: E402
+from moeyard.integrations import (
+    peft as integration,  # noqa: E402
+    transformers as tf_integration,  # noqa: E402
+)
 
 BACKENDS = ["loop", "bmm_padded", "grouped_mm"]
 TOL = verify.TOLERANCE[torch.float32]

@@ -55,7 +55,7 @@ def test_equals_dequantised_weights(backend, T, H, I, E, K, ids):
     x, ids, tw, q, lora = _case(T, H, I, E, K, ids=routed)
     got = _run(x, ids, tw, *q, lora, backend)
     want = _run(x, ids, tw, *(bnb_dequantize(s) for s in q), lora, backend)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
 
 
@@ -65,7 +65,7 @@ def test_gpt_oss_layout(backend):
     kw = dict(transposed=True, interleaved=True, activation="clamped_swiglu")
     got = _run(x, ids, tw, *q, lora, backend, **kw)
     want = _run(x, ids, tw, *(bnb_dequantize(s) for s in q), lora, backend, **kw)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
 
 
@@ -124,7 +124,7 @@ def test_peft_qlora_matches_dequantised_model():
         model = verify.build_model("qwen3_moe", seed=0, lora_rank=4)
         ref = verify.build_model("qwen3_moe", seed=0, lora_rank=4)
         moeyard.quantize_experts(model, "nf4")  # switches the PEFT wrappers to fuse_lora
-        for m, r in zip(verify.experts_modules(model), verify.experts_modules(ref)):
+        for m, r in zip(verify.experts_modules(model), verify.experts_modules(ref), strict=True):
             with torch.no_grad():
                 r.gate_up_proj.copy_(bnb_dequantize(m.gate_up_proj))
                 r.down_proj.copy_(bnb_dequantize(m.down_proj))

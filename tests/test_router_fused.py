@@ -64,7 +64,7 @@ def _compare(cfg, x, w, bias, corr, B=1, use=FIELDS):
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == torch.float32 and a.shape == b.shape, name
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=name)
-    for name, a, b in zip(("x", "weight", "bias"), g_got, g_want):
+    for name, a, b in zip(("x", "weight", "bias"), g_got, g_want, strict=True):
         assert a.shape == b.shape and not a.isnan().any(), name
         err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
         assert err < 2e-5, f"d {name}: relative error {err:.2e}"
@@ -111,7 +111,7 @@ def test_strided_inputs_not_modified():
     w_t = w.T.contiguous().T  # [E, H] with strides (1, E)
     before = [t.clone() for t in (x_wide, w_t, bias)]
     out = fused.route_fused(x_wide[:, ::2], w_t, cfg, bias=bias)
-    assert all(torch.equal(a, b) for a, b in zip(before, (x_wide, w_t, bias)))
+    assert all(torch.equal(a, b) for a, b in zip(before, (x_wide, w_t, bias), strict=True))
     want = route(x, w, cfg, bias=bias)
     assert torch.equal(out.topk_ids, want.topk_ids)
     torch.testing.assert_close(out.topk_weights, want.topk_weights)
@@ -132,7 +132,7 @@ def test_bit_reproducible():
     (a, ga), (b, gb) = (_run(fused.route_fused, *problem, B=4) for _ in range(2))
     for name in ("topk_ids", "tokens_per_expert") + FIELDS:
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    assert all(torch.equal(u, v) for u, v in zip(ga, gb))
+    assert all(torch.equal(u, v) for u, v in zip(ga, gb, strict=True))
 
 
 def test_route_selects_fused(monkeypatch):
@@ -168,6 +168,7 @@ def test_route_falls_back_to_torch(monkeypatch, case):
 
 def test_auto_picks_fused_for_cuda_tensors(monkeypatch):
     import types
+
     from moeyard import routing
     cuda_like, cpu_like = types.SimpleNamespace(is_cuda=True), types.SimpleNamespace(is_cuda=False)
     assert routing._pick_fused(cuda_like) is fused and routing._pick_fused(cpu_like) is None
@@ -225,6 +226,7 @@ def test_bad_input(i):
 
 def test_auto_stops_retrying_a_failed_import(monkeypatch):
     import types
+
     from moeyard import routing
     tries = []
 
@@ -276,7 +278,7 @@ def test_compiles_for_varying_token_counts():
         want, g_want = _run(fused.route_fused, cfg, x, w, bias, corr, B)
         assert torch.equal(got.topk_ids, want.topk_ids), T
         for n in FIELDS:
-            torch.testing.assert_close(getattr(got, n), getattr(want, n), msg=lambda m: f"T={T} {n}: {m}")
-        for a, b in zip(g_got, g_want):
+            torch.testing.assert_close(getattr(got, n), getattr(want, n), msg=lambda m, T=T, n=n: f"T={T} {n}: {m}")
+        for a, b in zip(g_got, g_want, strict=True):
             assert b.abs().sum() > 0
-            torch.testing.assert_close(a, b, msg=lambda m: f"T={T}: {m}")
+            torch.testing.assert_close(a, b, msg=lambda m, T=T: f"T={T}: {m}")

@@ -56,7 +56,7 @@ def ref_route(x, W, cfg, bias=None, corr=None):
             w = [s[e] for e in top]  # weights from the unbiased scores
             if cfg.norm_topk_prob:
                 w = [v / sum(w) for v in w]
-        for e, v in zip(top, w):
+        for e, v in zip(top, w, strict=True):
             dense[t, e] = v * cfg.routed_scaling_factor
     return dense
 
@@ -103,7 +103,7 @@ def test_router_formula(kw):
     before = [t.clone() for t in (x, W) + tuple(t for t in (bias, corr) if t is not None)]
     out = route(x, W, cfg, bias=bias, correction_bias=corr)
     after = [x, W] + [t for t in (bias, corr) if t is not None]
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     want = ref_route(x, W, cfg, bias, corr)
     assert out.topk_ids.dtype == torch.int64 and out.topk_weights.dtype == torch.float32
     assert torch.equal(to_dense(out, cfg.num_experts) != 0, want != 0), "selected experts differ"
@@ -126,7 +126,7 @@ def test_routing_output_is_a_pytree():
     out = route(torch.randn(5, 8), torch.randn(4, 8, requires_grad=True), cfg)
     leaves, spec = tree_flatten(out)
     assert len(leaves) == len(dataclasses.fields(out))
-    assert all(a is getattr(out, f.name) for a, f in zip(leaves, dataclasses.fields(out)))
+    assert all(a is getattr(out, f.name) for a, f in zip(leaves, dataclasses.fields(out), strict=True))
     back = tree_unflatten(leaves, spec)
     assert type(back) is type(out) and all(getattr(back, f.name) is getattr(out, f.name) for f in dataclasses.fields(out))
 
@@ -254,7 +254,7 @@ def test_losses_and_gradients(kw, B):
     W64 = W.detach().double().requires_grad_()
     want = ref_losses(x, W64, cfg, out.topk_ids, B)
     names = ("aux_loss", "seq_aux_loss", "z_loss")
-    for name, ref in zip(names, want):
+    for name, ref in zip(names, want, strict=True):
         got = getattr(out, name)
         assert got.dim() == 0 and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-5, atol=1e-7, msg=name)
@@ -262,7 +262,7 @@ def test_losses_and_gradients(kw, B):
         g_ref, = torch.autograd.grad(ref, W64, retain_graph=True)
         assert g_ref.abs().max() > 0
         torch.testing.assert_close(g.double(), g_ref, rtol=1e-4, atol=1e-6 * g_ref.abs().max().item(), msg=name)
-    total = sum(coefs[c] * w for c, w in zip(("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef"), want))
+    total = sum(coefs[c] * w for c, w in zip(("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef"), want, strict=True))
     torch.testing.assert_close(out.loss.double(), total.detach(), rtol=1e-5, atol=1e-8)
 
 

@@ -130,7 +130,7 @@ def test_generate_matches_eager(monkeypatch, arch):
               output_logits=True)
     want, out = ref.generate(ids, **kw), got.generate(ids, **kw)
     assert torch.equal(out.sequences, want.sequences)
-    for a, b in zip(out.logits, want.logits):
+    for a, b in zip(out.logits, want.logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     layers = len(calls) // 5  # the experts' calls per forward: a layer may be dense
     assert layers > 0 and len(calls) == 5 * layers
@@ -157,7 +157,7 @@ def test_compiled_generate_matches_eager(arch):
     got = model.generate(ids, compile_config=config, **kw)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the decoding step was compiled
     assert torch.equal(got.sequences, want.sequences)
-    for a, b in zip(got.logits, want.logits):
+    for a, b in zip(got.logits, want.logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -241,7 +241,7 @@ def test_experts_module_compiles_fullgraph(monkeypatch, arch):
         got = run(torch.compile(mod, backend="aot_eager", fullgraph=True))
         want = run(mod)
     assert len(got) == len(want) == 3 + len(list(mod.parameters()))
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert b.abs().sum() > 0 and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
 

@@ -14,13 +14,13 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 import moeyard  # noqa: E402
+from helpers import check_fill_invalid, load_benchmark  # noqa: E402
 from moeyard.activations import Activation  # noqa: E402
 from moeyard.experts import triton as triton_backend  # noqa: E402,F401  (registers "triton")
 from moeyard.experts.registry import resolve_backend  # noqa: E402
 from moeyard.experts.triton import ops  # noqa: E402
 from moeyard.experts.triton.schedule import band_tile  # noqa: E402
 from moeyard.experts.weights import expert_weights  # noqa: E402
-from helpers import check_fill_invalid, load_benchmark  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU tests run under Triton's interpreter (tests/cuda covers the GPU)")
@@ -63,7 +63,7 @@ def _run(p, ids, kw, backend, dtype, drop_invalid=False):
     names = list(leaves)
     grads = torch.autograd.grad(out, [leaves[n] for n in names], dout, allow_unused=True) if out.numel() else \
         [torch.zeros_like(leaves[n]) for n in names]
-    return {"out": out.detach(), **{f"d_{n}": g for n, g in zip(names, grads)}}
+    return {"out": out.detach(), **{f"d_{n}": g for n, g in zip(names, grads, strict=True)}}
 
 
 def _rel(got, ref):
@@ -267,7 +267,7 @@ def test_compiles_fullgraph(monkeypatch):
     assert torch.equal(out, ref)
     got = torch.autograd.grad(out.sum(), (leaves["x"], leaves["gate_up_proj"]))
     want = torch.autograd.grad(ref.sum(), (leaves["x"], leaves["gate_up_proj"]))
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -296,7 +296,7 @@ def test_layer_compiles_fullgraph(monkeypatch, lora):
     want = step(layer)
     assert torch.allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
     assert len(got[1]) == len(want[1]) == 1 + (5 if lora else 3)  # x, the router, the experts or 4 factors
-    for a, b in zip(got[1], want[1]):
+    for a, b in zip(got[1], want[1], strict=True):
         assert b.abs().sum() > 0 and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
@@ -581,11 +581,11 @@ def test_tma_up_weights(case, w_tma, monkeypatch):
     launches = _Launches(monkeypatch)
     with use_options(tma_up=True):
         check_against_loop(*_problem(**case))
-    ups = [kw["W_TMA"] for name, kw in zip(launches.names, launches.kwargs) if name == "up"]
+    ups = [kw["W_TMA"] for name, kw in zip(launches.names, launches.kwargs, strict=True) if name == "up"]
     assert ups and all(w is w_tma for w in ups)
     with use_options(tma_up=False):
         check_against_loop(*_problem(**case))
-    ups = [kw["W_TMA"] for name, kw in zip(launches.names, launches.kwargs) if name == "up"][len(ups):]
+    ups = [kw["W_TMA"] for name, kw in zip(launches.names, launches.kwargs, strict=True) if name == "up"][len(ups):]
     assert ups and not any(ups)
 
 
@@ -619,7 +619,7 @@ def test_tma_weight_gradients(case, chunk, tma, monkeypatch):
     launches = _Launches(monkeypatch)
     with use_options(tma_wgrad=tma, wgrad_chunk_rows=chunk):
         check_against_loop(*_problem(**case))
-    wgrads = [kw for name, kw in zip(launches.names, launches.kwargs) if name.startswith("wgrad")]
+    wgrads = [kw for name, kw in zip(launches.names, launches.kwargs, strict=True) if name.startswith("wgrad")]
     assert len(wgrads) == 2 and all(kw["TMA"] == tma for kw in wgrads)
     assert not any(kw["TILE_MAJOR"] for kw in wgrads)  # the base weight gradients stay expert-major
 
@@ -646,7 +646,7 @@ def test_tma_with_lora(mode, monkeypatch):
 
     with use_options(tma=True, lora_mode=mode):
         got = run("triton", torch.float32)
-    for g_, r_ in zip(got, run("loop", torch.float64)):
+    for g_, r_ in zip(got, run("loop", torch.float64), strict=True):
         assert _rel(g_, r_) < 1e-5
     assert launches.names.count("down_tma" if mode == "split" else "down") == 2  # fused LoRA: pointer kernel
 
@@ -967,4 +967,4 @@ def test_checkpointed_layer_compiles_fullgraph(monkeypatch, keep_routing):
     got = step(torch.compile(block, backend="aot_eager", fullgraph=True))
     assert (layer.routing is not None) == keep_routing and layer.aux_loss is not None
     want = step(block)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -9,8 +9,7 @@ from .activations import Activation
 from .checks import is_debug, set_debug
 from .config import MoEConfig
 from .dispatch import DispatchPlan, make_plan, permute, unpermute
-from .experts import (ExpertLoRA, available_backends, backend_names, experts, get_backend, set_backend,
-                      use_backend)
+from .experts import ExpertLoRA, available_backends, backend_names, experts, get_backend, set_backend, use_backend
 from .layer import MoE, SharedExpert
 from .quant import quantize_experts
 from .quant.recipe import Recipe, get_recipe, recipe_names, set_recipe, use_recipe

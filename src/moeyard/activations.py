@@ -10,8 +10,8 @@ the gpt-oss model card and transformers' ``GptOssExperts._apply_gate``.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

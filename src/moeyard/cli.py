@@ -21,8 +21,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from .bench import layer as layer_bench
-from .bench import plot as bench_plot
+from .bench import layer as layer_bench, plot as bench_plot
 from .bench.args import add_bench_arguments, bench_options, check_bench_arguments
 from .bench.tables import models_table, result_table
 

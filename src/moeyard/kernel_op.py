@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

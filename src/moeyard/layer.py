@@ -121,7 +121,7 @@ class MoE(nn.Module):
         self.expert_parallel = None  # set by moeyard.parallel.expert_parallel: called instead of experts
 
     def add_lora(self, rank: int, *, alpha: float | None = None, rslora: bool = False,
-                 targets: tuple[str, ...] = ("gate_up_proj", "down_proj"), freeze_base: bool = True) -> "MoE":
+                 targets: tuple[str, ...] = ("gate_up_proj", "down_proj"), freeze_base: bool = True) -> MoE:
         """Add LoRA adapters (:class:`moeyard.experts.lora.LoRAAdapter`, PEFT's layout and init) to the
         expert projections named in ``targets``, in the experts' device and dtype; with
         ``freeze_base`` the expert weights and biases stop requiring grad. Returns ``self``.
@@ -152,7 +152,7 @@ class MoE(nn.Module):
         return self
 
     @torch.no_grad()
-    def merge_lora(self) -> "MoE":
+    def merge_lora(self) -> MoE:
         """Fold the adapters into the expert weights (``W += s B A``) and remove them. Returns ``self``.
         Under expert parallelism each rank folds its block (its experts' factors into its weights).
 

@@ -356,7 +356,7 @@ class _LowPrecision:
             if draw is None:
                 continue
             ids, probe, ref64, routing64, limit = draw
-            got, routing = _routed(self.model, lambda: run_moeyard(self.model, backend, ids, probe))
+            got, routing = _routed(self.model, lambda ids=ids, probe=probe: run_moeyard(self.model, backend, ids, probe))
             if _same_routing(routing, routing64):
                 return (*max_rel_error(got, ref64), limit)
         return None
@@ -388,7 +388,7 @@ def _routed(model: torch.nn.Module, run) -> tuple[dict[str, Tensor], list[Tensor
 def _same_routing(a: list[Tensor], b: list[Tensor]) -> bool:
     """Same experts per token (as sets: the order of the k slots may differ)."""
     return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x.sort(-1).values, y.sort(-1).values)
-                                    for x, y in zip(a, b))
+                                    for x, y in zip(a, b, strict=True))
 
 
 # ---------------------------------------------------------------- command line

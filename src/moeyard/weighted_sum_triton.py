@@ -10,8 +10,6 @@ program walks H in ``GRAD_BH`` steps for all K slots of ``BT`` tokens. Each read
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -99,7 +97,7 @@ def weighted_sum_(pairs: Tensor, weights: Tensor, out: Tensor) -> None:
 
 
 @kernel_op("moeyard::gathered_sum_", mutates_args=("out", "keep"))
-def gathered_sum_(src: Tensor, index: Tensor, weights: Optional[Tensor], out: Tensor, keep: Optional[Tensor]) -> None:
+def gathered_sum_(src: Tensor, index: Tensor, weights: Tensor | None, out: Tensor, keep: Tensor | None) -> None:
     T, K = index.shape
     H = out.shape[1]
     weighted_sum_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](
@@ -129,7 +127,7 @@ def weights_grad_(pairs: Tensor, grad_out: Tensor, dw: Tensor) -> None:
                                                BH=GRAD_BH, num_warps=4)
 
 
-def gathered_sum(src: Tensor, index: Tensor, weights: Optional[Tensor], keep: bool) -> tuple[Tensor, Optional[Tensor]]:
+def gathered_sum(src: Tensor, index: Tensor, weights: Tensor | None, keep: bool) -> tuple[Tensor, Tensor | None]:
     """``([T, H], [T, K, H] | None)`` in ``src.dtype`` (``src [*, H]`` unit column stride, contiguous
     ``index [T, K]`` int64 and ``weights [T, K]``): see :func:`moeyard.weighted_sum.gathered_sum`."""
     T, K = index.shape

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import moeyard
-from moeyard import MoE, MoEConfig, make_plan, permute, unpermute
 from helpers import assert_matches_oracle, check_backend, make_inputs, random_ids
+from moeyard import MoE, MoEConfig, make_plan, permute, unpermute
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -212,6 +212,6 @@ def test_cuda_graph_captures_whole_layer(backend):
             p.add_(torch.randn_like(p) * 0.02)
     graph.replay()
     want = step()
-    for got, ref in zip(static, want):
+    for got, ref in zip(static, want, strict=True):
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
     assert not torch.equal(static[0], eager[0])

@@ -8,8 +8,7 @@ import torch
 
 import moeyard
 from helpers import LORA_SCALING, add_lora, make_inputs
-from moeyard.quant import FP8BlockExperts
-from moeyard.quant import fp8_block
+from moeyard.quant import FP8BlockExperts, fp8_block
 
 pytestmark = pytest.mark.cuda
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -59,7 +58,7 @@ def test_backends_equal_dequantised_weights(backend):
     t, leaves, lora, q = _case()
     got = _step(t, leaves, lora, *q, backend)
     want = _step(t, leaves, lora, *(s.dequantize() for s in q), backend)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
 
 
@@ -78,8 +77,8 @@ def test_no_host_sync(backend):
 
 def test_checkpoint_on_gpu(tmp_path):
     pytest.importorskip("transformers")
-    from test_fp8_checkpoint import cast_parameters, tiny_qwen3_moe, write_fp8_checkpoint
     from moeyard.quant import load_fp8_checkpoint
+    from test_fp8_checkpoint import cast_parameters, tiny_qwen3_moe, write_fp8_checkpoint
     model = cast_parameters(tiny_qwen3_moe(hidden_size=160, moe_intermediate_size=72), torch.bfloat16)
     path = write_fp8_checkpoint(model, tmp_path).fp8
     on_gpu = load_fp8_checkpoint(path, device="cuda")

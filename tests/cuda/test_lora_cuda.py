@@ -171,10 +171,10 @@ def test_gluon_gathered_against_triton(rank, monkeypatch):
     rank_major = lambda t: t.mT.contiguous().mT  # noqa: E731
     sms = ops.num_sms
     for lb_layout, w_layout, programs in ((same, same, None), (rank_major, rank_major, 7)):
-        monkeypatch.setattr(ops, "num_sms", lambda device: programs or sms(device))
+        monkeypatch.setattr(ops, "num_sms", lambda device, programs=programs: programs or sms(device))
         with use_options(gluon_up=True, gluon_dh=True):
             got = both(lb_layout, w_layout)
-        for g_, ref in zip(got, want):  # a wrong layout or row is off by the values' own size
+        for g_, ref in zip(got, want, strict=True):  # a wrong layout or row is off by the values' own size
             assert (g_.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
     assert calls == ["up", "dh", "up", "dh"]
 
@@ -268,7 +268,7 @@ def test_cuda_graph():
     dout.copy_(fresh_dout)
     graph.replay()
     want = _step(leaves, dout)
-    for s, w in zip(static, want):
+    for s, w in zip(static, want, strict=True):
         torch.testing.assert_close(s, w, rtol=0, atol=0)
 
 

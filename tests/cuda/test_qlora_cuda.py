@@ -40,8 +40,8 @@ def test_equals_dequantised_weights(backend):
     again = _step(t, leaves, lora, *dense, backend)
     # bit-exact where the backend itself is reproducible run to run (torch._grouped_mm was not: 2.3% of
     # the outputs one bf16 ulp apart between two QLoRA/dense calls on an H200, 2026-11-23)
-    exact = all(torch.equal(a, w) for a, w in zip(again, want))
-    for g, w in zip(got, want):
+    exact = all(torch.equal(a, w) for a, w in zip(again, want, strict=True))
+    for g, w in zip(got, want, strict=True):
         scale = w.abs().max().item()
         torch.testing.assert_close(g, w, rtol=0, atol=0 if exact else 2 ** -7 * scale)
     if backend == "triton":

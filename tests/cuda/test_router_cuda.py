@@ -65,7 +65,7 @@ def test_float32_parity(kw, tokens, sequences):
     assert torch.equal(a.topk_ids, b.topk_ids) and torch.equal(a.tokens_per_expert, b.tokens_per_expert)
     for n in ("topk_weights", "router_logits", "scores", "aux_loss", "seq_aux_loss", "z_loss", "loss"):
         assert _rel(getattr(a, n), getattr(b, n)) < 1e-5, n
-    for u, v in zip(ga, gb):
+    for u, v in zip(ga, gb, strict=True):
         assert _rel(u, v) < 1e-4
 
 
@@ -97,7 +97,7 @@ def test_bfloat16_gradients(kw):
     problem = _problem(kw, T=4096, H=2048, dtype=torch.bfloat16)
     use = ("router_logits", "scores", "z_loss")
     (_, ga), (_, gb) = _run(fused.route_fused, *problem, use=use), _run(torch_route, *problem, use=use)
-    for u, v in zip(ga, gb):
+    for u, v in zip(ga, gb, strict=True):
         assert u.dtype == v.dtype and _rel(u, v) < 2e-2
 
 
@@ -112,7 +112,7 @@ def test_reproducible_and_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     for n in ("topk_ids", "topk_weights", "tokens_per_expert", "aux_loss", "seq_aux_loss", "z_loss", "loss"):
         assert torch.equal(getattr(first[0], n), getattr(second[0], n)), n
-    assert all(torch.equal(u, v) for u, v in zip(first[1], second[1]))
+    assert all(torch.equal(u, v) for u, v in zip(first[1], second[1], strict=True))
 
 
 def test_default_router_on_cuda_is_fused(monkeypatch):
@@ -140,5 +140,5 @@ def test_autotuned_per_program_size(monkeypatch):
         assert torch.equal(a.topk_ids, b.topk_ids) and torch.equal(a.topk_ids, ref.topk_ids), tokens
         for n in ("topk_weights", "router_logits", "scores", "loss"):
             assert torch.equal(getattr(a, n), getattr(b, n)), (tokens, n)
-        assert all(torch.equal(u, v) for u, v in zip(ga, gb)), tokens
+        assert all(torch.equal(u, v) for u, v in zip(ga, gb, strict=True)), tokens
     assert {key[0][-1] for key in fused._TUNED[0].picks} == {16, 64, 128}

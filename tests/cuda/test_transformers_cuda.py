@@ -58,5 +58,5 @@ def test_compiled_generate_matches_eager(arch):
     got = model.generate(ids, compile_config=CompileConfig(fullgraph=True), **kw)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the decoding step was compiled
     assert torch.equal(got.sequences, want.sequences)
-    for a, b in zip(got.logits, want.logits):
+    for a, b in zip(got.logits, want.logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

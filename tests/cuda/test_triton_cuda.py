@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import moeyard
+from helpers import check_fill_invalid
 from moeyard.activations import Activation
 from moeyard.experts import triton as triton_backend  # noqa: F401  (registers "triton")
-from helpers import check_fill_invalid
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -35,7 +35,7 @@ def _run(p, ids, backend, dtype, dout=None, **kw):
     if dout is None:
         dout = torch.randn(out.shape, device=DEV, generator=torch.Generator(DEV).manual_seed(1))
     grads = torch.autograd.grad(out, list(leaves.values()), dout.to(dtype))
-    return {"out": out.detach(), **{f"d_{n}": g for n, g in zip(leaves, grads)}}
+    return {"out": out.detach(), **{f"d_{n}": g for n, g in zip(leaves, grads, strict=True)}}
 
 
 def _rel(got, ref):
@@ -111,7 +111,7 @@ def test_first_tuned_call_matches_the_next(opts, monkeypatch):
     with use_options(**opts):
         first = _fwd_bwd(leaves, ids, dout)
         second = _fwd_bwd(leaves, ids, dout)
-    for name, a, b in zip(["out", *leaves], first, second):
+    for name, a, b in zip(["out", *leaves], first, second, strict=True):
         assert _rel(a, b) < 1e-3, f"{name}: the first (tuning) call differs from the second by {_rel(a, b):.2e}"
 
 
@@ -160,7 +160,7 @@ def _graph_round_trip():
     dout.copy_(fresh_dout)
     graph.replay()
     want = _fwd_bwd(leaves, ids, dout)
-    for s, w in zip(static, want):
+    for s, w in zip(static, want, strict=True):
         assert torch.equal(s, w)
     assert not torch.equal(static[0], eager[0])
 
@@ -243,7 +243,7 @@ def test_layer_compiles_fullgraph_inductor(backend):
     got = _step(layer, torch.compile(lambda x: layer(x, True), fullgraph=True), x, dout)
     want = _step(layer, lambda x: layer(x, True), x, dout)
     assert len(got) == len(want) == 5
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert b.float().abs().sum() > 0
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
@@ -269,8 +269,8 @@ def test_layer_compiles_for_varying_token_counts(backend, lora, dynamic):
         dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
         got = _step(layer, compiled, x, dout)
         want = _step(layer, lambda x: layer(x, True), x, dout)
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=lambda m: f"shape {shape}: {m}")
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=lambda m, shape=shape: f"shape {shape}: {m}")
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -281,7 +281,7 @@ def test_activation_checkpointing_bf16(reentrant):
     layer, x, dout = _bf16_layer()
     want = _step(layer, lambda x: layer(x, True), x, dout)
     got = _step(layer, lambda x: checkpoint(layer, x, True, use_reentrant=reentrant), x, dout)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert b.float().abs().sum() > 0
         assert torch.equal(a, b)
 
@@ -303,7 +303,7 @@ def test_checkpointed_layer_compiles_inductor(monkeypatch):
     got = _step(layer, torch.compile(block, fullgraph=True), x, dout)
     want = _step(layer, block, x, dout)
     assert layer.routing is None
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert b.float().abs().sum() > 0
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
@@ -318,5 +318,5 @@ def test_one_launch_sort_on_cuda(T, K, E):
     ids = torch.randint(-2, E + 3, (T, K), device=DEV, generator=torch.Generator(DEV).manual_seed(T + E))
     want = dispatch._sort(dispatch._sort_keys(ids, E), E)
     got = sort_by_expert_small(ids, E, dispatch._key_dtype(E))
-    for name, a, b in zip(("keys", "order", "offsets"), want, got):
+    for name, a, b in zip(("keys", "order", "offsets"), want, got, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), name

@@ -32,8 +32,8 @@ architecture (hidden 64, 8 experts) instead: a quick check on a CPU.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 import torch
 
@@ -408,7 +408,7 @@ def run(opts: layer_bench.BenchOptions, progress: Callable[[str, int, int], None
            "optimizer": "AdamW (fused)" if device.type == "cuda" else "AdamW (foreach)",
            "dense_bf16_tflops": layer_bench.dense_tflops(device, opts.warmup, opts.iters)}
     rows, total = [], len(entries) * len(names)
-    for entry, size in zip(entries, sizes):
+    for entry, size in zip(entries, sizes, strict=True):
         config = hf_config(entry, size)
         base = {"case": entry.name, "arch": entry.arch, "layers": size.layers, "batch": size.batch, "seq": size.seq,
                 "tokens": size.tokens, "vocab": size.vocab, "real_vocab": entry.vocab, "source": entry.source}

@@ -312,7 +312,7 @@ def _report(everyone: list[list[dict]], opts, args, device) -> None:
                            "rows": [r for rank_rows in everyone for r in rank_rows],
                            "weak_scaling": [{"case": p[0]["case"], "routing": p[0]["routing"],
                                              "dispatcher": p[0]["dispatcher"], "exchange": p[0]["exchange"],
-                                             **weak_scaling(p)} for p in zip(*everyone)]}, indent=1)
+                                             **weak_scaling(p)} for p in zip(*everyone, strict=True)]}, indent=1)
         if args.json == "-":
             print(text)
         else:

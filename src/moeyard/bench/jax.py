@@ -36,7 +36,7 @@ import os
 import statistics
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -33,10 +33,10 @@ import platform
 import statistics
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -428,7 +428,8 @@ def run(opts: BenchOptions, progress: Callable[[str, int, int], None] | None = N
     env["recipes"] = opts.recipes
     free_memory(opts.device)
     for shape in shapes:
-        rows += run_case(shape, names, opts, lambda desc, n: report(desc, len(rows) + n, total))
+        done = len(rows)
+        rows += run_case(shape, names, opts, lambda desc, n, done=done: report(desc, done + n, total))
     return {"env": env, "rows": rows}
 
 

@@ -35,8 +35,8 @@ gradients), and the peak extra GiB of the step (CUDA). Targets of the LoRA desig
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -118,7 +118,7 @@ class _Direct(nn.Module):
         if self.mode == "lora":
             lora = {n: ExpertLoRA(lora_A=f[f"{n}_A"], lora_B=f[f"{n}_B"], scaling=c.scaling) for n in TARGETS}
         elif self.mode == "peft-fold+moeyard":
-            w_up, w_down = (_fold(w, f[f"{n}_A"], f[f"{n}_B"], c.scaling) for n, w in zip(TARGETS, (w_up, w_down)))
+            w_up, w_down = (_fold(w, f[f"{n}_A"], f[f"{n}_B"], c.scaling) for n, w in zip(TARGETS, (w_up, w_down), strict=True))
         return experts(x, c.topk_ids, c.topk_weights, w_up, w_down, lora=lora)
 
     def trainable(self) -> list[Tensor]:

@@ -20,8 +20,8 @@ Legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, N = T*K r
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -173,7 +173,7 @@ class Peer:
 
     name: str
     build: Callable[..., nn.Module]
-    unsupported: Callable[[torch.device, torch.dtype], "str | None"]
+    unsupported: Callable[[torch.device, torch.dtype], str | None]
 
 
 PEERS: dict[str, Peer] = {

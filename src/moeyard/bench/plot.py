@@ -90,7 +90,7 @@ def plot(result: dict, path: str) -> str:
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     fig = Figure(figsize=(len(panels) * max(6.0, 1.1 + 0.35 * len(cases) * len(impls)), 4.8))
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    for ax, (key, title, unit) in zip(axes, panels):
+    for ax, (key, title, unit) in zip(axes, panels, strict=True):
         _bars(ax, rows, cases, impls, key)
         dense = result["env"].get("dense_bf16_tflops")
         if unit == "TFLOP/s" and dense:

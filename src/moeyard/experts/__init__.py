@@ -11,13 +11,24 @@ from ..activations import Activation, get_activation
 from ..checks import check_drop_invalid, check_float, check_ids_on_host, check_topk, invalid_ids
 from ..kernel_op import records_graph
 from ..quant.recipe import Recipe
-from . import bmm_padded as _bmm_padded  # noqa: F401  (registers)
-from . import grouped_mm as _grouped_mm  # noqa: F401  (registers)
-from . import loop as _loop  # noqa: F401  (registers)
-from . import triton as _triton  # noqa: F401  (registers; imports triton on first use only)
-from .registry import (ExpertBackend, Workload, available_backends, backend_names, get_backend,
-                       register_backend, resolve_backend, set_backend, use_backend)
+from . import (
+    bmm_padded as _bmm_padded,  # noqa: F401  (registers)
+    grouped_mm as _grouped_mm,  # noqa: F401  (registers)
+    loop as _loop,  # noqa: F401  (registers)
+    triton as _triton,  # noqa: F401  (registers; imports triton on first use only)
+)
 from .quantized import dequantized, is_quantized
+from .registry import (
+    ExpertBackend,
+    Workload,
+    available_backends,
+    backend_names,
+    get_backend,
+    register_backend,
+    resolve_backend,
+    set_backend,
+    use_backend,
+)
 from .weights import ExpertLoRA, ExpertWeights, LowRank, Projection, expert_weights
 
 Tensor = torch.Tensor

@@ -13,10 +13,10 @@ import torch
 
 from ..activations import Activation
 from ..dispatch import DispatchPlan
+from . import scaled_hopper
 from .pipeline import routed_ffn
 from .registry import ExpertBackend, register_backend
 from .scaled import Emulated, GroupedOps
-from . import scaled_hopper
 from .weights import ExpertWeights
 
 Tensor = torch.Tensor

@@ -6,7 +6,7 @@ Legend: T tokens, H hidden, I intermediate, N1 = 2I (gated) or I, E experts, K t
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -20,8 +20,8 @@ expert's tokens, which the forward's rowwise FP8 copy cannot give without a seco
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -109,7 +109,7 @@ def fuse_lora(model: nn.Module) -> int:
         ImportError: peft is not installed. ValueError: no PEFT-wrapped experts module in ``model``.
     """
     count = 0
-    for base, chain in wrapper_chains(model):
+    for _, chain in wrapper_chains(model):
         if lora_key(chain[0].parameter_name) is None:
             continue
         chain[0].forward = types.MethodType(_fused_forward, chain[0])

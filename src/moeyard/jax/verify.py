@@ -83,7 +83,7 @@ class JaxExperts(torch.autograd.Function):
     def backward(ctx, grad_out):
         cts = ctx.vjp(_to_jax(grad_out.contiguous()))
         grads = []
-        for i, (ct, like) in enumerate(zip(cts, ctx.like)):
+        for i, (ct, like) in enumerate(zip(cts, ctx.like, strict=True)):
             if ct is None or like is None:
                 grads.append(None)
                 continue

@@ -62,7 +62,7 @@ def depart_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGro
     send, recv = sizes.transpose(1, 2).tolist()  # the host sync: [n][W] each
     return [Outgoing(rows=permute(x, plan)[:sum(send[c])], out_splits=recv[c], in_splits=send[c],
                      state=(plan, received[:, c], w))
-            for c, ((x, _, w), plan) in enumerate(zip(chunks, plans))]
+            for c, ((x, _, w), plan) in enumerate(zip(chunks, plans, strict=True))]
 
 
 def arrive_dispatch(rows: Tensor, ids, out: Outgoing, ep: EPGroup, options: EPOptions) -> Dispatched:

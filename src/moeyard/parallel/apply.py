@@ -201,7 +201,7 @@ def _check_same_on_every_rank(targets: dict, ep: EPGroup) -> None:
 
 
 def _first_difference(a: list, b: list) -> str:
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):  # the lengths may differ: said below
         if x != y:
             return f"{x} vs {y}"
     return f"{len(a)} vs {len(b)} expert layers"

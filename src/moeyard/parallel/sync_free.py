@@ -57,16 +57,16 @@ named raises ValueError (:func:`check_overlap`; ``auto`` then takes ``all_to_all
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from ..checks import UNWRITTEN
 from ..dispatch import DispatchPlan, make_plan, permute, unpermute
+from ..weighted_sum import weighted_sum
 from . import comm, p2p, send_order, symm_mem
 from .comm import EPGroup
-from ..weighted_sum import weighted_sum
 from .common import Dispatched, EPOptions, Outgoing, chunk_bounds, local_experts, token_counts
 
 Tensor = torch.Tensor

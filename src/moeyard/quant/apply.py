@@ -183,7 +183,7 @@ def load_quantized_state_dict(module: nn.Module, state_dict: Mapping[str, Tensor
     for name, _, _, p in targets:
         _check_weight(format, name, p, opts)
     structures = [_empty(format, name, owner, attr, p, state_dict, opts) for name, owner, attr, p in targets]
-    for (_, owner, attr, _), storage in zip(targets, structures):
+    for (_, owner, attr, _), storage in zip(targets, structures, strict=True):
         _replace(owner, attr, storage)
     module.load_state_dict(state_dict, strict=strict, assign=assign)
     return module

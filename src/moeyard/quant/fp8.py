@@ -57,7 +57,7 @@ class Blocks:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"Blocks.{name}: expected a positive int{' or None' if name == 'k' else ''}, got {v!r}")
 
-    def transposed(self) -> "Blocks":
+    def transposed(self) -> Blocks:
         """The same blocks seen from the transposed operand (``[K, M]`` contracting over M): only
         square blocks, or whole-axis rows of single elements, keep their meaning."""
         return Blocks(k=self.m, m=self.k) if self.k is not None else self

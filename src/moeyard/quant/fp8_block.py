@@ -77,13 +77,13 @@ class FP8BlockExperts(nn.Module):
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def empty(cls, shape, *, dtype: torch.dtype, row_segments=None, device=None) -> "FP8BlockExperts":
+    def empty(cls, shape, *, dtype: torch.dtype, row_segments=None, device=None) -> FP8BlockExperts:
         """Zero weights and unit scales of the right shapes, to ``load_state_dict`` into. Raises as
         :meth:`from_fp8`."""
         return cls(shape, dtype=dtype, row_segments=row_segments, device=device)
 
     @classmethod
-    def from_float(cls, weight: Tensor, *, row_segments=None) -> "FP8BlockExperts":
+    def from_float(cls, weight: Tensor, *, row_segments=None) -> FP8BlockExperts:
         """Quantise ``weight [E, a, b]`` (float16, bfloat16, float32 or float64; any device) with
         :func:`moeyard.quant.fp8.quantize` (``Blocks(128, 128)``, scale mode ``"float"``) on its device
         (no host sync), a few experts at a time (float32 temporaries of about :data:`TORCH_CHUNK`
@@ -113,7 +113,7 @@ class FP8BlockExperts(nn.Module):
 
     @classmethod
     def from_fp8(cls, weight: Tensor, weight_scale_inv: Tensor, *, dtype: torch.dtype,
-                 row_segments=None) -> "FP8BlockExperts":
+                 row_segments=None) -> FP8BlockExperts:
         """Adopt stored tensors (a checkpoint's): ``weight [E, a, b]`` float8_e4m3fn and
         ``weight_scale_inv [E, Ra, Rb]`` (float32; another float dtype is converted to float32),
         both on one device. No copy of ``weight``; ``dtype`` is the compute dtype.
@@ -147,7 +147,7 @@ class FP8BlockExperts(nn.Module):
 
     @classmethod
     def adopt(cls, weight: Tensor, weight_scale_inv: Tensor, *, dtype: torch.dtype,
-              row_segments: tuple[int, ...]) -> "FP8BlockExperts":
+              row_segments: tuple[int, ...]) -> FP8BlockExperts:
         """The storage over these very tensor objects, unchecked (:meth:`from_fp8` checks, then calls
         this): ``weight`` contiguous float8_e4m3fn, ``weight_scale_inv`` contiguous float32 of the grid
         of normalised ``row_segments``. Given ``nn.Parameter`` s, the storage follows them when a module

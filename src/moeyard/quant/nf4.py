@@ -75,13 +75,13 @@ class NF4Experts(nn.Module):
 
     @classmethod
     def empty(cls, shape, *, dtype: torch.dtype, blocksize: int = 64, compress_statistics: bool = True,
-              device=None) -> "NF4Experts":
+              device=None) -> NF4Experts:
         """A zero-filled structure of the right buffer shapes, to ``load_state_dict`` into (needs no
         bitsandbytes). Raises as :meth:`from_float`."""
         return cls(shape, dtype=dtype, blocksize=blocksize, compress_statistics=compress_statistics, device=device)
 
     @classmethod
-    def from_float(cls, weight: Tensor, *, blocksize: int = 64, compress_statistics: bool = True) -> "NF4Experts":
+    def from_float(cls, weight: Tensor, *, blocksize: int = 64, compress_statistics: bool = True) -> NF4Experts:
         """Quantise ``weight [E, a, b]`` (float16, bfloat16 or float32, any device bitsandbytes runs on)
         with ``bitsandbytes.functional.quantize_4bit(weight, quant_type="nf4", blocksize=blocksize,
         compress_statistics=compress_statistics)``; the compute dtype is ``weight.dtype``.
@@ -112,7 +112,7 @@ class NF4Experts(nn.Module):
                 self.offset.copy_(state.offset)
         return self
 
-    def select(self, start: int, stop: int) -> "NF4Experts":
+    def select(self, start: int, stop: int) -> NF4Experts:
         """Experts ``[start, stop)`` as storage of their own (copies: nothing of the other experts is
         kept), dequantising to exactly the same weights (an expert-parallel rank's block).
 

@@ -17,7 +17,6 @@ Legend: E experts, ``(a, b)`` one expert's matrix, ``Ra x Rb`` its block grid.
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 import triton
@@ -67,7 +66,7 @@ def fp8_block_dequant_kernel(
 
 @kernel_op("moeyard::fp8_block_dequantize_", mutates_args=("out",))
 def fp8_block_dequantize_(weight: Tensor, weight_scale_inv: Tensor, row_blocks: Tensor, lut: Tensor,
-                          active: Optional[Tensor], block: int, out: Tensor) -> None:
+                          active: Tensor | None, block: int, out: Tensor) -> None:
     """Write the active experts of ``out [E, a, b]`` from FP8 block storage (tensors as the kernel documents)."""
     E, a, b = out.shape
     if out.numel() == 0:
@@ -97,7 +96,7 @@ def _row_blocks(row_segments: tuple[int, ...], device: torch.device) -> Tensor:
     return row_block_ids(row_segments, device).to(torch.int32)
 
 
-def dequantize_triton(storage, active: Optional[Tensor], out: Tensor) -> None:
+def dequantize_triton(storage, active: Tensor | None, out: Tensor) -> None:
     """Launch the kernel for ``storage`` (an :class:`FP8BlockExperts`) into ``out`` (checked by the
     caller: ``[E, a, b]``, contiguous, compute dtype, same device).
 

@@ -13,8 +13,6 @@ Legend: E experts, P = a*b elements per expert, BS blocksize, BS2 = 256 (nested 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -76,8 +74,8 @@ def nf4_dequant_kernel(
 
 
 @kernel_op("moeyard::nf4_dequantize_", mutates_args=("out",))
-def nf4_dequantize_(data: Tensor, absmax: Tensor, absmax2: Optional[Tensor], code2: Optional[Tensor],
-                    offset: Optional[Tensor], code: Tensor, active: Optional[Tensor], blocksize: int,
+def nf4_dequantize_(data: Tensor, absmax: Tensor, absmax2: Tensor | None, code2: Tensor | None,
+                    offset: Tensor | None, code: Tensor, active: Tensor | None, blocksize: int,
                     out: Tensor) -> None:
     """Write the active experts of ``out [E, a, b]`` from NF4 storage (tensors as the kernel documents)."""
     E = out.shape[0]
@@ -102,7 +100,7 @@ def _(data, absmax, absmax2, code2, offset, code, active, blocksize, out):
     return None
 
 
-def dequantize_triton(storage, active: Optional[Tensor], out: Tensor) -> None:
+def dequantize_triton(storage, active: Tensor | None, out: Tensor) -> None:
     """Launch the kernel for ``storage`` (an :class:`NF4Experts`) into ``out`` (checked by the caller:
     ``[E, a, b]``, contiguous, compute dtype, same device).
 

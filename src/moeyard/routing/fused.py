@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
 
 from ..checks import check_float
 from ..config import MoEConfig
-from ..kernel_op import kernel_op, records_graph
 from ..experts.triton.schedule import device_smem_limit, dot_precision, interpreting, tuned
+from ..kernel_op import kernel_op, records_graph
 from . import kernels
 from .output import finish
 
@@ -50,7 +49,7 @@ class Spec:
     num_sequences: int
 
     @staticmethod
-    def of(config: MoEConfig, num_sequences: int) -> "Spec":
+    def of(config: MoEConfig, num_sequences: int) -> Spec:
         return Spec(sigmoid=config.score_func == "sigmoid", topk_first=config.topk_before_score,
                     norm=config.norm_topk_prob, scale=float(config.routed_scaling_factor), top_k=config.top_k,
                     num_sequences=num_sequences)
@@ -69,7 +68,7 @@ class LossSpec:
     w_z: float
 
     @staticmethod
-    def of(config: MoEConfig, num_tokens: int, num_sequences: int) -> "LossSpec":
+    def of(config: MoEConfig, num_tokens: int, num_sequences: int) -> LossSpec:
         T, B, E, K = num_tokens, num_sequences, config.num_experts, config.top_k
         S = T // B
         return LossSpec(c_aux=E / (T * T * K) if T else 0.0, c_seq=E / (K * S * S * B) if S else 0.0,
@@ -218,7 +217,7 @@ def _forward(x, weight, bias, corr, spec: Spec):
 # counts; Dynamo then captures the router in one graph at any token count, also under the interpreter
 # (tests/test_router_fused.py, test_compiles_for_varying_token_counts).
 @kernel_op("moeyard::router_forward", mutates_args=("logits", "scores", "ids", "w", "stats"))
-def _forward_(x: Tensor, weight: Tensor, bias: Optional[Tensor], corr: Optional[Tensor], sigmoid: bool,
+def _forward_(x: Tensor, weight: Tensor, bias: Tensor | None, corr: Tensor | None, sigmoid: bool,
               topk_first: bool, norm: bool, scale: float, block_m: int, num_sequences: int, logits: Tensor,
               scores: Tensor, ids: Tensor, w: Tensor, stats: Tensor) -> None:
     """:func:`.kernels.router_fwd_kernel` over ``x [T, H]`` (T > 0) and ``weight [E, H]``: ``logits``, ``scores
@@ -294,8 +293,8 @@ def _backward(logits, ids, g_w, g_logits, g_scores, loss_grad, spec: Spec, loss_
 
 
 @kernel_op("moeyard::router_backward", mutates_args=("dl",))
-def _backward_(logits: Tensor, ids: Tensor, g_w: Optional[Tensor], g_logits: Optional[Tensor],
-               g_scores: Optional[Tensor], g_losses: Optional[Tensor], counts: Tensor, seq_stats: Tensor, sigmoid: bool,
+def _backward_(logits: Tensor, ids: Tensor, g_w: Tensor | None, g_logits: Tensor | None,
+               g_scores: Tensor | None, g_losses: Tensor | None, counts: Tensor, seq_stats: Tensor, sigmoid: bool,
                topk_first: bool, norm: bool, scale: float, top_k: int, num_sequences: int, c_aux: float, c_seq: float,
                c_z: float, w_aux: float, w_seq: float, w_z: float, dl: Tensor) -> None:
     """:func:`.kernels.router_bwd_kernel`: ``dl = d logits [T, E]`` (T > 0) written from the gradients given (None:
@@ -337,7 +336,7 @@ def _fixed(args, kwargs) -> dict:
     return _fixed_for(kwargs["BM"], kwargs["E_P2"], args[0].element_size(), device_smem_limit())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fixed_for(bm: int, e_p2: int, size: int, limit: int) -> dict:
     stages = FIXED["num_stages"]
     while stages > 1 and stages * FIXED["BK"] * (bm + e_p2) * size > limit:

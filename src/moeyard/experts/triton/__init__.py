@@ -22,8 +22,10 @@ from __future__ import annotations
 import torch
 
 from ...activations import Activation
-from ...kernel_op import have_triton as _have_triton  # (tests replace it)
-from ...kernel_op import interpreting
+from ...kernel_op import (
+    have_triton as _have_triton,  # (tests replace it)
+    interpreting,
+)
 from ..registry import ExpertBackend, register_backend
 from ..weights import ExpertWeights
 

@@ -40,12 +40,25 @@ Rows of a tile past its expert's end are computed on zeros and not stored.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
-    warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .act import act_fwd, act_grad
-from .kernels_gluon import (_layout, _my_tiles, _tile_of, _tma_load, barrier_ring, load_lora, next_stage,
-                            scaled_z, store_layout)
+from .kernels_gluon import (
+    _layout,
+    _my_tiles,
+    _tile_of,
+    _tma_load,
+    barrier_ring,
+    load_lora,
+    next_stage,
+    scaled_z,
+    store_layout,
+)
 
 # Triton renamed cp.async's copy after 3.6 (3.6: async_copy_global_to_shared; 3.9: async_load, the old name raises)
 _cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import triton
@@ -19,11 +18,34 @@ from ...dispatch import one_launch, sort_by_expert
 from ...kernel_op import kernel_op
 from . import kernels_bwd, kernels_fwd, kernels_tma
 from .options import options
+from .schedule import (
+    DH_CONFIGS,
+    DUAL_CONFIGS,
+    FIXED,
+    GEMM_CONFIGS,
+    REDUCE_BLOCK,
+    ROWS_WGRAD_CONFIGS,
+    SMALL,
+    THIN_CONFIGS,
+    THIN_WGRAD_CONFIGS,
+    TMA_CONFIGS,
+    WGRAD_CONFIGS,
+    band_bits,
+    device_properties,
+    dot_precision,
+    fill_tile_table,
+    interpreting,
+    is_sm90,
+    max_chunks,
+    max_partial_slots,
+    max_row_tiles,
+    rank_block,
+    rows_block,
+    sort_and_tile,
+    tma_block_m,
+    tuned,
+)
 from .tuning import LORA_FUSED, LORA_NONE, LORA_SPLIT
-from .schedule import (DH_CONFIGS, DUAL_CONFIGS, FIXED, GEMM_CONFIGS, REDUCE_BLOCK, ROWS_WGRAD_CONFIGS, SMALL,
-                       THIN_CONFIGS, THIN_WGRAD_CONFIGS, TMA_CONFIGS, WGRAD_CONFIGS,
-                       band_bits, device_properties, dot_precision, fill_tile_table, interpreting, is_sm90, max_chunks,
-                       max_partial_slots, max_row_tiles, rank_block, rows_block, sort_and_tile, tma_block_m, tuned)
 
 Tensor = torch.Tensor
 COMBINE_BH = 1024
@@ -215,10 +237,10 @@ def _row_grid(n: int, e: int, cols: int):
 # ---------------------------------------------------------------- custom ops (write into outputs)
 
 @kernel_op("moeyard::triton_up_proj", mutates_args=("h", "a", "z"))
-def up_proj_(x: Tensor, w: Tensor, b: Optional[Tensor], sort_order: Tensor, expert_offsets: Tensor,
+def up_proj_(x: Tensor, w: Tensor, b: Tensor | None, sort_order: Tensor, expert_offsets: Tensor,
              top_k: int, act: str, alpha: float, limit: float, interleaved: bool, gather: bool,
-             la: Optional[Tensor], lb: Optional[Tensor], lora_mode: int, lora_scale: float,
-             table: Optional[Tensor], h: Optional[Tensor], a: Tensor, z: Optional[Tensor]) -> None:
+             la: Tensor | None, lb: Tensor | None, lora_mode: int, lora_scale: float,
+             table: Tensor | None, h: Tensor | None, a: Tensor, z: Tensor | None) -> None:
     """``h = x[token] @ w[e].T + b[e] (+ s z lb[e]^T)`` (sorted rows; ``x[row]`` without ``gather``;
     ``h`` written when given), ``a = act(h)``; LoRA ``z = x @ la[e]`` read (split) or written (fused).
     On sm_90 the warp-specialised Gluon kernel runs over the tile ``table`` (when given) where
@@ -378,9 +400,9 @@ def _(expert_offsets, block_m, table):
 
 
 @kernel_op("moeyard::triton_down_proj", mutates_args=("y", "z"))
-def down_proj_(rows: Tensor, w: Tensor, b: Optional[Tensor], topk_weights: Optional[Tensor], sort_order: Tensor,
-               expert_offsets: Tensor, top_k: int, la: Optional[Tensor], lb: Optional[Tensor], lora_mode: int,
-               lora_scale: float, table: Optional[Tensor], y: Tensor, z: Optional[Tensor]) -> None:
+def down_proj_(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor | None, sort_order: Tensor,
+               expert_offsets: Tensor, top_k: int, la: Tensor | None, lb: Tensor | None, lora_mode: int,
+               lora_scale: float, table: Tensor | None, y: Tensor, z: Tensor | None) -> None:
     """``y[pair] = topk_weights[pair] * (rows[sorted row] @ w[e].T + b[e] (+ s z lb[e]^T))``;
     ``w [E, NY, KA]``; LoRA ``z = rows @ la[e]`` read (split) or written (fused); TMA loads over the
     tile ``table`` when given."""
@@ -394,10 +416,10 @@ def _(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_
 
 
 @kernel_op("moeyard::triton_down_proj_atomic", mutates_args=("acc", "z"))
-def down_proj_atomic_(rows: Tensor, w: Tensor, b: Optional[Tensor], topk_weights: Optional[Tensor],
-                      sort_order: Tensor, expert_offsets: Tensor, top_k: int, la: Optional[Tensor],
-                      lb: Optional[Tensor], lora_mode: int, lora_scale: float, acc: Tensor,
-                      z: Optional[Tensor]) -> None:
+def down_proj_atomic_(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor | None,
+                      sort_order: Tensor, expert_offsets: Tensor, top_k: int, la: Tensor | None,
+                      lb: Tensor | None, lora_mode: int, lora_scale: float, acc: Tensor,
+                      z: Tensor | None) -> None:
     """``acc[token] += topk_weights[pair] * (rows[sorted row] @ w[e].T + b[e] (+ LoRA))`` with float32
     atomics (``acc [T, NY]`` float32; not deterministic)."""
     launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, acc, z,
@@ -410,7 +432,7 @@ def _(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_
 
 
 @kernel_op("moeyard::triton_combine", mutates_args=("out",))
-def combine_(y: Tensor, topk_ids: Tensor, topk_weights: Optional[Tensor], num_experts: int, out: Tensor) -> None:
+def combine_(y: Tensor, topk_ids: Tensor, topk_weights: Tensor | None, num_experts: int, out: Tensor) -> None:
     """``out[t] = sum_k y[t * K + k]`` over valid pairs (invalid: ``w * 0`` if weights are given)."""
     T, K = topk_ids.shape
     H = y.shape[1]
@@ -428,7 +450,7 @@ def _(y, topk_ids, topk_weights, num_experts, out):
 
 
 @kernel_op("moeyard::triton_fill_invalid", mutates_args=("y",))
-def fill_invalid_(topk_ids: Tensor, topk_weights: Optional[Tensor], num_experts: int, y: Tensor) -> None:
+def fill_invalid_(topk_ids: Tensor, topk_weights: Tensor | None, num_experts: int, y: Tensor) -> None:
     """The combine at ``K == 1``, in place: the rows ``y [T, H]`` of pairs whose id lies outside
     ``[0, E)`` are set to 0 (``w * 0`` if weights are given); the other rows are already the output
     and are not touched (reads ``T`` ids, writes only the invalid rows; a block of rows with none
@@ -448,10 +470,10 @@ def _(topk_ids, topk_weights, num_experts, y):
 
 
 @kernel_op("moeyard::triton_act_grad", mutates_args=("dh", "aw", "dw", "z"))
-def act_grad_(dout: Tensor, w: Tensor, b: Optional[Tensor], h: Tensor, topk_weights: Tensor, sort_order: Tensor,
+def act_grad_(dout: Tensor, w: Tensor, b: Tensor | None, h: Tensor, topk_weights: Tensor, sort_order: Tensor,
               expert_offsets: Tensor, top_k: int, act: str, alpha: float, limit: float, interleaved: bool,
-              la: Optional[Tensor], lb: Optional[Tensor], lora_mode: int, lora_scale: float,
-              table: Optional[Tensor], dh: Tensor, aw: Tensor, dw: Tensor, z: Optional[Tensor]) -> None:
+              la: Tensor | None, lb: Tensor | None, lora_mode: int, lora_scale: float,
+              table: Tensor | None, dh: Tensor, aw: Tensor, dw: Tensor, z: Tensor | None) -> None:
     """``d_h`` (sorted), ``aw = w * act(h)`` (sorted) and column-tile partials of the routing-weight
     gradient ``dw [tiles, N]`` from ``dout [T, H]`` and the down weight ``w [E, H, I]`` (plus its LoRA
     term: ``la = B [E, H, R]``, ``lb = A^T [E, I, R]``, ``z = dout[token] @ B_e`` read or written).
@@ -488,10 +510,10 @@ def _(dout, w, b, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha
 
 
 @kernel_op("moeyard::triton_wgrad", mutates_args=("dw", "db", "part", "part_b", "rows_part"))
-def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, scale: Optional[Tensor],
+def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, scale: Tensor | None,
            sorted_token: Tensor, expert_offsets: Tensor, chunk_rows: int,
-           dw: Tensor, db: Optional[Tensor], part: Optional[Tensor], part_b: Optional[Tensor],
-           factor: Optional[Tensor], rows_part: Optional[Tensor], tile_major: bool = False,
+           dw: Tensor, db: Tensor | None, part: Tensor | None, part_b: Tensor | None,
+           factor: Tensor | None, rows_part: Tensor | None, tile_major: bool = False,
            alpha: float = 1.0, low_rank: bool = False) -> None:
     """``dw[e] = alpha * lhs[rows of e]^T @ rhs[rows of e]``, ``db[e] = alpha * sum scale * lhs[rows of e]``.
     An operand ``*_by_token`` is ``[T, *]`` read at each row's token (``sorted_token [N]`` int32),

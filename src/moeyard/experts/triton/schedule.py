@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import tuning
 from ...dispatch_triton import sort_meta, sort_pairs
 from ...kernel_op import interpreting
+from . import tuning
 from .tuning import pruner
 
 
