@@ -20,6 +20,7 @@ a synchronisation: ``generate`` ends with one), after two warm-up calls (the com
 tokens/s = ``batch`` / ms per token; graphs: the graphs Dynamo compiled for the row (0 eager; one per shape
 compiled, more means recompilation). A failing implementation is a row with its error, not a crash.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,7 @@ def build(impl: str, config, device: torch.device, dtype: torch.dtype) -> torch.
     hf_impl, _, backend = impl.partition(":")
     if hf_impl == "moeyard":  # the named backend, or the default (not one an earlier row named)
         import moeyard
+
         moeyard.set_backend(backend or None)
     torch.manual_seed(0)
     with torch.device(device), bench_e2e._quiet():
@@ -55,10 +57,12 @@ def build(impl: str, config, device: torch.device, dtype: torch.dtype) -> torch.
 
 def generate_s(model, prompts: torch.Tensor, new_tokens: int, mode: str) -> float:
     """Seconds of one greedy ``generate`` of ``new_tokens`` tokens (it ends with a device synchronisation)."""
-    kw = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-              do_sample=False)
+    kw = dict(
+        attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+    )
     if mode == "compiled":
         from transformers import CompileConfig
+
         config = CompileConfig(fullgraph=True)
         config._compile_all_devices = True  # also on a CPU (transformers compiles on CUDA only unless told)
         kw.update(cache_implementation="static", compile_config=config)
@@ -90,8 +94,9 @@ def ms_per_token(model, prompts: torch.Tensor, new_tokens: int, mode: str, reps:
     first = [generate_s(model, prompts, 1, mode) for _ in range(reps)]
     ms = (statistics.median(full) - statistics.median(first)) / (new_tokens - 1) * 1e3
     if ms <= 0:
-        raise RuntimeError(f"timing noise exceeded the decoding time ({ms:.3f} ms per token): raise --new-tokens or "
-                           f"--reps")
+        raise RuntimeError(
+            f"timing noise exceeded the decoding time ({ms:.3f} ms per token): raise --new-tokens or --reps"
+        )
     return ms
 
 
@@ -108,8 +113,11 @@ def run_impl(impl: str, config, batches: list[int], args, device: torch.device, 
                     torch._dynamo.reset()
                     torch._dynamo.utils.counters.clear()
                     ms = ms_per_token(model, prompts, args.new_tokens, mode, args.reps)
-                    row.update(ms_per_token=ms, tokens_per_s=batch / ms * 1e3,
-                               graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
+                    row.update(
+                        ms_per_token=ms,
+                        tokens_per_s=batch / ms * 1e3,
+                        graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                    )
                 except Exception as ex:  # a failing mode is a row
                     row["error"] = f"{type(ex).__name__}: {(str(ex).strip().splitlines() or [''])[0][:200]}"
                 rows.append(row)
@@ -151,14 +159,28 @@ def main(argv=None) -> int:
     device = torch.device(bench.default_device())
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     entry = bench_e2e.get_e2e_model(args.model)
-    size = bench_e2e.StepSize(layers=args.layers, batch=1, seq=args.prompt + args.new_tokens,
-                              vocab=bench_e2e._verify().COMMON["vocab_size"] if args.tiny else args.vocab,
-                              tiny=args.tiny)
+    size = bench_e2e.StepSize(
+        layers=args.layers,
+        batch=1,
+        seq=args.prompt + args.new_tokens,
+        vocab=bench_e2e._verify().COMMON["vocab_size"] if args.tiny else args.vocab,
+        tiny=args.tiny,
+    )
     config = bench_e2e.hf_config(entry, size)
     names, _ = bench_e2e.implementations(args.impls.split(","), False, device)
-    env = {**bench.versions(), **bench.device_info(str(device)), "dtype": str(dtype), "model": args.model,
-           "layers": args.layers, "prompt": args.prompt, "new_tokens": args.new_tokens, "reps": args.reps,
-           "vocab": size.vocab, "tiny": args.tiny, "date": time.strftime("%Y-%m-%d")}
+    env = {
+        **bench.versions(),
+        **bench.device_info(str(device)),
+        "dtype": str(dtype),
+        "model": args.model,
+        "layers": args.layers,
+        "prompt": args.prompt,
+        "new_tokens": args.new_tokens,
+        "reps": args.reps,
+        "vocab": size.vocab,
+        "tiny": args.tiny,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     print(json.dumps(env), flush=True)
     rows = [r for impl in names for r in run_impl(impl, config, batches, args, device, dtype)]
     if args.json:

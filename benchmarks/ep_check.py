@@ -26,6 +26,7 @@ the ``triton`` and ``grouped_mm`` backends in bfloat16 and float32:
 Numerical mismatches are recorded (every rank keeps issuing the same collectives); an exception in
 one check fails that check. Rank 0 prints a PASS/FAIL table last; the exit code is 1 on any failure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,8 @@ BACKENDS = (("triton", BF16), ("triton", FP32), ("grouped_mm", BF16), ("grouped_
 # relative to max |oracle|: bfloat16 keeps 8 bits (a few roundings per path); float32 paths are
 # ieee (triton) or cuBLAS without TF32 (grouped_mm). A wrong row or expert gives errors near 1.
 TOL = {BF16: 5e-2, FP32: 1e-3}
-H, I = 64, 32           # multiples of 16: every backend's tiles
-E, K = 8, 3             # functional cases: E_l = 4 at W = 2
+H, I = 64, 32  # multiples of 16: every backend's tiles
+E, K = 8, 3  # functional cases: E_l = 4 at W = 2
 LAYER_TOKENS = (29, 64)  # per rank (ranks past the second: 29 each), uneven
 
 
@@ -62,18 +63,43 @@ def _group(rank: int, W: int) -> EPGroup:
 
 # ---------------------------------------------------------------- checks (rank, W, device)
 
+
 def functional(dispatcher: str, overlap_chunks: int = 1):
     def run(rank, W, device):
-        w.check_functional(rank, W, E=E, K=K, dispatchers=[dispatcher], backends=BACKENDS, H=H, I=I,
-                           device=device, tol=TOL, extras=False, overlap_chunks=overlap_chunks)
+        w.check_functional(
+            rank,
+            W,
+            E=E,
+            K=K,
+            dispatchers=[dispatcher],
+            backends=BACKENDS,
+            H=H,
+            I=I,
+            device=device,
+            tol=TOL,
+            extras=False,
+            overlap_chunks=overlap_chunks,
+        )
+
     return run
 
 
 def layer(dispatcher: str, overlap_chunks: int = 1):
     def run(rank, W, device):
-        w.check_layer(rank, W, dispatchers=[dispatcher], device=device, backends=BACKENDS, hidden=H,
-                      intermediate=I, tol=TOL, T_counts=_layer_counts(W), separated=True,
-                      overlap_chunks=overlap_chunks)
+        w.check_layer(
+            rank,
+            W,
+            dispatchers=[dispatcher],
+            device=device,
+            backends=BACKENDS,
+            hidden=H,
+            intermediate=I,
+            tol=TOL,
+            T_counts=_layer_counts(W),
+            separated=True,
+            overlap_chunks=overlap_chunks,
+        )
+
     return run
 
 
@@ -81,9 +107,19 @@ def mesh(rank, W, device):
     from torch.distributed.device_mesh import init_device_mesh
 
     m = init_device_mesh("cuda", (W,))
-    w.check_layer(rank, W, mesh=m, dispatchers=["all_to_all", "sync_free"], device=device,
-                  backends=(("grouped_mm", BF16),), hidden=H, intermediate=I, tol=TOL, T_counts=_layer_counts(W),
-                  separated=True)
+    w.check_layer(
+        rank,
+        W,
+        mesh=m,
+        dispatchers=["all_to_all", "sync_free"],
+        device=device,
+        backends=(("grouped_mm", BF16),),
+        hidden=H,
+        intermediate=I,
+        tol=TOL,
+        T_counts=_layer_counts(W),
+        separated=True,
+    )
 
 
 def fsdp2(rank, W, device):
@@ -96,10 +132,12 @@ def _layer_counts(W: int) -> list[int]:
     return [LAYER_TOKENS[r % 2] for r in range(W)]
 
 
-def sync_debug_experts(dispatcher: str, backend: str, overlap_chunks: int = 1, *, num_experts: int = E,
-                       exchange: str = "auto"):
+def sync_debug_experts(
+    dispatcher: str, backend: str, overlap_chunks: int = 1, *, num_experts: int = E, exchange: str = "auto"
+):
     """ExpertParallel alone (given ids, static ``max_tokens``) under sync debug mode; ``sync_free``
     rows moved by ``exchange``."""
+
     def run(rank, W, device):
         T, E = 48, num_experts
         g = torch.Generator().manual_seed(5)
@@ -110,19 +148,24 @@ def sync_debug_experts(dispatcher: str, backend: str, overlap_chunks: int = 1, *
         on_device = {k: v.to(device, BF16) for k, v in inputs.items()}
         ids_device = ids_all.to(device)
         more = {"exchange": exchange} if dispatcher == "sync_free" else {}
-        call = ExpertParallel(_group(rank, W), EPOptions(num_experts=E, dispatcher=dispatcher, max_tokens=T + 8,
-                                                         overlap_chunks=overlap_chunks, **more))
+        call = ExpertParallel(
+            _group(rank, W),
+            EPOptions(num_experts=E, dispatcher=dispatcher, max_tokens=T + 8, overlap_chunks=overlap_chunks, **more),
+        )
         w.run_functional(call, [T] * W, ids_device, on_device, rank, BF16, backend, drop_invalid=True, device=device)
         torch.cuda.synchronize(device)  # compiled kernels and warm allocator before the strict run
         with sync_debug():
-            got = w.run_functional(call, [T] * W, ids_device, on_device, rank, BF16, backend, drop_invalid=True,
-                                   device=device)
+            got = w.run_functional(
+                call, [T] * W, ids_device, on_device, rank, BF16, backend, drop_invalid=True, device=device
+            )
         w.close(f"sync_debug/{dispatcher}/{backend}/overlap{overlap_chunks}/rank{rank}", got, ref, TOL[BF16])
+
     return run
 
 
 def sync_debug_layer(backend: str):
     """The ``sync_free`` MoE layer (qwen3 config) forward + backward under sync debug mode."""
+
     def run(rank, W, device):
         T = 40
         kw, size = w.LAYER_CONFIGS["qwen3"], dict(hidden=H, intermediate=I, separated=True)
@@ -136,8 +179,16 @@ def sync_debug_layer(backend: str):
         with sync_debug():
             got = w.layer_results(m, x, dy)
         El = E // W
-        w.compare_layer(f"sync_debug/layer/{backend}/rank{rank}", m, got, oracle, slice(rank * T, (rank + 1) * T),
-                        slice(rank * El, (rank + 1) * El), TOL[BF16])
+        w.compare_layer(
+            f"sync_debug/layer/{backend}/rank{rank}",
+            m,
+            got,
+            oracle,
+            slice(rank * T, (rank + 1) * T),
+            slice(rank * El, (rank + 1) * El),
+            TOL[BF16],
+        )
+
     return run
 
 
@@ -155,6 +206,7 @@ def cuda_graph(backend: str, dtype=BF16, exchange: str = "auto"):
     """Capture forward + backward of the ``sync_free`` layer (rows moved by ``exchange``) once; replay
     on two fresh inputs and compare output, input gradient and every local gradient with an eager
     twin on the same inputs."""
+
     def run(rank, W, device):
         T, kw, size = 64, w.LAYER_CONFIGS["qwen3"], dict(hidden=H, intermediate=I)
         graphed = _ep_layer(kw, size, backend, dtype, device, max_tokens=T, exchange=exchange)
@@ -194,6 +246,7 @@ def cuda_graph(backend: str, dtype=BF16, exchange: str = "auto"):
             eager.zero_grad(set_to_none=True)
             ref = w.layer_results(eager, x, dy)
             w.close(f"cuda_graph/{backend}/replay{i}/rank{rank}", got, ref, TOL[dtype])
+
     return run
 
 
@@ -211,33 +264,42 @@ def _layer_inputs(n: int, seed: int):
 
 
 def _mine(t, rank: int, T: int, device, dtype=BF16):
-    return t[rank * T:(rank + 1) * T].to(device, dtype)
+    return t[rank * T : (rank + 1) * T].to(device, dtype)
 
 
 def checks() -> list[tuple[str, object]]:
     out = [(f"functional/{d}", functional(d)) for d in DISPATCHERS]
     out += [(f"layer/{d}", layer(d)) for d in DISPATCHERS]
     out.append(("mesh", mesh))
-    out += [(f"sync_debug/{d}/{b}", sync_debug_experts(d, b)) for d in ("sync_free", "all_gather")
-            for b in ("triton", "grouped_mm")]
+    out += [
+        (f"sync_debug/{d}/{b}", sync_debug_experts(d, b))
+        for d in ("sync_free", "all_gather")
+        for b in ("triton", "grouped_mm")
+    ]
     out += [(f"sync_debug/layer/{b}", sync_debug_layer(b)) for b in ("triton", "grouped_mm")]
     out += [(f"cuda_graph/{b}", cuda_graph(b)) for b in ("triton", "grouped_mm")]
-    out += [(f"{kind}/{d}/overlap{n}", fn(d, n)) for kind, fn in (("functional", functional), ("layer", layer))
-            for d in ("all_to_all", "sync_free") for n in (2, 3)]
-    out += [(f"sync_debug/sync_free/{b}/overlap2", sync_debug_experts("sync_free", b, 2))
-            for b in ("triton", "grouped_mm")]
+    out += [
+        (f"{kind}/{d}/overlap{n}", fn(d, n))
+        for kind, fn in (("functional", functional), ("layer", layer))
+        for d in ("all_to_all", "sync_free")
+        for n in (2, 3)
+    ]
+    out += [
+        (f"sync_debug/sync_free/{b}/overlap2", sync_debug_experts("sync_free", b, 2)) for b in ("triton", "grouped_mm")
+    ]
     out.append(("fsdp2/dp1_epW", fsdp2))
     return out
 
 
 # ---------------------------------------------------------------- driver
 
+
 def run_all(rank: int, W: int, device: torch.device, only: str | None, todo=None) -> list[dict]:
     """Every check of ``todo`` (default :func:`checks`) on this rank; each result agreed over ranks
     (one all-reduce per check)."""
     results = []
     w.SOFT_FAILURES = []
-    for name, fn in (checks() if todo is None else todo):
+    for name, fn in checks() if todo is None else todo:
         if only and only not in name:
             continue
         before, t0 = len(w.SOFT_FAILURES), time.perf_counter()
@@ -252,11 +314,13 @@ def run_all(rank: int, W: int, device: torch.device, only: str | None, todo=None
         fails = w.SOFT_FAILURES[before:] + ([error] if error else [])
         flag = torch.tensor([len(fails)], device=device)
         dist.all_reduce(flag)
-        results.append({"check": name, "rank": rank, "ok": int(flag.item()) == 0, "failures": fails,
-                        "s": time.perf_counter() - t0})
+        results.append(
+            {"check": name, "rank": rank, "ok": int(flag.item()) == 0, "failures": fails, "s": time.perf_counter() - t0}
+        )
         if rank == 0:
-            print(f"[ep_check] {name}: {'PASS' if results[-1]['ok'] else 'FAIL'} ({results[-1]['s']:.1f} s)",
-                  flush=True)
+            print(
+                f"[ep_check] {name}: {'PASS' if results[-1]['ok'] else 'FAIL'} ({results[-1]['s']:.1f} s)", flush=True
+            )
     return results
 
 
@@ -269,8 +333,10 @@ def report(everyone: list[list[dict]], title: str = "ep_check: expert parallelis
         ok = all(p["ok"] for p in per)
         ok_all &= ok
         fails = [f for p in per for f in p["failures"]]
-        print(f"{'PASS' if ok else 'FAIL'}  {r0['check']:<32} {max(p['s'] for p in per):6.1f} s"
-              + (f"  {len(fails)} failure(s); first: {fails[0][:240]}" if fails else ""))
+        print(
+            f"{'PASS' if ok else 'FAIL'}  {r0['check']:<32} {max(p['s'] for p in per):6.1f} s"
+            + (f"  {len(fails)} failure(s); first: {fails[0][:240]}" if fails else "")
+        )
     print(f"==== {'ALL PASS' if ok_all else 'FAILURES'} ====")
     return ok_all
 

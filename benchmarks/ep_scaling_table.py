@@ -9,6 +9,7 @@ GPU at EP 4, balanced routing).
 
     python benchmarks/ep_scaling_table.py out/bench_ep1_*.json out/bench_ep2_*.json out/bench_ep4_*.json
 """
+
 from __future__ import annotations
 
 import argparse

@@ -33,6 +33,7 @@ failure or mismatch):
     routing): dispatch and combine ms (slowest rank) of ``all_to_all``, ``sync_free`` + equal
     splits and ``sync_free`` + ``symm_mem`` (``moeyard.bench.ep.measure``), one table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,6 +60,7 @@ K = 3
 
 
 # ---------------------------------------------------------------- (a) the raw ops
+
 
 def _splits(W: int, n: int, high: int, seed: int) -> list[torch.Tensor]:
     """Every rank's random in-splits ``[n]`` (all ranks draw all, from one seed); rank 1 sends nothing."""
@@ -92,12 +94,13 @@ def _compare(what: str, out, meta_out, expected, rank: int) -> None:
     w.check(torch.equal(meta_out.cpu(), meta), f"{what}: splits/offsets {meta_out.cpu().tolist()} != {meta.tolist()}")
     got = out.float().cpu()
     for at, rows in writes:
-        w.check(torch.equal(got[at:at + rows.shape[0]], rows.float()), f"{what}/rank{rank}: rows at {at} differ")
+        w.check(torch.equal(got[at : at + rows.shape[0]], rows.float()), f"{what}/rank{rank}: rows at {at} differ")
     w.check(bool(torch.isnan(got[used:]).all()), f"{what}/rank{rank}: rows past the {used} written ones changed")
 
 
 def ops_2d(ne: int, align: int, hidden: int = 16, dtype=FP32, high: int = 6):
     """``all_to_all_vdev_2d`` then ``all_to_all_vdev_2d_offset`` of its result, against the reference."""
+
     def run(rank, W, device):
         name = symm_mem.OPS.prepare(dist.group.WORLD, device)
         splits = _splits(W, W * ne, high, seed=10 + ne + align)
@@ -125,15 +128,18 @@ def ops_2d(ne: int, align: int, hidden: int = 16, dtype=FP32, high: int = 6):
         _sync(device)
         expected = ref.ref_vdev_2d_offset(outs, metas, rank)
         _compare(f"vdev_2d_offset ne={ne} align={align}", back, meta_back, expected, rank)
-        w.check(torch.equal(back[:expected[2]].cpu().float(), inputs[rank][:expected[2]].float()),
-                f"vdev_2d_offset ne={ne}: the round trip does not give the input back")
+        w.check(
+            torch.equal(back[: expected[2]].cpu().float(), inputs[rank][: expected[2]].float()),
+            f"vdev_2d_offset ne={ne}: the round trip does not give the input back",
+        )
+
     return run
 
 
 def _expected_out(inputs, splits, rank, align, rows, hidden, dtype):
     out = torch.full((rows, hidden), float("nan")).to(dtype)
     for at, chunk in ref.ref_vdev_2d(inputs, splits, rank, align)[1]:
-        out[at:at + chunk.shape[0]] = chunk
+        out[at : at + chunk.shape[0]] = chunk
     return out
 
 
@@ -151,25 +157,50 @@ def ops_1d(hidden: int, dtype, high: int):
         symm_mem.OPS.all_to_all_vdev(inp, out, s_in, meta, name)
         _sync(device)
         _compare(f"vdev H={hidden} {str(dtype)[6:]}", out, meta, ref.ref_vdev(inputs, splits, rank), rank)
+
     return run
 
 
 # ---------------------------------------------------------------- (b) the layer
 
+
 def functional(num_local: int, force_1d: bool = False, exchange: str = "symm_mem"):
     def run(rank, W, device):
         with mock.patch.object(symm_mem, "MAX_2D_EXPERTS", 0 if force_1d else symm_mem.MAX_2D_EXPERTS):
-            w.check_functional(rank, W, E=num_local * W, K=K, dispatchers=["sync_free"], backends=ep_check.BACKENDS,
-                               H=ep_check.H, I=ep_check.I, device=device, tol=ep_check.TOL, extras=False,
-                               exchange=exchange)
+            w.check_functional(
+                rank,
+                W,
+                E=num_local * W,
+                K=K,
+                dispatchers=["sync_free"],
+                backends=ep_check.BACKENDS,
+                H=ep_check.H,
+                I=ep_check.I,
+                device=device,
+                tol=ep_check.TOL,
+                extras=False,
+                exchange=exchange,
+            )
+
     return run
 
 
 def layer(exchange: str):
     def run(rank, W, device):
-        w.check_layer(rank, W, dispatchers=["sync_free"], device=device, backends=ep_check.BACKENDS, hidden=ep_check.H,
-                      intermediate=ep_check.I, tol=ep_check.TOL, T_counts=ep_check._layer_counts(W), separated=True,
-                      exchange=exchange)
+        w.check_layer(
+            rank,
+            W,
+            dispatchers=["sync_free"],
+            device=device,
+            backends=ep_check.BACKENDS,
+            hidden=ep_check.H,
+            intermediate=ep_check.I,
+            tol=ep_check.TOL,
+            T_counts=ep_check._layer_counts(W),
+            separated=True,
+            exchange=exchange,
+        )
+
     return run
 
 
@@ -179,7 +210,7 @@ def _copy_case(rank: int, W: int, H: int, device):
     per-peer counts (0, 1, 200, 257, ...)."""
     g = torch.Generator().manual_seed(40 + rank)
     local = torch.randn(300 * W, H, generator=g).to(device, BF16)
-    rows = torch.randperm(280 * W, generator=g)[:257 * W].view(W, 257).to(device)
+    rows = torch.randperm(280 * W, generator=g)[: 257 * W].view(W, 257).to(device)
     count = torch.tensor([(0, 1, 200, 257)[(rank + s) % 4] for s in range(W)], device=device)
     return local, rows, count
 
@@ -188,6 +219,7 @@ def copy_rows_check(direction: str):
     """The row-copy kernel on CUDA over real symmetric memory (every peer's buffer at once, bf16,
     H = 2048 and 40) against its torch reference (pull), or against the rows each writer sent,
     rebuilt from its seed (push: rank r writes rows ``[300 r, 300 r + count)`` of every peer)."""
+
     def run(rank, W, device):
         from moeyard.parallel import p2p
         from moeyard.parallel.row_copy import copy_rows_reference
@@ -218,48 +250,69 @@ def copy_rows_check(direction: str):
                 for writer in range(W):
                     src, rws, cnt = _copy_case(writer, W, H, device)
                     n = int(cnt[rank])
-                    region = mine[300 * writer:300 * (writer + 1)]
-                    w.check(torch.equal(region[:n], src[rws[rank, :n]]) and bool(region[n:].isnan().all()),
-                            f"{what}: rows from rank {writer} wrong")
+                    region = mine[300 * writer : 300 * (writer + 1)]
+                    w.check(
+                        torch.equal(region[:n], src[rws[rank, :n]]) and bool(region[n:].isnan().all()),
+                        f"{what}: rows from rank {writer} wrong",
+                    )
             p2p.OPS.barrier(handle)
             torch.cuda.synchronize(device)
             dist.barrier()
+
     return run
 
 
 def checks(exchange: str = "symm_mem") -> list[tuple[str, object]]:
     if exchange == "p2p":
         out = [(f"copy_rows/{d}", copy_rows_check(d)) for d in ("pull", "push")]
-        out += [("functional/El4", functional(4, exchange="p2p")), ("functional/El64", functional(64, exchange="p2p")),
-                ("layer", layer("p2p"))]
-        out += [(f"sync_debug/El{n}/{b}", ep_check.sync_debug_experts("sync_free", b, num_experts=n * 2, exchange="p2p"))
-                for n in (4, 64) for b in ("triton", "grouped_mm")]
+        out += [
+            ("functional/El4", functional(4, exchange="p2p")),
+            ("functional/El64", functional(64, exchange="p2p")),
+            ("layer", layer("p2p")),
+        ]
+        out += [
+            (f"sync_debug/El{n}/{b}", ep_check.sync_debug_experts("sync_free", b, num_experts=n * 2, exchange="p2p"))
+            for n in (4, 64)
+            for b in ("triton", "grouped_mm")
+        ]
         out += [(f"cuda_graph/{b}", ep_check.cuda_graph(b, exchange="p2p")) for b in ("triton", "grouped_mm")]
         return out
     out = [(f"ops/vdev_2d/ne{ne}/align{a}", ops_2d(ne, a)) for ne in (4, 16) for a in (1, 8)]
     out.append(("ops/vdev_2d/bf16_h2048", ops_2d(8, 16, hidden=2048, dtype=BF16, high=64)))
     out += [("ops/vdev/h16", ops_1d(16, FP32, 6)), ("ops/vdev/bf16_h2048", ops_1d(2048, BF16, 512))]
-    out += [("functional/2d/El4", functional(4)), ("functional/1d/El4", functional(4, force_1d=True)),
-            ("functional/1d/El64", functional(64)), ("layer", layer("symm_mem"))]
-    out += [(f"sync_debug/El{n}/{b}", ep_check.sync_debug_experts("sync_free", b, num_experts=n * 2, exchange="symm_mem"))
-            for n in (4, 64) for b in ("triton", "grouped_mm")]
+    out += [
+        ("functional/2d/El4", functional(4)),
+        ("functional/1d/El4", functional(4, force_1d=True)),
+        ("functional/1d/El64", functional(64)),
+        ("layer", layer("symm_mem")),
+    ]
+    out += [
+        (f"sync_debug/El{n}/{b}", ep_check.sync_debug_experts("sync_free", b, num_experts=n * 2, exchange="symm_mem"))
+        for n in (4, 64)
+        for b in ("triton", "grouped_mm")
+    ]
     return out
 
 
 # ---------------------------------------------------------------- (c) timing
 
-PROFILED = {"symm_mem": (("sync_free", "symm_mem"), ("all_to_all", "auto")),
-            "p2p": (("sync_free", "p2p"), ("all_to_all", "auto"))}
-VARIANTS = {"symm_mem": (("all_to_all", "auto"), ("sync_free", "all_to_all"), ("sync_free", "symm_mem")),
-            "p2p": (("all_to_all", "auto"), ("sync_free", "all_to_all"), ("sync_free", "p2p"))}
+PROFILED = {
+    "symm_mem": (("sync_free", "symm_mem"), ("all_to_all", "auto")),
+    "p2p": (("sync_free", "p2p"), ("all_to_all", "auto")),
+}
+VARIANTS = {
+    "symm_mem": (("all_to_all", "auto"), ("sync_free", "all_to_all"), ("sync_free", "symm_mem")),
+    "p2p": (("all_to_all", "auto"), ("sync_free", "all_to_all"), ("sync_free", "p2p")),
+}
 
 
 def _qwen3(device):
     """``(options, shape)`` of ``moeyard bench`` at qwen3-30b-a3b, bf16, 3 warm-up and 10 timed runs."""
     from moeyard import bench as layer_bench
 
-    opts = layer_bench.resolve_options(layer_bench.BenchOptions(models=["qwen3-30b-a3b"], device=str(device),
-                                                                dtype="bfloat16", warmup=3, iters=10))
+    opts = layer_bench.resolve_options(
+        layer_bench.BenchOptions(models=["qwen3-30b-a3b"], device=str(device), dtype="bfloat16", warmup=3, iters=10)
+    )
     return opts, layer_bench.cases(opts)[0]
 
 
@@ -271,8 +324,11 @@ def timing(ep, device, variants) -> list[dict]:
     rows = []
     for routing in ("balanced", "zipf"):
         for dispatcher, exchange in variants:
-            rows.append(ep_bench.measure(shape, shape.moe_config(), routing, dispatcher, "auto", ep, opts, device,
-                                         exchange=exchange))
+            rows.append(
+                ep_bench.measure(
+                    shape, shape.moe_config(), routing, dispatcher, "auto", ep, opts, device, exchange=exchange
+                )
+            )
             torch.cuda.empty_cache()
     return rows
 
@@ -296,6 +352,7 @@ def raw_timing(ep, device, rows: int = 262144, hidden: int = 2048) -> dict:
     plain_out = torch.empty_like(x)
     gb = rows * hidden * 2 / 1e9
     res = {"rows": rows, "hidden": hidden, "GB": gb}
+
     def ms(fn) -> float:
         return ep_bench._time_ms(fn, ep, opts, device)
 
@@ -321,8 +378,12 @@ def profile_exchange(ep, device, dispatcher: str, exchange: str, steps: int = 3)
     torch.manual_seed(1000 + ep.rank)
     inputs = layer_bench.make_inputs(shape, opts)
     more = {"exchange": exchange} if dispatcher == "sync_free" else {}
-    options = EPOptions(num_experts=config.num_experts, dispatcher=dispatcher,
-                        max_tokens=None if dispatcher == "all_to_all" else shape.tokens, **more)
+    options = EPOptions(
+        num_experts=config.num_experts,
+        dispatcher=dispatcher,
+        max_tokens=None if dispatcher == "all_to_all" else shape.tokens,
+        **more,
+    )
     mod = DISPATCHERS[dispatcher]
     with torch.no_grad():
         r = route(inputs.xs[0], inputs.router_weight, config)
@@ -347,10 +408,15 @@ def raw_report(ep, device) -> list[dict]:
     raws = [None] * ep.world_size
     dist.all_gather_object(raws, raw)
     if ep.rank == 0:
-        print("\n==== raw exchange, equal splits, per rank: "
-              f"{raw['rows']} x {raw['hidden']} bf16 ({raw['GB']:.2f} GB), slowest rank ====")
-        for k, label in (("vdev", "all_to_all_vdev (NVSHMEM)"), ("nccl", "all_to_all_single (NCCL)"),
-                         ("copy", "local copy")):
+        print(
+            "\n==== raw exchange, equal splits, per rank: "
+            f"{raw['rows']} x {raw['hidden']} bf16 ({raw['GB']:.2f} GB), slowest rank ===="
+        )
+        for k, label in (
+            ("vdev", "all_to_all_vdev (NVSHMEM)"),
+            ("nccl", "all_to_all_single (NCCL)"),
+            ("copy", "local copy"),
+        ):
             ms = max(r[f"{k}_ms"] for r in raws)
             print(f"raw {label:<28} {ms:8.3f} ms {raw['GB'] / ms * 1e3:8.1f} GB/s", flush=True)
     return raws
@@ -361,12 +427,15 @@ def timing_table(everyone: list[list[dict]]) -> str:
     for i, r0 in enumerate(everyone[0]):
         per = [rank_rows[i] for rank_rows in everyone]
         label = r0["dispatcher"] + ("" if r0["dispatcher"] != "sync_free" else f" + {r0['exchange']}")
-        lines.append(f"{r0['routing']:<9} {label:<26} {r0['rows_sent']:>14} {max(p['rows_received'] for p in per):>16}"
-                     f" {max(p['dispatch_ms'] for p in per):>12.3f} {max(p['combine_ms'] for p in per):>11.3f}")
+        lines.append(
+            f"{r0['routing']:<9} {label:<26} {r0['rows_sent']:>14} {max(p['rows_received'] for p in per):>16}"
+            f" {max(p['dispatch_ms'] for p in per):>12.3f} {max(p['combine_ms'] for p in per):>11.3f}"
+        )
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- driver
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -400,8 +469,11 @@ def main() -> int:
                 table = profile_exchange(ep, device, dispatcher, exchange)
                 torch.cuda.empty_cache()
                 if ep.rank == 0:
-                    print(f"\n==== profile: 3 x (dispatch + combine), {dispatcher} ({exchange}), qwen3-30b-a3b, "
-                          f"balanced, rank 0 ====\n{table}\n==== end profile ====", flush=True)
+                    print(
+                        f"\n==== profile: 3 x (dispatch + combine), {dispatcher} ({exchange}), qwen3-30b-a3b, "
+                        f"balanced, rank 0 ====\n{table}\n==== end profile ====",
+                        flush=True,
+                    )
             rows = timing(ep, device, VARIANTS[args.exchange])
             timings = [None] * ep.world_size
             dist.all_gather_object(timings, rows)
@@ -410,8 +482,17 @@ def main() -> int:
                 print(timing_table(timings), flush=True)
         if ep.rank == 0 and args.json:
             with open(args.json, "w") as f:
-                json.dump({"world_size": ep.world_size, "torch": torch.__version__, "results": everyone,
-                           "raw": raws, "timing": timings}, f, indent=1)
+                json.dump(
+                    {
+                        "world_size": ep.world_size,
+                        "torch": torch.__version__,
+                        "results": everyone,
+                        "raw": raws,
+                        "timing": timings,
+                    },
+                    f,
+                    indent=1,
+                )
         release_buffers()
         return ep_check.exit_code(ok, device)
     finally:

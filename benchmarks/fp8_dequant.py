@@ -11,6 +11,7 @@ Usage (repository root, GPU machine)::
 
 Prints one row per (stack, active experts): the kernel's ms and GB/s, the torch path's ms.
 """
+
 from __future__ import annotations
 
 import argparse

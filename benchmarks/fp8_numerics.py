@@ -32,6 +32,7 @@ The default protocol (``random``) is harder: a random output gradient through tw
 Usage: ``PYTHONPATH=src python benchmarks/fp8_numerics.py [--model qwen3-30b-a3b] [--tokens 4096]
 [--device cuda] [--json PATH]``; on CPU use ``--small`` (H 256, I 128, E 16, k 4, 512 tokens).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,13 +64,19 @@ def make_case(H: int, I: int, E: int, K: int, T: int, condition: str, device, se
     if condition == "skewed":
         bias = -1.2 * torch.log(torch.arange(1, E + 1, dtype=torch.float32)) * 4
     elif condition == "empty":
-        bias[E // 4:] = -math.inf
-    router = torch.randn(E, H, generator=g) * H ** -0.5
+        bias[E // 4 :] = -math.inf
+    router = torch.randn(E, H, generator=g) * H**-0.5
     ids = (x @ router.T + bias).topk(K, dim=-1).indices  # chosen once, in float32
-    return {"x": x.to(device), "router": router.to(device), "bias": bias.to(device), "ids": ids.to(device),
-            "up": (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(device),
-            "down": (torch.randn(E, H, I, generator=g) * I ** -0.5).to(device),
-            "dy": torch.randn(T, H, generator=g).to(device), "K": K}
+    return {
+        "x": x.to(device),
+        "router": router.to(device),
+        "bias": bias.to(device),
+        "ids": ids.to(device),
+        "up": (torch.randn(E, 2 * I, H, generator=g) * H**-0.5).to(device),
+        "down": (torch.randn(E, H, I, generator=g) * I**-0.5).to(device),
+        "dy": torch.randn(T, H, generator=g).to(device),
+        "K": K,
+    }
 
 
 def run(case: dict, dtype: torch.dtype, recipe, backend: str) -> dict:
@@ -80,16 +87,22 @@ def run(case: dict, dtype: torch.dtype, recipe, backend: str) -> dict:
     w = w / w.sum(-1, keepdim=True)
     y = moeyard.experts(leaves["x"], ids, w.to(dtype), leaves["up"], leaves["down"], backend=backend, recipe=recipe)
     y.backward(case["dy"].to(dtype))
-    return {"out": y.detach(), "dx": leaves["x"].grad, "dw_up": leaves["up"].grad, "dw_down": leaves["down"].grad,
-            "d_router": leaves["router"].grad}
+    return {
+        "out": y.detach(),
+        "dx": leaves["x"].grad,
+        "dw_up": leaves["up"].grad,
+        "dw_down": leaves["down"].grad,
+        "d_router": leaves["router"].grad,
+    }
 
 
 def torchao_protocol(args, H, I, E, K, T) -> list[dict]:
     """SQNR under torchao's test protocol (module docstring): ``moeyard.MoE`` with a shared expert, init std
     0.02, loss ``mse(out, 1)``, against the same layer in the compute dtype without a recipe."""
     dtype = getattr(torch, args.dtype)
-    cfg = moeyard.MoEConfig(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K, num_shared_experts=1,
-                            norm_topk_prob=True)
+    cfg = moeyard.MoEConfig(
+        num_experts=E, hidden_size=H, intermediate_size=I, top_k=K, num_shared_experts=1, norm_topk_prob=True
+    )
     torch.manual_seed(42)
     base = moeyard.MoE(cfg, backend=args.backend, device=args.device, dtype=dtype)
     for p in base.parameters():
@@ -102,8 +115,13 @@ def torchao_protocol(args, H, I, E, K, T) -> list[dict]:
         x = x0.clone().requires_grad_()
         out = base(x)
         torch.nn.functional.mse_loss(out, torch.ones_like(out)).backward()
-        return {"out": out.detach(), "dx": x.grad, "dw_up": base.gate_up_proj.grad, "dw_down": base.down_proj.grad,
-                "d_router": base.router.weight.grad}
+        return {
+            "out": out.detach(),
+            "dx": x.grad,
+            "dw_up": base.gate_up_proj.grad,
+            "dw_down": base.down_proj.grad,
+            "d_router": base.router.weight.grad,
+        }
 
     ref = step(None)
     rows = []
@@ -122,9 +140,14 @@ def table(args) -> dict:
         H, I, E, K, T = 256, 128, 16, 4, 512
     dtype = getattr(torch, args.dtype)
     if args.protocol == "torchao":
-        return {"shape": {"H": H, "I": I, "E": E, "K": K, "T": T}, "dtype": args.dtype, "backend": args.backend,
-                "protocol": "torchao", "device": _device_name(args.device),
-                "rows": torchao_protocol(args, H, I, E, K, T)}
+        return {
+            "shape": {"H": H, "I": I, "E": E, "K": K, "T": T},
+            "dtype": args.dtype,
+            "backend": args.backend,
+            "protocol": "torchao",
+            "device": _device_name(args.device),
+            "rows": torchao_protocol(args, H, I, E, K, T),
+        }
     rows = []
     for condition in ("normal", "outliers", "skewed", "empty", "dense"):
         e, k = (1, 1) if condition == "dense" else (E, K)
@@ -135,8 +158,14 @@ def table(args) -> dict:
             db = {q: sqnr(got[q], ref[q]) for q in QUANTITIES if not (condition == "dense" and q == "d_router")}
             rows.append({"condition": condition, "recipe": recipe or args.dtype, **db})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    return {"shape": {"H": H, "I": I, "E": E, "K": K, "T": T}, "dtype": args.dtype, "backend": args.backend,
-            "protocol": "random", "device": _device_name(args.device), "rows": rows}
+    return {
+        "shape": {"H": H, "I": I, "E": E, "K": K, "T": T},
+        "dtype": args.dtype,
+        "backend": args.backend,
+        "protocol": "random",
+        "device": _device_name(args.device),
+        "rows": rows,
+    }
 
 
 def _device_name(device) -> str:
@@ -146,8 +175,10 @@ def _device_name(device) -> str:
 def print_table(result: dict) -> None:
     s = result["shape"]
     against = "float32" if result["protocol"] == "random" else f"{result['dtype']} (torchao's protocol)"
-    print(f"SQNR (dB) against {against} · H {s['H']} I {s['I']} E {s['E']} k {s['K']} T {s['T']} · "
-          f"{result['dtype']} · backend {result['backend']} · {result['device']}")
+    print(
+        f"SQNR (dB) against {against} · H {s['H']} I {s['I']} E {s['E']} k {s['K']} T {s['T']} · "
+        f"{result['dtype']} · backend {result['backend']} · {result['device']}"
+    )
     print(f"{'condition':10} {'recipe':14} " + " ".join(f"{q:>9}" for q in QUANTITIES))
     for r in result["rows"]:
         print(f"{r['condition']:10} {r['recipe']:14} " + " ".join(f"{r.get(q, float('nan')):9.2f}" for q in QUANTITIES))
@@ -159,8 +190,11 @@ def print_table(result: dict) -> None:
         fails += [f"{r['condition']}/{r['recipe']}/{q} {r[q]:.1f} < {bar}" for q, bar in BARS.items() if r[q] < bar]
         d = dense.get(r["recipe"])
         if d and r["condition"] == "normal":
-            fails += [f"normal/{r['recipe']}/{q} {r[q]:.1f} more than 1 dB below dense {d[q]:.1f}"
-                      for q in BARS if r[q] < d[q] - 1]
+            fails += [
+                f"normal/{r['recipe']}/{q} {r[q]:.1f} more than 1 dB below dense {d[q]:.1f}"
+                for q in BARS
+                if r[q] < d[q] - 1
+            ]
     print("bars: " + ("all met" if not fails else "; ".join(fails)))
 
 

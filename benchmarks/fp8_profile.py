@@ -6,6 +6,7 @@ the last column (their FLOPs: the forward's ``6 T k H I`` per GEMM set, times 3 
 Usage (GPU machine): ``PYTHONPATH=src python3 benchmarks/fp8_profile.py [--model qwen3-30b-a3b]
 [--backend triton] [--recipes none,fp8_rowwise]``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,9 +47,10 @@ def cast_rates(T: int, H: int, I: int, E: int, K: int) -> None:
 
     from moeyard.activations import Activation
     from moeyard.quant import fp8_triton as cast
+
     dev = "cuda"
     R = T * K
-    off = torch.arange(0, R + 1, R // E, device=dev, dtype=torch.int32)[:E + 1]
+    off = torch.arange(0, R + 1, R // E, device=dev, dtype=torch.int32)[: E + 1]
     off[-1] = R
     x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
     rows = torch.randn(R, H, device=dev, dtype=torch.bfloat16)
@@ -93,17 +95,21 @@ def main(argv=None) -> int:
         x = torch.randn(T, cfg.hidden_size, device=dev, dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn_like(x)
         for recipe in args.recipes.split(","):
-            moe = moeyard.MoE(cfg, backend=args.backend, recipe=None if recipe == "none" else recipe, device=dev,
-                              dtype=torch.bfloat16)
+            moe = moeyard.MoE(
+                cfg, backend=args.backend, recipe=None if recipe == "none" else recipe, device=dev, dtype=torch.bfloat16
+            )
             ms, kernels = step_kernels(moe, x, dy)
             total = sum(v[1] for v in kernels.values())
-            gemm = sum(v[1] for k, v in kernels.items() if "gemm" in k.lower() or "sm90" in k.lower()
-                       or "cutlass" in k.lower())
-            print(f"\n== {name} (T {T}) · {args.backend} · recipe {recipe}: step {ms:.2f} ms, kernels {total:.2f} ms "
-                  f"({3 * layer_flops(cfg, T) / ms / 1e9:.0f} TFLOP/s); CUTLASS/GEMM-named kernels {gemm:.2f} ms "
-                  f"= {flops / gemm / 1e9 if gemm else 0:.0f} TFLOP/s"
-                  f"{f' = {flops / gemm / 1e9 / fp8:.0%} of dense e4m3' if gemm and fp8 and recipe != 'none' else ''}")
-            for k, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:args.top]:
+            gemm = sum(
+                v[1] for k, v in kernels.items() if "gemm" in k.lower() or "sm90" in k.lower() or "cutlass" in k.lower()
+            )
+            print(
+                f"\n== {name} (T {T}) · {args.backend} · recipe {recipe}: step {ms:.2f} ms, kernels {total:.2f} ms "
+                f"({3 * layer_flops(cfg, T) / ms / 1e9:.0f} TFLOP/s); CUTLASS/GEMM-named kernels {gemm:.2f} ms "
+                f"= {flops / gemm / 1e9 if gemm else 0:.0f} TFLOP/s"
+                f"{f' = {flops / gemm / 1e9 / fp8:.0%} of dense e4m3' if gemm and fp8 and recipe != 'none' else ''}"
+            )
+            for k, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[: args.top]:
                 print(f"  {t:8.3f} ms {n:4d}x  {k}")
             del moe
             torch.cuda.empty_cache()

@@ -31,6 +31,7 @@ Then, with ``--top N``, a ``cProfile`` of ``--iters`` host-only steps of each ro
 busy; autograd's backward on the calling thread, so its Python shows) sorted by own time: where the
 host time goes (and the top N by cumulative time). Needs CUDA.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,7 +74,10 @@ def measure(module, inputs, iters: int, warmup: int = 3, step: str = "fwdbwd") -
         _step(module, inputs, params, i % n, step)
     torch.cuda.synchronize()
     s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s0.record(); torch.cuda._sleep(SLEEP_CYCLES); s1.record(); torch.cuda.synchronize()
+    s0.record()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    s1.record()
+    torch.cuda.synchronize()
     sleep_ms = s0.elapsed_time(s1)
     host, device = [], []
     for i in range(iters):
@@ -94,12 +98,16 @@ def measure(module, inputs, iters: int, warmup: int = 3, step: str = "fwdbwd") -
         free.append((time.perf_counter() - t0) * 1e3)
     torch.cuda.synchronize()
     step_ms = bench.time_ms(lambda i: _step(module, inputs, params, i % n, step), n, 0, iters, torch.device("cuda"))
-    return dict(host_ms=statistics.median(free), held_host_ms=statistics.median(host),
-                device_ms=statistics.median(device), step_ms=step_ms, sleep_ms=sleep_ms)
+    return dict(
+        host_ms=statistics.median(free),
+        held_host_ms=statistics.median(host),
+        device_ms=statistics.median(device),
+        step_ms=step_ms,
+        sleep_ms=sleep_ms,
+    )
 
 
-def profile_host(module, inputs, iters: int, top: int, dump: str | None = None,
-                 step: str = "fwdbwd") -> str:
+def profile_host(module, inputs, iters: int, top: int, dump: str | None = None, step: str = "fwdbwd") -> str:
     """``cProfile`` of ``iters`` steps' host work (GPU held busy): the ``top`` functions by own time,
     then by cumulative time; the raw stats into file ``dump`` when given (``pstats.Stats(dump)``)."""
     params = [p for p in module.parameters() if p.requires_grad]
@@ -127,8 +135,11 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--top", type=int, default=0, help="cProfile: print the N functions with most own time")
     p.add_argument("--pstats", default=None, help="directory: each row's raw cProfile stats (with --top)")
-    p.add_argument("--steps", default="fwdbwd",
-                   help="comma list of infer (forward under inference_mode), fwd (the forward alone), fwdbwd")
+    p.add_argument(
+        "--steps",
+        default="fwdbwd",
+        help="comma list of infer (forward under inference_mode), fwd (the forward alone), fwdbwd",
+    )
     p.add_argument("--tokens", default=None, help="comma list of token counts replacing each shape's")
     p.add_argument("--forward", action="store_true", help="time the forward alone (--steps fwd)")
     p.add_argument("--json", default=None)
@@ -171,13 +182,17 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     for name, text in profiles:
         print(f"## cProfile {name} ({a.iters} steps)\n{text}")
-    print(f"{'model':16} {'tokens':>6} {'backend':10} {'router':7} {'step':6} {'host ms':>8} {'held host':>9} "
-          f"{'device ms':>9} {'step ms':>8} {'host/dev':>8}  sync?")
+    print(
+        f"{'model':16} {'tokens':>6} {'backend':10} {'router':7} {'step':6} {'host ms':>8} {'held host':>9} "
+        f"{'device ms':>9} {'step ms':>8} {'host/dev':>8}  sync?"
+    )
     for r in rows:
         sync = "yes" if r["held_host_ms"] > r["sleep_ms"] / 2 else "no"
-        print(f"{r['model']:16} {r['tokens']:6d} {r['backend']:10} {r['router']:7} {r['step']:6} {r['host_ms']:8.3f} "
-              f"{r['held_host_ms']:9.3f} {r['device_ms']:9.3f} {r['step_ms']:8.3f} "
-              f"{r['host_ms'] / r['device_ms']:8.2f}  {sync}")
+        print(
+            f"{r['model']:16} {r['tokens']:6d} {r['backend']:10} {r['router']:7} {r['step']:6} {r['host_ms']:8.3f} "
+            f"{r['held_host_ms']:9.3f} {r['device_ms']:9.3f} {r['step_ms']:8.3f} "
+            f"{r['host_ms'] / r['device_ms']:8.2f}  {sync}"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

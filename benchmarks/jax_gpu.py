@@ -34,6 +34,7 @@ Run from the repository root (one GPU; ``ep`` wants two or more):
 
 Without a GPU it runs on the CPU at toy sizes (``--quick`` is then implied): a smoke test of the script.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,6 +89,7 @@ def rel(a, b) -> float:
 
 # ---------------------------------------------------------------- parity
 
+
 def part_parity(args) -> None:
     import jax
     import jax.numpy as jnp
@@ -100,10 +102,24 @@ def part_parity(args) -> None:
 
     dev = jax.devices()[0]
     tdev = "cuda" if torch.cuda.is_available() else "cpu"
-    blocks = {"softmax top-8 + gated shared": dict(num_experts=16, top_k=8, num_shared_experts=1,
-                                                   shared_expert_gate=True, aux_loss_coef=0.01, z_loss_coef=0.001),
-              "gpt-oss": dict(num_experts=8, top_k=4, topk_before_score=True, router_bias=True, expert_bias=True,
-                              activation="clamped_swiglu")}
+    blocks = {
+        "softmax top-8 + gated shared": dict(
+            num_experts=16,
+            top_k=8,
+            num_shared_experts=1,
+            shared_expert_gate=True,
+            aux_loss_coef=0.01,
+            z_loss_coef=0.001,
+        ),
+        "gpt-oss": dict(
+            num_experts=8,
+            top_k=4,
+            topk_before_score=True,
+            router_bias=True,
+            expert_bias=True,
+            activation="clamped_swiglu",
+        ),
+    }
     for label, kw in blocks.items():
         cfg = moeyard.MoEConfig(hidden_size=256, intermediate_size=128, **kw)
         torch.manual_seed(0)
@@ -118,8 +134,7 @@ def part_parity(args) -> None:
         xt = x.clone().requires_grad_()
         y = t(xt)
         ((y * probe).sum() + t.aux_loss).backward()
-        want = {"y": y, "x": xt.grad, **{n: p.grad for n, p in t.named_parameters()},
-                "weights": t.routing.topk_weights}
+        want = {"y": y, "x": xt.grad, **{n: p.grad for n, p in t.named_parameters()}, "weights": t.routing.topk_weights}
         graphdef, params, rest = nnx.split(j, nnx.Param, ...)
 
         def loss(params, x, probe, rest):
@@ -130,8 +145,12 @@ def part_parity(args) -> None:
 
         xj, pj = (jax.device_put(jnp.asarray(a.cpu().numpy()), dev) for a in (x, probe))
         (gp, gx), (yj, wj, ids) = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(params, xj, pj, rest)
-        got = {"y": yj, "x": gx, "weights": wj,
-               **{".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(gp)}}
+        got = {
+            "y": yj,
+            "x": gx,
+            "weights": wj,
+            **{".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(gp)},
+        }
         ids_equal = bool(np.array_equal(np.asarray(ids), t.routing.topk_ids.cpu().numpy()))
         errs = {k: rel(got[k], want[k].detach().cpu().numpy()) for k in want}
         worst = max(errs, key=errs.get)
@@ -150,13 +169,29 @@ def _parity_layouts(dev) -> None:
     g = np.random.default_rng(0)
     T, K, E, H, I = 1024, 4, 16, 256, 128
     ids = np.stack([g.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
-    arrays = [g.standard_normal((T, H)), g.random((T, K)), g.standard_normal((E, H, 2 * I)) / 16,
-              g.standard_normal((E, I, H)) / 11, g.standard_normal((E, 2 * I)) / 4, g.standard_normal((E, H)) / 4]
+    arrays = [
+        g.standard_normal((T, H)),
+        g.random((T, K)),
+        g.standard_normal((E, H, 2 * I)) / 16,
+        g.standard_normal((E, I, H)) / 11,
+        g.standard_normal((E, 2 * I)) / 4,
+        g.standard_normal((E, H)) / 4,
+    ]
     probe = g.standard_normal((T, H))
 
     def f(x, w, up, down, bu, bd, probe):
-        out = mj.experts(x, jnp.asarray(ids), w, up, down, gate_up_bias=bu, down_bias=bd, transposed=True,
-                         interleaved=True, activation="clamped_swiglu")
+        out = mj.experts(
+            x,
+            jnp.asarray(ids),
+            w,
+            up,
+            down,
+            gate_up_bias=bu,
+            down_bias=bd,
+            transposed=True,
+            interleaved=True,
+            activation="clamped_swiglu",
+        )
         return (out.astype(jnp.float32) * probe).sum(), out
 
     grad = jax.grad(f, argnums=tuple(range(6)), has_aux=True)
@@ -165,13 +200,19 @@ def _parity_layouts(dev) -> None:
         ref = jax.jit(grad)(*[jax.device_put(jnp.asarray(a), cpu) for a in arrays], jax.device_put(probe, cpu))
         ref = jax.tree_util.tree_map(np.asarray, ref)
     for dtype in (jnp.float32, jnp.bfloat16):
-        got = jax.jit(grad)(*[jax.device_put(jnp.asarray(a, dtype), dev) for a in arrays],
-                            jax.device_put(jnp.asarray(probe, jnp.float32), dev))
-        note("parity", f"experts transposed+interleaved+biases, {jnp.dtype(dtype).name} vs float64",
-             f"max rel err out {rel(got[1], ref[1]):.1e}, grads {rel(got[0], ref[0]):.1e}")
+        got = jax.jit(grad)(
+            *[jax.device_put(jnp.asarray(a, dtype), dev) for a in arrays],
+            jax.device_put(jnp.asarray(probe, jnp.float32), dev),
+        )
+        note(
+            "parity",
+            f"experts transposed+interleaved+biases, {jnp.dtype(dtype).name} vs float64",
+            f"max rel err out {rel(got[1], ref[1]):.1e}, grads {rel(got[0], ref[0]):.1e}",
+        )
 
 
 # ---------------------------------------------------------------- expert parallelism
+
 
 def part_ep(args) -> None:
     import jax
@@ -210,7 +251,10 @@ def part_ep(args) -> None:
             try:
                 local = jax.shard_map(
                     functools.partial(mj.ep_experts, axis_name="ep", exchange=exchange, align=align),
-                    mesh=mesh, in_specs=(P("ep"),) * 5, out_specs=P("ep"))
+                    mesh=mesh,
+                    in_specs=(P("ep"),) * 5,
+                    out_specs=P("ep"),
+                )
 
                 def loss_ep(x, w, up, down):
                     return (local(x, ids_j, w, up, down).astype(jnp.float32) * probe_j).sum()  # noqa: B023  (traced and run in this iteration)
@@ -219,13 +263,19 @@ def part_ep(args) -> None:
                 got = step(*args_)
                 results[name] = got
                 ms = _time(functools.partial(step, *args_), 3 if args.quick else 10)
-                note("ep", f"{label}, W={W}, {name}", f"max rel err vs one device {rel(got, ref):.1e}; "
-                     f"fwd+bwd {ms:.2f} ms")
+                note(
+                    "ep",
+                    f"{label}, W={W}, {name}",
+                    f"max rel err vs one device {rel(got, ref):.1e}; fwd+bwd {ms:.2f} ms",
+                )
             except Exception as ex:  # noqa: BLE001  (each exchange reported on its own)
                 note("ep", f"{label}, W={W}, {name}", f"ERROR {type(ex).__name__}: {str(ex).splitlines()[0][:200]}")
         if "all_to_all" in results and "ragged_all_to_all" in results:
-            note("ep", f"{label}, ragged_all_to_all vs all_to_all",
-                 f"max rel err {rel(results['ragged_all_to_all'], results['all_to_all']):.1e}")
+            note(
+                "ep",
+                f"{label}, ragged_all_to_all vs all_to_all",
+                f"max rel err {rel(results['ragged_all_to_all'], results['all_to_all']):.1e}",
+            )
 
 
 def _time(step, iters: int) -> float:
@@ -242,28 +292,48 @@ def _time(step, iters: int) -> float:
 
 # ---------------------------------------------------------------- memory
 
+
 def part_memory(args) -> None:
     models = ["sonic-7b", "qwen3-30b-a3b"]
     for model in models:
         for layers in (1, 4):
             row = {}
             for custom in (True, False):
-                cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", model, str(layers), str(int(custom)),
-                       "--mem-tokens", str(args.mem_tokens)]
+                cmd = [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--memory-child",
+                    model,
+                    str(layers),
+                    str(int(custom)),
+                    "--mem-tokens",
+                    str(args.mem_tokens),
+                ]
                 if args.quick:
                     cmd.append("--quick")
-                run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                                     env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")})
+                run = subprocess.run(
+                    cmd,
+                    capture_output=True,
+                    text=True,
+                    timeout=900,
+                    env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")},
+                )
                 if run.returncode != 0:
                     raise RuntimeError(f"memory child {model} x{layers}: {run.stderr.strip().splitlines()[-1:]}")
                 row[custom] = json.loads(run.stdout.strip().splitlines()[-1])
             a, b = row[True], row[False]
-            peak = "n/a (no allocator statistics here)" if a["peak_gib"] is None else \
-                f"custom VJP {a['peak_gib']:.2f} vs autodiff {b['peak_gib']:.2f} (x{b['peak_gib'] / a['peak_gib']:.2f})"
+            peak = (
+                "n/a (no allocator statistics here)"
+                if a["peak_gib"] is None
+                else f"custom VJP {a['peak_gib']:.2f} vs autodiff {b['peak_gib']:.2f} (x{b['peak_gib'] / a['peak_gib']:.2f})"
+            )
             size = "quick" if args.quick else f"T={args.mem_tokens}"
-            note("memory", f"{model} ({size}), {layers} layer(s), fwd+bwd peak GiB",
-                 f"{peak}; XLA temp {a['xla_temp_gib']:.2f} vs {b['xla_temp_gib']:.2f}; "
-                 f"fwd+bwd ms {a['ms']:.2f} vs {b['ms']:.2f}")
+            note(
+                "memory",
+                f"{model} ({size}), {layers} layer(s), fwd+bwd peak GiB",
+                f"{peak}; XLA temp {a['xla_temp_gib']:.2f} vs {b['xla_temp_gib']:.2f}; "
+                f"fwd+bwd ms {a['ms']:.2f} vs {b['ms']:.2f}",
+            )
 
 
 def memory_child(model: str, layers: int, custom: bool, quick: bool, tokens: int) -> None:
@@ -281,6 +351,7 @@ def memory_child(model: str, layers: int, custom: bool, quick: bool, tokens: int
     T = 512 if quick else tokens
     if quick:
         import dataclasses
+
         cfg = dataclasses.replace(cfg, hidden_size=128, intermediate_size=64, num_experts=16)
     dtype = jnp.bfloat16 if on_gpu() else jnp.float32
     stack = [mj.MoE(cfg, rngs=nnx.Rngs(i), dtype=dtype, custom_vjp=custom) for i in range(layers)]
@@ -304,12 +375,13 @@ def memory_child(model: str, layers: int, custom: bool, quick: bool, tokens: int
     jax.block_until_ready(compiled(params, x, dy))
     base = sum(a.nbytes for a in jax.tree_util.tree_leaves((params, rest, x, dy)))
     stats = dev.memory_stats() or {}
-    peak = None if "peak_bytes_in_use" not in stats else (stats["peak_bytes_in_use"] - base) / 2 ** 30
+    peak = None if "peak_bytes_in_use" not in stats else (stats["peak_bytes_in_use"] - base) / 2**30
     ms = _time(lambda: compiled(params, x, dy), 5)
-    print(json.dumps({"peak_gib": peak, "xla_temp_gib": mem.temp_size_in_bytes / 2 ** 30, "ms": ms}))
+    print(json.dumps({"peak_gib": peak, "xla_temp_gib": mem.temp_size_in_bytes / 2**30, "ms": ms}))
 
 
 # ---------------------------------------------------------------- bench
+
 
 def part_bench(args) -> None:
     out = os.path.join(args.out, "jax_bench.json")
@@ -320,8 +392,25 @@ def part_bench(args) -> None:
     if args.backends:
         cmd += ["--backends", args.backends]
     if args.quick:
-        cmd = [sys.executable, "-m", "moeyard", "bench", "--framework", "jax", "--json", out, "--shape",
-               "256,64,32,8,2", "--backends", "grouped_mm", "--no-peers", "--iters", "2", "--warmup", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "moeyard",
+            "bench",
+            "--framework",
+            "jax",
+            "--json",
+            out,
+            "--shape",
+            "256,64,32,8,2",
+            "--backends",
+            "grouped_mm",
+            "--no-peers",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+        ]
     print("  $", " ".join(cmd[1:]), flush=True)
     run = subprocess.run(cmd, text=True, timeout=3600, env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")})
     if run.returncode != 0 and not os.path.exists(out):
@@ -330,10 +419,14 @@ def part_bench(args) -> None:
     for case in dict.fromkeys(r["case"] for r in result["rows"]):
         rows = {r["impl"]: r for r in result["rows"] if r["case"] == case}
         ok = {k: r for k, r in rows.items() if "error" not in r}
-        torch_best = min((r for r in ok.values() if r.get("kind") == "moeyard"), key=lambda r: r["fwdbwd_ms"],
-                         default=None)
-        parts = [f"{k} {r['fwd_tflops']:.0f}/{r['fwdbwd_tflops']:.0f}" for k, r in ok.items()
-                 if r.get("kind") == "jax" or r is torch_best]
+        torch_best = min(
+            (r for r in ok.values() if r.get("kind") == "moeyard"), key=lambda r: r["fwdbwd_ms"], default=None
+        )
+        parts = [
+            f"{k} {r['fwd_tflops']:.0f}/{r['fwdbwd_tflops']:.0f}"
+            for k, r in ok.items()
+            if r.get("kind") == "jax" or r is torch_best
+        ]
         errors = [f"{k}: {r['error'][:80]}" for k, r in rows.items() if "error" in r]
         note("bench", f"{case} TFLOP/s fwd/fwd+bwd", "; ".join(parts) + (f"; errors: {errors}" if errors else ""))
         if "jax" in ok:
@@ -349,8 +442,13 @@ def use_lowering(name: str) -> bool:
         env["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), env["XLA_FLAGS"]) if f)
     if not env:
         return True
-    probe = subprocess.run([sys.executable, "-c", "import jax, jax.numpy as jnp; jnp.ones(2).block_until_ready()"],
-                           env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import jax, jax.numpy as jnp; jnp.ones(2).block_until_ready()"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if probe.returncode != 0:
         print(f"--lowering {name}: this jax does not accept {env}: {probe.stderr.strip().splitlines()[-1:]}")
         return False
@@ -365,12 +463,18 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {list(PARTS)} (default: all)")
     p.add_argument("--models", help="bench: comma-separated model names (default: the five ANCHORS.md shapes)")
-    p.add_argument("--backends", help="bench: the PyTorch rows, as moeyard bench --backends (default: every "
-                   "backend that runs, and the peers)")
+    p.add_argument(
+        "--backends",
+        help="bench: the PyTorch rows, as moeyard bench --backends (default: every backend that runs, and the peers)",
+    )
     p.add_argument("--out", default="/tmp/moeyard_jax_gpu", help="where the bench JSON goes")
     p.add_argument("--quick", action="store_true", help="toy sizes (implied without a GPU)")
-    p.add_argument("--lowering", choices=list(LOWERINGS), default="default",
-                   help="ragged_dot's GPU lowering for every part (module docstring)")
+    p.add_argument(
+        "--lowering",
+        choices=list(LOWERINGS),
+        default="default",
+        help="ragged_dot's GPU lowering for every part (module docstring)",
+    )
     p.add_argument("--mem-tokens", type=int, default=8192, help="memory: tokens per layer call (default 8192)")
     p.add_argument("--memory-child", nargs=3, metavar=("MODEL", "LAYERS", "CUSTOM"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -384,8 +488,11 @@ def main() -> int:
 
     args.quick = args.quick or not on_gpu()
     os.makedirs(args.out, exist_ok=True)
-    print(f"jax {jax.__version__} on {[d.device_kind for d in jax.devices()]}; ragged_dot lowering {args.lowering}; "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+    print(
+        f"jax {jax.__version__} on {[d.device_kind for d in jax.devices()]}; ragged_dot lowering {args.lowering}; "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        flush=True,
+    )
     failed = []
     for name in args.parts.split(","):
         if name not in PARTS:

@@ -1,5 +1,6 @@
 """Which part of moeyard.jax's ragged_all_to_all exchange differs from the dense one on the GPUs present:
 the forward output, then each gradient, on a small float32 case."""
+
 import functools
 import math
 import os
@@ -30,12 +31,31 @@ def rel(a, b):
 
 
 for exchange in ("all_to_all", "ragged_all_to_all"):
-    f = jax.jit(jax.shard_map(functools.partial(mj.ep_experts, axis_name="ep", exchange=exchange),
-                              mesh=mesh, in_specs=(P("ep"),) * 5, out_specs=P("ep")))
+    f = jax.jit(
+        jax.shard_map(
+            functools.partial(mj.ep_experts, axis_name="ep", exchange=exchange),
+            mesh=mesh,
+            in_specs=(P("ep"),) * 5,
+            out_specs=P("ep"),
+        )
+    )
     out = f(x, ids, w, up, down)
     bad = jnp.abs(out - ref_out).max(axis=1) > 1e-3 * jnp.abs(ref_out).max()
-    print(exchange, "forward rel err", rel(out, ref_out), "bad rows", int(bad.sum()), "of", W * T,
-          "first bad rows", np.nonzero(np.asarray(bad))[0][:8].tolist(), "zero rows", int((jnp.abs(out).max(1) == 0).sum()))
+    print(
+        exchange,
+        "forward rel err",
+        rel(out, ref_out),
+        "bad rows",
+        int(bad.sum()),
+        "of",
+        W * T,
+        "first bad rows",
+        np.nonzero(np.asarray(bad))[0][:8].tolist(),
+        "zero rows",
+        int((jnp.abs(out).max(1) == 0).sum()),
+    )
     grads = jax.grad(lambda x, w, u, d: (f(x, ids, w, u, d) * probe).sum(), argnums=(0, 1, 2, 3))(x, w, up, down)  # noqa: B023  (f: this iteration's)
-    refg = jax.grad(lambda x, w, u, d: (mj.experts(x, ids, w, u, d) * probe).sum(), argnums=(0, 1, 2, 3))(x, w, up, down)
+    refg = jax.grad(lambda x, w, u, d: (mj.experts(x, ids, w, u, d) * probe).sum(), argnums=(0, 1, 2, 3))(
+        x, w, up, down
+    )
     print(exchange, "grad rel err (x, w, up, down):", [f"{rel(a, b):.1e}" for a, b in zip(grads, refg, strict=True)])

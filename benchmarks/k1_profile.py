@@ -8,6 +8,7 @@ calls), then a table; writes ``$OUT/k1_profile.json`` (default ``.``)::
 
     PYTHONPATH=src python benchmarks/k1_profile.py
 """
+
 import functools
 import json
 import os
@@ -51,24 +52,29 @@ def case(name: str, H: int, I: int, live: int) -> list[dict]:
     El = LOCAL_EXPERTS
     g = torch.Generator().manual_seed(0)
     ids = torch.sort(torch.randint(0, El, (live,), generator=g))[0]
-    w_up = (torch.randn(El, 2 * I, H, device=DEV) / H ** 0.5).to(BF16)
-    w_down = (torch.randn(El, H, I, device=DEV) / I ** 0.5).to(BF16)
+    w_up = (torch.randn(El, 2 * I, H, device=DEV) / H**0.5).to(BF16)
+    w_down = (torch.randn(El, H, I, device=DEV) / I**0.5).to(BF16)
     rows = []
-    for mode, n, drop in (("routed rows, True", live, True), ("2x rows, unwritten", 2 * live, "unwritten"),
-                          ("2x rows, True", 2 * live, True)):
+    for mode, n, drop in (
+        ("routed rows, True", live, True),
+        ("2x rows, unwritten", 2 * live, "unwritten"),
+        ("2x rows, True", 2 * live, True),
+    ):
         x = torch.randn(n, H, device=DEV).to(BF16)
         topk_ids = torch.full((n, 1), El, dtype=torch.int64)
         topk_ids[:live, 0] = ids
         topk_ids = topk_ids.to(DEV)
         w = torch.ones(n, 1, device=DEV, dtype=BF16)
 
-        fn = functools.partial(experts, x, topk_ids, w, w_up, w_down, activation="swiglu", backend="triton",
-                               drop_invalid=drop)
+        fn = functools.partial(
+            experts, x, topk_ids, w, w_up, w_down, activation="swiglu", backend="triton", drop_invalid=drop
+        )
 
         with torch.no_grad():
             ms, top = median_ms(fn), kernels(fn)
-        rows.append(dict(shape=name, mode=mode, rows=n, live=live, ms=ms, tflops=6 * live * H * I / ms / 1e9,
-                         kernels=top))
+        rows.append(
+            dict(shape=name, mode=mode, rows=n, live=live, ms=ms, tflops=6 * live * H * I / ms / 1e9, kernels=top)
+        )
         print(name, mode, [(k, round(t, 3)) for k, t in top[:4]], flush=True)
     return rows
 

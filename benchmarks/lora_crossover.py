@@ -6,6 +6,7 @@ process, to choose the default of the ``lora_mode`` option (:mod:`moeyard.expert
 
 Prints one row per (shape, rank): split ms, fused ms and the faster mode.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,15 @@ from moeyard.bench import lora as bench_lora
 from moeyard.bench.models import get_model, with_tokens
 from moeyard.experts.triton import options
 
-MODELS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b", "olmoe-1b-7b", "mixtral-8x7b", "gpt-oss-20b", "sonic-120b",
-          "qwen3-235b-a22b")
+MODELS = (
+    "qwen3-30b-a3b",
+    "qwen3.5-35b-a3b",
+    "olmoe-1b-7b",
+    "mixtral-8x7b",
+    "gpt-oss-20b",
+    "sonic-120b",
+    "qwen3-235b-a22b",
+)
 
 
 def main() -> None:
@@ -44,8 +52,11 @@ def main() -> None:
                 with options.use_options(lora_mode=mode):
                     ms[mode] = bench_lora.measure(bench_lora.build("lora", case), case, opts)["step_ms"]
             best = min(ms, key=ms.get)
-            rows.append(dict(shape=name, T=T, H=H, I=I, E=E, k=K, rank=rank, **{f"{m}_ms": v for m, v in ms.items()},
-                             faster=best))
+            rows.append(
+                dict(
+                    shape=name, T=T, H=H, I=I, E=E, k=K, rank=rank, **{f"{m}_ms": v for m, v in ms.items()}, faster=best
+                )
+            )
             print(f"{name:18} {rank:>3} {ms['split']:9.3f} {ms['fused']:9.3f} {best:>7}", flush=True)
             del case
             bench.free_memory(opts.device)

@@ -21,6 +21,7 @@ inputs, uniform routing):
 
 Prints one table per model (ms), then the GPU and software versions.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,10 +65,26 @@ def _problem(model: str, rank: int, tokens: int | None):
     r = ops.routing(ids, E)
     N = T * K
     g = lambda *s: torch.randn(*s, device=dev, dtype=bf) / 4  # noqa: E731
-    return dict(T=T, H=H, I=I, E=E, K=K, N=N, r=r, tw=torch.rand(N, device=dev, dtype=bf),
-                a=g(N, I), w_down=g(E, H, I), dh=g(N, 2 * I), w_up=g(E, 2 * I, H),
-                z=g(N, rank), b_down=g(E, H, rank).contiguous(), a_up=g(E, rank, H), b_up=g(E, 2 * I, rank),
-                dout=g(T, H), x=g(T, H))
+    return dict(
+        T=T,
+        H=H,
+        I=I,
+        E=E,
+        K=K,
+        N=N,
+        r=r,
+        tw=torch.rand(N, device=dev, dtype=bf),
+        a=g(N, I),
+        w_down=g(E, H, I),
+        dh=g(N, 2 * I),
+        w_up=g(E, 2 * I, H),
+        z=g(N, rank),
+        b_down=g(E, H, rank).contiguous(),
+        a_up=g(E, rank, H),
+        b_up=g(E, 2 * I, rank),
+        dout=g(T, H),
+        x=g(T, H),
+    )
 
 
 def _down_cases(p):
@@ -85,13 +102,30 @@ def down_rows(p, rank: int, iters: int, variants: bool) -> list[tuple[str, str, 
         ready = kernels_gluon.ready(rows, w, None, None, 0, tma_block_m())
         for gluon in (False, True):
             if gluon and not ready:  # past the K-step limit: run it anyway, to measure that limit
-                kernels_gluon.MAX_K_STEPS = 10 ** 9
+                kernels_gluon.MAX_K_STEPS = 10**9
             for lora in (False, True):
+
                 def run(lora=lora, rows=rows, w=w, tw=tw, lb=lb, y=y):
                     # the split term's epilogue reads only z and Lb (la is the thin pass's, made outside)
                     mode, z = (LORA_SPLIT, p["z"]) if lora else (LORA_NONE, None)
-                    ops.launch_down(rows, w, None, tw, r.sort_order, r.expert_offsets, r.top_k, lb if lora else None,
-                                    lb if lora else None, mode, 0.5, y, z, table, False)
+                    ops.launch_down(
+                        rows,
+                        w,
+                        None,
+                        tw,
+                        r.sort_order,
+                        r.expert_offsets,
+                        r.top_k,
+                        lb if lora else None,
+                        lb if lora else None,
+                        mode,
+                        0.5,
+                        y,
+                        z,
+                        table,
+                        False,
+                    )
+
                 label = f"{'Gluon' if gluon else 'Triton'}, {'LoRA' if lora else 'frozen'}"
                 with use_options(gluon_down=gluon):
                     ms = timed(run, iters)
@@ -112,10 +146,25 @@ def _gluon_variants(p, name, rows, w, tw, lb, table, y, rank, iters):
     saved = kernels_gluon.STAGES
     for stages, lora in ((3, True), (4, True), (3, False), (4, False)):
         kernels_gluon.STAGES = stages
+
         def run(lora=lora):
-            kernels_gluon.launch(rows, w, None, tw, r.sort_order, r.expert_offsets, y, lb if lora else None,
-                                 p["z"] if lora else None, table, 0.5, max(16, rank), tma_block_m(),
-                                 ops.num_sms(rows.device))
+            kernels_gluon.launch(
+                rows,
+                w,
+                None,
+                tw,
+                r.sort_order,
+                r.expert_offsets,
+                y,
+                lb if lora else None,
+                p["z"] if lora else None,
+                table,
+                0.5,
+                max(16, rank),
+                tma_block_m(),
+                ops.num_sms(rows.device),
+            )
+
         out.append((name, f"Gluon, {'LoRA' if lora else 'frozen'}, {stages} stages", timed(run, iters)))
     kernels_gluon.STAGES = saved
     return out
@@ -124,15 +173,25 @@ def _gluon_variants(p, name, rows, w, tw, lb, table, y, rank, iters):
 def fold_rows(p, iters: int) -> list[tuple[str, str, float]]:
     r = p["r"]
     out = []
-    for name, d, z, b, by_token in (("dB + rows, d out", p["dout"], p["z"], p["b_down"], True),
-                                    ("dB + rows, d_h", p["dh"], p["z"], p["b_up"], False)):
+    for name, d, z, b, by_token in (
+        ("dB + rows, d out", p["dout"], p["z"], p["b_down"], True),
+        ("dB + rows, d_h", p["dh"], p["z"], p["b_up"], False),
+    ):
+
         def two(d=d, z=z, b=b, by_token=by_token):
             ops.low_rank_rows(d, b, r, gather=by_token)
-            ops.wgrad(d, z, lhs_by_token=by_token, rhs_by_token=False, scale=None, r=r, like_w=b, like_b=None,
-                      low_rank=True)
+            ops.wgrad(
+                d, z, lhs_by_token=by_token, rhs_by_token=False, scale=None, r=r, like_w=b, like_b=None, low_rank=True
+            )
+
         out.append((name, "two passes (thin GEMM + weight gradient)", timed(two, iters)))
-        out.append((name, "one pass (wgrad_rows)", timed(functools.partial(ops.wgrad_rows, d, z, b, lhs_by_token=by_token, r=r),
-                                                          iters)))
+        out.append(
+            (
+                name,
+                "one pass (wgrad_rows)",
+                timed(functools.partial(ops.wgrad_rows, d, z, b, lhs_by_token=by_token, r=r), iters),
+            )
+        )
     return out
 
 
@@ -140,13 +199,25 @@ def relayout_rows(p, rank: int, iters: int) -> list[tuple[str, str, float]]:
     """``lora_B [out, r*E]`` relaid out expert-major (:mod:`moeyard.experts.relayout`): torch's copy of the
     permuted view against the Triton transpose, for both projections' factors."""
     from moeyard.experts.relayout import expert_major
+
     out = []
     E = p["E"]
     for name, n_out in (("lora_B relayout, up", 2 * p["I"]), ("lora_B relayout, down", p["H"])):
         b = torch.randn(n_out, rank * E, device="cuda", dtype=torch.bfloat16)
-        out.append((name, "torch copy of the permuted view",
-                    timed(lambda b=b: b.unflatten(1, (rank, E)).permute(2, 0, 1).contiguous(), iters)))
-        out.append((name, "Triton transpose (expert_major)", timed(functools.partial(expert_major, b, rank, E, b.dtype), iters)))
+        out.append(
+            (
+                name,
+                "torch copy of the permuted view",
+                timed(lambda b=b: b.unflatten(1, (rank, E)).permute(2, 0, 1).contiguous(), iters),
+            )
+        )
+        out.append(
+            (
+                name,
+                "Triton transpose (expert_major)",
+                timed(functools.partial(expert_major, b, rank, E, b.dtype), iters),
+            )
+        )
     return out
 
 
@@ -155,9 +226,23 @@ def order_rows(p, iters: int) -> list[tuple[str, str, float]]:
     B's one pass over ``d out`` and ``dA_up = (d_h B_e)^T x`` (the base weight gradients stay
     expert-major: tile-major ran slower, NOTES round 17)."""
     r, out = p["r"], []
-    cases = (("dB + rows, d out", lambda: ops.wgrad_rows(p["dout"], p["z"], p["b_down"], lhs_by_token=True, r=r)),
-             ("dA_up (g^T x)", lambda: ops.wgrad(p["z"], p["x"], lhs_by_token=False, rhs_by_token=True, scale=None,
-                                                 r=r, like_w=p["a_up"], like_b=None, low_rank=True)))
+    cases = (
+        ("dB + rows, d out", lambda: ops.wgrad_rows(p["dout"], p["z"], p["b_down"], lhs_by_token=True, r=r)),
+        (
+            "dA_up (g^T x)",
+            lambda: ops.wgrad(
+                p["z"],
+                p["x"],
+                lhs_by_token=False,
+                rhs_by_token=True,
+                scale=None,
+                r=r,
+                like_w=p["a_up"],
+                like_b=None,
+                low_rank=True,
+            ),
+        ),
+    )
     for name, fn in cases:
         for major in (False, True):
             with use_options(wgrad_tile_major=major):
@@ -168,8 +253,10 @@ def order_rows(p, iters: int) -> list[tuple[str, str, float]]:
 def band_rows(p, iters: int) -> list[tuple[str, str, float]]:
     """The thin gathered GEMMs with their row tiles expert-major and band-major."""
     r, out = p["r"], []
-    cases = (("x A_up^T", lambda: ops.low_rank_rows(p["x"], p["a_up"].mT, r, gather=True)),
-             ("d out B_down", lambda: ops.low_rank_rows(p["dout"], p["b_down"], r, gather=True)))
+    cases = (
+        ("x A_up^T", lambda: ops.low_rank_rows(p["x"], p["a_up"].mT, r, gather=True)),
+        ("d out B_down", lambda: ops.low_rank_rows(p["dout"], p["b_down"], r, gather=True)),
+    )
     for name, fn in cases:
         for band in (False, True):
             with use_options(band_rows=band):
@@ -186,23 +273,29 @@ def main(argv=None) -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default: the model's bench size)")
-    ap.add_argument("--variants", action="store_true", help="also the Gluon kernel at 3 and 4 stages, with and without LoRA")
+    ap.add_argument(
+        "--variants", action="store_true", help="also the Gluon kernel at 3 and 4 stages, with and without LoRA"
+    )
     ap.add_argument("--groups", nargs="+", choices=GROUPS, default=list(GROUPS))
     args = ap.parse_args(argv)
     kernels_tma.ensure_allocator()
     for model in args.models:
         p = _problem(model, args.rank, args.tokens)
-        groups = dict(down=lambda p=p: down_rows(p, args.rank, args.iters, args.variants),
-                      fold=lambda p=p: fold_rows(p, args.iters),
-                      relayout=lambda p=p: relayout_rows(p, args.rank, args.iters),
-                      order=lambda p=p: order_rows(p, args.iters), band=lambda p=p: band_rows(p, args.iters))
+        groups = dict(
+            down=lambda p=p: down_rows(p, args.rank, args.iters, args.variants),
+            fold=lambda p=p: fold_rows(p, args.iters),
+            relayout=lambda p=p: relayout_rows(p, args.rank, args.iters),
+            order=lambda p=p: order_rows(p, args.iters),
+            band=lambda p=p: band_rows(p, args.iters),
+        )
         rows = [row for g in args.groups for row in groups[g]()]
-        print(f"\n{model}: T {p['T']}, H {p['H']}, I {p['I']}, E {p['E']}, k {p['K']}, r {args.rank} "
-              f"(K steps of 64: down {-(-p['I'] // 64)}, dx {-(-2 * p['I'] // 64)})")
+        print(
+            f"\n{model}: T {p['T']}, H {p['H']}, I {p['I']}, E {p['E']}, k {p['K']}, r {args.rank} "
+            f"(K steps of 64: down {-(-p['I'] // 64)}, dx {-(-2 * p['I'] // 64)})"
+        )
         for name, label, ms in rows:
             print(f"  {name:18s} {label:70s} {ms:8.3f} ms")
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
-          f"{__import__('triton').__version__}")
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {__import__('triton').__version__}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ the estimates of :mod:`moeyard.experts.triton.tuning` (``*``: a config an autotu
 ``--sequence``: each column's kernels of one step in launch order (tells the LoRA rows' thin passes
 from the main GEMMs of the same kernel).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,12 +39,16 @@ def kernel_times(module, case, steps: int = 3) -> tuple[dict[str, float], list[t
     for e in events:
         times[e.name[:60]] += e.device_time_total / 1e3 / steps
     events.sort(key=lambda e: e.time_range.start)
-    one_step = [(e.name[:60], e.device_time_total / 1e3) for e in events[-(len(events) // steps):]]
+    one_step = [(e.name[:60], e.device_time_total / 1e3) for e in events[-(len(events) // steps) :]]
     return dict(times), one_step
 
 
-KERNELS = {"up": kernels_fwd.up_kernel, "down": kernels_fwd.down_kernel, "dh": kernels_bwd.dh_kernel,
-           "wgrad": kernels_bwd.wgrad_kernel}
+KERNELS = {
+    "up": kernels_fwd.up_kernel,
+    "down": kernels_fwd.down_kernel,
+    "dh": kernels_bwd.dh_kernel,
+    "wgrad": kernels_bwd.wgrad_kernel,
+}
 TILE = ("BM", "BN", "BK")
 
 
@@ -60,9 +65,12 @@ def compiled_variants(fn):
 def _chosen(fn) -> set:
     """``(BM, BN, BK, num_warps, num_stages)`` of the configs that autotuners of the JIT function
     ``fn`` chose (for any of their launches: the ``autotune`` lines say which)."""
-    return {(c.kwargs["BM"], c.kwargs["BN"], c.kwargs["BK"], c.num_warps, c.num_stages)
-            for launcher in ops._LAUNCHERS.values() if getattr(launcher, "fn", None) is fn
-            for c in getattr(launcher, "cache", {}).values()}
+    return {
+        (c.kwargs["BM"], c.kwargs["BN"], c.kwargs["BK"], c.num_warps, c.num_stages)
+        for launcher in ops._LAUNCHERS.values()
+        if getattr(launcher, "fn", None) is fn
+        for c in getattr(launcher, "cache", {}).values()
+    }
 
 
 def print_compiled() -> None:
@@ -79,10 +87,12 @@ def print_compiled() -> None:
             cfg = triton.Config({m: consts[m] for m in TILE}, num_warps=md.num_warps, num_stages=md.num_stages)
             launch = tuning.launch_of(kind, {**sig, **consts})
             mark = "*" if (consts["BM"], consts["BN"], consts["BK"], md.num_warps, md.num_stages) in chosen else " "
-            print(f"{kind:6} {consts['BM']:3} {consts['BN']:3} {consts['BK']:3} {md.num_warps} {md.num_stages} "
-                  f"{consts.get('LORA', 0):4} {consts.get('RP', 0):3} {int(consts.get('DUAL', 0)):4} | "
-                  f"{k.n_regs:6} {tuning.registers(cfg, launch):3} | {k.n_spills:6} | "
-                  f"{md.shared:6} {tuning.smem_bytes(cfg, launch):6} {mark}")
+            print(
+                f"{kind:6} {consts['BM']:3} {consts['BN']:3} {consts['BK']:3} {md.num_warps} {md.num_stages} "
+                f"{consts.get('LORA', 0):4} {consts.get('RP', 0):3} {int(consts.get('DUAL', 0)):4} | "
+                f"{k.n_regs:6} {tuning.registers(cfg, launch):3} | {k.n_spills:6} | "
+                f"{md.shared:6} {tuning.smem_bytes(cfg, launch):6} {mark}"
+            )
 
 
 def main() -> None:

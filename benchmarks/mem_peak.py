@@ -5,6 +5,7 @@ them; a block with no frames was made by the autograd engine itself). ``benchmar
 
     MODEL=qwen3-30b-a3b [MODE=default] OUT=dir PYTHONPATH=src python benchmarks/mem_peak.py
 """
+
 import collections
 import os
 
@@ -23,9 +24,16 @@ dev = torch.device("cuda")
 
 def frames_of(ev):
     fr = ev.get("frames") or []
-    keep = [f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}" for f in fr
-            if "moeyard" in f["filename"] or "mem_peak" in f["filename"] or "torch/_inductor" in f["filename"]
-            or "torch/autograd" in f["filename"] or "output_code" in f["filename"] or "/tmp/" in f["filename"]]
+    keep = [
+        f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}"
+        for f in fr
+        if "moeyard" in f["filename"]
+        or "mem_peak" in f["filename"]
+        or "torch/_inductor" in f["filename"]
+        or "torch/autograd" in f["filename"]
+        or "output_code" in f["filename"]
+        or "/tmp/" in f["filename"]
+    ]
     return " < ".join(keep[:5])
 
 
@@ -36,11 +44,16 @@ def analyse(tag, mode):
         layer.router.weight.copy_(inputs.router_weight)
     fn = layer if mode is None else torch.compile(layer, mode=mode)
     params = [p for p in layer.parameters() if p.requires_grad]
+
     def step(i):
-        for t in params + inputs.xs: t.grad = None
+        for t in params + inputs.xs:
+            t.grad = None
         fn(inputs.xs[i]).backward(inputs.dys[i])
-    for i in range(3): step(i % len(inputs.xs))
-    for t in params + inputs.xs: t.grad = None
+
+    for i in range(3):
+        step(i % len(inputs.xs))
+    for t in params + inputs.xs:
+        t.grad = None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -53,14 +66,17 @@ def analyse(tag, mode):
     live, total, best, best_set = {}, 0, -1, None
     for ev in snap["device_traces"][0]:
         if ev["action"] == "alloc":
-            live[ev["addr"]] = ev; total += ev["size"]
+            live[ev["addr"]] = ev
+            total += ev["size"]
         elif ev["action"] in ("free_requested",):
             e = live.pop(ev["addr"], None)
-            if e is not None: total -= e["size"]
+            if e is not None:
+                total -= e["size"]
         if total > best:
             best, best_set = total, dict(live)
-    print(f"== {tag}: peak extra {peak / 2**30:.3f} GiB; "
-          f"traced live-at-peak (allocated in step) {best / 2**30:.3f} GiB")
+    print(
+        f"== {tag}: peak extra {peak / 2**30:.3f} GiB; traced live-at-peak (allocated in step) {best / 2**30:.3f} GiB"
+    )
     agg = collections.Counter()
     for e in best_set.values():
         agg[(e["size"], frames_of(e))] += 1

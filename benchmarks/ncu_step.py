@@ -8,6 +8,7 @@ Autotunes and warms up first (outside the profiled range), then runs one step be
 
 (``PYTHONPATH=src``.) Shapes and inputs as ``benchmarks/triton_profile.py``.
 """
+
 import os
 import sys
 

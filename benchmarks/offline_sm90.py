@@ -20,6 +20,7 @@ Caveat: the installed Triton may differ from the GPU machine's (here 3.9 vs 3.6 
 generation, and so registers and spills, can differ between versions. Treat the numbers as a check of
 the estimates, to be confirmed with the compiled kernels' ``n_regs``/``n_spills`` on the GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -94,6 +95,7 @@ class _Recorder:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.sink.append(Launch(self.name, self.kernel, self.configs, args, kwargs, self.kind))
+
         return launch
 
 
@@ -101,17 +103,20 @@ class _Recorder:
 def recording(sink: list):
     """Inside: the backend's tuned launchers record their launches into ``sink``."""
     from moeyard.experts.triton import ops, schedule
+
     names = {id(c): n for n, c in vars(schedule).items() if n.endswith("_CONFIGS")}
     real_tuned = schedule.tuned
 
     def fake_tuned(kernel, configs, key, kind=None, **_):
         return _Recorder(names.get(id(configs), kernel.fn.__name__), kernel, configs, kind, sink)
+
     real_run = triton.runtime.jit.JITFunction.run
 
     def direct_run(self, *args, grid, warmup, **kwargs):  # kernels launched without autotuning
         if warmup:
             return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
         sink.append(Launch(self.fn.__name__, self, [], args, kwargs))
+
     saved = dict(ops._LAUNCHERS)
     ops._LAUNCHERS.clear()
     ops.tuned = schedule.tuned = fake_tuned
@@ -143,17 +148,27 @@ def record_step(T, H, I, E, K, dtype, lora_rank, lora_mode, tma=True, bias=False
     lora = None
     if lora_rank:
         r = lora_rank
-        lora = {"gate_up_proj": ExpertLoRA(lora_A=torch.randn(r * E, H).to(dtype).requires_grad_(),
-                                           lora_B=torch.randn(2 * I, r * E).to(dtype).requires_grad_(), scaling=2.0),
-                "down_proj": ExpertLoRA(lora_A=torch.randn(r * E, I).to(dtype).requires_grad_(),
-                                        lora_B=torch.randn(H, r * E).to(dtype).requires_grad_(), scaling=2.0)}
+        lora = {
+            "gate_up_proj": ExpertLoRA(
+                lora_A=torch.randn(r * E, H).to(dtype).requires_grad_(),
+                lora_B=torch.randn(2 * I, r * E).to(dtype).requires_grad_(),
+                scaling=2.0,
+            ),
+            "down_proj": ExpertLoRA(
+                lora_A=torch.randn(r * E, I).to(dtype).requires_grad_(),
+                lora_B=torch.randn(H, r * E).to(dtype).requires_grad_(),
+                scaling=2.0,
+            ),
+        }
     else:
         up.requires_grad_()
         down.requires_grad_()
     biases = {}
     if bias:
-        biases = dict(gate_up_bias=torch.randn(E, 2 * I, generator=g).to(dtype).requires_grad_(lora is None),
-                      down_bias=torch.randn(E, H, generator=g).to(dtype).requires_grad_(lora is None))
+        biases = dict(
+            gate_up_bias=torch.randn(E, 2 * I, generator=g).to(dtype).requires_grad_(lora is None),
+            down_bias=torch.randn(E, H, generator=g).to(dtype).requires_grad_(lora is None),
+        )
     weights = expert_weights(up, down, lora=lora, **biases)
     sink: list[Launch] = []
     real_device = ops._tma_device
@@ -203,11 +218,17 @@ def mma_loop(sass: str) -> dict | None:
         m = re.search(r"@!?P\d\s+BRA `\((\.L_x_\d+)\)", line)  # a loop's conditional back edge
         if not (m and labels.get(m.group(1), i) < i):
             continue
-        body = [b for b in lines[labels[m.group(1)]:i + 1] if _INSTR.search(b)]
+        body = [b for b in lines[labels[m.group(1)] : i + 1] if _INSTR.search(b)]
         mma = sum(" HGMMA" in b or " HMMA" in b for b in body)
         if mma:
-            loops.append(dict(instructions=len(body), mma=mma, ldg=sum(re.search(r"\sLDG\.", b) is not None for b in body),
-                              div64=sum("I2F.U32.RP" in b for b in body)))
+            loops.append(
+                dict(
+                    instructions=len(body),
+                    mma=mma,
+                    ldg=sum(re.search(r"\sLDG\.", b) is not None for b in body),
+                    div64=sum("I2F.U32.RP" in b for b in body),
+                )
+            )
     # (unconditional back jumps, from the barrier-wait retry blocks placed after the kernel's body, are
     # not loops of their own); of several loops, the innermost
     return min(loops, key=lambda d: d["instructions"], default=None)
@@ -229,6 +250,7 @@ def compile_config(launch: Launch, config, loops: bool = False) -> dict:
             row["loop"] = loop
     if config is not None and launch.kind is not None:
         from moeyard.experts.triton import tuning
+
         smem, regs, kept = tuning.fits(config, tuning.launch_of(launch.kind, launch.named()), SMEM_LIMIT)
         row.update(est_regs=regs, est_smem=smem, kept=kept)
     return row
@@ -238,7 +260,9 @@ def label(config) -> str:
     if config is None:
         return "(as launched)"
     k = config.kwargs
-    return f"{k['BM']}x{k['BN']}x{k['BK']} w{config.num_warps} s{config.num_stages}" + (" P" if k.get("PERSISTENT") else "")
+    return f"{k['BM']}x{k['BN']}x{k['BK']} w{config.num_warps} s{config.num_stages}" + (
+        " P" if k.get("PERSISTENT") else ""
+    )
 
 
 def unique(launches: list[Launch]) -> list[Launch]:
@@ -260,22 +284,30 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", help="comma-separated launcher names to compile (default: all recorded)")
     p.add_argument("--bias", action="store_true", help="both projections with biases")
     p.add_argument("--pointer", action="store_true", help="no TMA loads (options tma and tma_wgrad off)")
-    p.add_argument("--loops", action="store_true",
-                   help="also disassemble each kernel and count its main loop's instructions per MMA")
+    p.add_argument(
+        "--loops",
+        action="store_true",
+        help="also disassemble each kernel and count its main loop's instructions per MMA",
+    )
     p.add_argument("--json", help="write the rows as JSON here")
     args = p.parse_args(argv)
     T, H, I, E, K = (int(v) for v in args.shape.split(","))
     driver.set_active(_OfflineDriver())
     rows = []
-    for mode in (args.modes if args.lora else ["split"]):
-        launches = unique(record_step(T, H, I, E, K, torch.bfloat16, args.lora, mode, not args.pointer, args.bias,
-                                      not args.pointer))
+    for mode in args.modes if args.lora else ["split"]:
+        launches = unique(
+            record_step(T, H, I, E, K, torch.bfloat16, args.lora, mode, not args.pointer, args.bias, not args.pointer)
+        )
         for launch in launches:
             if args.kernels and launch.name not in args.kernels.split(","):
                 continue
             for config in launch.configs or [None]:
-                row = {"mode": mode if args.lora else "-", "launcher": launch.name,
-                       "kernel": launch.kernel.fn.__name__, "config": label(config)}
+                row = {
+                    "mode": mode if args.lora else "-",
+                    "launcher": launch.name,
+                    "kernel": launch.kernel.fn.__name__,
+                    "config": label(config),
+                }
                 try:
                     row.update(compile_config(launch, config, args.loops))
                     row["fits"] = row["dynamic_smem"] <= SMEM_LIMIT
@@ -293,14 +325,25 @@ def _line(r: dict) -> str:
     head = f"{r['mode']:6s} {r['launcher']:22s} {r['config']:25s}"
     if "error" in r:
         return f"{head} error {r['error']}"
-    est = (f"  | estimate regs {r['est_regs']:3d} smem {r['est_smem'] / 1024:6.1f} KiB "
-           f"{'kept' if r['kept'] else 'pruned'}") if "est_regs" in r else ""
+    est = (
+        (
+            f"  | estimate regs {r['est_regs']:3d} smem {r['est_smem'] / 1024:6.1f} KiB "
+            f"{'kept' if r['kept'] else 'pruned'}"
+        )
+        if "est_regs" in r
+        else ""
+    )
     lowered = " TMA" if r.get("tma") else ""
     loop = r.get("loop")
-    loop = (f"  | loop {loop['instructions']} instr / {loop['mma']} MMA, {loop['ldg']} LDG, {loop['div64']} div64"
-            if loop else "")
-    return (f"{head} regs {r['reg']:3d}  stack {r.get('stack', 0):5d} B  smem {r['dynamic_smem'] / 1024:6.1f} KiB"
-            f"{'' if r['fits'] else ' (over 227 KiB)'}{lowered}{est}{loop}")
+    loop = (
+        f"  | loop {loop['instructions']} instr / {loop['mma']} MMA, {loop['ldg']} LDG, {loop['div64']} div64"
+        if loop
+        else ""
+    )
+    return (
+        f"{head} regs {r['reg']:3d}  stack {r.get('stack', 0):5d} B  smem {r['dynamic_smem'] / 1024:6.1f} KiB"
+        f"{'' if r['fits'] else ' (over 227 KiB)'}{lowered}{est}{loop}"
+    )
 
 
 if __name__ == "__main__":

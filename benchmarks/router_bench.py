@@ -12,6 +12,7 @@ measured copy bandwidth. Shapes the fused router does not cover (grouped top-k) 
 GPU kernels of one forward + backward per implementation (``torch.profiler``), to see where each one's
 time goes. Exit status 1 when a pre-check fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,10 @@ def make_inputs(cfg, T: int, dtype, device, n_sets: int = N_SETS, seed: int = 0)
     E, H = cfg.num_experts, cfg.hidden_size
     sets = []
     for _ in range(n_sets):
-        s = dict(x=torch.randn(T, H, device=device, dtype=dtype, generator=g),
-                 weight=(torch.randn(E, H, device=device, generator=g) / H ** 0.5).to(dtype))
+        s = dict(
+            x=torch.randn(T, H, device=device, dtype=dtype, generator=g),
+            weight=(torch.randn(E, H, device=device, generator=g) / H**0.5).to(dtype),
+        )
         if cfg.router_bias:
             s["bias"] = (torch.randn(E, device=device, generator=g) * 0.1).to(dtype)
         if cfg.score_correction_bias:
@@ -71,23 +74,31 @@ def check(cfg, T: int, dtype, device) -> dict:
     # rounding (which of two equal scores top-k returns first is not specified; the fused kernel takes
     # the lower id, and the two paths' scores may differ in the last bit)
     picked = (a.scores.gather(1, a.topk_ids), b.scores.gather(1, b.topk_ids))
-    res = dict(ids_equal_fp32=bool(torch.equal(a.topk_ids, b.topk_ids) or torch.allclose(*picked, rtol=1e-5, atol=0)),
-               max_rel_fp32=max(_rel(getattr(a, n), getattr(b, n)) for n in
-                                ("topk_weights", "router_logits", "scores", "aux_loss", "z_loss", "loss")),
-               grad_rel_fp32=max(_rel(u, v) for u, v in zip(ga, gb, strict=True)))
+    res = dict(
+        ids_equal_fp32=bool(torch.equal(a.topk_ids, b.topk_ids) or torch.allclose(*picked, rtol=1e-5, atol=0)),
+        max_rel_fp32=max(
+            _rel(getattr(a, n), getattr(b, n))
+            for n in ("topk_weights", "router_logits", "scores", "aux_loss", "z_loss", "loss")
+        ),
+        grad_rel_fp32=max(_rel(u, v) for u, v in zip(ga, gb, strict=True)),
+    )
     inp = make_inputs(cfg, T, dtype, device, 1, seed=8)[0]
     (a, _), (b, _) = (run_route(cfg, inp, impl, False) for impl in ("fused", "torch"))
     same = (a.topk_ids.sort(1).values == b.topk_ids.sort(1).values).all(1)
     res["id_set_mismatch"] = 1.0 - same.float().mean().item()
     res["logits_rel"] = _rel(a.router_logits, b.router_logits)
-    res["ok"] = res["ids_equal_fp32"] and res["max_rel_fp32"] < 1e-4 and res["grad_rel_fp32"] < 1e-4 \
+    res["ok"] = (
+        res["ids_equal_fp32"]
+        and res["max_rel_fp32"] < 1e-4
+        and res["grad_rel_fp32"] < 1e-4
         and res["logits_rel"] < 1e-2
+    )
     return res
 
 
 def copy_bandwidth(device, warmup: int, iters: int) -> float:
     """Device copy bandwidth in GB/s (read + write of a 1 GiB buffer)."""
-    src = torch.empty(2 ** 28, device=device, dtype=torch.float32)
+    src = torch.empty(2**28, device=device, dtype=torch.float32)
     dst = torch.empty_like(src)
     ms = bench.time_ms(lambda i: dst.copy_(src), 1, warmup, iters, device)
     return 2 * src.numel() * 4 / ms / 1e6
@@ -98,8 +109,9 @@ def time_case(cfg, T: int, dtype, device, warmup: int, iters: int) -> dict:
     out = {}
     for impl in ("torch", "fused"):
         for phase, bwd in (("fwd", False), ("fwd_bwd", True)):
-            out[f"{impl}_{phase}_ms"] = bench.time_ms(lambda i, impl=impl, bwd=bwd: run_route(cfg, sets[i], impl, bwd), N_SETS,
-                                                      warmup, iters, device)
+            out[f"{impl}_{phase}_ms"] = bench.time_ms(
+                lambda i, impl=impl, bwd=bwd: run_route(cfg, sets[i], impl, bwd), N_SETS, warmup, iters, device
+            )
     return out
 
 
@@ -116,8 +128,12 @@ def kernel_table(cfg, T: int, dtype, device, top: int) -> str:
                 run_route(cfg, inp, impl, True)
                 if cuda:
                     torch.cuda.synchronize(device)
-        out.append(f"-- {impl}\n" + prof.key_averages().table(
-            sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=top, max_name_column_width=60))
+        out.append(
+            f"-- {impl}\n"
+            + prof.key_averages().table(
+                sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=top, max_name_column_width=60
+            )
+        )
     return "\n".join(out)
 
 
@@ -128,16 +144,24 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--kernels", type=int, default=0, metavar="N",
-                   help="print the N costliest GPU kernels of one fwd+bwd per implementation")
+    p.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the N costliest GPU kernels of one fwd+bwd per implementation",
+    )
     p.add_argument("--json")
     a = p.parse_args()
     device = torch.device("cuda")
     dtype = getattr(torch, a.dtype)
     bw = copy_bandwidth(device, a.warmup, a.iters)
     print(f"{torch.cuda.get_device_name(device)}; copy bandwidth {bw:.0f} GB/s; T={a.tokens}, {a.dtype}", flush=True)
-    print(f"{'model':16} {'E':>4} {'K':>3} {'path':9} {'check':28} {'torch fwd':>9} {'fused fwd':>9} "
-          f"{'GB/s':>6} {'floor':>6} {'torch f+b':>9} {'fused f+b':>9}", flush=True)
+    print(
+        f"{'model':16} {'E':>4} {'K':>3} {'path':9} {'check':28} {'torch fwd':>9} {'fused fwd':>9} "
+        f"{'GB/s':>6} {'floor':>6} {'torch f+b':>9} {'fused f+b':>9}",
+        flush=True,
+    )
     rows, ok = [], True
     for name in a.models:
         cfg = get_model(name).moe_config()
@@ -147,13 +171,28 @@ def main() -> int:
         ok &= chk["ok"]
         t = time_case(cfg, a.tokens, dtype, device, a.warmup, a.iters)
         x_gb = a.tokens * cfg.hidden_size * dtype.itemsize / 1e9
-        row = dict(model=name, T=a.tokens, H=cfg.hidden_size, E=cfg.num_experts, K=cfg.top_k, path=path,
-                   dtype=a.dtype, x_GB=x_gb, floor_ms=x_gb / bw * 1e3, copy_GBps=bw, **chk, **t)
+        row = dict(
+            model=name,
+            T=a.tokens,
+            H=cfg.hidden_size,
+            E=cfg.num_experts,
+            K=cfg.top_k,
+            path=path,
+            dtype=a.dtype,
+            x_GB=x_gb,
+            floor_ms=x_gb / bw * 1e3,
+            copy_GBps=bw,
+            **chk,
+            **t,
+        )
         rows.append(row)
         note = f"{'ok' if chk['ok'] else 'FAIL'} ids {chk['id_set_mismatch']:.1e} g {chk['grad_rel_fp32']:.0e}"
-        print(f"{name:16} {row['E']:>4} {row['K']:>3} {path:9} {note:28} {t['torch_fwd_ms']:9.3f} "
-              f"{t['fused_fwd_ms']:9.3f} {x_gb / t['fused_fwd_ms'] * 1e3:6.0f} {row['floor_ms']:6.3f} "
-              f"{t['torch_fwd_bwd_ms']:9.3f} {t['fused_fwd_bwd_ms']:9.3f}", flush=True)
+        print(
+            f"{name:16} {row['E']:>4} {row['K']:>3} {path:9} {note:28} {t['torch_fwd_ms']:9.3f} "
+            f"{t['fused_fwd_ms']:9.3f} {x_gb / t['fused_fwd_ms'] * 1e3:6.0f} {row['floor_ms']:6.3f} "
+            f"{t['torch_fwd_bwd_ms']:9.3f} {t['fused_fwd_bwd_ms']:9.3f}",
+            flush=True,
+        )
         if a.kernels > 0:
             print(kernel_table(cfg, a.tokens, dtype, device, a.kernels), flush=True)
         bench.free_memory("cuda")

@@ -10,6 +10,7 @@ copies, ``cudaMalloc`` / ``cudaFree``). A step whose host span exceeds its devic
 device idle in between, is host-bound: a benchmark that times steps back to back measures its host
 time. The profiler adds a few microseconds per host event, so the host span is an upper bound.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,11 +52,14 @@ def summarize(trace: dict) -> dict:
     for e in runtime:
         if any(w in e.get("name", "") for w in WAITS):
             waits[e["name"]] = waits.get(e["name"], 0) + 1
-    span = (lambda iv: (max(e for _, e in iv) - min(s for s, _ in iv)) / 1e3 if iv else 0.0)
-    return dict(host_ms=span(host), device_busy_ms=_merged(device) / 1e3, device_span_ms=span(device),
-                launches=sum(e.get("cat") in ("cuda_runtime", "cuda_driver") and "Launch" in e.get("name", "")
-                             for e in spans),
-                waits=waits)
+    span = lambda iv: (max(e for _, e in iv) - min(s for s, _ in iv)) / 1e3 if iv else 0.0
+    return dict(
+        host_ms=span(host),
+        device_busy_ms=_merged(device) / 1e3,
+        device_span_ms=span(device),
+        launches=sum(e.get("cat") in ("cuda_runtime", "cuda_driver") and "Launch" in e.get("name", "") for e in spans),
+        waits=waits,
+    )
 
 
 def main(argv=None) -> int:
@@ -67,8 +71,10 @@ def main(argv=None) -> int:
         with open(path) as f:
             s = summarize(json.load(f))
         waits = ", ".join(f"{k} x{v}" for k, v in sorted(s["waits"].items())) or "-"
-        print(f"{path[-48:]:48} {s['host_ms']:8.3f} {s['device_busy_ms']:8.3f} {s['device_span_ms']:8.3f} "
-              f"{s['launches']:8d}  {waits}")
+        print(
+            f"{path[-48:]:48} {s['host_ms']:8.3f} {s['device_busy_ms']:8.3f} {s['device_span_ms']:8.3f} "
+            f"{s['launches']:8d}  {waits}"
+        )
     return 0
 
 

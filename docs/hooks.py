@@ -5,6 +5,7 @@ mkdocstrings renders a role as ``:func:<code>name</code>``; this turns it into a
 cross-reference that mkdocs-autorefs resolves to the object's entry where the API reference has one
 (``name``, or ``moeyard.name``), and into plain code otherwise.
 """
+
 from __future__ import annotations
 
 import html

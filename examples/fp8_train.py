@@ -20,6 +20,7 @@ Run::
     PYTHONPATH=src python examples/fp8_train.py --device cpu --size tiny --out runs/fp8-tiny
     PYTHONPATH=src python examples/fp8_train.py --device cuda --size small --steps 300 --out runs/fp8-small
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,16 +61,25 @@ def run_one(config, data, *, seed: int, recipe: str | None, dtype, device, lr: f
 
 def plot(result: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name, losses in result["losses"].items():
-        ax.plot(smooth(losses), label=f"{name} (gap {result['gaps'].get(name, 0):.4f})" if name in result["gaps"]
-                else name, lw=1.5, ls="--" if "seed 1" in name else "-")
+        ax.plot(
+            smooth(losses),
+            label=f"{name} (gap {result['gaps'].get(name, 0):.4f})" if name in result["gaps"] else name,
+            lw=1.5,
+            ls="--" if "seed 1" in name else "-",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("next-byte loss (10-step mean)")
-    ax.set_title(f"Qwen3-MoE {result['size']} pre-training on {result['device']}, {result['dtype']}: "
-                 "FP8 recipes vs. run-to-run noise", fontsize=10)
+    ax.set_title(
+        f"Qwen3-MoE {result['size']} pre-training on {result['device']}, {result['dtype']}: "
+        "FP8 recipes vs. run-to-run noise",
+        fontsize=10,
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -94,17 +104,27 @@ def main(argv=None) -> int:
     losses = {}
     with data_and_model.progress() as bar:
         for seed in range(max(2, args.seeds)):
-            losses[f"bf16 seed {seed}"] = run_one(config, data, seed=seed, recipe=None, dtype=dtype, device=args.device,
-                                                  lr=args.lr, bar=bar)
+            losses[f"bf16 seed {seed}"] = run_one(
+                config, data, seed=seed, recipe=None, dtype=dtype, device=args.device, lr=args.lr, bar=bar
+            )
         for recipe in [r for r in args.recipes.split(",") if r]:
-            losses[recipe] = run_one(config, data, seed=0, recipe=recipe, dtype=dtype, device=args.device,
-                                     lr=args.lr, bar=bar)
+            losses[recipe] = run_one(
+                config, data, seed=0, recipe=recipe, dtype=dtype, device=args.device, lr=args.lr, bar=bar
+            )
     bf16 = [k for k in losses if k.startswith("bf16")]
-    noise = max(gap(losses[a], losses[b]) for i, a in enumerate(bf16) for b in bf16[i + 1:])
+    noise = max(gap(losses[a], losses[b]) for i, a in enumerate(bf16) for b in bf16[i + 1 :])
     gaps = {name: gap(v, losses["bf16 seed 0"]) for name, v in losses.items() if name != "bf16 seed 0"}
-    result = {"size": args.size, "device": args.device, "dtype": str(dtype).replace("torch.", ""), "steps": steps,
-              "lr": args.lr, "noise": noise, "gaps": gaps, "losses": losses,
-              "final": {name: sum(v[-10:]) / len(v[-10:]) for name, v in losses.items()}}
+    result = {
+        "size": args.size,
+        "device": args.device,
+        "dtype": str(dtype).replace("torch.", ""),
+        "steps": steps,
+        "lr": args.lr,
+        "noise": noise,
+        "gaps": gaps,
+        "losses": losses,
+        "final": {name: sum(v[-10:]) / len(v[-10:]) for name, v in losses.items()},
+    }
     result["ok"] = all(g <= noise for name, g in gaps.items() if not name.startswith("bf16"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -113,8 +133,10 @@ def main(argv=None) -> int:
         plot(result, out / "fp8_loss_curves.png")
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
-    print(f"run-to-run noise (largest gap between bf16 seeds): {noise:.4f}; last-10-step losses: "
-          + ", ".join(f"{k} {v:.4f}" for k, v in result["final"].items()))
+    print(
+        f"run-to-run noise (largest gap between bf16 seeds): {noise:.4f}; last-10-step losses: "
+        + ", ".join(f"{k} {v:.4f}" for k, v in result["final"].items())
+    )
     for name, g in gaps.items():
         if not name.startswith("bf16"):
             print(f"{name}: gap to bf16 seed 0 {g:.4f} ({'within' if g <= noise else 'OUTSIDE'} the noise)")

@@ -45,6 +45,7 @@ Run::
     PYTHONPATH=src python examples/qlora_finetune.py --device cpu --size tiny --out runs/tiny
     PYTHONPATH=src python examples/qlora_finetune.py --device cuda --size small --steps 300 --out runs/small
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,15 +65,46 @@ from moeyard.integrations.peft import fuse_lora
 from moeyard.verify import quiet_transformers
 
 BOS, EOS, VOCAB = 256, 257, 258
-PROSE_MODULES = ("collections", "functools", "itertools", "json", "re", "string", "argparse", "pathlib",
-                 "subprocess", "threading", "unittest", "logging", "typing", "dataclasses", "random",
-                 "decimal", "csv", "pickle", "shutil", "tempfile", "contextlib", "abc", "enum", "inspect",
-                 "queue", "socket", "datetime", "calendar", "zipfile", "tarfile")
+PROSE_MODULES = (
+    "collections",
+    "functools",
+    "itertools",
+    "json",
+    "re",
+    "string",
+    "argparse",
+    "pathlib",
+    "subprocess",
+    "threading",
+    "unittest",
+    "logging",
+    "typing",
+    "dataclasses",
+    "random",
+    "decimal",
+    "csv",
+    "pickle",
+    "shutil",
+    "tempfile",
+    "contextlib",
+    "abc",
+    "enum",
+    "inspect",
+    "queue",
+    "socket",
+    "datetime",
+    "calendar",
+    "zipfile",
+    "tarfile",
+)
 CODE_MODULES = ("heapq", "bisect", "textwrap", "difflib", "statistics", "fractions", "colorsys", "shlex")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 RUNS = ("qlora_nf4", "lora_moeyard", "lora_peft")
-LABELS = {"qlora_nf4": "QLoRA, NF4 experts (moeyard)", "lora_moeyard": "LoRA (moeyard, fuse_lora)",
-          "lora_peft": "LoRA (PEFT default, no moeyard)"}
+LABELS = {
+    "qlora_nf4": "QLoRA, NF4 experts (moeyard)",
+    "lora_moeyard": "LoRA (moeyard, fuse_lora)",
+    "lora_peft": "LoRA (PEFT default, no moeyard)",
+}
 STYLES = {"qlora_nf4": dict(lw=2), "lora_moeyard": dict(lw=2), "lora_peft": dict(ls="--", lw=1.5)}
 
 # Tolerance of max |loss_moeyard - loss_peft| over the first --compare-steps steps. The two runs
@@ -103,14 +135,37 @@ class Size:
 
 
 SIZES = {
-    "tiny": Size(hidden=64, layers=2, heads=4, kv_heads=2, experts=8, top_k=2, moe_intermediate=32,
-                 seq=64, batch=8, steps=40, base_steps=200),
-    "small": Size(hidden=256, layers=4, heads=8, kv_heads=4, experts=32, top_k=4, moe_intermediate=128,
-                  seq=256, batch=16, steps=200, base_steps=400),
+    "tiny": Size(
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        experts=8,
+        top_k=2,
+        moe_intermediate=32,
+        seq=64,
+        batch=8,
+        steps=40,
+        base_steps=200,
+    ),
+    "small": Size(
+        hidden=256,
+        layers=4,
+        heads=8,
+        kv_heads=4,
+        experts=32,
+        top_k=4,
+        moe_intermediate=128,
+        seq=256,
+        batch=16,
+        steps=200,
+        base_steps=400,
+    ),
 }
 
 
 # ------------------------------------------------------------------------------------------ data
+
 
 def encode(text: str) -> list[int]:
     """A document as byte ids, ``BOS ... EOS``."""
@@ -159,29 +214,44 @@ def batches(stream: torch.Tensor, n: int, batch: int, seq: int, seed: int) -> li
     every run replays."""
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(stream) - seq, (n, batch), generator=gen)
-    return [torch.stack([stream[s:s + seq] for s in row.tolist()]) for row in starts]
+    return [torch.stack([stream[s : s + seq] for s in row.tolist()]) for row in starts]
 
 
 # ----------------------------------------------------------------------------------------- model
 
+
 def qwen3_moe_config(size: Size):
     """A ``Qwen3MoeConfig`` of ``size`` over the byte vocabulary."""
     from transformers import Qwen3MoeConfig
-    return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=size.hidden, intermediate_size=4 * size.hidden,
-                          num_hidden_layers=size.layers, num_attention_heads=size.heads,
-                          num_key_value_heads=size.kv_heads, head_dim=size.hidden // size.heads,
-                          num_experts=size.experts, num_experts_per_tok=size.top_k,
-                          moe_intermediate_size=size.moe_intermediate, norm_topk_prob=True,
-                          max_position_embeddings=size.seq, tie_word_embeddings=False,
-                          bos_token_id=BOS, eos_token_id=EOS, pad_token_id=None)
+
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=size.hidden,
+        intermediate_size=4 * size.hidden,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        head_dim=size.hidden // size.heads,
+        num_experts=size.experts,
+        num_experts_per_tok=size.top_k,
+        moe_intermediate_size=size.moe_intermediate,
+        norm_topk_prob=True,
+        max_position_embeddings=size.seq,
+        tie_word_embeddings=False,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=None,
+    )
 
 
 def build_model(config, *, experts_implementation: str, dtype: torch.dtype, device: str, state=None):
     """A ``Qwen3MoeForCausalLM`` of ``config`` (eager attention) running the given experts
     implementation, loaded from ``state`` when given, in ``dtype`` on ``device``, in train mode."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32,
-                                             experts_implementation=experts_implementation)
+
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32, experts_implementation=experts_implementation
+    )
     if state is not None:
         model.load_state_dict(state)
     return model.to(device=device, dtype=dtype).train()
@@ -189,27 +259,41 @@ def build_model(config, *, experts_implementation: str, dtype: torch.dtype, devi
 
 def expert_targets(model) -> list[str]:
     """``target_parameters`` for every experts module's ``gate_up_proj`` and ``down_proj``."""
-    return sorted(f"{name}.{p}" for name, m in model.named_modules()
-                  if hasattr(m, "has_gate") for p in ("gate_up_proj", "down_proj"))
+    return sorted(
+        f"{name}.{p}"
+        for name, m in model.named_modules()
+        if hasattr(m, "has_gate")
+        for p in ("gate_up_proj", "down_proj")
+    )
 
 
 def add_lora(model, *, rank: int, seed: int):
     """PEFT LoRA of ``rank`` on the experts' 3-D weights and the attention projections, initialised
     from ``seed`` (the same adapters for every run)."""
     from peft import LoraConfig, get_peft_model
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=ATTENTION,
-                        target_parameters=expert_targets(model))
+
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=ATTENTION, target_parameters=expert_targets(model)
+    )
     torch.manual_seed(seed)
     return get_peft_model(model, config)
 
 
 # -------------------------------------------------------------------------------------- training
 
+
 def progress():
     """A rich progress bar with the running loss."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    return Progress(TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), transient=False)
+
+    return Progress(
+        TextColumn("{task.description:<14}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TimeElapsedColumn(),
+        transient=False,
+    )
 
 
 def train(model, data: list[torch.Tensor], *, lr: float, name: str, bar) -> list[float]:
@@ -249,8 +333,9 @@ def pretrain_base(config, data, *, dtype, device, lr: float, bar) -> tuple[dict,
 def finetune_model(run: str, config, base: dict, *, dtype, device, rank: int, seed: int, reference: str):
     """The PEFT model of ``run`` (see the module docstring) on top of ``base``."""
     impl = reference if run == "lora_peft" else "moeyard"
-    model = add_lora(build_model(config, experts_implementation=impl, dtype=dtype, device=device, state=base),
-                     rank=rank, seed=seed)
+    model = add_lora(
+        build_model(config, experts_implementation=impl, dtype=dtype, device=device, state=base), rank=rank, seed=seed
+    )
     if run == "qlora_nf4":
         moeyard.quantize_experts(model, "nf4")  # the PEFT expert wrappers switch to fuse_lora here
     elif run == "lora_moeyard":
@@ -260,6 +345,7 @@ def finetune_model(run: str, config, base: dict, *, dtype, device, rank: int, se
 
 # ----------------------------------------------------------------------------------------- checks
 
+
 def check(losses: dict[str, list[float]], evals: dict[str, dict], *, dtype, compare_steps: int) -> dict:
     """The pass/fail criteria of the module docstring, as a dict with ``ok``."""
     a, b = losses["lora_moeyard"][:compare_steps], losses["lora_peft"][:compare_steps]
@@ -268,25 +354,33 @@ def check(losses: dict[str, list[float]], evals: dict[str, dict], *, dtype, comp
     quarter = max(1, len(q) // 4)
     first, last = sum(q[:quarter]) / quarter, sum(q[-quarter:]) / quarter
     finite = all(math.isfinite(x) for run in losses.values() for x in run)
-    result = dict(max_abs_diff_moeyard_vs_peft=diff, tolerance=TOLERANCE[dtype], compare_steps=len(a),
-                  qlora_first_quarter_mean=first, qlora_last_quarter_mean=last, all_finite=finite)
+    result = dict(
+        max_abs_diff_moeyard_vs_peft=diff,
+        tolerance=TOLERANCE[dtype],
+        compare_steps=len(a),
+        qlora_first_quarter_mean=first,
+        qlora_last_quarter_mean=last,
+        all_finite=finite,
+    )
     held_out = evals["qlora_nf4"]
     result["qlora_held_out_before_after"] = [held_out["before"], held_out["after"]]
     result["ok"] = finite and diff <= TOLERANCE[dtype] and last < first and held_out["after"] < held_out["before"]
     return result
 
 
-def plot(losses: dict[str, list[float]], base_losses: list[float], path: Path, *, title: str,
-         tolerance: float) -> None:
+def plot(losses: dict[str, list[float]], base_losses: list[float], path: Path, *, title: str, tolerance: float) -> None:
     """The loss curves as a PNG: the base pre-training (when there was one), the three fine-tunes, and
     each moeyard run's loss minus the PEFT-only run's (with the check's tolerance band)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as ex:
-        raise ImportError("the loss plot needs matplotlib: pip install matplotlib "
-                          "(or pip install -e \".[examples]\"), or pass --no-plot") from ex
+        raise ImportError(
+            "the loss plot needs matplotlib: pip install matplotlib "
+            '(or pip install -e ".[examples]"), or pass --no-plot'
+        ) from ex
     panels = 3 if base_losses else 2
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.5))
     if base_losses:
@@ -299,9 +393,15 @@ def plot(losses: dict[str, list[float]], base_losses: list[float], path: Path, *
     ax.set(xlabel="fine-tuning step", ylabel="next-byte loss (nats)", title=title)
     ax.legend(fontsize=8)
     for run in RUNS[:2]:
-        diff.plot(steps, [a - b for a, b in zip(losses[run], losses["lora_peft"], strict=True)], label=LABELS[run], **STYLES[run])
-    diff.axhspan(-tolerance, tolerance, color="green", alpha=0.15,
-                 label=f"check tolerance (moeyard LoRA) +-{tolerance:g}")
+        diff.plot(
+            steps,
+            [a - b for a, b in zip(losses[run], losses["lora_peft"], strict=True)],
+            label=LABELS[run],
+            **STYLES[run],
+        )
+    diff.axhspan(
+        -tolerance, tolerance, color="green", alpha=0.15, label=f"check tolerance (moeyard LoRA) +-{tolerance:g}"
+    )
     diff.axhline(0, color="black", lw=0.5)
     diff.set(xlabel="fine-tuning step", ylabel="loss - loss(PEFT default)", title="difference from PEFT's path")
     diff.legend(fontsize=8)
@@ -312,25 +412,39 @@ def plot(losses: dict[str, list[float]], base_losses: list[float], path: Path, *
 
 # -------------------------------------------------------------------------------------------- main
 
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (see ``--help``)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
     p.add_argument("--steps", type=int, default=None, help="fine-tuning steps (default: the size's)")
-    p.add_argument("--base-steps", type=int, default=None,
-                   help="pre-training steps of the base, 0 = fine-tune random init (default: the size's)")
+    p.add_argument(
+        "--base-steps",
+        type=int,
+        default=None,
+        help="pre-training steps of the base, 0 = fine-tune random init (default: the size's)",
+    )
     p.add_argument("--compare-steps", type=int, default=20, help="steps over which runs 2 and 3 must agree")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3, help="fine-tuning learning rate")
     p.add_argument("--base-lr", type=float, default=3e-3)
-    p.add_argument("--reference", choices=["eager", "grouped_mm"], default="eager",
-                   help="transformers' experts implementation of the PEFT-only run")
+    p.add_argument(
+        "--reference",
+        choices=["eager", "grouped_mm"],
+        default="eager",
+        help="transformers' experts implementation of the PEFT-only run",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: 1 for --size tiny on CPU, whose operations are too small "
-                        "for intra-op parallelism to pay, else torch's default)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: 1 for --size tiny on CPU, whose operations are too small "
+        "for intra-op parallelism to pay, else torch's default)",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/qlora_finetune"))
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     return p.parse_args(argv)
@@ -360,24 +474,49 @@ def run(args: argparse.Namespace) -> dict:
     with quiet_transformers(), progress() as bar:
         base, base_losses = pretrain_base(config, base_data, dtype=dtype, device=args.device, lr=args.base_lr, bar=bar)
         for name in RUNS:
-            model = finetune_model(name, config, base, dtype=dtype, device=args.device, rank=args.rank,
-                                   seed=args.seed, reference=args.reference)
+            model = finetune_model(
+                name,
+                config,
+                base,
+                dtype=dtype,
+                device=args.device,
+                rank=args.rank,
+                seed=args.seed,
+                reference=args.reference,
+            )
             before = evaluate(model, eval_data)
             losses[name] = train(model, tune_data, lr=args.lr, name=name, bar=bar)
             evals[name] = dict(before=before, after=evaluate(model, eval_data))
     seconds = time.perf_counter() - start
 
-    result = dict(config=dict(**{**asdict(size), "steps": steps, "base_steps": base_steps}, device=args.device,
-                              dtype=str(dtype), rank=args.rank, lr=args.lr, base_lr=args.base_lr,
-                              seed=args.seed, reference=args.reference,
-                              parameters=sum(v.numel() for v in base.values())),
-                  base_losses=base_losses, losses=losses, eval=evals, seconds=seconds,
-                  check=check(losses, evals, dtype=dtype, compare_steps=args.compare_steps))
+    result = dict(
+        config=dict(
+            **{**asdict(size), "steps": steps, "base_steps": base_steps},
+            device=args.device,
+            dtype=str(dtype),
+            rank=args.rank,
+            lr=args.lr,
+            base_lr=args.base_lr,
+            seed=args.seed,
+            reference=args.reference,
+            parameters=sum(v.numel() for v in base.values()),
+        ),
+        base_losses=base_losses,
+        losses=losses,
+        eval=evals,
+        seconds=seconds,
+        check=check(losses, evals, dtype=dtype, compare_steps=args.compare_steps),
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "losses.json").write_text(json.dumps(result, indent=1))
     if not args.no_plot:
-        plot(losses, base_losses, args.out / "loss_curves.png", tolerance=TOLERANCE[dtype],
-             title=f"Qwen3-MoE {args.size}, LoRA r={args.rank} on stdlib code, {str(dtype).removeprefix('torch.')}")
+        plot(
+            losses,
+            base_losses,
+            args.out / "loss_curves.png",
+            tolerance=TOLERANCE[dtype],
+            title=f"Qwen3-MoE {args.size}, LoRA r={args.rank} on stdlib code, {str(dtype).removeprefix('torch.')}",
+        )
     return result
 
 
@@ -385,6 +524,7 @@ def report(result: dict) -> None:
     """A summary table of the runs and the check."""
     from rich.console import Console
     from rich.table import Table
+
     table = Table(title=f"fine-tune ({result['config']['parameters']:,} parameters, {result['seconds']:.1f} s)")
     for col in ("run", "first loss", "last loss", "held-out before", "held-out after"):
         table.add_column(col, justify="right" if col != "run" else "left")
@@ -394,10 +534,12 @@ def report(result: dict) -> None:
     console = Console()
     console.print(table)
     c = result["check"]
-    console.print(f"max |lora_moeyard - lora_peft| over {c['compare_steps']} steps: "
-                  f"{c['max_abs_diff_moeyard_vs_peft']:.2e} (tolerance {c['tolerance']:.0e}); "
-                  f"qlora_nf4 quarter means {c['qlora_first_quarter_mean']:.4f} -> {c['qlora_last_quarter_mean']:.4f}: "
-                  + ("[green]OK[/green]" if c["ok"] else "[red]FAILED[/red]"))
+    console.print(
+        f"max |lora_moeyard - lora_peft| over {c['compare_steps']} steps: "
+        f"{c['max_abs_diff_moeyard_vs_peft']:.2e} (tolerance {c['tolerance']:.0e}); "
+        f"qlora_nf4 quarter means {c['qlora_first_quarter_mean']:.4f} -> {c['qlora_last_quarter_mean']:.4f}: "
+        + ("[green]OK[/green]" if c["ok"] else "[red]FAILED[/red]")
+    )
 
 
 def main(argv=None) -> int:

@@ -62,6 +62,7 @@ Run (4 GPUs; torch.cuda.set_device(local rank), NCCL)::
     torchrun --nproc-per-node 4 examples/qwen3_235b_qlora.py --layers 8 --steps 4   # quick check
     torchrun --nproc-per-node 2 examples/qwen3_235b_qlora.py --tiny --steps 4       # CPU, gloo, float32
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,17 +85,44 @@ from moeyard.parallel.lora import expert_adapters  # noqa: E402
 
 # https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json
 QWEN3_235B_A22B = dict(
-    hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=94,
-    num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-    norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=False,
-    decoder_sparse_step=1, mlp_only_layers=[], hidden_act="silu", attention_bias=False,
-    router_aux_loss_coef=0.001, output_router_logits=False, use_cache=False,
+    hidden_size=4096,
+    intermediate_size=12288,
+    moe_intermediate_size=1536,
+    num_hidden_layers=94,
+    num_attention_heads=64,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    tie_word_embeddings=False,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    hidden_act="silu",
+    attention_bias=False,
+    router_aux_loss_coef=0.001,
+    output_router_logits=False,
+    use_cache=False,
 )
 # The same architecture scaled down for CPU checks (float32, seconds).
-TINY = dict(QWEN3_235B_A22B, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-            vocab_size=512, max_position_embeddings=512)
+TINY = dict(
+    QWEN3_235B_A22B,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=512,
+    max_position_embeddings=512,
+)
 LORA_RANK, LORA_ALPHA = single.LORA_RANK, single.LORA_ALPHA
 INIT_STD = single.INIT_STD
 
@@ -104,13 +132,16 @@ def require_bitsandbytes():
     try:
         import bitsandbytes
     except ImportError:
-        raise SystemExit("qwen3_235b_qlora: NF4 experts need bitsandbytes (moeyard.quantize_experts quantises with "
-                         "bitsandbytes.functional.quantize_4bit): pip install bitsandbytes, or install its wheel "
-                         "on a machine without network") from None
+        raise SystemExit(
+            "qwen3_235b_qlora: NF4 experts need bitsandbytes (moeyard.quantize_experts quantises with "
+            "bitsandbytes.functional.quantize_4bit): pip install bitsandbytes, or install its wheel "
+            "on a machine without network"
+        ) from None
     return bitsandbytes
 
 
 # ---------------------------------------------------------------- processes
+
 
 def init_distributed(device_arg: str | None) -> torch.device:
     """The process group of torchrun's environment (NCCL bound to ``cuda:LOCAL_RANK``, else gloo); this
@@ -131,8 +162,8 @@ def init_distributed(device_arg: str | None) -> torch.device:
 
 # ---------------------------------------------------------------- building, shard by shard
 
-def _materialise(module: nn.Module, device, dtype, lora_dtype, shared: torch.Generator,
-                 own: torch.Generator) -> None:
+
+def _materialise(module: nn.Module, device, dtype, lora_dtype, shared: torch.Generator, own: torch.Generator) -> None:
     """Every meta parameter owned by ``module``'s submodules becomes a device tensor of its (local)
     shape: LoRA A ~ U(+-1/sqrt(in)), B = 0, RMSNorm weights 1, the rest N(0, INIT_STD); drawn from
     ``own`` for the experts' blocks (weights and adapters: this rank's), from ``shared`` otherwise
@@ -157,8 +188,19 @@ def _materialise(module: nn.Module, device, dtype, lora_dtype, shared: torch.Gen
             m._parameters[pname] = nn.Parameter(t, requires_grad=p.requires_grad)
 
 
-def build(config_kwargs: dict, *, layers: int, device: torch.device, dtype, lora_dtype, attn: str, group,
-          dispatcher: str, seed: int = 0, log=print):
+def build(
+    config_kwargs: dict,
+    *,
+    layers: int,
+    device: torch.device,
+    dtype,
+    lora_dtype,
+    attn: str,
+    group,
+    dispatcher: str,
+    seed: int = 0,
+    log=print,
+):
     """The PEFT model, this rank's part of it, on ``device``: split on the meta device, then layer by
     layer materialised and its expert block quantised. Returns ``(peft_model, timings)``."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
@@ -179,7 +221,7 @@ def build(config_kwargs: dict, *, layers: int, device: torch.device, dtype, lora
         _materialise(layer, device, dtype, lora_dtype, shared, own)
         single._sync(device)
         tq = time.perf_counter()
-        moeyard.quantize_experts(layer, "nf4")   # this rank's block only
+        moeyard.quantize_experts(layer, "nf4")  # this rank's block only
         single._sync(device)
         t_quant += time.perf_counter() - tq
         if i == 0 or i == layers - 1 or (i + 1) % 16 == 0:
@@ -214,8 +256,21 @@ def average_gradients(model, world_size: int) -> None:
 
 # ---------------------------------------------------------------- training
 
-def train(model, *, batch: int, seq: int, steps: int, warmup: int, device, loss_chunk: int, lr: float, fsdp: bool,
-          seed: int = 0, log=print) -> list[dict]:
+
+def train(
+    model,
+    *,
+    batch: int,
+    seq: int,
+    steps: int,
+    warmup: int,
+    device,
+    loss_chunk: int,
+    lr: float,
+    fsdp: bool,
+    seed: int = 0,
+    log=print,
+) -> list[dict]:
     """``steps`` AdamW steps on one repeated batch per rank; rank 0 logs; every rank returns the records."""
     lm = model.base_model.model
     W, rank = dist.get_world_size(), dist.get_rank()
@@ -242,19 +297,30 @@ def train(model, *, batch: int, seq: int, steps: int, warmup: int, device, loss_
         single._sync(device)
         dist.barrier()
         dt = time.perf_counter() - t0
-        stats = torch.tensor([loss.item(), torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda"
-                              else 0.0], dtype=torch.float64, device=device)
+        stats = torch.tensor(
+            [loss.item(), torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0],
+            dtype=torch.float64,
+            device=device,
+        )
         everyone = [torch.zeros_like(stats) for _ in range(W)]
         dist.all_gather(everyone, stats)
         losses = [float(s[0]) for s in everyone]
-        rec = {"step": step + 1, "warmup": step < warmup, "loss": sum(losses) / W, "losses": losses, "time_s": dt,
-               "tokens_per_s": W * batch * seq / dt}
+        rec = {
+            "step": step + 1,
+            "warmup": step < warmup,
+            "loss": sum(losses) / W,
+            "losses": losses,
+            "time_s": dt,
+            "tokens_per_s": W * batch * seq / dt,
+        }
         if device.type == "cuda":
             rec["peak_gib"] = [float(s[1]) for s in everyone]
         records.append(rec)
-        log(f"step {step + 1}/{steps}{' (warm-up)' if rec['warmup'] else ''}: loss {rec['loss']:.4f}  {dt:.2f} s  "
+        log(
+            f"step {step + 1}/{steps}{' (warm-up)' if rec['warmup'] else ''}: loss {rec['loss']:.4f}  {dt:.2f} s  "
             f"{rec['tokens_per_s']:,.0f} tokens/s ({rec['tokens_per_s'] / W:,.0f} per GPU)"
-            + (f"  peak {max(rec['peak_gib']):.2f} GiB (largest of {W} GPUs)" if "peak_gib" in rec else ""))
+            + (f"  peak {max(rec['peak_gib']):.2f} GiB (largest of {W} GPUs)" if "peak_gib" in rec else "")
+        )
     return records
 
 
@@ -265,31 +331,45 @@ def rank_memory(model) -> dict:
 
     mem = single.memory_breakdown(model)
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-    mem["non_expert_bytes"] = sum(local(p).numel() * p.element_size() for n, p in model.named_parameters()
-                                  if "lora_" not in n)
+    mem["non_expert_bytes"] = sum(
+        local(p).numel() * p.element_size() for n, p in model.named_parameters() if "lora_" not in n
+    )
     mem["lora_bytes"] = sum(local(p).numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
     mem["experts_per_layer"] = sorted({m.shape[0] for m in model.modules() if isinstance(m, NF4Experts)})
     return mem
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 94; --tiny: 2)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 4096; --tiny: 32)")
     ap.add_argument("--batch", type=int, default=2, help="sequences per GPU (default 2)")
     ap.add_argument("--steps", type=int, default=5, help="training steps, the first two warm-up (default 5)")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     ap.add_argument("--device", default=None, help="cuda (default when available: cuda:LOCAL_RANK) or cpu")
-    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
-                    help="base weights (default bfloat16; --tiny: float32)")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=("bfloat16", "float16", "float32"),
+        help="base weights (default bfloat16; --tiny: float32)",
+    )
     ap.add_argument("--lora-dtype", default="float32", choices=("bfloat16", "float32"))
-    ap.add_argument("--dispatcher", default="all_to_all", choices=("all_to_all", "sync_free", "all_gather"),
-                    help="expert-parallel dispatcher (default all_to_all: exact sizes, one host sync per layer)")
+    ap.add_argument(
+        "--dispatcher",
+        default="all_to_all",
+        choices=("all_to_all", "sync_free", "all_gather"),
+        help="expert-parallel dispatcher (default all_to_all: exact sizes, one host sync per layer)",
+    )
     ap.add_argument("--loss-chunk", type=int, default=1024, help="tokens per lm_head/cross-entropy chunk")
     ap.add_argument("--attn", default="sdpa", help="attn_implementation (default sdpa)")
-    ap.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=True,
-                    help="shard the non-expert weights with FSDP2 (default on)")
+    ap.add_argument(
+        "--fsdp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="shard the non-expert weights with FSDP2 (default on)",
+    )
     ap.add_argument("--no-checkpointing", action="store_true", help="disable activation checkpointing")
     ap.add_argument("--tiny", action="store_true", help="scaled-down config for CPU checks (float32)")
     ap.add_argument("--seed", type=int, default=0)
@@ -320,18 +400,34 @@ def run(args, device: torch.device, bnb_version: str) -> dict:
     if base_cfg["num_experts"] % W:
         raise SystemExit(f"--nproc-per-node: {W} does not divide the {base_cfg['num_experts']} experts")
     name = "qwen3-235b-a22b" + ("-tiny" if args.tiny else "")
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
-                "bitsandbytes": bnb_version, "moeyard": getattr(moeyard, "__version__", None)}
+    versions = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "bitsandbytes": bnb_version,
+        "moeyard": getattr(moeyard, "__version__", None),
+    }
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    log(f"{name}: {layers} layers on {W} ranks (expert parallel, {base_cfg['num_experts'] // W} experts each"
+    log(
+        f"{name}: {layers} layers on {W} ranks (expert parallel, {base_cfg['num_experts'] // W} experts each"
         f"{', FSDP2 for the rest' if args.fsdp else ''}), batch {args.batch} x {seq} tokens per rank (random ids, "
         f"repeated), {dtype} base, {lora_dtype} LoRA r={LORA_RANK}, {device}{f' ({gpu})' if gpu else ''}, backend "
-        f"{moeyard.get_backend()}; {versions}")
+        f"{moeyard.get_backend()}; {versions}"
+    )
 
     mesh = init_device_mesh(device.type, (1, W), mesh_dim_names=("dp", "ep"))
-    model, build_info = build(base_cfg, layers=layers, device=device, dtype=dtype, lora_dtype=lora_dtype,
-                              attn=args.attn, group=mesh["ep"].get_group(), dispatcher=args.dispatcher,
-                              seed=args.seed, log=log)
+    model, build_info = build(
+        base_cfg,
+        layers=layers,
+        device=device,
+        dtype=dtype,
+        lora_dtype=lora_dtype,
+        attn=args.attn,
+        group=mesh["ep"].get_group(),
+        dispatcher=args.dispatcher,
+        seed=args.seed,
+        log=log,
+    )
     if args.fsdp:
         shard_non_experts(model, mesh)
     model.train()
@@ -340,16 +436,31 @@ def run(args, device: torch.device, bnb_version: str) -> dict:
     checkpointing = single.is_checkpointing(model.base_model.model)
     mem = rank_memory(model)
     alloc = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    log(f"built in {build_info['build_s']:.1f} s (NF4 quantisation {build_info['quantize_s']:.1f} s); activation "
-        f"checkpointing {checkpointing}")
-    log(f"rank 0 holds: NF4 experts {mem['nf4_expert_bytes'] / 2**30:.2f} GiB ({mem['experts_per_layer']} experts per "
+    log(
+        f"built in {build_info['build_s']:.1f} s (NF4 quantisation {build_info['quantize_s']:.1f} s); activation "
+        f"checkpointing {checkpointing}"
+    )
+    log(
+        f"rank 0 holds: NF4 experts {mem['nf4_expert_bytes'] / 2**30:.2f} GiB ({mem['experts_per_layer']} experts per "
         f"layer, {mem['nf4_expert_weights'] / 1e9:.2f} B weights); non-expert "
         f"{mem['non_expert_bytes'] / 2**30:.2f} GiB; "
         f"LoRA {mem['lora_bytes'] / 2**30:.2f} GiB {mem['lora_dtype']} (+ as much for gradients, 2x for AdamW)"
-        + (f"; allocated {alloc:.2f} GiB" if alloc is not None else ""))
+        + (f"; allocated {alloc:.2f} GiB" if alloc is not None else "")
+    )
 
-    records = train(model, batch=args.batch, seq=seq, steps=args.steps, warmup=warmup, device=device,
-                    loss_chunk=args.loss_chunk, lr=args.lr, fsdp=args.fsdp, seed=args.seed, log=log)
+    records = train(
+        model,
+        batch=args.batch,
+        seq=seq,
+        steps=args.steps,
+        warmup=warmup,
+        device=device,
+        loss_chunk=args.loss_chunk,
+        lr=args.lr,
+        fsdp=args.fsdp,
+        seed=args.seed,
+        log=log,
+    )
     everyone = [None] * W
     dist.all_gather_object(everyone, mem)
     timed = [r for r in records if not r["warmup"]] or records
@@ -357,26 +468,54 @@ def run(args, device: torch.device, bnb_version: str) -> dict:
     peak = max((max(r["peak_gib"]) for r in records if "peak_gib" in r), default=None)
     tokens = W * args.batch * seq
     summary = {
-        "model": name, "config": dict(base_cfg, num_hidden_layers=layers), "source":
-            "https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json (random weights)",
-        "world_size": W, "expert_parallel": W, "fsdp": args.fsdp, "dispatcher": args.dispatcher, "layers": layers,
-        "batch_per_rank": args.batch, "seq": seq, "tokens_per_step": tokens,
-        "data": "one batch of random token ids per rank, repeated every step", "dtype": str(dtype),
+        "model": name,
+        "config": dict(base_cfg, num_hidden_layers=layers),
+        "source": "https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json (random weights)",
+        "world_size": W,
+        "expert_parallel": W,
+        "fsdp": args.fsdp,
+        "dispatcher": args.dispatcher,
+        "layers": layers,
+        "batch_per_rank": args.batch,
+        "seq": seq,
+        "tokens_per_step": tokens,
+        "data": "one batch of random token ids per rank, repeated every step",
+        "dtype": str(dtype),
         "lora_dtype": str(lora_dtype),
-        "lora": {"r": LORA_RANK, "alpha": LORA_ALPHA, "target_modules": single.ATTN_TARGETS,
-                 "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]},
-        "activation_checkpointing": checkpointing, "loss_chunk": args.loss_chunk, "attn": args.attn, "lr": args.lr,
-        "backend": moeyard.get_backend(), "device": str(device), "gpu": gpu, "versions": versions, **build_info,
-        "memory_per_rank": everyone, "allocated_after_build_gib": alloc, "steps": records, "timed_steps": len(timed),
-        "mean_step_s": step_s, "tokens_per_s": tokens / step_s, "tokens_per_s_per_gpu": tokens / step_s / W,
-        "peak_gib_per_gpu": peak, "losses_finite": all(math.isfinite(x) for r in records for x in r["losses"]),
-        "loss_first": records[0]["loss"] if records else None, "loss_last": records[-1]["loss"] if records else None,
+        "lora": {
+            "r": LORA_RANK,
+            "alpha": LORA_ALPHA,
+            "target_modules": single.ATTN_TARGETS,
+            "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        },
+        "activation_checkpointing": checkpointing,
+        "loss_chunk": args.loss_chunk,
+        "attn": args.attn,
+        "lr": args.lr,
+        "backend": moeyard.get_backend(),
+        "device": str(device),
+        "gpu": gpu,
+        "versions": versions,
+        **build_info,
+        "memory_per_rank": everyone,
+        "allocated_after_build_gib": alloc,
+        "steps": records,
+        "timed_steps": len(timed),
+        "mean_step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "tokens_per_s_per_gpu": tokens / step_s / W,
+        "peak_gib_per_gpu": peak,
+        "losses_finite": all(math.isfinite(x) for r in records for x in r["losses"]),
+        "loss_first": records[0]["loss"] if records else None,
+        "loss_last": records[-1]["loss"] if records else None,
     }
     summary["losses_falling"] = bool(records) and records[-1]["loss"] < records[0]["loss"]
-    line = (f"| {name} QLoRA NF4 r={LORA_RANK} | {W} x {gpu or device.type} EP{W}{' + FSDP2' if args.fsdp else ''} | "
-            f"{layers} layers | {args.batch}x{seq} per GPU | {step_s:.2f} s/step | {tokens / step_s:,.0f} tokens/s "
-            f"({tokens / step_s / W:,.0f} per GPU) | peak {f'{peak:.2f} GiB' if peak is not None else 'n/a'} per GPU | "
-            f"loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f} |")
+    line = (
+        f"| {name} QLoRA NF4 r={LORA_RANK} | {W} x {gpu or device.type} EP{W}{' + FSDP2' if args.fsdp else ''} | "
+        f"{layers} layers | {args.batch}x{seq} per GPU | {step_s:.2f} s/step | {tokens / step_s:,.0f} tokens/s "
+        f"({tokens / step_s / W:,.0f} per GPU) | peak {f'{peak:.2f} GiB' if peak is not None else 'n/a'} per GPU | "
+        f"loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f} |"
+    )
     log(line)
     summary["table_line"] = line
     if args.out and rank == 0:

@@ -8,6 +8,7 @@ GPU, one worker per usable core up to ``MAX_WORKERS``, each with its share of th
 a GPU, one process (the CUDA tests time kernels and fill the GPU's memory). ``-n 0`` runs in one process,
 ``-n N`` or ``PYTEST_XDIST_AUTO_NUM_WORKERS=N`` picks N workers.
 """
+
 import os
 
 import pytest

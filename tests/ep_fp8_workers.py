@@ -4,6 +4,7 @@ With ``fp8_dispatch`` the experts receive each token row rounded to e4m3 with on
 every backward exchange carries the compute dtype, so the oracle is the unsharded ``loop`` experts on
 the rows cast that way (``moeyard.quant.fp8.fake_quantize``, ``Blocks(None)``, ``pow2``), its input
 gradient taken with respect to those rows."""
+
 from __future__ import annotations
 
 import functools
@@ -25,12 +26,18 @@ def oracle_fp8(T_counts, ids_all, inputs, rank, recipe=None) -> dict:
     El = inputs["gate_up_proj"].shape[0] // W
     xq = fake_quantize(inputs["x"], Blocks(None), "pow2").requires_grad_()
     leaves = {k: inputs[k].clone().requires_grad_() for k in ("w", "gate_up_proj", "down_proj")}
-    out = moeyard.experts(xq, ids_all, leaves["w"], leaves["gate_up_proj"], leaves["down_proj"], backend="loop",
-                          recipe=recipe)
+    out = moeyard.experts(
+        xq, ids_all, leaves["w"], leaves["gate_up_proj"], leaves["down_proj"], backend="loop", recipe=recipe
+    )
     out.backward(inputs["dy"])
     blk = slice(rank * El, (rank + 1) * El)
-    return {"out": out.detach()[sl], "x": xq.grad[sl], "w": leaves["w"].grad[sl],
-            "up": leaves["gate_up_proj"].grad[blk], "down": leaves["down_proj"].grad[blk]}
+    return {
+        "out": out.detach()[sl],
+        "x": xq.grad[sl],
+        "w": leaves["w"].grad[sl],
+        "up": leaves["gate_up_proj"].grad[blk],
+        "down": leaves["down_proj"].grad[blk],
+    }
 
 
 def check_fp8_dispatch(rank: int, W: int) -> None:
@@ -55,19 +62,32 @@ def check_fp8_dispatch(rank: int, W: int) -> None:
     # equals the one without FP8 dispatch
     plain = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher="all_to_all"))
     fp8 = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher="all_to_all", fp8_dispatch=True))
-    outs = [run_functional(lambda *a, c=c, **kw: c(*a, recipe="fp8_rowwise", **kw), T_counts, ids_all, inputs, rank,
-                           torch.float64, "loop")["out"] for c in (plain, fp8)]
+    outs = [
+        run_functional(
+            lambda *a, c=c, **kw: c(*a, recipe="fp8_rowwise", **kw),
+            T_counts,
+            ids_all,
+            inputs,
+            rank,
+            torch.float64,
+            "loop",
+        )["out"]
+        for c in (plain, fp8)
+    ]
     check(torch.equal(outs[0], outs[1]), f"rank {rank}: fp8_rowwise forward changed by FP8 dispatch")
     # the bytes that cross: H + 16 per row against 2H (bf16) / 8H (float64)
     from moeyard.parallel import fp8_rows
+
     check(fp8_rows.pack(inputs["x"][:3]).shape == (3, H + 16), "packed rows are H + 16 bytes")
 
 
 def check_fp8_dispatch_errors(rank: int, W: int) -> None:
     m = moeyard.MoE(moeyard.MoEConfig(num_experts=2 * W, hidden_size=8, intermediate_size=4, top_k=1))
-    for kw, err, text in ((dict(dispatcher="sync_free", fp8_dispatch=True), ValueError, "all_to_all and all_gather"),
-                          (dict(overlap_chunks=2, fp8_dispatch=True), ValueError, "overlap_chunks"),
-                          (dict(fp8_dispatch=1), TypeError, "fp8_dispatch: expected a bool")):
+    for kw, err, text in (
+        (dict(dispatcher="sync_free", fp8_dispatch=True), ValueError, "all_to_all and all_gather"),
+        (dict(overlap_chunks=2, fp8_dispatch=True), ValueError, "overlap_chunks"),
+        (dict(fp8_dispatch=1), TypeError, "fp8_dispatch: expected a bool"),
+    ):
         try:
             expert_parallel(m, **kw)
         except err as ex:

@@ -8,6 +8,7 @@ outputs, input gradients, each LoRA factor's gradient against this rank's block 
 
 Legend: W ranks, E experts, E_l = E / W, R the LoRA rank.
 """
+
 from __future__ import annotations
 
 import copy
@@ -21,11 +22,12 @@ from ep_workers import LAYER_CONFIGS, TOL, check, check_err, make_layer, slices,
 from moeyard.parallel import expert_parallel
 from moeyard.parallel.lora import lora_state_dict, shard_factors, shard_lora
 
-R = 2          # LoRA rank
+R = 2  # LoRA rank
 ALPHA = 3.0
 
 
 # ---------------------------------------------------------------- moeyard.MoE with adapters
+
 
 def random_lora(m, seed: int) -> dict:
     """``m.add_lora(R)`` under ``torch.manual_seed(seed)`` (A as drawn), B redrawn from ``N(0, 0.3)`` on the
@@ -70,9 +72,17 @@ def lora_oracle(kw: dict, T_counts, x_all, dy_all, seed: int) -> tuple[dict, dic
     return res, sd, ref
 
 
-def check_lora_layer(rank: int, W: int, *, mesh=None, dispatchers=("all_to_all", "sync_free", "all_gather"),
-                     after: bool = False, overlap_chunks: int = 1, backend: str = "loop",
-                     dtype=torch.float64) -> None:
+def check_lora_layer(
+    rank: int,
+    W: int,
+    *,
+    mesh=None,
+    dispatchers=("all_to_all", "sync_free", "all_gather"),
+    after: bool = False,
+    overlap_chunks: int = 1,
+    backend: str = "loop",
+    dtype=torch.float64,
+) -> None:
     """``MoE.add_lora`` before (or ``after``) :func:`expert_parallel`, every config and dispatcher: each
     rank holds its block of the factors (PEFT's local layout, ``num_experts`` E_l); outputs, input
     gradients, every factor's gradient (this rank's block of the oracle's) and the router's and shared
@@ -136,7 +146,7 @@ def check_merge(rank: int, W: int, mesh=None) -> None:
     for name in ("gate_up_proj", "down_proj"):
         w = getattr(m, name)
         w = w.to_local() if hasattr(w, "to_local") else w
-        check_err(f"merge/rank{rank}: {name}", w, getattr(ref, name).detach()[rank * El:(rank + 1) * El], 1e-14)
+        check_err(f"merge/rank{rank}: {name}", w, getattr(ref, name).detach()[rank * El : (rank + 1) * El], 1e-14)
     x = torch.randn(3 + rank, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
     check_err(f"merge/rank{rank}: out", m(x).detach(), ref(x).detach(), 1e-12)
     del E
@@ -144,8 +154,10 @@ def check_merge(rank: int, W: int, mesh=None) -> None:
 
 # ---------------------------------------------------------------- QLoRA: NF4 experts
 
-QLORA_SIZES = (dict(hidden=8, intermediate=4, blocksize=32),      # 1-2 blocks per expert: scales stored decoded
-               dict(hidden=128, intermediate=64, blocksize=32))   # 256 / 512 blocks per expert: nested scales sliced
+QLORA_SIZES = (
+    dict(hidden=8, intermediate=4, blocksize=32),  # 1-2 blocks per expert: scales stored decoded
+    dict(hidden=128, intermediate=64, blocksize=32),
+)  # 256 / 512 blocks per expert: nested scales sliced
 
 
 def check_qlora(rank: int, W: int, *, before: bool, dispatcher: str, size: dict, mesh=None) -> None:
@@ -176,11 +188,15 @@ def check_qlora(rank: int, W: int, *, before: bool, dispatcher: str, size: dict,
         a, b = q.shape[1], q.shape[2]
         check(q.data.numel() == El * a * b // 2 and q.absmax.numel() == El * a * b // bs, f"{what}: {name} bytes")
         if before:  # the global storage's block, bit for bit
-            check(torch.equal(q.data, whole[name].data[rank * El * a * b // 2:(rank + 1) * El * a * b // 2]),
-                  f"{what}: {name} codes")
+            check(
+                torch.equal(q.data, whole[name].data[rank * El * a * b // 2 : (rank + 1) * El * a * b // 2]),
+                f"{what}: {name} codes",
+            )
             check(q.compress_statistics == ((rank * El * a * b // bs) % 256 == 0), f"{what}: {name} scales")
-            check(torch.equal(q.dequantize(), whole[name].dequantize()[rank * El:(rank + 1) * El]),
-                  f"{what}: {name} dequantised")
+            check(
+                torch.equal(q.dequantize(), whole[name].dequantize()[rank * El : (rank + 1) * El]),
+                f"{what}: {name} dequantised",
+            )
         parts = [torch.empty(El, a, b) for _ in range(W)]
         dist.all_gather(parts, q.dequantize())
         dense[name] = torch.cat(parts)
@@ -213,6 +229,7 @@ def check_qlora(rank: int, W: int, *, before: bool, dispatcher: str, size: dict,
 
 # ---------------------------------------------------------------- transformers + PEFT
 
+
 def _peft_compare(what: str, got: dict, oracle: dict, rank: int, W: int, E: int, tol: float = 1e-5) -> None:
     """``verify.forward_backward`` of one rank's sequence against the oracle on all of them: logits, the
     expert adapters' gradients (this rank's block), the others' (summed)."""
@@ -220,7 +237,7 @@ def _peft_compare(what: str, got: dict, oracle: dict, rank: int, W: int, E: int,
     blocks = factor_blocks({k: v for k, v in grads.items() if ".experts." in k}, E, rank, W)
     for k, v in got.items():
         if k == "logits":
-            ref = oracle[k][rank:rank + 1]
+            ref = oracle[k][rank : rank + 1]
         elif k[5:] in blocks:
             check(v.shape == blocks[k[5:]].shape, f"{what}: {k} shape {tuple(v.shape)}")
             ref = blocks[k[5:]]
@@ -245,25 +262,32 @@ def check_peft(rank: int, W: int, ckpt_dir: str, mesh) -> None:
     ids, probe = verify.make_inputs(base, batch=W, seq=6)
     with moeyard.use_backend("loop"):
         oracle = verify.forward_backward(base, ids, probe)
-        own = (ids[rank:rank + 1], probe[rank:rank + 1])
-        for label, group, dispatcher, fuse in (("as wrapped", None, "all_to_all", False),
-                                              ("fuse_lora", None, "sync_free", True),
-                                              ("mesh", mesh, "all_gather", False)):
+        own = (ids[rank : rank + 1], probe[rank : rank + 1])
+        for label, group, dispatcher, fuse in (
+            ("as wrapped", None, "all_to_all", False),
+            ("fuse_lora", None, "sync_free", True),
+            ("mesh", mesh, "all_gather", False),
+        ):
             model = copy.deepcopy(base)
             if fuse:
                 fuse_lora(model)
-            expert_parallel(model, group, dispatcher=dispatcher, **({"max_tokens": 6} if dispatcher == "sync_free"
-                                                                    else {}))
+            expert_parallel(
+                model, group, dispatcher=dispatcher, **({"max_tokens": 6} if dispatcher == "sync_free" else {})
+            )
             _peft_compare(f"peft before/{label}/rank{rank}", verify.forward_backward(model, *own), oracle, rank, W, E)
         # PEFT's merge_and_unload on the split model: each rank folds its block into its experts
         merged = model.merge_and_unload() if group is None else None
         if merged is not None:
             check(not any("lora_" in n for n, _ in merged.named_parameters()), "merge_and_unload drops the adapters")
-            check_err(f"peft merged/rank{rank}: logits", merged(input_ids=own[0]).logits.detach().double(),
-                      oracle["logits"][rank:rank + 1], 1e-5)
+            check_err(
+                f"peft merged/rank{rank}: logits",
+                merged(input_ids=own[0]).logits.detach().double(),
+                oracle["logits"][rank : rank + 1],
+                1e-5,
+            )
         # get_peft_model after expert_parallel on a process group: PEFT's own parametrization path, local adapters
         model = expert_parallel(copy.deepcopy(plain), dispatcher="all_to_all")
-        model = verify.add_expert_lora(model, R, seed=1)   # the same values on every rank: not a block of one draw
+        model = verify.add_expert_lora(model, R, seed=1)  # the same values on every rank: not a block of one draw
         sd = lora_state_dict(model, rank0_only=False)
         ref = copy.deepcopy(base)
         missing, unexpected = ref.load_state_dict(sd, strict=False)
@@ -272,7 +296,7 @@ def check_peft(rank: int, W: int, ckpt_dir: str, mesh) -> None:
         _peft_compare(f"peft after/group/rank{rank}", got, verify.forward_backward(ref, ids, probe), rank, W, E)
         # ... on a mesh: PEFT sizes the adapters of all E experts from the DTensors; shard_lora keeps the block
         model = expert_parallel(copy.deepcopy(plain), mesh, dispatcher="all_to_all")
-        model = verify.add_expert_lora(model, R, seed=0)   # the draw of build_model(lora_rank=R)
+        model = verify.add_expert_lora(model, R, seed=0)  # the draw of build_model(lora_rank=R)
         check(shard_lora(model) == 2 * 2, "shard_lora: 2 layers x 2 weights")
         _peft_compare(f"peft after/mesh/rank{rank}", verify.forward_backward(model, *own), oracle, rank, W, E)
         # train one step, gather, save on rank 0; the reference is the oracle's step
@@ -315,11 +339,16 @@ def check_peft_qlora(rank: int, W: int) -> None:
     ids, probe = verify.make_inputs(base, batch=W, seq=6)
     model = expert_parallel(copy.deepcopy(base), dispatcher="all_to_all")
     for m in verify.experts_modules(model):
-        check(all(isinstance(getattr(m, n), NF4Experts) and getattr(m, n).shape[0] == E // W
-                  for n in ("gate_up_proj", "down_proj")), "peft qlora: this rank's NF4 blocks")
+        check(
+            all(
+                isinstance(getattr(m, n), NF4Experts) and getattr(m, n).shape[0] == E // W
+                for n in ("gate_up_proj", "down_proj")
+            ),
+            "peft qlora: this rank's NF4 blocks",
+        )
     with moeyard.use_backend("loop"):
         oracle = verify.forward_backward(base, ids, probe)
-        got = verify.forward_backward(model, ids[rank:rank + 1], probe[rank:rank + 1])
+        got = verify.forward_backward(model, ids[rank : rank + 1], probe[rank : rank + 1])
     _peft_compare(f"peft qlora/rank{rank}", got, oracle, rank, W, E)
 
 
@@ -334,8 +363,9 @@ def check_unsplittable_storage(rank: int, W: int) -> None:
     with pytest.raises(ValueError, match="FP8BlockExperts storage, which cannot keep one rank's experts"):
         expert_parallel(m)
     check(m.expert_parallel is None and m.gate_up_proj.shape[0] == 8, "refused: the layer untouched")
-    m = quantize_experts(expert_parallel(make_layer(LAYER_CONFIGS["qwen3"], hidden=128, intermediate=64).float()),
-                         "fp8_block")
+    m = quantize_experts(
+        expert_parallel(make_layer(LAYER_CONFIGS["qwen3"], hidden=128, intermediate=64).float()), "fp8_block"
+    )
     check(isinstance(m.down_proj, FP8BlockExperts) and m.down_proj.shape[0] == 8 // W, "fp8 after: local block")
     check(torch.isfinite(m(torch.randn(3, 128))).all(), "fp8 after: runs")
 
@@ -362,8 +392,11 @@ def check_load(rank: int, W: int, ckpt_dir: str) -> None:
 
     saved = torch.load(os.path.join(ckpt_dir, "peft_saved.pt"))
     with verify.quiet_transformers():
-        one = PeftModel.from_pretrained(verify.build_model("qwen3_moe", experts_implementation="moeyard"),
-                                        os.path.join(ckpt_dir, "peft"), is_trainable=True)
+        one = PeftModel.from_pretrained(
+            verify.build_model("qwen3_moe", experts_implementation="moeyard"),
+            os.path.join(ckpt_dir, "peft"),
+            is_trainable=True,
+        )
         model = expert_parallel(copy.deepcopy(one), dispatcher="sync_free", max_tokens=5)
     E = one.base_model.model.config.num_experts
     loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
@@ -373,9 +406,14 @@ def check_load(rank: int, W: int, ckpt_dir: str) -> None:
     ids, probe = verify.make_inputs(one, batch=W, seq=5)
     with moeyard.use_backend("loop"):
         oracle = verify.forward_backward(one, ids, probe)
-        _peft_compare(f"peft loaded at EP{W}/rank{rank}", verify.forward_backward(model, ids[rank:rank + 1],
-                                                                                   probe[rank:rank + 1]),
-                      oracle, rank, W, E)
+        _peft_compare(
+            f"peft loaded at EP{W}/rank{rank}",
+            verify.forward_backward(model, ids[rank : rank + 1], probe[rank : rank + 1]),
+            oracle,
+            rank,
+            W,
+            E,
+        )
     sd = torch.load(os.path.join(ckpt_dir, "moe_lora.pt"))
     kw = LAYER_CONFIGS["qwen3"]
     m = expert_parallel(make_layer(kw, seed=99))
@@ -386,6 +424,7 @@ def check_load(rank: int, W: int, ckpt_dir: str) -> None:
 
 
 # ---------------------------------------------------------------- per world size
+
 
 def worker_2(rank: int, W: int, ckpt_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
@@ -411,6 +450,7 @@ def worker_2(rank: int, W: int, ckpt_dir: str) -> None:
 
 
 # ---------------------------------------------------------------- FSDP2 x expert parallelism, QLoRA
+
 
 def check_fsdp_qlora(rank: int, W: int, dp: int = 2) -> None:
     """QLoRA with :func:`fsdp_expert_parallel` on a ``(dp, ep)`` mesh: NF4 experts, LoRA on them, frozen
@@ -446,21 +486,27 @@ def check_fsdp_qlora(rank: int, W: int, dp: int = 2) -> None:
     mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
     fsdp_expert_parallel(model, mesh, dispatcher="sync_free", max_tokens=B * S)
     ep_rank = mesh["ep"].get_local_rank()
-    check(isinstance(model.moe.gate_up_proj, NF4Experts) and model.moe.gate_up_proj.shape[0] == E // ep,
-          "fsdp qlora: this EP rank's NF4 block")
+    check(
+        isinstance(model.moe.gate_up_proj, NF4Experts) and model.moe.gate_up_proj.shape[0] == E // ep,
+        "fsdp qlora: this EP rank's NF4 block",
+    )
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     check(set(params) == set(ref_params), f"fsdp qlora: trainable {sorted(set(params) ^ set(ref_params))}")
     for n, p in params.items():  # sharded: the adapters (their E_l block) over dp, the rest over dp * ep
         over = dp if n.startswith("moe.lora.") else W
-        check(isinstance(p, DTensor) and p.to_local().numel() <= -(-p.shape[0] // over) * p.shape[1:].numel(),
-              f"fsdp qlora: {n} sharded")
+        check(
+            isinstance(p, DTensor) and p.to_local().numel() <= -(-p.shape[0] // over) * p.shape[1:].numel(),
+            f"fsdp qlora: {n} sharded",
+        )
     opt = torch.optim.AdamW(param_groups_by_mesh(params.values()), lr=1e-2, foreach=True)  # CUDA's default
     mine = slice(rank * B, (rank + 1) * B)
     tol = 2e-5
     for step in range(2):
         what = f"fsdp qlora/dp{dp}/step{step}/rank{rank}"
         ref_opt.zero_grad()
-        ref_losses = [lm_loss(ref, ids[step, r * B:(r + 1) * B], targets[step, r * B:(r + 1) * B]) for r in range(W)]
+        ref_losses = [
+            lm_loss(ref, ids[step, r * B : (r + 1) * B], targets[step, r * B : (r + 1) * B]) for r in range(W)
+        ]
         (sum(ref_losses) / W).backward()
         opt.zero_grad()
         loss = lm_loss(model, ids[step, mine], targets[step, mine])
@@ -471,11 +517,13 @@ def check_fsdp_qlora(rank: int, W: int, dp: int = 2) -> None:
             check_err(f"{what}: grad {n}", p.grad.full_tensor(), grads.get(n, ref_params[n].grad), tol)
         ref_opt.step()
         opt.step()
-        values = factor_blocks({n: p.detach() for n, p in ref_params.items() if n.startswith("moe.lora.")}, E,
-                               ep_rank, ep)
+        values = factor_blocks(
+            {n: p.detach() for n, p in ref_params.items() if n.startswith("moe.lora.")}, E, ep_rank, ep
+        )
         for n, p in params.items():
-            check_err(f"{what}: {n} after the step", p.detach().full_tensor(), values.get(n, ref_params[n].detach()),
-                      tol)
+            check_err(
+                f"{what}: {n} after the step", p.detach().full_tensor(), values.get(n, ref_params[n].detach()), tol
+            )
     for n, p in params.items():  # AdamW's state is sharded as its parameter
         state = opt.state[p]["exp_avg"]
         check(isinstance(state, DTensor) and state.to_local().shape == p.to_local().shape, f"AdamW state of {n}")

@@ -12,6 +12,7 @@ a numerical mismatch is recorded instead of raised, so every rank keeps issuing 
 
 Legend: W ranks, E experts, E_l = E / W, K top-k, H hidden, I intermediate, T_r tokens of rank r.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,6 +46,7 @@ SOFT_FAILURES: list[str] | None = None
 
 # ---------------------------------------------------------------- process plumbing
 
+
 def spawn(fn, world: int, *args, timeout: float = 240.0) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; a failure in any re-raises
     here; past ``timeout`` seconds all are killed and TimeoutError is raised (never a hang).
@@ -54,8 +56,9 @@ def spawn(fn, world: int, *args, timeout: float = 240.0) -> None:
     they could a port found free and then bound later."""
     with tempfile.TemporaryDirectory(prefix="moeyard-ep-") as folder:
         init_method = "file://" + os.path.join(folder, "rendezvous")
-        ctx = mp.start_processes(_entry, args=(fn, world, init_method, args), nprocs=world, join=False,
-                                 start_method="spawn")
+        ctx = mp.start_processes(
+            _entry, args=(fn, world, init_method, args), nprocs=world, join=False, start_method="spawn"
+        )
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=max(0.5, deadline - time.monotonic())):
             if time.monotonic() > deadline:
@@ -68,8 +71,9 @@ def spawn(fn, world: int, *args, timeout: float = 240.0) -> None:
 def _entry(rank: int, fn, world: int, init_method: str, args) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         fn(rank, world, *args)
         dist.barrier()
@@ -96,6 +100,7 @@ def _exit_together(rank: int, world: int) -> None:
 
 
 # ---------------------------------------------------------------- comparisons
+
 
 def rel_err(a, ref) -> float:
     """max |a - ref| / max |ref| in float64 on ref's device (inf for NaN; 0 for empty tensors)."""
@@ -140,6 +145,7 @@ def slices(counts: list[int], rank: int) -> slice:
 
 # ---------------------------------------------------------------- functional: ExpertParallel on given ids
 
+
 def routing_cases(W: int, E: int, K: int, H: int, g: torch.Generator) -> dict[str, tuple[list[int], torch.Tensor]]:
     """name -> (tokens per rank, global ids [sum T_r, K]): the code paths each exercises."""
     El = E // W
@@ -153,17 +159,26 @@ def routing_cases(W: int, E: int, K: int, H: int, g: torch.Generator) -> dict[st
     empty = [0 if r == 1 else 6 for r in range(W)]
     hot = max(El, K)  # E_l < K: a token's K distinct experts span the first (last) ranks
     return {
-        "uneven": (uneven, ids(sum(uneven), list(range(E)))),            # any rank to any rank
-        "empty_rank": (empty, ids(sum(empty), list(range(E)))),          # a rank with no tokens
-        "hot_rank0": ([4] * W, ids(4 * W, list(range(hot)))),            # all pairs to rank 0's experts
-        "hot_last": ([3] * W, ids(3 * W, list(range(E - hot, E)))),      # ... to the last rank's
-        "one_expert": ([5] * W, torch.cat([torch.full((5 * W, 1), E - 1),  # every token hits expert E-1
-                                           ids(5 * W, list(range(E - 1)))[:, :K - 1]], 1)),
+        "uneven": (uneven, ids(sum(uneven), list(range(E)))),  # any rank to any rank
+        "empty_rank": (empty, ids(sum(empty), list(range(E)))),  # a rank with no tokens
+        "hot_rank0": ([4] * W, ids(4 * W, list(range(hot)))),  # all pairs to rank 0's experts
+        "hot_last": ([3] * W, ids(3 * W, list(range(E - hot, E)))),  # ... to the last rank's
+        "one_expert": (
+            [5] * W,
+            torch.cat(
+                [
+                    torch.full((5 * W, 1), E - 1),  # every token hits expert E-1
+                    ids(5 * W, list(range(E - 1)))[:, : K - 1],
+                ],
+                1,
+            ),
+        ),
     }
 
 
-def run_functional(ep_call, T_counts, ids_all, inputs, rank, dtype, backend, drop_invalid=False, device="cpu",
-                   x_grad: bool = True):
+def run_functional(
+    ep_call, T_counts, ids_all, inputs, rank, dtype, backend, drop_invalid=False, device="cpu", x_grad: bool = True
+):
     """This rank's slice through ``ep_call`` with its local weights on ``device``; returns out and
     grads (in ``dtype``, on ``device``; without ``x_grad`` the input needs no gradient and has none)."""
     W = len(T_counts)
@@ -174,8 +189,8 @@ def run_functional(ep_call, T_counts, ids_all, inputs, rank, dtype, backend, dro
         return t.to(device, dtype, copy=True).requires_grad_()
 
     x, w = leaf(inputs["x"][sl]).requires_grad_(x_grad), leaf(inputs["w"][sl])
-    up = leaf(inputs["gate_up_proj"][rank * El:(rank + 1) * El])
-    down = leaf(inputs["down_proj"][rank * El:(rank + 1) * El])
+    up = leaf(inputs["gate_up_proj"][rank * El : (rank + 1) * El])
+    down = leaf(inputs["down_proj"][rank * El : (rank + 1) * El])
     out = ep_call(x, ids_all[sl].to(device), w, up, down, backend=backend, drop_invalid=drop_invalid)
     out.backward(inputs["dy"][sl].to(device, dtype))
     grads = {"x": x.grad} if x_grad else {}
@@ -189,27 +204,46 @@ def oracle_functional(T_counts, ids_all, inputs, rank, drop_invalid=False, weigh
     El = inputs["gate_up_proj"].shape[0] // W
     leaves = {k: inputs[k].clone().requires_grad_() for k in ("x", "w", "gate_up_proj", "down_proj")}
     w = leaves["w"] if weights_all is None else leaves["w"] * weights_all
-    out = moeyard.experts(leaves["x"], ids_all, w, leaves["gate_up_proj"], leaves["down_proj"], backend="loop",
-                          drop_invalid=drop_invalid)
+    out = moeyard.experts(
+        leaves["x"], ids_all, w, leaves["gate_up_proj"], leaves["down_proj"], backend="loop", drop_invalid=drop_invalid
+    )
     out.backward(inputs["dy"])
     blk = slice(rank * El, (rank + 1) * El)
-    return {"out": out.detach()[sl], "x": leaves["x"].grad[sl], "w": leaves["w"].grad[sl],
-            "up": leaves["gate_up_proj"].grad[blk], "down": leaves["down_proj"].grad[blk]}
+    return {
+        "out": out.detach()[sl],
+        "x": leaves["x"].grad[sl],
+        "w": leaves["w"].grad[sl],
+        "up": leaves["gate_up_proj"].grad[blk],
+        "down": leaves["down_proj"].grad[blk],
+    }
 
 
 def make_functional_inputs(T_all: int, K: int, E: int, H: int, I: int, g: torch.Generator) -> dict:
-    return {"x": torch.randn(T_all, H, generator=g, dtype=torch.float64),
-            "w": torch.rand(T_all, K, generator=g, dtype=torch.float64) + 0.1,
-            "dy": torch.randn(T_all, H, generator=g, dtype=torch.float64),
-            "gate_up_proj": torch.randn(E, 2 * I, H, generator=g, dtype=torch.float64) / math.sqrt(H),
-            "down_proj": torch.randn(E, H, I, generator=g, dtype=torch.float64) / math.sqrt(I)}
+    return {
+        "x": torch.randn(T_all, H, generator=g, dtype=torch.float64),
+        "w": torch.rand(T_all, K, generator=g, dtype=torch.float64) + 0.1,
+        "dy": torch.randn(T_all, H, generator=g, dtype=torch.float64),
+        "gate_up_proj": torch.randn(E, 2 * I, H, generator=g, dtype=torch.float64) / math.sqrt(H),
+        "down_proj": torch.randn(E, H, I, generator=g, dtype=torch.float64) / math.sqrt(I),
+    }
 
 
-def check_functional(rank: int, W: int, *, E: int, K: int, dispatchers=DISPATCHER_NAMES,
-                     backends=(("loop", torch.float64), ("bmm_padded", torch.float64),
-                               ("grouped_mm", torch.float32)), H: int = 8, I: int = 4, device="cpu",
-                     tol: dict = TOL, extras: bool = True, exchange: str = "auto",
-                     overlap_chunks: int = 1) -> None:
+def check_functional(
+    rank: int,
+    W: int,
+    *,
+    E: int,
+    K: int,
+    dispatchers=DISPATCHER_NAMES,
+    backends=(("loop", torch.float64), ("bmm_padded", torch.float64), ("grouped_mm", torch.float32)),
+    H: int = 8,
+    I: int = 4,
+    device="cpu",
+    tol: dict = TOL,
+    extras: bool = True,
+    exchange: str = "auto",
+    overlap_chunks: int = 1,
+) -> None:
     """Every routing case x dispatcher x backend against the oracle; ``sync_free`` with
     ``max_tokens`` where counts differ, ``align`` 4 once, its rows moved by ``exchange``, each call's
     tokens in ``overlap_chunks`` chunks. With ``extras`` (float64 ``loop`` on the CPU): sentinel ids
@@ -237,7 +271,7 @@ def check_functional(rank: int, W: int, *, E: int, K: int, dispatchers=DISPATCHE
         return
     # sentinel ids (>= E, < 0) with drop_invalid: dropped on every path, nothing else changes
     T_counts = [4] * W
-    ids_all = routing_cases(W, E, K, H, g)["uneven"][1][:4 * W].clone()
+    ids_all = routing_cases(W, E, K, H, g)["uneven"][1][: 4 * W].clone()
     ids_all[::3, 0] = E
     ids_all[1::5, -1] = -1
     inputs = make_functional_inputs(4 * W, K, E, H, I, g)
@@ -264,7 +298,7 @@ def check_capacity(rank, W, ep, *, E, K, H, I, g, exchange: str = "auto") -> Non
     dropped = [0] * W
     for r in range(W):  # the naive rule: per source rank and destination, the first C pairs in token order
         used = [0] * W
-        for t in range(sum(T_counts[:r]), sum(T_counts[:r + 1])):
+        for t in range(sum(T_counts[:r]), sum(T_counts[: r + 1])):
             for k in range(K):
                 d = int(ids_all[t, k]) // El
                 if used[d] < C:
@@ -301,10 +335,13 @@ def check_no_host_reads(rank: int, W: int, overlap_chunks: int = 1, exchange: st
     reads = {name: read for name in ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__")}
     for name in ("sync_free",) if overlap_chunks > 1 else ("sync_free", "all_gather"):
         more = {"exchange": exchange} if name == "sync_free" else {}
-        call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, max_tokens=T + 2,
-                                            overlap_chunks=overlap_chunks, **more))
-        with mock.patch.object(sync_free, "token_counts", lambda T, ep, device: [T]), \
-                mock.patch.multiple(torch.Tensor, **reads):
+        call = ExpertParallel(
+            ep, EPOptions(num_experts=E, dispatcher=name, max_tokens=T + 2, overlap_chunks=overlap_chunks, **more)
+        )
+        with (
+            mock.patch.object(sync_free, "token_counts", lambda T, ep, device: [T]),
+            mock.patch.multiple(torch.Tensor, **reads),
+        ):
             got = run_functional(call, [T] * W, ids_all, inputs, rank, torch.float32, "grouped_mm", drop_invalid=True)
         close(f"no host reads/{name}/overlap{overlap_chunks}/rank{rank}", got, ref, TOL[torch.float32])
 
@@ -313,10 +350,19 @@ def check_no_host_reads(rank: int, W: int, overlap_chunks: int = 1, exchange: st
 
 LAYER_CONFIGS = {
     "qwen3": dict(num_experts=8, top_k=2),
-    "deepseek_v3": dict(num_experts=8, top_k=4, score_func="sigmoid", n_group=4, topk_group=2,
-                        score_correction_bias=True, routed_scaling_factor=2.5, num_shared_experts=1),
-    "gpt_oss": dict(num_experts=4, top_k=2, topk_before_score=True, router_bias=True, expert_bias=True,
-                    activation="clamped_swiglu"),
+    "deepseek_v3": dict(
+        num_experts=8,
+        top_k=4,
+        score_func="sigmoid",
+        n_group=4,
+        topk_group=2,
+        score_correction_bias=True,
+        routed_scaling_factor=2.5,
+        num_shared_experts=1,
+    ),
+    "gpt_oss": dict(
+        num_experts=4, top_k=2, topk_before_score=True, router_bias=True, expert_bias=True, activation="clamped_swiglu"
+    ),
 }
 
 
@@ -331,7 +377,7 @@ def make_layer(kw: dict, seed: int = 7, *, hidden: int = 8, intermediate: int = 
             p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]) * (0.5 if "bias" in name else 1.0))
         if separated:
             m.router.weight.zero_()
-            m.router.weight[:, :cfg.num_experts] = torch.eye(cfg.num_experts)
+            m.router.weight[:, : cfg.num_experts] = torch.eye(cfg.num_experts)
             if m.router.bias is not None:
                 m.router.bias.zero_()
     return m
@@ -370,6 +416,7 @@ def layer_oracle(kw: dict, size: dict, T_counts: list[int], x_all, dy_all, dtype
 
     Each rank's tokens run as one batch (gradients accumulated): the router scores in float32, so
     other batch shapes change its matmul blocking (~2e-8 relative at deepseek_v3)."""
+
     def rounded(t):
         return t.to(dtype).double()
 
@@ -377,17 +424,32 @@ def layer_oracle(kw: dict, size: dict, T_counts: list[int], x_all, dy_all, dtype
     with torch.no_grad():
         for p in ref_layer.parameters():
             p.copy_(rounded(p))
-    parts = [layer_results(ref_layer, rounded(x_all[slices(T_counts, r)]), rounded(dy_all[slices(T_counts, r)]))
-             for r in range(len(T_counts))]
+    parts = [
+        layer_results(ref_layer, rounded(x_all[slices(T_counts, r)]), rounded(dy_all[slices(T_counts, r)]))
+        for r in range(len(T_counts))
+    ]
     oracle = {k: torch.cat([p[k] for p in parts]) for k in ("out", "x")}
     oracle.update({n: p.grad for n, p in ref_layer.named_parameters()})
     return oracle
 
 
-def check_layer(rank: int, W: int, *, mesh=None, dispatchers=DISPATCHER_NAMES, device="cpu",
-                backends=(("loop", torch.float64),), hidden: int = 8, intermediate: int = 4,
-                tol: dict = TOL, T_counts: list[int] | None = None, separated: bool = False,
-                exchange: str = "auto", overlap_chunks: int = 1, checkpointed: bool = False) -> None:
+def check_layer(
+    rank: int,
+    W: int,
+    *,
+    mesh=None,
+    dispatchers=DISPATCHER_NAMES,
+    device="cpu",
+    backends=(("loop", torch.float64),),
+    hidden: int = 8,
+    intermediate: int = 4,
+    tol: dict = TOL,
+    T_counts: list[int] | None = None,
+    separated: bool = False,
+    exchange: str = "auto",
+    overlap_chunks: int = 1,
+    checkpointed: bool = False,
+) -> None:
     """The MoE layer (router, shared experts, biases) per dispatcher and (backend, dtype), uneven
     tokens (``T_counts``), a rank with none when W > 2: outputs and every gradient (replicated ones,
     the router's among them, summed over ranks) against the float64 ``loop`` layer on the CPU.
@@ -442,6 +504,7 @@ def compare_layer(what: str, m: MoE, got: dict, oracle: dict, sl: slice, block: 
 
 # ---------------------------------------------------------------- transformers
 
+
 def check_transformers(rank: int, W: int, arch: str = "qwen3_moe") -> None:
     """A tiny random transformers model with experts_implementation="moeyard": each rank runs its own
     sequences; logits and gradients against the single-process model on all of them."""
@@ -457,14 +520,14 @@ def check_transformers(rank: int, W: int, arch: str = "qwen3_moe") -> None:
             expert_parallel(model, dispatcher=name)
             experts_mods = verify.experts_modules(model)
             assert experts_mods and all(m.moeyard_expert_parallel is not None for m in experts_mods)
-            got = verify.forward_backward(model, ids[rank:rank + 1], probe[rank:rank + 1])
+            got = verify.forward_backward(model, ids[rank : rank + 1], probe[rank : rank + 1])
             params = dict(model.named_parameters())
             for k, v in got.items():
                 if k == "logits":
-                    ref = oracle[k][rank:rank + 1]
+                    ref = oracle[k][rank : rank + 1]
                 elif params[k[5:]].shape != base.get_parameter(k[5:]).shape:  # an expert block
                     El = params[k[5:]].shape[0]
-                    ref = oracle[k][rank * El:(rank + 1) * El]
+                    ref = oracle[k][rank * El : (rank + 1) * El]
                 else:
                     v, ref = summed(v), oracle[k]
                 e = rel_err(v, ref)
@@ -472,6 +535,7 @@ def check_transformers(rank: int, W: int, arch: str = "qwen3_moe") -> None:
 
 
 # ---------------------------------------------------------------- DTensor checkpoints
+
 
 def check_checkpoint_save(rank: int, W: int, ckpt_dir: str) -> None:
     """EP with a 1-D DeviceMesh: weights are DTensors Shard(0), the layer is still exact; save with
@@ -503,11 +567,12 @@ def check_checkpoint_load(rank: int, W: int, ckpt_dir: str) -> None:
     El = 4 // W
     for k, v in m.state_dict().items():
         local = v.to_local() if hasattr(v, "to_local") else v
-        ref = full[k][rank * El:(rank + 1) * El] if local.shape != full[k].shape else full[k]
+        ref = full[k][rank * El : (rank + 1) * El] if local.shape != full[k].shape else full[k]
         assert torch.equal(local, ref), k
 
 
 # ---------------------------------------------------------------- errors
+
 
 def check_errors(rank: int, W: int) -> None:
     """Bad input raises the same clear error on every rank (no hang)."""
@@ -528,6 +593,7 @@ def check_errors(rank: int, W: int) -> None:
 
 # ---------------------------------------------------------------- the symmetric-memory exchange, emulated
 
+
 def check_symm_mem(rank: int, W: int) -> None:
     """``sync_free`` with ``exchange="symm_mem"``, its NVSHMEM ops replaced by the gloo emulation of
     their contract (tests/symm_emulation.py): the 2-D path (E_l <= 16: every routing case, align 4,
@@ -542,12 +608,20 @@ def check_symm_mem(rank: int, W: int) -> None:
     ops = EmulatedSymmOps()
     f64 = (("loop", torch.float64),)
     with mock.patch.object(symm_mem, "OPS", ops):
-        check_functional(rank, W, E=4 * W, K=3, dispatchers=["sync_free"],
-                         backends=f64 + (("grouped_mm", torch.float32),), exchange="symm_mem")
+        check_functional(
+            rank,
+            W,
+            E=4 * W,
+            K=3,
+            dispatchers=["sync_free"],
+            backends=f64 + (("grouped_mm", torch.float32),),
+            exchange="symm_mem",
+        )
         assert {c[0] for c in ops.calls} == {"all_to_all_vdev_2d", "all_to_all_vdev_2d_offset"}, ops.calls
         ops.calls.clear()
-        check_functional(rank, W, E=18 * W, K=4, dispatchers=["sync_free"], backends=f64, exchange="symm_mem",
-                         extras=False)
+        check_functional(
+            rank, W, E=18 * W, K=4, dispatchers=["sync_free"], backends=f64, exchange="symm_mem", extras=False
+        )
         assert {c[0] for c in ops.calls} == {"all_to_all_vdev"} and ops.calls[0][2] == 1, ops.calls
         with mock.patch.object(symm_mem, "MAX_2D_EXPERTS", 0):
             check_functional(rank, W, E=4 * W, K=3, dispatchers=["sync_free"], backends=f64, exchange="symm_mem")
@@ -567,11 +641,10 @@ def check_symm_barrier(rank: int, W: int, ops) -> None:
     inputs = make_functional_inputs(T * W, K, E, 8, 4, g)
     ids_all = torch.rand(T * W, E, generator=g).argsort(1)[:, :K]
     ref = oracle_functional([T] * W, ids_all, inputs, rank)
-    call = ExpertParallel(resolve_group(None),
-                          EPOptions(num_experts=E, dispatcher="sync_free", exchange="symm_mem"))
+    call = ExpertParallel(resolve_group(None), EPOptions(num_experts=E, dispatcher="sync_free", exchange="symm_mem"))
     sl, El = slices([T] * W, rank), E // W
-    up = inputs["gate_up_proj"][rank * El:(rank + 1) * El].clone().requires_grad_()
-    down = inputs["down_proj"][rank * El:(rank + 1) * El].clone().requires_grad_()
+    up = inputs["gate_up_proj"][rank * El : (rank + 1) * El].clone().requires_grad_()
+    down = inputs["down_proj"][rank * El : (rank + 1) * El].clone().requires_grad_()
     for step in range(2):
         before, keys = ops.barriers, len(symm_mem._BUFFERS)
         up.grad = down.grad = None
@@ -579,8 +652,12 @@ def check_symm_barrier(rank: int, W: int, ops) -> None:
         out.backward(inputs["dy"][sl])
         assert ops.barriers == before + step, (step, ops.barriers, before)  # none at first: the cache is new
         assert step == 0 or len(symm_mem._BUFFERS) == keys
-        close(f"symm barrier/step{step}/rank{rank}", {"out": out.detach(), "up": up.grad, "down": down.grad},
-              {k: ref[k] for k in ("out", "up", "down")}, TOL[torch.float64])
+        close(
+            f"symm barrier/step{step}/rank{rank}",
+            {"out": out.detach(), "up": up.grad, "down": down.grad},
+            {k: ref[k] for k in ("out", "up", "down")},
+            TOL[torch.float64],
+        )
 
 
 def check_symm_errors(rank: int, W: int) -> None:
@@ -596,6 +673,7 @@ def check_symm_errors(rank: int, W: int) -> None:
 
 
 # ---------------------------------------------------------------- the peer-to-peer exchange, emulated
+
 
 def check_p2p(rank: int, W: int) -> None:
     """``sync_free`` with ``exchange="p2p"``, its symmetric memory emulated by shared files
@@ -618,29 +696,44 @@ def check_p2p(rank: int, W: int) -> None:
     f64 = (("loop", torch.float64),)
     try:
         with mock.patch.object(p2p, "OPS", ops), mock.patch.object(p2p, "new_rows", nan_rows):
-            check_functional(rank, W, E=4 * W, K=3, dispatchers=["sync_free"],
-                             backends=f64 + (("bmm_padded", torch.float64), ("grouped_mm", torch.float32)),
-                             exchange="p2p")
-            check_functional(rank, W, E=18 * W, K=4, dispatchers=["sync_free"], backends=f64, exchange="p2p",
-                             extras=False)
+            check_functional(
+                rank,
+                W,
+                E=4 * W,
+                K=3,
+                dispatchers=["sync_free"],
+                backends=f64 + (("bmm_padded", torch.float64), ("grouped_mm", torch.float32)),
+                exchange="p2p",
+            )
+            check_functional(
+                rank, W, E=18 * W, K=4, dispatchers=["sync_free"], backends=f64, exchange="p2p", extras=False
+            )
             check_p2p_ops(rank, W, ops)
             check_p2p_buffer_sizes(rank, W, ops)
             check_unwritten_rows(rank, W, exchange="p2p")
             check_no_host_reads(rank, W, exchange="p2p")
             check_layer(rank, W, dispatchers=["sync_free"], exchange="p2p")
             ep = resolve_group(None)
-            check(resolve_exchange(EPOptions(num_experts=4 * W, dispatcher="sync_free"), ep) == "p2p",
-                  "auto: p2p where it can run")
-            check(resolve_exchange(EPOptions(num_experts=4 * W, dispatcher="sync_free", overlap_chunks=2), ep)
-                  == "all_to_all", "auto with overlap_chunks 2: all_to_all")
+            check(
+                resolve_exchange(EPOptions(num_experts=4 * W, dispatcher="sync_free"), ep) == "p2p",
+                "auto: p2p where it can run",
+            )
+            check(
+                resolve_exchange(EPOptions(num_experts=4 * W, dispatcher="sync_free", overlap_chunks=2), ep)
+                == "all_to_all",
+                "auto with overlap_chunks 2: all_to_all",
+            )
         moeyard.parallel.release_buffers()
         check(not p2p._BUFFERS and not p2p._RETIRED, "release_buffers drops every p2p buffer")
     finally:
         ops.close()
-    check(resolve_exchange(EPOptions(num_experts=4 * W, dispatcher="sync_free"), resolve_group(None)) == "all_to_all",
-          "auto on gloo: all_to_all")
+    check(
+        resolve_exchange(EPOptions(num_experts=4 * W, dispatcher="sync_free"), resolve_group(None)) == "all_to_all",
+        "auto on gloo: all_to_all",
+    )
     m = make_layer(LAYER_CONFIGS["qwen3"])
     import pytest
+
     with pytest.raises(ValueError, match="exchange: 'p2p' needs an NCCL group, got backend 'gloo'"):
         expert_parallel(m, dispatcher="sync_free", exchange="p2p")
     assert m.expert_parallel is None and m.gate_up_proj.shape[0] == 8
@@ -656,8 +749,8 @@ def check_p2p_ops(rank: int, W: int, ops) -> None:
     ref = oracle_functional([T] * W, ids_all, inputs, rank)
     call = ExpertParallel(resolve_group(None), EPOptions(num_experts=E, dispatcher="sync_free", exchange="p2p"))
     sl, El = slices([T] * W, rank), E // W
-    up = inputs["gate_up_proj"][rank * El:(rank + 1) * El].clone().requires_grad_()
-    down = inputs["down_proj"][rank * El:(rank + 1) * El].clone().requires_grad_()
+    up = inputs["gate_up_proj"][rank * El : (rank + 1) * El].clone().requires_grad_()
+    down = inputs["down_proj"][rank * El : (rank + 1) * El].clone().requires_grad_()
     for step, x_grad in enumerate((True, False, False, True)):
         before, allocated = ops.barriers, ops.allocations
         up.grad = down.grad = None
@@ -685,7 +778,7 @@ def check_p2p_buffer_sizes(rank: int, W: int, ops) -> None:
     g = torch.Generator().manual_seed(79)
     for step, (T, grows) in enumerate(((6, True), (3, False), (5, False), (9, True), (2, False))):
         ids_all = torch.rand(T * W, E, generator=g).argsort(1)[:, :K]
-        ids_all[::2, -1] = E                                   # not sent: read from the zero row
+        ids_all[::2, -1] = E  # not sent: read from the zero row
         inputs = make_functional_inputs(T * W, K, E, 8, 4, g)
         ref = oracle_functional([T] * W, ids_all, inputs, rank, drop_invalid=True)
         before = ops.allocations
@@ -712,15 +805,26 @@ def check_unwritten_rows(rank: int, W: int, exchange: str = "all_to_all") -> Non
         unwritten.append(bool(out.detach()[empty].isnan().all(1).any()))
         return out
 
-    with mock.patch.object(ops, "empty", lambda shape, like, dtype=None: real(shape, like, dtype).fill_(float("nan"))), \
-            mock.patch.object(ops, "empty_like", lambda like: real_like(like).fill_(float("nan"))), \
-            mock.patch.object(ep_experts, "experts", watched):
-        check_functional(rank, W, E=4 * W, K=2, dispatchers=["sync_free"], backends=(("triton", torch.float32),),
-                         extras=False, exchange=exchange)
+    with (
+        mock.patch.object(ops, "empty", lambda shape, like, dtype=None: real(shape, like, dtype).fill_(float("nan"))),
+        mock.patch.object(ops, "empty_like", lambda like: real_like(like).fill_(float("nan"))),
+        mock.patch.object(ep_experts, "experts", watched),
+    ):
+        check_functional(
+            rank,
+            W,
+            E=4 * W,
+            K=2,
+            dispatchers=["sync_free"],
+            backends=(("triton", torch.float32),),
+            extras=False,
+            exchange=exchange,
+        )
     check(any(unwritten), f"unwritten rows/{exchange}/rank{rank}: every empty row was written")
 
 
 # ---------------------------------------------------------------- per world size
+
 
 def worker_2(rank: int, W: int, ckpt_dir: str) -> None:
     check_functional(rank, W, E=8, K=3)
@@ -754,6 +858,7 @@ def worker_8(rank: int, W: int) -> None:
 
 # ---------------------------------------------------------------- FSDP2 on a 2-D (dp, ep) mesh
 
+
 class TinyLM(torch.nn.Module):
     """Embedding -> dense residual block (an attention stand-in) -> residual MoE -> head (float64)."""
 
@@ -778,8 +883,9 @@ def lm_loss(model: TinyLM, ids: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return loss if model.moe.aux_loss is None else loss + 0.01 * model.moe.aux_loss
 
 
-def check_fsdp2(rank: int, W: int, dispatcher: str = "all_to_all", overlap_chunks: int = 1, *, dp: int = 2,
-                device="cpu") -> None:
+def check_fsdp2(
+    rank: int, W: int, dispatcher: str = "all_to_all", overlap_chunks: int = 1, *, dp: int = 2, device="cpu"
+) -> None:
     """dp x ep = W / dp with :func:`moeyard.parallel.fsdp_expert_parallel`: two SGD steps. Each
     rank's loss, every parameter's gradient (gathered to full tensors) and the parameters after each
     step against one process running the unsharded model on every rank's batch on the CPU (mean of
@@ -795,14 +901,19 @@ def check_fsdp2(rank: int, W: int, dispatcher: str = "all_to_all", overlap_chunk
     kw = dict(LAYER_CONFIGS["deepseek_v3"])  # router with a bias buffer, shared expert, sigmoid scores
     B, S, vocab = 2, 3, 11
     g = torch.Generator().manual_seed(21)
-    ids = torch.randint(0, vocab, (2, W * B, S), generator=g)      # two steps of the global batch
+    ids = torch.randint(0, vocab, (2, W * B, S), generator=g)  # two steps of the global batch
     targets = torch.randint(0, vocab, (2, W * B, S), generator=g)
     ref = TinyLM(kw)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     model = TinyLM(kw).to(device)
     mesh = init_device_mesh(torch.device(device).type, (dp, W // dp), mesh_dim_names=("dp", "ep"))
-    fsdp_expert_parallel(model, mesh, dispatcher=dispatcher, overlap_chunks=overlap_chunks,
-                         max_tokens=B * S if dispatcher == "sync_free" else None)
+    fsdp_expert_parallel(
+        model,
+        mesh,
+        dispatcher=dispatcher,
+        overlap_chunks=overlap_chunks,
+        max_tokens=B * S if dispatcher == "sync_free" else None,
+    )
     assert isinstance(model.moe.gate_up_proj, DTensor) and model.moe.gate_up_proj.shape[0] == kw["num_experts"]
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     mine = slice(rank * B, (rank + 1) * B)
@@ -811,7 +922,9 @@ def check_fsdp2(rank: int, W: int, dispatcher: str = "all_to_all", overlap_chunk
     ref_params = dict(ref.named_parameters())
     for step in range(2):
         ref_opt.zero_grad()
-        ref_losses = [lm_loss(ref, ids[step, r * B:(r + 1) * B], targets[step, r * B:(r + 1) * B]) for r in range(W)]
+        ref_losses = [
+            lm_loss(ref, ids[step, r * B : (r + 1) * B], targets[step, r * B : (r + 1) * B]) for r in range(W)
+        ]
         (sum(ref_losses) / W).backward()
         opt.zero_grad()
         loss = lm_loss(model, ids[step, mine].to(device), targets[step, mine].to(device))
@@ -822,8 +935,12 @@ def check_fsdp2(rank: int, W: int, dispatcher: str = "all_to_all", overlap_chunk
         ref_opt.step()
         opt.step()
         for name, p in model.named_parameters():
-            check_err(f"{what}/step{step}/rank{rank}: {name} after the step", p.detach().full_tensor(),
-                      ref_params[name].detach(), tol)
+            check_err(
+                f"{what}/step{step}/rank{rank}: {name} after the step",
+                p.detach().full_tensor(),
+                ref_params[name].detach(),
+                tol,
+            )
 
 
 def worker_fsdp(rank: int, W: int) -> None:
@@ -837,6 +954,7 @@ def worker_fsdp_dp1(rank: int, W: int) -> None:
 
 # ---------------------------------------------------------------- overlap_chunks
 
+
 def worker_checkpoint(rank: int, W: int) -> None:
     """Activation checkpointing over the expert-parallel layer: every dispatcher, its exchanges issued again
     by the recomputed forward inside backward (all ranks in the same order), with and without overlap."""
@@ -849,8 +967,15 @@ def worker_overlap(rank: int, W: int) -> None:
     the layer, and with no host reads (``sync_free``)."""
     overlapping = ["all_to_all", "sync_free"]
     for n in (2, 3):
-        check_functional(rank, W, E=8, K=3 if W == 2 else 2, dispatchers=overlapping,
-                         backends=(("loop", torch.float64),), overlap_chunks=n)
+        check_functional(
+            rank,
+            W,
+            E=8,
+            K=3 if W == 2 else 2,
+            dispatchers=overlapping,
+            backends=(("loop", torch.float64),),
+            overlap_chunks=n,
+        )
     check_layer(rank, W, dispatchers=overlapping, overlap_chunks=2)
     check_frozen_input(rank, W, overlapping)
     if W == 2:
@@ -910,8 +1035,33 @@ def check_overlap_schedule(rank: int, W: int) -> None:
     for name in ("all_to_all", "sync_free"):
         call = ExpertParallel(ep, EPOptions(num_experts=E, dispatcher=name, overlap_chunks=2))
         events.clear()
-        with mock.patch.object(overlap, "start", start), mock.patch.object(overlap.Pending, "wait", wait), \
-                mock.patch.object(ep_experts, "experts", experts):
+        with (
+            mock.patch.object(overlap, "start", start),
+            mock.patch.object(overlap.Pending, "wait", wait),
+            mock.patch.object(ep_experts, "experts", experts),
+        ):
             run_functional(call, [T] * W, ids_all, inputs, rank, torch.float64, "loop")
-        assert events == ["S", "S", "W", "E", "S", "W", "E", "S", "W", "W",             # forward
-                          "S", "S", "W", "E<", "E>", "S", "W", "E<", "E>", "S", "W", "W"], (name, events)
+        assert events == [
+            "S",
+            "S",
+            "W",
+            "E",
+            "S",
+            "W",
+            "E",
+            "S",
+            "W",
+            "W",  # forward
+            "S",
+            "S",
+            "W",
+            "E<",
+            "E>",
+            "S",
+            "W",
+            "E<",
+            "E>",
+            "S",
+            "W",
+            "W",
+        ], (name, events)

@@ -8,6 +8,7 @@ How low precision is judged (QuACK's rule): a backend run in ``dtype`` is compar
 dtype). The backend passes when ``err(backend) <= 2 * err(torch in dtype) + EPS[dtype]``, with ``err``
 the largest absolute difference divided by the largest absolute value of the oracle.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -71,8 +72,18 @@ def random_ids(T: int, K: int, E: int, *, experts: list[int] | None = None, gene
     return pool[order]
 
 
-def make_inputs(T: int, H: int, I: int, E: int, K: int, *, gated: bool = True, bias: bool = False,
-                transposed: bool = False, ids: Tensor | None = None) -> dict[str, Tensor]:
+def make_inputs(
+    T: int,
+    H: int,
+    I: int,
+    E: int,
+    K: int,
+    *,
+    gated: bool = True,
+    bias: bool = False,
+    transposed: bool = False,
+    ids: Tensor | None = None,
+) -> dict[str, Tensor]:
     """Fresh random float64 inputs for :func:`moeyard.experts` (outputs of order 1)."""
     n1 = 2 * I if gated else I
     up = torch.randn(E, n1, H, dtype=torch.float64) / math.sqrt(H)
@@ -94,15 +105,15 @@ def make_inputs(T: int, H: int, I: int, E: int, K: int, *, gated: bool = True, b
 
 def cast(inputs: dict[str, Tensor], dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, Tensor]:
     """Float tensors to ``dtype`` (and ``device``); ids unchanged apart from the device."""
-    return {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device))
-            for k, v in inputs.items()}
+    return {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)) for k, v in inputs.items()}
 
 
 LORA_SCALING = {"gate_up_proj": 0.5, "down_proj": 2.0}
 
 
-def add_lora(inputs: dict[str, Tensor], rank: int, *, projections=("gate_up_proj", "down_proj"),
-             gated: bool = True) -> dict[str, Tensor]:
+def add_lora(
+    inputs: dict[str, Tensor], rank: int, *, projections=("gate_up_proj", "down_proj"), gated: bool = True
+) -> dict[str, Tensor]:
     """Random float64 LoRA factors in PEFT's layout (``<proj>.lora_A [r*E, in]``, ``<proj>.lora_B
     [out, r*E]``) added to ``inputs``; the LoRA term is of the order of the base output."""
     H = inputs["hidden_states"].shape[1]
@@ -119,14 +130,27 @@ def add_lora(inputs: dict[str, Tensor], rank: int, *, projections=("gate_up_proj
 
 def lora_arg(leaves: dict[str, Tensor]) -> dict | None:
     """The ``lora=`` argument of :func:`moeyard.experts` built from ``<proj>.lora_A/B`` entries."""
-    lora = {name: moeyard.ExpertLoRA(lora_A=leaves[f"{name}.lora_A"], lora_B=leaves[f"{name}.lora_B"],
-                                     scaling=LORA_SCALING[name])
-            for name in LORA_SCALING if f"{name}.lora_A" in leaves}
+    lora = {
+        name: moeyard.ExpertLoRA(
+            lora_A=leaves[f"{name}.lora_A"], lora_B=leaves[f"{name}.lora_B"], scaling=LORA_SCALING[name]
+        )
+        for name in LORA_SCALING
+        if f"{name}.lora_A" in leaves
+    }
     return lora or None
 
 
-def run_experts(inputs: dict[str, Tensor], dtype: torch.dtype, backend: str, grad_out: Tensor, *,
-                device: str | torch.device = "cpu", x_transform=None, frozen=(), **kw) -> dict[str, Tensor]:
+def run_experts(
+    inputs: dict[str, Tensor],
+    dtype: torch.dtype,
+    backend: str,
+    grad_out: Tensor,
+    *,
+    device: str | torch.device = "cpu",
+    x_transform=None,
+    frozen=(),
+    **kw,
+) -> dict[str, Tensor]:
     """Forward and backward of :func:`moeyard.experts` in ``dtype``.
 
     Returns ``{"out": ..., "grad_<name>": ...}`` for every floating input, all as float64 on the CPU.
@@ -134,18 +158,25 @@ def run_experts(inputs: dict[str, Tensor], dtype: torch.dtype, backend: str, gra
     Inputs named ``<proj>.lora_A/B`` become the ``lora=`` argument; names in ``frozen`` do not
     require grad (their gradient must stay None).
     """
-    leaves = {k: v.detach().to(device=device, dtype=dtype, copy=True).requires_grad_(k not in frozen)
-              for k, v in inputs.items() if v.is_floating_point()}
+    leaves = {
+        k: v.detach().to(device=device, dtype=dtype, copy=True).requires_grad_(k not in frozen)
+        for k, v in inputs.items()
+        if v.is_floating_point()
+    }
     ids = inputs["topk_ids"].to(device)
     x = leaves["hidden_states"]
     if x_transform is not None:
         x = x_transform(x)
-    args = {k: v for k, v in leaves.items() if k not in ("hidden_states", "topk_weights", "gate_up_proj",
-                                                          "down_proj") and ".lora_" not in k}
+    args = {
+        k: v
+        for k, v in leaves.items()
+        if k not in ("hidden_states", "topk_weights", "gate_up_proj", "down_proj") and ".lora_" not in k
+    }
     if lora_arg(leaves) is not None:
         args["lora"] = lora_arg(leaves)
-    out = moeyard.experts(x, ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"],
-                          backend=backend, **args, **kw)
+    out = moeyard.experts(
+        x, ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"], backend=backend, **args, **kw
+    )
     assert out.dtype == dtype and out.shape == x.shape
     res = {"out": out.detach().double().cpu()}
     if out.numel():
@@ -171,8 +202,9 @@ def rel_err(a: Tensor, ref: Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def assert_matches_oracle(got: dict[str, Tensor], lowp: dict[str, Tensor], oracle: dict[str, Tensor],
-                          dtype: torch.dtype, what: str = "") -> None:
+def assert_matches_oracle(
+    got: dict[str, Tensor], lowp: dict[str, Tensor], oracle: dict[str, Tensor], dtype: torch.dtype, what: str = ""
+) -> None:
     """For every key: ``err(got) <= 2 * err(lowp) + EPS[dtype]`` against ``oracle`` (module docstring)."""
     assert set(got) == set(oracle), (sorted(got), sorted(oracle))
     for k in oracle:
@@ -181,8 +213,9 @@ def assert_matches_oracle(got: dict[str, Tensor], lowp: dict[str, Tensor], oracl
         assert e_got <= bound, f"{what} {k} in {dtype}: err {e_got:.3g} > 2 * {e_ref:.3g} + {EPS[dtype]:g}"
 
 
-def check_backend(backend: str, inputs: dict[str, Tensor], dtype: torch.dtype, *,
-                  device: str | torch.device = "cpu", **kw) -> dict[str, Tensor]:
+def check_backend(
+    backend: str, inputs: dict[str, Tensor], dtype: torch.dtype, *, device: str | torch.device = "cpu", **kw
+) -> dict[str, Tensor]:
     """Run ``backend`` in ``dtype`` on ``device``, the ``loop`` backend in ``dtype`` on ``device`` and in
     float64 on the CPU (the oracle), and judge the output and every gradient. Returns the backend's
     results (float64, CPU)."""

@@ -1,6 +1,7 @@
 """``jax.lax.ragged_all_to_all`` written with ``all_gather`` and a scatter, for XLA:CPU (which does not
 implement the collective): the semantics of its docstring, so the ragged exchange's offsets and sizes are
 tested on CPU devices; the GPU check (``benchmarks/jax_gpu.py``) runs the real collective."""
+
 import jax
 import jax.numpy as jnp
 

@@ -5,6 +5,7 @@ check's largest error (``inf`` for a missing or non-finite result) or flag.
 Every check compares the expert-parallel result with one device's (:func:`moeyard.jax.experts`, the
 layer) in float64 under skewed routing: expert e chosen with probability ~ (e + 1)^-1.5.
 """
+
 import json
 import os
 import sys
@@ -46,16 +47,23 @@ def skewed_ids(n, seed, experts=E, k=K):
 
 def problem(W, seed=0):
     g = np.random.default_rng(seed)
-    arrays = dict(x=g.standard_normal((W * T, H)), w=g.random((W * T, K)) + 0.1,
-                  up=g.standard_normal((E, 2 * I, H)) / 3, down=g.standard_normal((E, H, I)) / 2,
-                  b_up=g.standard_normal((E, 2 * I)) / 3, b_down=g.standard_normal((E, H)) / 3)
+    arrays = dict(
+        x=g.standard_normal((W * T, H)),
+        w=g.random((W * T, K)) + 0.1,
+        up=g.standard_normal((E, 2 * I, H)) / 3,
+        down=g.standard_normal((E, H, I)) / 2,
+        b_up=g.standard_normal((E, 2 * I)) / 3,
+        b_down=g.standard_normal((E, H)) / 3,
+    )
     return {k: jnp.asarray(v) for k, v in arrays.items()}, jnp.asarray(skewed_ids(W * T, seed))
 
 
 def max_err(got, want):
     got, want = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
-    errs = [float(np.abs(np.asarray(a) - np.asarray(b)).max()) if np.isfinite(np.asarray(a)).all() else float("inf")
-            for a, b in zip(got, want, strict=True)]
+    errs = [
+        float(np.abs(np.asarray(a) - np.asarray(b)).max()) if np.isfinite(np.asarray(a)).all() else float("inf")
+        for a, b in zip(got, want, strict=True)
+    ]
     return max(errs) if len(got) == len(want) else float("inf")
 
 
@@ -72,8 +80,19 @@ def experts_check(W, exchange, align=1, custom_vjp=True, drop=False):
         return mj.experts(x, ids, w, up, down, gate_up_bias=b_up, down_bias=b_down, **kw)
 
     def local(x, ids, w, up, b_up, down, b_down):
-        return mj.ep_experts(x, ids, w, up, down, gate_up_bias=b_up, down_bias=b_down, axis_name="ep",
-                             exchange=exchange, align=align, **kw)
+        return mj.ep_experts(
+            x,
+            ids,
+            w,
+            up,
+            down,
+            gate_up_bias=b_up,
+            down_bias=b_down,
+            axis_name="ep",
+            exchange=exchange,
+            align=align,
+            **kw,
+        )
 
     sharded = jax.shard_map(local, mesh=mesh(W), in_specs=(P("ep"),) * 7, out_specs=P("ep"))
 
@@ -82,7 +101,8 @@ def experts_check(W, exchange, align=1, custom_vjp=True, drop=False):
 
     def value_and_grads(f):
         return jax.jit(jax.value_and_grad(lambda *v: (f(*v) * probe).sum(), argnums=tuple(range(6))))(
-            *[a[n] for n in names])
+            *[a[n] for n in names]
+        )
 
     return max_err(value_and_grads(many), value_and_grads(one))
 
@@ -90,8 +110,17 @@ def experts_check(W, exchange, align=1, custom_vjp=True, drop=False):
 def layer_check(W, exchange):
     """The layer through ep_apply against the layer on one device: output and every parameter's
     gradient of sum(y * probe), and the aux loss as the mean of the shards' own."""
-    cfg = MoEConfig(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K, score_func="sigmoid",
-                    score_correction_bias=True, expert_bias=True, num_shared_experts=1, aux_loss_coef=0.1)
+    cfg = MoEConfig(
+        num_experts=E,
+        hidden_size=H,
+        intermediate_size=I,
+        top_k=K,
+        score_func="sigmoid",
+        score_correction_bias=True,
+        expert_bias=True,
+        num_shared_experts=1,
+        aux_loss_coef=0.1,
+    )
     layer = mj.MoE(cfg, rngs=nnx.Rngs(0), dtype=jnp.float64)
     g = np.random.default_rng(1)
     # skew: a router that prefers the low experts
@@ -114,7 +143,7 @@ def layer_check(W, exchange):
     want = nnx.jit(nnx.value_and_grad(loss_one))(layer, x)
     (loss, aux), grads = nnx.jit(nnx.value_and_grad(loss_ep, has_aux=True))(ep_layer, x)
     shard_aux = nnx.jit(lambda layer, x: layer(x, return_aux_loss=True)[1])
-    shards = np.mean([float(shard_aux(layer, x[i * T:(i + 1) * T])) for i in range(W)])
+    shards = np.mean([float(shard_aux(layer, x[i * T : (i + 1) * T])) for i in range(W)])
     return max(max_err((loss, grads), want), abs(float(aux) - shards))
 
 
@@ -126,8 +155,12 @@ def overflow_check(W=4):
     ids = jnp.asarray(np.where(np.arange(W * T)[:, None] < T, 0, skewed_ids(W * T, 3, k=3)), jnp.int32)
     w = jnp.ones((W * T, 3))
     want = mj.experts(a["x"], jnp.clip(ids, 0, E - 1), w, a["up"], a["down"], drop_invalid=True)
-    f = jax.shard_map(lambda x, i, w, u, d: mj.ep_experts(x, i, w, u, d, axis_name="ep"), mesh=mesh(W),
-                      in_specs=(P("ep"),) * 5, out_specs=P("ep"))
+    f = jax.shard_map(
+        lambda x, i, w, u, d: mj.ep_experts(x, i, w, u, d, axis_name="ep"),
+        mesh=mesh(W),
+        in_specs=(P("ep"),) * 5,
+        out_specs=P("ep"),
+    )
     got = np.asarray(jax.jit(f)(a["x"], ids, w, a["up"], a["down"]))
     nan = np.isnan(got).any(1)
     exact = np.abs(got[~nan] - np.asarray(want)[~nan]).max()
@@ -139,8 +172,12 @@ def emulation_check():
     m = mesh(2)
     operand = jnp.array([1, 2, 2, 3, 4, 0], jnp.float64)
     args = [jnp.array(v, jnp.int32) for v in ([0, 1, 0, 1], [1, 2, 1, 1], [0, 0, 1, 2], [1, 1, 2, 1])]
-    f = jax.shard_map(lambda o, *a: ragged_all_to_all(o, jnp.zeros(4, o.dtype), *a, axis_name="ep"), mesh=m,
-                      in_specs=(P("ep"),) * 5, out_specs=P("ep"))
+    f = jax.shard_map(
+        lambda o, *a: ragged_all_to_all(o, jnp.zeros(4, o.dtype), *a, axis_name="ep"),
+        mesh=m,
+        in_specs=(P("ep"),) * 5,
+        out_specs=P("ep"),
+    )
     return max_err(jax.jit(f)(operand, *args), jnp.array([1, 3, 0, 0, 2, 2, 4, 0], jnp.float64))
 
 

@@ -5,11 +5,14 @@ codegen unit, XLA compiles these small graphs about 2.5x faster (the layer's for
 s CPU time, jaxlib 0.10.2). An unknown flag makes XLA abort, so they are set only for the jaxlib releases
 where they were checked; elsewhere the tests compile with the defaults.
 """
+
 import os
 from importlib import metadata
 
-FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1")
+FAST_COMPILE = (
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+    "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+)
 CHECKED = ("0.10.",)  # jaxlib versions the flags were checked on
 
 

@@ -2,6 +2,7 @@
 
 Legend: B sequences, S tokens each, T = B * S, H hidden size, I intermediate size, E experts, K top-k.
 """
+
 import math
 
 from jax_flags import set_xla_flags
@@ -17,8 +18,16 @@ from flax import nnx  # noqa: E402
 import moeyard  # noqa: E402
 import moeyard.jax as mj  # noqa: E402
 
-ROUTING_FIELDS = ("topk_weights", "router_logits", "scores", "tokens_per_expert", "aux_loss", "seq_aux_loss",
-                  "z_loss", "loss")
+ROUTING_FIELDS = (
+    "topk_weights",
+    "router_logits",
+    "scores",
+    "tokens_per_expert",
+    "aux_loss",
+    "seq_aux_loss",
+    "z_loss",
+    "loss",
+)
 JAX_DTYPES = {torch.float32: jnp.float32, torch.float64: jnp.float64}
 
 
@@ -76,8 +85,10 @@ def run_jax(module, x, probe):
     out.update({f: getattr(r, f) for f in ROUTING_FIELDS})
     flat = nnx.to_flat_state(g_params)
     out.update({"grad." + ".".join(str(p) for p in path): v.get_value() for path, v in flat})
-    return {k: np.asarray(v).astype(np.float64 if jnp.issubdtype(v.dtype, jnp.floating) else np.int64)
-            for k, v in out.items()}
+    return {
+        k: np.asarray(v).astype(np.float64 if jnp.issubdtype(v.dtype, jnp.floating) else np.int64)
+        for k, v in out.items()
+    }
 
 
 def assert_parity(got: dict, ref: dict, tol: float) -> None:

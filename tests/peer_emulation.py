@@ -6,6 +6,7 @@ group's ``dist.barrier`` (CPU ops are synchronous, so it orders every earlier wr
 :class:`EmulatedPeerOps` has the contract of ``moeyard.parallel.p2p.TorchPeerOps`` (for
 ``moeyard.parallel.p2p.OPS``).
 """
+
 from __future__ import annotations
 
 import os
@@ -40,9 +41,12 @@ class EmulatedPeerOps:
         local = torch.from_file(path, shared=True, size=n, dtype=dtype).view(shape)
         local.fill_(-7)  # what a fresh allocation may hold
         dist.barrier(group)
-        views = [local if s == rank else
-                 torch.from_file(os.path.join(self.root, f"{key}-{s}"), shared=True, size=n, dtype=dtype).view(shape)
-                 for s in range(W)]
+        views = [
+            local
+            if s == rank
+            else torch.from_file(os.path.join(self.root, f"{key}-{s}"), shared=True, size=n, dtype=dtype).view(shape)
+            for s in range(W)
+        ]
         dist.barrier(group)
         return views, group
 

@@ -19,6 +19,7 @@ from pytorch's ``nvshmem_extension.cu`` and ``test_nvshmem.py`` (torch 2.8 - 2.1
 
 Only the rows named by the splits are written; the rest of ``out`` keeps what it held.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,7 +43,7 @@ def ref_vdev_2d(inputs: list[Tensor], in_splits: list[Tensor], rank: int, major_
     used)``, ``writes`` a list of ``(out row, rows)``."""
     W = len(inputs)
     ne = in_splits[0].numel() // W
-    splits = [s.tolist() for s in in_splits]          # [source][d * ne + e]
+    splits = [s.tolist() for s in in_splits]  # [source][d * ne + e]
     offsets = [_exclusive(s) for s in splits]
     meta = torch.zeros(2, ne * W, dtype=torch.int64)
     writes, start = [], 0
@@ -51,7 +52,7 @@ def ref_vdev_2d(inputs: list[Tensor], in_splits: list[Tensor], rank: int, major_
         for s in range(W):
             n, src = splits[s][rank * ne + e], offsets[s][rank * ne + e]
             meta[0, e * W + s], meta[1, e * W + s] = n, at
-            writes.append((at, inputs[s][src:src + n]))
+            writes.append((at, inputs[s][src : src + n]))
             at += n
         size = at - start
         start += max(major_align, math.ceil(size / major_align) * major_align)
@@ -69,7 +70,7 @@ def ref_vdev_2d_offset(inputs: list[Tensor], in_splits_offsets: list[Tensor], ra
         for e in range(ne):
             n, src = so[0][e * W + rank], so[1][e * W + rank]
             meta[0, s * ne + e], meta[1, s * ne + e] = n, at
-            writes.append((at, inputs[s][src:src + n]))
+            writes.append((at, inputs[s][src : src + n]))
             at += n
     return meta, writes, at
 
@@ -83,7 +84,7 @@ def ref_vdev(inputs: list[Tensor], in_splits: list[Tensor], rank: int):
         splits = in_splits[s].tolist()
         n, src = splits[rank], _exclusive(splits)[rank]
         meta[0, s], meta[1, s] = n, at
-        writes.append((at, inputs[s][src:src + n]))
+        writes.append((at, inputs[s][src : src + n]))
         at += n
     return meta, writes, at
 
@@ -158,7 +159,7 @@ class EmulatedSymmOps:
         assert splits_in.dtype == meta_out.dtype == torch.int64, "splits must be int64"
         assert tuple(splits_in.shape) == splits_shape, (tuple(splits_in.shape), splits_shape)
         assert tuple(meta_out.shape) == meta_shape, (tuple(meta_out.shape), meta_shape)
-        assert bool((splits_in.view(-1)[:splits_shape[-1]] >= 0).all()), "negative split"
+        assert bool((splits_in.view(-1)[: splits_shape[-1]] >= 0).all()), "negative split"
 
     @staticmethod
     def _gather(t: Tensor) -> list[Tensor]:
@@ -171,5 +172,5 @@ class EmulatedSymmOps:
         meta, writes, used = result
         assert used <= out.shape[0], f"out: {used} rows needed, {out.shape[0]} allocated"
         for at, rows in writes:
-            out[at:at + rows.shape[0]] = rows
+            out[at : at + rows.shape[0]] = rows
         meta_out.copy_(meta)

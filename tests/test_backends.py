@@ -4,6 +4,7 @@
 
 Legend: T tokens, H hidden size, I expert intermediate size, E experts, K top-k.
 """
+
 import pytest
 import torch
 
@@ -42,16 +43,18 @@ def nan_empty(monkeypatch):
 
 # (T, H, I, E, K, experts the ids are drawn from (None: all))
 SHAPES = [
-    pytest.param(16, 32, 24, 8, 2, None, id="base"),                # balanced routing, every expert busy
-    pytest.param(16, 32, 24, 8, 2, [0, 2, 3, 5], id="empty_experts"),  # experts 1, 4, 6, 7 get no rows: zero-size groups
-    pytest.param(12, 32, 24, 8, 1, [3], id="one_expert"),            # every token to expert 3: one group holds all rows, C = T
-    pytest.param(10, 32, 24, 1, 1, None, id="E1"),                   # a single expert: offsets [0, T]
-    pytest.param(9, 32, 24, 4, 4, None, id="k_eq_E"),                # K = E: every expert sees every token
-    pytest.param(1, 32, 24, 8, 2, None, id="T1"),                    # one token, far smaller than any tile
-    pytest.param(0, 32, 24, 8, 2, None, id="T0"),                    # no tokens at all: empty GEMMs, empty output
-    pytest.param(21, 32, 24, 7, 3, None, id="prime_E"),              # E = 7, K = 3: no power-of-two assumptions
-    pytest.param(16, 12, 20, 6, 2, None, id="H12_I20"),              # H, I not multiples of 16 (grouped_mm: fp32 only)
-    pytest.param(11, 13, 7, 5, 2, None, id="H13_I7"),                # odd H and I: masked tile edges; grouped_mm raises
+    pytest.param(16, 32, 24, 8, 2, None, id="base"),  # balanced routing, every expert busy
+    pytest.param(
+        16, 32, 24, 8, 2, [0, 2, 3, 5], id="empty_experts"
+    ),  # experts 1, 4, 6, 7 get no rows: zero-size groups
+    pytest.param(12, 32, 24, 8, 1, [3], id="one_expert"),  # every token to expert 3: one group holds all rows, C = T
+    pytest.param(10, 32, 24, 1, 1, None, id="E1"),  # a single expert: offsets [0, T]
+    pytest.param(9, 32, 24, 4, 4, None, id="k_eq_E"),  # K = E: every expert sees every token
+    pytest.param(1, 32, 24, 8, 2, None, id="T1"),  # one token, far smaller than any tile
+    pytest.param(0, 32, 24, 8, 2, None, id="T0"),  # no tokens at all: empty GEMMs, empty output
+    pytest.param(21, 32, 24, 7, 3, None, id="prime_E"),  # E = 7, K = 3: no power-of-two assumptions
+    pytest.param(16, 12, 20, 6, 2, None, id="H12_I20"),  # H, I not multiples of 16 (grouped_mm: fp32 only)
+    pytest.param(11, 13, 7, 5, 2, None, id="H13_I7"),  # odd H and I: masked tile edges; grouped_mm raises
 ]
 
 
@@ -99,11 +102,15 @@ def test_activations(backend, dtype, activation, bias):
 
 
 @pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
-@pytest.mark.parametrize("transposed,interleaved", [
-    (True, True),    # gpt-oss: [E, H, 2I] / [E, I, H] weights (.mT views) with interleaved gate/up columns
-    (True, False),   # transposed storage only
-    (False, True),   # interleaved gate/up in the standard layout
-], ids=["gpt_oss", "transposed", "interleaved"])
+@pytest.mark.parametrize(
+    "transposed,interleaved",
+    [
+        (True, True),  # gpt-oss: [E, H, 2I] / [E, I, H] weights (.mT views) with interleaved gate/up columns
+        (True, False),  # transposed storage only
+        (False, True),  # interleaved gate/up in the standard layout
+    ],
+    ids=["gpt_oss", "transposed", "interleaved"],
+)
 def test_layouts(backend, dtype, transposed, interleaved):
     inputs = make_inputs(14, 16, 8, 4, 2, bias=True, transposed=transposed)
     inputs["hidden_states"] *= 6
@@ -118,9 +125,19 @@ def test_gpt_oss_layout_formula():
     T, H, I, E, K = 5, 8, 4, 3, 2
     inp = make_inputs(T, H, I, E, K, bias=True, transposed=True)
     inp["hidden_states"] *= 6
-    got = moeyard.experts(inp["hidden_states"], inp["topk_ids"], inp["topk_weights"], inp["gate_up_proj"],
-                          inp["down_proj"], gate_up_bias=inp["gate_up_bias"], down_bias=inp["down_bias"],
-                          activation="clamped_swiglu", transposed=True, interleaved=True, backend="loop")
+    got = moeyard.experts(
+        inp["hidden_states"],
+        inp["topk_ids"],
+        inp["topk_weights"],
+        inp["gate_up_proj"],
+        inp["down_proj"],
+        gate_up_bias=inp["gate_up_bias"],
+        down_bias=inp["down_bias"],
+        activation="clamped_swiglu",
+        transposed=True,
+        interleaved=True,
+        backend="loop",
+    )
     want = torch.zeros(T, H, dtype=torch.float64)
     for t in range(T):
         for k in range(K):
@@ -136,8 +153,8 @@ def test_gpt_oss_layout_formula():
 @pytest.mark.parametrize("layout", ["col_major", "strided"])
 def test_non_contiguous_input(backend, dtype, layout):
     transform = {
-        "col_major": lambda x: x.t().contiguous().t(),   # strides (1, T)
-        "strided": lambda x: x.repeat(1, 2)[:, ::2],     # strides (2H, 2)
+        "col_major": lambda x: x.t().contiguous().t(),  # strides (1, T)
+        "strided": lambda x: x.repeat(1, 2)[:, ::2],  # strides (2H, 2)
     }[layout]
     inputs = make_inputs(10, 16, 8, 4, 2, bias=True)
     x = transform(inputs["hidden_states"])
@@ -147,7 +164,7 @@ def test_non_contiguous_input(backend, dtype, layout):
 
 def _with_invalid(T, E, K):
     ids = torch.rand(T, E).argsort(1)[:, :K]
-    ids[0, 0], ids[2, 1], ids[3, 0] = -1, E, E + 5   # sentinels below and above [0, E)
+    ids[0, 0], ids[2, 1], ids[3, 0] = -1, E, E + 5  # sentinels below and above [0, E)
     return ids
 
 
@@ -161,8 +178,11 @@ def test_drop_invalid(backend, dtype, nan_empty):
     bad = (ids < 0) | (ids >= E)
     zeroed = dict(inputs, topk_ids=ids.clamp(0, E - 1), topk_weights=inputs["topk_weights"].masked_fill(bad, 0))
     want = run_experts(zeroed, torch.float64, "loop", torch.zeros(T, H))["out"]
-    assert rel_err(got["out"], want) <= 2 * rel_err(run_experts(inputs, dtype, "loop", torch.zeros(T, H),
-                                                                  drop_invalid=True)["out"], want) + EPS[dtype]
+    assert (
+        rel_err(got["out"], want)
+        <= 2 * rel_err(run_experts(inputs, dtype, "loop", torch.zeros(T, H), drop_invalid=True)["out"], want)
+        + EPS[dtype]
+    )
     assert (got["grad_topk_weights"][bad] == 0).all()
 
 
@@ -171,7 +191,7 @@ def test_more_ids_than_experts_with_drop_invalid(backend, dtype, nan_empty):
     """K > E with ``drop_invalid``: a rank's local experts under expert parallelism with E_l < K get each
     token's K global ids shifted (those of other ranks fall outside ``[0, E_l)``); without it, an error."""
     T, H, I, E, K = 12, 16, 8, 2, 3
-    ids = torch.rand(T, 3 * E).argsort(1)[:, :K] - E       # ids of a middle rank's 2 of 6 experts
+    ids = torch.rand(T, 3 * E).argsort(1)[:, :K] - E  # ids of a middle rank's 2 of 6 experts
     inputs = make_inputs(T, H, I, E, K, ids=ids, bias=True)
     check_backend(backend, inputs, dtype, drop_invalid=True)
     with pytest.raises(ValueError, match="topk_ids: top-k 3 exceeds num_experts 2"):
@@ -186,17 +206,17 @@ def test_drop_invalid_unwritten(backend, dtype, nan_empty):
     (NaN here: fresh tensors are NaN-filled)."""
     T, H, I, E = 12, 16, 8, 4
     ids = torch.randint(0, E, (T, 1))
-    ids[::3] = E                                           # a third of the rows are empty
+    ids[::3] = E  # a third of the rows are empty
     inputs = make_inputs(T, H, I, E, 1, ids=ids, bias=True)
     dy = torch.randn(T, H, dtype=torch.float64)
     want = run_experts(inputs, dtype, backend, dy, drop_invalid=True)
     got = run_experts(inputs, dtype, backend, dy, drop_invalid="unwritten")
-    live = (ids[:, 0] < E)
+    live = ids[:, 0] < E
     for k in want:
         if k in ("out", "grad_hidden_states"):
             assert torch.equal(got[k][live], want[k][live]), k
             dropped = got[k][~live]
-            assert (dropped.isnan().all() if backend == "triton" else (dropped == 0).all()), (k, backend)
+            assert dropped.isnan().all() if backend == "triton" else (dropped == 0).all(), (k, backend)
         else:
             assert torch.equal(got[k], want[k]), k
     with pytest.raises(ValueError, match="drop_invalid: expected False, True or 'unwritten', got 'zero'"):
@@ -232,7 +252,7 @@ def test_row_bias_gradient_precision(dtype):
     assert torch.equal(y.grad, dy) and bias.grad.dtype == dtype
     want = torch.stack([dy.double()[experts == e].sum(0) for e in range(E)])
     err = ((bias.grad.double() - want).abs().max() / want.abs().max()).item()
-    assert err <= {torch.float64: 1e-15, torch.float32: 1e-6, torch.bfloat16: 2 ** -8}[dtype], err
+    assert err <= {torch.float64: 1e-15, torch.float32: 1e-6, torch.bfloat16: 2**-8}[dtype], err
     if dtype == torch.float64:  # the sub-float32 parts are there: a float32 sum loses them
         assert (bias.grad - want.float().double()).abs().max() > 1e-8
 
@@ -258,6 +278,7 @@ def test_topk_weights_in_float32_with_bf16_states():
 def test_process_default_backend(monkeypatch):
     """``backend=None`` follows set_backend, then MOEYARD_BACKEND."""
     from moeyard.experts import registry
+
     monkeypatch.setattr(registry, "_default", [None])
     monkeypatch.setenv("MOEYARD_BACKEND", "bmm_padded")
     assert moeyard.get_backend() == "bmm_padded"
@@ -273,6 +294,7 @@ def test_dropped_rows_get_no_gradient_from_unwritten_memory():
     ``drop_invalid`` they must not reach grad(hidden_states)."""
     import moeyard
     from moeyard.experts import grouped_mm as gm
+
     T, H, I, E = 6, 8, 8, 3
     x = torch.randn(T, H, requires_grad=True)
     wu, wd = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
@@ -320,10 +342,12 @@ def test_first_call_under_no_grad_or_inference_mode(monkeypatch, backend, mode, 
     # nor marks grouped_mm unavailable for the rest of the process (auto would fall back silently)
     from moeyard.experts import grouped_mm
     from moeyard.experts.registry import resolve_backend
+
     monkeypatch.setattr(grouped_mm, "_PROBED", {})
     torch.manual_seed(0)
-    layer = moeyard.MoE(moeyard.MoEConfig(hidden_size=32, intermediate_size=16, num_experts=4, top_k=2),
-                        backend=backend)
+    layer = moeyard.MoE(
+        moeyard.MoEConfig(hidden_size=32, intermediate_size=16, num_experts=4, top_k=2), backend=backend
+    )
     if lora:
         layer.add_lora(8)
         with torch.no_grad():  # PEFT's init leaves B zero
@@ -341,8 +365,11 @@ def test_first_call_under_no_grad_or_inference_mode(monkeypatch, backend, mode, 
 def _meta_takes(dtype: torch.dtype) -> bool:
     """Whether torch's shape function for ``_grouped_mm`` (what torch.compile traces with) takes ``dtype``."""
     try:
-        torch._grouped_mm(torch.ones(16, 16, dtype=dtype, device="meta"), torch.ones(2, 16, 16, dtype=dtype,
-                          device="meta").mT, offs=torch.tensor([8, 16], dtype=torch.int32, device="meta"))
+        torch._grouped_mm(
+            torch.ones(16, 16, dtype=dtype, device="meta"),
+            torch.ones(2, 16, 16, dtype=dtype, device="meta").mT,
+            offs=torch.tensor([8, 16], dtype=torch.int32, device="meta"),
+        )
     except RuntimeError:
         return False
     return True
@@ -366,6 +393,7 @@ def test_layer_compiles_fullgraph(monkeypatch, backend, dtype, lora):
     # torch's shape function refuses the dtype (float32 in torch 2.11-2.13), naming grouped_mm is an error that
     # says so, and auto takes the next backend (bmm_padded: its host sync is a graph break, so not fullgraph).
     from moeyard.experts import grouped_mm
+
     monkeypatch.setattr(grouped_mm, "_PROBED", {})
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -391,11 +419,13 @@ def test_layer_compiles_fullgraph(monkeypatch, backend, dtype, lora):
 def scratch_backends():
     """Register throw-away backends for a test; remove them afterwards."""
     from moeyard.experts import registry
+
     added = []
 
     def add(backend):
         added.append(backend.name)
         return registry.register_backend(backend)
+
     yield add
     for name in added:
         registry._BACKENDS.pop(name, None)
@@ -404,11 +434,20 @@ def scratch_backends():
 def test_auto_defers_by_workload(scratch_backends):
     """``auto`` runs the backend that the best one defers to for this workload, when that one runs."""
     from moeyard.experts.registry import ExpertBackend, Workload, resolve_backend
+
     runs = {"ok": None}
-    scratch_backends(ExpertBackend(name="zz_small", forward=None, unsupported=lambda *a: None, priority={"cpu": 1000},
-                                   defer=lambda d, t, w, work: "zz_big" if work.pairs >= 100 else None))
+    scratch_backends(
+        ExpertBackend(
+            name="zz_small",
+            forward=None,
+            unsupported=lambda *a: None,
+            priority={"cpu": 1000},
+            defer=lambda d, t, w, work: "zz_big" if work.pairs >= 100 else None,
+        )
+    )
     scratch_backends(ExpertBackend(name="zz_big", forward=None, unsupported=lambda *a: runs["ok"], priority={}))
     from moeyard.experts import expert_weights
+
     w = expert_weights(torch.randn(4, 16, 8), torch.randn(4, 8, 8))
     cpu = torch.device("cpu")
     pick = lambda pairs: resolve_backend("auto", cpu, torch.float32, w, None, Workload(pairs, True)).name
@@ -426,12 +465,14 @@ def test_training_flag_of_experts_call(monkeypatch):
     import sys
 
     from moeyard.experts import registry
+
     seen = []
     real = registry.resolve_backend
 
     def spy(*args, **kwargs):
         seen.append(args[5] if len(args) > 5 else kwargs.get("workload"))
         return real(*args, **kwargs)
+
     monkeypatch.setattr(sys.modules["moeyard.experts"], "resolve_backend", spy)
     x, ids, w = torch.randn(6, 8), torch.randint(0, 4, (6, 2)), torch.rand(6, 2)
     up, down = torch.randn(4, 16, 8), torch.randn(4, 8, 8)

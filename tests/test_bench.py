@@ -1,4 +1,5 @@
 """The benchmark runner: FLOP counts, the model registry, forced routing, rows on CPU."""
+
 import dataclasses
 import importlib.util
 import json
@@ -13,9 +14,23 @@ from moeyard.bench import models
 from moeyard.bench.peers import TorchGroupedMM, peer_config, peer_note
 
 TINY = dict(warmup=1, iters=2, peers=True)
-REQUIRED = ["mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b",
-            "olmoe-1b-7b", "deepseek-v3", "kimi-k2", "glm-4.5", "gpt-oss-20b", "gpt-oss-120b", "llama-4-scout",
-            "sonic-7b", "sonic-30b-a", "sonic-120b"]
+REQUIRED = [
+    "mixtral-8x7b",
+    "qwen3-30b-a3b",
+    "qwen3-235b-a22b",
+    "qwen3.5-35b-a3b",
+    "qwen3-next-80b-a3b",
+    "olmoe-1b-7b",
+    "deepseek-v3",
+    "kimi-k2",
+    "glm-4.5",
+    "gpt-oss-20b",
+    "gpt-oss-120b",
+    "llama-4-scout",
+    "sonic-7b",
+    "sonic-30b-a",
+    "sonic-120b",
+]
 
 
 def _cfg(E=8, H=64, I=32, k=2, **kw):
@@ -23,6 +38,7 @@ def _cfg(E=8, H=64, I=32, k=2, **kw):
 
 
 # ---------------------------------------------------------------- FLOPs
+
 
 def test_flops_gated_plain_shared():
     assert bench.layer_flops(_cfg(), 100) == 6 * 100 * 2 * 64 * 32
@@ -42,6 +58,7 @@ def test_flops_anchor_shape():
 
 # ---------------------------------------------------------------- registry
 
+
 def test_registry_has_the_required_models_with_sources():
     assert set(REQUIRED) <= set(models.model_names())
     for m in models.MODELS.values():
@@ -52,11 +69,21 @@ def test_registry_has_the_required_models_with_sources():
 
 def test_registry_router_schemes():
     oss = models.get_model("gpt-oss-20b").moe_config()
-    assert (oss.activation, oss.expert_bias, oss.router_bias, oss.topk_before_score) == \
-        ("clamped_swiglu", True, True, True)
+    assert (oss.activation, oss.expert_bias, oss.router_bias, oss.topk_before_score) == (
+        "clamped_swiglu",
+        True,
+        True,
+        True,
+    )
     ds = models.get_model("deepseek-v3").moe_config()
-    assert (ds.score_func, ds.score_correction_bias, ds.n_group, ds.topk_group, ds.routed_scaling_factor,
-            ds.num_shared_experts) == ("sigmoid", True, 8, 4, 2.5, 1)
+    assert (
+        ds.score_func,
+        ds.score_correction_bias,
+        ds.n_group,
+        ds.topk_group,
+        ds.routed_scaling_factor,
+        ds.num_shared_experts,
+    ) == ("sigmoid", True, 8, 4, 2.5, 1)
     q35 = models.get_model("qwen3.5-35b-a3b").moe_config()
     assert (q35.num_shared_experts, q35.shared_intermediate_size, q35.shared_expert_gate) == (1, 512, True)
     assert not models.get_model("olmoe-1b-7b").moe_config().norm_topk_prob
@@ -65,8 +92,9 @@ def test_registry_router_schemes():
 @pytest.mark.parametrize("name", list(models.MODELS))
 def test_registry_scaled_down_layer_runs(name):
     cfg = models.get_model(name).moe_config()
-    small = dataclasses.replace(cfg, hidden_size=64, intermediate_size=16,
-                                shared_intermediate_size=16 if cfg.shared_intermediate_size else None)
+    small = dataclasses.replace(
+        cfg, hidden_size=64, intermediate_size=16, shared_intermediate_size=16 if cfg.shared_intermediate_size else None
+    )
     layer = moeyard.MoE(small)
     out = layer(torch.randn(4, 64))
     assert out.shape == (4, 64) and torch.isfinite(out).all()
@@ -98,6 +126,7 @@ def test_routed_only_drops_shared_experts():
 
 
 # ---------------------------------------------------------------- routing
+
 
 def _inputs(routing, T=2048, E=8, k=2, alpha=1.2):
     shape = models.parse_shape(f"{T},64,32,{E},{k}")
@@ -148,6 +177,7 @@ def test_forced_routing_needs_h_at_least_e():
 
 # ---------------------------------------------------------------- peers
 
+
 def test_torch_gmm_peer_matches_the_loop_backend():
     cfg = _cfg()
     layer = moeyard.MoE(cfg, backend="loop")
@@ -170,6 +200,7 @@ def test_peer_config_and_note():
 
 # ---------------------------------------------------------------- the run
 
+
 def test_run_rows_for_every_cpu_backend_and_torch_gmm():
     result = bench.run(bench.BenchOptions(device="cpu", shapes=["64,32,16,4,2"], **TINY))
     rows = {r["impl"]: r for r in result["rows"]}
@@ -186,8 +217,11 @@ def test_run_rows_for_every_cpu_backend_and_torch_gmm():
 
 def test_failing_backend_is_an_error_row():
     # H=30 in float32: rows are not 16-byte aligned, so grouped_mm refuses the shape
-    result = bench.run(bench.BenchOptions(device="cpu", shapes=["16,30,16,4,2"], backends=["grouped_mm", "loop"],
-                                          peers=False, warmup=0, iters=1))
+    result = bench.run(
+        bench.BenchOptions(
+            device="cpu", shapes=["16,30,16,4,2"], backends=["grouped_mm", "loop"], peers=False, warmup=0, iters=1
+        )
+    )
     rows = {r["impl"]: r for r in result["rows"]}
     assert "grouped_mm" in rows["grouped_mm"]["error"] and "fwd_ms" not in rows["grouped_mm"]
     assert rows["loop"]["fwd_ms"] > 0
@@ -203,8 +237,16 @@ def test_compile_wraps_moeyard_rows_only(monkeypatch):
         return real(module, backend="eager")
 
     monkeypatch.setattr(torch, "compile", spy)
-    result = bench.run(bench.BenchOptions(device="cpu", shapes=["32,32,16,4,2"], backends=["bmm_padded", "torch_gmm"],
-                                          compile="reduce-overhead", warmup=1, iters=1))
+    result = bench.run(
+        bench.BenchOptions(
+            device="cpu",
+            shapes=["32,32,16,4,2"],
+            backends=["bmm_padded", "torch_gmm"],
+            compile="reduce-overhead",
+            warmup=1,
+            iters=1,
+        )
+    )
     rows = {r["impl"]: r for r in result["rows"]}
     assert calls == [("MoE", "reduce-overhead")]
     assert "error" not in rows["bmm_padded"] and rows["bmm_padded"]["fwdbwd_ms"] > 0
@@ -212,9 +254,17 @@ def test_compile_wraps_moeyard_rows_only(monkeypatch):
     assert result["env"]["compile"] == "reduce-overhead"
 
 
-@pytest.mark.parametrize("kw, flag", [(dict(dtype="int8"), "--dtype"), (dict(routing="skewed"), "--routing"),
-                                      (dict(backends=["nope"]), "--backends"), (dict(iters=0), "--iters"),
-                                      (dict(zipf_alpha=0.0), "--zipf-alpha"), (dict(compile="fast"), "--compile")])
+@pytest.mark.parametrize(
+    "kw, flag",
+    [
+        (dict(dtype="int8"), "--dtype"),
+        (dict(routing="skewed"), "--routing"),
+        (dict(backends=["nope"]), "--backends"),
+        (dict(iters=0), "--iters"),
+        (dict(zipf_alpha=0.0), "--zipf-alpha"),
+        (dict(compile="fast"), "--compile"),
+    ],
+)
 def test_bad_options_name_the_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
         bench.resolve_options(bench.BenchOptions(device="cpu", **kw))
@@ -225,6 +275,7 @@ def test_lora_bench_rows_train_the_adapters(impl):
     # every LoRA row computes the adapted layer (same output) and the factor gradients (same values)
     from moeyard.bench import lora as bench_lora
     from moeyard.bench.models import parse_shape
+
     if impl != "lora" and importlib.util.find_spec("peft") is None:
         pytest.skip("peft is not installed")
     case = bench_lora.make_case(parse_shape("48,32,16,4,2"), 4, torch.device("cpu"), torch.float32)
@@ -250,6 +301,7 @@ def test_quant_bench_rows():
     pytest.importorskip("bitsandbytes")
     from moeyard.bench import lora as bench_lora
     from moeyard.bench.models import parse_shape
+
     case = bench_lora.make_case(parse_shape("32,64,32,4,2"), 4, torch.device("cpu"), torch.float32)
     rows = {}
     for impl in bench_lora.QUANT_IMPLS:
@@ -269,15 +321,18 @@ def test_quant_bench_rows():
 def test_trace_summary_host_against_device(tmp_path):
     ts = load_benchmark("trace_summary")
     ev = lambda cat, name, t, d: dict(ph="X", cat=cat, name=name, ts=t, dur=d)  # noqa: E731
-    trace = {"traceEvents": [
-        ev("cpu_op", "aten::mm", 0.0, 1000.0),
-        *[ev("cuda_runtime", "cudaLaunchKernel", t, 5.0) for t in (10.0, 20.0)],
-        ev("cuda_driver", "cuLaunchKernelEx", 30.0, 5.0),
-        ev("cuda_runtime", "cudaStreamSynchronize", 500.0, 300.0),
-        ev("kernel", "a", 100.0, 200.0), ev("kernel", "b", 250.0, 150.0),  # overlap: 100..400
-        ev("gpu_memset", "m", 900.0, 100.0),
-        dict(ph="M", name="process_name", ts=0.0, pid=1),  # metadata: ignored
-    ]}
+    trace = {
+        "traceEvents": [
+            ev("cpu_op", "aten::mm", 0.0, 1000.0),
+            *[ev("cuda_runtime", "cudaLaunchKernel", t, 5.0) for t in (10.0, 20.0)],
+            ev("cuda_driver", "cuLaunchKernelEx", 30.0, 5.0),
+            ev("cuda_runtime", "cudaStreamSynchronize", 500.0, 300.0),
+            ev("kernel", "a", 100.0, 200.0),
+            ev("kernel", "b", 250.0, 150.0),  # overlap: 100..400
+            ev("gpu_memset", "m", 900.0, 100.0),
+            dict(ph="M", name="process_name", ts=0.0, pid=1),  # metadata: ignored
+        ]
+    }
     s = ts.summarize(trace)
     assert s["host_ms"] == pytest.approx(1.0) and s["device_busy_ms"] == pytest.approx(0.4)
     assert s["device_span_ms"] == pytest.approx(0.9) and s["launches"] == 3
@@ -291,6 +346,7 @@ def test_trace_summary_host_against_device(tmp_path):
     prof.export_chrome_trace(str(path))
     assert ts.main([str(path)]) == 0
     import json
+
     s = ts.summarize(json.loads(path.read_text()))
     assert s["host_ms"] > 0 and s["device_busy_ms"] == 0 and s["launches"] == 0
 
@@ -322,19 +378,49 @@ def test_host_time_rows_and_profile(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     resolve, build = bench.resolve_options, bench.build
-    monkeypatch.setattr(bench, "resolve_options",
-                        lambda o: resolve(bench.BenchOptions(**{**o.__dict__, "device": "cpu", "dtype": "float32"})))
+    monkeypatch.setattr(
+        bench,
+        "resolve_options",
+        lambda o: resolve(bench.BenchOptions(**{**o.__dict__, "device": "cpu", "dtype": "float32"})),
+    )
     monkeypatch.setattr(bench, "build", lambda n, c, d, dt: build(n, c, "cpu", torch.float32))
     monkeypatch.setattr(ht, "get_model", lambda name: parse_shape("64,32,16,4,2"))
     out = tmp_path / "rows.json"
-    assert ht.main(["--models", "tiny", "--backends", "loop,grouped_mm", "--routers", "torch,fused", "--iters", "2",
-                    "--top", "5", "--pstats", str(tmp_path / "ps"), "--json", str(out), "--steps", "fwdbwd,fwd,infer",
-                    "--tokens", "8,64"]) == 0
+    assert (
+        ht.main(
+            [
+                "--models",
+                "tiny",
+                "--backends",
+                "loop,grouped_mm",
+                "--routers",
+                "torch,fused",
+                "--iters",
+                "2",
+                "--top",
+                "5",
+                "--pstats",
+                str(tmp_path / "ps"),
+                "--json",
+                str(out),
+                "--steps",
+                "fwdbwd,fwd,infer",
+                "--tokens",
+                "8,64",
+            ]
+        )
+        == 0
+    )
     import json
+
     rows = json.loads(out.read_text())
     assert [(r["tokens"], r["backend"], r["router"], r["step"]) for r in rows] == [
-        (t, b, r, s) for t in (8, 64) for b in ("loop", "grouped_mm") for r in ("torch", "fused")
-        for s in ("fwdbwd", "fwd", "infer")]
+        (t, b, r, s)
+        for t in (8, 64)
+        for b in ("loop", "grouped_mm")
+        for r in ("torch", "fused")
+        for s in ("fwdbwd", "fwd", "infer")
+    ]
     assert all(r["host_ms"] > 0 and r["step_ms"] > 0 and r["device_ms"] >= r["held_host_ms"] > 0 for r in rows)
     assert len(sleeps) == 24 * (1 + 2 + 2)  # per row: the sleep's calibration, then one per timed and profiled step
     stats = pstats.Stats(str(tmp_path / "ps" / "tiny-T64-loop-torch-fwdbwd.pstats"))
@@ -381,29 +467,55 @@ def test_decode_rows(monkeypatch, tmp_path, capsys):
     # token, no graph eager and one compiled decoding step (no recompilation between tokens)
     pytest.importorskip("transformers")
     from moeyard.experts import registry
+
     monkeypatch.setattr(registry, "_default", [registry._default[0]])  # the script sets moeyard's default backend
     decode = load_benchmark("decode")
     # the real generate runs (graphs, errors); its time is replaced by 1 ms per new token: a noisy CI host once
     # timed one generate 120 ms slow, and one repetition cannot absorb that
     real = decode.generate_s
-    monkeypatch.setattr(decode, "generate_s", lambda model, prompts, n, mode: real(model, prompts, n, mode) * 0
-                        + n / 1e3)
+    monkeypatch.setattr(
+        decode, "generate_s", lambda model, prompts, n, mode: real(model, prompts, n, mode) * 0 + n / 1e3
+    )
     out = tmp_path / "decode.json"
-    assert decode.main(["--tiny", "--layers", "1", "--batch", "1,2", "--prompt", "4", "--new-tokens", "3",
-                        "--reps", "1", "--impls", "moeyard:bmm_padded,grouped_mm", "--modes", "eager,compiled",
-                        "--json", str(out)]) == 0
+    assert (
+        decode.main(
+            [
+                "--tiny",
+                "--layers",
+                "1",
+                "--batch",
+                "1,2",
+                "--prompt",
+                "4",
+                "--new-tokens",
+                "3",
+                "--reps",
+                "1",
+                "--impls",
+                "moeyard:bmm_padded,grouped_mm",
+                "--modes",
+                "eager,compiled",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     impls, modes = ("moeyard:bmm_padded", "grouped_mm"), ("eager", "compiled")
     want = [(i, m, b) for i in impls for b in (1, 2) for m in modes]
     assert [(r["impl"], r["mode"], r["batch"]) for r in rows] == want
     ok = {(r["impl"], r["mode"], r["batch"]): r for r in rows if "error" not in r}
     # bmm_padded syncs with the host, which the compiled step's full graph cannot hold: an error row, not a crash
-    assert set(ok) == {(r["impl"], r["mode"], r["batch"]) for r in rows} - {("moeyard:bmm_padded", "compiled", b)
-                                                                             for b in (1, 2)}
+    assert set(ok) == {(r["impl"], r["mode"], r["batch"]) for r in rows} - {
+        ("moeyard:bmm_padded", "compiled", b) for b in (1, 2)
+    }
     assert all(ok[("moeyard:bmm_padded", "eager", b)]["graphs"] == 0 for b in (1, 2))
     assert all(ok[("grouped_mm", "compiled", b)]["graphs"] == 1 for b in (1, 2))
-    assert all(r["ms_per_token"] == pytest.approx(1.0) and r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3)
-               for r in ok.values())
+    assert all(
+        r["ms_per_token"] == pytest.approx(1.0) and r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3)
+        for r in ok.values()
+    )
     assert "ms/token" in capsys.readouterr().out
 
 

@@ -1,4 +1,5 @@
 """``moeyard bench --e2e``, ``--plot`` / ``--from`` and ``--trace`` on a CPU, at tiny sizes."""
+
 import json
 import sys
 from pathlib import Path
@@ -10,10 +11,35 @@ from moeyard import bench, cli, verify
 from moeyard.bench import e2e as bench_e2e, models, plot as bench_plot
 
 pytest.importorskip("transformers")
-TINY_E2E = ["bench", "--e2e", "--device", "cpu", "--tiny", "--layers", "1", "--tokens", "32", "--warmup", "0",
-            "--iters", "1"]
-LAYER = ["bench", "--device", "cpu", "--shape", "32,32,16,4,2", "--backends", "loop", "--no-peers", "--warmup", "0",
-         "--iters", "1"]
+TINY_E2E = [
+    "bench",
+    "--e2e",
+    "--device",
+    "cpu",
+    "--tiny",
+    "--layers",
+    "1",
+    "--tokens",
+    "32",
+    "--warmup",
+    "0",
+    "--iters",
+    "1",
+]
+LAYER = [
+    "bench",
+    "--device",
+    "cpu",
+    "--shape",
+    "32,32,16,4,2",
+    "--backends",
+    "loop",
+    "--no-peers",
+    "--warmup",
+    "0",
+    "--iters",
+    "1",
+]
 
 
 def _json(tmp_path, argv):
@@ -23,6 +49,7 @@ def _json(tmp_path, argv):
 
 
 # ---------------------------------------------------------------- --e2e
+
 
 def test_e2e_tiny_rows_json_and_table(tmp_path, capsys):
     data = _json(tmp_path, TINY_E2E)
@@ -62,6 +89,7 @@ def test_e2e_step_trains_the_same_model_under_both_implementations():
 def test_e2e_configs_match_the_model_shapes(name):
     # real sizes, one layer, on the meta device: the experts' weights have the registry's E, H, I
     from transformers import AutoModelForCausalLM
+
     entry = bench_e2e.get_e2e_model(name)
     size = bench_e2e.step_size(entry, tokens=None, seq_len=None, vocab=None, layers=1, tiny=False)
     assert (size.batch, size.seq, size.vocab) == (4, 2048, bench_e2e.DEFAULT_VOCAB)
@@ -88,25 +116,29 @@ def test_e2e_unknown_and_unmapped_models(capsys):
     assert "no transformers config mapped for model 'kimi-k2'" in err and "qwen3-30b-a3b" in err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--e2e", "--lora", "8"], "--e2e: cannot be combined with --lora"),
-    (["--e2e", "--quant", "nf4"], "--e2e: cannot be combined with --lora / --quant"),
-    (["--tiny"], "--tiny: only with --e2e"),
-    (["--vocab", "64"], "--vocab: only with --e2e"),
-    (["--e2e", "--device", "cpu", "--tiny", "--tokens", "30", "--seq-len", "8"], "--tokens: expected a multiple"),
-    (["--e2e", "--device", "cpu", "--tiny", "--backends", "nope"], "--backends: with --e2e expected"),
-    (["--e2e", "--device", "cpu", "--tiny", "--backends", "moeyard:nope"], "--backends: expected one of"),
-    (["--e2e", "--device", "cpu", "--shape", "8,8,8,2,1"], "--e2e: takes --model names"),
-    (["--e2e", "--device", "cpu", "--routing", "zipf"], "--routing and --routed-only do not apply"),
-    (["--from", "x.json"], "--from: redraws a saved result; give --plot"),
-    (["--from", "x.json", "--plot", "x.png", "--e2e"], "drop --e2e"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--e2e", "--lora", "8"], "--e2e: cannot be combined with --lora"),
+        (["--e2e", "--quant", "nf4"], "--e2e: cannot be combined with --lora / --quant"),
+        (["--tiny"], "--tiny: only with --e2e"),
+        (["--vocab", "64"], "--vocab: only with --e2e"),
+        (["--e2e", "--device", "cpu", "--tiny", "--tokens", "30", "--seq-len", "8"], "--tokens: expected a multiple"),
+        (["--e2e", "--device", "cpu", "--tiny", "--backends", "nope"], "--backends: with --e2e expected"),
+        (["--e2e", "--device", "cpu", "--tiny", "--backends", "moeyard:nope"], "--backends: expected one of"),
+        (["--e2e", "--device", "cpu", "--shape", "8,8,8,2,1"], "--e2e: takes --model names"),
+        (["--e2e", "--device", "cpu", "--routing", "zipf"], "--routing and --routed-only do not apply"),
+        (["--from", "x.json"], "--from: redraws a saved result; give --plot"),
+        (["--from", "x.json", "--plot", "x.png", "--e2e"], "drop --e2e"),
+    ],
+)
 def test_bad_combinations_are_clear_errors(argv, message, capsys):
     assert cli.main(["bench", *argv]) == 2
     assert message in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- --plot and --from
+
 
 def _png(path):
     data = path.read_bytes()
@@ -128,14 +160,32 @@ def test_plot_layer_bench_and_redraw_from_json(tmp_path, capsys):
 
 def test_plot_e2e_from_json_and_old_json_modes(tmp_path):
     pytest.importorskip("matplotlib")
-    result = {"env": {"device": "GPU", "dtype": "bfloat16", "date": "today", "dense_bf16_tflops": 800.0},
-              "rows": [{"case": "m", "impl": i, "layers": 2, "batch": 4, "seq": 2048, "tokens_per_s": v}
-                       for i, v in (("moeyard", 2e5), ("grouped_mm", 1.5e5))] +
-                      [{"case": "m", "impl": "sonicmoe", "layers": 2, "batch": 4, "seq": 2048, "error": "x"}]}
+    result = {
+        "env": {"device": "GPU", "dtype": "bfloat16", "date": "today", "dense_bf16_tflops": 800.0},
+        "rows": [
+            {"case": "m", "impl": i, "layers": 2, "batch": 4, "seq": 2048, "tokens_per_s": v}
+            for i, v in (("moeyard", 2e5), ("grouped_mm", 1.5e5))
+        ]
+        + [{"case": "m", "impl": "sonicmoe", "layers": 2, "batch": 4, "seq": 2048, "error": "x"}],
+    }
     assert bench_plot.result_mode(result) == "e2e"
     _png(Path(bench_plot.plot(result, str(tmp_path / "e2e.png"))))
-    layer = {"env": {"dense_bf16_tflops": 800.0}, "rows": [{"case": "c", "impl": "triton", "T": 1, "H": 2, "I": 3,
-                                                            "E": 4, "k": 1, "fwd_tflops": 300, "fwdbwd_tflops": 250}]}
+    layer = {
+        "env": {"dense_bf16_tflops": 800.0},
+        "rows": [
+            {
+                "case": "c",
+                "impl": "triton",
+                "T": 1,
+                "H": 2,
+                "I": 3,
+                "E": 4,
+                "k": 1,
+                "fwd_tflops": 300,
+                "fwdbwd_tflops": 250,
+            }
+        ],
+    }
     assert bench_plot.result_mode(layer) == "layer"
     assert bench_plot.result_mode({"env": {"lora_rank": 16}, "rows": []}) == "lora"
     _png(Path(bench_plot.plot(layer, str(tmp_path / "l.png"))))
@@ -158,6 +208,7 @@ def test_plot_errors(tmp_path, monkeypatch, capsys):
 
 
 # ---------------------------------------------------------------- --trace
+
 
 def _events(path):
     with open(path) as f:
@@ -197,8 +248,26 @@ def test_trace_to_a_file_is_a_clear_error(tmp_path, capsys):
 
 def test_trace_lora_with_named_implementations(tmp_path):
     out = tmp_path / "traces"
-    data = _json(tmp_path, ["bench", "--lora", "4", "--device", "cpu", "--shape", "32,32,16,4,2", "--backends",
-                            "frozen,lora", "--warmup", "0", "--iters", "1", "--trace", str(out)])
+    data = _json(
+        tmp_path,
+        [
+            "bench",
+            "--lora",
+            "4",
+            "--device",
+            "cpu",
+            "--shape",
+            "32,32,16,4,2",
+            "--backends",
+            "frozen,lora",
+            "--warmup",
+            "0",
+            "--iters",
+            "1",
+            "--trace",
+            str(out),
+        ],
+    )
     assert [r["impl"] for r in data["rows"]] == ["frozen", "lora"]
     for r in data["rows"]:
         assert r["trace"] == str(out / f"custom-32x32x16x4x2-{r['impl']}.json")

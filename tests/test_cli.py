@@ -1,4 +1,5 @@
 """The command line: info, bench, verify wiring, python -m moeyard."""
+
 import importlib.machinery
 import json
 import subprocess
@@ -32,8 +33,22 @@ def test_info_json(capsys):
 
 def test_bench_json_to_stdout(capsys):
     # one backend and the peer: every CPU backend's row is test_bench.py's test_run_rows_for_every_cpu_backend_...
-    code = cli.main(["bench", "--device", "cpu", "--shape", "64,32,16,4,2", "--backends", "loop", "--warmup", "1",
-                     "--iters", "2", "--json"])
+    code = cli.main(
+        [
+            "bench",
+            "--device",
+            "cpu",
+            "--shape",
+            "64,32,16,4,2",
+            "--backends",
+            "loop",
+            "--warmup",
+            "1",
+            "--iters",
+            "2",
+            "--json",
+        ]
+    )
     assert code == 0
     captured = capsys.readouterr()
     data = json.loads(captured.out)
@@ -46,8 +61,26 @@ def test_bench_json_to_stdout(capsys):
 
 def test_bench_json_file_backends_no_peers(tmp_path, capsys):
     path = tmp_path / "r.json"
-    code = cli.main(["bench", "--device", "cpu", "--shape", "32,32,16,4,2", "--backends", "loop", "--no-peers",
-                     "--routing", "zipf", "--warmup", "0", "--iters", "1", "--json", str(path)])
+    code = cli.main(
+        [
+            "bench",
+            "--device",
+            "cpu",
+            "--shape",
+            "32,32,16,4,2",
+            "--backends",
+            "loop",
+            "--no-peers",
+            "--routing",
+            "zipf",
+            "--warmup",
+            "0",
+            "--iters",
+            "1",
+            "--json",
+            str(path),
+        ]
+    )
     assert code == 0
     data = json.loads(path.read_text())
     assert [r["impl"] for r in data["rows"]] == ["loop"]
@@ -107,8 +140,13 @@ def test_python_m_moeyard():
 def test_peer_ratio_lines():
     """The layer bench's caption gives each moeyard row's speed-up over each peer of the same case."""
     row = lambda case, impl, kind, fwd, fb: dict(case=case, impl=impl, kind=kind, fwd_ms=fwd, fwdbwd_ms=fb)
-    rows = [row("a", "triton", "moeyard", 2.0, 5.0), row("a", "torch_gmm", "peer", 4.0, 10.0),
-            row("a", "sonicmoe", "peer", 1.0, 4.0), row("b", "triton", "moeyard", 1.0, 3.0),
-            dict(case="b", impl="sonicmoe", kind="peer", error="boom")]
+    rows = [
+        row("a", "triton", "moeyard", 2.0, 5.0),
+        row("a", "torch_gmm", "peer", 4.0, 10.0),
+        row("a", "sonicmoe", "peer", 1.0, 4.0),
+        row("b", "triton", "moeyard", 1.0, 3.0),
+        dict(case="b", impl="sonicmoe", kind="peer", error="boom"),
+    ]
     assert peer_ratio_lines(rows) == [
-        "a: triton vs torch_gmm 2.00x (2.00x), sonicmoe 0.80x (0.50x) (fwd+bwd (fwd) speed-up, > 1: triton faster)"]
+        "a: triton vs torch_gmm 2.00x (2.00x), sonicmoe 0.80x (0.50x) (fwd+bwd (fwd) speed-up, > 1: triton faster)"
+    ]

@@ -1,5 +1,6 @@
 """examples/custom_backend.py, the one-file backend the Design page shows: registered by import, runs only
 when named, and matches the float64 ``loop`` oracle (output and every gradient) on the edge cases."""
+
 import importlib.util
 from pathlib import Path
 
@@ -52,5 +53,11 @@ def test_bias_lora_and_gpt_oss_layout(gather_bmm, dtype):
     """Biases (their gradients summed by the shared pipeline, ``pipeline.add_row_bias``), LoRA, gpt-oss."""
     inputs = add_lora(make_inputs(11, 8, 6, 4, 2, bias=True), 3)
     check_backend(gather_bmm, inputs, dtype)
-    check_backend(gather_bmm, make_inputs(11, 8, 6, 4, 2, bias=True, transposed=True), dtype,
-                  transposed=True, interleaved=True, activation="clamped_swiglu")
+    check_backend(
+        gather_bmm,
+        make_inputs(11, 8, 6, 4, 2, bias=True, transposed=True),
+        dtype,
+        transposed=True,
+        interleaved=True,
+        activation="clamped_swiglu",
+    )

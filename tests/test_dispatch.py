@@ -2,6 +2,7 @@
 
 Legend: T tokens, H hidden size, E experts, K top-k, N = T*K pairs, R rows of the permuted buffer.
 """
+
 import dataclasses
 
 import pytest
@@ -30,20 +31,20 @@ def _ids(T, K, E, case):
 
 # (T, K, E, ids, align)
 CASES = [
-    pytest.param(16, 2, 8, "random", 1, id="base"),                # plain sort, no padding
-    pytest.param(16, 2, 8, "random", 8, id="align8"),              # every group padded to a multiple of 8
-    pytest.param(13, 3, 7, "random", 4, id="primeE_align4"),       # prime E, odd T, padding
-    pytest.param(16, 2, 8, "empty_experts", 1, id="empty"),        # odd experts get nothing: equal offsets
+    pytest.param(16, 2, 8, "random", 1, id="base"),  # plain sort, no padding
+    pytest.param(16, 2, 8, "random", 8, id="align8"),  # every group padded to a multiple of 8
+    pytest.param(13, 3, 7, "random", 4, id="primeE_align4"),  # prime E, odd T, padding
+    pytest.param(16, 2, 8, "empty_experts", 1, id="empty"),  # odd experts get nothing: equal offsets
     pytest.param(16, 2, 8, "empty_experts", 16, id="empty_align"),  # empty groups stay empty after padding
-    pytest.param(12, 1, 5, "one_expert", 1, id="one_expert"),      # all pairs in the last group
+    pytest.param(12, 1, 5, "one_expert", 1, id="one_expert"),  # all pairs in the last group
     pytest.param(12, 2, 5, "one_expert", 4, id="one_expert_dup"),  # duplicate ids within a token, padded
-    pytest.param(7, 1, 1, "random", 1, id="E1"),                   # a single group
-    pytest.param(6, 4, 4, "random", 2, id="k_eq_E"),               # K = E
-    pytest.param(1, 2, 8, "random", 16, id="T1_align"),            # one token, buffer mostly padding
-    pytest.param(0, 2, 8, "random", 1, id="T0"),                   # no pairs at all
-    pytest.param(0, 2, 8, "random", 8, id="T0_align"),             # no pairs, padded worst case
-    pytest.param(10, 2, 6, "invalid", 1, id="invalid"),            # ids -1 / E / E+3 sort to the tail
-    pytest.param(10, 2, 6, "invalid", 4, id="invalid_align"),      # invalid ids with padding
+    pytest.param(7, 1, 1, "random", 1, id="E1"),  # a single group
+    pytest.param(6, 4, 4, "random", 2, id="k_eq_E"),  # K = E
+    pytest.param(1, 2, 8, "random", 16, id="T1_align"),  # one token, buffer mostly padding
+    pytest.param(0, 2, 8, "random", 1, id="T0"),  # no pairs at all
+    pytest.param(0, 2, 8, "random", 8, id="T0_align"),  # no pairs, padded worst case
+    pytest.param(10, 2, 6, "invalid", 1, id="invalid"),  # ids -1 / E / E+3 sort to the tail
+    pytest.param(10, 2, 6, "invalid", 4, id="invalid_align"),  # invalid ids with padding
 ]
 
 
@@ -105,7 +106,7 @@ def test_plan_invariants(T, K, E, case, align, id_dtype):
     assert (rt[pad] == T).all()
     re = plan.row_experts()
     for e in range(E):
-        assert (re[po[e]:po[e + 1]] == e).all()
+        assert (re[po[e] : po[e + 1]] == e).all()
 
 
 @pytest.mark.parametrize("T,K,E,case,align", CASES)
@@ -131,7 +132,7 @@ def test_permute_unpermute(T, K, E, case, align):
     assert pairs.shape == (T, K, H)
     v = valid.view(T, K)
     assert torch.equal(pairs[v], x.unsqueeze(1).expand(T, K, H)[v])
-    dropped = unpermute(rows + 1, plan, drop_invalid=True)   # +1: nothing is zero by accident
+    dropped = unpermute(rows + 1, plan, drop_invalid=True)  # +1: nothing is zero by accident
     assert (dropped[~v] == 0).all() and torch.equal(dropped[v], (x.unsqueeze(1) + 1).expand(T, K, H)[v])
     # weighted combine against the formula
     w = torch.rand(T, K, dtype=torch.float64)
@@ -234,6 +235,7 @@ def test_plan_is_frozen():
 def test_sort_by_expert_is_the_plan_core(T, K, E, case, align, id_dtype):
     """The triton backend's four-op sort gives make_plan's order and offsets, invalid ids last."""
     from moeyard.dispatch import sort_by_expert
+
     ids = _ids(T, K, E, case).to(id_dtype)
     if case == "invalid":
         ids[0, 0] = torch.iinfo(id_dtype).min
@@ -245,13 +247,16 @@ def test_sort_by_expert_is_the_plan_core(T, K, E, case, align, id_dtype):
     assert ((keys == E) == ~plan.valid[order]).all()
 
 
-@pytest.mark.parametrize("E,key_dtype", [(8, torch.uint8), (255, torch.uint8), (256, torch.int16),
-                                         (32767, torch.int16), (32768, torch.int32)])
+@pytest.mark.parametrize(
+    "E,key_dtype",
+    [(8, torch.uint8), (255, torch.uint8), (256, torch.int16), (32767, torch.int16), (32768, torch.int32)],
+)
 def test_sort_keys_in_the_narrowest_dtype(E, key_dtype):
     """The sort keys take the narrowest dtype holding ``0 .. E`` (one radix pass per byte), and the order,
     offsets and keys equal a stable sort of the int64 keys, ids ``E - 1``, ``E`` (invalid) and negative
     ones among them; ``make_plan`` with alignment (which indexes by the sorted keys) keeps its rows."""
     from moeyard.dispatch import sort_by_expert
+
     g = torch.Generator().manual_seed(E)
     ids = torch.randint(max(E - 6, 0), E, (50, 3), generator=g)
     ids[0, 0], ids[1, 1], ids[2, 2], ids[3, 0] = E - 1, E, -5, 0
@@ -263,14 +268,14 @@ def test_sort_keys_in_the_narrowest_dtype(E, key_dtype):
     plan = make_plan(ids, E, align=4)
     rows = plan.pair_rows[want_order]
     assert torch.equal(rows[:-1] < rows[1:], torch.ones(rows.numel() - 1, dtype=torch.bool))  # rows ascend
-    assert torch.equal(plan.padded_offsets[1:] - plan.padded_offsets[:-1],
-                       (offsets.diff() + 3) // 4 * 4)
+    assert torch.equal(plan.padded_offsets[1:] - plan.padded_offsets[:-1], (offsets.diff() + 3) // 4 * 4)
 
 
 def test_searchsorted_needles_not_cached_during_a_graph_capture(monkeypatch):
     """A tensor made while a CUDA graph is captured holds its values only after a replay: the cached
     ``arange`` needles of the sort are made outside captures only."""
     from moeyard import dispatch
+
     dispatch._cached_bounds.cache_clear()
     dispatch._bounds(7, torch.device("cpu"), torch.uint8)
     assert dispatch._cached_bounds.cache_info().currsize == 1  # eager: made once, kept
@@ -325,12 +330,13 @@ def test_gathered_sum_kernel_matches_reference():
         index = torch.randint(0, T * K + 2, (T, K), generator=g)
         index[0, 0] = T * K + 1  # the zero row
         w = torch.randn(T, K, generator=g, dtype=torch.float64)
-        rows = src[index]                                                     # [T, K, H]
+        rows = src[index]  # [T, K, H]
         want_w, want = (rows * w.unsqueeze(-1)).sum(1), rows.sum(1)
         cpu_out, cpu_pairs = gathered_sum(src, index, w, keep=True)
         assert torch.allclose(cpu_out, want_w) and torch.equal(cpu_pairs, rows)
         with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
             from moeyard.weighted_sum_triton import gathered_sum as kernel
+
             out, pairs = kernel(src.float(), index, w.float(), True)
             plain, none = kernel(src.float(), index, None, False)
         assert none is None and torch.equal(pairs, rows.float()), (T, K, H)
@@ -344,10 +350,11 @@ def test_gathered_weighted_sum(extra_rows, weights_grad):
     """The combine that reads each pair's row where it is, against a gather then the bmm (float64):
     output, the rows' gradient (zero in rows no pair names) and the weights' gradient."""
     from moeyard.weighted_sum import gathered_weighted_sum, weighted_sum_reference
+
     g = torch.Generator().manual_seed(13)
     T, K, H = 7, 3, 10
     R = T * K + extra_rows
-    index = torch.randperm(R, generator=g)[:T * K].view(T, K)
+    index = torch.randperm(R, generator=g)[: T * K].view(T, K)
     src = torch.randn(R, H, generator=g, dtype=torch.float64)
     w = torch.rand(T, K, generator=g, dtype=torch.float64)
     dy = torch.randn(T, H, generator=g, dtype=torch.float64)
@@ -379,20 +386,33 @@ def test_scattered_pairs_grad_kernel(extra_rows):
     g = torch.Generator().manual_seed(14)
     for T, K, H in ((7, 3, 40), (9, 8, 600), (2, 1, 5)):
         R = T * K + extra_rows
-        index = torch.randperm(R, generator=g)[:T * K].view(T, K)
+        index = torch.randperm(R, generator=g)[: T * K].view(T, K)
         w = torch.randn(T, K, generator=g, dtype=torch.float64)
         dy = torch.randn(T, H, generator=g, dtype=torch.float64)
         want = torch.zeros(R, H, dtype=torch.float64)
         want[index.view(-1)] = (w.unsqueeze(-1) * dy.unsqueeze(1)).view(-1, H)
         with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
             from moeyard.weighted_sum_triton import scattered_pairs_grad
+
             got = scattered_pairs_grad(w.float(), dy.float(), index, R)
         assert got.shape == (R, H) and got.dtype == torch.float32
         assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-5), (T, K, H)
 
 
-@pytest.mark.parametrize("T,K,E", [(1, 1, 1), (1, 8, 128), (3, 2, 8), (64, 8, 128), (256, 8, 128),
-                                   (2048, 1, 160), (5, 4, 255), (33, 2, 256), (9, 7, 1022)])
+@pytest.mark.parametrize(
+    "T,K,E",
+    [
+        (1, 1, 1),
+        (1, 8, 128),
+        (3, 2, 8),
+        (64, 8, 128),
+        (256, 8, 128),
+        (2048, 1, 160),
+        (5, 4, 255),
+        (33, 2, 256),
+        (9, 7, 1022),
+    ],
+)
 @pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32, torch.uint8])
 def test_one_launch_sort_equals_the_torch_sort(T, K, E, id_dtype):
     """The one-launch sort of few pairs (``moeyard.dispatch_triton``, under the interpreter here) gives the
@@ -400,6 +420,7 @@ def test_one_launch_sort_equals_the_torch_sort(T, K, E, id_dtype):
     pairs up to ``MAX_PAIRS`` (2048), experts up to ``MAX_EXPERTS`` (1022), N not a power of two."""
     from moeyard import dispatch
     from moeyard.dispatch_triton import MAX_EXPERTS, MAX_PAIRS, fits, sort_by_expert_small
+
     g = torch.Generator().manual_seed(T * K + E)
     low, high = (0, min(E + 3, 256)) if id_dtype == torch.uint8 else (-3, E + 3)
     ids = torch.randint(low, high, (T, K), generator=g).to(id_dtype)
@@ -417,6 +438,7 @@ def test_sort_by_expert_takes_one_launch_for_few_pairs(monkeypatch):
     values; one pair more goes to ``torch.sort``."""
     from moeyard import dispatch
     from moeyard.dispatch_triton import MAX_PAIRS
+
     ids = torch.randint(-1, 17, (MAX_PAIRS // 4, 4), generator=torch.Generator().manual_seed(0))
     want = dispatch._sort(dispatch._sort_keys(ids, 16), 16)
     calls, real = [], torch.sort

@@ -3,6 +3,7 @@ entry point modifies its inputs.
 
 Legend: T tokens, H hidden size, I intermediate size, E experts, K top-k.
 """
+
 import pytest
 import torch
 
@@ -21,33 +22,41 @@ def _inputs(**kw):
 
 
 def _call(d, **kw):
-    return moeyard.experts(d["hidden_states"], d["topk_ids"], d["topk_weights"], d["gate_up_proj"], d["down_proj"],
-                           gate_up_bias=d.get("gate_up_bias"), down_bias=d.get("down_bias"), **kw)
+    return moeyard.experts(
+        d["hidden_states"],
+        d["topk_ids"],
+        d["topk_weights"],
+        d["gate_up_proj"],
+        d["down_proj"],
+        gate_up_bias=d.get("gate_up_bias"),
+        down_bias=d.get("down_bias"),
+        **kw,
+    )
 
 
 # (argument, replacement, exception, what the row checks)
 BAD = [
-    ("hidden_states", lambda d: d["hidden_states"][0], ValueError),                   # 1-D states
-    ("hidden_states", lambda d: d["hidden_states"][:, :-1], ValueError),              # H disagrees with the weights
-    ("hidden_states", lambda d: d["hidden_states"].double(), TypeError),              # dtype differs from the weights
-    ("hidden_states", lambda d: d["hidden_states"].long(), TypeError),                # integer states
-    ("hidden_states", lambda d: d["hidden_states"].tolist(), TypeError),              # not a tensor
-    ("topk_ids", lambda d: d["topk_ids"].float(), TypeError),                         # float ids
-    ("topk_ids", lambda d: d["topk_ids"] > 0, TypeError),                             # bool ids
-    ("topk_ids", lambda d: d["topk_ids"][:-1], ValueError),                           # T disagrees
-    ("topk_ids", lambda d: d["topk_ids"].reshape(-1), ValueError),                    # 1-D ids
-    ("topk_ids", lambda d: torch.zeros(T, E + 1, dtype=torch.long), ValueError),      # K > E (weights follow)
-    ("topk_weights", lambda d: d["topk_weights"][:, :1], ValueError),                 # K disagrees with the ids
-    ("topk_weights", lambda d: d["topk_weights"].long(), TypeError),                  # integer weights
-    ("gate_up_proj", lambda d: d["gate_up_proj"][0], ValueError),                     # 2-D weight
-    ("gate_up_proj", lambda d: d["gate_up_proj"][:, :-1], ValueError),                # odd 2I for a gated act
-    ("gate_up_proj", lambda d: d["gate_up_proj"].long(), TypeError),                  # integer weight
-    ("down_proj", lambda d: d["down_proj"][:, :, :-1], ValueError),                   # I disagrees with gate_up_proj
-    ("down_proj", lambda d: d["down_proj"][:-1], ValueError),                         # E disagrees
-    ("down_proj", lambda d: d["down_proj"].double(), TypeError),                      # dtype differs from gate_up_proj
-    ("gate_up_bias", lambda d: d["gate_up_bias"][:, :-1], ValueError),               # bias shape
-    ("gate_up_bias", lambda d: d["gate_up_bias"].long(), TypeError),                  # integer bias
-    ("down_bias", lambda d: d["down_bias"][:-1], ValueError),                         # bias shape
+    ("hidden_states", lambda d: d["hidden_states"][0], ValueError),  # 1-D states
+    ("hidden_states", lambda d: d["hidden_states"][:, :-1], ValueError),  # H disagrees with the weights
+    ("hidden_states", lambda d: d["hidden_states"].double(), TypeError),  # dtype differs from the weights
+    ("hidden_states", lambda d: d["hidden_states"].long(), TypeError),  # integer states
+    ("hidden_states", lambda d: d["hidden_states"].tolist(), TypeError),  # not a tensor
+    ("topk_ids", lambda d: d["topk_ids"].float(), TypeError),  # float ids
+    ("topk_ids", lambda d: d["topk_ids"] > 0, TypeError),  # bool ids
+    ("topk_ids", lambda d: d["topk_ids"][:-1], ValueError),  # T disagrees
+    ("topk_ids", lambda d: d["topk_ids"].reshape(-1), ValueError),  # 1-D ids
+    ("topk_ids", lambda d: torch.zeros(T, E + 1, dtype=torch.long), ValueError),  # K > E (weights follow)
+    ("topk_weights", lambda d: d["topk_weights"][:, :1], ValueError),  # K disagrees with the ids
+    ("topk_weights", lambda d: d["topk_weights"].long(), TypeError),  # integer weights
+    ("gate_up_proj", lambda d: d["gate_up_proj"][0], ValueError),  # 2-D weight
+    ("gate_up_proj", lambda d: d["gate_up_proj"][:, :-1], ValueError),  # odd 2I for a gated act
+    ("gate_up_proj", lambda d: d["gate_up_proj"].long(), TypeError),  # integer weight
+    ("down_proj", lambda d: d["down_proj"][:, :, :-1], ValueError),  # I disagrees with gate_up_proj
+    ("down_proj", lambda d: d["down_proj"][:-1], ValueError),  # E disagrees
+    ("down_proj", lambda d: d["down_proj"].double(), TypeError),  # dtype differs from gate_up_proj
+    ("gate_up_bias", lambda d: d["gate_up_bias"][:, :-1], ValueError),  # bias shape
+    ("gate_up_bias", lambda d: d["gate_up_bias"].long(), TypeError),  # integer bias
+    ("down_bias", lambda d: d["down_bias"][:-1], ValueError),  # bias shape
 ]
 
 
@@ -104,6 +113,7 @@ def test_unknown_backend_and_activation(monkeypatch):
     with pytest.raises(ValueError, match="^backend: "):
         MoE(MoEConfig(num_experts=4, hidden_size=H, intermediate_size=I, top_k=2), backend="nope")
     from moeyard.experts import registry
+
     monkeypatch.setattr(registry, "_default", [None])
     monkeypatch.setenv("MOEYARD_BACKEND", "nope")
     with pytest.raises(ValueError, match="^MOEYARD_BACKEND: "):
@@ -124,20 +134,36 @@ def test_backend_that_cannot_run_here():
 def test_interleaved_needs_gated():
     d = make_inputs(T, H, I, E, K, gated=False)
     with pytest.raises(ValueError, match="^interleaved: "):
-        moeyard.experts(d["hidden_states"], d["topk_ids"], d["topk_weights"], d["gate_up_proj"], d["down_proj"],
-                        activation="gelu", interleaved=True)
+        moeyard.experts(
+            d["hidden_states"],
+            d["topk_ids"],
+            d["topk_weights"],
+            d["gate_up_proj"],
+            d["down_proj"],
+            activation="gelu",
+            interleaved=True,
+        )
 
 
 # (field, value, what the row checks)
 BAD_CONFIG = [
-    ("num_experts", 0, "positive"), ("num_experts", 2.0, "int"), ("hidden_size", -1, "positive"),
-    ("intermediate_size", True, "bool is not an int"), ("top_k", 0, "positive"),
-    ("top_k", 5, "top_k > num_experts"), ("score_func", "tanh", "unknown"),
-    ("n_group", 3, "not a divisor of E"), ("topk_group", 3, "more than n_group"),
-    ("activation", "swish", "unknown"), ("num_shared_experts", -1, "negative"),
-    ("shared_intermediate_size", 0, "positive"), ("shared_expert_gate", True, "needs a shared expert"),
-    ("routed_scaling_factor", 0.0, "positive"), ("router_jitter", -0.1, "non-negative"),
-    ("aux_loss_coef", -1.0, "non-negative"), ("seq_aux_loss_coef", -1.0, "non-negative"),
+    ("num_experts", 0, "positive"),
+    ("num_experts", 2.0, "int"),
+    ("hidden_size", -1, "positive"),
+    ("intermediate_size", True, "bool is not an int"),
+    ("top_k", 0, "positive"),
+    ("top_k", 5, "top_k > num_experts"),
+    ("score_func", "tanh", "unknown"),
+    ("n_group", 3, "not a divisor of E"),
+    ("topk_group", 3, "more than n_group"),
+    ("activation", "swish", "unknown"),
+    ("num_shared_experts", -1, "negative"),
+    ("shared_intermediate_size", 0, "positive"),
+    ("shared_expert_gate", True, "needs a shared expert"),
+    ("routed_scaling_factor", 0.0, "positive"),
+    ("router_jitter", -0.1, "non-negative"),
+    ("aux_loss_coef", -1.0, "non-negative"),
+    ("seq_aux_loss_coef", -1.0, "non-negative"),
     ("z_loss_coef", -1.0, "non-negative"),
 ]
 
@@ -154,8 +180,9 @@ def test_bad_grouped_config():
     with pytest.raises(ValueError, match="^topk_group: "):  # 1 group of 2 experts cannot hold top_k = 3
         MoEConfig(num_experts=8, hidden_size=H, intermediate_size=I, top_k=3, n_group=4, topk_group=1)
     with pytest.raises(ValueError, match="^n_group: "):
-        MoEConfig(num_experts=8, hidden_size=H, intermediate_size=I, top_k=2, n_group=4, topk_group=2,
-                  topk_before_score=True)
+        MoEConfig(
+            num_experts=8, hidden_size=H, intermediate_size=I, top_k=2, n_group=4, topk_group=2, topk_before_score=True
+        )
 
 
 def test_route_errors():

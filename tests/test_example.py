@@ -1,4 +1,5 @@
 """examples/qlora_finetune.py's tiny configuration on CPU: the three runs, their agreement and the plot."""
+
 import importlib.util
 import json
 import math
@@ -36,6 +37,7 @@ def test_tiny_qlora_finetune(tmp_path, keep_threads):
     example = load_example()
     try:
         import matplotlib  # noqa: F401
+
         has_matplotlib = True
     except ImportError:
         has_matplotlib = False

@@ -3,6 +3,7 @@ each recipe (outputs and every gradient), the numerics against the compute dtype
 
 Legend: T tokens, H hidden size, I expert intermediate size, E experts, K top-k.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,7 @@ def test_rowwise_pow2_by_hand():
     # amax 3: 448 / 3 = 149.3, floor(log2) = 7, s = 2^-7; 1, -2, 3 -> 128, -256, 384 (all exact in e4m3)
     q, s = fp8.quantize(torch.tensor([[1.0, -2.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0]]), Blocks(None), "pow2")
     assert q.dtype == E4M3 and s.shape == (2, 1)
-    assert s[0, 0].item() == 2.0 ** -7
+    assert s[0, 0].item() == 2.0**-7
     assert q[0].float().tolist() == [128.0, -256.0, 384.0, 0.0]
     assert q[1].float().tolist() == [0.0] * 4  # a zero row stays zero
 
@@ -63,16 +64,16 @@ def test_blocks_match_a_loop_over_blocks(blocks, mode):
     for b in range(2):
         for i0 in range(0, 7, blocks.m):
             for j0 in range(0, 10, bk):
-                blk = t[b, i0:i0 + blocks.m, j0:j0 + bk]
+                blk = t[b, i0 : i0 + blocks.m, j0 : j0 + bk]
                 want = fp8.scales_from_amax(blk.abs().amax().reshape(1), mode)
                 assert s[b, i0 // blocks.m, j0 // bk] == want[0]
                 ref = (blk / want[0]).clamp(-448, 448).to(E4M3)
-                assert torch.equal(q[b, i0:i0 + blocks.m, j0:j0 + bk].float(), ref.float())
+                assert torch.equal(q[b, i0 : i0 + blocks.m, j0 : j0 + bk].float(), ref.float())
     # e4m3: 3 mantissa bits (relative error <= 2^-4), subnormal spacing 2^-9 in units of the block's scale;
     # e8m0 scales leave the block's largest values up to 512 s, which saturate at 448 s (OCP MX)
     ids, _ = fp8.column_blocks(10, blocks.k, None, t.device)
     scale = fp8.expand_scales(s, ids, blocks, 7)
-    bound = t.abs() / 16 + scale * 2 ** -10 + (t.abs() - 448 * scale).clamp(min=0)
+    bound = t.abs() / 16 + scale * 2**-10 + (t.abs() - 448 * scale).clamp(min=0)
     assert ((fp8.dequantize(q, s, blocks) - t).abs() <= bound).all()
 
 
@@ -84,8 +85,9 @@ def test_segments_restart_blocks(block_k):
     offsets = torch.tensor([0, 5, 5, 9], dtype=torch.int32)
     got = fp8.fake_quantize(t, Blocks(block_k), "pow2", offsets)
     for lo, hi in ((0, 5), (5, 9), (9, 12)):
-        torch.testing.assert_close(got[:, lo:hi], fp8.fake_quantize(t[:, lo:hi], Blocks(block_k), "pow2"),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            got[:, lo:hi], fp8.fake_quantize(t[:, lo:hi], Blocks(block_k), "pow2"), rtol=0, atol=0
+        )
 
 
 def test_blocks_errors():
@@ -104,9 +106,11 @@ def test_blocks_errors():
 def test_rowwise_matches_torchao():
     ao = pytest.importorskip("torchao.float8.float8_utils")
     from torchao.float8.config import ScalingGranularity
+
     t = (torch.randn(64, 96) * torch.logspace(-4, 4, 96)).bfloat16()
-    scale = ao.tensor_to_scale(t, E4M3, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1,
-                               round_scales_to_power_of_2=True)
+    scale = ao.tensor_to_scale(
+        t, E4M3, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1, round_scales_to_power_of_2=True
+    )
     want = ao.to_fp8_saturated(t.float() * scale, E4M3)
     q, s = fp8.quantize(t, Blocks(None), "pow2")
     assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
@@ -117,6 +121,7 @@ def test_rowwise_matches_torchao():
 def test_mx_matches_torchao(mode):
     mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
     t = (torch.randn(16, 128) * torch.logspace(-6, 6, 128)).bfloat16()
     t[3, :32] = 0  # a zero block
     ao_mode = ScaleCalculationMode.RCEIL if mode == "e8m0" else ScaleCalculationMode.FLOOR
@@ -149,8 +154,14 @@ def test_recipe_names_and_errors():
         resolve_recipe(8)
     inp = make_inputs(4, 8, 4, 2, 1)
     with pytest.raises(ValueError, match="recipe: expected one of"):
-        moeyard.experts(inp["hidden_states"], inp["topk_ids"], inp["topk_weights"], inp["gate_up_proj"],
-                        inp["down_proj"], recipe="fp4")
+        moeyard.experts(
+            inp["hidden_states"],
+            inp["topk_ids"],
+            inp["topk_weights"],
+            inp["gate_up_proj"],
+            inp["down_proj"],
+            recipe="fp4",
+        )
     with pytest.raises(ValueError, match="recipe: expected one of"):
         moeyard.MoE(moeyard.MoEConfig(num_experts=2, hidden_size=8, intermediate_size=4, top_k=1), recipe="int8")
 
@@ -232,6 +243,7 @@ def test_recipe_changes_the_result_and_stays_close(recipe):
 def test_lora_on_fp8_base(recipe, backend):
     # LoRA adapters train on a frozen FP8 base: the adapter terms in the compute dtype, no base weight gradient
     from helpers import add_lora
+
     inp = add_lora(_inputs("base"), 4)
     got, oracle = _check(recipe, backend, inp, torch.float32, frozen=("gate_up_proj", "down_proj"))
     assert "grad_gate_up_proj.lora_A" in got and "grad_gate_up_proj" not in got
@@ -289,6 +301,7 @@ def test_transformers_model_runs_the_default_recipe(monkeypatch):
     import importlib
 
     from moeyard import verify
+
     loop = importlib.import_module("moeyard.experts.loop")
     calls = []
     real = loop.scaled_linear
@@ -310,9 +323,11 @@ def test_transformers_model_runs_the_default_recipe(monkeypatch):
 def _triton_casts():
     pytest.importorskip("triton")
     from moeyard.kernel_op import interpreting
+
     if not interpreting():
         pytest.skip("runs the kernels under Triton's CPU interpreter (tests/cuda/test_fp8_cuda.py on a GPU)")
     from moeyard.quant import fp8_triton
+
     return fp8_triton
 
 
@@ -320,7 +335,7 @@ def _triton_casts():
 def test_triton_rowwise_matches_reference(M, K):
     cast = _triton_casts()
     t = torch.randn(M, K) * torch.logspace(-5, 5, K)
-    t[M // 2:M // 2 + 1] = 0  # a zero row
+    t[M // 2 : M // 2 + 1] = 0  # a zero row
     q, s = cast.rowwise(t)
     q_ref, s_ref = fp8.quantize(t, Blocks(None), "pow2")
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref[:, 0])
@@ -351,19 +366,21 @@ def test_triton_colwise_per_expert_matches_reference():
     assert torch.equal(s, s_ref[..., 0])
 
 
-@pytest.mark.parametrize("name, interleaved", [("swiglu", False), ("clamped_swiglu", True), ("geglu", False),
-                                               ("relu2", False)])
+@pytest.mark.parametrize(
+    "name, interleaved", [("swiglu", False), ("clamped_swiglu", True), ("geglu", False), ("relu2", False)]
+)
 def test_triton_casts_of_the_activation(name, interleaved):
     # the casts that apply the activation as they load (act(h) never written) and its backward, against torch
     cast = _triton_casts()
     from moeyard.activations import Activation
+
     act = Activation(name=name)
     R, I = 70, 40
     h = torch.randn(R, 2 * I if act.gated else I) * 3
     a = act(h.double(), interleaved=interleaved).float()
     q, s = cast.rowwise(h, act, interleaved=interleaved)
     q_ref, s_ref = fp8.quantize(a, Blocks(None), "pow2")
-    close = (q.float() * s[:, None] - q_ref.float() * s_ref).abs() <= 2 ** -4 * a.abs() + 1e-6
+    close = (q.float() * s[:, None] - q_ref.float() * s_ref).abs() <= 2**-4 * a.abs() + 1e-6
     assert close.all() and (q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean() < 0.01
     off = torch.tensor([0, 30, 30, 64], dtype=torch.int32)
     qc, sc = cast.colwise_per_group(h, off, act, interleaved=interleaved)
@@ -404,9 +421,11 @@ def forced_fast_path(monkeypatch):
     ``torch._scaled_grouped_mm`` replaced by its definition (``scaled_hopper.scaled_grouped_mm``)."""
     pytest.importorskip("triton")
     from moeyard.kernel_op import interpreting
+
     if not interpreting():
         pytest.skip("the CPU rehearsal of the fast path runs under Triton's interpreter")
     import importlib
+
     hop = importlib.import_module("moeyard.experts.scaled_hopper")
     calls = []
     monkeypatch.setattr(hop, "fast_path_reason", lambda *a: None)
@@ -431,6 +450,7 @@ def _check_fused(backend: str, inputs, **kw):
     lowp = run_experts(inputs, torch.float32, "loop", g, recipe="fp8_rowwise", **kw)
     got = run_experts(inputs, torch.float32, backend, g, recipe="fp8_rowwise", **kw)
     assert_matches_oracle({"out": got["out"]}, {"out": lowp["out"]}, {"out": oracle["out"]}, torch.float32)
+
     def norm_err(a, ref):
         return ((a - ref).norm() / ref.norm().clamp(min=1e-30)).item()
 
@@ -459,6 +479,7 @@ def test_fast_path_forms_on_cpu(forced_fast_path, case):
             kw = dict(transposed=True, interleaved=True, activation="clamped_swiglu")
     elif case == "lora":
         from helpers import add_lora
+
         inp, frozen = add_lora(_inputs("base"), 4), ("gate_up_proj", "down_proj")
     elif case == "gelu":
         inp, kw = make_inputs(40, 32, 16, 4, 2, gated=False), dict(activation="gelu")
@@ -482,9 +503,11 @@ def test_fast_path_invalid_ids_give_nan_rows(forced_fast_path):
     # without drop_invalid an invalid id's token comes out NaN (moeyard.experts gives that pair a NaN weight
     # on a GPU, where it does not read the ids back), the others finite
     import importlib
+
     hop = importlib.import_module("moeyard.experts.scaled_hopper")
     from moeyard.activations import Activation
     from moeyard.experts.weights import expert_weights
+
     inp = _inputs("base")
     x = inp["hidden_states"].float()
     ids = inp["topk_ids"].clone()

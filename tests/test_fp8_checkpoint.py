@@ -10,6 +10,7 @@ state dict round trip, the errors; then a tiny Qwen3-MoE written as an FP8 check
 hub layout) and loaded with :func:`moeyard.quant.load_fp8_checkpoint`: logits and greedy decoding
 against transformers' own (dequantising) load of the same checkpoint, and LoRA training on top.
 """
+
 import gc
 import json
 import os
@@ -30,8 +31,9 @@ BLOCKS = Blocks(128, 128)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 NAMES = ("gate_up_proj", "down_proj")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-triton_only = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
-                                 reason="the Triton kernel runs on CUDA or under TRITON_INTERPRET=1")
+triton_only = pytest.mark.skipif(
+    not (INTERPRET or torch.cuda.is_available()), reason="the Triton kernel runs on CUDA or under TRITON_INTERPRET=1"
+)
 
 
 def weights(shape, dtype=torch.float32, device="cpu", seed=0):
@@ -46,9 +48,9 @@ def nan_out(s):
 # ---------------------------------------------------------------- the stored state against the reference
 
 SHAPES = [
-    (3, 200, 300),   # partial last blocks in both axes (rows 128 + 72, columns 128 + 128 + 44)
-    (2, 256, 128),   # whole blocks only
-    (5, 7, 130),     # fewer rows than a block; one column past a block
+    (3, 200, 300),  # partial last blocks in both axes (rows 128 + 72, columns 128 + 128 + 44)
+    (2, 256, 128),  # whole blocks only
+    (5, 7, 130),  # fewer rows than a block; one column past a block
     (1, 1, 1),
 ]
 
@@ -64,19 +66,25 @@ def test_storage_equals_reference(shape, dtype):
     assert s.weight.dtype == torch.float8_e4m3fn and s.weight_scale_inv.dtype == torch.float32
     assert tuple(s.weight_scale_inv.shape) == (E, -(-a // 128), -(-b // 128))
     assert torch.equal(s.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s.weight_scale_inv, scale)
-    amax = torch.stack([w[e, i:i + 128, j:j + 128].abs().max().float() for e in range(E)
-                        for i in range(0, a, 128) for j in range(0, b, 128)]).view_as(scale)
+    amax = torch.stack(
+        [
+            w[e, i : i + 128, j : j + 128].abs().max().float()
+            for e in range(E)
+            for i in range(0, a, 128)
+            for j in range(0, b, 128)
+        ]
+    ).view_as(scale)
     assert torch.equal(scale, amax / 448)  # DeepSeek-V3's scale: the block's amax over e4m3's largest value
     want = dequantize(q, scale, BLOCKS).to(dtype)  # float32 product, then the compute dtype
     assert s.dtype == dtype and torch.equal(s.dequantize(), want)
     assert torch.equal(fp8_block.dequantize_reference(s).float(), dequantize(q, scale, BLOCKS))
     rel = ((s.dequantize().double() - w.double()).abs().max() / w.double().abs().max()).item()
-    assert rel < 2 ** -4  # e4m3 keeps 3 mantissa bits: at most half a unit (1/16) of the block's largest value
+    assert rel < 2**-4  # e4m3 keeps 3 mantissa bits: at most half a unit (1/16) of the block's largest value
 
 
 def test_zero_and_nan_blocks():
     w = weights((2, 130, 260))
-    w[0, :128, :128] = 0       # a block of zeros: scale 1, values 0
+    w[0, :128, :128] = 0  # a block of zeros: scale 1, values 0
     w[1, 128:, 256:] = float("nan")  # a NaN: its block dequantises to NaN, never a finite value
     s = FP8BlockExperts.from_float(w)
     assert s.weight_scale_inv[0, 0, 0] == 1 and not s.dequantize()[0, :128, :128].any()
@@ -108,8 +116,12 @@ def check_selective(s, dequant):
     """``dequant(storage, active, out)`` writes exactly the active experts and nothing else."""
     E = s.shape[0]
     want = s.dequantize()
-    for active in (torch.tensor([i % 3 == 1 for i in range(E)]), torch.arange(E) % 2 * 5,  # bool, counts
-                   torch.zeros(E, dtype=torch.bool), torch.ones(E, dtype=torch.int32)):
+    for active in (
+        torch.tensor([i % 3 == 1 for i in range(E)]),
+        torch.arange(E) % 2 * 5,  # bool, counts
+        torch.zeros(E, dtype=torch.bool),
+        torch.ones(E, dtype=torch.int32),
+    ):
         out = nan_out(s)
         dequant(s, active, out)
         on = active > 0
@@ -180,9 +192,14 @@ def test_module_casts_keep_storage():
     assert s.dtype == torch.float32
     after = s.state_dict()
     assert set(after) == {"weight", "weight_scale_inv"}
-    assert all(torch.equal(v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
-                           before[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else before[k])
-               and v.dtype == before[k].dtype for k, v in after.items())
+    assert all(
+        torch.equal(
+            v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
+            before[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else before[k],
+        )
+        and v.dtype == before[k].dtype
+        for k, v in after.items()
+    )
 
 
 def test_from_fp8_adopts_without_copy():
@@ -209,26 +226,45 @@ def _case(T, H, I, E, K, *, ids=None, dtype=torch.float32, rank=0, transposed=Fa
     f = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inp.items()}
     x = f["hidden_states"].requires_grad_()
     tw = f["topk_weights"].requires_grad_()
-    lora = {n: moeyard.ExpertLoRA(lora_A=f[f"{n}.lora_A"].requires_grad_(), lora_B=f[f"{n}.lora_B"].requires_grad_(),
-                                  scaling=LORA_SCALING[n]) for n in NAMES} if rank else None
+    lora = (
+        {
+            n: moeyard.ExpertLoRA(
+                lora_A=f[f"{n}.lora_A"].requires_grad_(),
+                lora_B=f[f"{n}.lora_B"].requires_grad_(),
+                scaling=LORA_SCALING[n],
+            )
+            for n in NAMES
+        }
+        if rank
+        else None
+    )
     q = [FP8BlockExperts.from_float(f[n]) for n in NAMES]
     return x, inp["topk_ids"], tw, q, lora
 
 
 def _double(x, tw, lora):
     """Fresh float64 leaves (the oracle's inputs)."""
-    lo = None if lora is None else {n: moeyard.ExpertLoRA(lora_A=a.lora_A.detach().double().requires_grad_(),
-                                                          lora_B=a.lora_B.detach().double().requires_grad_(),
-                                                          scaling=a.scaling) for n, a in lora.items()}
+    lo = (
+        None
+        if lora is None
+        else {
+            n: moeyard.ExpertLoRA(
+                lora_A=a.lora_A.detach().double().requires_grad_(),
+                lora_B=a.lora_B.detach().double().requires_grad_(),
+                scaling=a.scaling,
+            )
+            for n, a in lora.items()
+        }
+    )
     return x.detach().double().requires_grad_(), tw.detach().double().requires_grad_(), lo
 
 
 CASES = [
     # (T, H, I, E, K, ids): code paths
-    (23, 144, 40, 5, 2, None),           # H past one block (128 + 16): two scale columns per row of gate_up
-    (30, 64, 72, 5, 2, "one_expert"),    # every token to experts 0 and 1; 2I = 144 rows: two scale rows
-    (1, 48, 24, 4, 4, None),             # T = 1, K = E
-    (0, 64, 32, 4, 2, None),             # no tokens: nothing dequantised, nothing hangs
+    (23, 144, 40, 5, 2, None),  # H past one block (128 + 16): two scale columns per row of gate_up
+    (30, 64, 72, 5, 2, "one_expert"),  # every token to experts 0 and 1; 2I = 144 rows: two scale rows
+    (1, 48, 24, 4, 4, None),  # T = 1, K = E
+    (0, 64, 32, 4, 2, None),  # no tokens: nothing dequantised, nothing hangs
 ]
 
 
@@ -307,8 +343,9 @@ def test_quantize_moe_layer():
     assert tuple(moe.gate_up_proj.weight_scale_inv.shape) == (5, 2, 1)
     names = {n for n, _ in moe.named_parameters()}
     assert "gate_up_proj_bias" in names and not names & {"gate_up_proj", "down_proj"}
-    plain = moeyard.MoE(moeyard.MoEConfig(num_experts=2, hidden_size=32, intermediate_size=80, top_k=1,
-                                          activation="gelu"))
+    plain = moeyard.MoE(
+        moeyard.MoEConfig(num_experts=2, hidden_size=32, intermediate_size=80, top_k=1, activation="gelu")
+    )
     quantize_experts(plain, "fp8_block")  # a plain activation: up_proj rows are one segment
     assert plain.gate_up_proj.row_segments == (80,)
 
@@ -343,9 +380,19 @@ def test_moe_layer_lora_on_fp8_base():
 
 def tiny_qwen3_moe(**kw):
     transformers = pytest.importorskip("transformers")
-    args = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=40, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=5, num_experts_per_tok=2,
-                tie_word_embeddings=False)
+    args = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=5,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**args, **kw}))
 
@@ -390,10 +437,13 @@ class PlainExperts(torch.nn.Module):
         self.is_transposed = transposed
 
 
-@pytest.mark.parametrize("up_name,up_shape,down_shape,transposed", [
-    ("gate_up_proj", (3, 160, 80), (3, 40, 160), True),   # transposed (gpt-oss): [E, H, 2I], [E, I, H]
-    ("up_proj", (3, 200, 160), (3, 160, 200), False),     # no gate: one row segment
-])
+@pytest.mark.parametrize(
+    "up_name,up_shape,down_shape,transposed",
+    [
+        ("gate_up_proj", (3, 160, 80), (3, 40, 160), True),  # transposed (gpt-oss): [E, H, 2I], [E, I, H]
+        ("up_proj", (3, 200, 160), (3, 160, 200), False),  # no gate: one row segment
+    ],
+)
 def test_quantize_other_layouts(up_name, up_shape, down_shape, transposed):
     m = torch.nn.Sequential(PlainExperts(up_name, up_shape, down_shape, transposed))
     up, down = getattr(m[0], up_name).detach().clone(), m[0].down_proj.detach().clone()
@@ -423,13 +473,17 @@ def test_safetensors_round_trip(tmp_path):
     # the same by hand: quantise the structure, then load_state_dict; and onto a model built on the meta device
     again = quantize_experts(tiny_qwen3_moe().to(torch.bfloat16), "fp8_block")
     again.load_state_dict(st.load_file(str(path)))
-    assert torch.equal(again.model.layers[0].mlp.experts.down_proj.dequantize(),
-                       model.model.layers[0].mlp.experts.down_proj.dequantize())
+    assert torch.equal(
+        again.model.layers[0].mlp.experts.down_proj.dequantize(),
+        model.model.layers[0].mlp.experts.down_proj.dequantize(),
+    )
     with torch.device("meta"):
         meta = tiny_qwen3_moe().to(torch.bfloat16)
     load_quantized_state_dict(meta, path, "fp8_block", assign=True)
-    assert torch.equal(meta.model.layers[0].mlp.experts.down_proj.dequantize(),
-                       model.model.layers[0].mlp.experts.down_proj.dequantize())
+    assert torch.equal(
+        meta.model.layers[0].mlp.experts.down_proj.dequantize(),
+        model.model.layers[0].mlp.experts.down_proj.dequantize(),
+    )
 
 
 # ---------------------------------------------------------------- errors
@@ -487,11 +541,15 @@ def test_errors():
         load_quantized_state_dict(moeyard.MoE(moe.config), saved, "fp8_block")
 
 
-
 # ---------------------------------------------------------------- FP8 checkpoints of transformers models
 
-CKPT_QC = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
-           "modules_to_not_convert": ["lm_head", "mlp.gate"]}
+CKPT_QC = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "weight_block_size": [128, 128],
+    "modules_to_not_convert": ["lm_head", "mlp.gate"],
+}
 
 
 def is_fp8_linear(key, t):
@@ -537,6 +595,7 @@ def write_fp8_checkpoint(model, path, qc=CKPT_QC) -> Checkpoint:
 def reference_model(ckpt: Checkpoint, dtype, **kw):
     """transformers' own load of the dequantised checkpoint, in ``dtype`` (eval mode)."""
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(ckpt.dequantized, dtype=dtype, **kw)
 
 
@@ -553,6 +612,7 @@ def fp8_checkpoint(tmp_path_factory):
     """A tiny Qwen3-MoE in bfloat16, hidden size 160 and expert size 72 (partial blocks, gate and up halves in
     one block row each), written as an FP8 checkpoint."""
     from moeyard import verify
+
     with verify.quiet_transformers():
         model = cast_parameters(tiny_qwen3_moe(hidden_size=160, moe_intermediate_size=72), torch.bfloat16)
         model.generation_config.pad_token_id = 0
@@ -566,6 +626,7 @@ def _logits(model, ids, backend="bmm_padded"):
 
 def test_checkpoint_loads_experts_in_fp8(fp8_checkpoint):
     from moeyard.quant import load_fp8_checkpoint
+
     ckpt = fp8_checkpoint
     loaded = load_fp8_checkpoint(ckpt.fp8)
     assert not loaded.training and loaded.config._experts_implementation == "moeyard"
@@ -573,8 +634,10 @@ def test_checkpoint_loads_experts_in_fp8(fp8_checkpoint):
     for layer in range(2):
         experts = loaded.model.layers[layer].mlp.experts
         prefix = f"model.layers.{layer}.mlp.experts"
-        for attr, parts, grid in (("gate_up_proj", ("gate_proj", "up_proj"), (5, 2, 2)), ("down_proj", ("down_proj",),
-                                                                                         (5, 2, 1))):
+        for attr, parts, grid in (
+            ("gate_up_proj", ("gate_proj", "up_proj"), (5, 2, 2)),
+            ("down_proj", ("down_proj",), (5, 2, 1)),
+        ):
             w, s = getattr(experts, attr), getattr(experts, f"{attr}_scale_inv")
             assert w.dtype == torch.float8_e4m3fn and not w.requires_grad and tuple(s.shape) == grid
             for e in range(5):  # the checkpoint's bytes and scales, never dequantised
@@ -591,6 +654,7 @@ def test_checkpoint_into_a_model_built_without_weights(fp8_checkpoint):
     from accelerate import init_empty_weights
 
     from moeyard.quant import load_fp8_checkpoint
+
     model, path = fp8_checkpoint.model, fp8_checkpoint.fp8
     with init_empty_weights(include_buffers=False):  # parameters on the meta device, rotary buffers real
         empty = type(model)(model.config)
@@ -609,6 +673,7 @@ def check_logits_and_decoding(ckpt: Checkpoint, vocab: int, backends=("bmm_padde
     """The loaded FP8 checkpoint against transformers' load of the dequantised one: the same logits on the same
     moeyard backend (the same dense values), close to transformers' own experts, and the same greedy tokens."""
     from moeyard.quant import load_fp8_checkpoint
+
     ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(0))
     loaded = load_fp8_checkpoint(ckpt.fp8)
     ref = reference_model(ckpt, torch.bfloat16, experts_implementation="moeyard")
@@ -641,6 +706,7 @@ def test_checkpoint_other_architectures(arch, tmp_path):
     """Mixtral's layout (``block_sparse_moe.experts.<e>.w1/w3/w2`` in the checkpoint, as MiniMax-M2's FP8 one:
     transformers' renaming to ``mlp``) and DeepSeek-V3's (MLA projections, a shared expert, FP8 as released)."""
     from moeyard import verify
+
     with verify.quiet_transformers():
         model = cast_parameters(verify.build_model(arch), torch.bfloat16).eval()
         model.generation_config.pad_token_id = 0
@@ -657,6 +723,7 @@ def test_checkpoint_against_transformers_dequantising_load(tmp_path):
     transformers = pytest.importorskip("transformers")
     from moeyard import verify
     from moeyard.quant import load_fp8_checkpoint
+
     with verify.quiet_transformers():
         model = cast_parameters(tiny_qwen3_moe(hidden_size=128, moe_intermediate_size=48, head_dim=64), torch.bfloat16)
         path = write_fp8_checkpoint(model, tmp_path).fp8
@@ -676,12 +743,18 @@ def test_lora_training_on_fp8_checkpoint(fp8_checkpoint):
     peft = pytest.importorskip("peft")
     from moeyard.integrations.peft import fuse_lora
     from moeyard.quant import load_fp8_checkpoint
+
     ckpt = fp8_checkpoint
-    config = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    config = dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
     ours = peft.get_peft_model(load_fp8_checkpoint(ckpt.fp8, dtype=torch.float32), peft.LoraConfig(**config))
-    ref = peft.get_peft_model(reference_model(ckpt, torch.float32, experts_implementation="moeyard"),
-                              peft.LoraConfig(**config))
+    ref = peft.get_peft_model(
+        reference_model(ckpt, torch.float32, experts_implementation="moeyard"), peft.LoraConfig(**config)
+    )
     for m in (ours, ref):
         fuse_lora(m)
         m.train()
@@ -714,8 +787,9 @@ def test_lora_training_on_fp8_checkpoint(fp8_checkpoint):
             losses.append(step.item())
     assert losses[-1] < 0.9 * losses[0], losses
     after = {n: p for n, p in ours.named_parameters() if n in frozen}
-    assert all(torch.equal(p.view(torch.uint8), frozen[n].view(torch.uint8)) and p.grad is None
-               for n, p in after.items())
+    assert all(
+        torch.equal(p.view(torch.uint8), frozen[n].view(torch.uint8)) and p.grad is None for n, p in after.items()
+    )
 
 
 def test_transformers_fp8_experts_run_on_moeyard(fp8_checkpoint):
@@ -726,13 +800,15 @@ def test_transformers_fp8_experts_run_on_moeyard(fp8_checkpoint):
 
     from moeyard.integrations.transformers import register_fp8
     from moeyard.quant import load_fp8_checkpoint
+
     path = fp8_checkpoint.fp8
     ours = load_fp8_checkpoint(path)
     theirs = load_fp8_checkpoint(path)
     qc = FineGrainedFP8Config(weight_block_size=[128, 128])
     keep = ["model.layers.*.self_attn", "lm_head", "model.layers.*.mlp.gate"]  # only the experts become FP8Experts
-    replace_with_fp8_linear(theirs, modules_to_not_convert=keep, quantization_config=qc,
-                            pre_quantized=True)  # what from_pretrained does on a GPU
+    replace_with_fp8_linear(
+        theirs, modules_to_not_convert=keep, quantization_config=qc, pre_quantized=True
+    )  # what from_pretrained does on a GPU
     register_fp8()
     for layer, mine in zip(theirs.model.layers, ours.model.layers, strict=True):
         fp8_experts = layer.mlp.experts
@@ -745,6 +821,7 @@ def test_transformers_fp8_experts_run_on_moeyard(fp8_checkpoint):
 def test_checkpoint_errors(fp8_checkpoint, tmp_path):
     st = pytest.importorskip("safetensors.torch")
     from moeyard.quant import load_fp8_checkpoint
+
     path, tensors = fp8_checkpoint.fp8, fp8_checkpoint.tensors
     config = json.loads((path / "config.json").read_text())
 
@@ -794,8 +871,9 @@ def test_checkpoint_errors(fp8_checkpoint, tmp_path):
     with pytest.raises(TypeError, match="gate_up_proj: has gate_up_proj_scale_inv but is torch.bfloat16"):
         _logits(loaded, ids)
     peft = pytest.importorskip("peft")
-    wrapped = peft.get_peft_model(load_fp8_checkpoint(path),
-                                  peft.LoraConfig(r=2, target_parameters=["mlp.experts.down_proj"]))
+    wrapped = peft.get_peft_model(
+        load_fp8_checkpoint(path), peft.LoraConfig(r=2, target_parameters=["mlp.experts.down_proj"])
+    )
     with pytest.raises(TypeError, match="down_proj: PEFT's W \\+ dW fold cannot run on FP8"):
         _logits(wrapped, ids)  # without fuse_lora PEFT would add W + dW to the unscaled float8 values
     with pytest.raises(ValueError, match="wrapped by PEFT"):

@@ -1,6 +1,7 @@
 """examples/fp8_train.py on CPU, a few steps of the tiny configuration: every run trains from the same
 weights on the same batches, the recipes change the losses (they are applied) by no more than an FP8
 rounding, and the result and plot are written."""
+
 import importlib.util
 import json
 import math
@@ -19,8 +20,22 @@ def test_tiny_fp8_train(tmp_path):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    rc = module.main(["--device", "cpu", "--size", "tiny", "--steps", "4", "--seeds", "2", "--recipes", "fp8_rowwise",
-                      "--out", str(tmp_path)])
+    rc = module.main(
+        [
+            "--device",
+            "cpu",
+            "--size",
+            "tiny",
+            "--steps",
+            "4",
+            "--seeds",
+            "2",
+            "--recipes",
+            "fp8_rowwise",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     result = json.loads((tmp_path / "fp8_losses.json").read_text())
     losses = result["losses"]
     assert set(losses) == {"bf16 seed 0", "bf16 seed 1", "fp8_rowwise"}

@@ -11,6 +11,7 @@ API changed fails here instead of at a user's first launch.
 
 The compiles run in a fresh Python process (this file run as a script): Triton's interpreter, which
 the other CPU tests use, patches ``triton.language`` while it runs, and a compile must not see that."""
+
 import json
 import os
 import subprocess
@@ -19,13 +20,28 @@ import tempfile
 
 import pytest
 
-VARIANTS = [(128, True, True, 8), (128, True, False, 32), (128, False, True, 0), (64, True, False, 16),
-            (64, False, False, 0)]  # down: (BM, LoRA, W K-major, rank)
+VARIANTS = [
+    (128, True, True, 8),
+    (128, True, False, 32),
+    (128, False, True, 0),
+    (64, True, False, 16),
+    (64, False, False, 0),
+]  # down: (BM, LoRA, W K-major, rank)
 # the gathering kernels: (kernel, BM, activation, W or Lb K-major, rank; 0: no LoRA)
-GATHER_VARIANTS = [("up", 128, "swiglu", True, 16), ("up", 128, "swiglu", False, 32), ("up", 128, "swiglu", True, 0),
-                   ("up", 64, "swiglu", True, 8), ("up", 64, "reglu", True, 0), ("up", 128, "clamped_swiglu", True, 0),
-                   ("up", 128, "gelu", True, 0), ("dh", 128, "swiglu", False, 0), ("dh", 128, "swiglu", False, 16),
-                   ("dh", 128, "swiglu", True, 32), ("dh", 64, "reglu", True, 8), ("dh", 128, "gelu", False, 0)]
+GATHER_VARIANTS = [
+    ("up", 128, "swiglu", True, 16),
+    ("up", 128, "swiglu", False, 32),
+    ("up", 128, "swiglu", True, 0),
+    ("up", 64, "swiglu", True, 8),
+    ("up", 64, "reglu", True, 0),
+    ("up", 128, "clamped_swiglu", True, 0),
+    ("up", 128, "gelu", True, 0),
+    ("dh", 128, "swiglu", False, 0),
+    ("dh", 128, "swiglu", False, 16),
+    ("dh", 128, "swiglu", True, 32),
+    ("dh", 64, "reglu", True, 8),
+    ("dh", 128, "gelu", False, 0),
+]
 # the weight gradients: (gathered operand: "rhs" for dW_up = d_h^T x[token], "lhs" for dW_down; dW's dtype)
 WGRAD_VARIANTS = [("rhs", "bfloat16"), ("lhs", "bfloat16"), ("rhs", "float32")]
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
@@ -56,6 +72,7 @@ def _compile_all() -> list[dict]:
 
     driver.set_active(Sm90())
     from moeyard.experts.triton import kernels_gluon_gather as gather, kernels_gluon_wgrad as wgrad
+
     compiled = []
 
     def grab(module, name):
@@ -75,55 +92,119 @@ def _compile_all() -> list[dict]:
     for block_m, lora, kmajor, rank in VARIANTS:
         w = torch.empty(E, NY, KA, dtype=bf) if kmajor else torch.empty(E, KA, NY, dtype=bf).mT
         lb = (torch.empty(E, NY, rank, dtype=bf) if kmajor else torch.empty(E, rank, NY, dtype=bf).mT) if lora else None
-        kernels_gluon.launch(torch.empty(N, KA, dtype=bf), w, torch.empty(E, NY, dtype=bf), torch.empty(N),
-                             torch.empty(N, dtype=torch.int64), torch.empty(E + 1, dtype=torch.int32),
-                             torch.empty(N, NY, dtype=bf), lb, torch.empty(N, rank, dtype=bf) if lora else None,
-                             table(block_m), 0.5, max(16, rank), block_m, 132)
+        kernels_gluon.launch(
+            torch.empty(N, KA, dtype=bf),
+            w,
+            torch.empty(E, NY, dtype=bf),
+            torch.empty(N),
+            torch.empty(N, dtype=torch.int64),
+            torch.empty(E + 1, dtype=torch.int32),
+            torch.empty(N, NY, dtype=bf),
+            lb,
+            torch.empty(N, rank, dtype=bf) if lora else None,
+            table(block_m),
+            0.5,
+            max(16, rank),
+            block_m,
+            132,
+        )
     T, H, I = 1024, 2048, 768
     for kernel, block_m, act, kmajor, rank in GATHER_VARIANTS:
         n1 = I if act == "gelu" else 2 * I
-        lora = dict(z=torch.empty(N, rank, dtype=bf) if rank else None, table=table(block_m), lora_scale=0.5,
-                    rp=max(16, rank), block_m=block_m, num_sms=132)
-        common = dict(sort_order=torch.empty(N, dtype=torch.int64), expert_offsets=torch.empty(E + 1, dtype=torch.int32),
-                      top_k=4, act=act, alpha=1.702, limit=7.0, up_offset=n1 - I)
+        lora = dict(
+            z=torch.empty(N, rank, dtype=bf) if rank else None,
+            table=table(block_m),
+            lora_scale=0.5,
+            rp=max(16, rank),
+            block_m=block_m,
+            num_sms=132,
+        )
+        common = dict(
+            sort_order=torch.empty(N, dtype=torch.int64),
+            expert_offsets=torch.empty(E + 1, dtype=torch.int32),
+            top_k=4,
+            act=act,
+            alpha=1.702,
+            limit=7.0,
+            up_offset=n1 - I,
+        )
         lb_shape = n1 if kernel == "up" else I
         lb = None
         if rank:
             lb = torch.empty(E, lb_shape, rank, dtype=bf) if kmajor else torch.empty(E, rank, lb_shape, dtype=bf).mT
         if kernel == "up":
-            gather.launch_up(torch.empty(T, H, dtype=bf), torch.empty(E, n1, H, dtype=bf), torch.empty(E, n1),
-                             h=torch.empty(N, n1, dtype=bf), a=torch.empty(N, I, dtype=bf), lb=lb, **common, **lora)
+            gather.launch_up(
+                torch.empty(T, H, dtype=bf),
+                torch.empty(E, n1, H, dtype=bf),
+                torch.empty(E, n1),
+                h=torch.empty(N, n1, dtype=bf),
+                a=torch.empty(N, I, dtype=bf),
+                lb=lb,
+                **common,
+                **lora,
+            )
         else:
             w = torch.empty(E, I, H, dtype=bf).mT if kmajor else torch.empty(E, H, I, dtype=bf)
-            gather.launch_dh(torch.empty(T, H, dtype=bf), w, torch.empty(N, n1, dtype=bf), torch.empty(N, dtype=bf),
-                             dh=torch.empty(N, n1, dtype=bf), aw=torch.empty(N, I, dtype=bf), dw=torch.empty(12, N),
-                             lb=lb, **common, **lora)
+            gather.launch_dh(
+                torch.empty(T, H, dtype=bf),
+                w,
+                torch.empty(N, n1, dtype=bf),
+                torch.empty(N, dtype=bf),
+                dh=torch.empty(N, n1, dtype=bf),
+                aw=torch.empty(N, I, dtype=bf),
+                dw=torch.empty(12, N),
+                lb=lb,
+                **common,
+                **lora,
+            )
     token = torch.empty(N, dtype=torch.int32)
     for gathered, dw_dtype in WGRAD_VARIANTS:
         offsets = torch.empty(E + 1, dtype=torch.int32)
         if gathered == "rhs":
-            wgrad.launch(torch.empty(N, 2 * I, dtype=bf), torch.empty(T, H, dtype=bf), False, token, offsets,
-                         torch.empty(E, 2 * I, H, dtype=getattr(torch, dw_dtype)), 1.0, 132)
+            wgrad.launch(
+                torch.empty(N, 2 * I, dtype=bf),
+                torch.empty(T, H, dtype=bf),
+                False,
+                token,
+                offsets,
+                torch.empty(E, 2 * I, H, dtype=getattr(torch, dw_dtype)),
+                1.0,
+                132,
+            )
         else:
-            wgrad.launch(torch.empty(T, H, dtype=bf), torch.empty(N, I, dtype=bf), True, token, offsets,
-                         torch.empty(E, H, I, dtype=getattr(torch, dw_dtype)), 1.0, 132)
+            wgrad.launch(
+                torch.empty(T, H, dtype=bf),
+                torch.empty(N, I, dtype=bf),
+                True,
+                token,
+                offsets,
+                torch.empty(E, H, I, dtype=getattr(torch, dw_dtype)),
+                1.0,
+                132,
+            )
     return [_resources(k, triton) for k in compiled]
 
 
 def _resources(k, triton) -> dict:
     """What the checks read from one compiled kernel: shared memory, warps, spills, ``setmaxnreg``, copies."""
     import re
+
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(k.asm["cubin"])
-        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path], capture_output=True, text=True,
-                              check=True).stdout
+        sass = subprocess.run(
+            [os.path.join(tools, "cuobjdump"), "-sass", path], capture_output=True, text=True, check=True
+        ).stdout
     ptx = k.asm["ptx"]
-    return dict(shared=k.metadata.shared, warps=k.metadata.num_warps, spills=len(re.findall(r"\bSTL\b", sass)),
-                setmaxnreg="setmaxnreg" in ptx,
-                copy_bytes=sorted(set(re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)", ptx))))
+    return dict(
+        shared=k.metadata.shared,
+        warps=k.metadata.num_warps,
+        spills=len(re.findall(r"\bSTL\b", sass)),
+        setmaxnreg="setmaxnreg" in ptx,
+        copy_bytes=sorted(set(re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)", ptx))),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -145,14 +226,16 @@ def _check(k: dict, block_m: int) -> None:
     assert k["setmaxnreg"] or block_m == 64
 
 
-@pytest.mark.parametrize("i", range(len(VARIANTS)), ids=[f"bm{v[0]}-lora{int(v[1])}-kmajor{int(v[2])}-r{v[3]}"
-                                                         for v in VARIANTS])
+@pytest.mark.parametrize(
+    "i", range(len(VARIANTS)), ids=[f"bm{v[0]}-lora{int(v[1])}-kmajor{int(v[2])}-r{v[3]}" for v in VARIANTS]
+)
 def test_down_compiles_for_sm90(i, compiled):
     _check(compiled[i], VARIANTS[i][0])
 
 
-@pytest.mark.parametrize("i", range(len(GATHER_VARIANTS)), ids=["{}-bm{}-{}-kmajor{:d}-r{}".format(*v)
-                                                                for v in GATHER_VARIANTS])
+@pytest.mark.parametrize(
+    "i", range(len(GATHER_VARIANTS)), ids=["{}-bm{}-{}-kmajor{:d}-r{}".format(*v) for v in GATHER_VARIANTS]
+)
 def test_gather_compiles_for_sm90(i, compiled):
     k = compiled[len(VARIANTS) + i]
     _check(k, GATHER_VARIANTS[i][1])

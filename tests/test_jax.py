@@ -4,6 +4,7 @@ the stages one by one; the custom VJP against plain autodiff; the same errors fo
 
 Legend: B sequences, S tokens each, T = B * S, H hidden size, I intermediate size, E experts, K top-k.
 """
+
 import subprocess
 import sys
 
@@ -32,23 +33,83 @@ DTYPES = [pytest.param(torch.float64, id="float64"), pytest.param(torch.float32,
 # every routing variant of moeyard.route and every activation, each in at least one model family's block
 LAYERS = [
     pytest.param(dict(num_experts=8, top_k=2, **LOSS), id="qwen3-swiglu"),
-    pytest.param(dict(num_experts=8, top_k=2, topk_before_score=True, activation="geglu", **LOSS), id="topk_first-geglu"),
+    pytest.param(
+        dict(num_experts=8, top_k=2, topk_before_score=True, activation="geglu", **LOSS), id="topk_first-geglu"
+    ),
     pytest.param(dict(num_experts=8, top_k=2, norm_topk_prob=False, activation="reglu", **LOSS), id="olmoe-reglu"),
-    pytest.param(dict(num_experts=8, top_k=4, score_func="sigmoid", n_group=4, topk_group=2, score_correction_bias=True,
-                      routed_scaling_factor=2.5, num_shared_experts=1, **LOSS), id="deepseek_v3-shared"),
-    pytest.param(dict(num_experts=8, top_k=3, score_func="sigmoid", score_correction_bias=True, activation="silu",
-                      **LOSS), id="sigmoid_bias-silu"),
-    pytest.param(dict(num_experts=12, top_k=4, score_func="sigmoid", n_group=6, topk_group=3, norm_topk_prob=False,
-                      activation="gelu", **LOSS), id="grouped_nonorm-gelu"),
-    pytest.param(dict(num_experts=6, top_k=2, score_func="sigmoid", n_group=6, topk_group=3, activation="relu"),
-                 id="groups_of_one-relu"),
-    pytest.param(dict(num_experts=4, top_k=2, topk_before_score=True, router_bias=True, expert_bias=True,
-                      activation="clamped_swiglu", activation_alpha=1.5, activation_limit=1.0, **LOSS),
-                 id="gpt_oss-clamped"),
-    pytest.param(dict(num_experts=4, top_k=1, score_func="sigmoid", topk_before_score=True, norm_topk_prob=False,
-                      num_shared_experts=1, **LOSS), id="llama4"),
-    pytest.param(dict(num_experts=8, top_k=2, score_func="sigmoid", topk_before_score=True, num_shared_experts=2,
-                      shared_intermediate_size=8, shared_expert_gate=True), id="sigmoid_topk_norm-gated_shared"),
+    pytest.param(
+        dict(
+            num_experts=8,
+            top_k=4,
+            score_func="sigmoid",
+            n_group=4,
+            topk_group=2,
+            score_correction_bias=True,
+            routed_scaling_factor=2.5,
+            num_shared_experts=1,
+            **LOSS,
+        ),
+        id="deepseek_v3-shared",
+    ),
+    pytest.param(
+        dict(num_experts=8, top_k=3, score_func="sigmoid", score_correction_bias=True, activation="silu", **LOSS),
+        id="sigmoid_bias-silu",
+    ),
+    pytest.param(
+        dict(
+            num_experts=12,
+            top_k=4,
+            score_func="sigmoid",
+            n_group=6,
+            topk_group=3,
+            norm_topk_prob=False,
+            activation="gelu",
+            **LOSS,
+        ),
+        id="grouped_nonorm-gelu",
+    ),
+    pytest.param(
+        dict(num_experts=6, top_k=2, score_func="sigmoid", n_group=6, topk_group=3, activation="relu"),
+        id="groups_of_one-relu",
+    ),
+    pytest.param(
+        dict(
+            num_experts=4,
+            top_k=2,
+            topk_before_score=True,
+            router_bias=True,
+            expert_bias=True,
+            activation="clamped_swiglu",
+            activation_alpha=1.5,
+            activation_limit=1.0,
+            **LOSS,
+        ),
+        id="gpt_oss-clamped",
+    ),
+    pytest.param(
+        dict(
+            num_experts=4,
+            top_k=1,
+            score_func="sigmoid",
+            topk_before_score=True,
+            norm_topk_prob=False,
+            num_shared_experts=1,
+            **LOSS,
+        ),
+        id="llama4",
+    ),
+    pytest.param(
+        dict(
+            num_experts=8,
+            top_k=2,
+            score_func="sigmoid",
+            topk_before_score=True,
+            num_shared_experts=2,
+            shared_intermediate_size=8,
+            shared_expert_gate=True,
+        ),
+        id="sigmoid_topk_norm-gated_shared",
+    ),
     pytest.param(dict(num_experts=5, top_k=5, activation="relu2", expert_bias=True, **LOSS), id="k_eq_E-relu2"),
     pytest.param(dict(num_experts=1, top_k=1), id="E1"),
 ]
@@ -97,13 +158,15 @@ def test_empty_experts(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_tokens_to_one_expert(dtype):
     """A router bias of +20 on expert 3: every token's top-1 is expert 3."""
+
     def edit(t):
         with torch.no_grad():
             t.router.bias.zero_()
             t.router.bias[3] = 20.0
 
-    ref = _check_layer(dict(num_experts=4, top_k=1, router_bias=True, norm_topk_prob=False, **LOSS), dtype, (2, 5, H),
-                       edit=edit)
+    ref = _check_layer(
+        dict(num_experts=4, top_k=1, router_bias=True, norm_topk_prob=False, **LOSS), dtype, (2, 5, H), edit=edit
+    )
     assert np.all(ref["topk_ids"] == 3)
 
 
@@ -113,6 +176,7 @@ def test_one_and_no_tokens(shape):
 
 
 # ---- the stages one by one ---------------------------------------------------------------------------
+
 
 def _ids(T, K, E, seed=0, invalid=False):
     g = np.random.default_rng(seed)
@@ -155,16 +219,30 @@ def _experts_case(layout, activation, T=9, K=2, E=4, Hs=8, Is=6, dtype=np.float6
     down = g.standard_normal((E, Hs, Is)) / np.sqrt(Is)
     if layout == "transposed":
         up, down = up.transpose(0, 2, 1), down.transpose(0, 2, 1)
-    case = dict(hidden_states=g.standard_normal((T, Hs)), topk_weights=g.random((T, K)) + 0.1, gate_up_proj=up,
-                down_proj=down, gate_up_bias=g.standard_normal((E, n1)) * 0.3, down_bias=g.standard_normal((E, Hs)) * 0.3)
+    case = dict(
+        hidden_states=g.standard_normal((T, Hs)),
+        topk_weights=g.random((T, K)) + 0.1,
+        gate_up_proj=up,
+        down_proj=down,
+        gate_up_bias=g.standard_normal((E, n1)) * 0.3,
+        down_bias=g.standard_normal((E, Hs)) * 0.3,
+    )
     return {k: v.astype(dtype) for k, v in case.items()}, _ids(T, K, E, seed)
 
 
 def _torch_experts(case, ids, probe, **kw):
     leaves = {k: torch.from_numpy(v).requires_grad_() for k, v in case.items()}
-    out = moeyard.experts(leaves["hidden_states"], torch.from_numpy(ids), leaves["topk_weights"],
-                          leaves["gate_up_proj"], leaves["down_proj"], gate_up_bias=leaves["gate_up_bias"],
-                          down_bias=leaves["down_bias"], backend="loop", **kw)
+    out = moeyard.experts(
+        leaves["hidden_states"],
+        torch.from_numpy(ids),
+        leaves["topk_weights"],
+        leaves["gate_up_proj"],
+        leaves["down_proj"],
+        gate_up_bias=leaves["gate_up_bias"],
+        down_bias=leaves["down_bias"],
+        backend="loop",
+        **kw,
+    )
     (out * torch.from_numpy(probe)).sum().backward()
     return {"out": out.detach().numpy(), **{f"grad.{k}": v.grad.numpy() for k, v in leaves.items()}}
 
@@ -174,25 +252,43 @@ def _jax_experts(case, ids, probe, **kw):
 
     def loss(*leaves):
         d = dict(zip(names, leaves, strict=True))
-        out = mj.experts(d["hidden_states"], jnp.asarray(ids, jnp.int32), d["topk_weights"], d["gate_up_proj"],
-                         d["down_proj"], gate_up_bias=d["gate_up_bias"], down_bias=d["down_bias"], **kw)
+        out = mj.experts(
+            d["hidden_states"],
+            jnp.asarray(ids, jnp.int32),
+            d["topk_weights"],
+            d["gate_up_proj"],
+            d["down_proj"],
+            gate_up_bias=d["gate_up_bias"],
+            down_bias=d["down_bias"],
+            **kw,
+        )
         return (out * probe).sum(), out
 
     grads, out = jax.jit(jax.grad(loss, argnums=tuple(range(len(names))), has_aux=True))(
-        *[jnp.asarray(case[n]) for n in names])
+        *[jnp.asarray(case[n]) for n in names]
+    )
     return {"out": np.asarray(out), **{f"grad.{n}": np.asarray(g) for n, g in zip(names, grads, strict=True)}}
 
 
-@pytest.mark.parametrize("layout,activation,interleaved", [
-    ("standard", "swiglu", False), ("transposed", "clamped_swiglu", True), ("transposed", "geglu", False),
-    ("standard", "relu2", False)])
+@pytest.mark.parametrize(
+    "layout,activation,interleaved",
+    [
+        ("standard", "swiglu", False),
+        ("transposed", "clamped_swiglu", True),
+        ("transposed", "geglu", False),
+        ("standard", "relu2", False),
+    ],
+)
 def test_experts_layouts(layout, activation, interleaved):
     """gpt-oss's transposed and interleaved layouts, with biases, in float64: output and every gradient."""
     with jax.enable_x64(True):
         case, ids = _experts_case(layout, activation)
         probe = np.random.default_rng(5).standard_normal(case["hidden_states"].shape)
-        kw = dict(activation=moeyard.Activation(name=activation, limit=1.0), transposed=layout == "transposed",
-                  interleaved=interleaved)
+        kw = dict(
+            activation=moeyard.Activation(name=activation, limit=1.0),
+            transposed=layout == "transposed",
+            interleaved=interleaved,
+        )
         ref = _torch_experts(case, ids, probe, **kw)
         for custom_vjp in (True, False):
             got = _jax_experts(case, ids, probe, custom_vjp=custom_vjp, **kw)
@@ -245,6 +341,7 @@ def test_custom_vjp_saves_memory():
 
 # ---- routing functions -------------------------------------------------------------------------------
 
+
 def test_update_correction_bias():
     bias = np.array([0.1, -0.2, 0.0, 0.3], np.float32)
     load = np.array([5, 1, 3, 3], np.float32)
@@ -276,6 +373,7 @@ def test_router_jitter():
 
 # ---- bad input: the same errors as the PyTorch side ----------------------------------------------------
 
+
 def _bad_calls(lib, arr):
     """``(label, call)`` pairs of bad calls of ``lib`` (``moeyard`` or ``moeyard.jax``) on arrays made by ``arr``."""
     cfg = MoEConfig(num_experts=4, hidden_size=8, intermediate_size=4, top_k=2)
@@ -297,8 +395,10 @@ def _bad_calls(lib, arr):
         ("k > E", lambda: lib.experts(x, arr((5, 5), "int"), arr((5, 5)), up, down)),
         ("ids out of range", lambda: lib.experts(x, bad_ids, w, up, down)),
         ("activation", lambda: lib.experts(x, ids, w, up, down, activation="tanh")),
-        ("interleaved plain", lambda: lib.experts(x, ids, w, arr((4, 4, 8)), down, activation="relu",
-                                                  interleaved=True)),
+        (
+            "interleaved plain",
+            lambda: lib.experts(x, ids, w, arr((4, 4, 8)), down, activation="relu", interleaved=True),
+        ),
         ("bias shape", lambda: lib.experts(x, ids, w, up, down, down_bias=arr((4, 7)))),
         ("plan float ids", lambda: lib.make_plan(w, 4)),
         ("plan 1-D", lambda: lib.make_plan(arr((5,), "int"), 4)),
@@ -354,19 +454,22 @@ def test_layer_bad_input():
 
 # ---- imports -----------------------------------------------------------------------------------------
 
+
 def test_imports():
     """``import moeyard`` imports neither jax nor flax; ``import moeyard.jax`` needs jax, not flax (until the
     layer is used); without them the errors say what to install."""
-    code = ("import sys, moeyard\n"
-            "assert 'jax' not in sys.modules and 'flax' not in sys.modules, 'moeyard imported jax'\n"
-            "sys.modules['flax'] = None\n"
-            "import moeyard.jax as mj\n"
-            "mj.experts, mj.route, mj.ep_experts\n"
-            "try:\n    mj.MoE\nexcept ImportError as ex:\n    assert \"pip install 'moeyard[jax]'\" in str(ex), ex\n"
-            "else:\n    raise SystemExit('no ImportError for MoE without flax')\n"
-            "for m in [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'moeyard.jax'))]:\n"
-            "    del sys.modules[m]\n"
-            "sys.modules['jax'] = None\n"
-            "try:\n    import moeyard.jax\nexcept ImportError as ex:\n    assert \"pip install 'moeyard[jax]'\" in str(ex), ex\n"
-            "else:\n    raise SystemExit('no ImportError')")
+    code = (
+        "import sys, moeyard\n"
+        "assert 'jax' not in sys.modules and 'flax' not in sys.modules, 'moeyard imported jax'\n"
+        "sys.modules['flax'] = None\n"
+        "import moeyard.jax as mj\n"
+        "mj.experts, mj.route, mj.ep_experts\n"
+        "try:\n    mj.MoE\nexcept ImportError as ex:\n    assert \"pip install 'moeyard[jax]'\" in str(ex), ex\n"
+        "else:\n    raise SystemExit('no ImportError for MoE without flax')\n"
+        "for m in [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'moeyard.jax'))]:\n"
+        "    del sys.modules[m]\n"
+        "sys.modules['jax'] = None\n"
+        "try:\n    import moeyard.jax\nexcept ImportError as ex:\n    assert \"pip install 'moeyard[jax]'\" in str(ex), ex\n"
+        "else:\n    raise SystemExit('no ImportError')"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -2,6 +2,7 @@
 gradient, both exchanges (``ragged_all_to_all`` through an emulation of the collective, which XLA:CPU
 lacks), the layer through ``ep_apply``, skewed routing, sentinel ids, repeated ids. The checks run in a
 subprocess (``jax_ep_worker.py``): the CPU device count is fixed when JAX starts."""
+
 import json
 import os
 import subprocess
@@ -23,17 +24,27 @@ HERE = os.path.dirname(__file__)
 
 @pytest.fixture(scope="module")
 def worker():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(HERE, "..", "src"), HERE,
-                                                         os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([os.path.join(HERE, "..", "src"), HERE, os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop("XLA_FLAGS", None)
-    run = subprocess.run([sys.executable, os.path.join(HERE, "jax_ep_worker.py")], env=env, capture_output=True,
-                         text=True, timeout=900)
+    run = subprocess.run(
+        [sys.executable, os.path.join(HERE, "jax_ep_worker.py")], env=env, capture_output=True, text=True, timeout=900
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-CHECKS = ["emulation", "all_to_all_W8", "ragged_W8_align4", "all_to_all_W4_plain_autodiff_drop", "ragged_W4_drop",
-          "layer_all_to_all_W4", "layer_ragged_W8"]
+CHECKS = [
+    "emulation",
+    "all_to_all_W8",
+    "ragged_W8_align4",
+    "all_to_all_W4_plain_autodiff_drop",
+    "ragged_W4_drop",
+    "layer_all_to_all_W4",
+    "layer_ragged_W8",
+]
 
 
 @pytest.mark.parametrize("check", CHECKS)

@@ -1,4 +1,5 @@
 """``moeyard verify --framework jax`` and ``moeyard bench --framework jax`` on CPU."""
+
 import argparse
 import json
 
@@ -18,8 +19,9 @@ def test_verify_jax_column(capsys):
     float64; the temporary backend is gone afterwards."""
     parser = argparse.ArgumentParser()
     verify.add_arguments(parser)
-    args = parser.parse_args(["--framework", "jax", "--arch", "qwen3_moe", "gpt_oss", "--backends", "loop",
-                              "--dtype", "float64", "--json"])
+    args = parser.parse_args(
+        ["--framework", "jax", "--arch", "qwen3_moe", "gpt_oss", "--backends", "loop", "--dtype", "float64", "--json"]
+    )
     assert verify.run(args) == 0
     out = json.loads(capsys.readouterr().out)
     cells = {(r["arch"], r["backend"]): r for r in out["results"]}
@@ -32,8 +34,24 @@ def test_bench_jax_rows(tmp_path, capsys):
     """The JAX rows follow the PyTorch rows of the case; the plain ragged_dot pipeline computes the same
     output; the jax row states its speed against both."""
     path = tmp_path / "out.json"
-    rc = cli.main(["bench", "--framework", "jax", "--shape", "64,32,16,4,2", "--backends", "grouped_mm", "--no-peers",
-                   "--iters", "1", "--warmup", "0", "--json", str(path)])
+    rc = cli.main(
+        [
+            "bench",
+            "--framework",
+            "jax",
+            "--shape",
+            "64,32,16,4,2",
+            "--backends",
+            "grouped_mm",
+            "--no-peers",
+            "--iters",
+            "1",
+            "--warmup",
+            "0",
+            "--json",
+            str(path),
+        ]
+    )
     assert rc == 0
     result = json.loads(path.read_text())
     rows = {r["impl"]: r for r in result["rows"]}

@@ -1,4 +1,5 @@
 """moeyard.kernel_op: eager calls skip the dispatcher, torch.compile sees the registered op."""
+
 import torch
 
 from moeyard.kernel_op import KernelOp, kernel_op

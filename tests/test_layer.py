@@ -4,6 +4,7 @@ through both the routing weights and the aux losses), plus the layer's compositi
 
 Legend: B sequences, S tokens each, T = B * S, H hidden size, I intermediate size, E experts, K top-k.
 """
+
 import math
 
 import pytest
@@ -18,16 +19,54 @@ LOSS = dict(aux_loss_coef=0.1, seq_aux_loss_coef=0.05, z_loss_coef=0.01)
 
 # each row: a model family's MoE block
 CONFIGS = [
-    pytest.param(dict(num_experts=8, top_k=2, **LOSS), id="qwen3"),                     # softmax top-2, renormalised
-    pytest.param(dict(num_experts=8, top_k=4, score_func="sigmoid", n_group=4, topk_group=2,
-                      score_correction_bias=True, routed_scaling_factor=2.5, num_shared_experts=1, **LOSS),
-                 id="deepseek_v3"),                                                    # grouped sigmoid + shared expert
-    pytest.param(dict(num_experts=4, top_k=2, topk_before_score=True, router_bias=True, expert_bias=True,
-                      activation="clamped_swiglu"), id="gpt_oss"),                     # biases everywhere
-    pytest.param(dict(num_experts=6, top_k=2, norm_topk_prob=False, num_shared_experts=2,
-                      shared_intermediate_size=8, shared_expert_gate=True), id="qwen2_moe"),  # gated shared expert
-    pytest.param(dict(num_experts=4, top_k=1, score_func="sigmoid", topk_before_score=True,
-                      norm_topk_prob=False, num_shared_experts=1), id="llama4"),      # sigmoid top-1 + shared
+    pytest.param(dict(num_experts=8, top_k=2, **LOSS), id="qwen3"),  # softmax top-2, renormalised
+    pytest.param(
+        dict(
+            num_experts=8,
+            top_k=4,
+            score_func="sigmoid",
+            n_group=4,
+            topk_group=2,
+            score_correction_bias=True,
+            routed_scaling_factor=2.5,
+            num_shared_experts=1,
+            **LOSS,
+        ),
+        id="deepseek_v3",
+    ),  # grouped sigmoid + shared expert
+    pytest.param(
+        dict(
+            num_experts=4,
+            top_k=2,
+            topk_before_score=True,
+            router_bias=True,
+            expert_bias=True,
+            activation="clamped_swiglu",
+        ),
+        id="gpt_oss",
+    ),  # biases everywhere
+    pytest.param(
+        dict(
+            num_experts=6,
+            top_k=2,
+            norm_topk_prob=False,
+            num_shared_experts=2,
+            shared_intermediate_size=8,
+            shared_expert_gate=True,
+        ),
+        id="qwen2_moe",
+    ),  # gated shared expert
+    pytest.param(
+        dict(
+            num_experts=4,
+            top_k=1,
+            score_func="sigmoid",
+            topk_before_score=True,
+            norm_topk_prob=False,
+            num_shared_experts=1,
+        ),
+        id="llama4",
+    ),  # sigmoid top-1 + shared
     pytest.param(dict(num_experts=5, top_k=5, activation="relu2", expert_bias=True), id="k_eq_E_plain"),  # plain act
 ]
 H, I = 16, 8
@@ -57,8 +96,11 @@ def _run(cfg, state, x64, g64, dtype, backend):
     return res, m.routing.topk_ids
 
 
-BACKEND_DTYPE = [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for d in (torch.float32, torch.bfloat16)
-                 for b in cpu_backends(d) + ["auto"]]
+BACKEND_DTYPE = [
+    pytest.param(b, d, id=f"{b}-{str(d)[6:]}")
+    for d in (torch.float32, torch.bfloat16)
+    for b in cpu_backends(d) + ["auto"]
+]
 
 
 @pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
@@ -84,8 +126,17 @@ def test_layer_vs_oracle(kw, backend, dtype):
 
 def test_layer_composition():
     """The layer written out: route, experts, shared MLP (``down(act(gate_up x)) * sigmoid(gate x)``)."""
-    cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=6, top_k=2, num_shared_experts=2,
-                    shared_intermediate_size=4, shared_expert_gate=True, activation="geglu", **LOSS)
+    cfg = MoEConfig(
+        hidden_size=H,
+        intermediate_size=I,
+        num_experts=6,
+        top_k=2,
+        num_shared_experts=2,
+        shared_intermediate_size=4,
+        shared_expert_gate=True,
+        activation="geglu",
+        **LOSS,
+    )
     m = MoE(cfg, backend="loop", dtype=torch.float64)
     m.load_state_dict(_state(cfg))
     x = torch.randn(3, 4, H, dtype=torch.float64)
@@ -137,17 +188,32 @@ def test_no_tokens(shape):
 
 
 def test_parameters_and_repr():
-    cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4, top_k=2, expert_bias=True,
-                    router_bias=True, activation="gelu")
+    cfg = MoEConfig(
+        hidden_size=H,
+        intermediate_size=I,
+        num_experts=4,
+        top_k=2,
+        expert_bias=True,
+        router_bias=True,
+        activation="gelu",
+    )
     m = MoE(cfg)
     shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
-    assert shapes == {"router.weight": (4, H), "router.bias": (4,), "gate_up_proj": (4, I, H),
-                      "down_proj": (4, H, I), "gate_up_proj_bias": (4, I), "down_proj_bias": (4, H)}
+    assert shapes == {
+        "router.weight": (4, H),
+        "router.bias": (4,),
+        "gate_up_proj": (4, I, H),
+        "down_proj": (4, H, I),
+        "gate_up_proj_bias": (4, I),
+        "down_proj_bias": (4, H),
+    }
     assert "num_experts=4" in repr(m) and "backend=auto" in repr(m)
 
 
-@pytest.mark.skipif("triton" not in moeyard.available_backends("cpu", torch.float32),
-                    reason="needs the triton backend (Triton's interpreter on CPU)")
+@pytest.mark.skipif(
+    "triton" not in moeyard.available_backends("cpu", torch.float32),
+    reason="needs the triton backend (Triton's interpreter on CPU)",
+)
 def test_forward_issues_few_device_ops(monkeypatch):
     """The layer's forward with the fused router and the triton backend: besides allocations and views,
     no torch op runs outside the kernels up to ``MAX_PAIRS`` routed pairs (the pairs' sort is one kernel,
@@ -158,8 +224,26 @@ def test_forward_issues_few_device_ops(monkeypatch):
     from triton.runtime import interpreter
 
     from moeyard.routing import use_router
-    free = {"view", "empty", "empty_like", "detach", "unbind", "alias", "reshape", "_reshape_alias", "as_strided",
-            "t", "transpose", "select", "slice", "expand", "permute", "lift_fresh", "_to_copy"}
+
+    free = {
+        "view",
+        "empty",
+        "empty_like",
+        "detach",
+        "unbind",
+        "alias",
+        "reshape",
+        "_reshape_alias",
+        "as_strided",
+        "t",
+        "transpose",
+        "select",
+        "slice",
+        "expand",
+        "permute",
+        "lift_fresh",
+        "_to_copy",
+    }
 
     class Ops(TorchDispatchMode):
         seen: list = []
@@ -169,6 +253,7 @@ def test_forward_issues_few_device_ops(monkeypatch):
             return func(*args, **(kwargs or {}))
 
     from moeyard.dispatch_triton import MAX_PAIRS
+
     cfg = MoEConfig(num_experts=8, hidden_size=H, intermediate_size=I, top_k=2, **LOSS)
     m = MoE(cfg, backend="triton", dtype=torch.float32)
     with use_router("fused"):
@@ -189,6 +274,7 @@ def _checkpointed_step(m, x, how: str):
     ``return_aux_loss``); returns the output, x's and every parameter's gradient, and how many times the
     experts ran."""
     from torch.utils.checkpoint import checkpoint
+
     calls = []
     hook = m.register_forward_pre_hook(lambda mod, args: calls.append(1))
     m.zero_grad(set_to_none=True)
@@ -233,6 +319,7 @@ def test_reentrant_checkpoint_without_returned_loss_warns():
     import warnings
 
     from torch.utils.checkpoint import checkpoint
+
     cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4, top_k=2, **LOSS)
     m = MoE(cfg, backend="bmm_padded")
     x = torch.randn(6, H, requires_grad=True)

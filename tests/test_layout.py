@@ -1,5 +1,6 @@
 """The package's layout: no import cycle between moeyard's modules, and the benchmark package imports
 neither the JAX side nor the optional runners until they are used."""
+
 import ast
 import os
 import pathlib
@@ -34,7 +35,7 @@ def import_graph(root: pathlib.Path = SRC) -> dict[str, set[str]]:
                 base = node.module or ""
                 if node.level:
                     parts = here.split(".")
-                    base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
                 subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules}
                 targets |= subs if len(subs) == len(node.names) else subs | {base}
         graph[name] = {t for t in map(known, targets) if t and t != name and t.startswith("moeyard")}
@@ -81,10 +82,17 @@ def test_cycle_check_finds_a_cycle():
 
 
 def test_bench_package_imports_no_runner_and_no_jax():
-    code = ("import sys, moeyard.bench, moeyard.cli; "
-            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith(('moeyard.bench.e2e', "
-            "'moeyard.bench.ep', 'moeyard.bench.jax', 'moeyard.bench.lora', 'moeyard.parallel', 'moeyard.jax'))))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(SRC)})
+    code = (
+        "import sys, moeyard.bench, moeyard.cli; "
+        "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith(('moeyard.bench.e2e', "
+        "'moeyard.bench.ep', 'moeyard.bench.jax', 'moeyard.bench.lora', 'moeyard.parallel', 'moeyard.jax'))))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

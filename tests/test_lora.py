@@ -4,6 +4,7 @@ factors of both projections (and of the base weights when they train), across ra
 weight layouts and the routing edge cases of tiled kernels. The oracle's own LoRA is checked against
 the merged weight ``W + s B A`` built the way PEFT folds it.
 """
+
 import math
 
 import pytest
@@ -28,15 +29,33 @@ def _merged(w: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float, transpo
 def test_loop_lora_equals_merged_weights(transposed):
     inp = add_lora(make_inputs(23, 16, 12, 5, 2, transposed=transposed, bias=True), 3)
     kw = dict(transposed=transposed, interleaved=transposed, activation="clamped_swiglu" if transposed else "swiglu")
-    got = moeyard.experts(inp["hidden_states"], inp["topk_ids"], inp["topk_weights"], inp["gate_up_proj"],
-                          inp["down_proj"], gate_up_bias=inp["gate_up_bias"], down_bias=inp["down_bias"],
-                          lora={n: moeyard.ExpertLoRA(lora_A=inp[f"{n}.lora_A"], lora_B=inp[f"{n}.lora_B"],
-                                                      scaling=LORA_SCALING[n]) for n in FROZEN},
-                          backend="loop", **kw)
+    got = moeyard.experts(
+        inp["hidden_states"],
+        inp["topk_ids"],
+        inp["topk_weights"],
+        inp["gate_up_proj"],
+        inp["down_proj"],
+        gate_up_bias=inp["gate_up_bias"],
+        down_bias=inp["down_bias"],
+        lora={
+            n: moeyard.ExpertLoRA(lora_A=inp[f"{n}.lora_A"], lora_B=inp[f"{n}.lora_B"], scaling=LORA_SCALING[n])
+            for n in FROZEN
+        },
+        backend="loop",
+        **kw,
+    )
     merged = {n: _merged(inp[n], inp[f"{n}.lora_A"], inp[f"{n}.lora_B"], LORA_SCALING[n], transposed) for n in FROZEN}
-    want = moeyard.experts(inp["hidden_states"], inp["topk_ids"], inp["topk_weights"], merged["gate_up_proj"],
-                           merged["down_proj"], gate_up_bias=inp["gate_up_bias"], down_bias=inp["down_bias"],
-                           backend="loop", **kw)
+    want = moeyard.experts(
+        inp["hidden_states"],
+        inp["topk_ids"],
+        inp["topk_weights"],
+        merged["gate_up_proj"],
+        merged["down_proj"],
+        gate_up_bias=inp["gate_up_bias"],
+        down_bias=inp["down_bias"],
+        backend="loop",
+        **kw,
+    )
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -61,8 +80,9 @@ def test_rank_64_and_trainable_base(backend):
 @pytest.mark.parametrize("act", ["gelu", "geglu", "custom"])  # plain activation, another gated one, a callable
 def test_activations(backend, act):
     gated = act != "gelu"
-    activation = moeyard.Activation(name="custom", fn=lambda h: torch.tanh(h), fn_gated=False) \
-        if act == "custom" else act
+    activation = (
+        moeyard.Activation(name="custom", fn=lambda h: torch.tanh(h), fn_gated=False) if act == "custom" else act
+    )
     inp = add_lora(make_inputs(17, 16, 16, 4, 2, gated=gated and act != "custom"), 4, gated=gated and act != "custom")
     check_backend(backend, inp, torch.float32, activation=activation, frozen=FROZEN)
 
@@ -71,23 +91,25 @@ def test_activations(backend, act):
 def test_gpt_oss_layout(backend):
     # transposed [E, in, out] weights, interleaved gate/up columns, biases, clamped SwiGLU
     inp = add_lora(make_inputs(19, 16, 16, 4, 2, bias=True, transposed=True), 4)
-    check_backend(backend, inp, torch.float32, activation="clamped_swiglu", transposed=True, interleaved=True,
-                  frozen=FROZEN)
+    check_backend(
+        backend, inp, torch.float32, activation="clamped_swiglu", transposed=True, interleaved=True, frozen=FROZEN
+    )
 
 
 @pytest.mark.parametrize("backend", FP32_BACKENDS)
 @pytest.mark.parametrize("which", ["gate_up_proj", "down_proj"])
 def test_one_projection_adapted(backend, which):
-    check_backend(backend, add_lora(make_inputs(15, 16, 16, 4, 2), 4, projections=(which,)), torch.float32,
-                  frozen=FROZEN)
+    check_backend(
+        backend, add_lora(make_inputs(15, 16, 16, 4, 2), 4, projections=(which,)), torch.float32, frozen=FROZEN
+    )
 
 
 EDGE_CASES = [
     # (T, E, K, ids): the routing cases that break tiled kernels
-    (40, 6, 2, "one_expert"),   # every token to experts 0 and 1: others empty, one long expert
-    (1, 7, 3, None),            # T = 1: a single row tile per expert
-    (0, 4, 2, None),            # no tokens at all: gradients are zeros, nothing hangs
-    (12, 4, 4, None),           # k = E
+    (40, 6, 2, "one_expert"),  # every token to experts 0 and 1: others empty, one long expert
+    (1, 7, 3, None),  # T = 1: a single row tile per expert
+    (0, 4, 2, None),  # no tokens at all: gradients are zeros, nothing hangs
+    (12, 4, 4, None),  # k = E
 ]
 
 
@@ -109,9 +131,15 @@ def test_float32_factors_with_bfloat16_weights():
     inp = add_lora(make_inputs(9, 16, 16, 3, 2), 8)
     x = inp["hidden_states"].bfloat16()
     A, B = (inp[f"gate_up_proj.lora_{n}"].float().requires_grad_() for n in "AB")
-    out = moeyard.experts(x, inp["topk_ids"], inp["topk_weights"].bfloat16(), inp["gate_up_proj"].bfloat16(),
-                          inp["down_proj"].bfloat16(), backend="bmm_padded",
-                          lora={"gate_up_proj": moeyard.ExpertLoRA(lora_A=A, lora_B=B, scaling=0.5)})
+    out = moeyard.experts(
+        x,
+        inp["topk_ids"],
+        inp["topk_weights"].bfloat16(),
+        inp["gate_up_proj"].bfloat16(),
+        inp["down_proj"].bfloat16(),
+        backend="bmm_padded",
+        lora={"gate_up_proj": moeyard.ExpertLoRA(lora_A=A, lora_B=B, scaling=0.5)},
+    )
     out.float().sum().backward()
     assert A.grad.dtype == torch.float32 and B.grad.dtype == torch.float32
     assert A.grad.abs().sum() > 0 and B.grad.abs().sum() > 0
@@ -121,6 +149,7 @@ def test_triton_split_and_fused_agree(monkeypatch):
     if "triton" not in FP32_BACKENDS:
         pytest.skip("triton runs only under its interpreter on CPU")
     from moeyard.experts.triton.options import use_options
+
     inp = add_lora(make_inputs(26, 24, 16, 5, 2, bias=True), 5)
     results = {}
     for mode in ("split", "fused"):
@@ -136,12 +165,16 @@ def test_triton_frozen_base_runs_no_base_weight_gradient(monkeypatch, one_pass):
     if "triton" not in FP32_BACKENDS:
         pytest.skip("triton runs only under its interpreter on CPU")
     from moeyard.experts.triton import ops
+
     if not one_pass:
         monkeypatch.setattr(ops, "wgrad_rows_fits", lambda *a: False)
     shapes, fused_rows, thin_passes, low_rank = [], [], [], []
     real, real_rows, real_thin = ops.wgrad, ops.wgrad_rows, ops.low_rank_rows
-    monkeypatch.setattr(ops, "wgrad", lambda *a, **k: shapes.append(tuple(k["like_w"].shape))
-                        or low_rank.append(k.get("low_rank")) or real(*a, **k))
+    monkeypatch.setattr(
+        ops,
+        "wgrad",
+        lambda *a, **k: shapes.append(tuple(k["like_w"].shape)) or low_rank.append(k.get("low_rank")) or real(*a, **k),
+    )
     monkeypatch.setattr(ops, "wgrad_rows", lambda *a, **k: fused_rows.append(tuple(a[2].shape)) or real_rows(*a, **k))
     monkeypatch.setattr(ops, "low_rank_rows", lambda *a, **k: thin_passes.append(a[1].shape) or real_thin(*a, **k))
     E, r = 3, 4
@@ -167,6 +200,7 @@ def test_lora_b_expert_major_relayout(dtype):
     # PEFT's lora_B [out, r*E] (column k*E + e: expert e, rank k) -> [E, out, r] contiguous; the gradient
     # back in lora_B's layout and dtype
     from moeyard.experts.relayout import expert_major
+
     out, r, E = 7, 3, 5
     B = torch.randn(out, r * E, dtype=torch.float64, requires_grad=True)
     b = expert_major(B, r, E, dtype)
@@ -178,13 +212,16 @@ def test_lora_b_expert_major_relayout(dtype):
     assert torch.equal(grad, g.double().permute(1, 2, 0).reshape(out, r * E))
 
 
-@pytest.mark.parametrize("bad,match,err", [
-    (dict(lora_A=torch.randn(7, 16)), r"lora_A: expected shape \[r\*3, 16\]", ValueError),   # 7 rows: not r*E
-    (dict(lora_B=torch.randn(32, 9)), r"lora_B: expected shape \[32, 6\]", ValueError),     # rank of B != A's
-    (dict(lora_A=torch.randn(6, 16, dtype=torch.float64).long()), "floating-point", TypeError),
-    (dict(scaling="2"), "scaling: expected a finite float", TypeError),
-    (dict(scaling=math.nan), "scaling: expected a finite float", TypeError),
-])
+@pytest.mark.parametrize(
+    "bad,match,err",
+    [
+        (dict(lora_A=torch.randn(7, 16)), r"lora_A: expected shape \[r\*3, 16\]", ValueError),  # 7 rows: not r*E
+        (dict(lora_B=torch.randn(32, 9)), r"lora_B: expected shape \[32, 6\]", ValueError),  # rank of B != A's
+        (dict(lora_A=torch.randn(6, 16, dtype=torch.float64).long()), "floating-point", TypeError),
+        (dict(scaling="2"), "scaling: expected a finite float", TypeError),
+        (dict(scaling=math.nan), "scaling: expected a finite float", TypeError),
+    ],
+)
 def test_bad_adapters(bad, match, err):
     x, ids, tw = torch.randn(5, 16), random_ids(5, 2, 3), torch.rand(5, 2)
     up, down = torch.randn(3, 32, 16), torch.randn(3, 16, 16)
@@ -208,8 +245,12 @@ def test_bad_lora_argument():
 def test_triton_refuses_ranks_above_its_register_tile():
     from moeyard.experts import triton as triton_backend
     from moeyard.experts.weights import expert_weights
+
     E, r = 2, triton_backend.MAX_LORA_RANK + 1
-    w = expert_weights(torch.randn(E, 32, 16), torch.randn(E, 16, 16), lora={"down_proj": moeyard.ExpertLoRA(
-        lora_A=torch.randn(r * E, 16), lora_B=torch.randn(16, r * E))})
+    w = expert_weights(
+        torch.randn(E, 32, 16),
+        torch.randn(E, 16, 16),
+        lora={"down_proj": moeyard.ExpertLoRA(lora_A=torch.randn(r * E, 16), lora_B=torch.randn(16, r * E))},
+    )
     reason = triton_backend._unsupported(torch.device("cuda"), torch.bfloat16, w, None)
     assert reason is not None and "LoRA rank" in reason

@@ -11,6 +11,7 @@ blocks on the flat tensor, as the format defines. The oracle :func:`bnb_dequanti
 bitsandbytes to dequantise the same bytes viewed as ``[n / blocksize, blocksize]``, where its CPU
 kernel is right.
 """
+
 import os
 import subprocess
 import sys
@@ -72,10 +73,10 @@ def test_storage_equals_replace_parameter_4bit():
 
 
 SHAPES = [
-    (5, 48, 64),    # rows a multiple of the blocksize
-    (7, 24, 40),    # prime E, neither a nor b a multiple of 64, a*b = 960 = 15 * 64
-    (13, 20, 48),   # prime E, a*b = 960
-    (1, 64, 32),    # a single expert
+    (5, 48, 64),  # rows a multiple of the blocksize
+    (7, 24, 40),  # prime E, neither a nor b a multiple of 64, a*b = 960 = 15 * 64
+    (13, 20, 48),  # prime E, a*b = 960
+    (1, 64, 32),  # a single expert
 ]
 
 
@@ -88,7 +89,7 @@ def test_dequantize_equals_bitsandbytes(shape, dtype, compress_statistics):
     # float16: one unit in the last place allowed. bitsandbytes' CPU kernel rounds float16 through the
     # CPU's own fp16 conversion on some CPUs (the GPU host's, 2026-11-23: 2 of 8 float16 cases off by one
     # ulp, none elsewhere); float32 and bfloat16 stay bit-exact.
-    tol = dict(rtol=2 ** -10, atol=0) if dtype == torch.float16 else dict(rtol=0, atol=0)
+    tol = dict(rtol=2**-10, atol=0) if dtype == torch.float16 else dict(rtol=0, atol=0)
     torch.testing.assert_close(s.dequantize(), ref, **tol)
     torch.testing.assert_close(dequantize_reference(s).float().to(dtype), ref, **tol)  # the oracle, rounded as bnb
 
@@ -145,19 +146,24 @@ def test_selective_torch(dtype, compress_statistics):
 
 # ---------------------------------------------------------------- the Triton kernel under the interpreter
 
-triton_only = pytest.mark.skipif(not INTERPRET, reason="CPU runs the kernel under Triton's interpreter "
-                                                       "(TRITON_INTERPRET=1, set by conftest without a GPU)")
+triton_only = pytest.mark.skipif(
+    not INTERPRET,
+    reason="CPU runs the kernel under Triton's interpreter (TRITON_INTERPRET=1, set by conftest without a GPU)",
+)
 
 
 @triton_only
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("compress_statistics", [True, False])
-@pytest.mark.parametrize("shape,blocksize", [
-    ((7, 24, 40), 64),     # prime E, odd a, b; several programs' blocks masked at the expert's end
-    ((3, 64, 96), 128),
-    ((2, 64, 64), 256),
-    ((5, 128, 32), 4096 // 4),  # one program per expert (NB = 4)
-])
+@pytest.mark.parametrize(
+    "shape,blocksize",
+    [
+        ((7, 24, 40), 64),  # prime E, odd a, b; several programs' blocks masked at the expert's end
+        ((3, 64, 96), 128),
+        ((2, 64, 64), 256),
+        ((5, 128, 32), 4096 // 4),  # one program per expert (NB = 4)
+    ],
+)
 def test_triton_kernel(dtype, compress_statistics, shape, blocksize):
     pytest.importorskip("triton")
     from moeyard.quant.triton_nf4 import dequantize_triton
@@ -229,9 +235,18 @@ def test_quantize_moe_layer():
 
 def tiny_qwen3_moe():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                      num_experts=5, num_experts_per_tok=2)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=5,
+        num_experts_per_tok=2,
+    )
     return transformers.Qwen3MoeForCausalLM(cfg)
 
 
@@ -277,10 +292,13 @@ class PlainExperts(torch.nn.Module):
         self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(up_shape[0], 64))
 
 
-@pytest.mark.parametrize("up_name,up_shape,down_shape", [
-    ("gate_up_proj", (3, 32, 64), (3, 32, 32)),   # transposed (gpt-oss): [E, H, 2I], [E, I, H]
-    ("up_proj", (3, 32, 32), (3, 32, 32)),        # no gate
-])
+@pytest.mark.parametrize(
+    "up_name,up_shape,down_shape",
+    [
+        ("gate_up_proj", (3, 32, 64), (3, 32, 32)),  # transposed (gpt-oss): [E, H, 2I], [E, I, H]
+        ("up_proj", (3, 32, 32), (3, 32, 32)),  # no gate
+    ],
+)
 def test_quantize_other_layouts(up_name, up_shape, down_shape):
     m = torch.nn.Sequential(PlainExperts(up_name, up_shape, down_shape))
     up = getattr(m[0], up_name).detach().clone()
@@ -310,8 +328,9 @@ def test_safetensors_round_trip(tmp_path):
     # the same by hand: quantise the structure, then load_state_dict
     again = quantize_experts(tiny_qwen3_moe().to(torch.bfloat16), "nf4")
     again.load_state_dict(st.load_file(str(path)))
-    assert torch.equal(again.model.layers[0].mlp.experts.gate_up_proj.data,
-                       model.model.layers[0].mlp.experts.gate_up_proj.data)
+    assert torch.equal(
+        again.model.layers[0].mlp.experts.gate_up_proj.data, model.model.layers[0].mlp.experts.gate_up_proj.data
+    )
 
 
 def test_load_with_other_settings_fails():
@@ -371,7 +390,7 @@ def test_errors():
     with pytest.raises(ValueError, match="3-D"):
         NF4Experts.from_float(torch.zeros(8, 64))
     with pytest.raises(ValueError, match="blocksize"):
-        NF4Experts.from_float(weights((3, 10, 10)))           # 100 elements per expert, blocksize 64
+        NF4Experts.from_float(weights((3, 10, 10)))  # 100 elements per expert, blocksize 64
     with pytest.raises(ValueError, match="blocksize"):
         NF4Experts.from_float(weights((3, 16, 16)), blocksize=48)
     # checked before anything is replaced: gate_up (32*32) divides 1024, down (32*16 = 512) does not
@@ -405,8 +424,10 @@ def test_missing_bitsandbytes(monkeypatch):
 
 
 def test_import_loads_neither_bitsandbytes_nor_kernel():
-    code = ("import sys, moeyard, moeyard.quant; "
-            "assert 'bitsandbytes' not in sys.modules; assert 'moeyard.quant.triton_nf4' not in sys.modules; "
-            "assert 'moeyard.quant.triton_fp8_block' not in sys.modules")
+    code = (
+        "import sys, moeyard, moeyard.quant; "
+        "assert 'bitsandbytes' not in sys.modules; assert 'moeyard.quant.triton_nf4' not in sys.modules; "
+        "assert 'moeyard.quant.triton_fp8_block' not in sys.modules"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)

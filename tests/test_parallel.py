@@ -2,6 +2,7 @@
 ranks' tokens through the unsharded layer (the checks live in ep_workers.py, batched per world size
 because spawning is the slow part), plus the errors raised before any process group exists.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,8 +11,9 @@ import ep_workers
 from moeyard import MoE, MoEConfig
 from moeyard.parallel import expert_parallel, fsdp_expert_parallel
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ def test_copy_rows_kernel_matches_reference(direction):
 
     g = torch.Generator().manual_seed(3)
     W, C, H = 3, 21, 40
-    rows = torch.randperm(64, generator=g)[:W * C].view(W, C)  # disjoint across peers, as a layout
+    rows = torch.randperm(64, generator=g)[: W * C].view(W, C)  # disjoint across peers, as a layout
     base, count = torch.tensor([40, 3, 17]), torch.tensor([C, 0, 13])
     local = torch.randn(65, H + 8, generator=g)[:, :H]
     peers = [torch.randn(66, H + 8, generator=g)[:, :H] for _ in range(W)]
@@ -109,8 +111,18 @@ def test_copy_rows_kernel_matches_reference(direction):
     addresses = lambda views: None if views is None else torch.tensor([v.data_ptr() for v in views])  # noqa: E731
     with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
         from moeyard.parallel.row_copy_triton import copy_rows_triton
-        copy_rows_triton(local_got, peers_got[0], table, rows, base, count, pull=pull, index_table=addresses(index),
-                         scale_table=addresses(scale))
+
+        copy_rows_triton(
+            local_got,
+            peers_got[0],
+            table,
+            rows,
+            base,
+            count,
+            pull=pull,
+            index_table=addresses(index),
+            scale_table=addresses(scale),
+        )
     if pull:
         assert torch.equal(got[:-1], ref[:-1])
         assert torch.count_nonzero(got.abs().sum(1)) == count.sum()
@@ -136,23 +148,31 @@ def test_p2p_layout_kernel_matches_reference():
     g = torch.Generator().manual_seed(5)
     with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
         from moeyard.parallel.p2p_layout_triton import layout_triton
+
         for W, El, align, C in ((1, 1, 1, 7), (2, 4, 1, 50), (3, 18, 4, 40), (2, 5, 16, 300), (4, 3, 2, 9)):
             counts = torch.randint(0, 3 * C // El + 1, (W, W, El), generator=g)
-            counts[0, :, 0] = 0                                   # an empty expert and window part
+            counts[0, :, 0] = 0  # an empty expert and window part
             counts = torch.minimum(counts, (C // El) * torch.ones_like(counts))  # a sender's total <= C
             counts[-1, -1] = 0
-            counts[-1, -1, -1] = C                                # a full block
+            counts[-1, -1, -1] = C  # a full block
             R = num_rows(W, C, El, align)
             for me in range(W):
                 want = layout_reference(counts, me, align, C, R)
                 got = layout_triton(counts, me, align, C, R)
-                for name, a, b in zip(("dst_rows", "window", "received", "pad_rows", "row_experts"), want, got, strict=True):
+                for name, a, b in zip(
+                    ("dst_rows", "window", "received", "pad_rows", "row_experts"), want, got, strict=True
+                ):
                     assert (a is None and b is None) or torch.equal(a, b), (name, W, El, align, C, me)
         # rows past int32 (the kernel's arithmetic): the reference answers, the kernel is not launched
         import moeyard.parallel.p2p_layout_triton as lt
-        with mock.patch.object(lt, "MAX_TILE", 2 ** 31), mock.patch.object(lt, "layout_kernel", None):
+
+        with mock.patch.object(lt, "MAX_TILE", 2**31), mock.patch.object(lt, "layout_kernel", None):
             got = layout_triton(counts, 0, align, C, R)
-        assert all(torch.equal(a, b) for a, b in zip(layout_reference(counts, 0, align, C, R), got, strict=True) if a is not None)
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(layout_reference(counts, 0, align, C, R), got, strict=True)
+            if a is not None
+        )
 
 
 @pytest.mark.slow  # ~60 s on 2 cores: 8 processes importing torch
@@ -209,15 +229,36 @@ def test_bench_ep_under_torchrun(tmp_path):
     import sys
 
     out = tmp_path / "ep.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moeyard",
-           "bench", "--ep", "2", "--shape", "32,16,8,4,2", "--warmup", "0", "--iters", "1", "--overlap", "1,2",
-           "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "moeyard",
+        "bench",
+        "--ep",
+        "2",
+        "--shape",
+        "32,16,8,4,2",
+        "--warmup",
+        "0",
+        "--iters",
+        "1",
+        "--overlap",
+        "1,2",
+        "--json",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["routing"], r["dispatcher"]) for r in rows} == {(a, b) for a in ("balanced", "zipf")
-                                                               for b in ("all_to_all", "sync_free", "all_gather")}
+    assert {(r["routing"], r["dispatcher"]) for r in rows} == {
+        (a, b) for a in ("balanced", "zipf") for b in ("all_to_all", "sync_free", "all_gather")
+    }
     assert len(rows) == 12 and all(r["dispatch_ms"] > 0 and r["experts_ms"] > 0 for r in rows)
     assert {r["rank"] for r in rows} == {0, 1}
     # sync_free is timed with the named all_to_all exchange (p2p, auto's choice on CUDA, needs NCCL)
@@ -241,9 +282,31 @@ def test_bench_ep_lora_weak_scaling_under_torchrun(tmp_path):
     from moeyard.cli import build_parser
 
     out = tmp_path / "ep_lora.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moeyard",
-           "bench", "--ep", "2", "--shape", "16,16,8,4,2", "--warmup", "0", "--iters", "1", "--lora", "4",
-           "--routing", "zipf", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "moeyard",
+        "bench",
+        "--ep",
+        "2",
+        "--shape",
+        "16,16,8,4,2",
+        "--warmup",
+        "0",
+        "--iters",
+        "1",
+        "--lora",
+        "4",
+        "--routing",
+        "zipf",
+        "--json",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -253,8 +316,9 @@ def test_bench_ep_lora_weak_scaling_under_torchrun(tmp_path):
     assert all(r["one_gpu"]["fwd_bwd_ms"] > 0 for r in result["rows"])
     scaling = result["weak_scaling"]
     assert {s["dispatcher"] for s in scaling} == {"all_to_all", "sync_free", "all_gather"}
-    assert all(s["routing"] == "zipf" and s["per_gpu"] == s["one_gpu_fwd_bwd_ms"] / s["ep_fwd_bwd_ms"] > 0
-               for s in scaling)
+    assert all(
+        s["routing"] == "zipf" and s["per_gpu"] == s["one_gpu_fwd_bwd_ms"] / s["ep_fwd_bwd_ms"] > 0 for s in scaling
+    )
     args = build_parser().parse_args(["bench", "--ep", "2", "--lora", "16", "--quant", "nf4"])
     with pytest.raises(ValueError, match="--ep: .*--quant"):
         check_bench_arguments(args)
@@ -270,13 +334,26 @@ def test_lora_of_all_experts_is_refused():
     call = ExpertParallel(EPGroup(group=None, world_size=2, rank=0), EPOptions(num_experts=4))
     lora = {n: a.expert_lora() for n, a in layer.lora.items()}
     with pytest.raises(ValueError, match=r"lora\['gate_up_proj'\]: the adapter covers 4 experts.*shard_lora"):
-        call(torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2),
-             layer.gate_up_proj[:2], layer.down_proj[:2], lora=lora)
+        call(
+            torch.randn(3, 8),
+            torch.zeros(3, 2, dtype=torch.int64),
+            torch.ones(3, 2),
+            layer.gate_up_proj[:2],
+            layer.down_proj[:2],
+            lora=lora,
+        )
     from moeyard import ExpertLoRA
+
     bad = {"down_proj": ExpertLoRA(lora_A=torch.randn(5, 4), lora_B=torch.randn(8, 5))}  # 5 rows: not r * 2
     with pytest.raises(ValueError, match=r"lora\['down_proj'\]: expected lora_A \[r\*2, in\]"):
-        call(torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2),
-             layer.gate_up_proj[:2], layer.down_proj[:2], lora=bad)
+        call(
+            torch.randn(3, 8),
+            torch.zeros(3, 2, dtype=torch.int64),
+            torch.ones(3, 2),
+            layer.gate_up_proj[:2],
+            layer.down_proj[:2],
+            lora=bad,
+        )
 
 
 def test_nccl_device_check():
@@ -299,7 +376,7 @@ def test_route_pairs_without_slots():
     E, W, T, K = 8, 2, 6, 3
     ids = torch.rand(T, E, generator=g).argsort(1)[:, :K]
     ids[0, 1], ids[3, 2] = E, -1  # dropped sentinels
-    for block in (T * K, 4):      # the short path; capacity drops
+    for block in (T * K, 4):  # the short path; capacity drops
         full, short = route_pairs(ids, E, W, T, block), route_pairs(ids, E, W, T, block, slots=False)
         assert torch.equal(full.ids, short.ids) and torch.equal(full.dropped, short.dropped)
         assert (short.pair_slot is None) == (block >= T * K)
@@ -318,8 +395,10 @@ def test_p2p_limits():
         with pytest.raises(ValueError, match="exchange: 'p2p' needs CUDA"):
             check_available(EPGroup(group=None, world_size=2, rank=0, backend="nccl"))
     with pytest.raises(ValueError, match="overlap_chunks: not with exchange='p2p'"):
-        ExpertParallel(EPGroup(group=None, world_size=2, rank=0, backend="nccl"),
-                       EPOptions(num_experts=4, dispatcher="sync_free", exchange="p2p", overlap_chunks=2))
+        ExpertParallel(
+            EPGroup(group=None, world_size=2, rank=0, backend="nccl"),
+            EPOptions(num_experts=4, dispatcher="sync_free", exchange="p2p", overlap_chunks=2),
+        )
     assert num_rows(2, 10, 4, 1) == 20 and num_rows(2, 10, 4, 4) == 32 and num_rows(2, 9, 3, 8) == 40
 
 
@@ -337,8 +416,10 @@ def test_symm_mem_limits():
             check_available(EPGroup(group=None, world_size=2, rank=0, backend="nccl"))
     assert use_2d(2, 16) and use_2d(16, 1) and not use_2d(2, 17) and not use_2d(17, 4)
     with pytest.raises(ValueError, match="overlap_chunks: not with exchange='symm_mem'"):  # before the CUDA check
-        ExpertParallel(EPGroup(group=None, world_size=2, rank=0, backend="nccl"),
-                       EPOptions(num_experts=4, dispatcher="sync_free", exchange="symm_mem", overlap_chunks=2))
+        ExpertParallel(
+            EPGroup(group=None, world_size=2, rank=0, backend="nccl"),
+            EPOptions(num_experts=4, dispatcher="sync_free", exchange="symm_mem", overlap_chunks=2),
+        )
 
 
 def test_expert_parallel_checks_its_overlap_options():

@@ -1,6 +1,7 @@
 """LoRA and QLoRA under expert parallelism on CPU with gloo (the checks live in ep_lora_workers.py):
 2 ranks against one process; adapters saved at EP = 2 load at EP = 1 (here) and EP = 4.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,8 +9,9 @@ import torch.distributed as dist
 import ep_lora_workers
 import ep_workers
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
@@ -38,8 +40,9 @@ def test_adapters_saved_at_ep2_load_at_ep1(ep2_adapters):
     from moeyard import verify
 
     with verify.quiet_transformers():
-        model = PeftModel.from_pretrained(verify.build_model("qwen3_moe", experts_implementation="moeyard"),
-                                          ep2_adapters / "peft")
+        model = PeftModel.from_pretrained(
+            verify.build_model("qwen3_moe", experts_implementation="moeyard"), ep2_adapters / "peft"
+        )
     saved = torch.load(ep2_adapters / "peft_saved.pt")
     loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
     assert set(loaded) == set(saved) and len(saved) == 2 * 2 * 2

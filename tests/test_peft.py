@@ -2,6 +2,7 @@
 against PEFT on transformers' eager experts, on the real architectures, automatically and through
 ``fuse_lora``; PEFT's own workflows (save / load, merge, disable, switch, several adapters) unchanged.
 """
+
 import warnings
 
 import pytest
@@ -31,8 +32,9 @@ def _registered():
 @pytest.mark.parametrize("fuse", [False, True], ids=["auto", "fuse_lora"])
 @pytest.mark.parametrize("arch", verify.REQUIRED)
 def test_parity_with_peft_on_eager(arch, fuse):
-    results = verify.check_arch(verify.ARCHS[arch], BACKENDS, device="cpu", dtype=torch.float32, lora_rank=4,
-                                fuse_lora=fuse)
+    results = verify.check_arch(
+        verify.ARCHS[arch], BACKENDS, device="cpu", dtype=torch.float32, lora_rank=4, fuse_lora=fuse
+    )
     bad = [r for r in results if r.status != "pass"]
     assert not bad, bad
 
@@ -50,6 +52,7 @@ def _logits(model, impl, ids):
 def _factor_proxies(monkeypatch) -> list[str]:
     """Count every evaluation of PEFT's W + dW parametrizations."""
     from peft.tuners.lora import layer
+
     calls = []
     for cls in (layer._LoraFactorsProxy, layer._LoraParameterProxy):
         real = cls.forward
@@ -59,8 +62,12 @@ def _factor_proxies(monkeypatch) -> list[str]:
 
 def _add_other_adapter(model):
     """A second adapter "other" (r=2) on the same expert parameters, with random factors."""
-    model.add_adapter("other", peft.LoraConfig(r=2, lora_alpha=4, target_modules=[],
-                                               target_parameters=model.peft_config["default"].target_parameters))
+    model.add_adapter(
+        "other",
+        peft.LoraConfig(
+            r=2, lora_alpha=4, target_modules=[], target_parameters=model.peft_config["default"].target_parameters
+        ),
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".other." in name:
@@ -149,7 +156,7 @@ def test_unfused_path_warns_once_naming_fuse_lora():
     assert sum("fuse_lora" in str(w.message) for w in record) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        _logits(model, "moeyard", ids)             # once per process
+        _logits(model, "moeyard", ids)  # once per process
         integration._warned.clear()
         integration.fuse_lora(model)
-        _logits(model, "moeyard", ids)             # fused: no fold, no warning
+        _logits(model, "moeyard", ids)  # fused: no fold, no warning

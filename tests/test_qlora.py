@@ -4,6 +4,7 @@ bitsandbytes dequantises from the same storage (same math, so exactly); only the
 dequantised, autograd keeps no dense weight between forward and backward; the MoE layer and PEFT
 (through ``fuse_lora``) train adapters on a quantised base.
 """
+
 import gc
 import weakref
 
@@ -23,8 +24,9 @@ NAMES = ("gate_up_proj", "down_proj")
 def _run(x, ids, tw, up, down, lora, backend, **kw):
     leaves = [x, tw] + [t for a in lora.values() for t in (a.lora_A, a.lora_B)]
     out = moeyard.experts(x, ids, tw, up, down, backend=backend, lora=lora, **kw)
-    grads = torch.autograd.grad(out, leaves, torch.ones_like(out) * 0.01 + torch.linspace(-1, 1, out.numel())
-                                .view_as(out))
+    grads = torch.autograd.grad(
+        out, leaves, torch.ones_like(out) * 0.01 + torch.linspace(-1, 1, out.numel()).view_as(out)
+    )
     return [out, *grads]
 
 
@@ -33,18 +35,22 @@ def _case(T, H, I, E, K, rank=4, ids=None, transposed=False):
     f = {k: v.float() for k, v in inp.items()}
     x = f["hidden_states"].requires_grad_()
     tw = f["topk_weights"].requires_grad_()
-    lora = {n: moeyard.ExpertLoRA(lora_A=f[f"{n}.lora_A"].requires_grad_(), lora_B=f[f"{n}.lora_B"].requires_grad_(),
-                                  scaling=LORA_SCALING[n]) for n in NAMES}
+    lora = {
+        n: moeyard.ExpertLoRA(
+            lora_A=f[f"{n}.lora_A"].requires_grad_(), lora_B=f[f"{n}.lora_B"].requires_grad_(), scaling=LORA_SCALING[n]
+        )
+        for n in NAMES
+    }
     q = [NF4Experts.from_float(f[n]) for n in NAMES]
     return x, inp["topk_ids"], tw, q, lora
 
 
 CASES = [
     # (T, H, I, E, K, ids): code paths
-    (40, 64, 32, 6, 2, None),            # balanced-ish random routing
-    (30, 64, 32, 5, 2, "one_expert"),    # every token to experts 0 and 1: the others stay quantised, empty
-    (17, 48, 40, 7, 3, None),            # prime E, H and I not multiples of 64 (each expert 48*80 = 60 blocks)
-    (0, 64, 32, 4, 2, None),             # no tokens: nothing is dequantised, nothing hangs
+    (40, 64, 32, 6, 2, None),  # balanced-ish random routing
+    (30, 64, 32, 5, 2, "one_expert"),  # every token to experts 0 and 1: the others stay quantised, empty
+    (17, 48, 40, 7, 3, None),  # prime E, H and I not multiples of 64 (each expert 48*80 = 60 blocks)
+    (0, 64, 32, 4, 2, None),  # no tokens: nothing is dequantised, nothing hangs
 ]
 
 
@@ -119,6 +125,7 @@ def test_peft_qlora_matches_dequantised_model():
     pytest.importorskip("peft")
     from moeyard import verify
     from moeyard.integrations.transformers import register
+
     register()
     with verify.quiet_transformers():
         model = verify.build_model("qwen3_moe", seed=0, lora_rank=4)

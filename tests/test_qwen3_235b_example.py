@@ -2,6 +2,7 @@
 with finite losses falling on the repeated batch, with FSDP2 and without; each rank holds NF4 storage of
 its own experts only; the script stops with a clear message without bitsandbytes.
 """
+
 import importlib.util
 import itertools
 import json
@@ -16,16 +17,28 @@ import torch.distributed as dist
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "qwen3_235b_qlora.py"
 
 
 def _run(tmp_path, *flags) -> dict:
     out = tmp_path / "summary.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
-           "--tiny", "--out", str(out), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPT),
+        "--tiny",
+        "--out",
+        str(out),
+        *flags,
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -40,14 +53,14 @@ def test_tiny_run(tmp_path, fsdp):
     assert summary["world_size"] == 2 and summary["fsdp"] is fsdp and summary["activation_checkpointing"]
     assert len(summary["steps"]) == steps and summary["losses_finite"]
     losses = [r["loss"] for r in summary["steps"]]
-    assert all(b < a for a, b in itertools.pairwise(losses)), losses   # the repeated batch is being learnt
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses  # the repeated batch is being learnt
     assert summary["tokens_per_s"] > 0 and summary["mean_step_s"] > 0
     cfg = summary["config"]
     E, H, I, L = cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_hidden_layers"]
-    for mem in summary["memory_per_rank"]:   # each rank: NF4 storage of its E / 2 experts, no more
+    for mem in summary["memory_per_rank"]:  # each rank: NF4 storage of its E / 2 experts, no more
         assert mem["experts_per_layer"] == [E // 2]
         assert mem["nf4_expert_weights"] == L * (E // 2) * 3 * H * I
-        assert 0 < mem["nf4_expert_bytes"] < 0.5 * mem["expert_bytes_if_bf16"]   # 4 bits, tables and scales
+        assert 0 < mem["nf4_expert_bytes"] < 0.5 * mem["expert_bytes_if_bf16"]  # 4 bits, tables and scales
         assert mem["lora_params"] > 0
 
 

@@ -3,6 +3,7 @@ experts hold NF4 storage; only LoRA factors train and all of them get gradients;
 and recomputes the experts (gradients equal those without checkpointing); the chunked cross-entropy equals
 the plain one.
 """
+
 import importlib.util
 import json
 import pathlib
@@ -67,14 +68,14 @@ def test_experts_are_nf4_and_only_lora_trains(example, run):
     for target in ("q_proj", "k_proj", "v_proj", "o_proj"):
         assert target in names, target
     wrapped = sorted(m.parameter_name for m in model.modules() if hasattr(m, "parameter_name") and hasattr(m, "lora_A"))
-    assert wrapped == ["down_proj", "down_proj", "gate_up_proj", "gate_up_proj"]   # 2 layers
-    assert sum(".mlp.experts." in n for n in trainable) == 2 * 2 * 2                  # layers x weights x (A, B)
+    assert wrapped == ["down_proj", "down_proj", "gate_up_proj", "gate_up_proj"]  # 2 layers
+    assert sum(".mlp.experts." in n for n in trainable) == 2 * 2 * 2  # layers x weights x (A, B)
     model.zero_grad(set_to_none=True)
     _loss(example, model).backward()
     for n, p in model.named_parameters():
         if p.requires_grad:
             assert p.grad is not None and torch.isfinite(p.grad).all(), n
-            assert p.grad.abs().sum() > 0, n   # after the run's AdamW steps B != 0, so A gets a gradient too
+            assert p.grad.abs().sum() > 0, n  # after the run's AdamW steps B != 0, so A gets a gradient too
         else:
             assert p.grad is None, n
     model.zero_grad(set_to_none=True)

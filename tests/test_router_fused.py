@@ -6,6 +6,7 @@ Buffers the kernels fill are poisoned (NaN / -7) so an unwritten element shows.
 
 Legend: T tokens, H hidden, E experts, K top-k, B sequences.
 """
+
 import os
 
 import pytest
@@ -17,8 +18,9 @@ from moeyard import MoEConfig  # noqa: E402
 from moeyard.routing import fused, route, use_router  # noqa: E402
 from moeyard.routing.options import ENV, router_impl  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="CPU tests run under Triton's interpreter")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tests run under Triton's interpreter"
+)
 H = 64
 COEFS = dict(aux_loss_coef=0.3, seq_aux_loss_coef=0.2, z_loss_coef=0.1)
 FIELDS = ("topk_weights", "router_logits", "scores", "aux_loss", "seq_aux_loss", "z_loss", "loss")
@@ -30,6 +32,7 @@ def _poison(monkeypatch):
 
     def poisoned(shape, *, device, dtype):
         return real(shape, device=device, dtype=dtype).fill_(-7 if not dtype.is_floating_point else float("nan"))
+
     monkeypatch.setattr(fused, "empty", poisoned)
 
 
@@ -37,7 +40,7 @@ def _problem(T, E, K, *, seed=0, **kw):
     cfg = MoEConfig(num_experts=E, hidden_size=H, intermediate_size=8, top_k=K, **COEFS, **kw)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g)
-    w = torch.randn(E, H, generator=g) / H ** 0.5
+    w = torch.randn(E, H, generator=g) / H**0.5
     bias = torch.randn(E, generator=g) * 0.3 if cfg.router_bias else None
     corr = torch.randn(E, generator=g) * 0.05 if cfg.score_correction_bias else None
     return cfg, x, w, bias, corr
@@ -46,8 +49,9 @@ def _problem(T, E, K, *, seed=0, **kw):
 def _run(fn, cfg, x, w, bias, corr, B=1, dtype=torch.float32, use=FIELDS):
     """Outputs and the gradients of x, weight, bias for a fixed random weighting of the ``use`` outputs."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (x, w) + ((bias,) if bias is not None else ())]
-    out = fn(leaves[0], leaves[1], cfg, bias=leaves[2] if bias is not None else None, correction_bias=corr,
-             num_sequences=B)
+    out = fn(
+        leaves[0], leaves[1], cfg, bias=leaves[2] if bias is not None else None, correction_bias=corr, num_sequences=B
+    )
     g = torch.Generator().manual_seed(1)
     total = sum((getattr(out, n) * torch.randn(getattr(out, n).shape, generator=g, dtype=dtype)).sum() for n in use)
     grads = torch.autograd.grad(total, leaves) if total.requires_grad else [torch.zeros_like(t) for t in leaves]
@@ -73,12 +77,16 @@ def _compare(cfg, x, w, bias, corr, B=1, use=FIELDS):
 CASES = [
     pytest.param(dict(T=200, E=64, K=8), id="qwen3_softmax_renorm"),
     pytest.param(dict(T=200, E=60, K=4, norm_topk_prob=False), id="olmoe_E60_no_renorm"),
-    pytest.param(dict(T=150, E=32, K=4, score_func="sigmoid", score_correction_bias=True,
-                      routed_scaling_factor=2.5), id="sigmoid_correction_scaled"),
+    pytest.param(
+        dict(T=150, E=32, K=4, score_func="sigmoid", score_correction_bias=True, routed_scaling_factor=2.5),
+        id="sigmoid_correction_scaled",
+    ),
     pytest.param(dict(T=100, E=24, K=3, score_func="sigmoid", norm_topk_prob=False), id="sigmoid_raw"),
     pytest.param(dict(T=120, E=32, K=4, topk_before_score=True, router_bias=True), id="gpt_oss_topk_first"),
-    pytest.param(dict(T=64, E=16, K=1, score_func="sigmoid", topk_before_score=True, norm_topk_prob=False),
-                 id="llama4_top1_sigmoid"),
+    pytest.param(
+        dict(T=64, E=16, K=1, score_func="sigmoid", topk_before_score=True, norm_topk_prob=False),
+        id="llama4_top1_sigmoid",
+    ),
     pytest.param(dict(T=64, E=12, K=2, score_func="sigmoid", topk_before_score=True), id="sigmoid_topk_first_renorm"),
     pytest.param(dict(T=80, E=40, K=1), id="K1"),
     pytest.param(dict(T=40, E=8, K=8, routed_scaling_factor=1.5), id="K_eq_E"),
@@ -156,8 +164,13 @@ def test_route_selects_fused(monkeypatch):
 
 @pytest.mark.parametrize("case", ["jitter", "grouped", "float64"])
 def test_route_falls_back_to_torch(monkeypatch, case):
-    kw = dict(router_jitter=0.1) if case == "jitter" else \
-        dict(score_func="sigmoid", n_group=4, topk_group=2) if case == "grouped" else {}
+    kw = (
+        dict(router_jitter=0.1)
+        if case == "jitter"
+        else dict(score_func="sigmoid", n_group=4, topk_group=2)
+        if case == "grouped"
+        else {}
+    )
     cfg, x, w, bias, corr = _problem(20, 16, 2, **kw)
     dtype = torch.float64 if case == "float64" else torch.float32
     monkeypatch.setattr(fused, "route_fused", lambda *a, **k: pytest.fail("fused path taken"))
@@ -170,6 +183,7 @@ def test_auto_picks_fused_for_cuda_tensors(monkeypatch):
     import types
 
     from moeyard import routing
+
     cuda_like, cpu_like = types.SimpleNamespace(is_cuda=True), types.SimpleNamespace(is_cuda=False)
     assert routing._pick_fused(cuda_like) is fused and routing._pick_fused(cpu_like) is None
     with use_router("torch"):
@@ -228,6 +242,7 @@ def test_auto_stops_retrying_a_failed_import(monkeypatch):
     import types
 
     from moeyard import routing
+
     tries = []
 
     def no_triton():

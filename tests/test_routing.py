@@ -3,6 +3,7 @@ papers' formulas (values and gradients w.r.t. the router weight), and the correc
 
 Legend: T tokens, H hidden size, E experts, K top-k, B sequences of S tokens.
 """
+
 import dataclasses
 import math
 
@@ -49,8 +50,8 @@ def ref_route(x, W, cfg, bias=None, corr=None):
             candidates = list(range(E))
             if cfg.n_group > 1:
                 per = E // cfg.n_group
-                group_score = [sum(sorted(sel[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(cfg.n_group)]
-                groups = sorted(range(cfg.n_group), key=lambda g: -group_score[g])[:cfg.topk_group]
+                group_score = [sum(sorted(sel[g * per : (g + 1) * per], reverse=True)[:2]) for g in range(cfg.n_group)]
+                groups = sorted(range(cfg.n_group), key=lambda g: -group_score[g])[: cfg.topk_group]
                 candidates = [e for g in groups for e in range(g * per, (g + 1) * per)]
             top = sorted(candidates, key=lambda e: -sel[e])[:K]
             w = [s[e] for e in top]  # weights from the unbiased scores
@@ -68,23 +69,40 @@ def to_dense(out, E):
 
 # each row: a model family's router as transformers implements it
 CONFIGS = [
-    pytest.param(dict(num_experts=8, top_k=2), id="qwen3_mixtral"),                     # softmax, top-k, renormalise
-    pytest.param(dict(num_experts=8, top_k=2, topk_before_score=True), id="mixtral_topk_first"),  # top-k logits, softmax
+    pytest.param(dict(num_experts=8, top_k=2), id="qwen3_mixtral"),  # softmax, top-k, renormalise
+    pytest.param(
+        dict(num_experts=8, top_k=2, topk_before_score=True), id="mixtral_topk_first"
+    ),  # top-k logits, softmax
     pytest.param(dict(num_experts=8, top_k=2, norm_topk_prob=False), id="olmoe_qwen2"),  # softmax, top-k, raw probs
-    pytest.param(dict(num_experts=16, top_k=4, score_func="sigmoid", n_group=4, topk_group=2,
-                      score_correction_bias=True, routed_scaling_factor=2.5), id="deepseek_v3"),  # grouped, biased
-    pytest.param(dict(num_experts=8, top_k=3, score_func="sigmoid", score_correction_bias=True),
-                 id="sigmoid_bias"),                                                    # bias, no groups
-    pytest.param(dict(num_experts=12, top_k=4, score_func="sigmoid", n_group=6, topk_group=3,
-                      norm_topk_prob=False), id="grouped_nonorm"),                       # 6 groups of 2, raw weights
-    pytest.param(dict(num_experts=6, top_k=2, score_func="sigmoid", n_group=6, topk_group=3),
-                 id="groups_of_one"),                                                   # a group of 1: its score is s
+    pytest.param(
+        dict(
+            num_experts=16,
+            top_k=4,
+            score_func="sigmoid",
+            n_group=4,
+            topk_group=2,
+            score_correction_bias=True,
+            routed_scaling_factor=2.5,
+        ),
+        id="deepseek_v3",
+    ),  # grouped, biased
+    pytest.param(
+        dict(num_experts=8, top_k=3, score_func="sigmoid", score_correction_bias=True), id="sigmoid_bias"
+    ),  # bias, no groups
+    pytest.param(
+        dict(num_experts=12, top_k=4, score_func="sigmoid", n_group=6, topk_group=3, norm_topk_prob=False),
+        id="grouped_nonorm",
+    ),  # 6 groups of 2, raw weights
+    pytest.param(
+        dict(num_experts=6, top_k=2, score_func="sigmoid", n_group=6, topk_group=3), id="groups_of_one"
+    ),  # a group of 1: its score is s
     pytest.param(dict(num_experts=8, top_k=2, topk_before_score=True, router_bias=True), id="gpt_oss"),
-    pytest.param(dict(num_experts=8, top_k=1, score_func="sigmoid", topk_before_score=True,
-                      norm_topk_prob=False), id="llama4"),                               # sigmoid of the top-1 logit
+    pytest.param(
+        dict(num_experts=8, top_k=1, score_func="sigmoid", topk_before_score=True, norm_topk_prob=False), id="llama4"
+    ),  # sigmoid of the top-1 logit
     pytest.param(dict(num_experts=8, top_k=2, score_func="sigmoid", topk_before_score=True), id="sigmoid_topk_norm"),
-    pytest.param(dict(num_experts=5, top_k=5), id="k_eq_E"),                           # every expert selected
-    pytest.param(dict(num_experts=1, top_k=1), id="E1"),                               # weight 1 for everyone
+    pytest.param(dict(num_experts=5, top_k=5), id="k_eq_E"),  # every expert selected
+    pytest.param(dict(num_experts=1, top_k=1), id="E1"),  # weight 1 for everyone
 ]
 
 
@@ -128,13 +146,16 @@ def test_routing_output_is_a_pytree():
     assert len(leaves) == len(dataclasses.fields(out))
     assert all(a is getattr(out, f.name) for a, f in zip(leaves, dataclasses.fields(out), strict=True))
     back = tree_unflatten(leaves, spec)
-    assert type(back) is type(out) and all(getattr(back, f.name) is getattr(out, f.name) for f in dataclasses.fields(out))
+    assert type(back) is type(out) and all(
+        getattr(back, f.name) is getattr(out, f.name) for f in dataclasses.fields(out)
+    )
 
 
 def test_deepseek_bias_changes_selection_not_weights():
     """The correction bias steers which experts are picked; the weights stay the unbiased scores."""
-    cfg, x, W, _, _ = _setup(dict(num_experts=8, top_k=2, score_func="sigmoid", score_correction_bias=True,
-                                  norm_topk_prob=False))
+    cfg, x, W, _, _ = _setup(
+        dict(num_experts=8, top_k=2, score_func="sigmoid", score_correction_bias=True, norm_topk_prob=False)
+    )
     corr = torch.zeros(8)
     corr[5] = 10.0  # expert 5 is now always chosen
     out = route(x, W, cfg, correction_bias=corr)
@@ -171,13 +192,21 @@ def test_router_module_and_jitter():
     assert torch.equal(x, x_before)
     # without jitter, training mode changes nothing
     cfg0 = MoEConfig(num_experts=4, hidden_size=1, intermediate_size=4, top_k=2)
-    assert torch.equal(route(x, router.weight, cfg0, training=True).router_logits,
-                       route(x, router.weight, cfg0).router_logits)
+    assert torch.equal(
+        route(x, router.weight, cfg0, training=True).router_logits, route(x, router.weight, cfg0).router_logits
+    )
 
 
 def test_router_bias_and_buffer():
-    cfg = MoEConfig(num_experts=4, hidden_size=H, intermediate_size=4, top_k=2, router_bias=True,
-                    score_correction_bias=True, score_func="sigmoid")
+    cfg = MoEConfig(
+        num_experts=4,
+        hidden_size=H,
+        intermediate_size=4,
+        top_k=2,
+        router_bias=True,
+        score_correction_bias=True,
+        score_func="sigmoid",
+    )
     r = Router(cfg)
     assert r.bias.shape == (4,) and r.e_score_correction_bias.shape == (4,)
     assert "e_score_correction_bias" in dict(r.named_buffers())
@@ -188,7 +217,6 @@ def test_router_bias_and_buffer():
     out = r(x)
     want = ref_route(x, r.weight.detach(), cfg, r.bias.detach(), r.e_score_correction_bias)
     torch.testing.assert_close(to_dense(out, 4), want, rtol=1e-5, atol=1e-6)
-
 
 
 @pytest.mark.parametrize("kw", [CONFIGS[0], CONFIGS[3], CONFIGS[7]])
@@ -207,7 +235,9 @@ def test_router_float64(kw):
         for got, want in ((out.aux_loss, aux), (out.seq_aux_loss, seq), (out.z_loss, z)):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
+
 # ---- losses ---------------------------------------------------------------------------------------
+
 
 def ref_losses(x, W, cfg, ids, B):
     """Float64 losses from the papers, differentiable in ``W`` (float64 leaf); ``ids`` are the routed
@@ -226,9 +256,16 @@ def ref_losses(x, W, cfg, ids, B):
     aux = E * sum((onehot[:, e].sum() / (T * K)) * p[:, e].mean() for e in range(E))
     # DeepSeek-V3 eq. 17-20 per sequence, averaged: f_e = E / (K S) * count_e, P_e = mean_t s'_te
     S = T // B
-    seq = sum(
-        sum((E / (K * S)) * onehot[b * S:(b + 1) * S, e].sum() * p[b * S:(b + 1) * S, e].mean() for e in range(E))
-        for b in range(B)) / B
+    seq = (
+        sum(
+            sum(
+                (E / (K * S)) * onehot[b * S : (b + 1) * S, e].sum() * p[b * S : (b + 1) * S, e].mean()
+                for e in range(E)
+            )
+            for b in range(B)
+        )
+        / B
+    )
     # ST-MoE eq. 5: mean_t (log sum_e exp l_te)^2
     z = sum(torch.log(torch.exp(l[t]).sum()) ** 2 for t in range(T)) / T
     return aux, seq, z
@@ -238,8 +275,11 @@ LOSS_CONFIGS = [
     pytest.param(dict(num_experts=8, top_k=2), 1, id="softmax_top2"),
     pytest.param(dict(num_experts=8, top_k=1, norm_topk_prob=False), 4, id="switch_top1_B4"),
     pytest.param(dict(num_experts=6, top_k=3, score_func="sigmoid"), 2, id="sigmoid_B2"),
-    pytest.param(dict(num_experts=16, top_k=4, score_func="sigmoid", n_group=4, topk_group=2,
-                      routed_scaling_factor=2.5), 3, id="deepseek_B3"),
+    pytest.param(
+        dict(num_experts=16, top_k=4, score_func="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5),
+        3,
+        id="deepseek_B3",
+    ),
 ]
 
 
@@ -258,8 +298,8 @@ def test_losses_and_gradients(kw, B):
         got = getattr(out, name)
         assert got.dim() == 0 and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-5, atol=1e-7, msg=name)
-        g, = torch.autograd.grad(got, W, retain_graph=True)
-        g_ref, = torch.autograd.grad(ref, W64, retain_graph=True)
+        (g,) = torch.autograd.grad(got, W, retain_graph=True)
+        (g_ref,) = torch.autograd.grad(ref, W64, retain_graph=True)
         assert g_ref.abs().max() > 0
         torch.testing.assert_close(g.double(), g_ref, rtol=1e-4, atol=1e-6 * g_ref.abs().max().item(), msg=name)
     total = sum(coefs[c] * w for c, w in zip(("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef"), want, strict=True))
@@ -286,8 +326,15 @@ def test_uniform_routing_aux_loss_is_one():
 
 
 def test_no_tokens():
-    cfg = MoEConfig(num_experts=4, hidden_size=H, intermediate_size=8, top_k=2, aux_loss_coef=1.0,
-                    seq_aux_loss_coef=1.0, z_loss_coef=1.0)
+    cfg = MoEConfig(
+        num_experts=4,
+        hidden_size=H,
+        intermediate_size=8,
+        top_k=2,
+        aux_loss_coef=1.0,
+        seq_aux_loss_coef=1.0,
+        z_loss_coef=1.0,
+    )
     W = torch.randn(4, H, requires_grad=True)
     out = route(torch.randn(0, H), W, cfg)
     assert out.topk_ids.shape == (0, 2) and out.topk_weights.shape == (0, 2)
@@ -308,8 +355,9 @@ def test_update_correction_bias():
     # the default rate is DeepSeek-V3's gamma = 0.001
     torch.testing.assert_close(update_correction_bias(bias, load), bias + 0.001 * torch.sign(5 - load))
     # with the router's counts: the most loaded expert's bias goes down, the least loaded goes up
-    cfg = MoEConfig(num_experts=8, hidden_size=H, intermediate_size=8, top_k=2, score_func="sigmoid",
-                    score_correction_bias=True)
+    cfg = MoEConfig(
+        num_experts=8, hidden_size=H, intermediate_size=8, top_k=2, score_func="sigmoid", score_correction_bias=True
+    )
     r = Router(cfg)
     out = r(torch.randn(64, H))
     b = update_correction_bias(r.e_score_correction_bias, out.tokens_per_expert)
@@ -319,16 +367,25 @@ def test_update_correction_bias():
 
 def test_router_gradient_flows_through_weights():
     """d topk_weights / d W against float64 autograd of the reference formula."""
-    cfg, x, W, _, corr = _setup(dict(num_experts=16, top_k=4, score_func="sigmoid", n_group=4, topk_group=2,
-                                     score_correction_bias=True, routed_scaling_factor=2.5))
+    cfg, x, W, _, corr = _setup(
+        dict(
+            num_experts=16,
+            top_k=4,
+            score_func="sigmoid",
+            n_group=4,
+            topk_group=2,
+            score_correction_bias=True,
+            routed_scaling_factor=2.5,
+        )
+    )
     W = W.requires_grad_()
     out = route(x, W, cfg, correction_bias=corr)
     g_out = torch.randn_like(out.topk_weights)
-    g, = torch.autograd.grad(out.topk_weights, W, g_out)
+    (g,) = torch.autograd.grad(out.topk_weights, W, g_out)
     W64 = W.detach().double().requires_grad_()
     s = torch.sigmoid(x.double() @ W64.T).gather(1, out.topk_ids)
     w = s / s.sum(1, keepdim=True) * 2.5
-    g_ref, = torch.autograd.grad(w, W64, g_out.double())
+    (g_ref,) = torch.autograd.grad(w, W64, g_out.double())
     torch.testing.assert_close(g.double(), g_ref, rtol=1e-4, atol=1e-6)
 
 

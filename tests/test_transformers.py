@@ -5,6 +5,7 @@ Tolerances (relative error max|got - ref| / max|ref|), and why:
   amplified through 2 layers and the backward; ~1e-6 seen).
 - one experts module: 1e-5 (a single layer, no amplification; ~1e-7 seen).
 """
+
 import dataclasses
 
 import pytest
@@ -105,8 +106,9 @@ def test_from_pretrained_with_moeyard(tmp_path, monkeypatch):
     moeyard.set_backend("grouped_mm")
     model = verify.build_model("olmoe")
     model.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="moeyard",
-                                                  attn_implementation="eager")
+    loaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path, experts_implementation="moeyard", attn_implementation="eager"
+    )
     assert loaded.config._experts_implementation == "moeyard"
     ids, _ = verify.make_inputs(model)
     with torch.no_grad():
@@ -126,8 +128,13 @@ def test_generate_matches_eager(monkeypatch, arch):
     ref = verify.build_model(arch).eval()
     got = verify.build_model(arch, experts_implementation="moeyard").eval()
     ids = torch.randint(0, ref.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
-              output_logits=True)
+    kw = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=5,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
     want, out = ref.generate(ids, **kw), got.generate(ids, **kw)
     assert torch.equal(out.sequences, want.sequences)
     for a, b in zip(out.logits, want.logits, strict=True):
@@ -144,13 +151,20 @@ def test_compiled_generate_matches_eager(arch):
     # the tokens of the uncompiled run, logits close at every step
     pytest.importorskip("triton")
     from transformers import CompileConfig
+
     moeyard.set_backend("triton")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = verify.build_model(arch, experts_implementation="moeyard").eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
-              output_logits=True, cache_implementation="static")
+    kw = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=5,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+        cache_implementation="static",
+    )
     want = model.generate(ids, disable_compile=True, **kw)
     config = CompileConfig(fullgraph=True, mode="default")
     config._compile_all_devices = True
@@ -175,7 +189,8 @@ def test_default_backend_is_used(monkeypatch, how, backend):
     with torch.no_grad():
         model(input_ids=ids)
     assert {name: len(c) for name, c in spies.items()} == {
-        name: (model.config.num_hidden_layers if name == backend else 0) for name in CPU_BACKENDS}
+        name: (model.config.num_hidden_layers if name == backend else 0) for name in CPU_BACKENDS
+    }
 
 
 # ------------------------------------------------------------------ one experts module
@@ -208,8 +223,9 @@ def _module_run(mod, impl: str, x, ids, weights) -> dict[str, torch.Tensor]:
     return {k: v.double() for k, v in res.items()}
 
 
-def _assert_module_parity(mod, x, ids, weights, *, backends=CPU_BACKENDS, tol: float = MODULE_TOL,
-                          ref_impl: str = "eager"):
+def _assert_module_parity(
+    mod, x, ids, weights, *, backends=CPU_BACKENDS, tol: float = MODULE_TOL, ref_impl: str = "eager"
+):
     ref = _module_run(mod, ref_impl, x, ids, weights)
     if ref_impl != "eager":  # transformers' batched_mm leaves router gradients at sentinel slots
         ref["grad.weights"] = ref["grad.weights"].masked_fill(ids >= mod.num_experts, 0)
@@ -226,6 +242,7 @@ def test_experts_module_compiles_fullgraph(monkeypatch, arch):
     # compiled before any eager call: forward and every gradient equal to eager's
     pytest.importorskip("triton")
     from moeyard.experts.triton import options as options_module
+
     monkeypatch.setattr(options_module, "_BUILT", {})
     mod = _experts_module(arch)
     mod.config._experts_implementation = "moeyard"
@@ -274,9 +291,16 @@ def test_post_expert_norm_matches_eager():
     cfg_mod = pytest.importorskip("transformers.models.muse_spark.configuration_muse_spark")
     from transformers.models.muse_spark.modeling_muse_spark import MuseSparkExperts
 
-    config = cfg_mod.MuseSparkTextConfig(hidden_size=64, moe_hidden_size=64, num_attention_heads=4,
-                                         num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
-                                         num_local_experts=8, num_experts_per_tok=2)
+    config = cfg_mod.MuseSparkTextConfig(
+        hidden_size=64,
+        moe_hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    )
     mod = MuseSparkExperts(config)
     assert mod.has_post_expert_norm
     with torch.no_grad():
@@ -319,10 +343,16 @@ def _activation(mod, compiled: bool):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("arch, expected", [
-    ("qwen3_moe", "swiglu"), ("olmoe", "swiglu"), ("lfm2_moe", "swiglu"), ("nemotron_h", "relu2"),
-    ("gpt_oss", "clamped_swiglu"),
-])
+@pytest.mark.parametrize(
+    "arch, expected",
+    [
+        ("qwen3_moe", "swiglu"),
+        ("olmoe", "swiglu"),
+        ("lfm2_moe", "swiglu"),
+        ("nemotron_h", "relu2"),
+        ("gpt_oss", "clamped_swiglu"),
+    ],
+)
 def test_named_activation_when_equivalent(arch, expected, compiled):
     # compiled: the named activation too (traced, the detection once found none: every compiled module then ran
     # the unfused custom path)

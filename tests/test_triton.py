@@ -5,6 +5,7 @@ the routing edge cases that break tiled kernels, and ``drop_invalid`` semantics.
 Buffers the kernels fill are poisoned with NaN (unwritten rows would show). Float32 error is
 judged against torch's own float32 error on the same inputs: ``err <= 2 * err(torch fp32) + 1e-6``.
 """
+
 import os
 
 import pytest
@@ -22,8 +23,10 @@ from moeyard.experts.triton import ops  # noqa: E402
 from moeyard.experts.triton.schedule import band_tile  # noqa: E402
 from moeyard.experts.weights import expert_weights  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="CPU tests run under Triton's interpreter (tests/cuda covers the GPU)")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU tests run under Triton's interpreter (tests/cuda covers the GPU)",
+)
 DEV = "cpu"
 
 
@@ -40,8 +43,8 @@ def _problem(T, H, I, E, K, *, act="swiglu", bias=False, transposed=False, inter
     up_shape, down_shape = ((E, H, n1), (E, I, H)) if transposed else ((E, n1, H), (E, H, I))
     p = dict(
         x=torch.randn(T, H) * scale,
-        gate_up_proj=torch.randn(up_shape) / H ** 0.5,
-        down_proj=torch.randn(down_shape) / I ** 0.5,
+        gate_up_proj=torch.randn(up_shape) / H**0.5,
+        down_proj=torch.randn(down_shape) / I**0.5,
         topk_weights=torch.rand(T, K) + 0.1,
     )
     if bias:
@@ -55,14 +58,26 @@ def _problem(T, H, I, E, K, *, act="swiglu", bias=False, transposed=False, inter
 def _run(p, ids, kw, backend, dtype, drop_invalid=False):
     """Output and gradients of every differentiable input, for a fixed random output gradient."""
     leaves = {k: v.detach().to(dtype).requires_grad_() for k, v in p.items()}
-    out = moeyard.experts(leaves["x"], ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"],
-                          gate_up_bias=leaves.get("gate_up_bias"), down_bias=leaves.get("down_bias"),
-                          backend=backend, drop_invalid=drop_invalid, **kw)
+    out = moeyard.experts(
+        leaves["x"],
+        ids,
+        leaves["topk_weights"],
+        leaves["gate_up_proj"],
+        leaves["down_proj"],
+        gate_up_bias=leaves.get("gate_up_bias"),
+        down_bias=leaves.get("down_bias"),
+        backend=backend,
+        drop_invalid=drop_invalid,
+        **kw,
+    )
     gen = torch.Generator().manual_seed(1)
     dout = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
     names = list(leaves)
-    grads = torch.autograd.grad(out, [leaves[n] for n in names], dout, allow_unused=True) if out.numel() else \
-        [torch.zeros_like(leaves[n]) for n in names]
+    grads = (
+        torch.autograd.grad(out, [leaves[n] for n in names], dout, allow_unused=True)
+        if out.numel()
+        else [torch.zeros_like(leaves[n]) for n in names]
+    )
     return {"out": out.detach(), **{f"d_{n}": g for n, g in zip(names, grads, strict=True)}}
 
 
@@ -107,14 +122,17 @@ def test_interleaved_untransposed():
     check_against_loop(*_problem(7, 16, 16, 3, 2, interleaved=True))
 
 
-@pytest.mark.parametrize("T,H,I,E,K,ids", [
-    (12, 16, 16, 8, 2, "two_experts"),   # most experts empty: zero-tile experts in the tile map, zero dW
-    (37, 16, 16, 4, 1, "one_expert"),    # every token to one expert: several row tiles of one expert
-    (5, 16, 16, 1, 1, None),             # E = 1
-    (6, 16, 16, 3, 3, None),             # k = E
-    (1, 16, 16, 4, 2, None),             # T = 1
-    (19, 33, 17, 6, 3, None),            # T, H, I not multiples of any tile (masks in every loop)
-])
+@pytest.mark.parametrize(
+    "T,H,I,E,K,ids",
+    [
+        (12, 16, 16, 8, 2, "two_experts"),  # most experts empty: zero-tile experts in the tile map, zero dW
+        (37, 16, 16, 4, 1, "one_expert"),  # every token to one expert: several row tiles of one expert
+        (5, 16, 16, 1, 1, None),  # E = 1
+        (6, 16, 16, 3, 3, None),  # k = E
+        (1, 16, 16, 4, 2, None),  # T = 1
+        (19, 33, 17, 6, 3, None),  # T, H, I not multiples of any tile (masks in every loop)
+    ],
+)
 def test_routing_edge_cases(T, H, I, E, K, ids):
     if ids == "two_experts":
         ids = torch.stack([torch.tensor([0, 3])[torch.randperm(2)] for _ in range(T)])
@@ -169,8 +187,15 @@ def test_invalid_ids_give_nan_rows():
     out = triton_backend.triton_forward(p["x"], ids, tw, weights, Activation(), drop_invalid=False)
     nan_rows = out.isnan().any(1)
     assert nan_rows.tolist() == bad.any(1).tolist()
-    ref = moeyard.experts(p["x"].double(), ids, p["topk_weights"].double(), p["gate_up_proj"].double(),
-                          p["down_proj"].double(), backend="loop", drop_invalid=True)
+    ref = moeyard.experts(
+        p["x"].double(),
+        ids,
+        p["topk_weights"].double(),
+        p["gate_up_proj"].double(),
+        p["down_proj"].double(),
+        backend="loop",
+        drop_invalid=True,
+    )
     assert torch.allclose(out[~nan_rows].double(), ref[~nan_rows], rtol=1e-5, atol=1e-5)
 
 
@@ -208,6 +233,7 @@ def test_unsupported_reasons(monkeypatch):
 def test_tile_bound_covers_worst_case():
     # every non-empty expert has a partial tile: N // BM + min(E, N) tiles must be launched
     from moeyard.experts.triton.schedule import max_row_tiles
+
     for n, e, bm in [(26, 5, 16), (5, 8, 16), (0, 3, 16), (1000, 128, 128)]:
         counts = [n // e + (i < n % e) for i in range(e)]
         need = sum(-(-c // bm) for c in counts)
@@ -233,33 +259,71 @@ def test_custom_ops_opcheck(mode):
     a, y = torch.randn(T * K, I), torch.empty(T * K, H)
     tables = [None] + ([r.tile_table(16)] if mode != 2 else [])  # pointer loads; TMA loads over the table
     for table in tables:
-        torch.library.opcheck(ops.down_proj_.op, (a, torch.randn(E, H, I), None, tw, r.sort_order, r.expert_offsets,
-                                                  K, *lora(I, H), table, y, z()))
+        torch.library.opcheck(
+            ops.down_proj_.op,
+            (a, torch.randn(E, H, I), None, tw, r.sort_order, r.expert_offsets, K, *lora(I, H), table, y, z()),
+        )
     torch.library.opcheck(ops.tile_table_.op, (r.expert_offsets, 16, torch.empty_like(r.tile_table(16))))
     torch.library.opcheck(ops.combine_.op, (y, r.topk_ids, tw.view(T, K), E, torch.empty(T, H)))
     for table in tables:
-        torch.library.opcheck(ops.up_proj_.op, (torch.randn(T, H), torch.randn(E, 2 * I, H), None, r.sort_order,
-                                             r.expert_offsets, K, "swiglu", 1.702, 7.0, False, True, *lora(H, 2 * I),
-                                             table, torch.empty(T * K, 2 * I), torch.empty(T * K, I), z()))
+        torch.library.opcheck(
+            ops.up_proj_.op,
+            (
+                torch.randn(T, H),
+                torch.randn(E, 2 * I, H),
+                None,
+                r.sort_order,
+                r.expert_offsets,
+                K,
+                "swiglu",
+                1.702,
+                7.0,
+                False,
+                True,
+                *lora(H, 2 * I),
+                table,
+                torch.empty(T * K, 2 * I),
+                torch.empty(T * K, I),
+                z(),
+            ),
+        )
     for table in tables:
-        torch.library.opcheck(ops.act_grad_.op, (torch.randn(T, H), torch.randn(E, H, I), None,
-                                              torch.randn(T * K, 2 * I), tw, r.sort_order, r.expert_offsets, K,
-                                              "swiglu", 1.702, 7.0, False, *lora(H, I), table,
-                                              torch.empty(T * K, 2 * I), torch.empty(T * K, I),
-                                              torch.zeros(1, T * K), z()))
+        torch.library.opcheck(
+            ops.act_grad_.op,
+            (
+                torch.randn(T, H),
+                torch.randn(E, H, I),
+                None,
+                torch.randn(T * K, 2 * I),
+                tw,
+                r.sort_order,
+                r.expert_offsets,
+                K,
+                "swiglu",
+                1.702,
+                7.0,
+                False,
+                *lora(H, I),
+                table,
+                torch.empty(T * K, 2 * I),
+                torch.empty(T * K, I),
+                torch.zeros(1, T * K),
+                z(),
+            ),
+        )
 
 
 def test_compiles_fullgraph(monkeypatch):
     # no graph breaks: the routing is traced, the kernels are opaque custom ops; compiled before any eager
     # call (no options built yet: building them once mutated a global inside the traced forward)
     from moeyard.experts.triton import options as options_module
+
     monkeypatch.setattr(options_module, "_BUILT", {})
     p, ids, kw = _problem(9, 16, 16, 3, 2)
     leaves = {k: v.requires_grad_() for k, v in p.items()}
 
     def f(x, ids, tw, w_up, w_down):
-        return triton_backend.triton_forward(x, ids, tw, expert_weights(w_up, w_down), Activation(),
-                                             drop_invalid=True)
+        return triton_backend.triton_forward(x, ids, tw, expert_weights(w_up, w_down), Activation(), drop_invalid=True)
 
     args = (leaves["x"], ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"])
     out = torch.compile(f, backend="aot_eager", fullgraph=True)(*args)
@@ -275,6 +339,7 @@ def test_layer_compiles_fullgraph(monkeypatch, lora):
     # the whole layer (router with its losses, dispatch, triton experts, LoRA adapters) in one graph, compiled
     # before any eager call, forward and backward equal to eager
     from moeyard.experts.triton import options as options_module
+
     monkeypatch.setattr(options_module, "_BUILT", {})
     cfg = moeyard.MoEConfig(hidden_size=16, intermediate_size=16, num_experts=4, top_k=2, aux_loss_coef=0.01)
     layer = moeyard.MoE(cfg, backend="triton")
@@ -307,7 +372,7 @@ from moeyard.experts.triton.options import Options, options, use_options  # noqa
 
 def _skewed_ids(T, K, E):
     """Expert 0 gets every token (a long expert, split into chunks); the rest share the other slots."""
-    rest = torch.stack([1 + torch.randperm(E - 1)[:K - 1] for _ in range(T)])
+    rest = torch.stack([1 + torch.randperm(E - 1)[: K - 1] for _ in range(T)])
     return torch.cat([torch.zeros(T, 1, dtype=torch.int64), rest], 1)
 
 
@@ -318,20 +383,24 @@ def test_wide_tiles_split_epilogue(monkeypatch, act, bias):
     # first half partly, the second wholly masked; I = 200: the second tile's second half partly
     # masked); launchers rebuilt with that config
     from moeyard.experts.triton import schedule
+
     monkeypatch.setattr(schedule, "SMALL", dict(BM=16, BN=128, BK=16))
     monkeypatch.setattr(ops, "_LAUNCHERS", {})
     check_against_loop(*_problem(21, 24, 40, 4, 2, act=act, bias=bias))
     check_against_loop(*_problem(21, 24, 200, 4, 2, act=act, bias=bias))
 
 
-@pytest.mark.parametrize("case", [
-    dict(T=13, H=40, I=24, E=5, K=2, act="geglu"),                        # plain fused path
-    dict(T=11, H=32, I=16, E=4, K=2, act="swiglu", bias=True),            # bias in the atomic epilogue
-    dict(T=19, H=33, I=17, E=6, K=3, act="relu2"),                        # odd sizes: masked atomics
-    dict(T=37, H=16, I=16, E=4, K=1, ids="one_expert"),                   # every pair of one expert
-    dict(T=1, H=16, I=16, E=4, K=2),                                      # T = 1
-    dict(T=6, H=16, I=16, E=3, K=3, act=Activation(name="custom", fn=torch.tanh, fn_gated=False)),  # unfused
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(T=13, H=40, I=24, E=5, K=2, act="geglu"),  # plain fused path
+        dict(T=11, H=32, I=16, E=4, K=2, act="swiglu", bias=True),  # bias in the atomic epilogue
+        dict(T=19, H=33, I=17, E=6, K=3, act="relu2"),  # odd sizes: masked atomics
+        dict(T=37, H=16, I=16, E=4, K=1, ids="one_expert"),  # every pair of one expert
+        dict(T=1, H=16, I=16, E=4, K=2),  # T = 1
+        dict(T=6, H=16, I=16, E=3, K=3, act=Activation(name="custom", fn=torch.tanh, fn_gated=False)),  # unfused
+    ],
+)
 def test_atomic_combine(case):
     case = dict(case)
     if case.get("ids") == "one_expert":
@@ -351,8 +420,9 @@ def test_atomic_combine_no_tokens_and_invalid_ids():
         p, ids, kw = _problem(8, 16, 16, 4, 2)
         ids[2, 1], ids[5, 0] = 4, -1
         tw = p["topk_weights"].masked_fill((ids < 0) | (ids >= 4), float("nan"))
-        out = triton_backend.triton_forward(p["x"], ids, tw, expert_weights(p["gate_up_proj"], p["down_proj"]),
-                                            Activation(), drop_invalid=False)
+        out = triton_backend.triton_forward(
+            p["x"], ids, tw, expert_weights(p["gate_up_proj"], p["down_proj"]), Activation(), drop_invalid=False
+        )
         assert out.isnan().any(1).tolist() == [t in (2, 5) for t in range(8)]
 
 
@@ -371,12 +441,14 @@ def test_top1_combine_in_place(atomic, custom):
         p, ids, kw = _problem(8, 16, 16, E, 1)
         ids[2, 0], ids[5, 0] = E, -1
         tw = p["topk_weights"].masked_fill((ids < 0) | (ids >= E), float("nan"))
-        out = triton_backend.triton_forward(p["x"], ids, tw, expert_weights(p["gate_up_proj"], p["down_proj"]),
-                                            Activation(), drop_invalid=False)
+        out = triton_backend.triton_forward(
+            p["x"], ids, tw, expert_weights(p["gate_up_proj"], p["down_proj"]), Activation(), drop_invalid=False
+        )
         assert out.isnan().any(1).tolist() == [t in (2, 5) for t in range(8)]
         tw[2, 0] = tw[5, 0] = 0.5  # finite weights of invalid pairs: those tokens are exactly 0
-        out = triton_backend.triton_forward(p["x"], ids, tw, expert_weights(p["gate_up_proj"], p["down_proj"]),
-                                            Activation(), drop_invalid=False)
+        out = triton_backend.triton_forward(
+            p["x"], ids, tw, expert_weights(p["gate_up_proj"], p["down_proj"]), Activation(), drop_invalid=False
+        )
         assert (out[[2, 5]] == 0).all() and not out.isnan().any()
 
 
@@ -385,6 +457,7 @@ def test_tile_table_matches_expert_tile(E):
     # the row-tile table of the TMA kernel: every tile's expert and first row, as the reductions of
     # schedule.expert_piece find them (random counts, empty experts included)
     from moeyard.experts.triton import schedule
+
     g = torch.Generator().manual_seed(E)
     counts = torch.randint(0, 40, (E,), generator=g) * (torch.rand(E, generator=g) > 0.3)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
@@ -400,14 +473,25 @@ def test_tile_table_matches_expert_tile(E):
     assert int(table[2 * M]) == len(expected)
 
 
-@pytest.mark.parametrize("T,K,E,BM", [(1, 1, 1, 16), (9, 2, 3, 16), (100, 8, 128, 64), (256, 8, 128, 16),
-                                      (2048, 1, 160, 128), (7, 4, 1022, 16), (33, 2, 5, 128)])
+@pytest.mark.parametrize(
+    "T,K,E,BM",
+    [
+        (1, 1, 1, 16),
+        (9, 2, 3, 16),
+        (100, 8, 128, 64),
+        (256, 8, 128, 16),
+        (2048, 1, 160, 128),
+        (7, 4, 1022, 16),
+        (33, 2, 5, 128),
+    ],
+)
 def test_sort_and_tile_in_one_launch(T, K, E, BM, monkeypatch):
     """Few pairs: ``ops.routing`` sorts them and makes the tile table of ``tma_block_m()`` rows in one launch
     (``schedule.sort_tile_kernel``), the same order, offsets and table as the sort and ``fill_tile_table``
     apart; ids outside ``[0, E)`` included, up to ``MAX_PAIRS`` pairs and ``MAX_EXPERTS`` experts."""
     from moeyard.dispatch import sort_by_expert
     from moeyard.experts.triton import schedule
+
     monkeypatch.setattr(ops, "tma_block_m", lambda: BM)
     ids = torch.randint(-2, E + 2, (T, K), generator=torch.Generator().manual_seed(T * K + E))
     _, order, offsets = sort_by_expert(ids, E)
@@ -436,6 +520,7 @@ def test_band_tile_order(E, skew):
     # each existing tile exactly once, the programs past them get no tile (random counts, empty
     # experts, one expert with far more tiles than the others)
     from moeyard.experts.triton import schedule
+
     g = torch.Generator().manual_seed(E)
     counts = torch.randint(0, 40, (E,), generator=g) * (torch.rand(E, generator=g) > 0.3)
     if skew:
@@ -446,23 +531,30 @@ def test_band_tile_order(E, skew):
     out = torch.full((M, 3), -7, dtype=torch.int32)
     _band_probe[(M,)](offsets, out, E, schedule.band_bits(N, BM), BM=BM, E_P2=triton.next_power_of_2(max(E, 2)))
     tiles = [-(-int(c) // BM) for c in counts]
-    expected = [(e, int(offsets[e]) + j * BM, int(offsets[e + 1]))
-                for j in range(max(tiles, default=0)) for e in range(E) if tiles[e] > j]
+    expected = [
+        (e, int(offsets[e]) + j * BM, int(offsets[e + 1]))
+        for j in range(max(tiles, default=0))
+        for e in range(E)
+        if tiles[e] > j
+    ]
     got = [tuple(map(int, row)) for row in out]
-    assert got[:len(expected)] == expected
-    assert all(row[0] >= E and row[1] == -1 for row in got[len(expected):])
+    assert got[: len(expected)] == expected
+    assert all(row[0] >= E and row[1] == -1 for row in got[len(expected) :])
 
 
 @pytest.mark.parametrize("ids", ["random", "one_expert", "empty_experts"])
 def test_band_rows_same_result(ids):
     # the thin gathered GEMM (LoRA rows x[token] A_e^T) in band-major and expert-major tile order
     from moeyard.experts.triton.options import use_options
+
     T, H, E, K, R = 37, 48, 6, 3, 5
     x = torch.randn(T, H)
     la = torch.randn(E, R, H).mT
-    topk = {"random": torch.stack([torch.randperm(E)[:K] for _ in range(T)]),
-            "one_expert": torch.stack([torch.tensor([2, 0, 1])] * T),
-            "empty_experts": torch.stack([torch.randperm(3)[:K] + 3 for _ in range(T)])}[ids]
+    topk = {
+        "random": torch.stack([torch.randperm(E)[:K] for _ in range(T)]),
+        "one_expert": torch.stack([torch.tensor([2, 0, 1])] * T),
+        "empty_experts": torch.stack([torch.randperm(3)[:K] + 3 for _ in range(T)]),
+    }[ids]
     r = ops.routing(topk, E)
     expected = torch.einsum("th,ehr->ter", x.double(), la.double())[torch.arange(T)[:, None], topk]
     got = {}
@@ -488,21 +580,33 @@ def test_tile_table_made_once_per_step(monkeypatch):
     with use_options(tma=True):
         p, ids, kw = _problem(9, 16, 16, 3, 2)
         leaves = {k: v.requires_grad_() for k, v in p.items()}
-        out = triton_backend.triton_forward(leaves["x"], ids, leaves["topk_weights"],
-                                            expert_weights(leaves["gate_up_proj"], leaves["down_proj"]),
-                                            Activation(), drop_invalid=True)
+        out = triton_backend.triton_forward(
+            leaves["x"],
+            ids,
+            leaves["topk_weights"],
+            expert_weights(leaves["gate_up_proj"], leaves["down_proj"]),
+            Activation(),
+            drop_invalid=True,
+        )
         assert len(calls) == 1
         out.sum().backward()
     assert len(calls) == 1 and n_steps >= 1
     with use_options(tma=False):
-        triton_backend.triton_forward(p["x"], ids, p["topk_weights"], expert_weights(p["gate_up_proj"], p["down_proj"]),
-                                      Activation(), drop_invalid=True)
+        triton_backend.triton_forward(
+            p["x"],
+            ids,
+            p["topk_weights"],
+            expert_weights(p["gate_up_proj"], p["down_proj"]),
+            Activation(),
+            drop_invalid=True,
+        )
     assert calls[1:] == ["sort_and_tile"]  # pointer loads: no launch for a table (few pairs: made with the sort)
 
 
 def test_tma_persistent(monkeypatch):
     # the persistent variant: 3 programs (ops.num_sms under the interpreter) loop over every tile
     from moeyard.experts.triton import kernels_tma, schedule
+
     launcher = schedule._Fixed(kernels_tma.down_tma_kernel, dict(schedule.SMALL, PERSISTENT=True))
     monkeypatch.setitem(ops._kernels(), "down_tma", launcher)
     with use_options(tma=True):
@@ -530,21 +634,35 @@ class _Launches:
                 def run(*a, **kw):
                     kwargs.append(kw)
                     return launch(*a, **kw)
+
                 return run
+
         return Wrapped()
 
 
 @pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("case", [
-    dict(T=29, H=32, I=16, E=4, K=2),                                     # forward and dx through TMA
-    dict(T=23, H=24, I=40, E=5, K=3, bias=True),                          # bias; row tiles across experts
-    dict(T=9, H=24, I=16, E=4, K=2, act=Activation(name="clamped_swiglu", limit=1.0), bias=True,
-         transposed=True, interleaved=True),                              # gpt-oss layout: the other B orientation
-    dict(T=37, H=16, I=16, E=4, K=1, ids="one_expert"),                   # one expert, several row tiles
-    dict(T=12, H=16, I=16, E=8, K=2, ids="two_experts"),                  # empty experts
-    dict(T=5, H=16, I=16, E=1, K=1),                                      # E = 1
-    dict(T=0, H=16, I=16, E=4, K=2),                                      # no tokens
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(T=29, H=32, I=16, E=4, K=2),  # forward and dx through TMA
+        dict(T=23, H=24, I=40, E=5, K=3, bias=True),  # bias; row tiles across experts
+        dict(
+            T=9,
+            H=24,
+            I=16,
+            E=4,
+            K=2,
+            act=Activation(name="clamped_swiglu", limit=1.0),
+            bias=True,
+            transposed=True,
+            interleaved=True,
+        ),  # gpt-oss layout: the other B orientation
+        dict(T=37, H=16, I=16, E=4, K=1, ids="one_expert"),  # one expert, several row tiles
+        dict(T=12, H=16, I=16, E=8, K=2, ids="two_experts"),  # empty experts
+        dict(T=5, H=16, I=16, E=1, K=1),  # E = 1
+        dict(T=0, H=16, I=16, E=4, K=2),  # no tokens
+    ],
+)
 def test_tma_down_projection(tma, case, monkeypatch):
     # the down projection (forward and input gradient) through TMA and through pointer loads against the
     # oracle; the interpreter emulates the descriptors' boxes (zero fill past each bound)
@@ -563,15 +681,30 @@ def test_tma_down_projection(tma, case, monkeypatch):
         assert ("down" if tma else "down_tma") not in launches.names
 
 
-@pytest.mark.parametrize("case,w_tma", [
-    (dict(T=29, H=32, I=16, E=4, K=2), True),                             # gate and up boxes of one tile
-    (dict(T=23, H=24, I=40, E=5, K=3, bias=True), True),                  # last column tile past I: its gate
-                                                                          # box reads up rows (not stored)
-    (dict(T=11, H=16, I=80, E=3, K=2, act="gelu"), True),                 # plain activation, one box
-    (dict(T=12, H=16, I=16, E=8, K=2, ids="two_experts"), True),          # empty experts
-    (dict(T=9, H=24, I=16, E=4, K=2, act=Activation(name="clamped_swiglu", limit=1.0), bias=True,
-          transposed=True, interleaved=True), False),                     # gpt-oss layout: pointer loads
-])
+@pytest.mark.parametrize(
+    "case,w_tma",
+    [
+        (dict(T=29, H=32, I=16, E=4, K=2), True),  # gate and up boxes of one tile
+        (dict(T=23, H=24, I=40, E=5, K=3, bias=True), True),  # last column tile past I: its gate
+        # box reads up rows (not stored)
+        (dict(T=11, H=16, I=80, E=3, K=2, act="gelu"), True),  # plain activation, one box
+        (dict(T=12, H=16, I=16, E=8, K=2, ids="two_experts"), True),  # empty experts
+        (
+            dict(
+                T=9,
+                H=24,
+                I=16,
+                E=4,
+                K=2,
+                act=Activation(name="clamped_swiglu", limit=1.0),
+                bias=True,
+                transposed=True,
+                interleaved=True,
+            ),
+            False,
+        ),  # gpt-oss layout: pointer loads
+    ],
+)
 def test_tma_up_weights(case, w_tma, monkeypatch):
     # option tma_up (default): the up projection's weight tiles through a descriptor, x's rows gathered by
     # pointer loads; off: pointer loads for both
@@ -585,7 +718,7 @@ def test_tma_up_weights(case, w_tma, monkeypatch):
     assert ups and all(w is w_tma for w in ups)
     with use_options(tma_up=False):
         check_against_loop(*_problem(**case))
-    ups = [kw["W_TMA"] for name, kw in zip(launches.names, launches.kwargs, strict=True) if name == "up"][len(ups):]
+    ups = [kw["W_TMA"] for name, kw in zip(launches.names, launches.kwargs, strict=True) if name == "up"][len(ups) :]
     assert ups and not any(ups)
 
 
@@ -600,14 +733,26 @@ def test_tma_falls_back(monkeypatch):
     assert launches.names.count("down") == 3 and "down_tma" in launches.names  # dx of the odd H runs TMA
 
 
-@pytest.mark.parametrize("case", [
-    dict(T=29, H=32, I=16, E=4, K=2),                                     # both weight gradients
-    dict(T=23, H=24, I=40, E=5, K=3, bias=True),                          # bias gradients from the TMA tile
-    dict(T=9, H=24, I=16, E=4, K=2, act=Activation(name="clamped_swiglu", limit=1.0), bias=True,
-         transposed=True, interleaved=True),                              # gpt-oss layout
-    dict(T=12, H=16, I=16, E=8, K=2, ids="two_experts"),                  # empty experts
-    dict(T=5, H=16, I=16, E=1, K=1),                                      # E = 1
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(T=29, H=32, I=16, E=4, K=2),  # both weight gradients
+        dict(T=23, H=24, I=40, E=5, K=3, bias=True),  # bias gradients from the TMA tile
+        dict(
+            T=9,
+            H=24,
+            I=16,
+            E=4,
+            K=2,
+            act=Activation(name="clamped_swiglu", limit=1.0),
+            bias=True,
+            transposed=True,
+            interleaved=True,
+        ),  # gpt-oss layout
+        dict(T=12, H=16, I=16, E=8, K=2, ids="two_experts"),  # empty experts
+        dict(T=5, H=16, I=16, E=1, K=1),  # E = 1
+    ],
+)
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("chunk", [0, 12])
 def test_tma_weight_gradients(case, chunk, tma, monkeypatch):
@@ -627,20 +772,32 @@ def test_tma_weight_gradients(case, chunk, tma, monkeypatch):
 @pytest.mark.parametrize("mode", ["split", "fused"])
 def test_tma_with_lora(mode, monkeypatch):
     from moeyard.experts import ExpertLoRA
+
     T, H, I, E, K, r = 19, 32, 16, 4, 2, 5
     launches = _Launches(monkeypatch)
     p, ids, kw = _problem(T, H, I, E, K)
     g = torch.Generator().manual_seed(3)
-    factors = {k: torch.randn(*shape, generator=g) * 0.3 for k, shape in
-               dict(ua=(r * E, H), ub=(2 * I, r * E), da=(r * E, I), db=(H, r * E)).items()}
+    factors = {
+        k: torch.randn(*shape, generator=g) * 0.3
+        for k, shape in dict(ua=(r * E, H), ub=(2 * I, r * E), da=(r * E, I), db=(H, r * E)).items()
+    }
 
     def run(backend, dtype):
         f = {k: v.detach().to(dtype).requires_grad_() for k, v in factors.items()}
-        lora = {"gate_up_proj": ExpertLoRA(lora_A=f["ua"], lora_B=f["ub"], scaling=0.5),
-                "down_proj": ExpertLoRA(lora_A=f["da"], lora_B=f["db"], scaling=0.5)}
+        lora = {
+            "gate_up_proj": ExpertLoRA(lora_A=f["ua"], lora_B=f["ub"], scaling=0.5),
+            "down_proj": ExpertLoRA(lora_A=f["da"], lora_B=f["db"], scaling=0.5),
+        }
         x = p["x"].detach().to(dtype).requires_grad_()
-        out = moeyard.experts(x, ids, p["topk_weights"].to(dtype), p["gate_up_proj"].to(dtype),
-                              p["down_proj"].to(dtype), backend=backend, lora=lora)
+        out = moeyard.experts(
+            x,
+            ids,
+            p["topk_weights"].to(dtype),
+            p["gate_up_proj"].to(dtype),
+            p["down_proj"].to(dtype),
+            backend=backend,
+            lora=lora,
+        )
         out.backward(torch.ones_like(out))
         return [out, x.grad] + [f[k].grad for k in sorted(f)]
 
@@ -654,6 +811,7 @@ def test_tma_with_lora(mode, monkeypatch):
 @pytest.mark.parametrize("shape", [(100, 70), (64, 64), (1, 5), (3, 130)])  # partial tiles in both dims
 def test_transpose_kernel(shape):
     from moeyard.experts.triton.transpose import launch
+
     x = torch.randn(*shape, dtype=torch.float64)
     y = torch.full(shape[::-1], float("nan"), dtype=torch.float32)
     launch(x, y)
@@ -669,8 +827,11 @@ def test_wgrad_rows(by_token, chunk, ids, tile_major, monkeypatch):
     # partials, the last 8 wide), R = 5 (no tile's multiple), a long expert cut into chunks, empty experts;
     # the programs in either order (tile-major only where L is read by token)
     T, K, E, NL, R = 20, 2, 5, 40, 5
-    topk = dict(random=torch.stack([torch.randperm(E)[:K] for _ in range(T)]), skewed=_skewed_ids(T, K, E),
-                two_experts=torch.tensor([[1, 3]] * T))[ids]
+    topk = dict(
+        random=torch.stack([torch.randperm(E)[:K] for _ in range(T)]),
+        skewed=_skewed_ids(T, K, E),
+        two_experts=torch.tensor([[1, 3]] * T),
+    )[ids]
     r = ops.routing(topk, E)
     N = T * K
     lhs = torch.randn(T if by_token else N, NL)
@@ -693,18 +854,21 @@ def test_wgrad_rows(by_token, chunk, ids, tile_major, monkeypatch):
 def test_wgrad_chunks(chunk, layout):
     # expert 0 holds all 40 tokens (split into 2-4 chunks), the others ~13 rows (one or two chunks)
     T, K, E = 40, 2, 4
-    kw = dict(plain={}, bias=dict(bias=True), gpt_oss=dict(act=Activation(name="clamped_swiglu", limit=1.0),
-                                                           bias=True, transposed=True, interleaved=True))[layout]
+    kw = dict(
+        plain={},
+        bias=dict(bias=True),
+        gpt_oss=dict(act=Activation(name="clamped_swiglu", limit=1.0), bias=True, transposed=True, interleaved=True),
+    )[layout]
     with use_options(wgrad_chunk_rows=chunk):
         check_against_loop(*_problem(T, 24, 20, E, K, ids=_skewed_ids(T, K, E), **kw))
 
 
 def test_wgrad_chunks_edge_cases():
     with use_options(wgrad_chunk_rows=8):
-        check_against_loop(*_problem(12, 16, 16, 8, 2, ids=torch.tensor([[0, 3]] * 12)))   # empty experts
-        check_against_loop(*_problem(5, 16, 16, 1, 1))                                      # E = 1
-        check_against_loop(*_problem(0, 16, 16, 4, 2))                                      # no tokens
-    with use_options(wgrad_chunk_rows=1):                                                   # one row per chunk
+        check_against_loop(*_problem(12, 16, 16, 8, 2, ids=torch.tensor([[0, 3]] * 12)))  # empty experts
+        check_against_loop(*_problem(5, 16, 16, 1, 1))  # E = 1
+        check_against_loop(*_problem(0, 16, 16, 4, 2))  # no tokens
+    with use_options(wgrad_chunk_rows=1):  # one row per chunk
         check_against_loop(*_problem(9, 16, 16, 3, 2))
 
 
@@ -722,6 +886,7 @@ def test_options_read_once_per_forward_and_backward(monkeypatch):
     """``read_once``: one reading of the environment serves a whole forward or backward; ``use_options``
     inside still overrides; the environment holds again after (also after an exception)."""
     from moeyard.experts.triton import options as opt
+
     seen = []
 
     @opt.read_once
@@ -762,6 +927,7 @@ def test_options_read_once_per_forward_and_backward(monkeypatch):
 def test_partial_slot_bound():
     # every expert with more than `chunk` rows takes ceil(c / chunk) slots; the buffer has 2 N // chunk
     from moeyard.experts.triton.schedule import max_partial_slots
+
     gen = torch.Generator().manual_seed(3)
     for _ in range(200):
         e = int(torch.randint(1, 9, (1,), generator=gen))
@@ -801,7 +967,7 @@ def test_options_env_and_budget(monkeypatch):
     o = Options(wgrad_chunk_rows=512, wgrad_partial_mib=256)
     n, nl, nr = 262144, 1536, 2048
     rows = o.chunk_rows(n, nl, nr)
-    assert rows >= 512 and (2 * n // rows) * nl * nr * 4 <= 256 * 2 ** 20
+    assert rows >= 512 and (2 * n // rows) * nl * nr * 4 <= 256 * 2**20
     assert Options().chunk_rows(n, nl, nr) == 0
 
 
@@ -814,8 +980,11 @@ def test_profile_flop_and_byte_counts():
     prof = _profile_module()
     s = prof.Shape(T=4, H=8, I=2, E=3, K=2)  # N = 8, N1 = 4
     costs = {c.name: c for c in prof.kernel_costs(s)}
-    gemm = sum(c.flops for c in costs.values() if c.name.startswith(("up", "down", "dh", "wgrad", "dx"))
-               and "combine" not in c.name)
+    gemm = sum(
+        c.flops
+        for c in costs.values()
+        if c.name.startswith(("up", "down", "dh", "wgrad", "dx")) and "combine" not in c.name
+    )
     assert gemm == 18 * s.N * s.H * s.I  # SonicMoE's convention: fwd 6 N H I, bwd 12 N H I
     # up: x [4, 8] + W_up [3, 4, 8] + h [8, 4] + a [8, 2] in bf16, sort_order int64
     assert costs["up (x@W_up, act)"].bytes == 2 * (32 + 96 + 32 + 16) + 64
@@ -824,8 +993,7 @@ def test_profile_flop_and_byte_counts():
     atomic = {c.name: c for c in prof.kernel_costs(s, atomic=True)}
     assert "down combine" not in atomic and atomic["down cast"].bytes == 4 * 32 + 2 * 32
     assert atomic["down (atomic combine)"].flops == costs["down"].flops + costs["down combine"].flops
-    chunked = {c.name: c for c in prof.kernel_costs(s, chunk_slots=(0, 3), split_experts=(0, 1),
-                                                    chunked=(False, True))}
+    chunked = {c.name: c for c in prof.kernel_costs(s, chunk_slots=(0, 3), split_experts=(0, 1), chunked=(False, True))}
     assert "wgrad down reduce" not in chunked
     assert chunked["wgrad up reduce"].bytes == 4 * 3 * 32 + 2 * 32
     assert chunked["wgrad up"].bytes == costs["wgrad up"].bytes - 2 * 32 + 4 * 3 * 32
@@ -861,15 +1029,15 @@ def test_tma_descriptor_rules():
     bf = dict(dtype=torch.bfloat16)
     rows, w = torch.zeros(64, 32, **bf), torch.zeros(4, 48, 32, **bf)
     assert k.rows_tma_ready(rows) and k.weight_tma_ready(w) and k.tma_ready(rows, w)
-    assert k.tma_ready(rows, w.mT.contiguous().mT)                     # unit stride along NY
+    assert k.tma_ready(rows, w.mT.contiguous().mT)  # unit stride along NY
     assert not k.rows_tma_ready(rows.float()) and k.rows_tma_ready(rows.float(), float32=True)
-    assert not k.rows_tma_ready(torch.zeros(64, 36, **bf)[:, :33])      # row stride 72 bytes
-    assert not k.rows_tma_ready(rows.mT)                                # no unit stride along C
+    assert not k.rows_tma_ready(torch.zeros(64, 36, **bf)[:, :33])  # row stride 72 bytes
+    assert not k.rows_tma_ready(rows.mT)  # no unit stride along C
     assert not k.rows_tma_ready(torch.zeros(64 * 32 + 1, **bf)[1:].view(64, 32))  # base off by 2 bytes
-    assert not k.weight_tma_ready(w.mT)                                 # unit stride not last
+    assert not k.weight_tma_ready(w.mT)  # unit stride not last
     assert not k.weight_tma_ready(torch.zeros(4, 48, 36, **bf)[:, :, :33])
-    assert not k.tma_ready(rows, w.half())                              # dtypes differ
-    assert not k.tma_ready(rows.mT.contiguous().mT, w)                  # rows not contiguous
+    assert not k.tma_ready(rows, w.half())  # dtypes differ
+    assert not k.tma_ready(rows.mT.contiguous().mT, w)  # rows not contiguous
 
 
 def test_h_is_freed_before_the_up_projection_backward():
@@ -878,6 +1046,7 @@ def test_h_is_freed_before_the_up_projection_backward():
     # starts (its input and weight gradients then run without it). Saved tensors are packed into holders
     # whose lifetime the test watches.
     import weakref
+
     T, H, I, E, K = 9, 16, 12, 3, 2
     p, ids, kw = _problem(T, H, I, E, K)
     leaves = {k: v.requires_grad_() for k, v in p.items()}
@@ -893,8 +1062,15 @@ def test_h_is_freed_before_the_up_projection_backward():
         return h
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t):
-        out = moeyard.experts(leaves["x"], ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"],
-                              backend="triton", **kw)
+        out = moeyard.experts(
+            leaves["x"],
+            ids,
+            leaves["topk_weights"],
+            leaves["gate_up_proj"],
+            leaves["down_proj"],
+            backend="triton",
+            **kw,
+        )
 
     def live_h():
         return sum(1 for shape, ref in holders if shape == (T * K, 2 * I) and ref() is not None)
@@ -919,11 +1095,13 @@ def test_backward_makes_no_zero_gradient_for_the_activation():
     # backward, not a zero [N, I] tensor made and filled before each backward (autograd's default for a
     # custom function's unused outputs)
     from torch.utils._python_dispatch import TorchDispatchMode
+
     T, H, I, E, K = 9, 16, 12, 3, 2
     p, ids, kw = _problem(T, H, I, E, K)
     leaves = {k: v.requires_grad_() for k, v in p.items()}
-    out = moeyard.experts(leaves["x"], ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"],
-                          backend="triton", **kw)
+    out = moeyard.experts(
+        leaves["x"], ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"], backend="triton", **kw
+    )
     made = []
 
     class Log(TorchDispatchMode):
@@ -949,9 +1127,12 @@ def test_checkpointed_layer_compiles_fullgraph(monkeypatch, keep_routing):
         pytest.skip("this torch has no skip_fwd_side_effects_in_bwd_under_checkpoint")
     monkeypatch.setattr(cfg, "skip_fwd_side_effects_in_bwd_under_checkpoint", True)
     from torch.utils.checkpoint import checkpoint
+
     torch.manual_seed(0)
-    layer = moeyard.MoE(moeyard.MoEConfig(hidden_size=16, intermediate_size=16, num_experts=4, top_k=2,
-                                          aux_loss_coef=0.01), backend="triton")
+    layer = moeyard.MoE(
+        moeyard.MoEConfig(hidden_size=16, intermediate_size=16, num_experts=4, top_k=2, aux_loss_coef=0.01),
+        backend="triton",
+    )
     layer.keep_routing = keep_routing
     x = torch.randn(2, 5, 16)
 

@@ -1,5 +1,6 @@
 """Shared-memory and register estimates of the triton backend's tile configs, and the pruning by them
 (pure Python: nothing is compiled)."""
+
 import warnings
 
 import pytest
@@ -53,8 +54,9 @@ def test_wgrad_estimates_by_hand():
     assert registers(c, Launch(kind="wgrad", has_db=True)) == 128 + 16 + 8 + 96 + 1 + tuning.OVERHEAD
 
 
-@pytest.mark.parametrize("kind,lora", [("down", 0), ("down", LORA_FUSED), ("up", LORA_FUSED), ("dh", LORA_SPLIT),
-                                       ("wgrad", 0)])
+@pytest.mark.parametrize(
+    "kind,lora", [("down", 0), ("down", LORA_FUSED), ("up", LORA_FUSED), ("dh", LORA_SPLIT), ("wgrad", 0)]
+)
 def test_float32_doubles_shared_memory(kind, lora):
     c = cfg(64, 128, 64, 4, 3)
     rank = 32 if lora else 0
@@ -105,11 +107,19 @@ def test_prune_never_empty_and_warns_once(monkeypatch):
 
 
 def test_pruner_reads_the_launch_from_its_arguments():
-    launch = tuning.launch_of("up", dict(x_ptr=torch.empty(0, dtype=torch.float32), w_ptr=torch.empty(0),
-                                         la_ptr=torch.empty(0, dtype=torch.bfloat16), DUAL=True, LORA=2, RP=64))
+    launch = tuning.launch_of(
+        "up",
+        dict(
+            x_ptr=torch.empty(0, dtype=torch.float32),
+            w_ptr=torch.empty(0),
+            la_ptr=torch.empty(0, dtype=torch.bfloat16),
+            DUAL=True,
+            LORA=2,
+            RP=64,
+        ),
+    )
     assert launch == Launch(kind="up", dual=True, lora=LORA_FUSED, rank=64, a_bytes=4, b_bytes=4, lora_bytes=2)
-    assert tuning.launch_of("down", dict(a_ptr="*bf16", w_ptr="*fp32", LORA=0, RP=16)) == Launch(
-        kind="down", b_bytes=4)
+    assert tuning.launch_of("down", dict(a_ptr="*bf16", w_ptr="*fp32", LORA=0, RP=16)) == Launch(kind="down", b_bytes=4)
     # the dh kernel's DUAL flag is a gated activation: one accumulator
     assert tuning.launch_of("dh", dict(DUAL=True, LORA=1, RP=32)) == Launch(kind="dh", lora=LORA_SPLIT, rank=32)
     fits, over = cfg(64, 128, 64, 4, 3), cfg(128, 128, 64, 8, 4)  # 160 KiB for float32 A and B: 320 KiB
@@ -135,6 +145,7 @@ def test_bad_arguments_raise():
 
 def test_tuned_uses_the_pruner(monkeypatch):
     from moeyard.experts.triton import kernels_fwd
+
     monkeypatch.setattr(schedule, "interpreting", lambda: False)
     monkeypatch.setattr(schedule, "device_smem_limit", lambda: LIMIT)
     monkeypatch.delenv(schedule.ENV_AUTOTUNE, raising=False)
@@ -204,6 +215,7 @@ class _FakeAutotuner:
         class Fn:
             def run(self, *args, grid, warmup, **kwargs):
                 outer.calls.append(("launch", args, kwargs))
+
         self.fn = Fn()
 
     def run(self, *args, grid, warmup, **kwargs):

@@ -1,5 +1,6 @@
 """The package version is written once (``moeyard.__version__``): pyproject.toml reads it from there, and
 CHANGELOG.md's newest entry is that version."""
+
 import re
 from pathlib import Path
 

@@ -5,6 +5,7 @@ implementation named ``"moeyard"``.
 Importing moeyard registers that experts implementation with transformers (when transformers is
 installed); it has no other import-time effect.
 """
+
 from .activations import Activation
 from .checks import is_debug, set_debug
 from .config import MoEConfig
@@ -24,7 +25,33 @@ if _importlib_util.find_spec("transformers") is not None:
 
     _register_transformers()
 
-__all__ = ["Activation", "DispatchPlan", "ExpertLoRA", "MoE", "MoEConfig", "Router", "RoutingOutput", "SharedExpert",
-           "available_backends", "backend_names", "experts", "get_backend", "is_debug", "make_plan", "permute",
-           "quantize_experts", "Recipe", "get_recipe", "recipe_names", "route", "set_backend", "set_debug", "set_recipe", "unpermute", "update_correction_bias",
-           "use_backend", "use_recipe", "__version__"]
+__all__ = [
+    "Activation",
+    "DispatchPlan",
+    "ExpertLoRA",
+    "MoE",
+    "MoEConfig",
+    "Router",
+    "RoutingOutput",
+    "SharedExpert",
+    "available_backends",
+    "backend_names",
+    "experts",
+    "get_backend",
+    "is_debug",
+    "make_plan",
+    "permute",
+    "quantize_experts",
+    "Recipe",
+    "get_recipe",
+    "recipe_names",
+    "route",
+    "set_backend",
+    "set_debug",
+    "set_recipe",
+    "unpermute",
+    "update_correction_bias",
+    "use_backend",
+    "use_recipe",
+    "__version__",
+]

@@ -1,4 +1,5 @@
 """``python -m moeyard``: the moeyard command line."""
+
 import sys
 
 from .cli import main

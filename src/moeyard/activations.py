@@ -8,6 +8,7 @@ Sources: GLU variants (Shazeer 2020, arXiv 2002.05202: SwiGLU, GeGLU, ReGLU); Re
 2021, arXiv 2109.08668); gpt-oss's clamped SwiGLU (alpha 1.702, limit 7.0, ``(up + 1) * glu``) from
 the gpt-oss model card and transformers' ``GptOssExperts._apply_gate``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -119,6 +120,4 @@ def get_activation(activation: str | Activation | Callable[[Tensor], Tensor]) ->
         return Activation(name=activation)
     if callable(activation):
         return Activation(name="custom", fn=activation)
-    raise TypeError(
-        f"activation: expected a name, moeyard.Activation or callable, got {type(activation).__name__}"
-    )
+    raise TypeError(f"activation: expected a name, moeyard.Activation or callable, got {type(activation).__name__}")

@@ -7,6 +7,7 @@ What is checked where:
   output row instead (visible, never silently wrong). In debug mode (``moeyard.set_debug(True)`` or
   ``MOEYARD_DEBUG=1``) they are checked on every device, with one host sync per call.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,9 @@ def check_drop_invalid(drop_invalid) -> None:
         raise ValueError(f"drop_invalid: expected False, True or {UNWRITTEN!r}, got {drop_invalid!r}")
 
 
-def check_topk(topk_ids, topk_weights, num_tokens: int, num_experts: int, device: torch.device,
-               drop_invalid: bool | str = False) -> None:
+def check_topk(
+    topk_ids, topk_weights, num_tokens: int, num_experts: int, device: torch.device, drop_invalid: bool | str = False
+) -> None:
     """Shapes, dtypes and devices of the routing tensors; ``k <= E`` unless ``drop_invalid`` (ids
     outside ``[0, E)`` are then dropped, so a token may carry more ids than there are experts: the
     local experts of an expert-parallel rank with ``E_l < K``).
@@ -63,15 +65,20 @@ def check_topk(topk_ids, topk_weights, num_tokens: int, num_experts: int, device
         TypeError: ``topk_ids`` not integer, ``topk_weights`` not floating point.
         ValueError: shapes disagree, ``k > E`` (without ``drop_invalid``), or devices differ.
     """
-    if not isinstance(topk_ids, Tensor) or topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool \
-            or topk_ids.is_complex():
+    if (
+        not isinstance(topk_ids, Tensor)
+        or topk_ids.dtype.is_floating_point
+        or topk_ids.dtype == torch.bool
+        or topk_ids.is_complex()
+    ):
         raise TypeError(f"topk_ids: expected an integer tensor [T, K], got {kind(topk_ids)}")
     check_float("topk_weights", topk_weights)
     if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
         raise ValueError(f"topk_ids: expected shape [{num_tokens}, K], got {tuple(topk_ids.shape)}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"topk_weights: expected shape {tuple(topk_ids.shape)} (as topk_ids), "
-                         f"got {tuple(topk_weights.shape)}")
+        raise ValueError(
+            f"topk_weights: expected shape {tuple(topk_ids.shape)} (as topk_ids), got {tuple(topk_weights.shape)}"
+        )
     k = topk_ids.shape[1]
     if k > num_experts and not drop_invalid:
         raise ValueError(f"topk_ids: top-k {k} exceeds num_experts {num_experts}")

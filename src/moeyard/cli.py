@@ -9,6 +9,7 @@
 
 The benchmark's options, runners and result tables are the package :mod:`moeyard.bench`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,13 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{info,bench,verify}")
     info = sub.add_parser("info", help="versions, device, and the backends that run here")
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    add_bench_arguments(sub.add_parser("bench", help="time the MoE layer per backend and peer",
-                                       description=layer_bench.__doc__.split("\n\n")[0]))
+    add_bench_arguments(
+        sub.add_parser(
+            "bench", help="time the MoE layer per backend and peer", description=layer_bench.__doc__.split("\n\n")[0]
+        )
+    )
     sub.add_parser("verify", help="correctness checks of the backends (moeyard verify --help)", add_help=False)
     return parser
 
 
 # ---------------------------------------------------------------- info
+
 
 def info_data() -> dict:
     """Versions, devices, and the backends that run for bf16 / float32 on each device."""
@@ -66,8 +71,11 @@ def info_data() -> dict:
     for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
         data["devices"][device] = {
             **layer_bench.device_info(device),
-            **{f"backends_{name}": moeyard.available_backends(device, dtype)
-               for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))}}
+            **{
+                f"backends_{name}": moeyard.available_backends(device, dtype)
+                for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))
+            },
+        }
     try:
         data["default_backend"] = moeyard.get_backend()
     except ValueError as ex:
@@ -100,6 +108,7 @@ def run_info(args) -> int:
 
 # ---------------------------------------------------------------- bench
 
+
 def run_bench(args, command: str) -> int:
     try:
         check_bench_arguments(args)
@@ -107,6 +116,7 @@ def run_bench(args, command: str) -> int:
         return _error(ex)
     if args.ep:
         from .bench import ep
+
         return ep.main(args, command)
     to_stdout = args.json == "-"
     console = _wide(Console(stderr=to_stdout))
@@ -163,32 +173,45 @@ def _run_with_progress(opts: layer_bench.BenchOptions, args) -> dict:
 
         def report(desc: str, done: int, total: int) -> None:
             progress.update(task, description=desc, completed=done, total=total)
+
         if args.e2e:
             from .bench import e2e
+
             tiny = args.tiny or (not opts.models and (opts.device or layer_bench.default_device()) == "cpu")
-            return e2e.run(opts, progress=report, layers=args.layers, seq_len=args.seq_len, vocab=args.vocab,
-                           tiny=tiny, trace=args.trace)
+            return e2e.run(
+                opts,
+                progress=report,
+                layers=args.layers,
+                seq_len=args.seq_len,
+                vocab=args.vocab,
+                tiny=tiny,
+                trace=args.trace,
+            )
         if args.framework == "jax":
             from .bench import jax as jax_bench
+
             return jax_bench.run(opts, progress=report)
         if args.lora is not None:
             from .bench import lora
-            return lora.run(opts, args.lora, progress=report, quant=args.quant,
-                            layers=4 if args.layers is None else args.layers)
+
+            return lora.run(
+                opts, args.lora, progress=report, quant=args.quant, layers=4 if args.layers is None else args.layers
+            )
         return layer_bench.run(opts, progress=report)
 
 
 # ---------------------------------------------------------------- verify
 
+
 def run_verify(argv: list[str]) -> int:
     """``moeyard verify``: parse with ``moeyard.verify.add_arguments`` and run ``moeyard.verify.run``."""
     if importlib.util.find_spec("moeyard.verify") is None:
-        print("moeyard verify: this moeyard has no moeyard.verify module; verify is unavailable",
-              file=sys.stderr)
+        print("moeyard verify: this moeyard has no moeyard.verify module; verify is unavailable", file=sys.stderr)
         return 2
     verify = importlib.import_module("moeyard.verify")
-    parser = argparse.ArgumentParser(prog="moeyard verify", description=verify.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="moeyard verify", description=verify.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     verify.add_arguments(parser)
     return int(verify.run(parser.parse_args(argv)) or 0)
 

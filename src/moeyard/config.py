@@ -4,6 +4,7 @@ Field names follow transformers' MoE configs (``num_experts``, ``top_k`` = ``num
 ``norm_topk_prob``, ``n_group``, ``topk_group``, ``routed_scaling_factor``); formulas and defaults are
 sourced in :mod:`moeyard.routing`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -95,7 +96,9 @@ def validate(cfg: MoEConfig) -> None:
     if cfg.n_group > 1:
         per_group = cfg.num_experts // cfg.n_group
         if cfg.topk_group * per_group < cfg.top_k:
-            raise ValueError(f"topk_group: {cfg.topk_group} groups of {per_group} experts cannot hold top_k={cfg.top_k}")
+            raise ValueError(
+                f"topk_group: {cfg.topk_group} groups of {per_group} experts cannot hold top_k={cfg.top_k}"
+            )
         if cfg.topk_before_score:
             raise ValueError("n_group: grouped top-k needs topk_before_score=False")
     if cfg.activation not in GATED + PLAIN:

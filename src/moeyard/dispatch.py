@@ -14,6 +14,7 @@ The pipeline (the MaxText decomposition, separate composable steps so backends c
     ... grouped up-proj -> activation -> grouped down-proj on rows ...
     out = unpermute(rows_out, plan, topk_weights)   # [T, H]
 """
+
 from __future__ import annotations
 
 import functools
@@ -102,6 +103,7 @@ def sort_by_expert(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, 
     (:func:`make_plan` and :func:`moeyard.experts` check theirs before calling it)."""
     if one_launch(topk_ids, num_experts):
         from .dispatch_triton import sort_by_expert_small
+
         return sort_by_expert_small(topk_ids, num_experts, _key_dtype(num_experts))
     return _sort(_sort_keys(topk_ids, num_experts), num_experts)
 
@@ -112,6 +114,7 @@ def one_launch(topk_ids: Tensor, num_experts: int) -> bool:
     if not have_triton() or not (topk_ids.is_cuda or (topk_ids.is_cpu and interpreting())):
         return False
     from .dispatch_triton import fits
+
     return fits(topk_ids.numel(), num_experts)
 
 
@@ -178,9 +181,17 @@ def make_plan(topk_ids: Tensor, num_experts: int, *, align: int = 1) -> Dispatch
         num_rows = -(-(N + E * (align - 1)) // align) * align
     pair_rows = torch.empty_like(sorted_rows).index_copy_(0, sort_order, sorted_rows)
     return DispatchPlan(
-        num_tokens=T, top_k=K, num_experts=E, align=align, num_rows=num_rows,
-        tokens_per_expert=tokens_per_expert, expert_offsets=expert_offsets, padded_offsets=padded_offsets,
-        sort_order=sort_order, pair_rows=pair_rows, valid=valid,
+        num_tokens=T,
+        top_k=K,
+        num_experts=E,
+        align=align,
+        num_rows=num_rows,
+        tokens_per_expert=tokens_per_expert,
+        expert_offsets=expert_offsets,
+        padded_offsets=padded_offsets,
+        sort_order=sort_order,
+        pair_rows=pair_rows,
+        valid=valid,
     )
 
 
@@ -219,8 +230,9 @@ class _Permute(torch.autograd.Function):
         return dx, None, None, None
 
 
-def unpermute(rows: Tensor, plan: DispatchPlan, topk_weights: Tensor | None = None, *,
-              drop_invalid: bool = False) -> Tensor:
+def unpermute(
+    rows: Tensor, plan: DispatchPlan, topk_weights: Tensor | None = None, *, drop_invalid: bool = False
+) -> Tensor:
     """Weighted combine: ``rows [R, H]`` -> ``[T, H]`` with
     ``out[t] = sum_k topk_weights[t, k] * rows[pair_rows[t * K + k]]``.
 

@@ -10,6 +10,7 @@ one int32, ``tl.sort`` over all of them (so equal keys keep their order: a stabl
 offsets from a histogram of the keys. Up to :data:`MAX_PAIRS` pairs, in registers; the torch path
 beyond (its radix sort is then quicker on the device).
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,15 +34,26 @@ def fits(num_pairs: int, num_experts: int) -> bool:
 
 
 @triton.jit
-def sort_small_kernel(ids_ptr, keys_ptr, order_ptr, offsets_ptr, N, E, N_P2: tl.constexpr, SHIFT: tl.constexpr,
-                      E_P2: tl.constexpr):
+def sort_small_kernel(
+    ids_ptr, keys_ptr, order_ptr, offsets_ptr, N, E, N_P2: tl.constexpr, SHIFT: tl.constexpr, E_P2: tl.constexpr
+):
     """One program: :func:`sort_pairs`."""
     sort_pairs(ids_ptr, keys_ptr, order_ptr, offsets_ptr, N, E, N_P2, SHIFT, E_P2, True)
 
 
 @triton.jit
-def sort_pairs(ids_ptr, keys_ptr, order_ptr, offsets_ptr, N, E, N_P2: tl.constexpr, SHIFT: tl.constexpr,
-               E_P2: tl.constexpr, KEYS: tl.constexpr):
+def sort_pairs(
+    ids_ptr,
+    keys_ptr,
+    order_ptr,
+    offsets_ptr,
+    N,
+    E,
+    N_P2: tl.constexpr,
+    SHIFT: tl.constexpr,
+    E_P2: tl.constexpr,
+    KEYS: tl.constexpr,
+):
     """The whole sort in the calling program: ``keys[i]`` = the i-th key in sorted order (written if
     ``KEYS``), ``order[i]`` = its pair (stable), ``offsets[e]`` = pairs with a key below ``e`` for ``e <= E``. A
     key is the pair's id, or E for an id outside ``[0, E)``; padding positions (``i >= N``) get ``E + 1`` and
@@ -71,8 +83,12 @@ def sort_meta(num_pairs: int, num_experts: int) -> dict:
     """The constexprs and warps of a one-program sort (:func:`sort_pairs`) of ``num_pairs`` over
     ``num_experts``."""
     n_p2 = triton.next_power_of_2(max(num_pairs, 2))
-    return dict(N_P2=n_p2, SHIFT=n_p2.bit_length() - 1, E_P2=triton.next_power_of_2(num_experts + 2),
-                num_warps=8 if n_p2 > 1024 else 4)
+    return dict(
+        N_P2=n_p2,
+        SHIFT=n_p2.bit_length() - 1,
+        E_P2=triton.next_power_of_2(num_experts + 2),
+        num_warps=8 if n_p2 > 1024 else 4,
+    )
 
 
 @sort_small_.register_fake
@@ -92,8 +108,10 @@ def sort_by_expert_small(topk_ids: Tensor, num_experts: int, key_dtype: torch.dt
     ids = topk_ids.reshape(-1)
     N, dev = ids.shape[0], ids.device
     if not fits(N, num_experts):
-        raise ValueError(f"topk_ids: expected 1 to {MAX_PAIRS} pairs over at most {MAX_EXPERTS} experts, got {N} "
-                         f"pairs over {num_experts} (use moeyard.dispatch.sort_by_expert)")
+        raise ValueError(
+            f"topk_ids: expected 1 to {MAX_PAIRS} pairs over at most {MAX_EXPERTS} experts, got {N} "
+            f"pairs over {num_experts} (use moeyard.dispatch.sort_by_expert)"
+        )
     keys = torch.empty(N, device=dev, dtype=key_dtype)
     order = torch.empty(N, device=dev, dtype=torch.int64)
     offsets = torch.empty(num_experts + 1, device=dev, dtype=torch.int32)

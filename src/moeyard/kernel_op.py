@@ -11,6 +11,7 @@ the op and returns a callable that goes through it only while ``torch.compile`` 
 skips is the op's bookkeeping: the outputs it mutates are buffers private to the wrappers, never seen
 by autograd, so their version counters do not matter.
 """
+
 from __future__ import annotations
 
 import importlib.util

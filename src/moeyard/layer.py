@@ -4,6 +4,7 @@ Weights use transformers v5's layout, so checkpoints map one to one: ``gate_up_p
 (gate rows then up rows; ``[E, I, H]`` for a plain activation), ``down_proj [E, H, I]``, optional
 ``gate_up_proj_bias [E, 2I]`` and ``down_proj_bias [E, H]``.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -30,8 +31,16 @@ class SharedExpert(nn.Module):
     ``x [T, H] -> [T, H]``; weights ``gate_up_proj [N1, H]``, ``down_proj [H, I]``.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: Activation, *, gate: bool = False,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: Activation,
+        *,
+        gate: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         n1 = 2 * intermediate_size if activation.gated else intermediate_size
@@ -89,8 +98,15 @@ class MoE(nn.Module):
         TypeError / ValueError: a bad input at forward (wrong dtype or last dimension).
     """
 
-    def __init__(self, config: MoEConfig, backend: str | None = "auto", *, recipe: str | Recipe | None = None,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        config: MoEConfig,
+        backend: str | None = "auto",
+        *,
+        recipe: str | Recipe | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config: expected a moeyard.MoEConfig, got {type(config).__name__}")
@@ -98,8 +114,9 @@ class MoE(nn.Module):
             check_backend_name(backend)
         resolve_recipe(recipe)
         self.config, self.backend, self.recipe = config, backend, recipe
-        self.activation = Activation(name=config.activation, alpha=config.activation_alpha,
-                                     limit=config.activation_limit)
+        self.activation = Activation(
+            name=config.activation, alpha=config.activation_alpha, limit=config.activation_limit
+        )
         E, H, I = config.num_experts, config.hidden_size, config.intermediate_size
         n1 = 2 * I if self.activation.gated else I
         kw = {"device": device, "dtype": dtype}
@@ -120,8 +137,15 @@ class MoE(nn.Module):
         self.keep_routing = True  # False: self.routing is set to None at each forward (see the class docstring)
         self.expert_parallel = None  # set by moeyard.parallel.expert_parallel: called instead of experts
 
-    def add_lora(self, rank: int, *, alpha: float | None = None, rslora: bool = False,
-                 targets: tuple[str, ...] = ("gate_up_proj", "down_proj"), freeze_base: bool = True) -> MoE:
+    def add_lora(
+        self,
+        rank: int,
+        *,
+        alpha: float | None = None,
+        rslora: bool = False,
+        targets: tuple[str, ...] = ("gate_up_proj", "down_proj"),
+        freeze_base: bool = True,
+    ) -> MoE:
         """Add LoRA adapters (:class:`moeyard.experts.lora.LoRAAdapter`, PEFT's layout and init) to the
         expert projections named in ``targets``, in the experts' device and dtype; with
         ``freeze_base`` the expert weights and biases stop requiring grad. Returns ``self``.
@@ -141,8 +165,9 @@ class MoE(nn.Module):
             raise ValueError(f"targets: expected a non-empty subset of {tuple(sizes)}, got {targets!r}")
         kw = {"device": self.down_proj.device, "dtype": self.down_proj.dtype}
         E = self.config.num_experts  # all experts, also where this rank holds only its block of the weights
-        self.lora = nn.ModuleDict({t: LoRAAdapter(E, sizes[t][2], sizes[t][1], rank, alpha=alpha,
-                                                  rslora=rslora, **kw) for t in targets})
+        self.lora = nn.ModuleDict(
+            {t: LoRAAdapter(E, sizes[t][2], sizes[t][1], rank, alpha=alpha, rslora=rslora, **kw) for t in targets}
+        )
         if self.expert_parallel is not None:  # keep this rank's block (moeyard.parallel.lora)
             self.expert_parallel.shard_lora(self)
         if freeze_base:
@@ -162,8 +187,10 @@ class MoE(nn.Module):
         for name, adapter in (self.lora or {}).items():
             w = getattr(self, name)
             if not isinstance(w, torch.Tensor):
-                raise TypeError(f"merge_lora: {name} is quantised ({type(w).__name__}); LoRA cannot be merged into "
-                                "quantised storage")
+                raise TypeError(
+                    f"merge_lora: {name} is quantised ({type(w).__name__}); LoRA cannot be merged into "
+                    "quantised storage"
+                )
             w = w.to_local() if hasattr(w, "to_local") else w  # a DTensor block on a DeviceMesh
             w += adapter.delta_weight().to(w.dtype)
         self.lora = None
@@ -188,10 +215,20 @@ class MoE(nn.Module):
         x2 = x.reshape(-1, H)
         routing = self.router(x2, num_sequences=x.shape[0] if x.dim() == 3 and x2.shape[0] else 1)
         run = experts if self.expert_parallel is None else self.expert_parallel
-        out = run(x2, routing.topk_ids, routing.topk_weights.to(x.dtype), self.gate_up_proj, self.down_proj,
-                  activation=self.activation, backend=self.backend, gate_up_bias=self.gate_up_proj_bias,
-                  down_bias=self.down_proj_bias, recipe=self.recipe, check_ids=False,  # the router's ids lie in [0, E)
-                  lora=None if self.lora is None else {n: a.expert_lora() for n, a in self.lora.items()})
+        out = run(
+            x2,
+            routing.topk_ids,
+            routing.topk_weights.to(x.dtype),
+            self.gate_up_proj,
+            self.down_proj,
+            activation=self.activation,
+            backend=self.backend,
+            gate_up_bias=self.gate_up_proj_bias,
+            down_bias=self.down_proj_bias,
+            recipe=self.recipe,
+            check_ids=False,  # the router's ids lie in [0, E)
+            lora=None if self.lora is None else {n: a.expert_lora() for n, a in self.lora.items()},
+        )
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
         self.aux_loss, self.routing = routing.loss, routing if self.keep_routing else None
@@ -200,13 +237,18 @@ class MoE(nn.Module):
     def _warn_loss_without_grad(self) -> None:
         c = self.config
         if c.aux_loss_coef or c.seq_aux_loss_coef or c.z_loss_coef:
-            warnings.warn("MoE: gradients are disabled while x requires them (the first forward of "
-                          "torch.utils.checkpoint(use_reentrant=True)), so self.aux_loss will carry no gradient "
-                          "to the router; use use_reentrant=False, or forward(x, return_aux_loss=True) inside the "
-                          "checkpoint and add the aux_loss it returns", stacklevel=3)
+            warnings.warn(
+                "MoE: gradients are disabled while x requires them (the first forward of "
+                "torch.utils.checkpoint(use_reentrant=True)), so self.aux_loss will carry no gradient "
+                "to the router; use use_reentrant=False, or forward(x, return_aux_loss=True) inside the "
+                "checkpoint and add the aux_loss it returns",
+                stacklevel=3,
+            )
 
     def extra_repr(self) -> str:
         c = self.config
-        return (f"num_experts={c.num_experts}, top_k={c.top_k}, hidden_size={c.hidden_size}, "
-                f"intermediate_size={c.intermediate_size}, activation={c.activation}, backend={self.backend}"
-                + ("" if self.recipe is None else f", recipe={getattr(self.recipe, 'name', self.recipe)}"))
+        return (
+            f"num_experts={c.num_experts}, top_k={c.top_k}, hidden_size={c.hidden_size}, "
+            f"intermediate_size={c.intermediate_size}, activation={c.activation}, backend={self.backend}"
+            + ("" if self.recipe is None else f", recipe={getattr(self.recipe, 'name', self.recipe)}")
+        )

@@ -21,6 +21,7 @@ gradient of every LoRA factor (PEFT freezes the rest). ``--fuse-lora`` runs moey
 
 The model builders here are the single copy the test-suite uses too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,9 +50,20 @@ TOLERANCE = {
 # Absolute slack on top of "2x eager's error" for bf16/fp16, for errors that are near zero.
 LOW_PRECISION_SLACK = 1e-2
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
-              pad_token_id=None, bos_token_id=None, eos_token_id=None)
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,75 +84,229 @@ class Arch:
 
 
 _MOE8 = dict(num_experts_per_tok=2, moe_intermediate_size=32)
-_DEEPSEEK_MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-                     num_key_value_heads=4, head_dim=8)
-ARCHS: dict[str, Arch] = {a.name: a for a in [
-    Arch(name="qwen3_moe", model_type="qwen3_moe", overrides=dict(**_MOE8, num_experts=8)),
-    Arch(name="olmoe", model_type="olmoe", overrides=dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)),
-    Arch(name="mixtral", model_type="mixtral",
-         overrides=dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)),
-    Arch(name="qwen2_moe", model_type="qwen2_moe",
-         overrides=dict(**_MOE8, num_experts=8, shared_expert_intermediate_size=64)),
-    Arch(name="deepseek_v3", model_type="deepseek_v3",
-         overrides=dict(**_MOE8, **_DEEPSEEK_MLA, n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1,
-                        first_k_dense_replace=0, routed_scaling_factor=2.5)),
-    Arch(name="gpt_oss", model_type="gpt_oss", sentinels=False,  # eager's one_hot has no sentinel class
-         overrides=dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=4,
-                        layer_types=["sliding_attention", "full_attention"])),
-    Arch(name="glm4_moe", model_type="glm4_moe",
-         overrides=dict(**_MOE8, n_routed_experts=8, n_shared_experts=1, n_group=1, topk_group=1,
-                        first_k_dense_replace=0)),
-    Arch(name="dots1", model_type="dots1",
-         overrides=dict(**_MOE8, n_routed_experts=8, n_shared_experts=1, n_group=1, topk_group=1,
-                        first_k_dense_replace=0, sliding_window=None)),
-    Arch(name="ernie4_5_moe", model_type="ernie4_5_moe",
-         overrides=dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
-                        moe_layer_start_index=0, moe_layer_end_index=1)),
-    Arch(name="deepseek_v2", model_type="deepseek_v2",
-         overrides=dict(**_MOE8, **_DEEPSEEK_MLA, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=0)),
-    Arch(name="flex_olmo", model_type="flex_olmo",
-         overrides=dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)),
-    Arch(name="granitemoe", model_type="granitemoe",
-         overrides=dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)),
-    Arch(name="minimax", model_type="minimax",
-         overrides=dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
-                        layer_types=["linear_attention", "full_attention"], block_size=4)),
-    Arch(name="hunyuan_v1_moe", model_type="hunyuan_v1_moe",
-         overrides=dict(num_experts=8, moe_topk=2, intermediate_size=32)),
-    Arch(name="qwen3_next", model_type="qwen3_next",
-         overrides=dict(**_MOE8, num_experts=8, shared_expert_intermediate_size=32, linear_key_head_dim=16,
-                        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                        layer_types=["linear_attention", "full_attention"])),
-    Arch(name="qwen3_5_moe", model_type="qwen3_5_moe_text",
-         overrides=dict(**_MOE8, num_experts=8, shared_expert_intermediate_size=32, linear_key_head_dim=16,
-                        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                        layer_types=["linear_attention", "full_attention"])),
-    Arch(name="phimoe", model_type="phimoe",  # training-time router jitter: see forward_backward's seeding
-         overrides=dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
-    Arch(name="nemotron_h", model_type="nemotron_h",  # has_gate=False: up_proj with ReLU²
-         overrides=dict(**_MOE8, n_routed_experts=8, n_shared_experts=1, moe_shared_expert_intermediate_size=32,
-                        layers_block_type=["moe", "attention"], mamba_num_heads=4, mamba_head_dim=16, n_groups=1,
-                        ssm_state_size=16)),
-    Arch(name="lfm2_moe", model_type="lfm2_moe",  # act_fn is the function F.silu
-         overrides=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=0,
-                        layer_types=["conv", "full_attention"])),
-    Arch(name="solar_open", model_type="solar_open", overrides=dict(**_MOE8, n_routed_experts=8, n_shared_experts=1)),
-    Arch(name="exaone_moe", model_type="exaone_moe",
-         overrides=dict(**_MOE8, num_experts=8, num_shared_experts=1, first_k_dense_replace=0, sliding_window=4)),
-    Arch(name="afmoe", model_type="afmoe",
-         overrides=dict(**_MOE8, num_experts=8, num_shared_experts=1, num_dense_layers=0, sliding_window=4)),
-    Arch(name="minimax_m2", model_type="minimax_m2",
-         overrides=dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)),
-    Arch(name="cohere2_moe", model_type="cohere2_moe",
-         overrides=dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=4)),
-    Arch(name="glm4_moe_lite", model_type="glm4_moe_lite",
-         overrides=dict(**_MOE8, **_DEEPSEEK_MLA, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=0)),
-    Arch(name="jamba", model_type="jamba",
-         overrides=dict(num_experts=8, num_experts_per_tok=2, expert_layer_period=1, expert_layer_offset=0,
-                        attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, use_mamba_kernels=False)),
-    Arch(name="laguna", model_type="laguna",
-         overrides=dict(**_MOE8, num_experts=8, shared_expert_intermediate_size=32, sliding_window=4)),
-]}
+_DEEPSEEK_MLA = dict(
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    num_key_value_heads=4,
+    head_dim=8,
+)
+ARCHS: dict[str, Arch] = {
+    a.name: a
+    for a in [
+        Arch(name="qwen3_moe", model_type="qwen3_moe", overrides=dict(**_MOE8, num_experts=8)),
+        Arch(
+            name="olmoe", model_type="olmoe", overrides=dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)
+        ),
+        Arch(
+            name="mixtral",
+            model_type="mixtral",
+            overrides=dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+        ),
+        Arch(
+            name="qwen2_moe",
+            model_type="qwen2_moe",
+            overrides=dict(**_MOE8, num_experts=8, shared_expert_intermediate_size=64),
+        ),
+        Arch(
+            name="deepseek_v3",
+            model_type="deepseek_v3",
+            overrides=dict(
+                **_MOE8,
+                **_DEEPSEEK_MLA,
+                n_routed_experts=8,
+                n_shared_experts=1,
+                n_group=2,
+                topk_group=1,
+                first_k_dense_replace=0,
+                routed_scaling_factor=2.5,
+            ),
+        ),
+        Arch(
+            name="gpt_oss",
+            model_type="gpt_oss",
+            sentinels=False,  # eager's one_hot has no sentinel class
+            overrides=dict(
+                num_local_experts=8,
+                num_experts_per_tok=2,
+                intermediate_size=32,
+                sliding_window=4,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+        ),
+        Arch(
+            name="glm4_moe",
+            model_type="glm4_moe",
+            overrides=dict(
+                **_MOE8, n_routed_experts=8, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=0
+            ),
+        ),
+        Arch(
+            name="dots1",
+            model_type="dots1",
+            overrides=dict(
+                **_MOE8,
+                n_routed_experts=8,
+                n_shared_experts=1,
+                n_group=1,
+                topk_group=1,
+                first_k_dense_replace=0,
+                sliding_window=None,
+            ),
+        ),
+        Arch(
+            name="ernie4_5_moe",
+            model_type="ernie4_5_moe",
+            overrides=dict(
+                moe_num_experts=8,
+                moe_k=2,
+                moe_intermediate_size=32,
+                moe_num_shared_experts=1,
+                moe_layer_start_index=0,
+                moe_layer_end_index=1,
+            ),
+        ),
+        Arch(
+            name="deepseek_v2",
+            model_type="deepseek_v2",
+            overrides=dict(**_MOE8, **_DEEPSEEK_MLA, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=0),
+        ),
+        Arch(
+            name="flex_olmo",
+            model_type="flex_olmo",
+            overrides=dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
+        ),
+        Arch(
+            name="granitemoe",
+            model_type="granitemoe",
+            overrides=dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+        ),
+        Arch(
+            name="minimax",
+            model_type="minimax",
+            overrides=dict(
+                num_local_experts=8,
+                num_experts_per_tok=2,
+                intermediate_size=32,
+                layer_types=["linear_attention", "full_attention"],
+                block_size=4,
+            ),
+        ),
+        Arch(
+            name="hunyuan_v1_moe",
+            model_type="hunyuan_v1_moe",
+            overrides=dict(num_experts=8, moe_topk=2, intermediate_size=32),
+        ),
+        Arch(
+            name="qwen3_next",
+            model_type="qwen3_next",
+            overrides=dict(
+                **_MOE8,
+                num_experts=8,
+                shared_expert_intermediate_size=32,
+                linear_key_head_dim=16,
+                linear_value_head_dim=16,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                layer_types=["linear_attention", "full_attention"],
+            ),
+        ),
+        Arch(
+            name="qwen3_5_moe",
+            model_type="qwen3_5_moe_text",
+            overrides=dict(
+                **_MOE8,
+                num_experts=8,
+                shared_expert_intermediate_size=32,
+                linear_key_head_dim=16,
+                linear_value_head_dim=16,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                layer_types=["linear_attention", "full_attention"],
+            ),
+        ),
+        Arch(
+            name="phimoe",
+            model_type="phimoe",  # training-time router jitter: see forward_backward's seeding
+            overrides=dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+        ),
+        Arch(
+            name="nemotron_h",
+            model_type="nemotron_h",  # has_gate=False: up_proj with ReLU²
+            overrides=dict(
+                **_MOE8,
+                n_routed_experts=8,
+                n_shared_experts=1,
+                moe_shared_expert_intermediate_size=32,
+                layers_block_type=["moe", "attention"],
+                mamba_num_heads=4,
+                mamba_head_dim=16,
+                n_groups=1,
+                ssm_state_size=16,
+            ),
+        ),
+        Arch(
+            name="lfm2_moe",
+            model_type="lfm2_moe",  # act_fn is the function F.silu
+            overrides=dict(
+                num_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                num_dense_layers=0,
+                layer_types=["conv", "full_attention"],
+            ),
+        ),
+        Arch(
+            name="solar_open", model_type="solar_open", overrides=dict(**_MOE8, n_routed_experts=8, n_shared_experts=1)
+        ),
+        Arch(
+            name="exaone_moe",
+            model_type="exaone_moe",
+            overrides=dict(**_MOE8, num_experts=8, num_shared_experts=1, first_k_dense_replace=0, sliding_window=4),
+        ),
+        Arch(
+            name="afmoe",
+            model_type="afmoe",
+            overrides=dict(**_MOE8, num_experts=8, num_shared_experts=1, num_dense_layers=0, sliding_window=4),
+        ),
+        Arch(
+            name="minimax_m2",
+            model_type="minimax_m2",
+            overrides=dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+        ),
+        Arch(
+            name="cohere2_moe",
+            model_type="cohere2_moe",
+            overrides=dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=4),
+        ),
+        Arch(
+            name="glm4_moe_lite",
+            model_type="glm4_moe_lite",
+            overrides=dict(**_MOE8, **_DEEPSEEK_MLA, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=0),
+        ),
+        Arch(
+            name="jamba",
+            model_type="jamba",
+            overrides=dict(
+                num_experts=8,
+                num_experts_per_tok=2,
+                expert_layer_period=1,
+                expert_layer_offset=0,
+                attn_layer_period=2,
+                attn_layer_offset=1,
+                mamba_d_state=8,
+                use_mamba_kernels=False,
+            ),
+        ),
+        Arch(
+            name="laguna",
+            model_type="laguna",
+            overrides=dict(**_MOE8, num_experts=8, shared_expert_intermediate_size=32, sliding_window=4),
+        ),
+    ]
+}
 # the six every run checks by default are first; the rest follow where they build
 REQUIRED = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss")
 
@@ -149,9 +315,15 @@ class ArchUnavailable(Exception):
     """The installed transformers lacks this architecture (or cannot build it this small)."""
 
 
-def build_model(arch: Arch | str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu", experts_implementation: str = "eager",
-                lora_rank: int = 0) -> torch.nn.Module:
+def build_model(
+    arch: Arch | str,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    experts_implementation: str = "eager",
+    lora_rank: int = 0,
+) -> torch.nn.Module:
     """A tiny seeded random-weight causal LM of ``arch`` (eager attention), in train mode; with
     ``lora_rank`` wrapped by PEFT (:func:`add_expert_lora`).
 
@@ -170,8 +342,9 @@ def build_model(arch: Arch | str, *, seed: int = 0, dtype: torch.dtype = torch.f
     except (KeyError, ValueError) as ex:
         raise ArchUnavailable(f"transformers has no model type {arch.model_type!r}") from ex
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32,
-                                             experts_implementation=experts_implementation)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32, experts_implementation=experts_implementation
+    )
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():
@@ -193,10 +366,18 @@ def add_expert_lora(model: torch.nn.Module, rank: int, *, seed: int = 0) -> torc
         from peft import LoraConfig, get_peft_model
     except ImportError as ex:
         raise ImportError("--lora needs peft >= 0.17: pip install peft") from ex
-    targets = sorted({f"{name}.{p}" for name, m in model.named_modules() if m in experts_modules(model)
-                      for p in ("gate_up_proj", "up_proj", "down_proj") if isinstance(getattr(m, p, None), torch.Tensor)})
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=[],
-                                                  target_parameters=targets))
+    targets = sorted(
+        {
+            f"{name}.{p}"
+            for name, m in model.named_modules()
+            if m in experts_modules(model)
+            for p in ("gate_up_proj", "up_proj", "down_proj")
+            if isinstance(getattr(m, p, None), torch.Tensor)
+        }
+    )
+    peft_model = get_peft_model(
+        model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=[], target_parameters=targets)
+    )
     gen = torch.Generator().manual_seed(seed + 3)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -207,8 +388,11 @@ def add_expert_lora(model: torch.nn.Module, rank: int, *, seed: int = 0) -> torc
 
 def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's ``@use_experts_implementation`` modules."""
-    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj")
-            and not hasattr(m, "base_layer")]
+    return [
+        m
+        for m in model.modules()
+        if hasattr(m, "has_gate") and hasattr(m, "down_proj") and not hasattr(m, "base_layer")
+    ]
 
 
 def make_inputs(model: torch.nn.Module, *, seed: int = 0, batch: int = 2, seq: int = 8) -> tuple[Tensor, Tensor]:
@@ -283,16 +467,28 @@ class Result:
     seconds: float = 0.0
 
 
-def check_arch(arch: Arch, backends: list[str], *, device: str, dtype: torch.dtype, seed: int = 0,
-               lora_rank: int = 0, fuse_lora: bool = False) -> list[Result]:
+def check_arch(
+    arch: Arch,
+    backends: list[str],
+    *,
+    device: str,
+    dtype: torch.dtype,
+    seed: int = 0,
+    lora_rank: int = 0,
+    fuse_lora: bool = False,
+) -> list[Result]:
     """Parity of every backend for one architecture (see the module docstring for the criterion);
     with ``lora_rank``, of PEFT LoRA training (``fuse_lora``: through :func:`moeyard.integrations.peft.fuse_lora`)."""
     try:
         model = build_model(arch, seed=seed, dtype=dtype, device=device, lora_rank=lora_rank)
-        judge = _Exact(model, seed=seed, dtype=dtype) if dtype in TOLERANCE else \
-            _LowPrecision(model, arch, seed=seed, device=device, lora_rank=lora_rank)
+        judge = (
+            _Exact(model, seed=seed, dtype=dtype)
+            if dtype in TOLERANCE
+            else _LowPrecision(model, arch, seed=seed, device=device, lora_rank=lora_rank)
+        )
         if fuse_lora:
             from .integrations.peft import fuse_lora as fuse
+
             fuse(model)
     except ArchUnavailable as ex:
         return [Result(arch=arch.name, backend=b, status="skip", message=str(ex)) for b in backends]
@@ -305,17 +501,40 @@ def check_arch(arch: Arch, backends: list[str], *, device: str, dtype: torch.dty
         try:
             verdict = judge(backend)
         except Exception as ex:  # reported per cell: one backend's failure must not hide the others
-            results.append(Result(arch=arch.name, backend=backend, status="error",
-                                  message=f"{type(ex).__name__}: {str(ex).splitlines()[0][:200]}"))
+            results.append(
+                Result(
+                    arch=arch.name,
+                    backend=backend,
+                    status="error",
+                    message=f"{type(ex).__name__}: {str(ex).splitlines()[0][:200]}",
+                )
+            )
             continue
         if verdict is None:
-            results.append(Result(arch=arch.name, backend=backend, status="skip", message=(
-                f"in {_LowPrecision.TRIES} input draws, a near tie always routed some token differently "
-                "from float64")))
+            results.append(
+                Result(
+                    arch=arch.name,
+                    backend=backend,
+                    status="skip",
+                    message=(
+                        f"in {_LowPrecision.TRIES} input draws, a near tie always routed some token differently "
+                        "from float64"
+                    ),
+                )
+            )
             continue
         err, where, limit = verdict
-        results.append(Result(arch=arch.name, backend=backend, status="pass" if err <= limit else "fail",
-                              error=err, where=where, limit=limit, seconds=time.perf_counter() - t0))
+        results.append(
+            Result(
+                arch=arch.name,
+                backend=backend,
+                status="pass" if err <= limit else "fail",
+                error=err,
+                where=where,
+                limit=limit,
+                seconds=time.perf_counter() - t0,
+            )
+        )
     return results
 
 
@@ -356,7 +575,9 @@ class _LowPrecision:
             if draw is None:
                 continue
             ids, probe, ref64, routing64, limit = draw
-            got, routing = _routed(self.model, lambda ids=ids, probe=probe: run_moeyard(self.model, backend, ids, probe))
+            got, routing = _routed(
+                self.model, lambda ids=ids, probe=probe: run_moeyard(self.model, backend, ids, probe)
+            )
             if _same_routing(routing, routing64):
                 return (*max_rel_error(got, ref64), limit)
         return None
@@ -376,8 +597,9 @@ class _LowPrecision:
 def _routed(model: torch.nn.Module, run) -> tuple[dict[str, Tensor], list[Tensor]]:
     """``run()``'s result and the ``top_k_index`` every experts module received, in call order."""
     seen: list[Tensor] = []
-    handles = [m.register_forward_pre_hook(lambda m, args: seen.append(args[1].detach().cpu()))
-               for m in experts_modules(model)]
+    handles = [
+        m.register_forward_pre_hook(lambda m, args: seen.append(args[1].detach().cpu())) for m in experts_modules(model)
+    ]
     try:
         return run(), seen
     finally:
@@ -387,8 +609,9 @@ def _routed(model: torch.nn.Module, run) -> tuple[dict[str, Tensor], list[Tensor
 
 def _same_routing(a: list[Tensor], b: list[Tensor]) -> bool:
     """Same experts per token (as sets: the order of the k slots may differ)."""
-    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x.sort(-1).values, y.sort(-1).values)
-                                    for x, y in zip(a, b, strict=True))
+    return len(a) == len(b) and all(
+        x.shape == y.shape and torch.equal(x.sort(-1).values, y.sort(-1).values) for x, y in zip(a, b, strict=True)
+    )
 
 
 # ---------------------------------------------------------------- command line
@@ -398,20 +621,39 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``moeyard verify``'s options to ``parser``."""
-    parser.add_argument("--arch", nargs="+", metavar="NAME", choices=sorted(ARCHS),
-                        help=f"architectures to check (default: all: {', '.join(ARCHS)})")
-    parser.add_argument("--backends", nargs="+", metavar="NAME",
-                        help="moeyard backends (default: every one that runs on the device and dtype)")
+    parser.add_argument(
+        "--arch",
+        nargs="+",
+        metavar="NAME",
+        choices=sorted(ARCHS),
+        help=f"architectures to check (default: all: {', '.join(ARCHS)})",
+    )
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        metavar="NAME",
+        help="moeyard backends (default: every one that runs on the device and dtype)",
+    )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype (default: float32)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default: 0)")
-    parser.add_argument("--lora", type=int, default=0, metavar="R",
-                        help="wrap each model with PEFT LoRA of rank R on the experts and compare LoRA training")
-    parser.add_argument("--fuse-lora", action="store_true",
-                        help="with --lora: run moeyard through moeyard.integrations.peft.fuse_lora")
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="R",
+        help="wrap each model with PEFT LoRA of rank R on the experts and compare LoRA training",
+    )
+    parser.add_argument(
+        "--fuse-lora", action="store_true", help="with --lora: run moeyard through moeyard.integrations.peft.fuse_lora"
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    parser.add_argument("--framework", choices=("torch", "jax"), default="torch",
-                        help="jax: add a column with the experts computed by moeyard.jax (moeyard.jax.verify)")
+    parser.add_argument(
+        "--framework",
+        choices=("torch", "jax"),
+        default="torch",
+        help="jax: add a column with the experts computed by moeyard.jax (moeyard.jax.verify)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -435,20 +677,43 @@ def run(args: argparse.Namespace) -> int:
         if b not in backend_names() or b == "auto":
             raise ValueError(f"--backends: expected names from {runnable}, got {b!r}")
         if b not in runnable:
-            raise ValueError(f"--backends: {b!r} cannot run on {device} with {args.dtype}; backends that can: {runnable}")
+            raise ValueError(
+                f"--backends: {b!r} cannot run on {device} with {args.dtype}; backends that can: {runnable}"
+            )
     if args.lora < 0 or (args.fuse_lora and not args.lora):
         raise ValueError(f"--lora: expected a positive rank (needed by --fuse-lora), got {args.lora}")
     archs = [ARCHS[a] for a in (args.arch or ARCHS)]
     t0 = time.perf_counter()
     with quiet_transformers(), _framework(args.framework, dtype) as extra:
         backends = [*backends, *extra]
-        results = [r for a in archs for r in check_arch(a, list(backends), device=device, dtype=dtype, seed=args.seed,
-                                                        lora_rank=args.lora, fuse_lora=args.fuse_lora)]
+        results = [
+            r
+            for a in archs
+            for r in check_arch(
+                a,
+                list(backends),
+                device=device,
+                dtype=dtype,
+                seed=args.seed,
+                lora_rank=args.lora,
+                fuse_lora=args.fuse_lora,
+            )
+        ]
     elapsed = time.perf_counter() - t0
     failed = any(r.status in ("fail", "error") for r in results)
     if args.json:
-        print(json.dumps({"device": device, "dtype": args.dtype, "seconds": round(elapsed, 2), "ok": not failed,
-                          "results": [asdict(r) for r in results]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "device": device,
+                    "dtype": args.dtype,
+                    "seconds": round(elapsed, 2),
+                    "ok": not failed,
+                    "results": [asdict(r) for r in results],
+                },
+                indent=2,
+            )
+        )
     else:
         _print_table(results, backends, device=device, dtype=args.dtype, seconds=elapsed)
     return 1 if failed else 0
@@ -461,6 +726,7 @@ def _framework(framework: str, dtype: torch.dtype):
         yield []
         return
     from .jax.verify import jax_column
+
     with jax_column(dtype) as name:
         yield [name]
 

@@ -20,6 +20,7 @@ then the sum; ``benchmarks/NOTES.md`` round 19). :func:`gathered_weighted_sum` i
 its backward writing each pair's gradient row straight to the row it came from (``unpermute``; one H200,
 qwen3-30b-a3b, the ``grouped_mm`` backend's forward + backward 25.5 -> 20.7 ms, round 20).
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,8 +43,9 @@ def weighted_sum_reference(pairs: Tensor, weights: Tensor) -> Tensor:
     return torch.bmm(weights.to(pairs.dtype).unsqueeze(1), pairs).squeeze(1)
 
 
-def gathered_sum(src: Tensor, index: Tensor, weights: Tensor | None = None, *,
-                 keep: bool = False) -> tuple[Tensor, Tensor | None]:
+def gathered_sum(
+    src: Tensor, index: Tensor, weights: Tensor | None = None, *, keep: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """``out[t] = sum_k w[t, k] * src[index[t, k]]`` (``w = 1`` when ``weights`` is None), outside
     autograd, with each gathered row read once: ``src [*, H]``, ``index [T, K]`` int64 (rows of
     ``src``), ``weights [T, K]`` in ``src.dtype``. Returns ``(out [T, H], pairs [T, K, H] | None)``
@@ -54,6 +56,7 @@ def gathered_sum(src: Tensor, index: Tensor, weights: Tensor | None = None, *,
     callers hold them by construction: a check would read the device)."""
     if _on_kernels(src) and index.numel() and src.stride(1) == 1:
         from .weighted_sum_triton import gathered_sum as kernel
+
         return kernel(src, index.contiguous(), None if weights is None else weights.contiguous(), keep)
     T, K = index.shape
     pairs = src.index_select(0, index.reshape(-1)).view(T, K, src.shape[1])
@@ -77,6 +80,7 @@ def weights_grad(pairs: Tensor, grad_out: Tensor) -> Tensor:
     """``d weights [T, K]`` in ``pairs.dtype``: ``<grad_out[t], pairs[t, k]>`` (``grad_out [T, H]``)."""
     if _on_kernels(pairs):
         from .weighted_sum_triton import weights_grad as kernel
+
         return kernel(pairs.contiguous(), grad_out.contiguous())
     return torch.bmm(pairs, grad_out.to(pairs.dtype).unsqueeze(2)).squeeze(2)
 
@@ -89,6 +93,7 @@ class _WeightedSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pairs, weights):
         from .weighted_sum_triton import weighted_sum_forward
+
         pairs, weights = pairs.contiguous(), weights.contiguous()
         ctx.save_for_backward(pairs, weights)
         return weighted_sum_forward(pairs, weights)
@@ -96,6 +101,7 @@ class _WeightedSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         from .weighted_sum_triton import pairs_grad
+
         pairs, weights = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         d_pairs = pairs_grad(weights, grad_out) if ctx.needs_input_grad[0] else None
@@ -128,6 +134,7 @@ def _scattered_pairs_grad(weights: Tensor, grad_out: Tensor, index: Tensor, num_
     """``[num_rows, H]``: row ``index[t, k]`` holds ``weights[t, k] * grad_out[t]``, the other rows zero."""
     if _on_kernels(grad_out):
         from .weighted_sum_triton import scattered_pairs_grad
+
         return scattered_pairs_grad(weights.contiguous(), grad_out, index.contiguous(), num_rows)
     d_pairs = weights.unsqueeze(2) * grad_out.unsqueeze(1)
     d_src = grad_out.new_zeros(num_rows, grad_out.shape[1])

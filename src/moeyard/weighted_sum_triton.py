@@ -8,6 +8,7 @@ pair order or, scattering, at the rows an index names. ``weights_grad_kernel``: 
 program walks H in ``GRAD_BH`` steps for all K slots of ``BT`` tokens. Each reads the pairs once:
 ``T * K * H * itemsize`` bytes (1.07 GB at Qwen3-30B-A3B's T = 32768, K = 8, H = 2048, bf16).
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,9 +31,22 @@ def _token_tile(T, H, BT: tl.constexpr, BH: tl.constexpr):
 
 
 @triton.jit
-def weighted_sum_kernel(pairs_ptr, w_ptr, out_ptr, index_ptr, keep_ptr, T, H, stride_src, K: tl.constexpr,
-                        HAS_W: tl.constexpr, GATHER: tl.constexpr, KEEP: tl.constexpr, BT: tl.constexpr,
-                        BH: tl.constexpr):
+def weighted_sum_kernel(
+    pairs_ptr,
+    w_ptr,
+    out_ptr,
+    index_ptr,
+    keep_ptr,
+    T,
+    H,
+    stride_src,
+    K: tl.constexpr,
+    HAS_W: tl.constexpr,
+    GATHER: tl.constexpr,
+    KEEP: tl.constexpr,
+    BT: tl.constexpr,
+    BH: tl.constexpr,
+):
     """``out[t, h] = sum_k w[t, k] * pairs[t, k, h]`` (float32 sums, k in order; ``w = 1`` without
     ``HAS_W``). ``GATHER``: pair ``(t, k)``'s row is ``pairs[index[t, k]]`` (rows ``stride_src`` apart),
     and with ``KEEP`` it is also copied to ``keep[t, k]``; otherwise ``pairs [T, K, H]`` contiguous."""
@@ -55,8 +69,9 @@ def weighted_sum_kernel(pairs_ptr, w_ptr, out_ptr, index_ptr, keep_ptr, T, H, st
 
 
 @triton.jit
-def pairs_grad_kernel(w_ptr, g_ptr, dp_ptr, index_ptr, T, H, K: tl.constexpr, SCATTER: tl.constexpr,
-                      BT: tl.constexpr, BH: tl.constexpr):
+def pairs_grad_kernel(
+    w_ptr, g_ptr, dp_ptr, index_ptr, T, H, K: tl.constexpr, SCATTER: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr
+):
     """``dp[t, k, h] = w[t, k] * g[t, h]`` (the product in float32, rounded once), ``g`` read once.
     ``SCATTER``: pair ``(t, k)``'s row goes to ``dp[index[t, k]]`` (rows ``H`` apart) instead."""
     t64, h, m_t, mask = _token_tile(T, H, BT, BH)
@@ -69,22 +84,24 @@ def pairs_grad_kernel(w_ptr, g_ptr, dp_ptr, index_ptr, T, H, K: tl.constexpr, SC
 
 
 @triton.jit
-def weights_grad_kernel(pairs_ptr, g_ptr, dw_ptr, T, H, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
-                        BH: tl.constexpr):
+def weights_grad_kernel(
+    pairs_ptr, g_ptr, dw_ptr, T, H, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr
+):
     """``dw[t, k] = sum_h g[t, h] * pairs[t, k, h]`` (float32 sums over H in BH steps, in order; each
     ``g`` tile read once for all K slots, ``KP`` = K rounded up to a power of two)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     k = tl.arange(0, KP)
     m_t = t < T
-    m_tk = m_t[:, None] & (k < K)[None, :]                                         # [BT, KP]
-    row = t.to(tl.int64)[:, None] * K + k[None, :]                                  # [BT, KP] pair rows
+    m_tk = m_t[:, None] & (k < K)[None, :]  # [BT, KP]
+    row = t.to(tl.int64)[:, None] * K + k[None, :]  # [BT, KP] pair rows
     acc = tl.zeros((BT, KP, BH), tl.float32)
     for h0 in range(0, H, BH):
         h = h0 + tl.arange(0, BH)
         m_h = h < H
         g = tl.load(g_ptr + t.to(tl.int64)[:, None] * H + h[None, :], mask=m_t[:, None] & m_h[None, :], other=0.0)
-        p = tl.load(pairs_ptr + row[:, :, None] * H + h[None, None, :], mask=m_tk[:, :, None] & m_h[None, None, :],
-                    other=0.0)
+        p = tl.load(
+            pairs_ptr + row[:, :, None] * H + h[None, None, :], mask=m_tk[:, :, None] & m_h[None, None, :], other=0.0
+        )
         acc += g.to(tl.float32)[:, None, :] * p.to(tl.float32)
     tl.store(dw_ptr + row, tl.sum(acc, axis=2).to(dw_ptr.dtype.element_ty), mask=m_tk)
 
@@ -93,7 +110,8 @@ def weights_grad_kernel(pairs_ptr, g_ptr, dw_ptr, T, H, K: tl.constexpr, KP: tl.
 def weighted_sum_(pairs: Tensor, weights: Tensor, out: Tensor) -> None:
     T, K, H = pairs.shape
     weighted_sum_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](
-        pairs, weights, out, out, out, T, H, H, K=K, HAS_W=True, GATHER=False, KEEP=False, BT=BT, BH=BH, num_warps=4)
+        pairs, weights, out, out, out, T, H, H, K=K, HAS_W=True, GATHER=False, KEEP=False, BT=BT, BH=BH, num_warps=4
+    )
 
 
 @kernel_op("moeyard::gathered_sum_", mutates_args=("out", "keep"))
@@ -101,30 +119,47 @@ def gathered_sum_(src: Tensor, index: Tensor, weights: Tensor | None, out: Tenso
     T, K = index.shape
     H = out.shape[1]
     weighted_sum_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](
-        src, out if weights is None else weights, out, index, out if keep is None else keep, T, H, src.stride(0), K=K,
-        HAS_W=weights is not None, GATHER=True, KEEP=keep is not None, BT=BT, BH=BH, num_warps=4)
+        src,
+        out if weights is None else weights,
+        out,
+        index,
+        out if keep is None else keep,
+        T,
+        H,
+        src.stride(0),
+        K=K,
+        HAS_W=weights is not None,
+        GATHER=True,
+        KEEP=keep is not None,
+        BT=BT,
+        BH=BH,
+        num_warps=4,
+    )
 
 
 @kernel_op("moeyard::pairs_grad_", mutates_args=("dp",))
 def pairs_grad_(weights: Tensor, grad_out: Tensor, dp: Tensor) -> None:
     T, K, H = dp.shape
-    pairs_grad_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](weights, grad_out, dp, dp, T, H, K=K, SCATTER=False,
-                                                                BT=BT, BH=BH, num_warps=4)
+    pairs_grad_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](
+        weights, grad_out, dp, dp, T, H, K=K, SCATTER=False, BT=BT, BH=BH, num_warps=4
+    )
 
 
 @kernel_op("moeyard::scattered_pairs_grad_", mutates_args=("d_src",))
 def scattered_pairs_grad_(weights: Tensor, grad_out: Tensor, index: Tensor, d_src: Tensor) -> None:
     T, K = weights.shape
     H = d_src.shape[1]
-    pairs_grad_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](weights, grad_out, d_src, index, T, H, K=K,
-                                                                SCATTER=True, BT=BT, BH=BH, num_warps=4)
+    pairs_grad_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](
+        weights, grad_out, d_src, index, T, H, K=K, SCATTER=True, BT=BT, BH=BH, num_warps=4
+    )
 
 
 @kernel_op("moeyard::weights_grad_", mutates_args=("dw",))
 def weights_grad_(pairs: Tensor, grad_out: Tensor, dw: Tensor) -> None:
     T, K, H = pairs.shape
-    weights_grad_kernel[(triton.cdiv(T, BT),)](pairs, grad_out, dw, T, H, K=K, KP=triton.next_power_of_2(K), BT=BT,
-                                               BH=GRAD_BH, num_warps=4)
+    weights_grad_kernel[(triton.cdiv(T, BT),)](
+        pairs, grad_out, dw, T, H, K=K, KP=triton.next_power_of_2(K), BT=BT, BH=GRAD_BH, num_warps=4
+    )
 
 
 def gathered_sum(src: Tensor, index: Tensor, weights: Tensor | None, keep: bool) -> tuple[Tensor, Tensor | None]:

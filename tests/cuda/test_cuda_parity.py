@@ -5,6 +5,7 @@ debug mode).
 
 Legend: T tokens, H hidden size, I intermediate size, E experts, K top-k.
 """
+
 import math
 
 import pytest
@@ -29,14 +30,14 @@ BACKEND_DTYPE = [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for d in DTYPES for 
 
 # (T, H, I, E, K, experts the ids are drawn from (None: all))
 SHAPES = [
-    pytest.param(256, 128, 64, 16, 4, None, id="base"),             # several tiles per expert
-    pytest.param(64, 64, 32, 8, 2, [1, 6], id="empty_experts"),     # six experts get no rows
-    pytest.param(48, 64, 32, 8, 1, [5], id="one_expert"),           # every row in one group
-    pytest.param(1, 64, 32, 8, 2, None, id="T1"),                   # one token
-    pytest.param(0, 64, 32, 8, 2, None, id="T0"),                   # no tokens
-    pytest.param(37, 64, 32, 7, 7, None, id="prime_E_k_eq_E"),      # prime E, K = E
-    pytest.param(33, 24, 40, 5, 2, None, id="H24_I40"),             # H, I not multiples of 16
-    pytest.param(10, 64, 32, 1, 1, None, id="E1"),                  # a single expert
+    pytest.param(256, 128, 64, 16, 4, None, id="base"),  # several tiles per expert
+    pytest.param(64, 64, 32, 8, 2, [1, 6], id="empty_experts"),  # six experts get no rows
+    pytest.param(48, 64, 32, 8, 1, [5], id="one_expert"),  # every row in one group
+    pytest.param(1, 64, 32, 8, 2, None, id="T1"),  # one token
+    pytest.param(0, 64, 32, 8, 2, None, id="T0"),  # no tokens
+    pytest.param(37, 64, 32, 7, 7, None, id="prime_E_k_eq_E"),  # prime E, K = E
+    pytest.param(33, 24, 40, 5, 2, None, id="H24_I40"),  # H, I not multiples of 16
+    pytest.param(10, 64, 32, 1, 1, None, id="E1"),  # a single expert
 ]
 
 
@@ -65,8 +66,16 @@ def test_gpt_oss_layout_and_drop_invalid(backend, dtype):
     ids[0, 0], ids[5, 1] = -1, E
     inputs = make_inputs(T, 64, 32, E, K, bias=True, transposed=True, ids=ids)
     inputs["hidden_states"] *= 6
-    check_backend(backend, inputs, dtype, device=DEV, activation="clamped_swiglu", transposed=True,
-                  interleaved=True, drop_invalid=True)
+    check_backend(
+        backend,
+        inputs,
+        dtype,
+        device=DEV,
+        activation="clamped_swiglu",
+        transposed=True,
+        interleaved=True,
+        drop_invalid=True,
+    )
 
 
 def _layer_run(cfg, state, x64, g64, dtype, backend, device):
@@ -82,9 +91,21 @@ def _layer_run(cfg, state, x64, g64, dtype, backend, device):
 
 @pytest.mark.parametrize("backend,dtype", BACKEND_DTYPE)
 def test_layer_forward_backward(backend, dtype):
-    cfg = MoEConfig(num_experts=8, hidden_size=64, intermediate_size=32, top_k=4, score_func="sigmoid",
-                    n_group=4, topk_group=2, score_correction_bias=True, routed_scaling_factor=2.5,
-                    num_shared_experts=1, aux_loss_coef=0.1, seq_aux_loss_coef=0.05, z_loss_coef=0.01)
+    cfg = MoEConfig(
+        num_experts=8,
+        hidden_size=64,
+        intermediate_size=32,
+        top_k=4,
+        score_func="sigmoid",
+        n_group=4,
+        topk_group=2,
+        score_correction_bias=True,
+        routed_scaling_factor=2.5,
+        num_shared_experts=1,
+        aux_loss_coef=0.1,
+        seq_aux_loss_coef=0.05,
+        z_loss_coef=0.01,
+    )
     ref = MoE(cfg, backend="loop", dtype=torch.float64)
     with torch.no_grad():
         for p in ref.parameters():
@@ -114,8 +135,10 @@ def sync_error():
 
 def _problem(T=128, H=64, I=32, E=8, K=2, dtype=torch.bfloat16):
     d = make_inputs(T, H, I, E, K, bias=True)
-    return {k: (v.to(device=DEV, dtype=dtype).requires_grad_() if v.is_floating_point() else v.to(DEV))
-            for k, v in d.items()}
+    return {
+        k: (v.to(device=DEV, dtype=dtype).requires_grad_() if v.is_floating_point() else v.to(DEV))
+        for k, v in d.items()
+    }
 
 
 @pytest.mark.parametrize("align", [1, 16])
@@ -182,8 +205,16 @@ def test_bias_gradient_accumulation_bf16(backend):
 def test_cuda_graph_captures_whole_layer(backend):
     """Router + dispatch + experts + combine + aux loss, forward and backward, captured once and
     replayed on new inputs and weights: replay equals an eager step on those (no host sync anywhere)."""
-    cfg = MoEConfig(num_experts=8, hidden_size=128, intermediate_size=64, top_k=2, aux_loss_coef=0.01,
-                    z_loss_coef=0.001, num_shared_experts=1, shared_expert_gate=True)
+    cfg = MoEConfig(
+        num_experts=8,
+        hidden_size=128,
+        intermediate_size=64,
+        top_k=2,
+        aux_loss_coef=0.01,
+        z_loss_coef=0.001,
+        num_shared_experts=1,
+        shared_expert_gate=True,
+    )
     layer = MoE(cfg, backend=backend).to(DEV, torch.bfloat16)
     params = list(layer.parameters())
     x = torch.randn(256, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)

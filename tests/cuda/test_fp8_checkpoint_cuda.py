@@ -3,6 +3,7 @@ gives the torch path's bits for the active experts only; the ``triton`` and ``gr
 storage give exactly what they give on the dequantised weights (output and every gradient, LoRA on top);
 no host sync in the dequantisation or a training step; a checkpoint loaded onto the GPU gives the logits
 of the same checkpoint loaded on the CPU and moved."""
+
 import pytest
 import torch
 
@@ -20,8 +21,9 @@ def _weights(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape,segments", [((7, 200, 300), None), ((16, 1536, 2048), (768, 768)),
-                                            ((3, 144, 40), (72, 72))])
+@pytest.mark.parametrize(
+    "shape,segments", [((7, 200, 300), None), ((16, 1536, 2048), (768, 768)), ((3, 144, 40), (72, 72))]
+)
 def test_kernel_equals_torch_path(dtype, shape, segments):
     s = FP8BlockExperts.from_float(_weights(shape, dtype), row_segments=segments)
     want = torch.full(s.shape, float("nan"), dtype=dtype, device="cuda")
@@ -43,8 +45,10 @@ def _case(dtype=torch.bfloat16):
         A, B = t[f"{n}.lora_A"].requires_grad_(), t[f"{n}.lora_B"].requires_grad_()
         lora[n] = moeyard.ExpertLoRA(lora_A=A, lora_B=B, scaling=LORA_SCALING[n])
         leaves += [A, B]
-    q = [FP8BlockExperts.from_float(t["gate_up_proj"], row_segments=(192, 192)),
-         FP8BlockExperts.from_float(t["down_proj"])]
+    q = [
+        FP8BlockExperts.from_float(t["gate_up_proj"], row_segments=(192, 192)),
+        FP8BlockExperts.from_float(t["down_proj"]),
+    ]
     return t, leaves, lora, q
 
 
@@ -79,6 +83,7 @@ def test_checkpoint_on_gpu(tmp_path):
     pytest.importorskip("transformers")
     from moeyard.quant import load_fp8_checkpoint
     from test_fp8_checkpoint import cast_parameters, tiny_qwen3_moe, write_fp8_checkpoint
+
     model = cast_parameters(tiny_qwen3_moe(hidden_size=160, moe_intermediate_size=72), torch.bfloat16)
     path = write_fp8_checkpoint(model, tmp_path).fp8
     on_gpu = load_fp8_checkpoint(path, device="cuda")

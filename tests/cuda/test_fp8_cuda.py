@@ -5,6 +5,7 @@ own bfloat16 error under the recipe; the fused form's gradients, rounded in anot
 against the exact layer: see ``tests/test_fp8.py::_check_fused``), on the ``grouped_mm`` and ``triton``
 backends, with empty experts, one hot expert, dropped pairs, LoRA on a frozen FP8 base; no host sync; a
 CUDA graph capture."""
+
 import pytest
 import torch
 
@@ -43,6 +44,7 @@ def _check(backend, inputs, recipe="fp8_rowwise", fused=False, **kw):
 def fast_path_calls(monkeypatch):
     """The Hopper fast path's calls: "gemm" per scaled grouped GEMM, "fused" per fused FFN."""
     import importlib
+
     hop = importlib.import_module("moeyard.experts.scaled_hopper")
     calls = []
     real_mm, real_ffn = hop.scaled_grouped_mm, hop.routed_ffn
@@ -54,6 +56,7 @@ def fast_path_calls(monkeypatch):
 @pytest.mark.parametrize("M, K", [(1, 16), (4097, 2048), (333, 768)])
 def test_rowwise_cast_on_device(M, K):
     from moeyard.quant import fp8_triton
+
     t = (torch.randn(M, K, device=DEV) * torch.logspace(-4, 4, K, device=DEV)).bfloat16()
     q, s = fp8_triton.rowwise(t)
     q_ref, s_ref = fp8.quantize(t, Blocks(None), "pow2")
@@ -62,6 +65,7 @@ def test_rowwise_cast_on_device(M, K):
 
 def test_colwise_casts_on_device():
     from moeyard.quant import fp8_triton
+
     R, N = 3000, 384
     t = (torch.randn(R, N, device=DEV) * torch.logspace(-3, 3, N, device=DEV)).bfloat16()
     off = torch.tensor([0, 0, 512, 2048, 2048, 2992], dtype=torch.int32, device=DEV)
@@ -84,7 +88,7 @@ def test_fast_path_matches_oracle(backend, case, fast_path_calls):
     if case == "empty_experts":  # 12 of 16 experts receive nothing
         ids = torch.stack([torch.randperm(4)[:K] * 4 for _ in range(T)])
     elif case == "one_hot_expert":  # every token's first choice is expert 3
-        ids = torch.stack([torch.cat([torch.tensor([3]), torch.randperm(E - 1)[:K - 1] + 4]) % E for _ in range(T)])
+        ids = torch.stack([torch.cat([torch.tensor([3]), torch.randperm(E - 1)[: K - 1] + 4]) % E for _ in range(T)])
     inp = make_inputs(T, H, I, E, K, ids=ids)
     inp["hidden_states"][:, :3] *= 30  # outlier channels
     _check(backend, inp, fused=True)

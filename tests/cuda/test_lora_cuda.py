@@ -3,6 +3,7 @@ and ``grouped_mm`` backends with the float64 ``loop`` oracle for the output and 
 (x, routing weights, both factors of both projections; base frozen), judged against torch's own
 bfloat16 error; ranks 1..64 with ``r*E`` a multiple of no tile, empty experts and one hot expert; no
 host sync and a CUDA graph capture of the LoRA forward + backward; PEFT parity on the GPU."""
+
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ FROZEN = ("gate_up_proj", "down_proj")
 @pytest.mark.parametrize("rank", [1, 5, 16, 64])  # 1, 5: r*E a multiple of no tile; 64: the largest register tile
 def test_triton_bf16(mode, rank):
     from moeyard.experts.triton.options import use_options
+
     inp = add_lora(make_inputs(700, 256, 192, 12, 4), rank)
     with use_options(lora_mode=mode):
         check_backend("triton", inp, torch.bfloat16, device=DEV, frozen=FROZEN)
@@ -25,8 +27,9 @@ def test_triton_bf16(mode, rank):
 
 @pytest.mark.parametrize("rank", [8, 16])
 def test_grouped_mm_bf16(rank):
-    check_backend("grouped_mm", add_lora(make_inputs(700, 256, 192, 12, 4), rank), torch.bfloat16, device=DEV,
-                  frozen=FROZEN)
+    check_backend(
+        "grouped_mm", add_lora(make_inputs(700, 256, 192, 12, 4), rank), torch.bfloat16, device=DEV, frozen=FROZEN
+    )
 
 
 @pytest.mark.parametrize("case", ["one_hot_expert", "gpt_oss", "trainable_base"])
@@ -37,15 +40,24 @@ def test_triton_edge_cases(case):
         check_backend("triton", inp, torch.bfloat16, device=DEV, frozen=FROZEN)
     elif case == "gpt_oss":
         inp = add_lora(make_inputs(300, 128, 64, E, K, bias=True, transposed=True), 16)
-        check_backend("triton", inp, torch.bfloat16, device=DEV, frozen=FROZEN, activation="clamped_swiglu",
-                      transposed=True, interleaved=True)
+        check_backend(
+            "triton",
+            inp,
+            torch.bfloat16,
+            device=DEV,
+            frozen=FROZEN,
+            activation="clamped_swiglu",
+            transposed=True,
+            interleaved=True,
+        )
     else:
         check_backend("triton", add_lora(make_inputs(300, 128, 64, E, K, bias=True), 16), torch.bfloat16, device=DEV)
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
-@pytest.mark.parametrize("case", ["ragged", "one_hot_expert", "bias", "rank24", "frozen", "frozen_base_trained",
-                                  "one_k_step"])
+@pytest.mark.parametrize(
+    "case", ["ragged", "one_hot_expert", "bias", "rank24", "frozen", "frozen_base_trained", "one_k_step"]
+)
 def test_gluon_down_projection(case, block_m, monkeypatch):
     """The warp-specialised Gluon down projection (sm_90), with one consumer warp group (row tiles of 64)
     and two (128): it runs for the forward and the input gradient, and every output and gradient
@@ -56,6 +68,7 @@ def test_gluon_down_projection(case, block_m, monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm_90")
     from moeyard.experts.triton import kernels_gluon, ops
+
     calls = []
     real = kernels_gluon.launch
     monkeypatch.setattr(kernels_gluon, "launch", lambda *a, **k: (calls.append(a[-2]), real(*a, **k)))
@@ -78,8 +91,23 @@ def test_gluon_down_projection(case, block_m, monkeypatch):
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
-@pytest.mark.parametrize("case", ["ragged", "one_hot_expert", "bias", "rank24", "frozen", "frozen_base_trained",
-                                  "one_k_step", "reglu", "gelu", "float16", "geglu", "three_programs"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "ragged",
+        "one_hot_expert",
+        "bias",
+        "rank24",
+        "frozen",
+        "frozen_base_trained",
+        "one_k_step",
+        "reglu",
+        "gelu",
+        "float16",
+        "geglu",
+        "three_programs",
+    ],
+)
 def test_gluon_gathered_gemms(case, block_m, monkeypatch):
     """The warp-specialised Gluon kernels that gather rows by token (sm_90: loader warps copying the rows with
     ``cp.async``, the weight through TMA), the up projection and the activation gradient, with one consumer
@@ -93,12 +121,16 @@ def test_gluon_gathered_gemms(case, block_m, monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are for sm_90")
     from moeyard.experts.triton import kernels_gluon_gather as gather, ops
+
     nan_fill_empty(monkeypatch)
     calls = {"up": [], "dh": []}
     for kind in calls:
         real = getattr(gather, f"launch_{kind}")
-        monkeypatch.setattr(gather, f"launch_{kind}",
-                            lambda *a, _real=real, _kind=kind, **k: (calls[_kind].append(a[-2]), _real(*a, **k)))
+        monkeypatch.setattr(
+            gather,
+            f"launch_{kind}",
+            lambda *a, _real=real, _kind=kind, **k: (calls[_kind].append(a[-2]), _real(*a, **k)),
+        )
     monkeypatch.setattr(ops, "tma_block_m", lambda: block_m)  # the tile table's rows and the kernel's BM
     if case == "three_programs":
         monkeypatch.setattr(ops, "num_sms", lambda device: 3)
@@ -141,27 +173,38 @@ def test_gluon_gathered_against_triton(rank, monkeypatch):
         pytest.skip("the Gluon kernels are for sm_90")
     from moeyard.experts.triton import kernels_gluon_gather as gather, ops
     from moeyard.experts.triton.options import use_options
+
     calls = []
     for kind in ("up", "dh"):
         real = getattr(gather, f"launch_{kind}")
-        monkeypatch.setattr(gather, f"launch_{kind}",
-                            lambda *a, _real=real, _kind=kind, **k: (calls.append(_kind), _real(*a, **k)))
+        monkeypatch.setattr(
+            gather, f"launch_{kind}", lambda *a, _real=real, _kind=kind, **k: (calls.append(_kind), _real(*a, **k))
+        )
     g = torch.Generator(device=DEV).manual_seed(rank)
     T, H, I, E, K = 2000, 512, 384, 40, 6
     rand = lambda *shape, scale=1.0: (torch.randn(*shape, device=DEV, generator=g) * scale).bfloat16()  # noqa: E731
     x, dout = rand(T, H), rand(T, H)
-    w_up, w_down = rand(E, 2 * I, H, scale=H ** -0.5), rand(E, H, I, scale=I ** -0.5)
-    up = ops.LoRATerm(la=rand(E, H, rank, scale=H ** -0.5), lb=rand(E, 2 * I, rank), scale=0.5)
-    down = ops.LoRATerm(la=rand(E, H, rank, scale=H ** -0.5), lb=rand(E, I, rank), scale=0.5)
+    w_up, w_down = rand(E, 2 * I, H, scale=H**-0.5), rand(E, H, I, scale=I**-0.5)
+    up = ops.LoRATerm(la=rand(E, H, rank, scale=H**-0.5), lb=rand(E, 2 * I, rank), scale=0.5)
+    down = ops.LoRATerm(la=rand(E, H, rank, scale=H**-0.5), lb=rand(E, I, rank), scale=0.5)
     tw = torch.rand(T * K, device=DEV, generator=g).bfloat16()
     r = ops.routing(torch.randint(0, E, (T, K), device=DEV, generator=g), E)
     spec = ops.ActSpec(name="swiglu")
 
     def both(lb_layout, w_layout):
-        h, a, _ = ops.up_proj(x, w_up, None, r, spec, store_h=True,
-                              lora=ops.LoRATerm(la=up.la, lb=lb_layout(up.lb), scale=0.5))
-        dh, aw, dtw, _ = ops.act_grad(dout, w_layout(w_down), None, h, tw, r, spec,
-                                      lora=ops.LoRATerm(la=down.la, lb=lb_layout(down.lb), scale=0.5))
+        h, a, _ = ops.up_proj(
+            x, w_up, None, r, spec, store_h=True, lora=ops.LoRATerm(la=up.la, lb=lb_layout(up.lb), scale=0.5)
+        )
+        dh, aw, dtw, _ = ops.act_grad(
+            dout,
+            w_layout(w_down),
+            None,
+            h,
+            tw,
+            r,
+            spec,
+            lora=ops.LoRATerm(la=down.la, lb=lb_layout(down.lb), scale=0.5),
+        )
         return h, a, dh, aw, dtw
 
     same = lambda t: t  # noqa: E731
@@ -187,6 +230,7 @@ def test_wgrad_rows_bf16(by_token, chunk):
     empty ones; against float64, within bfloat16 rounding of the inputs' products."""
     from moeyard.experts.triton import ops
     from moeyard.experts.triton.options import use_options
+
     T, K, E, NL, R = 600, 2, 9, 640, 16
     topk = torch.stack([torch.tensor([0, 1 + i % 4]) for i in range(T)]).to(DEV)  # experts 5..8 empty
     r = ops.routing(topk, E)
@@ -208,6 +252,7 @@ def test_wgrad_rows_bf16(by_token, chunk):
 def test_lora_b_relayout_kernel(dtype):
     """lora_B's expert-major relayout through the Triton transpose (forward and gradient), exact."""
     from moeyard.experts.relayout import expert_major
+
     out, r, E = 1000, 16, 37
     B = torch.randn(out, r * E, device=DEV, requires_grad=True)
     b = expert_major(B, r, E, dtype)
@@ -229,10 +274,18 @@ def _leaves(seed=0):
 
 
 def _step(leaves, dout):
-    lora = {n: moeyard.ExpertLoRA(lora_A=leaves[f"{n}.lora_A"], lora_B=leaves[f"{n}.lora_B"], scaling=0.5)
-            for n in FROZEN}
-    out = moeyard.experts(leaves["hidden_states"], leaves["topk_ids"], leaves["topk_weights"],
-                          leaves["gate_up_proj"], leaves["down_proj"], backend="triton", lora=lora)
+    lora = {
+        n: moeyard.ExpertLoRA(lora_A=leaves[f"{n}.lora_A"], lora_B=leaves[f"{n}.lora_B"], scaling=0.5) for n in FROZEN
+    }
+    out = moeyard.experts(
+        leaves["hidden_states"],
+        leaves["topk_ids"],
+        leaves["topk_weights"],
+        leaves["gate_up_proj"],
+        leaves["down_proj"],
+        backend="triton",
+        lora=lora,
+    )
     train = [v for k, v in leaves.items() if v.requires_grad]
     return [out.detach()] + list(torch.autograd.grad(out, train, dout))
 
@@ -240,6 +293,7 @@ def _step(leaves, dout):
 @pytest.mark.parametrize("mode", ["split", "fused"])
 def test_no_host_sync(mode):
     from moeyard.experts.triton.options import use_options
+
     leaves, dout = _leaves()
     with use_options(lora_mode=mode):
         _step(leaves, dout)
@@ -277,10 +331,17 @@ def test_peft_parity(fuse):
     pytest.importorskip("peft")
     from moeyard import verify
     from moeyard.integrations.transformers import register
+
     register()
     with verify.quiet_transformers():
-        results = verify.check_arch(verify.ARCHS["qwen3_moe"], ["triton", "grouped_mm"], device=DEV,
-                                    dtype=torch.float32, lora_rank=8, fuse_lora=fuse)
+        results = verify.check_arch(
+            verify.ARCHS["qwen3_moe"],
+            ["triton", "grouped_mm"],
+            device=DEV,
+            dtype=torch.float32,
+            lora_rank=8,
+            fuse_lora=fuse,
+        )
     assert all(r.status == "pass" for r in results), results
 
 

@@ -1,6 +1,7 @@
 """QLoRA on a CUDA GPU: NF4 expert weights through the ``triton`` and ``grouped_mm`` backends in
 bfloat16 give exactly what the same call on bitsandbytes' dequantised weights gives (same math, same
 kernels), and the step makes no host sync (the dequantisation kernel included)."""
+
 import pytest
 import torch
 
@@ -43,7 +44,7 @@ def test_equals_dequantised_weights(backend):
     exact = all(torch.equal(a, w) for a, w in zip(again, want, strict=True))
     for g, w in zip(got, want, strict=True):
         scale = w.abs().max().item()
-        torch.testing.assert_close(g, w, rtol=0, atol=0 if exact else 2 ** -7 * scale)
+        torch.testing.assert_close(g, w, rtol=0, atol=0 if exact else 2**-7 * scale)
     if backend == "triton":
         assert exact
 

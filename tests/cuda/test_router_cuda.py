@@ -2,6 +2,7 @@
 identical, values and gradients close), bfloat16 (logits within rounding of the torch path; a valid
 top-k of its own keys, ties broken towards the lower id; weights and statistics from those ids;
 selection-independent gradients close), bit-reproducibility, and no host sync."""
+
 import pytest
 import torch
 
@@ -16,8 +17,9 @@ SCHEMES = [
     pytest.param(dict(E=128, K=8), id="qwen3"),
     pytest.param(dict(E=256, K=8), id="qwen3.5"),
     pytest.param(dict(E=64, K=8, norm_topk_prob=False), id="olmoe"),
-    pytest.param(dict(E=256, K=8, score_func="sigmoid", score_correction_bias=True, routed_scaling_factor=2.5),
-                 id="sigmoid_bias"),
+    pytest.param(
+        dict(E=256, K=8, score_func="sigmoid", score_correction_bias=True, routed_scaling_factor=2.5), id="sigmoid_bias"
+    ),
     pytest.param(dict(E=32, K=4, topk_before_score=True, router_bias=True), id="gpt_oss"),
     pytest.param(dict(E=512, K=10), id="E512"),
     pytest.param(dict(E=60, K=16), id="E60_K16"),
@@ -30,7 +32,7 @@ def _problem(kw, T=2000, H=512, dtype=torch.float32):
     cfg = MoEConfig(num_experts=E, hidden_size=H, intermediate_size=8, top_k=K, **COEFS, **kw)
     g = torch.Generator(DEV).manual_seed(0)
     x = torch.randn(T, H, device=DEV, generator=g).to(dtype)
-    w = (torch.randn(E, H, device=DEV, generator=g) / H ** 0.5).to(dtype)
+    w = (torch.randn(E, H, device=DEV, generator=g) / H**0.5).to(dtype)
     bias = (torch.randn(E, device=DEV, generator=g) * 0.3).to(dtype) if cfg.router_bias else None
     corr = torch.randn(E, device=DEV, generator=g) * 0.05 if cfg.score_correction_bias else None
     return cfg, x, w, bias, corr
@@ -38,11 +40,13 @@ def _problem(kw, T=2000, H=512, dtype=torch.float32):
 
 def _run(fn, cfg, x, w, bias, corr, B=4, use=("topk_weights", "loss", "router_logits", "scores")):
     leaves = [t.detach().requires_grad_() for t in (x, w) + ((bias,) if bias is not None else ())]
-    out = fn(leaves[0], leaves[1], cfg, bias=leaves[2] if bias is not None else None, correction_bias=corr,
-             num_sequences=B)
+    out = fn(
+        leaves[0], leaves[1], cfg, bias=leaves[2] if bias is not None else None, correction_bias=corr, num_sequences=B
+    )
     g = torch.Generator(DEV).manual_seed(1)
-    total = sum((getattr(out, n).float() * torch.randn(getattr(out, n).shape, device=DEV, generator=g)).sum()
-                for n in use)
+    total = sum(
+        (getattr(out, n).float() * torch.randn(getattr(out, n).shape, device=DEV, generator=g)).sum() for n in use
+    )
     return out, torch.autograd.grad(total, leaves)
 
 
@@ -74,7 +78,7 @@ def test_bfloat16_selection_and_values(kw):
     cfg, x, w, bias, corr = _problem(kw, T=4096, H=2048, dtype=torch.bfloat16)
     out = fused.route_fused(x, w, cfg, bias=bias, correction_bias=corr)
     want = torch_route(x, w, cfg, bias=bias, correction_bias=corr)
-    torch.testing.assert_close(out.router_logits, want.router_logits, rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(out.router_logits, want.router_logits, rtol=2**-7, atol=1e-3)
     l, s = out.router_logits, out.scores
     torch.testing.assert_close(s, l.softmax(-1) if cfg.score_func == "softmax" else l.sigmoid(), rtol=1e-5, atol=1e-6)
     key = l if cfg.topk_before_score else s + (0 if corr is None else corr)  # the kernel's own keys
@@ -82,8 +86,9 @@ def test_bfloat16_selection_and_values(kw):
     rest = key.scatter(1, out.topk_ids, float("-inf"))
     assert (picked[:, :-1] >= picked[:, 1:]).all(), "ids not in decreasing key order"
     assert (picked[:, -1] >= rest.max(1).values).all(), "not a top-k of the keys"
-    counts = torch.zeros(cfg.num_experts, device=DEV).index_add_(0, out.topk_ids.reshape(-1),
-                                                                 torch.ones(out.topk_ids.numel(), device=DEV))
+    counts = torch.zeros(cfg.num_experts, device=DEV).index_add_(
+        0, out.topk_ids.reshape(-1), torch.ones(out.topk_ids.numel(), device=DEV)
+    )
     assert torch.equal(out.tokens_per_expert, counts)
     probs = s if cfg.score_func == "softmax" else s / (s.sum(-1, keepdim=True) + 1e-20)
     aux = balance_loss_from_stats(counts, probs.sum(0), x.shape[0], cfg.top_k)

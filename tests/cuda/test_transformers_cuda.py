@@ -6,6 +6,7 @@ bfloat16 is judged against PyTorch's own bf16 error: both eager-bf16 and moeyard
 with a float64 eager run of the same weights, and moeyard may be at most
 ``2 * err(eager) + verify.LOW_PRECISION_SLACK`` (see verify.py).
 """
+
 import pytest
 import torch
 
@@ -47,13 +48,20 @@ def test_compiled_generate_matches_eager(arch):
     # graphs by default): with moeyard's experts (the default backend on this GPU) it decodes eager's tokens, its
     # logits close at every step (float32: only the compiler's fusions differ)
     from transformers import CompileConfig
+
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = verify.build_model(arch, device="cuda", experts_implementation="moeyard").eval()
     g = torch.Generator("cuda").manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (2, 7), device="cuda", generator=g)
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
-              output_logits=True, cache_implementation="static")
+    kw = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=6,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+        cache_implementation="static",
+    )
     want = model.generate(ids, disable_compile=True, **kw)
     got = model.generate(ids, compile_config=CompileConfig(fullgraph=True), **kw)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the decoding step was compiled

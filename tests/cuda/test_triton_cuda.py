@@ -1,6 +1,7 @@
 """The ``triton`` expert backend on a CUDA GPU: bfloat16 parity with the float64 ``loop`` oracle
 (judged against torch's own bfloat16 error), float32, no host sync (sync-debug mode and a CUDA
 graph capture of forward + backward), and 64-bit indexing when ``T * K * H > 2**31``."""
+
 import pytest
 import torch
 
@@ -16,10 +17,12 @@ DEV = "cuda"
 def _problem(T, H, I, E, K, *, bias=False, transposed=False, gated=True, scale=1.0):
     n1 = 2 * I if gated else I
     up_shape, down_shape = ((E, H, n1), (E, I, H)) if transposed else ((E, n1, H), (E, H, I))
-    p = dict(x=torch.randn(T, H, device=DEV) * scale,
-             gate_up_proj=torch.randn(up_shape, device=DEV) / H ** 0.5,
-             down_proj=torch.randn(down_shape, device=DEV) / I ** 0.5,
-             topk_weights=torch.rand(T, K, device=DEV) + 0.1)
+    p = dict(
+        x=torch.randn(T, H, device=DEV) * scale,
+        gate_up_proj=torch.randn(up_shape, device=DEV) / H**0.5,
+        down_proj=torch.randn(down_shape, device=DEV) / I**0.5,
+        topk_weights=torch.rand(T, K, device=DEV) + 0.1,
+    )
     if bias:
         p["gate_up_bias"] = torch.randn(E, n1, device=DEV) * 0.5
         p["down_bias"] = torch.randn(E, H, device=DEV) * 0.5
@@ -29,9 +32,17 @@ def _problem(T, H, I, E, K, *, bias=False, transposed=False, gated=True, scale=1
 
 def _run(p, ids, backend, dtype, dout=None, **kw):
     leaves = {k: v.detach().to(dtype).requires_grad_() for k, v in p.items()}
-    out = moeyard.experts(leaves["x"], ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"],
-                          gate_up_bias=leaves.get("gate_up_bias"), down_bias=leaves.get("down_bias"),
-                          backend=backend, **kw)
+    out = moeyard.experts(
+        leaves["x"],
+        ids,
+        leaves["topk_weights"],
+        leaves["gate_up_proj"],
+        leaves["down_proj"],
+        gate_up_bias=leaves.get("gate_up_bias"),
+        down_bias=leaves.get("down_bias"),
+        backend=backend,
+        **kw,
+    )
     if dout is None:
         dout = torch.randn(out.shape, device=DEV, generator=torch.Generator(DEV).manual_seed(1))
     grads = torch.autograd.grad(out, list(leaves.values()), dout.to(dtype))
@@ -76,16 +87,20 @@ def _graph_inputs(T=512, H=256, I=128, E=8, K=2):
 
 
 def _fwd_bwd(leaves, ids, dout):
-    out = moeyard.experts(leaves["x"], ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"],
-                          backend="triton")
+    out = moeyard.experts(
+        leaves["x"], ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"], backend="triton"
+    )
     return [out.detach()] + list(torch.autograd.grad(out, list(leaves.values()), dout))
 
 
-@pytest.mark.parametrize("opts", [{}, {"atomic_combine": True, "wgrad_chunk_rows": 64},
-                                  {"tma": False, "tma_wgrad": False}, {"prefetch_h": True}],
-                         ids=["default", "options", "pointer", "prefetch"])
+@pytest.mark.parametrize(
+    "opts",
+    [{}, {"atomic_combine": True, "wgrad_chunk_rows": 64}, {"tma": False, "tma_wgrad": False}, {"prefetch_h": True}],
+    ids=["default", "options", "pointer", "prefetch"],
+)
 def test_no_host_sync(opts):
     from moeyard.experts.triton.options import use_options
+
     leaves, ids, dout = _graph_inputs()
     with use_options(**opts):
         _fwd_bwd(leaves, ids, dout)  # compile and autotune first
@@ -105,6 +120,7 @@ def test_first_tuned_call_matches_the_next(opts, monkeypatch):
     what the next call returns; they once returned the sum of the tuning runs' writes."""
     from moeyard.experts.triton import ops
     from moeyard.experts.triton.options import use_options
+
     monkeypatch.setenv("MOEYARD_TRITON_AUTOTUNE", "1")
     monkeypatch.setattr(ops, "_LAUNCHERS", {})  # launchers built anew, autotuned
     leaves, ids, dout = _graph_inputs(T=700, H=256, I=384, E=8, K=2)  # I 384: 6, 3 or 2 column tiles per config
@@ -118,12 +134,14 @@ def test_first_tuned_call_matches_the_next(opts, monkeypatch):
 @pytest.mark.parametrize("tma", [False, True])
 def test_cuda_graph_forward_backward(tma):
     from moeyard.experts.triton.options import use_options
+
     with use_options(tma=tma, tma_wgrad=tma):
         _graph_round_trip()
 
 
 def test_bf16_gpt_oss_layout_pointer():
     from moeyard.experts.triton.options import use_options
+
     with use_options(tma=False, tma_wgrad=False):
         test_bf16_gpt_oss_layout()
 
@@ -132,6 +150,7 @@ def test_bf16_gpt_oss_layout_pointer():
 def test_bf16_prefetch_h(layout):
     """The dh kernel's L2 prefetch over every h layout: plain, gated, interleaved (gpt-oss)."""
     from moeyard.experts.triton.options import use_options
+
     with use_options(prefetch_h=True):
         if layout == "gpt-oss":
             test_bf16_gpt_oss_layout()
@@ -175,39 +194,47 @@ def test_fill_invalid_large(weights):
 def test_int64_indexing():
     # T * K * H > 2**31: pair rows of the last tokens lie past 2**31 elements
     T, H, I, E, K = 140_000, 2048, 32, 8, 8
-    assert T * K * H > 2 ** 31
+    assert T * K * H > 2**31
     p, ids = _problem(T, H, I, E, K)
     leaves = {k: v.to(torch.bfloat16).requires_grad_() for k, v in p.items()}
-    out = moeyard.experts(leaves["x"], ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"],
-                          backend="triton")
+    out = moeyard.experts(
+        leaves["x"], ids, leaves["topk_weights"], leaves["gate_up_proj"], leaves["down_proj"], backend="triton"
+    )
     dout = torch.randn_like(out)
-    dx, = torch.autograd.grad(out, [leaves["x"]], dout)
+    (dx,) = torch.autograd.grad(out, [leaves["x"]], dout)
     tail = slice(T - 64, T)  # tokens are independent: check the last ones against a small reference
     sub = {k: v.detach().double() for k, v in leaves.items()}
     for k in ("x", "topk_weights"):
         sub[k] = sub[k][tail].requires_grad_()
-    ref = moeyard.experts(sub["x"], ids[tail], sub["topk_weights"], sub["gate_up_proj"], sub["down_proj"],
-                          backend="loop")
-    ref_dx, = torch.autograd.grad(ref, [sub["x"]], dout[tail].double())
+    ref = moeyard.experts(
+        sub["x"], ids[tail], sub["topk_weights"], sub["gate_up_proj"], sub["down_proj"], backend="loop"
+    )
+    (ref_dx,) = torch.autograd.grad(ref, [sub["x"]], dout[tail].double())
     low = {k: v.detach().to(torch.bfloat16).requires_grad_() for k, v in sub.items()}
-    base = moeyard.experts(low["x"], ids[tail], low["topk_weights"], low["gate_up_proj"], low["down_proj"],
-                           backend="loop")
-    base_dx, = torch.autograd.grad(base, [low["x"]], dout[tail])
+    base = moeyard.experts(
+        low["x"], ids[tail], low["topk_weights"], low["gate_up_proj"], low["down_proj"], backend="loop"
+    )
+    (base_dx,) = torch.autograd.grad(base, [low["x"]], dout[tail])
     assert _rel(out[tail], ref) <= 2 * _rel(base, ref) + 1e-6
     assert _rel(dx[tail], ref_dx) <= 2 * _rel(base_dx, ref_dx) + 1e-6
 
 
 # the speed options (moeyard.experts.triton.options), each against the float64 oracle in bf16
-@pytest.mark.parametrize("opts", [
-    dict(atomic_combine=True),                       # fused combine with float32 atomics (fwd and dx)
-    dict(wgrad_chunk_rows=64),                       # every expert (~250 rows) split into chunks
-    dict(wgrad_chunk_rows=300, atomic_combine=True),  # some experts split, with the atomic combine
-    dict(tma=False, tma_wgrad=False),                # pointer loads everywhere (GPUs before Hopper)
-    dict(tma_wgrad=True, wgrad_chunk_rows=64),       # TMA weight gradients, descriptors sized to each chunk
-    dict(prefetch_h=True),                           # dh prefetches its h rows into L2
-], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(atomic_combine=True),  # fused combine with float32 atomics (fwd and dx)
+        dict(wgrad_chunk_rows=64),  # every expert (~250 rows) split into chunks
+        dict(wgrad_chunk_rows=300, atomic_combine=True),  # some experts split, with the atomic combine
+        dict(tma=False, tma_wgrad=False),  # pointer loads everywhere (GPUs before Hopper)
+        dict(tma_wgrad=True, wgrad_chunk_rows=64),  # TMA weight gradients, descriptors sized to each chunk
+        dict(prefetch_h=True),  # dh prefetches its h rows into L2
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
+)
 def test_bf16_options(opts):
     from moeyard.experts.triton.options import use_options
+
     p, ids = _problem(1000, 512, 192, 16, 4, bias=True)
     with use_options(**opts):
         _check(p, ids, torch.bfloat16)
@@ -278,6 +305,7 @@ def test_activation_checkpointing_bf16(reentrant):
     # the layer under torch.utils.checkpoint on the GPU kernels (Gluon on sm_90): the recomputed forward saves
     # the same tensors, so output and every gradient are bit-identical to no checkpointing
     from torch.utils.checkpoint import checkpoint
+
     layer, x, dout = _bf16_layer()
     want = _step(layer, lambda x: layer(x, True), x, dout)
     got = _step(layer, lambda x: checkpoint(layer, x, True, use_reentrant=reentrant), x, dout)
@@ -294,6 +322,7 @@ def test_checkpointed_layer_compiles_inductor(monkeypatch):
         pytest.skip("this torch has no skip_fwd_side_effects_in_bwd_under_checkpoint")
     monkeypatch.setattr(cfg, "skip_fwd_side_effects_in_bwd_under_checkpoint", True)
     from torch.utils.checkpoint import checkpoint
+
     layer, x, dout = _bf16_layer()
     layer.keep_routing = False  # torch 2.11's Dynamo fails on the stored RoutingOutput inside the checkpoint
 
@@ -308,13 +337,16 @@ def test_checkpointed_layer_compiles_inductor(monkeypatch):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("T,K,E", [(1, 8, 128), (7, 8, 128), (64, 8, 128), (256, 8, 128), (2048, 1, 1022),
-                                   (3, 4, 255), (33, 2, 256), (100, 6, 7)])
+@pytest.mark.parametrize(
+    "T,K,E",
+    [(1, 8, 128), (7, 8, 128), (64, 8, 128), (256, 8, 128), (2048, 1, 1022), (3, 4, 255), (33, 2, 256), (100, 6, 7)],
+)
 def test_one_launch_sort_on_cuda(T, K, E):
     """The one-launch sort of few pairs (``moeyard.dispatch_triton``, compiled) gives ``torch.sort``'s keys,
     stable order and offsets, invalid ids (negative, ``E`` and above) at the tail."""
     from moeyard import dispatch
     from moeyard.dispatch_triton import sort_by_expert_small
+
     ids = torch.randint(-2, E + 3, (T, K), device=DEV, generator=torch.Generator(DEV).manual_seed(T + E))
     want = dispatch._sort(dispatch._sort_keys(ids, E), E)
     got = sort_by_expert_small(ids, E, dispatch._key_dtype(E))

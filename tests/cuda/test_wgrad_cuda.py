@@ -2,6 +2,7 @@
 (:mod:`moeyard.experts.triton.kernels_gluon_wgrad`, sm_90): ``dW[e] = alpha L[rows of e]^T R[rows of e]`` with
 one operand read by token, against float64 and against the Triton kernel, on the cases that break a tiled
 reduction over ragged row groups, and the whole layer's gradients against the float64 oracle."""
+
 import pytest
 import torch
 
@@ -40,6 +41,7 @@ def test_gluon_wgrad(case, monkeypatch):
     _sm90()
     from moeyard.experts.triton import kernels_gluon_wgrad as gw, ops
     from moeyard.experts.triton.options import use_options
+
     calls = []
     real = gw.launch
     monkeypatch.setattr(gw, "launch", lambda *a, **k: (calls.append(1), real(*a, **k)))
@@ -61,8 +63,9 @@ def test_gluon_wgrad(case, monkeypatch):
     like = torch.empty(E, NL, NR, device=DEV, dtype=dtype)
     if case == "strided_fp32_dw":
         like = torch.empty(E, NR, NL, device=DEV, dtype=torch.float32).mT
-    kw = dict(lhs_by_token=by_token_lhs, rhs_by_token=not by_token_lhs, scale=None, r=r, like_w=like, like_b=None,
-              alpha=0.5)
+    kw = dict(
+        lhs_by_token=by_token_lhs, rhs_by_token=not by_token_lhs, scale=None, r=r, like_w=like, like_b=None, alpha=0.5
+    )
     with use_options(gluon_wgrad=True):
         got, _ = ops.wgrad(lhs, rhs, **kw)
     assert calls == [1], "the Gluon weight gradient runs once"
@@ -89,6 +92,7 @@ def test_wgrad_without_rows(by_token_lhs):
     _sm90()
     from moeyard.experts.triton import ops
     from moeyard.experts.triton.options import use_options
+
     E, NL, NR = 4, 208, 144
     r = ops.routing(torch.zeros(0, 2, dtype=torch.int64, device=DEV), E)
     lhs = torch.randn(0, NL, device=DEV, dtype=torch.bfloat16)
@@ -96,8 +100,17 @@ def test_wgrad_without_rows(by_token_lhs):
     like = torch.full((E, NL, NR), float("nan"), device=DEV, dtype=torch.bfloat16)
     for gluon in (True, False):
         with use_options(gluon_wgrad=gluon):
-            got, _ = ops.wgrad(lhs, rhs, lhs_by_token=by_token_lhs, rhs_by_token=not by_token_lhs, scale=None, r=r,
-                               like_w=like, like_b=None, alpha=0.5)
+            got, _ = ops.wgrad(
+                lhs,
+                rhs,
+                lhs_by_token=by_token_lhs,
+                rhs_by_token=not by_token_lhs,
+                scale=None,
+                r=r,
+                like_w=like,
+                like_b=None,
+                alpha=0.5,
+            )
         assert got.shape == (E, NL, NR) and (got == 0).all(), gluon
 
 
@@ -109,6 +122,7 @@ def test_gluon_wgrad_layer(monkeypatch):
 
     from moeyard.experts.triton import kernels_gluon_wgrad as gw
     from moeyard.experts.triton.options import use_options
+
     calls = []
     real = gw.launch
     monkeypatch.setattr(gw, "launch", lambda *a, **k: (calls.append(a[2]), real(*a, **k)))

@@ -10,6 +10,7 @@
 - :mod:`.args`: the command line's options; :mod:`.tables`, :mod:`.plot`, :mod:`.trace`: the results as
   tables, plots (``--plot``) and profiler traces (``--trace``).
 """
+
 from .layer import (
     COMPILE_MODES,
     CPU_DEFAULT_SHAPE,
@@ -45,8 +46,37 @@ from .layer import (
     versions,
 )
 
-__all__ = ["COMPILE_MODES", "CPU_DEFAULT_SHAPE", "DENSE_N", "DTYPES", "GIB", "NO_RECIPE", "ROTATE_BYTES", "ROUTINGS",
-           "BenchOptions", "Inputs", "build", "case_name", "cases", "default_device", "dense_fp8_tflops",
-           "dense_tflops", "device_info", "environment", "free_memory", "implementations", "layer_flops",
-           "make_inputs", "measure", "reset_peak", "resolve_options", "routing_code", "run", "run_case", "run_one",
-           "time_ms", "tokens_per_expert", "versions"]
+__all__ = [
+    "COMPILE_MODES",
+    "CPU_DEFAULT_SHAPE",
+    "DENSE_N",
+    "DTYPES",
+    "GIB",
+    "NO_RECIPE",
+    "ROTATE_BYTES",
+    "ROUTINGS",
+    "BenchOptions",
+    "Inputs",
+    "build",
+    "case_name",
+    "cases",
+    "default_device",
+    "dense_fp8_tflops",
+    "dense_tflops",
+    "device_info",
+    "environment",
+    "free_memory",
+    "implementations",
+    "layer_flops",
+    "make_inputs",
+    "measure",
+    "reset_peak",
+    "resolve_options",
+    "routing_code",
+    "run",
+    "run_case",
+    "run_one",
+    "time_ms",
+    "tokens_per_expert",
+    "versions",
+]

@@ -29,6 +29,7 @@ layers (:attr:`E2EModel.layers`) and an error row, not a crash, when ``--layers`
 ``tiny=True`` (``--tiny``) builds the tiny configuration :mod:`moeyard.verify` uses for the same
 architecture (hidden 64, 8 experts) instead: a quick check on a CPU.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -75,52 +76,165 @@ class E2EModel:
     source: str = ""
 
 
-_QWEN3_NEXT_ATTN = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-                        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-                        linear_value_head_dim=128)
-_GPT_OSS = dict(hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64, intermediate_size=2880,
-                num_experts_per_tok=4, sliding_window=128)
+_QWEN3_NEXT_ATTN = dict(
+    hidden_size=2048,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+)
+_GPT_OSS = dict(
+    hidden_size=2880,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    intermediate_size=2880,
+    num_experts_per_tok=4,
+    sliding_window=128,
+)
 
-E2E_MODELS: dict[str, E2EModel] = {m.name: m for m in [
-    E2EModel(name="qwen3-30b-a3b", arch="qwen3_moe", vocab=151936,
-             config=dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                         num_experts=128, moe_intermediate_size=768, num_experts_per_tok=8, norm_topk_prob=True),
-             source="Qwen/Qwen3-30B-A3B config.json"),
-    E2EModel(name="qwen3-235b-a22b", arch="qwen3_moe", vocab=151936, layers=2,
-             config=dict(hidden_size=4096, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
-                         num_experts=128, moe_intermediate_size=1536, num_experts_per_tok=8, norm_topk_prob=True),
-             source="Qwen/Qwen3-235B-A22B config.json"),
-    E2EModel(name="qwen3.5-35b-a3b", arch="qwen3_5_moe", vocab=248320,
-             config=dict(**_QWEN3_NEXT_ATTN, num_experts=256, moe_intermediate_size=512, num_experts_per_tok=8,
-                         shared_expert_intermediate_size=512),
-             source="Qwen/Qwen3.5-35B-A3B config.json (text model; 3 Gated DeltaNet + 1 gated attention per 4 layers)"),
-    E2EModel(name="qwen3-next-80b-a3b", arch="qwen3_next", vocab=151936,
-             config=dict(**_QWEN3_NEXT_ATTN, num_experts=512, moe_intermediate_size=512, num_experts_per_tok=10,
-                         shared_expert_intermediate_size=512, norm_topk_prob=True),
-             source="Qwen/Qwen3-Next-80B-A3B-Instruct config.json (3 Gated DeltaNet + 1 gated attention per 4 layers)"),
-    E2EModel(name="olmoe-1b-7b", arch="olmoe", vocab=50304,
-             config=dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, num_experts=64,
-                         intermediate_size=1024, num_experts_per_tok=8, norm_topk_prob=False),
-             source="allenai/OLMoE-1B-7B-0924 config.json"),
-    E2EModel(name="mixtral-8x7b", arch="mixtral", vocab=32000, layers=2,
-             config=dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                         num_local_experts=8, intermediate_size=14336, num_experts_per_tok=2),
-             source="mistralai/Mixtral-8x7B-v0.1 config.json (2 layers by default: 1.4 B parameters each)"),
-    E2EModel(name="gpt-oss-20b", arch="gpt_oss", vocab=201088, config=dict(**_GPT_OSS, num_local_experts=32),
-             source="openai/gpt-oss-20b config.json (sliding / full attention alternate, attention sinks)"),
-    E2EModel(name="gpt-oss-120b", arch="gpt_oss", vocab=201088, layers=2,
-             config=dict(**_GPT_OSS, num_local_experts=128),
-             source="openai/gpt-oss-120b config.json"),
-    E2EModel(name="deepseek-v3", arch="deepseek_v3", vocab=129280, layers=1,
-             config=dict(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
-                         kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                         n_routed_experts=256, moe_intermediate_size=2048, n_shared_experts=1, num_experts_per_tok=8,
-                         n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
-                         first_k_dense_replace=0),
-             source="deepseek-ai/DeepSeek-V3 config.json (MLA; every layer MoE: first_k_dense_replace 0; one "
-                    "layer with the reduced vocabulary is 12.0 B parameters, ~90 GiB with gradients and AdamW "
-                    "states: needs an H200)"),
-]}
+E2E_MODELS: dict[str, E2EModel] = {
+    m.name: m
+    for m in [
+        E2EModel(
+            name="qwen3-30b-a3b",
+            arch="qwen3_moe",
+            vocab=151936,
+            config=dict(
+                hidden_size=2048,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                num_experts=128,
+                moe_intermediate_size=768,
+                num_experts_per_tok=8,
+                norm_topk_prob=True,
+            ),
+            source="Qwen/Qwen3-30B-A3B config.json",
+        ),
+        E2EModel(
+            name="qwen3-235b-a22b",
+            arch="qwen3_moe",
+            vocab=151936,
+            layers=2,
+            config=dict(
+                hidden_size=4096,
+                num_attention_heads=64,
+                num_key_value_heads=4,
+                head_dim=128,
+                num_experts=128,
+                moe_intermediate_size=1536,
+                num_experts_per_tok=8,
+                norm_topk_prob=True,
+            ),
+            source="Qwen/Qwen3-235B-A22B config.json",
+        ),
+        E2EModel(
+            name="qwen3.5-35b-a3b",
+            arch="qwen3_5_moe",
+            vocab=248320,
+            config=dict(
+                **_QWEN3_NEXT_ATTN,
+                num_experts=256,
+                moe_intermediate_size=512,
+                num_experts_per_tok=8,
+                shared_expert_intermediate_size=512,
+            ),
+            source="Qwen/Qwen3.5-35B-A3B config.json (text model; 3 Gated DeltaNet + 1 gated attention per 4 layers)",
+        ),
+        E2EModel(
+            name="qwen3-next-80b-a3b",
+            arch="qwen3_next",
+            vocab=151936,
+            config=dict(
+                **_QWEN3_NEXT_ATTN,
+                num_experts=512,
+                moe_intermediate_size=512,
+                num_experts_per_tok=10,
+                shared_expert_intermediate_size=512,
+                norm_topk_prob=True,
+            ),
+            source="Qwen/Qwen3-Next-80B-A3B-Instruct config.json (3 Gated DeltaNet + 1 gated attention per 4 layers)",
+        ),
+        E2EModel(
+            name="olmoe-1b-7b",
+            arch="olmoe",
+            vocab=50304,
+            config=dict(
+                hidden_size=2048,
+                num_attention_heads=16,
+                num_key_value_heads=16,
+                num_experts=64,
+                intermediate_size=1024,
+                num_experts_per_tok=8,
+                norm_topk_prob=False,
+            ),
+            source="allenai/OLMoE-1B-7B-0924 config.json",
+        ),
+        E2EModel(
+            name="mixtral-8x7b",
+            arch="mixtral",
+            vocab=32000,
+            layers=2,
+            config=dict(
+                hidden_size=4096,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=128,
+                num_local_experts=8,
+                intermediate_size=14336,
+                num_experts_per_tok=2,
+            ),
+            source="mistralai/Mixtral-8x7B-v0.1 config.json (2 layers by default: 1.4 B parameters each)",
+        ),
+        E2EModel(
+            name="gpt-oss-20b",
+            arch="gpt_oss",
+            vocab=201088,
+            config=dict(**_GPT_OSS, num_local_experts=32),
+            source="openai/gpt-oss-20b config.json (sliding / full attention alternate, attention sinks)",
+        ),
+        E2EModel(
+            name="gpt-oss-120b",
+            arch="gpt_oss",
+            vocab=201088,
+            layers=2,
+            config=dict(**_GPT_OSS, num_local_experts=128),
+            source="openai/gpt-oss-120b config.json",
+        ),
+        E2EModel(
+            name="deepseek-v3",
+            arch="deepseek_v3",
+            vocab=129280,
+            layers=1,
+            config=dict(
+                hidden_size=7168,
+                num_attention_heads=128,
+                num_key_value_heads=128,
+                q_lora_rank=1536,
+                kv_lora_rank=512,
+                qk_rope_head_dim=64,
+                qk_nope_head_dim=128,
+                v_head_dim=128,
+                n_routed_experts=256,
+                moe_intermediate_size=2048,
+                n_shared_experts=1,
+                num_experts_per_tok=8,
+                n_group=8,
+                topk_group=4,
+                routed_scaling_factor=2.5,
+                norm_topk_prob=True,
+                first_k_dense_replace=0,
+            ),
+            source="deepseek-ai/DeepSeek-V3 config.json (MLA; every layer MoE: first_k_dense_replace 0; one "
+            "layer with the reduced vocabulary is 12.0 B parameters, ~90 GiB with gradients and AdamW "
+            "states: needs an H200)",
+        ),
+    ]
+}
 
 
 def get_e2e_model(name: str) -> E2EModel:
@@ -138,6 +252,7 @@ def get_e2e_model(name: str) -> E2EModel:
 
 # ---------------------------------------------------------------- the step's sizes and config
 
+
 @dataclass(frozen=True, kw_only=True)
 class StepSize:
     """Sizes of one step: ``layers`` decoder layers, ``batch x seq`` tokens, ``vocab`` ids; ``tiny``:
@@ -154,8 +269,9 @@ class StepSize:
         return self.batch * self.seq
 
 
-def step_size(model: E2EModel, *, tokens: int | None, seq_len: int | None, vocab: int | None,
-              layers: int | None, tiny: bool) -> StepSize:
+def step_size(
+    model: E2EModel, *, tokens: int | None, seq_len: int | None, vocab: int | None, layers: int | None, tiny: bool
+) -> StepSize:
     """Defaults filled in (module docstring) and checked.
 
     Raises:
@@ -186,15 +302,22 @@ def hf_config(model: E2EModel, size: StepSize):
     if size.tiny:
         fields = {**verify.COMMON, **arch.overrides, "max_position_embeddings": max(size.seq, 64)}
     else:
-        fields = {**model.config, "tie_word_embeddings": False, "pad_token_id": None, "bos_token_id": None,
-                  "eos_token_id": None}
+        fields = {
+            **model.config,
+            "tie_word_embeddings": False,
+            "pad_token_id": None,
+            "bos_token_id": None,
+            "eos_token_id": None,
+        }
     fields.pop("layer_types", None)  # the config class derives the real pattern from num_hidden_layers
     fields.update(num_hidden_layers=size.layers, vocab_size=size.vocab)
     try:
         config = AutoConfig.for_model(arch.model_type, **fields)
     except (KeyError, ValueError) as ex:
-        raise ValueError(f"--e2e: this transformers ({_transformers_version()}) has no model type "
-                         f"{arch.model_type!r} for {model.name}") from ex
+        raise ValueError(
+            f"--e2e: this transformers ({_transformers_version()}) has no model type "
+            f"{arch.model_type!r} for {model.name}"
+        ) from ex
     if getattr(config, "max_position_embeddings", size.seq) < size.seq:
         config.max_position_embeddings = size.seq
     return config
@@ -202,6 +325,7 @@ def hf_config(model: E2EModel, size: StepSize):
 
 def _verify():
     from .. import verify
+
     return verify
 
 
@@ -210,6 +334,7 @@ def _transformers_version() -> str:
 
 
 # ---------------------------------------------------------------- implementations
+
 
 def experts_registry() -> dict:
     """transformers' experts implementations by name (``ExpertsInterface``), ``eager`` included.
@@ -223,8 +348,9 @@ def experts_registry() -> dict:
     return {"eager": None, **_moe_module().ExpertsInterface._global_mapping}
 
 
-def implementations(backends: list[str] | None, peers: bool, device: torch.device,
-                    recipes: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+def implementations(
+    backends: list[str] | None, peers: bool, device: torch.device, recipes: list[str] | None = None
+) -> tuple[list[str], dict[str, str]]:
     """(names to run, {skipped name: reason}): ``backends`` or ``moeyard``, ``grouped_mm`` and, with
     ``peers``, ``sonicmoe`` where it runs; each ``moeyard`` name once per recipe of ``recipes`` (named
     ``moeyard[:<backend>]+<recipe>``; ``none``: the compute dtype's GEMMs, the plain name).
@@ -235,15 +361,19 @@ def implementations(backends: list[str] | None, peers: bool, device: torch.devic
     registry = experts_registry()
     names = list(backends or DEFAULT_IMPLS)
     if recipes:
-        names = [n if r == "none" else f"{n}+{r}" for n in names for r in recipes
-                 if r == "none" or n.startswith("moeyard")]
+        names = [
+            n if r == "none" else f"{n}+{r}" for n in names for r in recipes if r == "none" or n.startswith("moeyard")
+        ]
     for name in names:
         impl, _, backend = name.partition("+")[0].partition(":")
         if impl not in registry or (backend and impl != "moeyard"):
-            raise ValueError(f"--backends: with --e2e expected transformers experts implementations "
-                             f"{sorted(registry)} or moeyard:<backend>, got {name!r}")
+            raise ValueError(
+                f"--backends: with --e2e expected transformers experts implementations "
+                f"{sorted(registry)} or moeyard:<backend>, got {name!r}"
+            )
         if backend:
             from ..experts.registry import check_backend_name
+
             check_backend_name(backend, source="--backends")
     skipped = {}
     if peers and not backends:
@@ -274,6 +404,7 @@ def _unavailable(name: str, registry: dict, device: torch.device) -> str | None:
 
 # ---------------------------------------------------------------- one step
 
+
 @dataclass
 class Trainer:
     """A built model, its optimizer and the step's inputs (``ids``/``labels``: ``[batch, seq]`` int64 sets)."""
@@ -288,6 +419,7 @@ class Trainer:
     def step(self, i: int = 0) -> torch.Tensor:
         """Forward, loss, backward, optimizer step, zero_grad; returns the (detached) loss."""
         from ..quant.recipe import use_recipe
+
         with self._backend(), use_recipe(self.recipe):
             loss = self.model(input_ids=self.ids[i], labels=self.labels[i]).loss
             loss.backward()
@@ -299,11 +431,13 @@ class Trainer:
         if self.backend is None:
             return contextlib.nullcontext()
         from ..experts import use_backend
+
         return use_backend(self.backend)
 
 
-def build_trainer(config, impl: str, size: StepSize, device: torch.device, dtype: torch.dtype,
-                  n_sets: int = 2) -> Trainer:
+def build_trainer(
+    config, impl: str, size: StepSize, device: torch.device, dtype: torch.dtype, n_sets: int = 2
+) -> Trainer:
     """The model of ``config`` under experts implementation ``impl`` (seeded), AdamW, ``n_sets`` random
     ``[size.batch, size.seq]`` id / label sets."""
     from transformers import AutoModelForCausalLM
@@ -320,8 +454,9 @@ def build_trainer(config, impl: str, size: StepSize, device: torch.device, dtype
     gen = torch.Generator(device=device).manual_seed(1)
     ids = [torch.randint(0, vocab, shape, device=device, generator=gen) for _ in range(n_sets)]
     labels = [torch.randint(0, vocab, shape, device=device, generator=gen) for _ in range(n_sets)]
-    return Trainer(model=model, optimizer=optimizer, ids=ids, labels=labels, backend=backend or None,
-                   recipe=recipe or None)
+    return Trainer(
+        model=model, optimizer=optimizer, ids=ids, labels=labels, backend=backend or None, recipe=recipe or None
+    )
 
 
 def _quiet():
@@ -345,8 +480,10 @@ def check_fits(params: int, dtype: torch.dtype, device: torch.device) -> None:
     need = 4 * params * dtype.itemsize
     total = torch.cuda.get_device_properties(device).total_memory
     if need > MEMORY_HEADROOM * total:
-        raise MemoryError(f"{params / 1e9:.1f} B parameters need {need / layer_bench.GIB:.0f} GiB for weights, gradients "
-                          f"and AdamW states; the device has {total / layer_bench.GIB:.0f} GiB: use fewer --layers")
+        raise MemoryError(
+            f"{params / 1e9:.1f} B parameters need {need / layer_bench.GIB:.0f} GiB for weights, gradients "
+            f"and AdamW states; the device has {total / layer_bench.GIB:.0f} GiB: use fewer --layers"
+        )
 
 
 def measure(trainer: Trainer, opts: layer_bench.BenchOptions) -> dict:
@@ -365,6 +502,7 @@ def measure(trainer: Trainer, opts: layer_bench.BenchOptions) -> dict:
 
 # ---------------------------------------------------------------- the run
 
+
 def resolve(opts: layer_bench.BenchOptions) -> layer_bench.BenchOptions:
     """``opts`` with e2e defaults for warm-up / iterations, checked by :func:`moeyard.bench.resolve_options`
     (``backends`` are checked by :func:`implementations`)."""
@@ -375,9 +513,16 @@ def resolve(opts: layer_bench.BenchOptions) -> layer_bench.BenchOptions:
     return replace(checked, backends=opts.backends)
 
 
-def run(opts: layer_bench.BenchOptions, progress: Callable[[str, int, int], None] | None = None, *,
-        layers: int | None = None, seq_len: int | None = None, vocab: int | None = None, tiny: bool = False,
-        trace: str | None = None) -> dict:
+def run(
+    opts: layer_bench.BenchOptions,
+    progress: Callable[[str, int, int], None] | None = None,
+    *,
+    layers: int | None = None,
+    seq_len: int | None = None,
+    vocab: int | None = None,
+    tiny: bool = False,
+    trace: str | None = None,
+) -> dict:
     """Run the end-to-end benchmark: ``{"env": {...}, "rows": [...]}`` (ms, tokens/s, GiB).
 
     Args:
@@ -404,18 +549,33 @@ def run(opts: layer_bench.BenchOptions, progress: Callable[[str, int, int], None
     sizes = [step_size(e, tokens=opts.tokens, seq_len=seq_len, vocab=vocab, layers=layers, tiny=tiny) for e in entries]
     names, skipped = implementations(opts.backends, opts.peers, device, opts.recipes)
     report = progress or (lambda desc, done, total: None)
-    env = {**layer_bench.environment(opts), "mode": "e2e", "skipped": skipped, "tiny": tiny, "trace": trace,
-           "optimizer": "AdamW (fused)" if device.type == "cuda" else "AdamW (foreach)",
-           "dense_bf16_tflops": layer_bench.dense_tflops(device, opts.warmup, opts.iters)}
+    env = {
+        **layer_bench.environment(opts),
+        "mode": "e2e",
+        "skipped": skipped,
+        "tiny": tiny,
+        "trace": trace,
+        "optimizer": "AdamW (fused)" if device.type == "cuda" else "AdamW (foreach)",
+        "dense_bf16_tflops": layer_bench.dense_tflops(device, opts.warmup, opts.iters),
+    }
     rows, total = [], len(entries) * len(names)
     for entry, size in zip(entries, sizes, strict=True):
         config = hf_config(entry, size)
-        base = {"case": entry.name, "arch": entry.arch, "layers": size.layers, "batch": size.batch, "seq": size.seq,
-                "tokens": size.tokens, "vocab": size.vocab, "real_vocab": entry.vocab, "source": entry.source}
+        base = {
+            "case": entry.name,
+            "arch": entry.arch,
+            "layers": size.layers,
+            "batch": size.batch,
+            "seq": size.seq,
+            "tokens": size.tokens,
+            "vocab": size.vocab,
+            "real_vocab": entry.vocab,
+            "source": entry.source,
+        }
         for name in names:
             report(f"{entry.name} · {name}", len(rows), total)
             rows.append(run_one(name, config, size, base, opts, trace))
-        _speedups(rows[-len(names):])
+        _speedups(rows[-len(names) :])
     report("done", len(rows), total)
     return {"env": env, "rows": rows}
 
@@ -436,6 +596,7 @@ def run_one(impl: str, config, size: StepSize, base: dict, opts: layer_bench.Ben
         row["tokens_per_s"] = base["tokens"] / row["step_ms"] * 1e3
         if trace:
             from .trace import file_stem, trace_step
+
             row.update(trace_step(trainer.step, trace, file_stem(base["case"], impl), device))
     except Exception as ex:  # a failing implementation is a row, not a crash
         row["error"] = f"{type(ex).__name__}: {(str(ex).strip().splitlines() or [''])[0][:300]}"

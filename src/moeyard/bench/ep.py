@@ -38,6 +38,7 @@ for) and writes every rank's numbers with ``--json``. Processes use NCCL on CUDA
 or no CUDA). Every timing starts after a barrier and a device synchronisation, so no rank's first
 timed exchange waits for a peer still in its previous measurement.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -99,8 +100,21 @@ def _run(args, command: str, device: torch.device) -> int:
             raise SystemExit(f"--ep: {ep.world_size} does not divide num_experts={config.num_experts} of {shape.name}")
         for routing in routings:
             for name, exchange in _variants(ep):
-                rows.append(measure(shape, config, routing, name, backend, ep, opts, device, overlaps,
-                                    exchange=exchange, lora_rank=lora_rank))
+                rows.append(
+                    measure(
+                        shape,
+                        config,
+                        routing,
+                        name,
+                        backend,
+                        ep,
+                        opts,
+                        device,
+                        overlaps,
+                        exchange=exchange,
+                        lora_rank=lora_rank,
+                    )
+                )
     everyone = [None] * ep.world_size
     dist.all_gather_object(everyone, rows)
     if ep.rank == 0:
@@ -136,16 +150,31 @@ def parse_overlap(text: str) -> list[int]:
 def lora_factors(num_experts: int, n1: int, H: int, I: int, rank: int, device, dtype) -> dict[str, ExpertLoRA]:
     """Random LoRA adapters of ``rank`` on both projections of ``num_experts`` experts (PEFT's layout,
     B nonzero so every factor gets a gradient), leaves that require grad."""
+
     def leaf(*shape):
         return (torch.randn(*shape, device=device, dtype=dtype) / shape[-1] ** 0.5).requires_grad_()
 
     rE = rank * num_experts
-    return {"gate_up_proj": ExpertLoRA(lora_A=leaf(rE, H), lora_B=leaf(n1, rE), scaling=2.0, num_experts=num_experts),
-            "down_proj": ExpertLoRA(lora_A=leaf(rE, I), lora_B=leaf(H, rE), scaling=2.0, num_experts=num_experts)}
+    return {
+        "gate_up_proj": ExpertLoRA(lora_A=leaf(rE, H), lora_B=leaf(n1, rE), scaling=2.0, num_experts=num_experts),
+        "down_proj": ExpertLoRA(lora_A=leaf(rE, I), lora_B=leaf(H, rE), scaling=2.0, num_experts=num_experts),
+    }
 
 
-def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts, device,
-            overlaps: list[int] = (1,), *, exchange: str = "auto", lora_rank: int | None = None) -> dict:
+def measure(
+    shape,
+    config,
+    routing: str,
+    dispatcher: str,
+    backend: str,
+    ep,
+    opts,
+    device,
+    overlaps: list[int] = (1,),
+    *,
+    exchange: str = "auto",
+    lora_rank: int | None = None,
+) -> dict:
     """One rank's numbers for one (shape, routing, dispatcher); ``sync_free`` rows moved by
     ``exchange``; the whole call timed at each of ``overlaps`` that the options take (1 only for
     ``all_gather`` and the ``symm_mem`` exchange), and the same step on one device (module docstring);
@@ -159,11 +188,12 @@ def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts
         x, ids, w = inputs.xs[0].detach(), r.topk_ids, r.topk_weights.to(dtype)
     gated = config.activation in GATED
     n1 = (2 if gated else 1) * I
-    w_up = torch.randn(El, n1, H, device=device, dtype=dtype) / H ** 0.5
-    w_down = torch.randn(El, H, I, device=device, dtype=dtype) / I ** 0.5
+    w_up = torch.randn(El, n1, H, device=device, dtype=dtype) / H**0.5
+    w_down = torch.randn(El, H, I, device=device, dtype=dtype) / I**0.5
     more = {"exchange": exchange} if dispatcher == "sync_free" else {}
-    options = EPOptions(num_experts=E, dispatcher=dispatcher, max_tokens=None if dispatcher == "all_to_all" else T,
-                        **more)
+    options = EPOptions(
+        num_experts=E, dispatcher=dispatcher, max_tokens=None if dispatcher == "all_to_all" else T, **more
+    )
     mod = DISPATCHERS[dispatcher]
     lora = None if lora_rank is None else lora_factors(El, n1, H, I, lora_rank, device, dtype)
     kw = dict(activation=config.activation, backend=backend, drop_invalid=True, lora=lora)
@@ -178,28 +208,59 @@ def measure(shape, config, routing: str, dispatcher: str, backend: str, ep, opts
         t_dispatch = time_ms(lambda: mod.dispatch(x, ids, w, ep, options))
         t_experts = time_ms(lambda: experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down, **rows_kw))
         t_combine = time_ms(lambda: mod.combine(y, d))
-        live = (d.topk_ids >= 0) & (d.topk_ids < El)          # pairs computed here (setup only: host reads ok)
+        live = (d.topk_ids >= 0) & (d.topk_ids < El)  # pairs computed here (setup only: host reads ok)
         pairs = int(live.sum())
         sent = _rows_sent(dispatcher, d, x, ep)
         plain = _plain_all_to_all_ms(sent, H, dtype, ep, device, time_ms)
         ref_ids = torch.sort(d.topk_ids[live])[0].unsqueeze(1)
         ref_x = torch.randn(pairs, H, device=device, dtype=dtype)
         t_ref = time_ms(lambda: experts(ref_x, ref_ids, torch.ones_like(ref_ids, dtype=dtype), w_up, w_down, **kw))
-    layer = {str(n): measure_layer(ExpertParallel(ep, EPOptions(**{**options.__dict__, "overlap_chunks": n})),
-                                   x, ids, w, w_up, w_down, kw, time_ms)
-             for n in overlaps if n == 1 or _overlaps(options)}
+    layer = {
+        str(n): measure_layer(
+            ExpertParallel(ep, EPOptions(**{**options.__dict__, "overlap_chunks": n})),
+            x,
+            ids,
+            w,
+            w_up,
+            w_down,
+            kw,
+            time_ms,
+        )
+        for n in overlaps
+        if n == 1 or _overlaps(options)
+    }
     one_gpu = measure_one_gpu(x, ids, w, E, n1, H, I, lora_rank, kw, time_ms)
     flops = (6 if gated else 4) * pairs * H * I
     nbytes = sent * H * dtype.itemsize
-    return {"case": shape.name, "routing": routing, "dispatcher": dispatcher, "exchange": options.exchange,
-            "rank": ep.rank, "T": T, "H": H, "I": I,
-            "E": E, "E_local": El, "k": K, "rows_received": d.rows.shape[0], "pairs_computed": pairs,
-            "rows_sent": sent, "dispatch_ms": t_dispatch, "experts_ms": t_experts, "combine_ms": t_combine,
-            "dispatch_GBps": nbytes / t_dispatch / 1e6, "plain_all_to_all_ms": plain,
-            "plain_all_to_all_GBps": nbytes / plain / 1e6, "experts_tflops": flops / t_experts / 1e9,
-            "one_device_ms": t_ref, "one_device_tflops": flops / t_ref / 1e9,
-            "dropped": None if d.dropped is None else int(d.dropped), "overlap": layer,
-            "lora_rank": lora_rank, "one_gpu": one_gpu}
+    return {
+        "case": shape.name,
+        "routing": routing,
+        "dispatcher": dispatcher,
+        "exchange": options.exchange,
+        "rank": ep.rank,
+        "T": T,
+        "H": H,
+        "I": I,
+        "E": E,
+        "E_local": El,
+        "k": K,
+        "rows_received": d.rows.shape[0],
+        "pairs_computed": pairs,
+        "rows_sent": sent,
+        "dispatch_ms": t_dispatch,
+        "experts_ms": t_experts,
+        "combine_ms": t_combine,
+        "dispatch_GBps": nbytes / t_dispatch / 1e6,
+        "plain_all_to_all_ms": plain,
+        "plain_all_to_all_GBps": nbytes / plain / 1e6,
+        "experts_tflops": flops / t_experts / 1e9,
+        "one_device_ms": t_ref,
+        "one_device_tflops": flops / t_ref / 1e9,
+        "dropped": None if d.dropped is None else int(d.dropped),
+        "overlap": layer,
+        "lora_rank": lora_rank,
+        "one_gpu": one_gpu,
+    }
 
 
 def measure_layer(call, x, ids, w, w_up, w_down, kw: dict, time_ms) -> dict:
@@ -223,8 +284,8 @@ def measure_one_gpu(x, ids, w, E: int, n1: int, H: int, I: int, lora_rank: int |
     """``{"fwd_ms", "fwd_bwd_ms"}`` of this rank's tokens through all E experts on this device, no
     exchange (:func:`moeyard.experts` with the whole layer's weights, and all E experts' adapters with
     ``lora_rank``): the weak-scaling reference. Every rank calls it (it times after a barrier)."""
-    w_up = torch.randn(E, n1, H, device=x.device, dtype=x.dtype) / H ** 0.5
-    w_down = torch.randn(E, H, I, device=x.device, dtype=x.dtype) / I ** 0.5
+    w_up = torch.randn(E, n1, H, device=x.device, dtype=x.dtype) / H**0.5
+    w_down = torch.randn(E, H, I, device=x.device, dtype=x.dtype) / I**0.5
     lora = None if lora_rank is None else lora_factors(E, n1, H, I, lora_rank, x.device, x.dtype)
     out = measure_layer(experts, x, ids, w, w_up, w_down, {**kw, "lora": lora}, time_ms)
     del w_up, w_down, lora
@@ -249,10 +310,10 @@ def _time_ms(fn, ep, opts, device) -> float:
 def _rows_sent(dispatcher: str, d, x: Tensor, ep) -> int:
     """Rows of H this rank puts on the wire in dispatch."""
     if dispatcher == "all_to_all":
-        return sum(d.state[1])         # exactly its routed pairs
+        return sum(d.state[1])  # exactly its routed pairs
     if dispatcher == "sync_free":
         return d.state.exchange.rows_sent(d.state.handle)  # equal splits: W * C slots, empty ones included
-    return d.rows.shape[0]             # all_gather: W * T_max rows
+    return d.rows.shape[0]  # all_gather: W * T_max rows
 
 
 def _plain_all_to_all_ms(rows: int, H: int, dtype, ep, device, time_ms) -> float:
@@ -287,32 +348,75 @@ def _report(everyone: list[list[dict]], opts, args, device) -> None:
     W = len(everyone)
     lora = everyone[0][0].get("lora_rank")
     step = f"LoRA r={lora} step" if lora else "training step"
-    table = Table(title=f"moeyard bench --ep {W} · {layer_bench.device_info(device)['device']} · {opts.dtype} · "
-                        f"{step} · slowest rank's ms, rank 0's rates")
-    cols = ("case", "routing", "dispatcher", "T/rank", "rows recv (max)", "dispatch ms", "experts ms", "combine ms",
-            "GB/s", "plain a2a GB/s", "TFLOP/s", "1-device TFLOP/s", "dropped",
-            f"fwd ms (overlap {'/'.join(everyone[0][0]['overlap'])})", "fwd+bwd ms", "1-GPU fwd+bwd ms",
-            "per GPU vs 1 GPU")
+    table = Table(
+        title=f"moeyard bench --ep {W} · {layer_bench.device_info(device)['device']} · {opts.dtype} · "
+        f"{step} · slowest rank's ms, rank 0's rates"
+    )
+    cols = (
+        "case",
+        "routing",
+        "dispatcher",
+        "T/rank",
+        "rows recv (max)",
+        "dispatch ms",
+        "experts ms",
+        "combine ms",
+        "GB/s",
+        "plain a2a GB/s",
+        "TFLOP/s",
+        "1-device TFLOP/s",
+        "dropped",
+        f"fwd ms (overlap {'/'.join(everyone[0][0]['overlap'])})",
+        "fwd+bwd ms",
+        "1-GPU fwd+bwd ms",
+        "per GPU vs 1 GPU",
+    )
     for c in cols:
         table.add_column(c, justify="left" if c in ("case", "routing", "dispatcher") else "right")
     for i, r0 in enumerate(everyone[0]):
         per = [rank_rows[i] for rank_rows in everyone]
         slow = {k: max(p[k] for p in per) for k in ("dispatch_ms", "experts_ms", "combine_ms", "rows_received")}
         label = r0["dispatcher"] + (f" ({r0['exchange']})" if r0["exchange"] not in ("auto", None) else "")
-        table.add_row(r0["case"], r0["routing"], label, str(r0["T"]), str(slow["rows_received"]),
-                      f"{slow['dispatch_ms']:.3f}", f"{slow['experts_ms']:.3f}", f"{slow['combine_ms']:.3f}",
-                      f"{r0['dispatch_GBps']:.2f}", f"{r0['plain_all_to_all_GBps']:.2f}",
-                      f"{r0['experts_tflops']:.3g}", f"{r0['one_device_tflops']:.3g}",
-                      "-" if r0["dropped"] is None else str(sum(p["dropped"] for p in per)),
-                      _slowest(per, "fwd_ms"), _slowest(per, "fwd_bwd_ms"),
-                      f"{weak_scaling(per)['one_gpu_fwd_bwd_ms']:.3f}", f"{weak_scaling(per)['per_gpu']:.1%}")
+        table.add_row(
+            r0["case"],
+            r0["routing"],
+            label,
+            str(r0["T"]),
+            str(slow["rows_received"]),
+            f"{slow['dispatch_ms']:.3f}",
+            f"{slow['experts_ms']:.3f}",
+            f"{slow['combine_ms']:.3f}",
+            f"{r0['dispatch_GBps']:.2f}",
+            f"{r0['plain_all_to_all_GBps']:.2f}",
+            f"{r0['experts_tflops']:.3g}",
+            f"{r0['one_device_tflops']:.3g}",
+            "-" if r0["dropped"] is None else str(sum(p["dropped"] for p in per)),
+            _slowest(per, "fwd_ms"),
+            _slowest(per, "fwd_bwd_ms"),
+            f"{weak_scaling(per)['one_gpu_fwd_bwd_ms']:.3f}",
+            f"{weak_scaling(per)['per_gpu']:.1%}",
+        )
     Console(width=280).print(table)
     if args.json:
-        text = json.dumps({"env": layer_bench.environment(opts), "world_size": W, "lora_rank": lora,
-                           "rows": [r for rank_rows in everyone for r in rank_rows],
-                           "weak_scaling": [{"case": p[0]["case"], "routing": p[0]["routing"],
-                                             "dispatcher": p[0]["dispatcher"], "exchange": p[0]["exchange"],
-                                             **weak_scaling(p)} for p in zip(*everyone, strict=True)]}, indent=1)
+        text = json.dumps(
+            {
+                "env": layer_bench.environment(opts),
+                "world_size": W,
+                "lora_rank": lora,
+                "rows": [r for rank_rows in everyone for r in rank_rows],
+                "weak_scaling": [
+                    {
+                        "case": p[0]["case"],
+                        "routing": p[0]["routing"],
+                        "dispatcher": p[0]["dispatcher"],
+                        "exchange": p[0]["exchange"],
+                        **weak_scaling(p),
+                    }
+                    for p in zip(*everyone, strict=True)
+                ],
+            },
+            indent=1,
+        )
         if args.json == "-":
             print(text)
         else:

@@ -29,6 +29,7 @@ says which was in force (``benchmarks/jax_gpu.py --lowering`` sets them).
 JAX's GPU memory preallocation is turned off for the run (``XLA_PYTHON_CLIENT_PREALLOCATE=false``, set
 before JAX's first computation): PyTorch and JAX share the GPU.
 """
+
 from __future__ import annotations
 
 import gc
@@ -45,7 +46,7 @@ from ..config import MoEConfig
 from . import layer as layer_bench
 from .models import ModelShape, routed_only
 
-GIB = 2 ** 30
+GIB = 2**30
 PALLAS_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
 
 
@@ -86,13 +87,16 @@ def environment(opts: layer_bench.BenchOptions) -> dict:
 
     try:
         import flax
+
         flax_version = flax.__version__
     except ImportError:
         flax_version = "not installed"
     dev = _device(opts.device)
-    note = (f"JAX rows: jax {jax.__version__} · flax {flax_version} · {dev.device_kind} ({dev.platform}) · "
-            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
-            + (" · Pallas ragged_dot lowering on" if getattr(jax.config, PALLAS_FLAG, False) else ""))
+    note = (
+        f"JAX rows: jax {jax.__version__} · flax {flax_version} · {dev.device_kind} ({dev.platform}) · "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+        + (" · Pallas ragged_dot lowering on" if getattr(jax.config, PALLAS_FLAG, False) else "")
+    )
     return {"jax": jax.__version__, "flax": flax_version, "framework_note": note}
 
 
@@ -117,8 +121,18 @@ def run_one(name: str, shape: ModelShape, opts: layer_bench.BenchOptions) -> dic
     if opts.routed_only:
         config = routed_only(config)
     flops = layer_bench.layer_flops(config, shape.tokens)
-    row = {"case": shape.name, "T": shape.tokens, "H": config.hidden_size, "I": config.intermediate_size,
-           "E": config.num_experts, "k": config.top_k, "impl": name, "kind": "jax", "flops_fwd": flops, "note": ""}
+    row = {
+        "case": shape.name,
+        "T": shape.tokens,
+        "H": config.hidden_size,
+        "I": config.intermediate_size,
+        "E": config.num_experts,
+        "k": config.top_k,
+        "impl": name,
+        "kind": "jax",
+        "flops_fwd": flops,
+        "note": "",
+    }
     try:
         row.update(measure(name, config, _inputs(shape, opts), opts))
         row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
@@ -137,8 +151,11 @@ def _inputs(shape: ModelShape, opts: layer_bench.BenchOptions) -> dict:
     torch.manual_seed(0)  # moeyard.bench.run_case seeds the same before making its inputs
     inputs = layer_bench.make_inputs(shape, opts)
     dev, dtype = _device(opts.device), _jax_dtype(opts.dtype)
-    out = {"xs": [_to_jax(t, dtype, dev) for t in inputs.xs], "dys": [_to_jax(t, dtype, dev) for t in inputs.dys],
-           "router_weight": _to_jax(inputs.router_weight, dtype, dev)}
+    out = {
+        "xs": [_to_jax(t, dtype, dev) for t in inputs.xs],
+        "dys": [_to_jax(t, dtype, dev) for t in inputs.dys],
+        "router_weight": _to_jax(inputs.router_weight, dtype, dev),
+    }
     del inputs
     layer_bench.free_memory(opts.device)
     return out
@@ -149,8 +166,9 @@ def measure(name: str, config: MoEConfig, inputs: dict, opts: layer_bench.BenchO
     import jax
 
     xs, dys = inputs["xs"], inputs["dys"]
-    layer_fwd, layer_params = _layer(config, inputs["router_weight"], _device(opts.device),
-                                     custom_vjp=name != "jax autodiff")
+    layer_fwd, layer_params = _layer(
+        config, inputs["router_weight"], _device(opts.device), custom_vjp=name != "jax autodiff"
+    )
     note = ""
     if name == "ragged_dot pipeline":
         fwd, params = plain_pipeline(config, layer_params)
@@ -181,8 +199,7 @@ def _time(fwd, params, xs, dys, opts) -> dict:
     fb = jax.jit(fwd_bwd)
     compiled = fb.lower(params, xs[0], dys[0]).compile()
     mem = compiled.memory_analysis()
-    peak = None if mem is None else (mem.temp_size_in_bytes + mem.output_size_in_bytes
-                                     - mem.alias_size_in_bytes) / GIB
+    peak = None if mem is None else (mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes) / GIB
     n = len(xs)
     fwd_ms = time_ms(lambda i: f(params, xs[i % n]), opts.warmup, opts.iters)
     fwdbwd_ms = time_ms(lambda i: compiled(params, xs[i % n], dys[i % n]), opts.warmup, opts.iters)
@@ -234,14 +251,26 @@ def plain_pipeline(config: MoEConfig, layer_params):
     import jax.numpy as jnp
 
     c = config
-    if (c.score_func != "softmax" or c.topk_before_score or c.n_group > 1 or c.score_correction_bias
-            or c.router_bias or c.expert_bias or c.activation != "swiglu" or c.routed_scaling_factor != 1):
+    if (
+        c.score_func != "softmax"
+        or c.topk_before_score
+        or c.n_group > 1
+        or c.score_correction_bias
+        or c.router_bias
+        or c.expert_bias
+        or c.activation != "swiglu"
+        or c.routed_scaling_factor != 1
+    ):
         raise ValueError("ragged_dot pipeline: softmax top-k routing with SwiGLU experts and no biases only")
     E, K, I = c.num_experts, c.top_k, c.intermediate_size
     p = layer_params
     up = p["gate_up_proj"][...]  # [E, 2I, H]
-    params = {"router": p["router"]["weight"][...], "wi_0": jnp.swapaxes(up[:, :I], 1, 2),
-              "wi_1": jnp.swapaxes(up[:, I:], 1, 2), "wo": jnp.swapaxes(p["down_proj"][...], 1, 2)}
+    params = {
+        "router": p["router"]["weight"][...],
+        "wi_0": jnp.swapaxes(up[:, :I], 1, 2),
+        "wi_1": jnp.swapaxes(up[:, I:], 1, 2),
+        "wo": jnp.swapaxes(p["down_proj"][...], 1, 2),
+    }
     if "shared_expert" in p:
         s = p["shared_expert"]
         params["shared"] = {k: s[k]["weight"][...] for k in s}
@@ -256,8 +285,9 @@ def plain_pipeline(config: MoEConfig, layer_params):
         order = jnp.argsort(flat)
         group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
         rows = x[order // K]
-        h = jax.nn.silu(jax.lax.ragged_dot(rows, params["wi_0"], group_sizes)) * \
-            jax.lax.ragged_dot(rows, params["wi_1"], group_sizes)
+        h = jax.nn.silu(jax.lax.ragged_dot(rows, params["wi_0"], group_sizes)) * jax.lax.ragged_dot(
+            rows, params["wi_1"], group_sizes
+        )
         y = jax.lax.ragged_dot(h, params["wo"], group_sizes)
         y = y[jnp.argsort(order)].reshape(T, K, -1)
         out = jnp.einsum("tkh,tk->th", y, w.astype(y.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
@@ -287,8 +317,10 @@ def _ratios(jax_rows: list[dict], torch_rows: list[dict]) -> None:
     if torch_ok:
         best = min(torch_ok, key=lambda r: r["fwdbwd_ms"])
         others.append((f"torch {best['impl']}", best))
-    parts = [f"{label} {r['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}x ({r['fwd_ms'] / ours['fwd_ms']:.2f}x)"
-             for label, r in others]
+    parts = [
+        f"{label} {r['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}x ({r['fwd_ms'] / ours['fwd_ms']:.2f}x)"
+        for label, r in others
+    ]
     if parts:
         ours["note"] = "vs " + ", ".join(parts) + " (fwd+bwd (fwd), > 1: jax faster)"
 

@@ -25,6 +25,7 @@ stay ``randn``. Exact for any router that picks the top-k of a monotonic functio
 (softmax, sigmoid, top-k-then-score); grouped top-k (``n_group > 1``) also restricts the choice to the
 best groups, so its skew is approximate. Needs ``hidden_size >= num_experts``.
 """
+
 from __future__ import annotations
 
 import gc
@@ -52,17 +53,18 @@ from .peers import PEERS, peer_config, peer_note, peer_status
 from .trace import check_trace_dir, file_stem, trace_step
 
 Tensor = torch.Tensor
-GIB = 2 ** 30
+GIB = 2**30
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 ROUTINGS = ("random", "balanced", "zipf")
 CPU_DEFAULT_SHAPE = "512,256,128,8,2"  # T, H, I, E, k
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # torch.compile's modes
-ROTATE_BYTES = 128 * 2 ** 20  # rotate input sets until they span this much (beyond any GPU L2)
+ROTATE_BYTES = 128 * 2**20  # rotate input sets until they span this much (beyond any GPU L2)
 DENSE_N = 8192
 NO_RECIPE = "none"
 
 
 # ---------------------------------------------------------------- FLOPs
+
 
 def layer_flops(config: MoEConfig, tokens: int, *, shared: bool = True) -> int:
     """Forward FLOPs of the layer's experts (SonicMoE's convention): ``6*T*K*H*I`` for gated experts,
@@ -79,6 +81,7 @@ def layer_flops(config: MoEConfig, tokens: int, *, shared: bool = True) -> int:
 
 
 # ---------------------------------------------------------------- options and cases
+
 
 @dataclass(kw_only=True)
 class BenchOptions:
@@ -154,8 +157,12 @@ def implementations(opts: BenchOptions) -> tuple[list[str], dict[str, str]]:
     device, dtype = torch.device(opts.device), DTYPES[opts.dtype]
     names = list(opts.backends) if opts.backends else available_backends(device, dtype)
     recipes = opts.recipes or [NO_RECIPE]
-    names = [n if n in PEERS or r == NO_RECIPE else f"{n}+{r}" for n in names for r in recipes
-             if r == NO_RECIPE or n not in PEERS]
+    names = [
+        n if n in PEERS or r == NO_RECIPE else f"{n}+{r}"
+        for n in names
+        for r in recipes
+        if r == NO_RECIPE or n not in PEERS
+    ]
     skipped = {}
     if opts.peers:
         for name, reason in peer_status(device, dtype).items():
@@ -167,6 +174,7 @@ def implementations(opts: BenchOptions) -> tuple[list[str], dict[str, str]]:
 
 
 # ---------------------------------------------------------------- inputs and routing
+
 
 @dataclass
 class Inputs:
@@ -223,6 +231,7 @@ def tokens_per_expert(config: MoEConfig, inputs: Inputs) -> Tensor:
 
 # ---------------------------------------------------------------- timing
 
+
 def time_ms(step: Callable[[int], None], n_sets: int, warmup: int, iters: int, device: torch.device) -> float:
     """Median milliseconds of ``step(i)`` (i = input set) over ``iters`` runs after ``warmup`` runs."""
     for i in range(warmup):
@@ -253,7 +262,7 @@ def dense_tflops(device: torch.device, warmup: int, iters: int) -> float | None:
     a = torch.randn(DENSE_N, DENSE_N, device=device, dtype=torch.bfloat16)
     b = torch.randn(DENSE_N, DENSE_N, device=device, dtype=torch.bfloat16)
     ms = time_ms(lambda i: a @ b, 1, warmup, iters, device)
-    return 2 * DENSE_N ** 3 / ms / 1e9
+    return 2 * DENSE_N**3 / ms / 1e9
 
 
 def dense_fp8_tflops(device: torch.device, warmup: int, iters: int) -> float | None:
@@ -266,14 +275,20 @@ def dense_fp8_tflops(device: torch.device, warmup: int, iters: int) -> float | N
         b = torch.randn(DENSE_N, DENSE_N, device=device).to(torch.float8_e4m3fn).t()  # column-major
         sa = torch.ones(DENSE_N, 1, device=device)
         sb = torch.ones(1, DENSE_N, device=device)
-        ms = time_ms(lambda i: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True), 1,
-                     warmup, iters, device)
+        ms = time_ms(
+            lambda i: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True),
+            1,
+            warmup,
+            iters,
+            device,
+        )
     except (RuntimeError, AttributeError):
         return None
-    return 2 * DENSE_N ** 3 / ms / 1e9
+    return 2 * DENSE_N**3 / ms / 1e9
 
 
 # ---------------------------------------------------------------- one implementation on one case
+
 
 def build(name: str, config: MoEConfig, device, dtype) -> nn.Module:
     """A moeyard ``MoE`` with backend ``name`` (``backend+recipe``: under that FP8 recipe), or the peer ``name``."""
@@ -336,9 +351,18 @@ def run_one(name: str, shape: ModelShape, config: MoEConfig, inputs: Inputs, opt
     """One row: times, TFLOP/s, memory, or the error (never raises for a failing implementation)."""
     is_peer = name in PEERS
     flops = layer_flops(peer_config(config) if is_peer else config, shape.tokens)
-    row = {"case": shape.name, "T": shape.tokens, "H": config.hidden_size, "I": config.intermediate_size,
-           "E": config.num_experts, "k": config.top_k, "impl": name, "kind": "peer" if is_peer else "moeyard",
-           "flops_fwd": flops, "note": peer_note(config) if is_peer else ""}
+    row = {
+        "case": shape.name,
+        "T": shape.tokens,
+        "H": config.hidden_size,
+        "I": config.intermediate_size,
+        "E": config.num_experts,
+        "k": config.top_k,
+        "impl": name,
+        "kind": "peer" if is_peer else "moeyard",
+        "flops_fwd": flops,
+        "note": peer_note(config) if is_peer else "",
+    }
     module = None
     try:
         torch.manual_seed(0)
@@ -346,7 +370,14 @@ def run_one(name: str, shape: ModelShape, config: MoEConfig, inputs: Inputs, opt
         if opts.compile and not is_peer:  # compiled at the first call, before the warm-up (not timed)
             module = torch.compile(module, mode=None if opts.compile == "default" else opts.compile)
             row["note"] = f"torch.compile ({opts.compile})"
-        row.update(measure(module, inputs, opts, trace_stem=file_stem(case_name(shape.name, (row["T"], row["H"], row["I"], row["E"], row["k"])), name)))
+        row.update(
+            measure(
+                module,
+                inputs,
+                opts,
+                trace_stem=file_stem(case_name(shape.name, (row["T"], row["H"], row["I"], row["E"], row["k"])), name),
+            )
+        )
         row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
         row["fwdbwd_tflops"] = 3 * flops / row["fwdbwd_ms"] / 1e9
     except Exception as ex:  # a failing implementation is a row, not a crash
@@ -372,6 +403,7 @@ def free_memory(device: str) -> None:
 
 
 # ---------------------------------------------------------------- the run
+
 
 def versions() -> dict[str, str]:
     """Versions of moeyard, torch, triton, transformers ("not installed" when absent) and Python."""
@@ -399,11 +431,21 @@ def device_info(device: str | torch.device) -> dict:
 
 def environment(opts: BenchOptions) -> dict:
     """Everything a results table needs: versions, device, date (UTC), command line, settings."""
-    return {**versions(), **device_info(opts.device), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": opts.command, "dtype": opts.dtype, "routing": opts.routing,
-            "zipf_alpha": opts.zipf_alpha if opts.routing == "zipf" else None, "warmup": opts.warmup,
-            "iters": opts.iters, "routed_only": opts.routed_only, "router": router_impl(), "compile": opts.compile,
-            "platform": platform.platform()}
+    return {
+        **versions(),
+        **device_info(opts.device),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": opts.command,
+        "dtype": opts.dtype,
+        "routing": opts.routing,
+        "zipf_alpha": opts.zipf_alpha if opts.routing == "zipf" else None,
+        "warmup": opts.warmup,
+        "iters": opts.iters,
+        "routed_only": opts.routed_only,
+        "router": router_impl(),
+        "compile": opts.compile,
+        "platform": platform.platform(),
+    }
 
 
 def run(opts: BenchOptions, progress: Callable[[str, int, int], None] | None = None) -> dict:

@@ -32,6 +32,7 @@ gradients), and the peak extra GiB of the step (CUDA). Targets of the LoRA desig
 1.15x of ``frozen``, at least 2x faster than the PEFT default paths, and peak memory no more than
 ``frozen``'s plus the adapters' gradients and 5%.
 """
+
 from __future__ import annotations
 
 import math
@@ -82,13 +83,21 @@ def make_case(shape: ModelShape, rank: int, device, dtype) -> Case:
     kw = dict(device=device, dtype=dtype)
     logits = torch.randn(T, E, device=device)
     weights, ids = torch.softmax(logits, -1).topk(K, dim=-1)
-    lora = {"gate_up_proj": (torch.randn(rank * E, H, **kw) / H ** 0.5, torch.randn(2 * I, rank * E, **kw) * 0.01),
-            "down_proj": (torch.randn(rank * E, I, **kw) / I ** 0.5, torch.randn(H, rank * E, **kw) * 0.01)}
-    return Case(name=shape.name, xs=[torch.randn(T, H, **kw) for _ in range(n_sets)],
-                dys=[torch.randn(T, H, **kw) for _ in range(n_sets)], topk_ids=ids,
-                topk_weights=(weights / weights.sum(-1, keepdim=True)).to(dtype),
-                gate_up_proj=torch.randn(E, 2 * I, H, **kw) / H ** 0.5,
-                down_proj=torch.randn(E, H, I, **kw) / I ** 0.5, lora=lora, scaling=2.0)
+    lora = {
+        "gate_up_proj": (torch.randn(rank * E, H, **kw) / H**0.5, torch.randn(2 * I, rank * E, **kw) * 0.01),
+        "down_proj": (torch.randn(rank * E, I, **kw) / I**0.5, torch.randn(H, rank * E, **kw) * 0.01),
+    }
+    return Case(
+        name=shape.name,
+        xs=[torch.randn(T, H, **kw) for _ in range(n_sets)],
+        dys=[torch.randn(T, H, **kw) for _ in range(n_sets)],
+        topk_ids=ids,
+        topk_weights=(weights / weights.sum(-1, keepdim=True)).to(dtype),
+        gate_up_proj=torch.randn(E, 2 * I, H, **kw) / H**0.5,
+        down_proj=torch.randn(E, H, I, **kw) / I**0.5,
+        lora=lora,
+        scaling=2.0,
+    )
 
 
 def step_flops(case: Case, lora: bool) -> int:
@@ -103,14 +112,16 @@ def step_flops(case: Case, lora: bool) -> int:
 
 # ---------------------------------------------------------------- the implementations
 
+
 class _Direct(nn.Module):
     """``frozen``, ``lora`` and ``peft-fold+moeyard`` on :func:`moeyard.experts`."""
 
     def __init__(self, case: Case, mode: str):
         super().__init__()
         self.case, self.mode = case, mode
-        self.factors = nn.ParameterDict({f"{n}_{i}": nn.Parameter(t.clone()) for n, (a, b) in case.lora.items()
-                                         for i, t in (("A", a), ("B", b))})
+        self.factors = nn.ParameterDict(
+            {f"{n}_{i}": nn.Parameter(t.clone()) for n, (a, b) in case.lora.items() for i, t in (("A", a), ("B", b))}
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         c, f = self.case, self.factors
@@ -118,7 +129,9 @@ class _Direct(nn.Module):
         if self.mode == "lora":
             lora = {n: ExpertLoRA(lora_A=f[f"{n}_A"], lora_B=f[f"{n}_B"], scaling=c.scaling) for n in TARGETS}
         elif self.mode == "peft-fold+moeyard":
-            w_up, w_down = (_fold(w, f[f"{n}_A"], f[f"{n}_B"], c.scaling) for n, w in zip(TARGETS, (w_up, w_down), strict=True))
+            w_up, w_down = (
+                _fold(w, f[f"{n}_A"], f[f"{n}_B"], c.scaling) for n, w in zip(TARGETS, (w_up, w_down), strict=True)
+            )
         return experts(x, c.topk_ids, c.topk_weights, w_up, w_down, lora=lora)
 
     def trainable(self) -> list[Tensor]:
@@ -151,8 +164,12 @@ class _Peft(nn.Module):
         experts_module.gate_up_proj = nn.Parameter(case.gate_up_proj, requires_grad=False)
         experts_module.down_proj = nn.Parameter(case.down_proj, requires_grad=False)
         self.experts, self.case = experts_module, case
-        inject_adapter_in_model(LoraConfig(r=r, lora_alpha=case.scaling * r, target_modules=[],
-                                           target_parameters=[f"experts.{n}" for n in TARGETS]), self)
+        inject_adapter_in_model(
+            LoraConfig(
+                r=r, lora_alpha=case.scaling * r, target_modules=[], target_parameters=[f"experts.{n}" for n in TARGETS]
+            ),
+            self,
+        )
         for m in self.modules():  # PEFT's ParamWrappers (nested: one per targeted parameter)
             if hasattr(m, "parameter_name") and "default" in getattr(m, "lora_A", {}):
                 A, B = case.lora[m.parameter_name]
@@ -160,6 +177,7 @@ class _Peft(nn.Module):
                 m.lora_B["default"].weight.data = B.clone().to(dev, dtype)
         if impl == "peft+moeyard":
             from ..integrations.peft import fuse_lora
+
             fuse_lora(self)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -178,9 +196,14 @@ class _Stack(nn.Module):
         self.factors = nn.ParameterList()
         self.stack = []
         for layer in range(layers):
-            up, down = (case.gate_up_proj, case.down_proj) if layer == 0 else \
-                (torch.randn_like(case.gate_up_proj) * case.gate_up_proj.std(), torch.randn_like(case.down_proj)
-                 * case.down_proj.std())
+            up, down = (
+                (case.gate_up_proj, case.down_proj)
+                if layer == 0
+                else (
+                    torch.randn_like(case.gate_up_proj) * case.gate_up_proj.std(),
+                    torch.randn_like(case.down_proj) * case.down_proj.std(),
+                )
+            )
             if impl != "lora":
                 up, down = _nf4(up), _nf4(down)
             self.stack.append((up, down))
@@ -189,8 +212,10 @@ class _Stack(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         c = self.case
         for layer, (up, down) in enumerate(self.stack):
-            f = self.factors[4 * layer: 4 * layer + 4]
-            lora = {n: ExpertLoRA(lora_A=f[2 * i], lora_B=f[2 * i + 1], scaling=c.scaling) for i, n in enumerate(TARGETS)}
+            f = self.factors[4 * layer : 4 * layer + 4]
+            lora = {
+                n: ExpertLoRA(lora_A=f[2 * i], lora_B=f[2 * i + 1], scaling=c.scaling) for i, n in enumerate(TARGETS)
+            }
             if self.impl == "qlora-whole":
                 up, down = up.dequantize(), down.dequantize()
             x = x + experts(x, c.topk_ids, c.topk_weights, up, down, lora=lora)
@@ -200,13 +225,17 @@ class _Stack(nn.Module):
         return list(self.factors)
 
     def weight_bytes(self) -> int:
-        return sum(w.numel() * w.element_size() if isinstance(w, Tensor) else w.memory_bytes()
-                   for pair in self.stack for w in pair)
+        return sum(
+            w.numel() * w.element_size() if isinstance(w, Tensor) else w.memory_bytes()
+            for pair in self.stack
+            for w in pair
+        )
 
 
 def _nf4(w: Tensor):
     """NF4 storage of ``w`` (bitsandbytes quantises on the GPU when it can, else on the CPU)."""
     from ..quant import NF4Experts
+
     try:
         return NF4Experts.from_float(w)
     except (RuntimeError, NotImplementedError):
@@ -222,6 +251,7 @@ def build(impl: str, case: Case, layers: int = 0) -> nn.Module:
 
 
 # ---------------------------------------------------------------- the run
+
 
 def measure(module: nn.Module, case: Case, opts: layer_bench.BenchOptions, trace_stem: str | None = None) -> dict:
     """Median step ms and peak extra GiB (CUDA) of forward + backward; with ``opts.trace``, then one
@@ -249,8 +279,14 @@ def measure(module: nn.Module, case: Case, opts: layer_bench.BenchOptions, trace
     return out
 
 
-def run(opts: layer_bench.BenchOptions, rank: int, progress: Callable[[str, int, int], None] | None = None, *,
-        quant: str | None = None, layers: int = 4) -> dict:
+def run(
+    opts: layer_bench.BenchOptions,
+    rank: int,
+    progress: Callable[[str, int, int], None] | None = None,
+    *,
+    quant: str | None = None,
+    layers: int = 4,
+) -> dict:
     """Run the LoRA benchmark: ``{"env": {...}, "rows": [...]}`` (ms, TFLOP/s, GiB; ratios to the
     ``frozen`` and ``lora`` rows of the same case). ``quant="nf4"``: the QLoRA rows on a stack of
     ``layers`` layers (module docstring).
@@ -275,12 +311,20 @@ def run(opts: layer_bench.BenchOptions, rank: int, progress: Callable[[str, int,
     impls = list(opts.backends or known)
     for i in impls:
         if i not in known:
-            raise ValueError(f"--backends: with --lora{' --quant' if quant else ''} expected names from {known}, "
-                             f"got {i!r}")
+            raise ValueError(
+                f"--backends: with --lora{' --quant' if quant else ''} expected names from {known}, got {i!r}"
+            )
     device, dtype = torch.device(opts.device), layer_bench.DTYPES[opts.dtype]
     report = progress or (lambda desc, done, total: None)
-    env = {**layer_bench.environment(opts), "mode": "lora", "trace": opts.trace, "lora_rank": rank, "quant": quant, "layers": layers,
-           "dense_bf16_tflops": layer_bench.dense_tflops(device, opts.warmup, opts.iters)}
+    env = {
+        **layer_bench.environment(opts),
+        "mode": "lora",
+        "trace": opts.trace,
+        "lora_rank": rank,
+        "quant": quant,
+        "layers": layers,
+        "dense_bf16_tflops": layer_bench.dense_tflops(device, opts.warmup, opts.iters),
+    }
     rows, total = [], len(shapes) * len(impls)
     for shape in shapes:
         torch.manual_seed(0)
@@ -288,7 +332,7 @@ def run(opts: layer_bench.BenchOptions, rank: int, progress: Callable[[str, int,
         for impl in impls:
             report(f"{shape.name} · {impl}", len(rows), total)
             rows.append(_row(impl, case, opts, layers))
-        _ratios(rows[-len(impls):])
+        _ratios(rows[-len(impls) :])
         del case
         layer_bench.free_memory(opts.device)
     report("done", len(rows), total)
@@ -297,14 +341,24 @@ def run(opts: layer_bench.BenchOptions, rank: int, progress: Callable[[str, int,
 
 def _row(impl: str, case: Case, opts: layer_bench.BenchOptions, layers: int) -> dict:
     T, H, I, E, K = case.sizes
-    row = {"case": case.name, "T": T, "H": H, "I": I, "E": E, "k": K, "impl": impl,
-           "flops": step_flops(case, impl != "frozen") * max(layers, 1)}
+    row = {
+        "case": case.name,
+        "T": T,
+        "H": H,
+        "I": I,
+        "E": E,
+        "k": K,
+        "impl": impl,
+        "flops": step_flops(case, impl != "frozen") * max(layers, 1),
+    }
     module = None
     try:
         module = build(impl, case, layers)
         if layers:
             row["weights_gib"] = module.weight_bytes() / layer_bench.GIB
-        row.update(measure(module, case, opts, trace_stem=file_stem(layer_bench.case_name(case.name, case.sizes), impl)))
+        row.update(
+            measure(module, case, opts, trace_stem=file_stem(layer_bench.case_name(case.name, case.sizes), impl))
+        )
         row["tflops"] = row["flops"] / row["step_ms"] / 1e9
     except Exception as ex:  # a failing implementation is a row, not a crash
         row["error"] = f"{type(ex).__name__}: {(str(ex).strip().splitlines() or [''])[0][:300]}"

@@ -17,6 +17,7 @@ Both implement the routed experts of a softmax top-k, SwiGLU layer without biase
 
 Legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, N = T*K routed pairs.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -101,8 +102,13 @@ class TorchaoFP8(nn.Module):
         offs_E = padded_E.cumsum(0).to(torch.int32)
         h = fp8_gmm(rows, self.w13_E2IH.mT, offs_E, out_dtype=x_TH.dtype, pad_token_groups_for_grouped_mm=False)
         gate, up = h.chunk(2, dim=-1)
-        y = fp8_gmm((F.silu(gate) * up).contiguous(), self.w2_EHI.mT, offs_E, out_dtype=x_TH.dtype,
-                    pad_token_groups_for_grouped_mm=False)
+        y = fp8_gmm(
+            (F.silu(gate) * up).contiguous(),
+            self.w2_EHI.mT,
+            offs_E,
+            out_dtype=x_TH.dtype,
+            pad_token_groups_for_grouped_mm=False,
+        )
         y_NH = y[row_N] * w_TK.reshape(-1)[order_N].unsqueeze(-1)
         return torch.zeros_like(x_TH).index_add(0, token_N, y_NH)
 
@@ -115,9 +121,15 @@ class SonicMoE(nn.Module):
         from sonicmoe import MoE as _SonicMoE
         from sonicmoe.enums import ActivationType
 
-        self.moe = _SonicMoE(num_experts=config.num_experts, num_experts_per_tok=config.top_k,
-                             hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-                             activation_function=ActivationType.SWIGLU, add_bias=False, std=0.02).to(device, dtype)
+        self.moe = _SonicMoE(
+            num_experts=config.num_experts,
+            num_experts_per_tok=config.top_k,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            activation_function=ActivationType.SWIGLU,
+            add_bias=False,
+            std=0.02,
+        ).to(device, dtype)
         for p in self.moe.parameters():
             nn.init.normal_(p, std=0.02)
 
@@ -197,16 +209,22 @@ def peer_status(device: torch.device | str, dtype: torch.dtype) -> dict[str, str
 def peer_config(config: MoEConfig) -> MoEConfig:
     """The layer a peer computes for ``config``: same T-independent shape (E, H, I, K), softmax top-k
     renormalised, SwiGLU, no biases, no shared experts."""
-    return MoEConfig(num_experts=config.num_experts, hidden_size=config.hidden_size,
-                     intermediate_size=config.intermediate_size, top_k=config.top_k)
+    return MoEConfig(
+        num_experts=config.num_experts,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        top_k=config.top_k,
+    )
 
 
 def peer_note(config: MoEConfig) -> str:
     """How the peers' layer differs from ``config`` ("" when it matches)."""
     diffs = []
     if config.score_func != "softmax" or config.n_group > 1 or config.score_correction_bias:
-        diffs.append(f"softmax router instead of {config.score_func}"
-                     f"{' grouped' if config.n_group > 1 else ''}{' + bias' if config.score_correction_bias else ''}")
+        diffs.append(
+            f"softmax router instead of {config.score_func}"
+            f"{' grouped' if config.n_group > 1 else ''}{' + bias' if config.score_correction_bias else ''}"
+        )
     if not config.norm_topk_prob and not config.topk_before_score:
         diffs.append("renormalised top-k")
     if config.activation != "swiglu":

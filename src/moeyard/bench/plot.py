@@ -11,6 +11,7 @@ TFLOP/s panels draw the run's dense bf16 matmul rate (8192^3) as a dashed line w
 matplotlib is imported only here, through its object-oriented API (no pyplot, no global backend
 change): ``pip install 'moeyard[plot]'``.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,8 +67,11 @@ def load_result(path: str) -> dict:
             result = json.load(f)
     except (OSError, json.JSONDecodeError) as ex:
         raise ValueError(f"--from: cannot read {path!r}: {ex}") from ex
-    if not isinstance(result, dict) or not isinstance(result.get("env"), dict) or \
-            not isinstance(result.get("rows"), list):
+    if (
+        not isinstance(result, dict)
+        or not isinstance(result.get("env"), dict)
+        or not isinstance(result.get("rows"), list)
+    ):
         raise ValueError(f"--from: {path!r} is not a moeyard bench JSON (expected 'env' and 'rows')")
     return result
 

@@ -11,6 +11,7 @@ For each row the benchmark calls :func:`trace_step` with the step it timed; it w
 
 File names keep ``[A-Za-z0-9._+-]`` of the case and implementation names; anything else becomes ``_``.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,7 @@ def check_trace_dir(path: str | os.PathLike | None) -> None:
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise ValueError(f"--trace: expected a directory path, got {path!r}")
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"--trace: {str(path)!r} exists and is not a directory; expected a directory "
-                         "for the traces")
+        raise ValueError(f"--trace: {str(path)!r} exists and is not a directory; expected a directory for the traces")
 
 
 def file_stem(case: str, impl: str) -> str:
@@ -39,8 +39,7 @@ def file_stem(case: str, impl: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]", "_", f"{case}-{impl}")
 
 
-def trace_step(step: Callable[[], object], directory: str | os.PathLike, stem: str,
-               device: torch.device | str) -> dict:
+def trace_step(step: Callable[[], object], directory: str | os.PathLike, stem: str, device: torch.device | str) -> dict:
     """Profile one call of ``step()`` and, on CUDA, record the allocator during one more.
 
     Args:

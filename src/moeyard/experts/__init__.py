@@ -3,6 +3,7 @@
 Backends (one knob, ``backend=``): ``loop`` (reference), ``bmm_padded``, ``grouped_mm``, and
 ``triton`` where it is installed; ``auto`` picks the best that runs for the device and dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,23 @@ from .weights import ExpertLoRA, ExpertWeights, LowRank, Projection, expert_weig
 
 Tensor = torch.Tensor
 
-__all__ = ["experts", "ExpertBackend", "ExpertLoRA", "ExpertWeights", "LowRank", "Projection", "Workload",
-           "expert_weights", "available_backends", "backend_names", "get_backend", "register_backend", "resolve_backend", "set_backend", "use_backend"]
+__all__ = [
+    "experts",
+    "ExpertBackend",
+    "ExpertLoRA",
+    "ExpertWeights",
+    "LowRank",
+    "Projection",
+    "Workload",
+    "expert_weights",
+    "available_backends",
+    "backend_names",
+    "get_backend",
+    "register_backend",
+    "resolve_backend",
+    "set_backend",
+    "use_backend",
+]
 
 
 def experts(
@@ -119,25 +135,49 @@ def experts(
     check_float("hidden_states", hidden_states, dim=2)
     if is_quantized(gate_up_proj) or is_quantized(down_proj):
         with dequantized((gate_up_proj, down_proj), topk_ids) as (up, down):
-            return experts(hidden_states, topk_ids, topk_weights, up, down, activation=act, backend=backend,
-                           gate_up_bias=gate_up_bias, down_bias=down_bias, transposed=transposed,
-                           interleaved=interleaved, drop_invalid=drop_invalid, lora=lora, recipe=recipe,
-                           check_ids=check_ids)
-    weights = expert_weights(gate_up_proj, down_proj, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                             transposed=transposed, interleaved=interleaved, gated=act.gated, lora=lora,
-                             recipe=recipe)
+            return experts(
+                hidden_states,
+                topk_ids,
+                topk_weights,
+                up,
+                down,
+                activation=act,
+                backend=backend,
+                gate_up_bias=gate_up_bias,
+                down_bias=down_bias,
+                transposed=transposed,
+                interleaved=interleaved,
+                drop_invalid=drop_invalid,
+                lora=lora,
+                recipe=recipe,
+                check_ids=check_ids,
+            )
+    weights = expert_weights(
+        gate_up_proj,
+        down_proj,
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
+        transposed=transposed,
+        interleaved=interleaved,
+        gated=act.gated,
+        lora=lora,
+        recipe=recipe,
+    )
     T, H = hidden_states.shape
     if H != weights.hidden_size:
         raise ValueError(f"hidden_states: expected hidden size {weights.hidden_size} (from gate_up_proj), got {H}")
     if hidden_states.dtype != weights.w_up.dtype:
-        raise TypeError(f"hidden_states: expected dtype {weights.w_up.dtype} (as the expert weights), "
-                        f"got {hidden_states.dtype}")
+        raise TypeError(
+            f"hidden_states: expected dtype {weights.w_up.dtype} (as the expert weights), got {hidden_states.dtype}"
+        )
     if hidden_states.device != weights.w_up.device:
-        raise ValueError(f"hidden_states: expected device {weights.w_up.device} (as the expert weights), "
-                         f"got {hidden_states.device}")
+        raise ValueError(
+            f"hidden_states: expected device {weights.w_up.device} (as the expert weights), got {hidden_states.device}"
+        )
     check_topk(topk_ids, topk_weights, T, weights.num_experts, hidden_states.device, drop_invalid)
-    chosen = resolve_backend(backend, hidden_states.device, hidden_states.dtype, weights, act,
-                             _workload(topk_ids, weights))
+    chosen = resolve_backend(
+        backend, hidden_states.device, hidden_states.dtype, weights, act, _workload(topk_ids, weights)
+    )
     if check_ids and not drop_invalid and not check_ids_on_host(topk_ids, weights.num_experts):
         # accelerator, no debug: a NaN weight makes the token's output NaN instead of reading ids back
         topk_weights = topk_weights.masked_fill(invalid_ids(topk_ids, weights.num_experts), float("nan"))

@@ -6,6 +6,7 @@ it). Memory: ``E * C * (2H + N1 + I)`` activation elements (N1 = 2I gated, else 
 ``N * (2H + N1 + I)`` for a grouped GEMM with N = T*K routed pairs: about the same under balanced
 routing, up to E/K times more when one expert takes every token (C = T).
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,15 @@ from .weights import ExpertWeights, Projection
 Tensor = torch.Tensor
 
 
-def bmm_padded_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
-                       activation: Activation, *, drop_invalid: bool = False) -> Tensor:
+def bmm_padded_forward(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    weights: ExpertWeights,
+    activation: Activation,
+    *,
+    drop_invalid: bool = False,
+) -> Tensor:
     """Shapes as :func:`moeyard.experts`. Syncs once to size the padded buffer.
 
     Raises:
@@ -64,11 +72,16 @@ def _bmm(a: Tensor, proj: Projection) -> Tensor:
 
 
 # a batch of experts: a [E, C, K], w [E, N, K]
-EMULATED = Emulated(GroupedOps(mm=lambda a, w, offsets: torch.bmm(a, w.mT),
-                               kmm=lambda dy, a, offsets: torch.bmm(dy.mT, a)))
+EMULATED = Emulated(
+    GroupedOps(mm=lambda a, w, offsets: torch.bmm(a, w.mT), kmm=lambda dy, a, offsets: torch.bmm(dy.mT, a))
+)
 
-register_backend(ExpertBackend(
-    name="bmm_padded", forward=bmm_padded_forward, unsupported=floating_only,
-    priority={"cuda": 10, "cpu": 10, "mps": 10, "xpu": 10},
-    description="pads to [E, max_tokens, H] and uses torch.bmm; any device and float dtype; one host sync",
-))
+register_backend(
+    ExpertBackend(
+        name="bmm_padded",
+        forward=bmm_padded_forward,
+        unsupported=floating_only,
+        priority={"cuda": 10, "cpu": 10, "mps": 10, "xpu": 10},
+        description="pads to [E, max_tokens, H] and uses torch.bmm; any device and float dtype; one host sync",
+    )
+)

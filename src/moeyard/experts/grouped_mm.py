@@ -7,6 +7,7 @@ aligned strides (H and I multiples of 8 in bf16, of 4 in float32) and no float64
 permuted ``[N, H]`` input, ``[N, 2I]`` and ``[N, I]`` activations and ``[N, H]`` output are kept for
 backward (N = T*K).
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,15 @@ def grouped_gemm(rows: Tensor, w: Tensor, plan: DispatchPlan) -> Tensor:
     return torch._grouped_mm(rows, w.mT, offs=plan.padded_offsets[1:])
 
 
-def grouped_mm_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
-                       activation: Activation, *, drop_invalid: bool = False) -> Tensor:
+def grouped_mm_forward(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    weights: ExpertWeights,
+    activation: Activation,
+    *,
+    drop_invalid: bool = False,
+) -> Tensor:
     """The routed expert FFN on ``torch._grouped_mm`` (shapes, dtypes and semantics as
     :func:`moeyard.experts`): ``x [T, H]``, ``topk_ids`` / ``topk_weights`` ``[T, K]`` -> ``[T, H]``.
     Under an FP8 recipe the base GEMMs run on ``torch._scaled_grouped_mm`` where the Hopper fast path
@@ -40,13 +48,26 @@ def grouped_mm_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weight
     gemms, align = scaled_hopper.recipe_gemms(weights.recipe, x.device, x.dtype, weights, EMULATED)
     if gemms is scaled_hopper.HOPPER_ROWWISE and scaled_hopper.fused(weights, activation):
         return scaled_hopper.routed_ffn(x, topk_ids, topk_weights, weights, activation, drop_invalid=drop_invalid)
-    return routed_ffn(x, topk_ids, topk_weights, weights, activation, grouped_gemm, drop_invalid=drop_invalid,
-                      align=align, recipe_gemms=gemms)
+    return routed_ffn(
+        x,
+        topk_ids,
+        topk_weights,
+        weights,
+        activation,
+        grouped_gemm,
+        drop_invalid=drop_invalid,
+        align=align,
+        recipe_gemms=gemms,
+    )
 
 
 # expert-major rows with offsets [E + 1] (int32): torch._grouped_mm's 2-D x 3-D and 2-D x 2-D forms
-EMULATED = Emulated(GroupedOps(mm=lambda x, w, offsets: torch._grouped_mm(x, w.mT, offs=offsets[1:]),
-                               kmm=lambda dy, x, offsets: torch._grouped_mm(dy.mT, x, offs=offsets[1:])))
+EMULATED = Emulated(
+    GroupedOps(
+        mm=lambda x, w, offsets: torch._grouped_mm(x, w.mT, offs=offsets[1:]),
+        kmm=lambda dy, x, offsets: torch._grouped_mm(dy.mT, x, offs=offsets[1:]),
+    )
+)
 
 
 _PROBED: dict[tuple, str | None] = {}
@@ -99,8 +120,9 @@ def _aligned(t: Tensor) -> bool:
     return ok_layout and (torch.compiler.is_compiling() or t.data_ptr() % 16 == 0)
 
 
-def _unsupported(device: torch.device, dtype: torch.dtype, weights: ExpertWeights | None,
-                 activation: Activation | None) -> str | None:
+def _unsupported(
+    device: torch.device, dtype: torch.dtype, weights: ExpertWeights | None, activation: Activation | None
+) -> str | None:
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"needs bfloat16, float16 or float32, got {dtype}"
     reason = _probe(device.type, device.index, dtype, torch.compiler.is_compiling())
@@ -119,7 +141,12 @@ def _unsupported(device: torch.device, dtype: torch.dtype, weights: ExpertWeight
     return None
 
 
-register_backend(ExpertBackend(
-    name="grouped_mm", forward=grouped_mm_forward, unsupported=_unsupported, priority={"cuda": 20, "cpu": 20},
-    description="torch._grouped_mm with device-side offsets; no host sync; fast on Hopper in bf16",
-))
+register_backend(
+    ExpertBackend(
+        name="grouped_mm",
+        forward=grouped_mm_forward,
+        unsupported=_unsupported,
+        priority={"cuda": 20, "cpu": 20},
+        description="torch._grouped_mm with device-side offsets; no host sync; fast on Hopper in bf16",
+    )
+)

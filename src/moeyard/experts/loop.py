@@ -4,6 +4,7 @@ Any device, any floating dtype (float64 included); it is the oracle every other 
 against. It finds each expert's tokens with ``torch.where`` and checks the expert ids on the host,
 so it synchronises with the device: a reference, not a training path.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,15 @@ from .weights import ExpertWeights, Projection
 Tensor = torch.Tensor
 
 
-def loop_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
-                 activation: Activation, *, drop_invalid: bool = False) -> Tensor:
+def loop_forward(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    weights: ExpertWeights,
+    activation: Activation,
+    *,
+    drop_invalid: bool = False,
+) -> Tensor:
     """``out[t] = sum_k topk_weights[t, k] * down_e(act(up_e(x[t])))`` with ``e = topk_ids[t, k]``.
 
     Shapes: ``x [T, H]``, ``topk_ids [T, K]``, ``topk_weights [T, K]`` -> ``[T, H]`` in ``x.dtype``
@@ -57,7 +65,12 @@ def expert_linear(x: Tensor, proj: Projection, e: int) -> Tensor:
 # one expert's rows [R, K] and weight [N, K]: plain matrix products
 EMULATED = Emulated(GroupedOps(mm=lambda x, w, offsets: x @ w.mT, kmm=lambda dy, x, offsets: dy.mT @ x))
 
-register_backend(ExpertBackend(
-    name="loop", forward=loop_forward, unsupported=floating_only, priority={},
-    description="reference: per-expert loop, any device and float dtype (float64 too); host syncs",
-))
+register_backend(
+    ExpertBackend(
+        name="loop",
+        forward=loop_forward,
+        unsupported=floating_only,
+        priority={},
+        description="reference: per-expert loop, any device and float dtype (float64 too); host syncs",
+    )
+)

@@ -8,6 +8,7 @@ columns rank-major), exactly the parameters PEFT (>= 0.17) creates for a 3-D exp
 ``lora.gate_up_proj.lora_A.weight`` etc. Scaling ``alpha / r`` (Hu et al., arXiv 2106.09685) or
 ``alpha / sqrt(r)`` with rsLoRA (Kalajdzievski, arXiv 2312.03732).
 """
+
 from __future__ import annotations
 
 import math
@@ -30,11 +31,25 @@ class LoRAAdapter(nn.Module):
         ValueError: a size, rank or alpha that is not positive.
     """
 
-    def __init__(self, num_experts: int, in_features: int, out_features: int, rank: int, *,
-                 alpha: float | None = None, rslora: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        *,
+        alpha: float | None = None,
+        rslora: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
-        for name, v in (("num_experts", num_experts), ("in_features", in_features),
-                        ("out_features", out_features), ("rank", rank)):
+        for name, v in (
+            ("num_experts", num_experts),
+            ("in_features", in_features),
+            ("out_features", out_features),
+            ("rank", rank),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
         alpha = float(rank if alpha is None else alpha)
@@ -50,8 +65,9 @@ class LoRAAdapter(nn.Module):
 
     def expert_lora(self) -> ExpertLoRA:
         """The adapter as :func:`moeyard.experts` takes it."""
-        return ExpertLoRA(lora_A=self.lora_A.weight, lora_B=self.lora_B.weight, scaling=self.scaling,
-                          num_experts=self.num_experts)
+        return ExpertLoRA(
+            lora_A=self.lora_A.weight, lora_B=self.lora_B.weight, scaling=self.scaling, num_experts=self.num_experts
+        )
 
     def delta_weight(self) -> Tensor:
         """``[E, out, in]``: ``s * B_e @ A_e`` (for merging; the forward never forms it)."""

@@ -4,6 +4,7 @@ applied here, once, for every backend built on it (:func:`project`).
 
 Legend: T tokens, H hidden, I intermediate, N1 = 2I (gated) or I, E experts, K top-k, R rows.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,8 +21,9 @@ Tensor = torch.Tensor
 GroupedGEMM = Callable[[Tensor, Tensor, DispatchPlan], Tensor]
 
 
-def project(rows: Tensor, proj: Projection, gemm: GroupedGEMM, plan: DispatchPlan,
-            recipe_gemms: RecipeGEMMs | None = None) -> Tensor:
+def project(
+    rows: Tensor, proj: Projection, gemm: GroupedGEMM, plan: DispatchPlan, recipe_gemms: RecipeGEMMs | None = None
+) -> Tensor:
     """``rows [R, in]`` -> ``[R, out]``: ``rows W_e^T + b_e + s (rows A_e^T) B_e^T`` per expert's rows
     (the LoRA term as two thin grouped GEMMs through an ``[R, r]`` intermediate; ``rows W_e^T`` through
     ``recipe_gemms`` under ``proj.recipe``, when it has one)."""
@@ -36,9 +38,18 @@ def project(rows: Tensor, proj: Projection, gemm: GroupedGEMM, plan: DispatchPla
     return y
 
 
-def routed_ffn(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
-               activation: Activation, gemm: GroupedGEMM, *, drop_invalid: bool = False,
-               align: int = 1, recipe_gemms: RecipeGEMMs | None = None) -> Tensor:
+def routed_ffn(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    weights: ExpertWeights,
+    activation: Activation,
+    gemm: GroupedGEMM,
+    *,
+    drop_invalid: bool = False,
+    align: int = 1,
+    recipe_gemms: RecipeGEMMs | None = None,
+) -> Tensor:
     """``[T, H] -> [T, H]``: the whole routed expert FFN built from ``gemm`` (and ``recipe_gemms`` for
     the base GEMMs under ``weights.recipe``)."""
     plan = make_plan(topk_ids, weights.num_experts, align=align)

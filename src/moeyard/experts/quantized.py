@@ -19,6 +19,7 @@ Every backend computes on dense weights; a quantised weight reaches it through :
 
 The base weights are frozen: a quantised weight gets no gradient; LoRA adapters train on top.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -16,6 +16,7 @@ built-in backend defers today: ``triton`` measured fastest on CUDA at every benc
 process-wide default (used where no backend is named, e.g. by the transformers integration) is ``set_backend(name)`` or, before
 any call, the ``MOEYARD_BACKEND`` environment variable; otherwise ``auto``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,8 +64,9 @@ _BACKENDS: dict[str, ExpertBackend] = {}
 _default: list[str | None] = [None]
 
 
-def floating_only(device: torch.device, dtype: torch.dtype, weights: ExpertWeights | None,
-                  activation: Activation | None) -> str | None:
+def floating_only(
+    device: torch.device, dtype: torch.dtype, weights: ExpertWeights | None, activation: Activation | None
+) -> str | None:
     """An ``unsupported`` check for backends built from torch ops: any device, any floating dtype."""
     return None if dtype.is_floating_point else f"needs a floating dtype, got {dtype}"
 
@@ -126,9 +128,14 @@ def get_backend() -> str:
     return name
 
 
-def resolve_backend(name: str | None, device: torch.device, dtype: torch.dtype,
-                    weights: ExpertWeights | None = None, activation: Activation | None = None,
-                    workload: Workload | None = None) -> ExpertBackend:
+def resolve_backend(
+    name: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    weights: ExpertWeights | None = None,
+    activation: Activation | None = None,
+    workload: Workload | None = None,
+) -> ExpertBackend:
     """The backend to run for ``name`` (``None``: the default; ``auto``: the best that runs here,
     for ``workload`` when it and ``weights`` are given: see ``ExpertBackend.defer``).
 

@@ -5,6 +5,7 @@ the same way, to ``lora_B``'s layout and dtype. Both directions are the 2-D tran
 (``[E, out*r]``): on a CUDA device with Triton a tiled kernel (:mod:`.triton.transpose`, 8x torch's
 strided copy), elsewhere and while ``torch.compile`` traces, torch's copy. No host sync.
 """
+
 from __future__ import annotations
 
 import functools

@@ -18,6 +18,7 @@ one expert's rows and weight (``loop``: ``x [R, K]``, ``w [N, K]``, no offsets),
 Kept for backward: ``x`` and ``w`` (the compute dtype; wgrad needs ``x`` scaled per channel over each
 expert's tokens, which the forward's rowwise FP8 copy cannot give without a second rounding).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

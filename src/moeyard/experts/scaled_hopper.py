@@ -29,6 +29,7 @@ On a CPU (Triton's interpreter) ``torch._scaled_grouped_mm`` is replaced by its 
 recipe, or sizes that are not multiples of 16) a recipe runs emulated (:class:`moeyard.experts.scaled.Emulated`)
 and, on a GPU, says so once.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -47,15 +48,17 @@ Tensor = torch.Tensor
 _warned: set[tuple] = set()
 
 
-def scaled_grouped_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offsets: Tensor, out_dtype: torch.dtype,
-                      fast_accum: bool) -> Tensor:
+def scaled_grouped_mm(
+    a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offsets: Tensor, out_dtype: torch.dtype, fast_accum: bool
+) -> Tensor:
     """``torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offsets[1:])`` on CUDA; on a CPU its definition
     in float32 (dequantise, ``torch._grouped_mm``): ``a [M, K]`` e4m3 row-major with ``scale_a [M]``, ``b
     [G, K, N]`` column-major with ``scale_b [G, N]`` -> ``[M, N]``; or, for wgrad, ``a [N, M]`` and ``b [M, K]``
     grouped along M with ``scale_a [G * N]``, ``scale_b [G * K]`` (group-major) -> ``[G, N, K]``."""
     if a.is_cuda:
-        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offsets[1:], out_dtype=out_dtype,
-                                        use_fast_accum=fast_accum)
+        return torch._scaled_grouped_mm(
+            a, b, scale_a, scale_b, offs=offsets[1:], out_dtype=out_dtype, use_fast_accum=fast_accum
+        )
     if b.dim() == 3:
         a_deq = a.float() * scale_a[:, None]
         b_deq = b.float() * scale_b[:, None, :]
@@ -69,6 +72,7 @@ def scaled_grouped_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, of
 
 def _cast():
     from ..quant import fp8_triton
+
     return fp8_triton
 
 
@@ -109,12 +113,18 @@ def _wgrad(dyq_dys: tuple[Tensor, Tensor], xq_xs: tuple[Tensor, Tensor], offsets
 
 def fused(weights: ExpertWeights, activation: Activation) -> bool:
     """Whether :func:`routed_ffn` computes this layer (a named activation; no LoRA term; no down bias)."""
-    return (activation.fn is None and weights.lora_up is None and weights.lora_down is None
-            and weights.b_down is None)
+    return activation.fn is None and weights.lora_up is None and weights.lora_down is None and weights.b_down is None
 
 
-def routed_ffn(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights, activation: Activation,
-               *, drop_invalid: bool = False) -> Tensor:
+def routed_ffn(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    weights: ExpertWeights,
+    activation: Activation,
+    *,
+    drop_invalid: bool = False,
+) -> Tensor:
     """The routed expert FFN under ``weights.recipe`` (``fp8_rowwise``) in the fused form (module docstring):
     ``x [T, H]``, ``topk_ids`` / ``topk_weights`` ``[T, K]`` -> ``[T, H]``; differentiable w.r.t. ``x``,
     ``topk_weights``, both weights and the up bias. Pairs with an invalid id add nothing; without
@@ -127,6 +137,7 @@ def routed_ffn(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: Exper
     h = _GatheredUp.apply(x, weights.w_up, plan.row_tokens(), plan.pair_rows.view(T, K), live, offsets)
     if weights.b_up is not None:
         from .pipeline import add_row_bias
+
         h = add_row_bias(h, weights.b_up, plan)
     rw = _row_weights(topk_weights, plan, live)
     y = _ActDown.apply(h, weights.w_down, offsets, rw, activation, weights.interleaved)
@@ -167,8 +178,12 @@ class _GatheredUp(torch.autograd.Function):
             d_rows = HOPPER_ROWWISE.dgrad(dh, w, offsets, None)
             dx, _ = gathered_sum(d_rows, pair_rows, live.to(d_rows.dtype))
         if ctx.needs_input_grad[1]:
-            dw = _wgrad(cast.colwise_per_group(dh, offsets), cast.colwise_per_group(x, offsets, index=row_tokens),
-                        offsets, dh.dtype)
+            dw = _wgrad(
+                cast.colwise_per_group(dh, offsets),
+                cast.colwise_per_group(x, offsets, index=row_tokens),
+                offsets,
+                dh.dtype,
+            )
         return dx, dw, None, None, None, None
 
 
@@ -201,7 +216,9 @@ class _ActDown(torch.autograd.Function):
 # ---------------------------------------------------------------------------------- the choice
 
 
-def fast_path_reason(recipe: Recipe, device: torch.device, dtype: torch.dtype, weights: ExpertWeights | None) -> str | None:
+def fast_path_reason(
+    recipe: Recipe, device: torch.device, dtype: torch.dtype, weights: ExpertWeights | None
+) -> str | None:
     """None when the Hopper fast path serves ``recipe`` here, else why not."""
     if not recipe.rowwise:
         return f"{recipe.name} has no Hopper fast path (torch._scaled_grouped_mm takes rowwise scales on SM 9.0)"
@@ -221,8 +238,9 @@ def fast_path_reason(recipe: Recipe, device: torch.device, dtype: torch.dtype, w
     return None
 
 
-def recipe_gemms(recipe: Recipe, device: torch.device, dtype: torch.dtype, weights: ExpertWeights,
-                 emulated: Emulated) -> tuple[RecipeGEMMs, int]:
+def recipe_gemms(
+    recipe: Recipe, device: torch.device, dtype: torch.dtype, weights: ExpertWeights, emulated: Emulated
+) -> tuple[RecipeGEMMs, int]:
     """``(gemms, align)`` for a grouped backend: the Hopper fast path and ``recipe.align`` where it runs,
     else ``emulated`` and 1 (with one warning per reason on a GPU: emulation is slower than the compute
     dtype's own GEMMs)."""
@@ -231,6 +249,9 @@ def recipe_gemms(recipe: Recipe, device: torch.device, dtype: torch.dtype, weigh
         return HOPPER_ROWWISE, recipe.align
     if device.type == "cuda" and (recipe.name, reason) not in _warned:
         _warned.add((recipe.name, reason))
-        warnings.warn(f"moeyard: recipe {recipe.name!r} runs emulated (quantise, dequantise, bf16 GEMMs: its "
-                      f"numerics, slower than bf16): {reason}", stacklevel=4)
+        warnings.warn(
+            f"moeyard: recipe {recipe.name!r} runs emulated (quantise, dequantise, bf16 GEMMs: its "
+            f"numerics, slower than bf16): {reason}",
+            stacklevel=4,
+        )
     return emulated, 1

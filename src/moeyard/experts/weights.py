@@ -18,6 +18,7 @@ true input and output sizes. Each expert's projection becomes
 ``y = x W_e^T + b_e + scaling * (x A_e^T) B_e^T`` with ``A_e = lora_A.view(E, r, in)[e]`` and
 ``B_e = lora_B.view(out, r, E)[:, :, e]`` (Hu et al., LoRA, arXiv 2106.09685). ``W + dW`` is never formed.
 """
+
 from __future__ import annotations
 
 import math
@@ -179,8 +180,10 @@ def expert_weights(
     for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
         check_float(name, t)
         if t.element_size() == 1:
-            raise TypeError(f"{name}: {t.dtype} values need their block scales: pass "
-                            "moeyard.quant.FP8BlockExperts.from_fp8(weight, weight_scale_inv, dtype=...)")
+            raise TypeError(
+                f"{name}: {t.dtype} values need their block scales: pass "
+                "moeyard.quant.FP8BlockExperts.from_fp8(weight, weight_scale_inv, dtype=...)"
+            )
         if t.dim() != 3:
             raise ValueError(f"{name}: expected a 3-D tensor [E, out, in], got shape {tuple(t.shape)}")
     if gate_up_proj.dtype != down_proj.dtype:
@@ -194,8 +197,10 @@ def expert_weights(
     want_down = (E, H, I)
     if tuple(w_down.shape) != want_down:
         shown = (E, I, H) if transposed else want_down
-        raise ValueError(f"down_proj: expected shape {shown} to match gate_up_proj {tuple(gate_up_proj.shape)}, "
-                         f"got {tuple(down_proj.shape)}")
+        raise ValueError(
+            f"down_proj: expected shape {shown} to match gate_up_proj {tuple(gate_up_proj.shape)}, "
+            f"got {tuple(down_proj.shape)}"
+        )
     if interleaved and not gated:
         raise ValueError("interleaved: only meaningful for a gated activation")
     for name, b, shape in (("gate_up_bias", gate_up_bias, (E, N1)), ("down_bias", down_bias, (E, H))):
@@ -209,24 +214,37 @@ def expert_weights(
     if w_down.device != w_up.device:
         raise ValueError(f"down_proj: expected device {w_up.device}, got {w_down.device}")
     lora_up, lora_down = _lora_views(lora, E, (N1, H), (H, I), w_up)
-    return ExpertWeights(w_up=w_up, w_down=w_down, b_up=gate_up_bias, b_down=down_bias, interleaved=interleaved,
-                         lora_up=lora_up, lora_down=lora_down, recipe=recipe)
+    return ExpertWeights(
+        w_up=w_up,
+        w_down=w_down,
+        b_up=gate_up_bias,
+        b_down=down_bias,
+        interleaved=interleaved,
+        lora_up=lora_up,
+        lora_down=lora_down,
+        recipe=recipe,
+    )
 
 
 LORA_KEYS = ("gate_up_proj", "down_proj")
 
 
-def _lora_views(lora, E: int, up_shape: tuple[int, int], down_shape: tuple[int, int],
-                like: Tensor) -> tuple[LowRank | None, LowRank | None]:
+def _lora_views(
+    lora, E: int, up_shape: tuple[int, int], down_shape: tuple[int, int], like: Tensor
+) -> tuple[LowRank | None, LowRank | None]:
     if lora is None:
         return None, None
     if not isinstance(lora, dict) or set(lora) - set(LORA_KEYS):
-        raise TypeError(f"lora: expected a dict with keys among {LORA_KEYS} of moeyard.ExpertLoRA, got {kind(lora)}"
-                        + (f" with keys {sorted(lora)}" if isinstance(lora, dict) else ""))
+        raise TypeError(
+            f"lora: expected a dict with keys among {LORA_KEYS} of moeyard.ExpertLoRA, got {kind(lora)}"
+            + (f" with keys {sorted(lora)}" if isinstance(lora, dict) else "")
+        )
     up = lora.get("gate_up_proj")
     down = lora.get("down_proj")
-    return (None if up is None else low_rank(up, E, *up_shape, like, "lora['gate_up_proj']"),
-            None if down is None else low_rank(down, E, *down_shape, like, "lora['down_proj']"))
+    return (
+        None if up is None else low_rank(up, E, *up_shape, like, "lora['gate_up_proj']"),
+        None if down is None else low_rank(down, E, *down_shape, like, "lora['down_proj']"),
+    )
 
 
 def low_rank(adapter: ExpertLoRA, E: int, out: int, inp: int, like: Tensor, name: str = "lora") -> LowRank:
@@ -249,8 +267,9 @@ def low_rank(adapter: ExpertLoRA, E: int, out: int, inp: int, like: Tensor, name
     if rE == 0 or rE % E or A.shape[1] != inp:
         raise ValueError(f"{name}.lora_A: expected shape [r*{E}, {inp}] (r >= 1), got {tuple(A.shape)}")
     if tuple(B.shape) != (out, rE):
-        raise ValueError(f"{name}.lora_B: expected shape [{out}, {rE}] (the rank of lora_A, r = {rE // E}), "
-                         f"got {tuple(B.shape)}")
+        raise ValueError(
+            f"{name}.lora_B: expected shape [{out}, {rE}] (the rank of lora_A, r = {rE // E}), got {tuple(B.shape)}"
+        )
     for n, t in (("lora_A", A), ("lora_B", B)):
         if t.device != like.device:
             raise ValueError(f"{name}.{n}: expected device {like.device} (as the expert weights), got {t.device}")

@@ -22,6 +22,7 @@ never run. Two ways, both leaving PEFT's model, state dict, ``save_pretrained``,
 What moeyard does not fuse falls back to PEFT's own path, correctly, with one warning: several active
 adapters on one parameter (PEFT then sums their deltas), and PEFT's low-precision (float8) weights.
 """
+
 from __future__ import annotations
 
 import types
@@ -53,6 +54,7 @@ def lora_key(param_name: str) -> str | None:
 
 # ---------------------------------------------------------------- automatic: PEFT's parametrization
 
+
 def weight_and_lora(module: nn.Module, name: str) -> tuple[Tensor, ExpertLoRA | None]:
     """``module.<name>`` without evaluating a PEFT LoRA parametrization on it: ``(original weight,
     its adapter)`` when PEFT's single-adapter factors proxy is registered there, else
@@ -64,14 +66,19 @@ def weight_and_lora(module: nn.Module, name: str) -> tuple[Tensor, ExpertLoRA | 
     proxy = plist[0] if len(plist) == 1 else None
     factors = _proxy_factors(proxy, transposed=getattr(module, "is_transposed", False))
     if factors is None:
-        warn_once(f"proxy:{type(proxy).__name__ if proxy is not None else len(plist)}",
-                  f"moeyard: {name} carries a parametrization moeyard does not fuse ({type(plist[0]).__name__}: "
-                  "e.g. several active PEFT adapters, or float8 weights); it runs through PEFT's W + dW fold")
+        warn_once(
+            f"proxy:{type(proxy).__name__ if proxy is not None else len(plist)}",
+            f"moeyard: {name} carries a parametrization moeyard does not fuse ({type(plist[0]).__name__}: "
+            "e.g. several active PEFT adapters, or float8 weights); it runs through PEFT's W + dW fold",
+        )
         return getattr(module, name), None
-    warn_once("fold", "moeyard: PEFT folded W + dW over every expert on this forward (its parametrization, "
-              "evaluated by torch's shape check and unused: moeyard reads the factors); call "
-              "moeyard.integrations.peft.fuse_lora(model) after get_peft_model to skip it (a LoRA step at "
-              "qwen3-30b-a3b on an H100: 12.14 ms fused, 14.17 ms with the fold)")
+    warn_once(
+        "fold",
+        "moeyard: PEFT folded W + dW over every expert on this forward (its parametrization, "
+        "evaluated by torch's shape check and unused: moeyard reads the factors); call "
+        "moeyard.integrations.peft.fuse_lora(model) after get_peft_model to skip it (a LoRA step at "
+        "qwen3-30b-a3b on an H100: 12.14 ms fused, 14.17 ms with the fold)",
+    )
     return plist.original, factors
 
 
@@ -85,11 +92,16 @@ def _proxy_factors(proxy, *, transposed: bool) -> ExpertLoRA | None:
     lhs, rhs = proxy.lhs, proxy.rhs
     A, B = (lhs.mT, rhs.mT) if transposed else (rhs, lhs)  # A [E, r, in], B [E, out, r]
     E, r, _ = A.shape
-    return ExpertLoRA(lora_A=A.reshape(E * r, A.shape[2]), lora_B=B.permute(1, 2, 0).reshape(B.shape[1], r * E),
-                      scaling=float(proxy.scaling), num_experts=E)
+    return ExpertLoRA(
+        lora_A=A.reshape(E * r, A.shape[2]),
+        lora_B=B.permute(1, 2, 0).reshape(B.shape[1], r * E),
+        scaling=float(proxy.scaling),
+        num_experts=E,
+    )
 
 
 # ---------------------------------------------------------------- explicit: fuse_lora
+
 
 def fuse_lora(model: nn.Module) -> int:
     """Train the PEFT LoRA adapters of every transformers experts module in ``model`` through
@@ -115,8 +127,10 @@ def fuse_lora(model: nn.Module) -> int:
         chain[0].forward = types.MethodType(_fused_forward, chain[0])
         count += 1
     if not count:
-        raise ValueError("model: no PEFT ParamWrapper around a transformers experts module "
-                         "(LoraConfig(target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']))")
+        raise ValueError(
+            "model: no PEFT ParamWrapper around a transformers experts module "
+            "(LoraConfig(target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']))"
+        )
     return count
 
 
@@ -161,8 +175,11 @@ def _fused_forward(self: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
     chain, base = _chain(self, _param_wrapper_class())  # not type(self): FSDP2 subclasses the outermost only
     impl = getattr(getattr(base, "config", None), "_experts_implementation", None)
     if impl != "moeyard":
-        warn_once(f"impl:{impl}", f"moeyard.fuse_lora: these experts run experts_implementation={impl!r}, not "
-                  "'moeyard': they run through PEFT's own forward")
+        warn_once(
+            f"impl:{impl}",
+            f"moeyard.fuse_lora: these experts run experts_implementation={impl!r}, not "
+            "'moeyard': they run through PEFT's own forward",
+        )
         return type(self).forward(self, x, *args, **kwargs)
     lora: dict[str, ExpertLoRA] = {}
     for w in chain:
@@ -172,13 +189,20 @@ def _fused_forward(self: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
             continue
         active = [a for a in w.active_adapters if a in w.lora_A]
         if len(active) > 1:
-            warn_once("several", "moeyard: several active LoRA adapters on one expert parameter: these experts run "
-                      "through PEFT's own W + dW fold")
+            warn_once(
+                "several",
+                "moeyard: several active LoRA adapters on one expert parameter: these experts run "
+                "through PEFT's own W + dW fold",
+            )
             return type(self).forward(self, x, *args, **kwargs)
         if active:
             a = active[0]
-            lora[lora_key(w.parameter_name)] = ExpertLoRA(lora_A=w.lora_A[a].weight, lora_B=w.lora_B[a].weight,
-                                                          scaling=float(w.scaling[a]), num_experts=w.num_experts)
+            lora[lora_key(w.parameter_name)] = ExpertLoRA(
+                lora_A=w.lora_A[a].weight,
+                lora_B=w.lora_B[a].weight,
+                scaling=float(w.scaling[a]),
+                num_experts=w.num_experts,
+            )
     base._moeyard_lora = lora or None
     try:
         return base(x, *args, **kwargs)

@@ -22,6 +22,7 @@ always dropped).
 PEFT LoRA adapters on the expert parameters (``LoraConfig(target_parameters=[...])``) run inside
 moeyard's kernels: see :mod:`moeyard.integrations.peft`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,10 +41,21 @@ Tensor = torch.Tensor
 NAME = "moeyard"
 
 # act_fn class name -> (gated name, plain name); matched on the exact class, never a subclass
-_GATED_BY_ACT = {"SiLU": "swiglu", "SiLUActivation": "swiglu", "GELU": "geglu", "GELUActivation": "geglu",
-                 "ReLU": "reglu"}
-_PLAIN_BY_ACT = {"SiLU": "silu", "SiLUActivation": "silu", "GELU": "gelu", "GELUActivation": "gelu",
-                 "ReLU": "relu", "ReLUSquaredActivation": "relu2"}
+_GATED_BY_ACT = {
+    "SiLU": "swiglu",
+    "SiLUActivation": "swiglu",
+    "GELU": "geglu",
+    "GELUActivation": "geglu",
+    "ReLU": "reglu",
+}
+_PLAIN_BY_ACT = {
+    "SiLU": "silu",
+    "SiLUActivation": "silu",
+    "GELU": "gelu",
+    "GELUActivation": "gelu",
+    "ReLU": "relu",
+    "ReLUSquaredActivation": "relu2",
+}
 _ACT_MODULES = ("torch.nn.modules.activation", "transformers.activations")
 _PLAIN = Activation()  # the named activations' default constants (alpha, limit: used by clamped_swiglu only)
 
@@ -58,8 +70,10 @@ def _moe_module():
         try:
             _MOE.append(importlib.import_module("transformers.integrations.moe"))
         except ImportError as ex:
-            raise ImportError("moeyard's transformers integration needs transformers >= 5 with "
-                              "transformers.integrations.moe (pip install 'transformers>=5')") from ex
+            raise ImportError(
+                "moeyard's transformers integration needs transformers >= 5 with "
+                "transformers.integrations.moe (pip install 'transformers>=5')"
+            ) from ex
     return _MOE[0]
 
 
@@ -101,8 +115,9 @@ def register_fp8() -> None:
         fp8.FP8ExpertsInterface.register(NAME, moeyard_experts_forward)
 
 
-def moeyard_experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor,
-                            top_k_weights: Tensor) -> Tensor:
+def moeyard_experts_forward(
+    self: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
     """Experts forward for a ``@use_experts_implementation`` module, on :func:`moeyard.experts`.
 
     Args:
@@ -130,9 +145,17 @@ def moeyard_experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_
     x = hidden_states.to(w_up.dtype)
     activation = module_activation(self)
     interleaved = activation.fn is None and activation.gated and not getattr(self, "is_concatenated", True)
-    kwargs = dict(activation=activation, backend=None, gate_up_bias=b_up, down_bias=b_down,
-                  transposed=getattr(self, "is_transposed", False), interleaved=interleaved,
-                  drop_invalid=getattr(self, "_is_expert_parallel", True), lora=lora, recipe=get_recipe())
+    kwargs = dict(
+        activation=activation,
+        backend=None,
+        gate_up_bias=b_up,
+        down_bias=b_down,
+        transposed=getattr(self, "is_transposed", False),
+        interleaved=interleaved,
+        drop_invalid=getattr(self, "_is_expert_parallel", True),
+        lora=lora,
+        recipe=get_recipe(),
+    )
     run = getattr(self, "moeyard_expert_parallel", None) or experts  # set by moeyard.parallel
     if getattr(self, "has_post_expert_norm", False):
         out = _experts_with_post_norm(self.post_expert_norm, x, top_k_index, top_k_weights, w_up, w_down, kwargs, run)
@@ -148,19 +171,25 @@ def _weights_and_lora(self: torch.nn.Module, up_name: str) -> tuple[Tensor, Tens
     if fused is not None or not torch.nn.utils.parametrize.is_parametrized(self):
         return getattr(self, up_name), self.down_proj, fused
     for name in (up_name, "down_proj"):
-        if torch.nn.utils.parametrize.is_parametrized(self, name) and \
-                self.parametrizations[name].original.dtype == torch.float8_e4m3fn:
-            raise TypeError(f"{name}: PEFT's W + dW fold cannot run on FP8 block-scaled weights; call "
-                            "moeyard.integrations.peft.fuse_lora(model) after peft.get_peft_model")
+        if (
+            torch.nn.utils.parametrize.is_parametrized(self, name)
+            and self.parametrizations[name].original.dtype == torch.float8_e4m3fn
+        ):
+            raise TypeError(
+                f"{name}: PEFT's W + dW fold cannot run on FP8 block-scaled weights; call "
+                "moeyard.integrations.peft.fuse_lora(model) after peft.get_peft_model"
+            )
     from .peft import weight_and_lora
+
     w_up, lora_up = weight_and_lora(self, up_name)
     w_down, lora_down = weight_and_lora(self, "down_proj")
     lora = {k: v for k, v in (("gate_up_proj", lora_up), ("down_proj", lora_down)) if v is not None}
     return w_up, w_down, lora or None
 
 
-def _experts_with_post_norm(norm, x: Tensor, ids: Tensor, weights: Tensor, w_up: Tensor, w_down: Tensor,
-                            kwargs: dict, run=experts) -> Tensor:
+def _experts_with_post_norm(
+    norm, x: Tensor, ids: Tensor, weights: Tensor, w_up: Tensor, w_down: Tensor, kwargs: dict, run=experts
+) -> Tensor:
     """``sum_k w[t, k] * norm(FFN_e(x[t]))``: the unweighted pair outputs come from one
     :func:`moeyard.experts` call with one slot per pair (``[T*K, H]``), then norm, weight, sum."""
     T, K = ids.shape

@@ -15,6 +15,7 @@ are ``jax.lax.ragged_dot``; everything has static shapes, traces under ``jax.jit
 
 Needs ``jax`` and ``flax`` (``pip install 'moeyard[jax]'``); ``import moeyard`` never imports them.
 """
+
 try:
     import jax as _jax  # noqa: F401
 except ImportError as _ex:  # pragma: no cover - exercised in a subprocess by the tests
@@ -29,9 +30,27 @@ from .routing import RoutingOutput, route, select_experts, update_correction_bia
 _LAYER = ("MoE", "Router", "SharedExpert", "load_state_dict", "state_dict")
 _PARALLEL = ("expert_parallel", "ep_experts", "ep_apply")
 
-__all__ = ["Activation", "DispatchPlan", "MoE", "MoEConfig", "Router", "RoutingOutput", "SharedExpert", "ep_apply",
-           "ep_experts", "expert_parallel", "experts", "load_state_dict", "make_plan", "permute", "route",
-           "select_experts", "state_dict", "unpermute", "update_correction_bias"]
+__all__ = [
+    "Activation",
+    "DispatchPlan",
+    "MoE",
+    "MoEConfig",
+    "Router",
+    "RoutingOutput",
+    "SharedExpert",
+    "ep_apply",
+    "ep_experts",
+    "expert_parallel",
+    "experts",
+    "load_state_dict",
+    "make_plan",
+    "permute",
+    "route",
+    "select_experts",
+    "state_dict",
+    "unpermute",
+    "update_correction_bias",
+]
 
 
 def __getattr__(name):
@@ -46,5 +65,6 @@ def __getattr__(name):
         return getattr(layer, name)
     if name in _PARALLEL:
         from . import parallel
+
         return getattr(parallel, name)
     raise AttributeError(f"module 'moeyard.jax' has no attribute {name!r}")

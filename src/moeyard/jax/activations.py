@@ -8,6 +8,7 @@ Sources: as :mod:`moeyard.activations` (GLU variants, Shazeer 2020, arXiv 2002.0
 2021, arXiv 2109.08668; gpt-oss's clamped SwiGLU from its model card and transformers'
 ``GptOssExperts._apply_gate``). GELU is the exact (erf) form, as ``torch.nn.functional.gelu``.
 """
+
 from __future__ import annotations
 
 import jax

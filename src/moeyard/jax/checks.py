@@ -7,6 +7,7 @@ What is checked where (as on the PyTorch side):
   device-to-host copy per call). Under ``jax.jit`` (tracers) they are never read: a token routed to
   an invalid id gets a NaN output row instead (visible, never silently wrong).
 """
+
 from __future__ import annotations
 
 import jax
@@ -63,8 +64,9 @@ def check_topk(topk_ids, topk_weights, num_tokens: int, num_experts: int, drop_i
     if topk_ids.ndim != 2 or topk_ids.shape[0] != num_tokens:
         raise ValueError(f"topk_ids: expected shape [{num_tokens}, K], got {tuple(topk_ids.shape)}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"topk_weights: expected shape {tuple(topk_ids.shape)} (as topk_ids), "
-                         f"got {tuple(topk_weights.shape)}")
+        raise ValueError(
+            f"topk_weights: expected shape {tuple(topk_ids.shape)} (as topk_ids), got {tuple(topk_weights.shape)}"
+        )
     k = topk_ids.shape[1]
     if k > num_experts and not drop_invalid:
         raise ValueError(f"topk_ids: top-k {k} exceeds num_experts {num_experts}")

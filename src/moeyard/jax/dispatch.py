@@ -13,6 +13,7 @@ Static shapes only (every size above is known at trace time), no host sync: the 
     ... grouped up-proj -> activation -> grouped down-proj on rows (jax.lax.ragged_dot) ...
     out = unpermute(rows_out, plan, topk_weights)            # [T, H]
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -79,9 +80,10 @@ class DispatchPlan:
 
 
 jax.tree_util.register_dataclass(
-    DispatchPlan, data_fields=["tokens_per_expert", "expert_offsets", "padded_offsets", "sort_order", "pair_rows",
-                               "valid"],
-    meta_fields=["num_tokens", "top_k", "num_experts", "align", "num_rows"])
+    DispatchPlan,
+    data_fields=["tokens_per_expert", "expert_offsets", "padded_offsets", "sort_order", "pair_rows", "valid"],
+    meta_fields=["num_tokens", "top_k", "num_experts", "align", "num_rows"],
+)
 
 
 def make_plan(topk_ids, num_experts: int, *, align: int = 1) -> DispatchPlan:
@@ -131,9 +133,19 @@ def plan_unchecked(topk_ids, num_experts: int, align: int = 1) -> DispatchPlan:
         sorted_rows = positions + shift[keys[sort_order]]
         num_rows = -(-(N + E * (align - 1)) // align) * align
     pair_rows = jnp.zeros(N, jnp.int32).at[sort_order].set(sorted_rows)
-    return DispatchPlan(num_tokens=T, top_k=K, num_experts=E, align=align, num_rows=num_rows,
-                        tokens_per_expert=tokens_per_expert, expert_offsets=expert_offsets,
-                        padded_offsets=padded_offsets, sort_order=sort_order, pair_rows=pair_rows, valid=valid)
+    return DispatchPlan(
+        num_tokens=T,
+        top_k=K,
+        num_experts=E,
+        align=align,
+        num_rows=num_rows,
+        tokens_per_expert=tokens_per_expert,
+        expert_offsets=expert_offsets,
+        padded_offsets=padded_offsets,
+        sort_order=sort_order,
+        pair_rows=pair_rows,
+        valid=valid,
+    )
 
 
 def permute(x, plan: DispatchPlan):
@@ -192,6 +204,7 @@ def weighted_sum(pairs, weights):
     """``pairs [T, K, H]``, ``weights [T, K]`` (cast to ``pairs.dtype``) -> ``[T, H]`` in ``pairs.dtype``,
     summed in float32 (float64 for float64) with one rounding, as :func:`moeyard.weighted_sum.weighted_sum`."""
     acc = accumulation_dtype(pairs.dtype)
-    out = jnp.einsum("tk,tkh->th", weights.astype(pairs.dtype), pairs, preferred_element_type=acc,
-                     precision=precision(pairs.dtype))
+    out = jnp.einsum(
+        "tk,tkh->th", weights.astype(pairs.dtype), pairs, preferred_element_type=acc, precision=precision(pairs.dtype)
+    )
     return out.astype(pairs.dtype)

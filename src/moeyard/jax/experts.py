@@ -1,5 +1,6 @@
 """The routed expert FFN on JAX arrays, :func:`experts`: the signature, weight layouts, activations,
 biases and errors of :func:`moeyard.experts`, computed with ``jax.lax.ragged_dot`` (:mod:`.ffn`)."""
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -11,9 +12,21 @@ from .ffn import FFNSpec, routed_ffn
 __all__ = ["experts", "check_weights"]
 
 
-def experts(hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, *,
-            activation: str | Activation = "swiglu", gate_up_bias=None, down_bias=None, transposed: bool = False,
-            interleaved: bool = False, drop_invalid: bool = False, custom_vjp: bool = True):
+def experts(
+    hidden_states,
+    topk_ids,
+    topk_weights,
+    gate_up_proj,
+    down_proj,
+    *,
+    activation: str | Activation = "swiglu",
+    gate_up_bias=None,
+    down_bias=None,
+    transposed: bool = False,
+    interleaved: bool = False,
+    drop_invalid: bool = False,
+    custom_vjp: bool = True,
+):
     """The routed expert FFN: ``out[t] = sum_k topk_weights[t, k] * FFN_e(hidden_states[t])`` with
     ``e = topk_ids[t, k]`` and ``FFN_e(x) = down_e(act(up_e(x)))``.
 
@@ -52,26 +65,56 @@ def experts(hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, *,
     check_bool("drop_invalid", drop_invalid)
     check_bool("custom_vjp", custom_vjp)
     check_float("hidden_states", hidden_states, dim=2)
-    E, H, _ = check_weights(gate_up_proj, down_proj, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                            transposed=transposed, interleaved=interleaved, gated=act.gated)
+    E, H, _ = check_weights(
+        gate_up_proj,
+        down_proj,
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
+        transposed=transposed,
+        interleaved=interleaved,
+        gated=act.gated,
+    )
     T = hidden_states.shape[0]
     if hidden_states.shape[1] != H:
         raise ValueError(f"hidden_states: expected hidden size {H} (from gate_up_proj), got {hidden_states.shape[1]}")
     if hidden_states.dtype != gate_up_proj.dtype:
-        raise TypeError(f"hidden_states: expected dtype {gate_up_proj.dtype} (as the expert weights), "
-                        f"got {hidden_states.dtype}")
+        raise TypeError(
+            f"hidden_states: expected dtype {gate_up_proj.dtype} (as the expert weights), got {hidden_states.dtype}"
+        )
     check_topk(topk_ids, topk_weights, T, E, drop_invalid)
     w = jnp.asarray(topk_weights).astype(hidden_states.dtype)
     if not drop_invalid and not check_ids_on_host(topk_ids, E):
         w = jnp.where(invalid_ids(topk_ids, E), jnp.nan, w)  # a NaN output row instead of a silent wrong one
-    spec = FFNSpec(activation=act, interleaved=bool(interleaved), transposed=bool(transposed),
-                   drop_invalid=bool(drop_invalid), num_experts=E)
-    return routed_ffn(spec, bool(custom_vjp), jnp.asarray(hidden_states), jnp.asarray(topk_ids).astype(jnp.int32), w,
-                      jnp.asarray(gate_up_proj), gate_up_bias, jnp.asarray(down_proj), down_bias)
+    spec = FFNSpec(
+        activation=act,
+        interleaved=bool(interleaved),
+        transposed=bool(transposed),
+        drop_invalid=bool(drop_invalid),
+        num_experts=E,
+    )
+    return routed_ffn(
+        spec,
+        bool(custom_vjp),
+        jnp.asarray(hidden_states),
+        jnp.asarray(topk_ids).astype(jnp.int32),
+        w,
+        jnp.asarray(gate_up_proj),
+        gate_up_bias,
+        jnp.asarray(down_proj),
+        down_bias,
+    )
 
 
-def check_weights(gate_up_proj, down_proj, *, gate_up_bias=None, down_bias=None, transposed: bool = False,
-                  interleaved: bool = False, gated: bool = True) -> tuple[int, int, int]:
+def check_weights(
+    gate_up_proj,
+    down_proj,
+    *,
+    gate_up_bias=None,
+    down_bias=None,
+    transposed: bool = False,
+    interleaved: bool = False,
+    gated: bool = True,
+) -> tuple[int, int, int]:
     """Check the expert weights as :func:`moeyard.experts.expert_weights` does; returns ``(E, H, I)``.
 
     Raises:
@@ -87,15 +130,18 @@ def check_weights(gate_up_proj, down_proj, *, gate_up_bias=None, down_bias=None,
             raise ValueError(f"{name}: expected a 3-D array [E, out, in], got shape {tuple(t.shape)}")
     if gate_up_proj.dtype != down_proj.dtype:
         raise TypeError(f"down_proj: expected dtype {gate_up_proj.dtype} (as gate_up_proj), got {down_proj.dtype}")
-    E, N1, H = (gate_up_proj.shape[0], gate_up_proj.shape[2], gate_up_proj.shape[1]) if transposed \
-        else gate_up_proj.shape
+    E, N1, H = (
+        (gate_up_proj.shape[0], gate_up_proj.shape[2], gate_up_proj.shape[1]) if transposed else gate_up_proj.shape
+    )
     I = N1 // 2 if gated else N1
     if gated and N1 % 2:
         raise ValueError(f"gate_up_proj: gated activation needs an even output size 2I, got {N1}")
     want = (E, I, H) if transposed else (E, H, I)
     if tuple(down_proj.shape) != want:
-        raise ValueError(f"down_proj: expected shape {want} to match gate_up_proj {tuple(gate_up_proj.shape)}, "
-                         f"got {tuple(down_proj.shape)}")
+        raise ValueError(
+            f"down_proj: expected shape {want} to match gate_up_proj {tuple(gate_up_proj.shape)}, "
+            f"got {tuple(down_proj.shape)}"
+        )
     if interleaved and not gated:
         raise ValueError("interleaved: only meaningful for a gated activation")
     for name, b, shape in (("gate_up_bias", gate_up_bias, (E, N1)), ("down_bias", down_bias, (E, H))):

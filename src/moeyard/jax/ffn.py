@@ -18,6 +18,7 @@ gradient as ``<dout[t], y_pair> = <dout[t] W_down_e, a_pair> + <dout[t], b_e>`` 
 gradients are the same up to float rounding (tested in float64 to 1e-10 against plain autodiff and
 the PyTorch side).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,7 +58,8 @@ def mm(rows, w, group_sizes, transposed: bool):
     """``rows [R, in]`` -> ``[R, out]``: the rows of group e times expert e's weight (``w [E, out, in]``,
     or ``[E, in, out]`` when ``transposed``); rows past the last group give zeros."""
     dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([1], [1 if transposed else 2]), ([], [])), **_RAGGED)
+        dot_dimension_numbers=(([1], [1 if transposed else 2]), ([], [])), **_RAGGED
+    )
     return jax.lax.ragged_dot_general(rows, w.astype(rows.dtype), group_sizes, dims, precision=precision(rows.dtype))
 
 
@@ -65,7 +67,8 @@ def mm_t(g, w, group_sizes, transposed: bool):
     """``g [R, out]`` -> ``[R, in]``: the rows of group e times expert e's weight transposed (the
     input gradient of :func:`mm`)."""
     dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([1], [2 if transposed else 1]), ([], [])), **_RAGGED)
+        dot_dimension_numbers=(([1], [2 if transposed else 1]), ([], [])), **_RAGGED
+    )
     return jax.lax.ragged_dot_general(g, w.astype(g.dtype), group_sizes, dims, precision=precision(g.dtype))
 
 
@@ -189,4 +192,3 @@ def _bias_grad(ct, bias, row_experts):
 
 
 _routed_ffn_vjp.defvjp(_vjp_fwd, _vjp_bwd)
-

@@ -8,6 +8,7 @@ Parameter names and layouts are those of the PyTorch layer (transformers v5's): 
 (``[out, in]``). :func:`state_dict` and :func:`load_state_dict` move weights between the two sides by
 those names (``moeyard.MoE.state_dict()`` loads as is).
 """
+
 from __future__ import annotations
 
 import jax
@@ -53,8 +54,16 @@ class SharedExpert(nnx.Module):
     ``gate.weight [1, H]``.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: Activation, *, gate: bool = False,
-                 rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: Activation,
+        *,
+        gate: bool = False,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+    ):
         n1 = 2 * intermediate_size if activation.gated else intermediate_size
         self.activation = activation
         self.gate_up_proj = Linear(hidden_size, n1, rngs=rngs, dtype=dtype)
@@ -90,9 +99,16 @@ class Router(nnx.Module):
         """``x [T, H]`` -> :class:`moeyard.jax.RoutingOutput`."""
         training = not self.deterministic
         rng = self.rngs() if training and self.rngs is not None else None
-        return route(x, self.weight[...], self.config, bias=_value(self.bias),
-                     correction_bias=_value(self.e_score_correction_bias), num_sequences=num_sequences,
-                     training=training, rng=rng)
+        return route(
+            x,
+            self.weight[...],
+            self.config,
+            bias=_value(self.bias),
+            correction_bias=_value(self.e_score_correction_bias),
+            num_sequences=num_sequences,
+            training=training,
+            rng=rng,
+        )
 
 
 class MoE(nnx.Module):
@@ -122,8 +138,9 @@ class MoE(nnx.Module):
             raise TypeError(f"config: expected a moeyard.MoEConfig, got {type(config).__name__}")
         check_bool("custom_vjp", custom_vjp)
         self.config, self.custom_vjp = config, custom_vjp
-        self.activation = Activation(name=config.activation, alpha=config.activation_alpha,
-                                     limit=config.activation_limit)
+        self.activation = Activation(
+            name=config.activation, alpha=config.activation_alpha, limit=config.activation_limit
+        )
         E, H, I = config.num_experts, config.hidden_size, config.intermediate_size
         n1 = 2 * I if self.activation.gated else I
         self.router = Router(config, rngs=rngs, dtype=dtype)
@@ -132,8 +149,11 @@ class MoE(nnx.Module):
         self.gate_up_proj_bias = nnx.Param(jnp.zeros((E, n1), dtype)) if config.expert_bias else None
         self.down_proj_bias = nnx.Param(jnp.zeros((E, H), dtype)) if config.expert_bias else None
         shared_i = (config.shared_intermediate_size or I) * config.num_shared_experts
-        self.shared_expert = SharedExpert(H, shared_i, self.activation, gate=config.shared_expert_gate, rngs=rngs,
-                                          dtype=dtype) if config.num_shared_experts else None
+        self.shared_expert = (
+            SharedExpert(H, shared_i, self.activation, gate=config.shared_expert_gate, rngs=rngs, dtype=dtype)
+            if config.num_shared_experts
+            else None
+        )
         self.aux_loss = nnx.Intermediate(None)
         self.routing = nnx.Intermediate(None)
         self.keep_routing = True
@@ -155,9 +175,17 @@ class MoE(nnx.Module):
         x2 = x.reshape(-1, H)
         routing = self.router(x2, num_sequences=x.shape[0] if x.ndim == 3 and x2.shape[0] else 1)
         run = experts if self.expert_parallel is None else self.expert_parallel
-        out = run(x2, routing.topk_ids, routing.topk_weights.astype(x.dtype), self.gate_up_proj[...],
-                  self.down_proj[...], activation=self.activation, gate_up_bias=_value(self.gate_up_proj_bias),
-                  down_bias=_value(self.down_proj_bias), custom_vjp=self.custom_vjp)
+        out = run(
+            x2,
+            routing.topk_ids,
+            routing.topk_weights.astype(x.dtype),
+            self.gate_up_proj[...],
+            self.down_proj[...],
+            activation=self.activation,
+            gate_up_bias=_value(self.gate_up_proj_bias),
+            down_bias=_value(self.down_proj_bias),
+            custom_vjp=self.custom_vjp,
+        )
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
         self.aux_loss.set_value(routing.loss)

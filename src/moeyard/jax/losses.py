@@ -1,6 +1,7 @@
 """The router's load-balancing losses on JAX arrays: the formulas of :mod:`moeyard.routing.losses`
 (Switch/GShard aux loss, DeepSeek-V3's sequence-wise loss, ST-MoE's z-loss; sources in the
 :mod:`moeyard.routing` module docstring), from the same sufficient statistics."""
+
 from __future__ import annotations
 
 import jax
@@ -42,8 +43,9 @@ def sequence_balance_loss(probs, topk_ids, num_experts: int, top_k: int, num_seq
     seq = (jnp.arange(T, dtype=jnp.int32) // max(S, 1))[:, None]
     slots = (seq * num_experts + topk_ids.astype(jnp.int32)).reshape(-1)
     counts = jnp.zeros(B * num_experts, probs.dtype).at[slots].add(1)
-    return sequence_balance_from_stats(counts.reshape(B, num_experts), probs.reshape(B, S, num_experts).sum(1), S,
-                                       top_k)
+    return sequence_balance_from_stats(
+        counts.reshape(B, num_experts), probs.reshape(B, S, num_experts).sum(1), S, top_k
+    )
 
 
 def z_loss(logits):

@@ -36,6 +36,7 @@ The layer::
 
 or, in your own ``shard_map``, ``partition_specs(layer)`` for the layer's state.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,10 +59,24 @@ ragged_all_to_all = jax.lax.ragged_all_to_all  # the collective the ragged excha
 EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # sharded on their dim 0
 
 
-def ep_experts(hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, *, axis_name: str,
-               exchange: str = "all_to_all", align: int = 1, activation: str | Activation = "swiglu",
-               gate_up_bias=None, down_bias=None, transposed: bool = False, interleaved: bool = False,
-               drop_invalid: bool = False, custom_vjp: bool = True):
+def ep_experts(
+    hidden_states,
+    topk_ids,
+    topk_weights,
+    gate_up_proj,
+    down_proj,
+    *,
+    axis_name: str,
+    exchange: str = "all_to_all",
+    align: int = 1,
+    activation: str | Activation = "swiglu",
+    gate_up_bias=None,
+    down_bias=None,
+    transposed: bool = False,
+    interleaved: bool = False,
+    drop_invalid: bool = False,
+    custom_vjp: bool = True,
+):
     """:func:`moeyard.jax.experts` with the experts split over mesh axis ``axis_name``; call it inside
     ``jax.shard_map`` (module docstring).
 
@@ -91,22 +106,32 @@ def ep_experts(hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, *
     for name, v in (("drop_invalid", drop_invalid), ("custom_vjp", custom_vjp)):
         check_bool(name, v)
     check_float("hidden_states", hidden_states, dim=2)
-    E_l, H, _ = check_weights(gate_up_proj, down_proj, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                              transposed=transposed, interleaved=interleaved, gated=act.gated)
+    E_l, H, _ = check_weights(
+        gate_up_proj,
+        down_proj,
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
+        transposed=transposed,
+        interleaved=interleaved,
+        gated=act.gated,
+    )
     if hidden_states.shape[1] != H:
         raise ValueError(f"hidden_states: expected hidden size {H} (from gate_up_proj), got {hidden_states.shape[1]}")
     if hidden_states.dtype != gate_up_proj.dtype:
-        raise TypeError(f"hidden_states: expected dtype {gate_up_proj.dtype} (as the expert weights), "
-                        f"got {hidden_states.dtype}")
+        raise TypeError(
+            f"hidden_states: expected dtype {gate_up_proj.dtype} (as the expert weights), got {hidden_states.dtype}"
+        )
     try:
         W = jax.lax.axis_size(axis_name)
     except NameError as ex:
-        raise ValueError(f"axis_name: {axis_name!r} is not a mesh axis here (call ep_experts inside "
-                         f"jax.shard_map over it)") from ex
+        raise ValueError(
+            f"axis_name: {axis_name!r} is not a mesh axis here (call ep_experts inside jax.shard_map over it)"
+        ) from ex
     E = E_l * W
     check_topk(topk_ids, topk_weights, hidden_states.shape[0], E, drop_invalid)
-    spec = FFNSpec(activation=act, interleaved=bool(interleaved), transposed=bool(transposed), drop_invalid=True,
-                   num_experts=E_l)
+    spec = FFNSpec(
+        activation=act, interleaved=bool(interleaved), transposed=bool(transposed), drop_invalid=True, num_experts=E_l
+    )
     ids = topk_ids.astype(jnp.int32)
     w = topk_weights.astype(hidden_states.dtype)
     w = jnp.where(invalid_ids(ids, E), 0 if drop_invalid else jnp.nan, w)
@@ -143,8 +168,9 @@ def _dense_exchange(x, ids, weights, spec: FFNSpec, axis_name: str, W: int, cust
     recv_local = jax.lax.all_to_all(send_local, axis_name, 0, 0)
     ones = jnp.ones((W * C, 1), x.dtype)
     up, b_up, down, b_down = weights
-    y = routed_ffn(spec, custom_vjp, recv_x.reshape(W * C, H), recv_local.reshape(W * C, 1), ones, up, b_up, down,
-                   b_down)
+    y = routed_ffn(
+        spec, custom_vjp, recv_x.reshape(W * C, H), recv_local.reshape(W * C, 1), ones, up, b_up, down, b_down
+    )
     back = jax.lax.all_to_all(y.reshape(W, C, H), axis_name, 0, 0).reshape(W * C, H)
     valid = plan.valid
     dest = jnp.where(valid, flat_ids // E_l, 0)
@@ -176,16 +202,21 @@ def _ragged_exchange(x, ids, weights, spec: FFNSpec, axis_name: str, W: int, ali
     # dispatch: slice e of my sorted rows to device e // E_l, at its rows for (expert e, source me);
     # combine: the rows of (my expert l, source s) back to source s, where its sorted rows of l start
     dispatch = (plan.expert_offsets[:E], sizes[me], base + prefix[me], sizes[:, local].reshape(W * E_l))
-    combine = ((base[local] + prefix[:, local]).reshape(W * E_l), sizes[:, local].reshape(W * E_l),
-               src_offsets[:, local].reshape(W * E_l), sizes[me])
+    combine = (
+        (base[local] + prefix[:, local]).reshape(W * E_l),
+        sizes[:, local].reshape(W * E_l),
+        src_offsets[:, local].reshape(W * E_l),
+        sizes[me],
+    )
     recv = _exchange(sorted_x, num_rows, dispatch, combine, axis_name)
     # the local experts through the same routed FFN as the dense exchange (its custom VJP when asked): the
     # receive buffer's rows are expert-major already; rows past the last expert's carry the id E_l (dropped)
     group_ends = jnp.cumsum(padded[me])
     row_experts = jnp.searchsorted(group_ends, jnp.arange(num_rows, dtype=jnp.int32), side="right").astype(jnp.int32)
     up, b_up, down, b_down = weights
-    y = routed_ffn(spec, custom_vjp, recv, row_experts[:, None], jnp.ones((num_rows, 1), x.dtype), up, b_up, down,
-                   b_down)
+    y = routed_ffn(
+        spec, custom_vjp, recv, row_experts[:, None], jnp.ones((num_rows, 1), x.dtype), up, b_up, down, b_down
+    )
     back = _exchange(y, N, combine, dispatch, axis_name)
     flat_ids = ids.reshape(-1)
     rank = plan.pair_rows - plan.expert_offsets[jnp.where(plan.valid, flat_ids, 0)]  # place among its expert's pairs
@@ -216,8 +247,12 @@ def _ragged_bwd(axis_name, res, g):
     buffer = jax.lax.pcast(jnp.zeros((rows, *g.shape[1:]), g.dtype), axis_name, to="varying")
     d_operand = ragged_all_to_all(g, buffer, *back, axis_name=axis_name)
     d_output = jnp.zeros(out_shape, g.dtype)  # a constant zero buffer: no gradient to pass on
-    return (d_operand, d_output, tuple(jnp.zeros(a.shape, jax.dtypes.float0) for a in there),
-            tuple(jnp.zeros(a.shape, jax.dtypes.float0) for a in back))
+    return (
+        d_operand,
+        d_output,
+        tuple(jnp.zeros(a.shape, jax.dtypes.float0) for a in there),
+        tuple(jnp.zeros(a.shape, jax.dtypes.float0) for a in back),
+    )
 
 
 _ragged.defvjp(_ragged_fwd, _ragged_bwd)
@@ -241,8 +276,17 @@ class EPExperts:
     align: int = 1
 
     def __call__(self, hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, **kwargs):
-        return ep_experts(hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, axis_name=self.axis_name,
-                          exchange=self.exchange, align=self.align, **kwargs)
+        return ep_experts(
+            hidden_states,
+            topk_ids,
+            topk_weights,
+            gate_up_proj,
+            down_proj,
+            axis_name=self.axis_name,
+            exchange=self.exchange,
+            align=self.align,
+            **kwargs,
+        )
 
 
 def expert_parallel(layer, *, axis_name: str = "ep", exchange: str = "all_to_all", align: int = 1):
@@ -269,6 +313,7 @@ def partition_specs(state, axis_name: str = "ep"):
     """``PartitionSpec``s for a layer's state (``nnx.state(layer)`` or one of ``nnx.split``'s states):
     ``P(axis_name)`` for the routed experts' weights and biases (split on their expert dimension),
     ``P()`` (replicated) for everything else."""
+
     def spec(path, _):
         top = getattr(path[0], "key", getattr(path[0], "name", None)) if path else None
         return P(axis_name) if top in EXPERT_PARAMS else P()
@@ -294,7 +339,9 @@ def ep_apply(layer, x, *, mesh, axis_name: str = "ep"):
     W = mesh.shape[axis_name]
     E = layer.config.num_experts
     if E % W or x.shape[0] % W:
-        raise ValueError(f"mesh: axis {axis_name!r} of size {W} must divide num_experts={E} and the {x.shape[0]} tokens")
+        raise ValueError(
+            f"mesh: axis {axis_name!r} of size {W} must divide num_experts={E} and the {x.shape[0]} tokens"
+        )
     graphdef, state = nnx.split(layer)
 
     def body(state, x):

@@ -13,6 +13,7 @@ expert id (``jax.lax.top_k``).
 Static shapes throughout: ``route`` traces under ``jax.jit`` and differentiates w.r.t. ``x``, the
 router weight and bias (the ids and counts carry no gradient).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,8 +57,17 @@ class RoutingOutput:
 jax.tree_util.register_dataclass(RoutingOutput)
 
 
-def route(x, weight, config: MoEConfig, *, bias=None, correction_bias=None, num_sequences: int = 1,
-          training: bool = False, rng=None) -> RoutingOutput:
+def route(
+    x,
+    weight,
+    config: MoEConfig,
+    *,
+    bias=None,
+    correction_bias=None,
+    num_sequences: int = 1,
+    training: bool = False,
+    rng=None,
+) -> RoutingOutput:
     """Route ``x [T, H]`` with router ``weight [E, H]`` (and ``bias [E]``) as ``config`` says.
 
     Args:
@@ -82,21 +92,22 @@ def route(x, weight, config: MoEConfig, *, bias=None, correction_bias=None, num_
     check_float("weight", weight, dim=2)
     E, H, K = config.num_experts, config.hidden_size, config.top_k
     if tuple(weight.shape) != (E, H) or x.shape[1] != H:
-        raise ValueError(f"weight: expected shape {(E, H)} with x [T, {H}], got {tuple(weight.shape)} and "
-                         f"{tuple(x.shape)}")
+        raise ValueError(
+            f"weight: expected shape {(E, H)} with x [T, {H}], got {tuple(weight.shape)} and {tuple(x.shape)}"
+        )
     for name, b in (("bias", bias), ("correction_bias", correction_bias)):
         if b is not None:
             check_float(name, b)
             if tuple(b.shape) != (E,):
                 raise ValueError(f"{name}: expected shape {(E,)}, got {tuple(b.shape)}")
     T = x.shape[0]
-    if isinstance(num_sequences, bool) or not isinstance(num_sequences, int) or num_sequences < 1 \
-            or T % num_sequences:
+    if isinstance(num_sequences, bool) or not isinstance(num_sequences, int) or num_sequences < 1 or T % num_sequences:
         raise ValueError(f"num_sequences: expected a positive divisor of T={T}, got {num_sequences!r}")
     if training and config.router_jitter > 0:
         if rng is None or not is_array(rng):
-            raise ValueError(f"rng: expected a jax.random key for router_jitter={config.router_jitter} in training, "
-                             f"got {kind(rng)}")
+            raise ValueError(
+                f"rng: expected a jax.random key for router_jitter={config.router_jitter} in training, got {kind(rng)}"
+            )
         eps = config.router_jitter
         x = x * jax.random.uniform(rng, x.shape, x.dtype, 1 - eps, 1 + eps)
     logits = router_logits(x, weight, bias)
@@ -120,8 +131,17 @@ def route(x, weight, config: MoEConfig, *, bias=None, correction_bias=None, num_
     seq = aux if num_sequences == 1 else sequence_balance_loss(probs, ids, E, K, num_sequences)
     z = z_loss(logits)
     loss = config.aux_loss_coef * aux + config.seq_aux_loss_coef * seq + config.z_loss_coef * z
-    return RoutingOutput(topk_ids=ids, topk_weights=w, router_logits=logits, scores=scores, tokens_per_expert=counts,
-                         aux_loss=aux, seq_aux_loss=seq, z_loss=z, loss=loss)
+    return RoutingOutput(
+        topk_ids=ids,
+        topk_weights=w,
+        router_logits=logits,
+        scores=scores,
+        tokens_per_expert=counts,
+        aux_loss=aux,
+        seq_aux_loss=seq,
+        z_loss=z,
+        loss=loss,
+    )
 
 
 def router_logits(x, weight, bias=None):
@@ -144,8 +164,8 @@ def select_experts(scores, config: MoEConfig, correction_bias=None):
         G = config.n_group
         grouped = choice.reshape(T, G, E // G)
         group_scores = jax.lax.top_k(grouped, min(2, E // G))[0].sum(-1)  # [T, G]
-        keep = jax.lax.top_k(group_scores, config.topk_group)[1]          # [T, topk_group]
-        mask = (keep[:, :, None] == jnp.arange(G)).any(1)                  # [T, G]
+        keep = jax.lax.top_k(group_scores, config.topk_group)[1]  # [T, topk_group]
+        mask = (keep[:, :, None] == jnp.arange(G)).any(1)  # [T, G]
         choice = jnp.where(mask[:, :, None], grouped, -jnp.inf).reshape(T, E)
     return jax.lax.top_k(choice, config.top_k)[1].astype(jnp.int32)
 

@@ -11,6 +11,7 @@ The tensors cross as host copies (NumPy), and JAX computes on its default device
 ``jax_enable_x64`` for the run. Experts modules whose activation is a custom PyTorch function, or that
 carry LoRA adapters, are not handed over: their cells are errors naming why.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,12 @@ import torch
 from ..experts.registry import ExpertBackend, register_backend, unregister_backend
 
 NAME = "jax"
-_JAX_DTYPES = {torch.float32: jnp.float32, torch.float64: jnp.float64, torch.bfloat16: jnp.bfloat16,
-               torch.float16: jnp.float16}
+_JAX_DTYPES = {
+    torch.float32: jnp.float32,
+    torch.float64: jnp.float64,
+    torch.bfloat16: jnp.bfloat16,
+    torch.float16: jnp.float16,
+}
 
 
 def unsupported(device, dtype, weights, activation) -> str | None:
@@ -42,13 +47,15 @@ def _to_jax(t: torch.Tensor | None):
     if t is None:
         return None
     host = t.detach().cpu()
-    return jnp.asarray((host.float() if host.dtype in (torch.bfloat16, torch.float16) else host).numpy(),
-                       _JAX_DTYPES.get(t.dtype))
+    return jnp.asarray(
+        (host.float() if host.dtype in (torch.bfloat16, torch.float16) else host).numpy(), _JAX_DTYPES.get(t.dtype)
+    )
 
 
 def _to_torch(a, like: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.array(a.astype(jnp.float64 if a.dtype == jnp.float64 else jnp.float32))).to(
-        device=like.device, dtype=like.dtype)
+        device=like.device, dtype=like.dtype
+    )
 
 
 def _stored(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -71,8 +78,18 @@ class JaxExperts(torch.autograd.Function):
 
         def call(x, w, up, down, b_up, b_down):
             from . import experts
-            return experts(x, jnp.asarray(topk_ids.cpu().numpy(), jnp.int32), w, up, down, gate_up_bias=b_up,
-                           down_bias=b_down, transposed=transposed, **options)
+
+            return experts(
+                x,
+                jnp.asarray(topk_ids.cpu().numpy(), jnp.int32),
+                w,
+                up,
+                down,
+                gate_up_bias=b_up,
+                down_bias=b_down,
+                transposed=transposed,
+                **options,
+            )
 
         out, ctx.vjp = jax.vjp(call, *[_to_jax(t) for t in (x, topk_weights, up, down, b_up, b_down)])
         ctx.like = [t for t in tensors]
@@ -95,8 +112,9 @@ class JaxExperts(torch.autograd.Function):
 def jax_forward(hidden_states, topk_ids, topk_weights, weights, activation, *, drop_invalid=False):
     """The registered backend's forward (:mod:`moeyard.experts.registry`'s contract)."""
     options = dict(activation=activation, interleaved=weights.interleaved, drop_invalid=bool(drop_invalid))
-    return JaxExperts.apply(hidden_states, topk_weights, weights.w_up, weights.w_down, weights.b_up, weights.b_down,
-                            topk_ids, options)
+    return JaxExperts.apply(
+        hidden_states, topk_weights, weights.w_up, weights.w_down, weights.b_up, weights.b_down, topk_ids, options
+    )
 
 
 @contextlib.contextmanager
@@ -105,8 +123,15 @@ def jax_column(dtype: torch.dtype):
     its name."""
     if dtype not in _JAX_DTYPES:
         raise ValueError(f"--framework jax: moeyard.jax runs {sorted(str(d)[6:] for d in _JAX_DTYPES)}, not {dtype}")
-    register_backend(ExpertBackend(name=NAME, forward=jax_forward, unsupported=unsupported, priority={},
-                                   description="moeyard.jax.experts (jax.lax.ragged_dot) through a host copy"))
+    register_backend(
+        ExpertBackend(
+            name=NAME,
+            forward=jax_forward,
+            unsupported=unsupported,
+            priority={},
+            description="moeyard.jax.experts (jax.lax.ragged_dot) through a host copy",
+        )
+    )
     try:
         with jax.enable_x64(dtype == torch.float64):
             yield NAME

@@ -36,6 +36,7 @@ reduced over ``dp`` with a divide factor of ``dp * ep``; every other parameter i
 averaged over the flattened mesh (see :mod:`.fsdp` for why). Without FSDP, gradients of replicated
 parameters are each rank's own share; DDP/FSDP reduce them.
 """
+
 from .apply import expert_parallel, find_experts, release_buffers
 from .comm import EPGroup
 from .common import Dispatched, EPOptions
@@ -43,5 +44,17 @@ from .experts import DISPATCHERS, ExpertParallel
 from .fsdp import fsdp_expert_parallel, param_groups_by_mesh
 from .lora import lora_state_dict, shard_lora
 
-__all__ = ["DISPATCHERS", "Dispatched", "EPGroup", "EPOptions", "ExpertParallel", "expert_parallel", "find_experts",
-           "fsdp_expert_parallel", "lora_state_dict", "param_groups_by_mesh", "release_buffers", "shard_lora"]
+__all__ = [
+    "DISPATCHERS",
+    "Dispatched",
+    "EPGroup",
+    "EPOptions",
+    "ExpertParallel",
+    "expert_parallel",
+    "find_experts",
+    "fsdp_expert_parallel",
+    "lora_state_dict",
+    "param_groups_by_mesh",
+    "release_buffers",
+    "shard_lora",
+]

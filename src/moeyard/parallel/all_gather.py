@@ -14,6 +14,7 @@ Uneven token counts: rows are padded to T_max, ``max_tokens`` when given (static
 largest count over ranks, agreed with one all-gather read on the host per call (a device-to-host
 sync on an accelerator).
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,9 +48,12 @@ def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, opt
     ids = gather_ints(F.pad(topk_ids.to(torch.int64), (0, 0, 0, pad), value=-1), ep.group)
     ids = torch.where(ids >= 0, ids - first, -1)  # others' and pad ids fall outside [0, E_l)
     gather = fp8_rows.all_gather if options.fp8_dispatch else all_gather  # e4m3 rows: .fp8_rows
-    return Dispatched(rows=gather(F.pad(x, (0, 0, 0, pad)), ep.group), topk_ids=ids,
-                      topk_weights=all_gather(F.pad(topk_weights, (0, 0, 0, pad)), ep.group),
-                      state=(T, ep.group))
+    return Dispatched(
+        rows=gather(F.pad(x, (0, 0, 0, pad)), ep.group),
+        topk_ids=ids,
+        topk_weights=all_gather(F.pad(topk_weights, (0, 0, 0, pad)), ep.group),
+        state=(T, ep.group),
+    )
 
 
 def combine(y: Tensor, dispatched: Dispatched) -> Tensor:

@@ -16,6 +16,7 @@ Stages (:mod:`.overlap` runs them over chunks of the tokens with the exchanges i
 :func:`depart_dispatch` (every chunk's plan, one counts exchange and one host sync for all chunks),
 :func:`arrive_dispatch`, :func:`depart_combine`, :func:`arrive_combine`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,7 +34,7 @@ def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, opt
     """``x [T, H]``, ``topk_ids [T, K]`` (global ids; others dropped), ``topk_weights [T, K]`` ->
     the rows this rank's experts compute, ``[R, H]`` with ``[R, 1]`` local ids (with
     ``options.fp8_dispatch`` sent as e4m3 rows, :mod:`.fp8_rows`)."""
-    out, = depart_dispatch(x, topk_ids, topk_weights, ep, options)
+    (out,) = depart_dispatch(x, topk_ids, topk_weights, ep, options)
     if options.fp8_dispatch:
         rows = fp8_rows.all_to_all(out.rows, out.out_splits, out.in_splits, ep.group, pad_rows=out.pad_rows)
         return arrive_dispatch(rows, None, out, ep, options)
@@ -46,8 +47,9 @@ def combine(y: Tensor, dispatched: Dispatched) -> Tensor:
     return arrive_combine(exchange(out, dispatched.state[-1])[0], dispatched)
 
 
-def depart_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions,
-                    chunks: int = 1) -> list[Outgoing]:
+def depart_dispatch(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions, chunks: int = 1
+) -> list[Outgoing]:
     """The tokens in ``chunks`` consecutive chunks of ``ceil(T / chunks)`` (any count per rank); per
     chunk the rows sorted by global expert id and their exact split sizes. One ``all_to_all_single``
     of every chunk's per-expert counts and one host read of all sizes (the host sync)."""
@@ -56,13 +58,19 @@ def depart_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGro
     chunks = [(x[a:b], topk_ids[a:b], topk_weights[a:b]) for a, b in bounds]
     plans = [make_plan(ids, options.num_experts) for _, ids, _ in chunks]
     counts = torch.stack([p.tokens_per_expert.to(torch.int64) for p in plans])  # [n, E]
-    by_peer = counts.view(n, W, El).transpose(0, 1).contiguous()               # [W, n, E_l]: to each peer
+    by_peer = counts.view(n, W, El).transpose(0, 1).contiguous()  # [W, n, E_l]: to each peer
     received = all_to_all(by_peer.view(-1), None, None, ep.group).view(W, n, El)  # from each source
     sizes = torch.cat([by_peer.sum(2).reshape(-1), received.sum(2).reshape(-1)]).view(2, W, n)
     send, recv = sizes.transpose(1, 2).tolist()  # the host sync: [n][W] each
-    return [Outgoing(rows=permute(x, plan)[:sum(send[c])], out_splits=recv[c], in_splits=send[c],
-                     state=(plan, received[:, c], w))
-            for c, ((x, _, w), plan) in enumerate(zip(chunks, plans, strict=True))]
+    return [
+        Outgoing(
+            rows=permute(x, plan)[: sum(send[c])],
+            out_splits=recv[c],
+            in_splits=send[c],
+            state=(plan, received[:, c], w),
+        )
+        for c, ((x, _, w), plan) in enumerate(zip(chunks, plans, strict=True))
+    ]
 
 
 def arrive_dispatch(rows: Tensor, ids, out: Outgoing, ep: EPGroup, options: EPOptions) -> Dispatched:
@@ -72,8 +80,12 @@ def arrive_dispatch(rows: Tensor, ids, out: Outgoing, ep: EPGroup, options: EPOp
     El = local_experts(options, ep)
     local = torch.arange(El, device=rows.device).repeat(ep.world_size)
     row_ids = torch.repeat_interleave(local, received.reshape(-1), output_size=rows.shape[0])
-    return Dispatched(rows=rows, topk_ids=row_ids.unsqueeze(1), topk_weights=rows.new_ones(rows.shape[0], 1),
-                      state=(plan, out.in_splits, out.out_splits, topk_weights, ep.group))
+    return Dispatched(
+        rows=rows,
+        topk_ids=row_ids.unsqueeze(1),
+        topk_weights=rows.new_ones(rows.shape[0], 1),
+        state=(plan, out.in_splits, out.out_splits, topk_weights, ep.group),
+    )
 
 
 def depart_combine(y: Tensor, dispatched: Dispatched) -> Outgoing:

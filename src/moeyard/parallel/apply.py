@@ -1,5 +1,6 @@
 """``expert_parallel``: turn a moeyard ``MoE`` or a transformers model's experts modules into their
 expert-parallel form, in place."""
+
 from __future__ import annotations
 
 import torch
@@ -13,10 +14,18 @@ from .experts import DISPATCHERS, ExpertParallel, check_fp8_dispatch, check_over
 from .sync_free import EXCHANGES, check_exchange
 
 
-def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_all",
-                    capacity_factor: float | None = None, max_tokens: int | None = None,
-                    align: int = 1, exchange: str = "auto", overlap_chunks: int = 1,
-                    fp8_dispatch: bool = False) -> nn.Module:
+def expert_parallel(
+    module: nn.Module,
+    group=None,
+    *,
+    dispatcher: str = "all_to_all",
+    capacity_factor: float | None = None,
+    max_tokens: int | None = None,
+    align: int = 1,
+    exchange: str = "auto",
+    overlap_chunks: int = 1,
+    fp8_dispatch: bool = False,
+) -> nn.Module:
     """Split the routed experts of ``module`` over the ranks of ``group``; returns ``module``.
 
     Every :class:`moeyard.MoE` in ``module`` (itself included) and every transformers experts module
@@ -97,8 +106,10 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
     targets = find_experts(module)
     if not targets:
-        raise ValueError("module: no moeyard.MoE or transformers experts module (gate_up_proj/up_proj and "
-                         "down_proj of shape [E, ...]) found")
+        raise ValueError(
+            "module: no moeyard.MoE or transformers experts module (gate_up_proj/up_proj and "
+            "down_proj of shape [E, ...]) found"
+        )
     ep = resolve_group(group)
     _check_same_on_every_rank(targets, ep)  # first: the checks below then fail alike on every rank
     check_exchange(ep, EPOptions(num_experts=ep.world_size, dispatcher=dispatcher, exchange=exchange))
@@ -107,23 +118,36 @@ def expert_parallel(module: nn.Module, group=None, *, dispatcher: str = "all_to_
             raise ValueError(f"module: {name or type(m).__name__} is already expert parallel")
         E = _num_experts(m)
         if E % ep.world_size:
-            raise ValueError(f"group: its size {ep.world_size} does not divide num_experts={E} "
-                             f"of {name or type(m).__name__}")
+            raise ValueError(
+                f"group: its size {ep.world_size} does not divide num_experts={E} of {name or type(m).__name__}"
+            )
         for attr, q in _quantized_experts(m):
             if not callable(getattr(q, "select", None)):
-                raise ValueError(f"module: {name or type(m).__name__}.{attr} is {type(q).__name__} storage, which "
-                                 "cannot keep one rank's experts; quantise after expert_parallel")
+                raise ValueError(
+                    f"module: {name or type(m).__name__}.{attr} is {type(q).__name__} storage, which "
+                    "cannot keep one rank's experts; quantise after expert_parallel"
+                )
         if ep.mesh is not None and m.down_proj.device.type not in (ep.mesh.device_type, "meta"):
-            raise ValueError(f"group: a {ep.mesh.device_type} DeviceMesh, but the expert weights of "
-                             f"{name or type(m).__name__} are on {m.down_proj.device}; move the module first")
+            raise ValueError(
+                f"group: a {ep.mesh.device_type} DeviceMesh, but the expert weights of "
+                f"{name or type(m).__name__} are on {m.down_proj.device}; move the module first"
+            )
     for m, seam in targets.values():
         E = _num_experts(m)
         _shard(m, E, ep)
-        options = EPOptions(num_experts=E, dispatcher=dispatcher, capacity_factor=capacity_factor,
-                            max_tokens=max_tokens, align=align, exchange=exchange, overlap_chunks=overlap_chunks,
-                            fp8_dispatch=fp8_dispatch)
+        options = EPOptions(
+            num_experts=E,
+            dispatcher=dispatcher,
+            capacity_factor=capacity_factor,
+            max_tokens=max_tokens,
+            align=align,
+            exchange=exchange,
+            overlap_chunks=overlap_chunks,
+            fp8_dispatch=fp8_dispatch,
+        )
         setattr(m, seam, ExpertParallel(ep, options))
     from .lora import shard_lora
+
     shard_lora(module)
     return module
 
@@ -141,12 +165,17 @@ def find_experts(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     for name, m in module.named_modules():
         if isinstance(m, MoE):
             found[name] = (m, MOE_SEAM)
-        elif hasattr(m, "has_gate") and _is_3d(getattr(m, "down_proj", None)) and \
-                _is_3d(getattr(m, "gate_up_proj" if m.has_gate else "up_proj", None)):
+        elif (
+            hasattr(m, "has_gate")
+            and _is_3d(getattr(m, "down_proj", None))
+            and _is_3d(getattr(m, "gate_up_proj" if m.has_gate else "up_proj", None))
+        ):
             impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
             if impl != "moeyard":
-                raise ValueError(f"module: {name} runs experts_implementation={impl!r}; expert parallelism "
-                                 "needs 'moeyard' (model.set_experts_implementation('moeyard'))")
+                raise ValueError(
+                    f"module: {name} runs experts_implementation={impl!r}; expert parallelism "
+                    "needs 'moeyard' (model.set_experts_implementation('moeyard'))"
+                )
             found[name] = (m, TRANSFORMERS_SEAM)
     return found
 
@@ -177,7 +206,7 @@ def _shard(m: nn.Module, E: int, ep: EPGroup) -> None:
     for name, q in _quantized_experts(m):
         setattr(m, name, q.select(ep.rank * El, (ep.rank + 1) * El))
     for name, p in _expert_params(m, E):
-        local = p.detach()[ep.rank * El:(ep.rank + 1) * El].clone()
+        local = p.detach()[ep.rank * El : (ep.rank + 1) * El].clone()
         if ep.mesh is not None:
             from torch.distributed.tensor import DTensor, Shard
 
@@ -188,16 +217,24 @@ def _shard(m: nn.Module, E: int, ep: EPGroup) -> None:
 def _check_same_on_every_rank(targets: dict, ep: EPGroup) -> None:
     """One all-gather of the layers' names and expert-parameter shapes: a mismatch raises on every
     rank (instead of a hang in the first exchange)."""
-    mine = [(name, type(m).__name__, getattr(m, seam, None) is not None,
-             [(n, tuple(p.shape), str(p.dtype)) for n, p in _expert_params(m, _num_experts(m))]
-             + [(n, tuple(q.shape), str(q.dtype), type(q).__name__) for n, q in _quantized_experts(m)])
-            for name, (m, seam) in targets.items()]
+    mine = [
+        (
+            name,
+            type(m).__name__,
+            getattr(m, seam, None) is not None,
+            [(n, tuple(p.shape), str(p.dtype)) for n, p in _expert_params(m, _num_experts(m))]
+            + [(n, tuple(q.shape), str(q.dtype), type(q).__name__) for n, q in _quantized_experts(m)],
+        )
+        for name, (m, seam) in targets.items()
+    ]
     everyone = [None] * ep.world_size
     dist.all_gather_object(everyone, mine, group=ep.group)
     for r, theirs in enumerate(everyone):
         if theirs != mine:
-            raise ValueError(f"module: expert layers differ between rank {ep.rank} and rank {r} of group: "
-                             f"{_first_difference(mine, theirs)}")
+            raise ValueError(
+                f"module: expert layers differ between rank {ep.rank} and rank {r} of group: "
+                f"{_first_difference(mine, theirs)}"
+            )
 
 
 def _first_difference(a: list, b: list) -> str:
@@ -212,23 +249,35 @@ def _check_options(dispatcher, capacity_factor, max_tokens, align, exchange) -> 
         raise ValueError(f"dispatcher: expected one of {list(DISPATCHERS)}, got {dispatcher!r}")
     if capacity_factor is not None:
         if dispatcher != "sync_free":
-            raise ValueError(f"capacity_factor: only the sync_free dispatcher drops pairs, got dispatcher={dispatcher!r}")
-        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not capacity_factor > 0:
+            raise ValueError(
+                f"capacity_factor: only the sync_free dispatcher drops pairs, got dispatcher={dispatcher!r}"
+            )
+        if (
+            isinstance(capacity_factor, bool)
+            or not isinstance(capacity_factor, (int, float))
+            or not capacity_factor > 0
+        ):
             raise ValueError(f"capacity_factor: expected a positive number or None, got {capacity_factor!r}")
     if max_tokens is not None:
         if dispatcher == "all_to_all":
-            raise ValueError("max_tokens: the all_to_all dispatcher sizes its exchanges exactly; "
-                             "use sync_free or all_gather for a static bound")
+            raise ValueError(
+                "max_tokens: the all_to_all dispatcher sizes its exchanges exactly; "
+                "use sync_free or all_gather for a static bound"
+            )
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens: expected a positive int or None, got {max_tokens!r}")
     if isinstance(align, bool) or not isinstance(align, int) or align < 1:
         raise ValueError(f"align: expected a positive int, got {align!r}")
     if align != 1 and dispatcher != "sync_free":
-        raise ValueError(f"align: only the sync_free dispatcher places received rows itself, got dispatcher={dispatcher!r}")
+        raise ValueError(
+            f"align: only the sync_free dispatcher places received rows itself, got dispatcher={dispatcher!r}"
+        )
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange: expected one of {list(EXCHANGES)}, got {exchange!r}")
     if exchange != "auto" and dispatcher != "sync_free":
-        raise ValueError(f"exchange: only the sync_free dispatcher has a choice of exchange, got dispatcher={dispatcher!r}")
+        raise ValueError(
+            f"exchange: only the sync_free dispatcher has a choice of exchange, got dispatcher={dispatcher!r}"
+        )
 
 
 def release_buffers(group=None) -> None:
@@ -242,6 +291,7 @@ def release_buffers(group=None) -> None:
     Raises:
         ValueError: ``group`` not initialised (as :func:`expert_parallel`)."""
     from . import p2p, symm_mem
+
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     dist.barrier(group=resolve_group(group).group)

@@ -5,6 +5,7 @@ experts are split over. The collectives are autograd Functions: the backward of 
 all-to-all with the splits swapped, the backward of an all-gather is a reduce-scatter and the other
 way round. They run on gloo (CPU) and NCCL alike.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,12 +45,16 @@ def check_device(device: torch.device, backend: str) -> None:
     if backend != "nccl":
         return
     if device.type != "cuda":
-        raise ValueError(f"hidden_states: the expert-parallel group runs NCCL, which needs CUDA tensors; got "
-                         f"device {device} (move the model to cuda:{{local_rank}})")
+        raise ValueError(
+            f"hidden_states: the expert-parallel group runs NCCL, which needs CUDA tensors; got "
+            f"device {device} (move the model to cuda:{{local_rank}})"
+        )
     current = torch.cuda.current_device()
     if device.index is not None and device.index != current:
-        raise ValueError(f"hidden_states: on {device}, but this process's current CUDA device is cuda:{current}; "
-                         "call torch.cuda.set_device(local_rank) before init_process_group and keep the model there")
+        raise ValueError(
+            f"hidden_states: on {device}, but this process's current CUDA device is cuda:{current}; "
+            "call torch.cuda.set_device(local_rank) before init_process_group and keep the model there"
+        )
 
 
 def symmetric_memory_unavailable(ep: EPGroup, minimum: str) -> str | None:
@@ -93,19 +98,33 @@ def resolve_group(group) -> EPGroup:
 
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
-            raise ValueError(f"group: expected a 1-D DeviceMesh (slice the expert dimension, e.g. mesh['ep']), "
-                             f"got {group.ndim} dimensions")
+            raise ValueError(
+                f"group: expected a 1-D DeviceMesh (slice the expert dimension, e.g. mesh['ep']), "
+                f"got {group.ndim} dimensions"
+            )
         mesh, group = group, group.get_group()
     elif group is None:
         group = dist.group.WORLD
     elif not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group: expected None, a ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
-    return EPGroup(group=group, world_size=dist.get_world_size(group), rank=dist.get_rank(group), mesh=mesh,
-                   backend=str(dist.get_backend(group)))
+    return EPGroup(
+        group=group,
+        world_size=dist.get_world_size(group),
+        rank=dist.get_rank(group),
+        mesh=mesh,
+        backend=str(dist.get_backend(group)),
+    )
 
 
-def all_to_all(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group, *,
-               out_rows: int | None = None, pad_rows: int = 0) -> Tensor:
+def all_to_all(
+    x: Tensor,
+    out_splits: list[int] | None,
+    in_splits: list[int] | None,
+    group,
+    *,
+    out_rows: int | None = None,
+    pad_rows: int = 0,
+) -> Tensor:
     """Differentiable ``all_to_all_single`` of ``x [N_in, ...]`` -> ``[N_out + pad_rows, ...]``.
 
     ``in_splits[d]`` rows go to rank ``d``; ``out_splits[s]`` rows come from rank ``s`` (host ints).
@@ -146,8 +165,14 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return (_a2a(dy[:ctx.received], ctx.in_splits, ctx.out_splits, ctx.group, ctx.in_rows),
-                None, None, None, None, None)
+        return (
+            _a2a(dy[: ctx.received], ctx.in_splits, ctx.out_splits, ctx.group, ctx.in_rows),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _a2a(x: Tensor, out_splits, in_splits, group, out_rows) -> Tensor:

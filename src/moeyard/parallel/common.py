@@ -4,6 +4,7 @@
 Legend: W ranks (EP size), E experts in all, E_l = E / W local experts (rank r owns the contiguous
 block ``[r * E_l, (r + 1) * E_l)``), T tokens on this rank, K top-k, N = T * K routed pairs, H hidden.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from .comm import EPGroup, gather_ints
 
 Tensor = torch.Tensor
 # the attribute each kind of module reads instead of calling moeyard.experts itself
-MOE_SEAM = "expert_parallel"                 # moeyard.MoE
+MOE_SEAM = "expert_parallel"  # moeyard.MoE
 TRANSFORMERS_SEAM = "moeyard_expert_parallel"  # transformers experts modules (moeyard_experts_forward)
 
 
@@ -108,4 +109,3 @@ def token_counts(num_tokens: int, ep: EPGroup, device: torch.device) -> list[int
     """Every rank's token count, read on the host (a collective; one device-to-host copy on an
     accelerator)."""
     return gather_ints(torch.tensor([num_tokens], device=device, dtype=torch.int64), ep.group).tolist()
-

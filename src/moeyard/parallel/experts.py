@@ -4,6 +4,7 @@
 callable with the signature of :func:`moeyard.experts`, called with the layer's local expert weights
 (plain tensors or DTensors sharded on dim 0) instead of :func:`moeyard.experts` itself.
 """
+
 from __future__ import annotations
 
 import torch
@@ -51,8 +52,18 @@ class ExpertParallel:
         """E, experts over all ranks."""
         return self.options.num_experts
 
-    def __call__(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Tensor,
-                 down_proj: Tensor, *, drop_invalid: bool = False, check_ids: bool = True, **kwargs) -> Tensor:
+    def __call__(
+        self,
+        hidden_states: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        gate_up_proj: Tensor,
+        down_proj: Tensor,
+        *,
+        drop_invalid: bool = False,
+        check_ids: bool = True,
+        **kwargs,
+    ) -> Tensor:
         """As :func:`moeyard.experts`, with ``topk_ids [T, K]`` global ids in ``[0, E)`` and the local
         weights ``gate_up_proj [E_l, 2I, H]``, ``down_proj [E_l, H, I]`` (or their DTensors); the
         other keyword arguments go to the local :func:`moeyard.experts` call (DTensors made local).
@@ -79,8 +90,10 @@ class ExpertParallel:
         w_up, w_down = to_local(gate_up_proj), to_local(down_proj)
         kwargs = {k: to_local(v) for k, v in kwargs.items()}
         if w_up.shape[0] != El or w_down.shape[0] != El:
-            raise ValueError(f"gate_up_proj: expected this rank's block of {El} experts (E={E} over "
-                             f"{self.ep.world_size} ranks), got {w_up.shape[0]}")
+            raise ValueError(
+                f"gate_up_proj: expected this rank's block of {El} experts (E={E} over "
+                f"{self.ep.world_size} ranks), got {w_up.shape[0]}"
+            )
         check_float("hidden_states", hidden_states, dim=2)
         check_topk(topk_ids, topk_weights, hidden_states.shape[0], E, hidden_states.device)
         bad = None
@@ -88,13 +101,21 @@ class ExpertParallel:
             bad = invalid_ids(topk_ids, E).any(1, keepdim=True)  # accelerator: NaN rows, as moeyard.experts
 
         def compute(d):
-            return experts(d.rows, d.topk_ids, d.topk_weights, w_up, w_down,
-                           drop_invalid=self.dispatcher.EXPERTS_DROP_INVALID, **kwargs)
+            return experts(
+                d.rows,
+                d.topk_ids,
+                d.topk_weights,
+                w_up,
+                w_down,
+                drop_invalid=self.dispatcher.EXPERTS_DROP_INVALID,
+                **kwargs,
+            )
 
         weights = topk_weights.to(hidden_states.dtype)
         if self.options.overlap_chunks > 1:
-            out, self.dropped = pipelined(self.dispatcher, hidden_states, topk_ids, weights, self.ep, self.options,
-                                          compute)
+            out, self.dropped = pipelined(
+                self.dispatcher, hidden_states, topk_ids, weights, self.ep, self.options, compute
+            )
         else:
             d = self.dispatcher.dispatch(hidden_states, topk_ids, weights, self.ep, self.options)
             out = self.dispatcher.combine(compute(d), d)
@@ -106,13 +127,16 @@ class ExpertParallel:
         that still cover all E experts: what ``MoE.add_lora`` calls for adapters added after
         :func:`moeyard.parallel.expert_parallel` (:func:`moeyard.parallel.lora.shard_lora`)."""
         from .lora import shard_lora
+
         shard_lora(module)
 
     def __repr__(self) -> str:
         o = self.options
         extra = "".join(f", {k}={getattr(o, k)}" for k, default in REPR_DEFAULTS.items() if getattr(o, k) != default)
-        return (f"ExpertParallel(dispatcher={o.dispatcher}, num_experts={o.num_experts}, "
-                f"world_size={self.ep.world_size}, rank={self.ep.rank}{extra})")
+        return (
+            f"ExpertParallel(dispatcher={o.dispatcher}, num_experts={o.num_experts}, "
+            f"world_size={self.ep.world_size}, rank={self.ep.rank}{extra})"
+        )
 
 
 def check_local_lora(lora, E: int, El: int) -> None:
@@ -122,15 +146,27 @@ def check_local_lora(lora, E: int, El: int) -> None:
     for name, a in (lora or {}).items() if isinstance(lora, dict) else ():
         n = getattr(a, "num_experts", None)
         if n is not None and n != El:
-            hint = (" (all of them: adapters added after expert_parallel; moeyard.parallel.shard_lora(model) keeps "
-                    "this rank's block, before the optimizer is built)" if n == E else "")
-            raise ValueError(f"lora['{name}']: the adapter covers {n} experts, this rank computes its block of "
-                             f"E / W = {El} of {E}{hint}")
+            hint = (
+                " (all of them: adapters added after expert_parallel; moeyard.parallel.shard_lora(model) keeps "
+                "this rank's block, before the optimizer is built)"
+                if n == E
+                else ""
+            )
+            raise ValueError(
+                f"lora['{name}']: the adapter covers {n} experts, this rank computes its block of "
+                f"E / W = {El} of {E}{hint}"
+            )
         A, B = getattr(a, "lora_A", None), getattr(a, "lora_B", None)
-        if isinstance(A, Tensor) and isinstance(B, Tensor) and A.dim() == B.dim() == 2 and \
-                (A.shape[0] == 0 or A.shape[0] % El or B.shape[1] != A.shape[0]):
-            raise ValueError(f"lora['{name}']: expected lora_A [r*{El}, in] and lora_B [out, r*{El}] (this rank's "
-                             f"E_l = {El} experts), got {tuple(A.shape)} and {tuple(B.shape)}")
+        if (
+            isinstance(A, Tensor)
+            and isinstance(B, Tensor)
+            and A.dim() == B.dim() == 2
+            and (A.shape[0] == 0 or A.shape[0] % El or B.shape[1] != A.shape[0])
+        ):
+            raise ValueError(
+                f"lora['{name}']: expected lora_A [r*{El}, in] and lora_B [out, r*{El}] (this rank's "
+                f"E_l = {El} experts), got {tuple(A.shape)} and {tuple(B.shape)}"
+            )
 
 
 def check_fp8_dispatch(fp8_dispatch, dispatcher, overlap_chunks) -> None:
@@ -140,8 +176,9 @@ def check_fp8_dispatch(fp8_dispatch, dispatcher, overlap_chunks) -> None:
     if not isinstance(fp8_dispatch, bool):
         raise TypeError(f"fp8_dispatch: expected a bool, got {type(fp8_dispatch).__name__}")
     if fp8_dispatch and dispatcher not in ("all_to_all", "all_gather"):
-        raise ValueError(f"fp8_dispatch: the all_to_all and all_gather dispatchers carry e4m3 rows, got "
-                         f"dispatcher={dispatcher!r}")
+        raise ValueError(
+            f"fp8_dispatch: the all_to_all and all_gather dispatchers carry e4m3 rows, got dispatcher={dispatcher!r}"
+        )
     if fp8_dispatch and overlap_chunks != 1:
         raise ValueError("fp8_dispatch: not with overlap_chunks > 1 (the chunked exchanges carry the compute dtype)")
 
@@ -153,9 +190,13 @@ def check_overlap_options(overlap_chunks, dispatcher, capacity_factor, exchange)
     if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
         raise ValueError(f"overlap_chunks: expected a positive int, got {overlap_chunks!r}")
     if overlap_chunks > 1 and dispatcher == "all_gather":
-        raise ValueError("overlap_chunks: only the all_to_all and sync_free dispatchers overlap their exchanges, "
-                         "got dispatcher='all_gather'")
+        raise ValueError(
+            "overlap_chunks: only the all_to_all and sync_free dispatchers overlap their exchanges, "
+            "got dispatcher='all_gather'"
+        )
     if overlap_chunks > 1 and capacity_factor is not None:
-        raise ValueError("overlap_chunks: not with capacity_factor (its capacity would apply per chunk and drop "
-                         "other pairs than one exchange does)")
+        raise ValueError(
+            "overlap_chunks: not with capacity_factor (its capacity would apply per chunk and drop "
+            "other pairs than one exchange does)"
+        )
     sync_free.check_overlap(exchange, overlap_chunks)

@@ -12,6 +12,7 @@ see each row rounded to e4m3 (about 29 dB SQNR: ``benchmarks/fp8_numerics.py``).
 
 No host sync beyond the dispatcher's own.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,6 +30,7 @@ def pack(x: Tensor) -> Tensor:
     N, H = x.shape
     if x.is_cuda:
         from ..quant import fp8_triton
+
         q, s = fp8_triton.rowwise(x)
         s = s[:, None]
     else:
@@ -40,12 +42,19 @@ def pack(x: Tensor) -> Tensor:
 def unpack(packed: Tensor, H: int, dtype: torch.dtype) -> Tensor:
     """``[N, H + 16]`` uint8 from :func:`pack` -> ``[N, H]`` in ``dtype``."""
     q = packed[:, :H].contiguous().view(E4M3)
-    s = packed[:, H:H + 4].contiguous().view(torch.float32)
+    s = packed[:, H : H + 4].contiguous().view(torch.float32)
     return (q.float() * s).to(dtype)
 
 
-def all_to_all(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group, *,
-               out_rows: int | None = None, pad_rows: int = 0) -> Tensor:
+def all_to_all(
+    x: Tensor,
+    out_splits: list[int] | None,
+    in_splits: list[int] | None,
+    group,
+    *,
+    out_rows: int | None = None,
+    pad_rows: int = 0,
+) -> Tensor:
     """:func:`moeyard.parallel.comm.all_to_all` with the rows crossing as packed e4m3 (module docstring):
     ``x [N_in, H]`` -> ``[N_out + pad_rows, H]`` in ``x.dtype``; backward: the compute dtype's reverse
     ``all_to_all_single``."""
@@ -67,13 +76,19 @@ class _FP8AllToAll(torch.autograd.Function):
         dist.all_to_all_single(received, packed, out_splits, in_splits, group=group)
         ctx.received = received.shape[0]
         rows = x.new_zeros(received.shape[0] + pad_rows, x.shape[1])
-        rows[:received.shape[0]] = unpack(received, x.shape[1], x.dtype)
+        rows[: received.shape[0]] = unpack(received, x.shape[1], x.dtype)
         return rows
 
     @staticmethod
     def backward(ctx, dy):
-        return (_a2a(dy[:ctx.received], ctx.in_splits, ctx.out_splits, ctx.group, ctx.in_rows),
-                None, None, None, None, None)
+        return (
+            _a2a(dy[: ctx.received], ctx.in_splits, ctx.out_splits, ctx.group, ctx.in_rows),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 class _FP8AllGather(torch.autograd.Function):

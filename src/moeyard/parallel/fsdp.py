@@ -19,6 +19,7 @@ whole EP group (the combine's backward brings them back), so the sum over ``dp``
 divide factor of ``dp * ep`` would say the same, but torch divides twice by it when ``dp`` is 1 and
 the reduce dtype is float64 or float16: its single-rank copy divides after the pre-division.)
 """
+
 from __future__ import annotations
 
 import torch.nn as nn
@@ -27,8 +28,16 @@ from .apply import expert_parallel, find_experts
 from .common import MOE_SEAM
 
 
-def fsdp_expert_parallel(model: nn.Module, mesh, *, dp_dim: str = "dp", ep_dim: str = "ep",
-                         blocks: tuple | list = (), fsdp_kwargs: dict | None = None, **ep_kwargs) -> nn.Module:
+def fsdp_expert_parallel(
+    model: nn.Module,
+    mesh,
+    *,
+    dp_dim: str = "dp",
+    ep_dim: str = "ep",
+    blocks: tuple | list = (),
+    fsdp_kwargs: dict | None = None,
+    **ep_kwargs,
+) -> nn.Module:
     """Expert parallelism over ``mesh[ep_dim]`` and FSDP2 (``fully_shard``) over the rest; in place,
     returns ``model``.
 
@@ -69,8 +78,10 @@ def fsdp_expert_parallel(model: nn.Module, mesh, *, dp_dim: str = "dp", ep_dim: 
         raise TypeError(f"mesh: expected a 2-D DeviceMesh, got {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
     if mesh.ndim != 2 or dp_dim not in names or ep_dim not in names:
-        raise ValueError(f"mesh: expected a 2-D DeviceMesh with dimensions {dp_dim!r} and {ep_dim!r}, got "
-                         f"{mesh.ndim} dimension(s) named {names}")
+        raise ValueError(
+            f"mesh: expected a 2-D DeviceMesh with dimensions {dp_dim!r} and {ep_dim!r}, got "
+            f"{mesh.ndim} dimension(s) named {names}"
+        )
     kw = dict(fsdp_kwargs or {})
     if "mesh" in kw:
         raise ValueError("fsdp_kwargs: the meshes come from mesh (dp for the experts, the flattened mesh for the rest)")
@@ -130,8 +141,10 @@ def _already_split(model: nn.Module, ep_mesh, ep_kwargs: dict) -> bool:
         return False
     ranks = dist.get_process_group_ranks(ep_mesh.get_group())
     if not all(calls) or any(dist.get_process_group_ranks(c.ep.group) != ranks for c in calls):
-        raise ValueError(f"model: its expert layers must all be expert parallel over mesh's ep ranks {ranks}, "
-                         "or none (fsdp_expert_parallel then splits them)")
+        raise ValueError(
+            f"model: its expert layers must all be expert parallel over mesh's ep ranks {ranks}, "
+            "or none (fsdp_expert_parallel then splits them)"
+        )
     if ep_kwargs:
         raise ValueError(f"ep_kwargs: the model is already expert parallel; {sorted(ep_kwargs)} cannot change it")
     return True
@@ -142,11 +155,14 @@ def _peft_wrappers(model: nn.Module) -> dict[int, list[nn.Module]]:
     if not any(hasattr(m, "parameter_name") and hasattr(m, "base_layer") for m in model.modules()):
         return {}
     from ..integrations.peft import wrapper_chains
+
     return {id(base): chain[:1] for base, chain in wrapper_chains(model)}
 
 
 def _divide_by(n: int):
     """An FSDP all-reduce hook dividing the reduced gradient by ``n`` in place."""
+
     def hook(grad):
         grad.div_(n)
+
     return hook

@@ -22,6 +22,7 @@ writes can describe (a ``_StridedShard`` is rejected there as overlapping chunks
   over their group, FSDP's shards gathered), for ``PeftModel.save_pretrained(dir, state_dict=...)`` or
   ``torch.save`` on rank 0; it loads into a model at any EP size.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,13 +36,14 @@ from .common import MOE_SEAM, TRANSFORMERS_SEAM
 Tensor = torch.Tensor
 
 
-def shard_factors(lora_A: Tensor, lora_B: Tensor, rank: int, num_experts: int, ep_rank: int,
-                  world_size: int) -> tuple[Tensor, Tensor]:
+def shard_factors(
+    lora_A: Tensor, lora_B: Tensor, rank: int, num_experts: int, ep_rank: int, world_size: int
+) -> tuple[Tensor, Tensor]:
     """``(lora_A [r*E_l, in], lora_B [out, r*E_l])``: rank ``ep_rank``'s block (copies) of the global
     ``lora_A [r*E, in]``, ``lora_B [out, r*E]`` (module docstring)."""
     El = num_experts // world_size
-    A = lora_A[ep_rank * rank * El:(ep_rank + 1) * rank * El].clone()
-    B = lora_B.view(lora_B.shape[0], rank, num_experts)[:, :, ep_rank * El:(ep_rank + 1) * El]
+    A = lora_A[ep_rank * rank * El : (ep_rank + 1) * rank * El].clone()
+    B = lora_B.view(lora_B.shape[0], rank, num_experts)[:, :, ep_rank * El : (ep_rank + 1) * El]
     return A, B.reshape(lora_B.shape[0], rank * El).clone()
 
 
@@ -109,8 +111,12 @@ def expert_adapters(module: nn.Module) -> list[ExpertAdapter]:
     for base, chain in wrapper_chains(module):
         call = layers.get(id(base))
         if call is not None:
-            found += [ExpertAdapter(w, name, w.r[name], call) for w in chain if lora_key(w.parameter_name)
-                      for name in w.lora_A]
+            found += [
+                ExpertAdapter(w, name, w.r[name], call)
+                for w in chain
+                if lora_key(w.parameter_name)
+                for name in w.lora_A
+            ]
     return found
 
 
@@ -145,17 +151,19 @@ def shard_lora(module: nn.Module) -> int:
         mine = [a for a in adapters if a.owner is owner]
         E, El, p, W = mine[0].layout
         if owner.num_experts not in (E, El):
-            raise ValueError(f"module: a LoRA adapter of {owner.num_experts} experts on an expert-parallel layer of "
-                             f"{E} experts over {W} ranks (expected {E} or {El})")
+            raise ValueError(
+                f"module: a LoRA adapter of {owner.num_experts} experts on an expert-parallel layer of "
+                f"{E} experts over {W} ranks (expected {E} or {El})"
+            )
         for a in mine:
             if owner.num_experts != El:
-                _replace_factors(a, *shard_factors(a.lora_A.weight.detach(), a.lora_B.weight.detach(), a.rank, E,
-                                                   p, W))
+                _replace_factors(a, *shard_factors(a.lora_A.weight.detach(), a.lora_B.weight.detach(), a.rank, E, p, W))
                 count += 1
             _add_load_hooks(a)
         owner.num_experts = El
     if any(a.name is not None for a in adapters):
         from ..integrations.peft import fuse_lora
+
         fuse_lora(module)
     return count
 
@@ -185,15 +193,16 @@ def _add_load_hooks(a: ExpertAdapter) -> None:
             glob = (r * E, mod.in_features) if which == "A" else (mod.out_features, r * E)
             if tuple(t.shape) == glob:  # (load_state_dict hands its hooks a copy of the user's dict)
                 if which == "A":
-                    state_dict[key] = t[p * r * El:(p + 1) * r * El]
+                    state_dict[key] = t[p * r * El : (p + 1) * r * El]
                 else:
-                    state_dict[key] = t.reshape(glob[0], r, E)[:, :, p * El:(p + 1) * El].reshape(glob[0], r * El)
+                    state_dict[key] = t.reshape(glob[0], r, E)[:, :, p * El : (p + 1) * El].reshape(glob[0], r * El)
 
         linear._moeyard_ep_lora_hook = linear.register_load_state_dict_pre_hook(hook)
 
 
-def lora_state_dict(module: nn.Module, *, rank0_only: bool = True, device: torch.device | str = "cpu"
-                    ) -> dict[str, Tensor]:
+def lora_state_dict(
+    module: nn.Module, *, rank0_only: bool = True, device: torch.device | str = "cpu"
+) -> dict[str, Tensor]:
     """Every LoRA factor of ``module`` (parameters with a ``lora_``-prefixed name component: moeyard's
     ``lora.<target>.lora_A.weight``, PEFT's ``...lora_A.<adapter>.weight``) in the global layout, under
     its ``state_dict`` key: the expert-parallel adapters gathered over their group into ``[r*E, in]`` /

@@ -23,6 +23,7 @@ for it, with no host sync, and the buffers are only released afterwards).
 
 On gloo the collectives run on gloo's own threads; on NCCL on the communicator's stream.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -54,8 +55,9 @@ class Pending:
         return rows, ids
 
 
-def start(x: Tensor, out_splits, in_splits, group, out_rows: int | None = None,
-          ids: Tensor | None = None, pad_rows: int = 0) -> Pending:
+def start(
+    x: Tensor, out_splits, in_splits, group, out_rows: int | None = None, ids: Tensor | None = None, pad_rows: int = 0
+) -> Pending:
     """Issue ``all_to_all_single(async_op=True)`` of ``ids`` (equal splits; first) and of ``x``
     (``in_splits`` rows to each rank, ``out_splits`` from each; None: equal, ``out_rows`` rows),
     received into a buffer with ``pad_rows`` trailing zero rows."""
@@ -150,8 +152,9 @@ def receive(link: Link, order: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return _Receive.apply(order, link)
 
 
-def pipelined(dispatcher, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions,
-              compute) -> tuple[Tensor, Tensor | None]:
+def pipelined(
+    dispatcher, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions, compute
+) -> tuple[Tensor, Tensor | None]:
     """``dispatcher`` (the ``all_to_all`` or ``sync_free`` module) over ``options.overlap_chunks``
     chunks, ``compute(dispatched) -> y`` running the local experts. Returns ``(out [T, H], dropped)``,
     ``dropped`` summed over chunks (None for ``all_to_all``)."""

@@ -45,6 +45,7 @@ again only when a call needs a larger S) and kept for the process (:func:`buffer
 :func:`release_buffers`). Tested with torch's default (CUDA)
 symmetric-memory backend; ``benchmarks/ep_symm_check.py`` checks it on two GPUs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -68,7 +69,9 @@ class TorchPeerOps:
         """Why the exchange cannot run on ``ep`` (a phrase), or None. Host metadata only."""
         return comm.symmetric_memory_unavailable(ep, "2.5")
 
-    def symmetric(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, group) -> tuple[list[Tensor], object]:
+    def symmetric(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, group
+    ) -> tuple[list[Tensor], object]:
         """``(views, handle)``: a symmetric tensor of ``shape`` on every rank (collective), ``views[s]``
         rank s's copy as mapped into this process (``views[rank]`` the local one)."""
         import torch.distributed._symmetric_memory as symm
@@ -77,7 +80,9 @@ class TorchPeerOps:
         comm.enable_symmetric_memory(name)
         local = symm.empty(shape, dtype=dtype, device=device)
         handle = symm.rendezvous(local, name)
-        views = [local if s == handle.rank else handle.get_buffer(s, list(shape), dtype) for s in range(handle.world_size)]
+        views = [
+            local if s == handle.rank else handle.get_buffer(s, list(shape), dtype) for s in range(handle.world_size)
+        ]
         return views, handle
 
     def barrier(self, handle) -> None:
@@ -100,6 +105,7 @@ def check_available(ep: EPGroup) -> None:
 
 
 # ---------------------------------------------------------------- buffers
+
 
 @dataclass(eq=False)
 class Buffers:
@@ -132,8 +138,9 @@ _BUFFERS: dict[tuple, Buffers] = {}
 _RETIRED: list[Buffers] = []  # outgrown buffers, kept mapped (a captured graph or a step in flight may use them)
 
 
-def buffers(ep: EPGroup, device: torch.device, dtype: torch.dtype, hidden: int, pairs: int,
-            num_local_experts: int) -> Buffers:
+def buffers(
+    ep: EPGroup, device: torch.device, dtype: torch.dtype, hidden: int, pairs: int, num_local_experts: int
+) -> Buffers:
     """The cached :class:`Buffers` of ``(group, device, dtype, H, E_l)`` with room for ``pairs`` rows
     (S); allocated on first use and again, at exactly ``pairs``, when a call needs more rows than the
     cached one has (collective: every rank passes the same ``pairs``, as ``sync_free``'s ``T_max``
@@ -150,10 +157,17 @@ def buffers(ep: EPGroup, device: torch.device, dtype: torch.dtype, hidden: int, 
         scale, _ = OPS.symmetric((pairs,), dtype, device, ep.group)
         counts, _ = OPS.symmetric((ep.world_size * num_local_experts,), torch.int64, device, ep.group)
         rows[ep.rank][pairs].zero_()
-        _BUFFERS[key] = Buffers(rows=rows, table=_addresses(rows, device), index=index,
-                                index_table=_addresses(index, device), scale=scale,
-                                scale_table=_addresses(scale, device), counts=counts, handle=handle,
-                                capacity=pairs)
+        _BUFFERS[key] = Buffers(
+            rows=rows,
+            table=_addresses(rows, device),
+            index=index,
+            index_table=_addresses(index, device),
+            scale=scale,
+            scale_table=_addresses(scale, device),
+            counts=counts,
+            handle=handle,
+            capacity=pairs,
+        )
     return _BUFFERS[key]
 
 
@@ -169,6 +183,7 @@ def release_buffers() -> None:
 
 
 # ---------------------------------------------------------------- the layout
+
 
 @dataclass(eq=False, kw_only=True)
 class Handle(SendOrder):
@@ -205,11 +220,11 @@ def layout(h: Handle, all_counts: Tensor) -> None:
     fn = layout_reference
     if all_counts.is_cuda:
         from .p2p_layout_triton import layout_triton as fn
-    h.dst_rows, h.window, h.received, h.pad_rows, h.row_experts = fn(all_counts, h.rank, h.align,
-                                                                      route.block_rows, R)
+    h.dst_rows, h.window, h.received, h.pad_rows, h.row_experts = fn(all_counts, h.rank, h.align, route.block_rows, R)
 
 
 # ---------------------------------------------------------------- the exchange
+
 
 def dispatch(x: Tensor, route, ep: EPGroup, align: int) -> tuple[Tensor, Tensor, Handle]:
     """``x [T, H]`` and a ``sync_free.Route`` -> ``(rows [R, H], row experts [R] int64, handle)``:
@@ -248,10 +263,10 @@ def _pull(h: Handle, src: Tensor, index: Tensor, scale: Tensor | None = None) ->
     b = h.bufs
     me, W = h.rank, h.route.world_size
     OPS.barrier(b.handle)
-    b.rows[me][:src.shape[0]].copy_(src)
-    b.index[me][:index.shape[0]].copy_(index)
+    b.rows[me][: src.shape[0]].copy_(src)
+    b.index[me][: index.shape[0]].copy_(index)
     if scale is not None:
-        b.scale[me][:scale.shape[0]].copy_(scale)
+        b.scale[me][: scale.shape[0]].copy_(scale)
     first = h.dst_rows is None
     if first:
         b.counts[me].copy_(h.send_counts)
@@ -259,11 +274,20 @@ def _pull(h: Handle, src: Tensor, index: Tensor, scale: Tensor | None = None) ->
     if first:
         layout(h, torch.stack(b.counts).view(W, W, h.route.num_local_experts))
     out = new_rows(h.num_rows, b.rows[me])
-    copy_rows(out, b.rows, b.table, h.dst_rows, h.window, h.received, direction="pull",
-              index=(b.index, b.index_table), scale=None if scale is None else (b.scale, b.scale_table))
+    copy_rows(
+        out,
+        b.rows,
+        b.table,
+        h.dst_rows,
+        h.window,
+        h.received,
+        direction="pull",
+        index=(b.index, b.index_table),
+        scale=None if scale is None else (b.scale, b.scale_table),
+    )
     if h.pad_rows is not None:
         out.index_fill_(0, h.pad_rows, 0)
-    return out[:h.num_rows]
+    return out[: h.num_rows]
 
 
 def _push(h: Handle, rows: Tensor) -> tuple[Tensor, Tensor]:

@@ -13,6 +13,7 @@ tiles in int32 (sums and rows below 2**31, checked by :func:`layout_triton`), th
 lookups per row in int64 took 0.64 ms per dispatch at qwen3-30b-a3b on 2 H200s (``benchmarks/NOTES.md``,
 round 33).
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,9 +34,25 @@ def _pick(values, e_idx, e):
 
 
 @triton.jit
-def layout_kernel(counts_ptr, dst_ptr, window_ptr, received_ptr, pad_ptr, row_experts_ptr, W, El, me, align, C, R,
-                  W_P2: tl.constexpr, E_P2: tl.constexpr, A_P2: tl.constexpr, HAS_PAD: tl.constexpr,
-                  BJ: tl.constexpr):
+def layout_kernel(
+    counts_ptr,
+    dst_ptr,
+    window_ptr,
+    received_ptr,
+    pad_ptr,
+    row_experts_ptr,
+    W,
+    El,
+    me,
+    align,
+    C,
+    R,
+    W_P2: tl.constexpr,
+    E_P2: tl.constexpr,
+    A_P2: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    BJ: tl.constexpr,
+):
     """See the module docstring (``counts [W, W, E_l]`` int64 contiguous: rows from s to rank d's
     expert e at ``(s * W + d) * E_l + e``)."""
     p = tl.program_id(0)
@@ -44,25 +61,26 @@ def layout_kernel(counts_ptr, dst_ptr, window_ptr, received_ptr, pad_ptr, row_ex
     e_idx = tl.arange(0, E_P2)
     m_we = (ws < W)[:, None] & (e_idx < El)[None, :]
     cin = tl.load(counts_ptr + (ws[:, None] * W + me) * El + e_idx[None, :], mask=m_we, other=0).to(tl.int32)
-    per_expert = tl.sum(cin, axis=0)                                         # [E_P2] rows to my expert e
+    per_expert = tl.sum(cin, axis=0)  # [E_P2] rows to my expert e
     padded = (per_expert + align - 1) // align * align
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
-    j = p * BJ + tl.arange(0, BJ)                                            # int32
+    j = p * BJ + tl.arange(0, BJ)  # int32
     if s < W:
         mine = ws[:, None] == s
-        cin_s = tl.sum(tl.where(mine, cin, 0), axis=0)                       # [E_P2] rows from s to e
-        before = tl.sum(tl.where(ws[:, None] < s, cin, 0), axis=0)          # rows to e from ranks < s
-        inside = tl.cumsum(cin_s, 0)                                         # ends of e in s's window
+        cin_s = tl.sum(tl.where(mine, cin, 0), axis=0)  # [E_P2] rows from s to e
+        before = tl.sum(tl.where(ws[:, None] < s, cin, 0), axis=0)  # rows to e from ranks < s
+        inside = tl.cumsum(cin_s, 0)  # ends of e in s's window
         m_j = j < C
         last = tl.where(e_idx < El, inside, C + BJ)
         e = tl.minimum(tl.sum((last[None, :] <= j[:, None]).to(tl.int32), axis=1), El - 1)
-        base = starts + before - (inside - cin_s)                            # dst of e's first row from s, less its j
+        base = starts + before - (inside - cin_s)  # dst of e's first row from s, less its j
         dst = _pick(base, e_idx, e) + j
         tl.store(dst_ptr + s.to(tl.int64) * C + j, dst.to(tl.int64), mask=m_j)
         if p == 0:
-            row = tl.load(counts_ptr + (s * W + ws[:, None]) * El + e_idx[None, :],
-                          mask=m_we & (ws < me)[:, None], other=0)              # rows from s to ranks < me
+            row = tl.load(
+                counts_ptr + (s * W + ws[:, None]) * El + e_idx[None, :], mask=m_we & (ws < me)[:, None], other=0
+            )  # rows from s to ranks < me
             tl.store(window_ptr + s, tl.sum(tl.sum(row, axis=1), axis=0))
             tl.store(received_ptr + s, tl.sum(cin_s, axis=0).to(tl.int64))
     else:
@@ -73,7 +91,7 @@ def layout_kernel(counts_ptr, dst_ptr, window_ptr, received_ptr, pad_ptr, row_ex
         if HAS_PAD:
             if p == 0:
                 q = tl.arange(0, A_P2)
-                pad = (starts + per_expert)[:, None] + q[None, :]               # [E_P2, A_P2]
+                pad = (starts + per_expert)[:, None] + q[None, :]  # [E_P2, A_P2]
                 pad = tl.where(pad < ends[:, None], pad, R)
                 m_pad = (e_idx < El)[:, None] & (q < align - 1)[None, :]
                 tl.store(pad_ptr + e_idx[:, None] * (align - 1) + q[None, :], pad.to(tl.int64), mask=m_pad)
@@ -82,7 +100,7 @@ def layout_kernel(counts_ptr, dst_ptr, window_ptr, received_ptr, pad_ptr, row_ex
 def layout_triton(all_counts: Tensor, me: int, align: int, C: int, R: int) -> tuple:
     """As :func:`moeyard.parallel.p2p_layout.layout_reference`, in one launch (``all_counts`` int64)."""
     W, _, El = all_counts.shape
-    if max(C, R) + MAX_TILE >= 2 ** 31:  # the kernel's rows and sums are int32
+    if max(C, R) + MAX_TILE >= 2**31:  # the kernel's rows and sums are int32
         return layout_reference(all_counts, me, align, C, R)
     dev, i64 = all_counts.device, torch.int64
     dst_rows = torch.empty(W, C, device=dev, dtype=i64)
@@ -94,8 +112,24 @@ def layout_triton(all_counts: Tensor, me: int, align: int, C: int, R: int) -> tu
     bj = max(16, min(256, MAX_TILE // e_p2))
     grid = (triton.cdiv(max(C, R, 1), bj), W + 1)
     pad = row_experts if pad_rows is None else pad_rows
-    layout_kernel[grid](all_counts.contiguous(), dst_rows, window, received, pad, row_experts, W, El, me, align, C, R,
-                        W_P2=triton.next_power_of_2(W),
-                        E_P2=e_p2, A_P2=triton.next_power_of_2(max(align - 1, 1)), HAS_PAD=align > 1, BJ=bj,
-                        num_warps=4)
+    layout_kernel[grid](
+        all_counts.contiguous(),
+        dst_rows,
+        window,
+        received,
+        pad,
+        row_experts,
+        W,
+        El,
+        me,
+        align,
+        C,
+        R,
+        W_P2=triton.next_power_of_2(W),
+        E_P2=e_p2,
+        A_P2=triton.next_power_of_2(max(align - 1, 1)),
+        HAS_PAD=align > 1,
+        BJ=bj,
+        num_warps=4,
+    )
     return dst_rows, window, received, pad_rows, row_experts

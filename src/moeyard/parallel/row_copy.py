@@ -18,6 +18,7 @@ so only the ``count`` rows travel. On CUDA one Triton kernel covers every peer (
 the copies from or to this rank's own buffer run beside the ones over NVLink); elsewhere
 :func:`copy_rows_reference`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,18 @@ Tensor = torch.Tensor
 DIRECTIONS = ("pull", "push")
 
 
-def copy_rows(local: Tensor, peers: list[Tensor], table: Tensor, rows: Tensor, base: Tensor, count: Tensor, *,
-              direction: str, index: tuple[list[Tensor], Tensor] | None = None,
-              scale: tuple[list[Tensor], Tensor] | None = None) -> None:
+def copy_rows(
+    local: Tensor,
+    peers: list[Tensor],
+    table: Tensor,
+    rows: Tensor,
+    base: Tensor,
+    count: Tensor,
+    *,
+    direction: str,
+    index: tuple[list[Tensor], Tensor] | None = None,
+    scale: tuple[list[Tensor], Tensor] | None = None,
+) -> None:
     """See the module docstring. ``local [*, H]``; ``peers``: W tensors ``[*, H]`` of one shape,
     dtype and row stride (a symmetric tensor's views by rank); ``table [W]`` int64, their
     ``data_ptr()`` on ``local``'s device (read by the CUDA kernel); ``rows [W, C]`` int64;
@@ -44,20 +54,38 @@ def copy_rows(local: Tensor, peers: list[Tensor], table: Tensor, rows: Tensor, b
     _check(direction, index, scale)
     if local.is_cuda:
         from .row_copy_triton import copy_rows_triton
-        copy_rows_triton(local, peers[0], table, rows, base, count, pull=direction == "pull",
-                         index_table=None if index is None else index[1],
-                         scale_table=None if scale is None else scale[1])
+
+        copy_rows_triton(
+            local,
+            peers[0],
+            table,
+            rows,
+            base,
+            count,
+            pull=direction == "pull",
+            index_table=None if index is None else index[1],
+            scale_table=None if scale is None else scale[1],
+        )
     else:
-        copy_rows_reference(local, peers, rows, base, count, direction=direction,
-                            index=None if index is None else index[0], scale=None if scale is None else scale[0])
+        copy_rows_reference(
+            local,
+            peers,
+            rows,
+            base,
+            count,
+            direction=direction,
+            index=None if index is None else index[0],
+            scale=None if scale is None else scale[0],
+        )
 
 
 def _check(direction: str, index, scale) -> None:
     if direction not in DIRECTIONS:
         raise ValueError(f"direction: expected one of {DIRECTIONS}, got {direction!r}")
     if (index is not None or scale is not None) and direction != "pull":
-        raise ValueError(f"index, scale: only a pull reads its rows through an index or scales them, "
-                         f"got direction={direction!r}")
+        raise ValueError(
+            f"index, scale: only a pull reads its rows through an index or scales them, got direction={direction!r}"
+        )
 
 
 def _at(t: Tensor, i: Tensor) -> Tensor:
@@ -65,9 +93,17 @@ def _at(t: Tensor, i: Tensor) -> Tensor:
     return t.index_select(0, i.clamp(max=t.shape[0] - 1))
 
 
-def copy_rows_reference(local: Tensor, peers: list[Tensor], rows: Tensor, base: Tensor, count: Tensor, *,
-                        direction: str, index: list[Tensor] | None = None,
-                        scale: list[Tensor] | None = None) -> None:
+def copy_rows_reference(
+    local: Tensor,
+    peers: list[Tensor],
+    rows: Tensor,
+    base: Tensor,
+    count: Tensor,
+    *,
+    direction: str,
+    index: list[Tensor] | None = None,
+    scale: list[Tensor] | None = None,
+) -> None:
     """The same in torch ops, one peer after the other (``index``, ``scale``: the W tensors): the whole
     bound ``C`` is read (rows past the count from the window or the indexed rows clamped into range)
     and written, those past the count into the destination's last row (scratch)."""

@@ -11,6 +11,7 @@ ran peer after peer, every rank starting at rank 0's buffer (whose links then se
 * itemsize`` read and written, on NVLink for every peer but this rank (an indexed pull also reads
 each row's 8-byte index there).
 """
+
 from __future__ import annotations
 
 import triton
@@ -24,9 +25,25 @@ MAX_BLOCK_H = 512
 
 
 @triton.jit
-def copy_rows_kernel(local_ptr, table_ptr, rows_ptr, base_ptr, count_ptr, index_table_ptr, scale_table_ptr, H, C, W,
-                     stride_local, stride_peer, PULL: tl.constexpr, INDEXED: tl.constexpr, SCALED: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+def copy_rows_kernel(
+    local_ptr,
+    table_ptr,
+    rows_ptr,
+    base_ptr,
+    count_ptr,
+    index_table_ptr,
+    scale_table_ptr,
+    H,
+    C,
+    W,
+    stride_local,
+    stride_peer,
+    PULL: tl.constexpr,
+    INDEXED: tl.constexpr,
+    SCALED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """Pull: ``local[rows[s, j]] = peer_s[base[s] + j]`` (``INDEXED``: ``peer_s[index_s[base[s] + j]]``,
     ``index_s`` at the address ``index_table[s]``; ``SCALED``: times ``scale_s[base[s] + j]`` (the
     rows' dtype, at ``scale_table[s]``; product in float32, float64 for float64 rows); push:
@@ -64,8 +81,7 @@ def copy_rows_kernel(local_ptr, table_ptr, rows_ptr, base_ptr, count_ptr, index_
         tl.store(p_peer, tl.load(p_local, mask=mask), mask=mask)
 
 
-def copy_rows_triton(local, peer, table, rows, base, count, *, pull: bool, index_table=None,
-                     scale_table=None) -> None:
+def copy_rows_triton(local, peer, table, rows, base, count, *, pull: bool, index_table=None, scale_table=None) -> None:
     """Launch :func:`copy_rows_kernel` (arguments as :func:`moeyard.parallel.row_copy.copy_rows`;
     ``peer``: any one of the peers' tensors, for the shape and stride they share; ``index_table``,
     ``scale_table``: the index and scale tensors' addresses, for an indexed or scaled pull)."""
@@ -75,7 +91,23 @@ def copy_rows_triton(local, peer, table, rows, base, count, *, pull: bool, index
         return
     block_h = min(triton.next_power_of_2(H), MAX_BLOCK_H)
     grid = (W * triton.cdiv(C, BLOCK_M), triton.cdiv(H, block_h))
-    copy_rows_kernel[grid](local, table, rows, base, count, table if index_table is None else index_table,
-                           table if scale_table is None else scale_table, H, C, W, local.stride(0), peer.stride(0),
-                           PULL=pull, INDEXED=index_table is not None, SCALED=scale_table is not None,
-                           BLOCK_M=BLOCK_M, BLOCK_H=block_h, num_warps=4)
+    copy_rows_kernel[grid](
+        local,
+        table,
+        rows,
+        base,
+        count,
+        table if index_table is None else index_table,
+        table if scale_table is None else scale_table,
+        H,
+        C,
+        W,
+        local.stride(0),
+        peer.stride(0),
+        PULL=pull,
+        INDEXED=index_table is not None,
+        SCALED=scale_table is not None,
+        BLOCK_M=BLOCK_M,
+        BLOCK_H=block_h,
+        num_warps=4,
+    )

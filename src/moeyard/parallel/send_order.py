@@ -16,6 +16,7 @@ Dispatch is ``send`` forward and ``back`` backward (each token's pair gradients 
 other way round, with the weighted sum over each token's pairs inside: its backward sends ``d out``
 with the weights as ``scale``, so no ``[T, K, H]`` gradient of the pairs is formed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,8 +54,12 @@ def order_pairs(route, zero_row: int | None = None) -> dict:
     T, K, E = route.num_tokens, route.top_k, route.num_experts
     plan = make_plan(route.ids.view(T, K), E)
     zero = route.max_tokens * K if zero_row is None else zero_row
-    return dict(route=route, send_counts=plan.tokens_per_expert.to(torch.int64), sort_order=plan.sort_order,
-                pair_row=torch.where(route.ids < E, plan.pair_rows, zero))
+    return dict(
+        route=route,
+        send_counts=plan.tokens_per_expert.to(torch.int64),
+        sort_order=plan.sort_order,
+        pair_row=torch.where(route.ids < E, plan.pair_rows, zero),
+    )
 
 
 def dispatch(x: Tensor, h: SendOrder, send, back) -> Tensor:

@@ -62,6 +62,7 @@ No host sync on the way: the splits are written into symmetric tensors on the de
 come from ``searchsorted`` on the returned offsets; the first call per key allocates and
 registers the buffers (a host-side collective, once).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -75,10 +76,10 @@ from .comm import EPGroup, all_to_all
 from .send_order import SendOrder
 
 Tensor = torch.Tensor
-MAX_WORLD = 32        # all_to_all_vdev_2d: one warp scans a rank's splits
-MAX_2D_WORLD = 16     # all_to_all_vdev_2d_offset: one tile per rank, 16 tiles
-MAX_2D_EXPERTS = 16   # all_to_all_vdev_2d: one tile per local expert, 16 tiles (pytorch #167966)
-ROW_BYTES = 64        # all_to_all_vdev: each peer's bytes split evenly over <= 64 blocks
+MAX_WORLD = 32  # all_to_all_vdev_2d: one warp scans a rank's splits
+MAX_2D_WORLD = 16  # all_to_all_vdev_2d_offset: one tile per rank, 16 tiles
+MAX_2D_EXPERTS = 16  # all_to_all_vdev_2d: one tile per local expert, 16 tiles (pytorch #167966)
+ROW_BYTES = 64  # all_to_all_vdev: each peer's bytes split evenly over <= 64 blocks
 
 
 def use_2d(world_size: int, num_local_experts: int) -> bool:
@@ -100,8 +101,10 @@ class TorchSymmOps:
         if not hasattr(torch.ops.symm_mem, "all_to_all_vdev_2d"):
             return f"needs torch.ops.symm_mem.all_to_all_vdev_2d (torch >= 2.8), torch {torch.__version__} has none"
         if not symm.is_nvshmem_available():
-            return ("needs NVSHMEM, not found by this torch build (install the nvidia-nvshmem wheel of torch's "
-                    "CUDA version, e.g. nvidia-nvshmem-cu13)")
+            return (
+                "needs NVSHMEM, not found by this torch build (install the nvidia-nvshmem wheel of torch's "
+                "CUDA version, e.g. nvidia-nvshmem-cu13)"
+            )
         return None
 
     def prepare(self, group, device: torch.device) -> str:
@@ -118,8 +121,10 @@ class TorchSymmOps:
             try:
                 symm.set_backend("NVSHMEM")
             except RuntimeError as ex:
-                raise ValueError(f"exchange: 'symm_mem' needs the NVSHMEM symmetric-memory backend, but "
-                                 f"{current!r} already has allocations in this process") from ex
+                raise ValueError(
+                    f"exchange: 'symm_mem' needs the NVSHMEM symmetric-memory backend, but "
+                    f"{current!r} already has allocations in this process"
+                ) from ex
         name = group.group_name
         comm.enable_symmetric_memory(name)
         return name
@@ -157,14 +162,17 @@ def check_available(ep: EPGroup) -> None:
             NVSHMEM (the message says which).
     """
     if ep.world_size > MAX_WORLD:
-        raise ValueError(f"exchange: 'symm_mem' supports at most {MAX_WORLD} ranks (the NVSHMEM all-to-all "
-                         f"kernels), got a group of {ep.world_size}; use exchange='all_to_all'")
+        raise ValueError(
+            f"exchange: 'symm_mem' supports at most {MAX_WORLD} ranks (the NVSHMEM all-to-all "
+            f"kernels), got a group of {ep.world_size}; use exchange='all_to_all'"
+        )
     reason = OPS.unavailable(ep)
     if reason:
         raise ValueError(f"exchange: 'symm_mem' {reason}; use exchange='all_to_all'")
 
 
 # ---------------------------------------------------------------- buffers
+
 
 @dataclass(eq=False)
 class Buffers:
@@ -202,8 +210,16 @@ class Buffers:
 _BUFFERS: dict[tuple, Buffers] = {}
 
 
-def buffers(ep: EPGroup, device: torch.device, dtype: torch.dtype, hidden: int, send_rows: int, recv_rows: int,
-            num_local_experts: int, two_d: bool) -> Buffers:
+def buffers(
+    ep: EPGroup,
+    device: torch.device,
+    dtype: torch.dtype,
+    hidden: int,
+    send_rows: int,
+    recv_rows: int,
+    num_local_experts: int,
+    two_d: bool,
+) -> Buffers:
     """The cached :class:`Buffers` of this key, allocated on first use (collective: every rank in
     the same order)."""
     name = ep.group.group_name
@@ -216,10 +232,17 @@ def buffers(ep: EPGroup, device: torch.device, dtype: torch.dtype, hidden: int, 
         def empty(shape, dt=dtype):
             return OPS.empty(shape, dt, device, name)
 
-        b = Buffers(send=empty((send_rows + 2, hidden)), recv=empty((recv_rows + 2, hidden)),
-                    splits_fwd=empty((n,) if two_d else (W,), i64), splits_rev=empty((2, n) if two_d else (W,), i64),
-                    meta_fwd=empty((2, n if two_d else W), i64), meta_rev=empty((2, n if two_d else W), i64),
-                    group=ep.group, group_name=name, device=device)
+        b = Buffers(
+            send=empty((send_rows + 2, hidden)),
+            recv=empty((recv_rows + 2, hidden)),
+            splits_fwd=empty((n,) if two_d else (W,), i64),
+            splits_rev=empty((2, n) if two_d else (W,), i64),
+            meta_fwd=empty((2, n if two_d else W), i64),
+            meta_rev=empty((2, n if two_d else W), i64),
+            group=ep.group,
+            group_name=name,
+            device=device,
+        )
         b.send[send_rows].zero_()
         b.recv[recv_rows].zero_()
         _BUFFERS[key] = b
@@ -233,6 +256,7 @@ def release_buffers() -> None:
 
 
 # ---------------------------------------------------------------- the exchange
+
 
 @dataclass(eq=False, kw_only=True)
 class Handle(SendOrder):
@@ -272,8 +296,10 @@ def dispatch(x: Tensor, route, ep: EPGroup, align: int) -> tuple[Tensor, Tensor,
     K, W, El = route.top_k, route.world_size, route.num_local_experts
     two_d = use_2d(W, El)
     if not two_d and (x.shape[1] * x.element_size()) % ROW_BYTES:
-        raise ValueError(f"hidden_states: the symmetric-memory exchange at E_l={El} > {MAX_2D_EXPERTS} needs rows of "
-                         f"a multiple of {ROW_BYTES} bytes; got H={x.shape[1]} in {x.dtype}")
+        raise ValueError(
+            f"hidden_states: the symmetric-memory exchange at E_l={El} > {MAX_2D_EXPERTS} needs rows of "
+            f"a multiple of {ROW_BYTES} bytes; got H={x.shape[1]} in {x.dtype}"
+        )
     S = route.max_tokens * K
     R = W * route.block_rows + (El * align if two_d else 0)
     bufs = buffers(ep, x.device, x.dtype, x.shape[1], S, R, El, two_d)
@@ -303,7 +329,7 @@ def _send_forward(h: Handle, src: Tensor, index: Tensor, scale: Tensor | None) -
     ``send``, then the op."""
     b = h.bufs
     b.enter("fwd")
-    rows = b.send[:index.shape[0]]
+    rows = b.send[: index.shape[0]]
     torch.index_select(src, 0, index, out=rows)
     if scale is not None:
         rows.mul_(scale.unsqueeze(1))
@@ -343,8 +369,8 @@ def _recv_layout(h: Handle) -> None:
     R = b.recv.shape[0] - 2
     r = torch.arange(R, device=b.device)
     if h.two_d:
-        h.recv_meta = b.meta_fwd.clone()                   # [2, E_l * W], index e * W + s
-        counts = h.recv_meta[0].view(El, W).sum(1)          # [E_l] rows per expert
+        h.recv_meta = b.meta_fwd.clone()  # [2, E_l * W], index e * W + s
+        counts = h.recv_meta[0].view(El, W).sum(1)  # [E_l] rows per expert
         start = h.recv_meta[1].view(El, W)[:, 0].contiguous()  # [E_l] block starts
         last = ((counts[-1] + align - 1) // align * align).clamp(min=align)  # the op pads empty blocks too
         inside = r < start[-1] + last
@@ -353,9 +379,9 @@ def _recv_layout(h: Handle) -> None:
         h.gather = torch.where(data, r, R)
         h.row_experts = torch.where(inside, e, El)
         return
-    h.recv_meta = b.meta_fwd[0].clone()                     # [W] rows from each rank
+    h.recv_meta = b.meta_fwd[0].clone()  # [W] rows from each rank
     received = all_to_all(h.send_counts, None, None, b.group)  # [W * E_l], (source, expert)
-    chunk = torch.searchsorted(received.cumsum(0), r, right=True)     # rank-major chunk of each row
+    chunk = torch.searchsorted(received.cumsum(0), r, right=True)  # rank-major chunk of each row
     local = torch.where(chunk < W * El, chunk % El, El)
     plan = make_plan(local.view(R, 1), El, align=align)
     h.gather, h.inverse, h.row_experts = plan.row_tokens(), plan.pair_rows, plan.row_experts()

@@ -54,6 +54,7 @@ with C at its own bound ``ceil(T_max / N)``, with the exchanges in flight): :fun
 buffers, not collectives that can stay in flight per chunk, so ``overlap_chunks > 1`` with either
 named raises ValueError (:func:`check_overlap`; ``auto`` then takes ``all_to_all``).
 """
+
 from __future__ import annotations
 
 import math
@@ -77,8 +78,9 @@ EXCHANGES = ("auto", "all_to_all", "symm_mem", "p2p")
 DEVICE_EXCHANGES = ("symm_mem", "p2p")  # kernels on the current stream over one set of buffers
 
 
-def block_rows(max_tokens: int, top_k: int, num_local_experts: int, world_size: int,
-               capacity_factor: float | None) -> int:
+def block_rows(
+    max_tokens: int, top_k: int, num_local_experts: int, world_size: int, capacity_factor: float | None
+) -> int:
     """C, rows each rank sends each peer: ``T_max * min(K, E_l)``, or ``ceil(c * T_max * K / W)``
     when smaller under ``capacity_factor=c``."""
     full = max_tokens * min(top_k, num_local_experts)
@@ -114,8 +116,9 @@ class Route:
     dropped: Tensor
 
 
-def route_pairs(topk_ids: Tensor, num_experts: int, world_size: int, max_tokens: int, block: int,
-                slots: bool = True) -> Route:
+def route_pairs(
+    topk_ids: Tensor, num_experts: int, world_size: int, max_tokens: int, block: int, slots: bool = True
+) -> Route:
     """The :class:`Route` of ``topk_ids [T, K]`` (global ids; others not sent) with ``C = block``.
     ``slots=False``: the caller needs no ``pair_slot`` (the symmetric-memory exchanges); when no
     destination can get more than ``C`` pairs (``C >= T * K``) the sort that counts them is skipped."""
@@ -124,23 +127,42 @@ def route_pairs(topk_ids: Tensor, num_experts: int, world_size: int, max_tokens:
     flat = topk_ids.reshape(-1).to(torch.int64)
     valid = (flat >= 0) & (flat < num_experts)
     if not slots and block >= T * K:
-        return Route(num_tokens=T, top_k=K, max_tokens=max_tokens, world_size=W, num_experts=num_experts,
-                     num_local_experts=El, block_rows=block, ids=torch.where(valid, flat, num_experts),
-                     pair_slot=None, dropped=torch.zeros((), dtype=torch.int64, device=dev))
+        return Route(
+            num_tokens=T,
+            top_k=K,
+            max_tokens=max_tokens,
+            world_size=W,
+            num_experts=num_experts,
+            num_local_experts=El,
+            block_rows=block,
+            ids=torch.where(valid, flat, num_experts),
+            pair_slot=None,
+            dropped=torch.zeros((), dtype=torch.int64, device=dev),
+        )
     dest = torch.where(valid, flat // El, W)  # [N], W: no rank
-    plan = make_plan(dest.view(T, K), W)      # sorted by destination, token order within
+    plan = make_plan(dest.view(T, K), W)  # sorted by destination, token order within
     sorted_dest = dest.index_select(0, plan.sort_order)
     slot = torch.arange(T * K, device=dev) - plan.expert_offsets.to(torch.int64).index_select(0, sorted_dest)
     keep = (sorted_dest < W) & (slot < block)
     pair_slot = torch.where(keep, sorted_dest * block + slot, W * block).index_select(0, plan.pair_rows)
     sent = pair_slot < W * block
-    return Route(num_tokens=T, top_k=K, max_tokens=max_tokens, world_size=W, num_experts=num_experts,
-                 num_local_experts=El, block_rows=block, ids=torch.where(sent, flat, num_experts),
-                 pair_slot=pair_slot, dropped=(valid & ~sent).sum())
+    return Route(
+        num_tokens=T,
+        top_k=K,
+        max_tokens=max_tokens,
+        world_size=W,
+        num_experts=num_experts,
+        num_local_experts=El,
+        block_rows=block,
+        ids=torch.where(sent, flat, num_experts),
+        pair_slot=pair_slot,
+        dropped=(valid & ~sent).sum(),
+    )
 
 
-def chunk_routes(topk_ids: Tensor, ep: EPGroup, options: EPOptions, chunks: int = 1,
-                 slots: bool = True) -> list[tuple[slice, Route]]:
+def chunk_routes(
+    topk_ids: Tensor, ep: EPGroup, options: EPOptions, chunks: int = 1, slots: bool = True
+) -> list[tuple[slice, Route]]:
     """The tokens in ``chunks`` consecutive chunks of ``ceil(T_max / chunks)`` tokens (static; trailing
     ones may be empty), each with its :class:`Route` at C = :func:`block_rows` of the chunk's bound
     (``slots``: as :func:`route_pairs`)."""
@@ -148,8 +170,10 @@ def chunk_routes(topk_ids: Tensor, ep: EPGroup, options: EPOptions, chunks: int 
     W, El = ep.world_size, local_experts(options, ep)
     T_chunk = -(-_max_tokens(T, ep, options, topk_ids.device) // chunks)
     C = block_rows(T_chunk, K, El, W, options.capacity_factor)
-    return [(slice(a, b), route_pairs(topk_ids[a:b], options.num_experts, W, T_chunk, C, slots))
-            for a, b in chunk_bounds(T, T_chunk, chunks)]
+    return [
+        (slice(a, b), route_pairs(topk_ids[a:b], options.num_experts, W, T_chunk, C, slots))
+        for a, b in chunk_bounds(T, T_chunk, chunks)
+    ]
 
 
 @dataclass(frozen=True)
@@ -177,7 +201,7 @@ def dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, opt
     """``x [T, H]``, ``topk_ids [T, K]`` (global ids; others dropped), ``topk_weights [T, K]`` ->
     rows ``[R, H]`` (R static) with ``[R, 1]`` local ids (``E_l``: an empty row)."""
     name = resolve_exchange(options, ep)
-    (_, route), = chunk_routes(topk_ids, ep, options, slots=name == "all_to_all")
+    ((_, route),) = chunk_routes(topk_ids, ep, options, slots=name == "all_to_all")
     exchange = EXCHANGE_IMPLS[name]
     rows, row_experts, handle = exchange.dispatch(x, route, ep, options.align)
     return _dispatched(rows, row_experts, State(exchange, handle, topk_weights), route)
@@ -190,8 +214,13 @@ def combine(y: Tensor, dispatched: Dispatched) -> Tensor:
 
 
 def _dispatched(rows: Tensor, row_experts: Tensor, state: State, route: Route) -> Dispatched:
-    return Dispatched(rows=rows, topk_ids=row_experts.unsqueeze(1), topk_weights=rows.new_ones(rows.shape[0], 1),
-                      state=state, dropped=route.dropped)
+    return Dispatched(
+        rows=rows,
+        topk_ids=row_experts.unsqueeze(1),
+        topk_weights=rows.new_ones(rows.shape[0], 1),
+        state=state,
+        dropped=route.dropped,
+    )
 
 
 def resolve_exchange(options: EPOptions, ep: EPGroup) -> str:
@@ -232,15 +261,19 @@ def check_overlap(exchange: str, overlap_chunks: int) -> None:
     that reuse one set of symmetric buffers per shape, so chunks could neither be in flight together
     nor keep their rows apart."""
     if overlap_chunks > 1 and exchange in DEVICE_EXCHANGES:
-        raise ValueError(f"overlap_chunks: not with exchange={exchange!r} (its exchanges are kernels on the current "
-                         "stream sharing one set of symmetric buffers, not async collectives to keep in flight "
-                         "per chunk); use overlap_chunks=1 or exchange='all_to_all'")
+        raise ValueError(
+            f"overlap_chunks: not with exchange={exchange!r} (its exchanges are kernels on the current "
+            "stream sharing one set of symmetric buffers, not async collectives to keep in flight "
+            "per chunk); use overlap_chunks=1 or exchange='all_to_all'"
+        )
 
 
 # ---------------------------------------------------------------- stages (overlap_chunks; all_to_all exchange)
 
-def depart_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions,
-                    chunks: int = 1) -> list[Outgoing]:
+
+def depart_dispatch(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGroup, options: EPOptions, chunks: int = 1
+) -> list[Outgoing]:
     """Per chunk of :func:`chunk_routes`: its route and the ``all_to_all`` exchange's send half
     (:func:`pack_slots`: ``[W * C, H]`` slot rows and ``[W * C]`` local ids).
 
@@ -248,8 +281,10 @@ def depart_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, ep: EPGro
         ValueError: ``options.exchange`` other than ``all_to_all`` / ``auto``."""
     if resolve_exchange(options, ep) != "all_to_all":
         raise ValueError(f"exchange: the sync_free stages run the all_to_all exchange only, got {options.exchange!r}")
-    return [pack_slots(x[s], route, state=(route, topk_weights[s]))
-            for s, route in chunk_routes(topk_ids, ep, options, chunks)]
+    return [
+        pack_slots(x[s], route, state=(route, topk_weights[s]))
+        for s, route in chunk_routes(topk_ids, ep, options, chunks)
+    ]
 
 
 def arrive_dispatch(recv_x: Tensor, recv_ids: Tensor, out: Outgoing, ep: EPGroup, options: EPOptions) -> Dispatched:
@@ -272,6 +307,7 @@ def arrive_combine(back: Tensor, dispatched: Dispatched) -> Tensor:
 
 
 # ---------------------------------------------------------------- all_to_all: equal static splits
+
 
 @dataclass(frozen=True)
 class Slots:
@@ -342,8 +378,9 @@ def unpack_slots(back: Tensor, handle: Slots) -> Tensor:
 
 
 EXCHANGE_IMPLS = {
-    "all_to_all": Exchange(exchange_equal_splits, combine_equal_splits,
-                           lambda handle: handle.route.world_size * handle.route.block_rows),  # empty slots too
+    "all_to_all": Exchange(
+        exchange_equal_splits, combine_equal_splits, lambda handle: handle.route.world_size * handle.route.block_rows
+    ),  # empty slots too
     "symm_mem": Exchange(symm_mem.dispatch, symm_mem.combine, send_order.rows_sent),
     "p2p": Exchange(p2p.dispatch, p2p.combine, send_order.rows_sent),
 }
@@ -354,8 +391,10 @@ def _max_tokens(T: int, ep: EPGroup, options: EPOptions, device: torch.device) -
     T_max = options.max_tokens if options.max_tokens is not None else T
     counts = token_counts(T, ep, device) if device.type == "cpu" else [T]
     if options.max_tokens is None and any(c != T for c in counts):
-        raise ValueError(f"max_tokens: the sync_free dispatcher needs the same token count on every rank "
-                         f"or a static max_tokens; got {counts}")
+        raise ValueError(
+            f"max_tokens: the sync_free dispatcher needs the same token count on every rank "
+            f"or a static max_tokens; got {counts}"
+        )
     if max(counts) > T_max:
         raise ValueError(f"max_tokens: a rank has {max(counts)} tokens, more than max_tokens={T_max}")
     return T_max

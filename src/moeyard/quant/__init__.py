@@ -21,6 +21,7 @@ FP8 training recipes for the expert GEMMs (``fp8_rowwise``, ``fp8_blockwise``, `
 bitsandbytes is optional: imported only to quantise NF4 (``from_float``) or build a ``QuantState``.
 Importing this package imports neither bitsandbytes nor Triton.
 """
+
 from .apply import expert_parameters, load_quantized_state_dict, quantize_experts
 from .dequant import dequantize, dequantize_reference
 from .fp8_block import FP8BlockExperts
@@ -28,6 +29,20 @@ from .fp8_checkpoint import load_fp8_checkpoint
 from .nf4 import NF4Experts
 from .recipe import RECIPES, Recipe, get_recipe, recipe_names, resolve_recipe, set_recipe, use_recipe
 
-__all__ = ["RECIPES", "Recipe", "get_recipe", "recipe_names", "resolve_recipe", "set_recipe", "use_recipe",
-           "FP8BlockExperts", "NF4Experts", "dequantize", "dequantize_reference", "expert_parameters", "load_fp8_checkpoint", "load_quantized_state_dict",
-           "quantize_experts"]
+__all__ = [
+    "RECIPES",
+    "Recipe",
+    "get_recipe",
+    "recipe_names",
+    "resolve_recipe",
+    "set_recipe",
+    "use_recipe",
+    "FP8BlockExperts",
+    "NF4Experts",
+    "dequantize",
+    "dequantize_reference",
+    "expert_parameters",
+    "load_fp8_checkpoint",
+    "load_quantized_state_dict",
+    "quantize_experts",
+]

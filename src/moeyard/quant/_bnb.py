@@ -3,6 +3,7 @@
 Format source: bitsandbytes ``functional.quantize_4bit`` / ``dequantize_4bit`` (0.50) and the QLoRA
 paper (Dettmers et al., arXiv 2305.14314, NF4 and double quantisation).
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,9 +15,22 @@ NESTED_BLOCKSIZE = 256
 # The NF4 table (``bitsandbytes.functional.get_4bit_type("nf4")``: quantiles of N(0, 1), QLoRA's NormalFloat),
 # indexed by the 4-bit code. Kept here so stored experts can be rebuilt and dequantised without bitsandbytes.
 NF4_CODE = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
 )
 
 
@@ -29,8 +43,10 @@ def bnb_functional():
     try:
         import bitsandbytes.functional as F
     except ImportError as ex:
-        raise ImportError("NF4 quantisation of expert weights needs bitsandbytes "
-                          "(pip install bitsandbytes, or pip install 'moeyard[quant]')") from ex
+        raise ImportError(
+            "NF4 quantisation of expert weights needs bitsandbytes "
+            "(pip install bitsandbytes, or pip install 'moeyard[quant]')"
+        ) from ex
     return F
 
 

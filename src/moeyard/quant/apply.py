@@ -8,6 +8,7 @@ An *experts module* is any module that owns (in its own ``_parameters``) a 3-D `
 of the same attribute name: :class:`NF4Experts` (format ``"nf4"``) or :class:`FP8BlockExperts`
 (format ``"fp8_block"``).
 """
+
 from __future__ import annotations
 
 import os
@@ -69,14 +70,17 @@ def _targets(module: nn.Module) -> list[tuple[str, nn.Module, str, Tensor]]:
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     found = expert_parameters(module)
     if not found:
-        raise ValueError(f"module: no expert weights found in {type(module).__name__} (expected modules with 3-D "
-                         "gate_up_proj or up_proj and down_proj parameters, e.g. moeyard.MoE or a transformers "
-                         "MoE model; already quantised weights are not parameters any more)")
+        raise ValueError(
+            f"module: no expert weights found in {type(module).__name__} (expected modules with 3-D "
+            "gate_up_proj or up_proj and down_proj parameters, e.g. moeyard.MoE or a transformers "
+            "MoE model; already quantised weights are not parameters any more)"
+        )
     return found
 
 
-def quantize_experts(module: nn.Module, format: str = "nf4", *, blocksize: int | None = None,
-                     compress_statistics: bool | None = None) -> nn.Module:
+def quantize_experts(
+    module: nn.Module, format: str = "nf4", *, blocksize: int | None = None, compress_statistics: bool | None = None
+) -> nn.Module:
     """Quantise the expert weights inside ``module`` in place and return ``module``.
 
     Every experts module's ``gate_up_proj`` (or ``up_proj``) ``[E, a, b]`` and ``down_proj`` parameter
@@ -139,13 +143,20 @@ def _fuse_peft(module: nn.Module) -> None:
     if not any(hasattr(m, "parameter_name") and hasattr(m, "base_layer") for m in module.modules()):
         return
     from ..integrations.peft import fuse_lora
+
     fuse_lora(module)
 
 
-def load_quantized_state_dict(module: nn.Module, state_dict: Mapping[str, Tensor] | str | os.PathLike,
-                              format: str = "nf4", *, blocksize: int | None = None,
-                              compress_statistics: bool | None = None, strict: bool = True,
-                              assign: bool = False) -> nn.Module:
+def load_quantized_state_dict(
+    module: nn.Module,
+    state_dict: Mapping[str, Tensor] | str | os.PathLike,
+    format: str = "nf4",
+    *,
+    blocksize: int | None = None,
+    compress_statistics: bool | None = None,
+    strict: bool = True,
+    assign: bool = False,
+) -> nn.Module:
     """Load a state dict saved from a model after :func:`quantize_experts` into an unquantised ``module``
     of the same architecture; returns ``module``.
 
@@ -189,8 +200,9 @@ def load_quantized_state_dict(module: nn.Module, state_dict: Mapping[str, Tensor
     return module
 
 
-def _empty(format: str, name: str, owner: nn.Module, attr: str, p: Tensor, state_dict: Mapping[str, Tensor],
-           opts: dict) -> nn.Module:
+def _empty(
+    format: str, name: str, owner: nn.Module, attr: str, p: Tensor, state_dict: Mapping[str, Tensor], opts: dict
+) -> nn.Module:
     """An empty storage structure for the parameter ``name`` (FP8: the grid of ``state_dict``'s scales)."""
     if format == "nf4":
         return NF4Experts.empty(p.shape, dtype=p.dtype, device=p.device, **opts)

@@ -7,6 +7,7 @@ vectorised torch path elsewhere (:func:`dequantize_torch`); both reproduce bitsa
 
 Legend: E experts, ``(a, b)`` one expert's matrix, ``P = a*b`` elements per expert, ``bs`` blocksize.
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,6 +51,7 @@ def dequantize(storage, active: Tensor | None = None, *, out: Tensor | None = No
     with torch.no_grad():
         if use_triton(storage.device):
             from .triton_nf4 import dequantize_triton
+
             dequantize_triton(storage, active, out)
         else:
             dequantize_torch(storage, active, out)
@@ -95,8 +97,8 @@ def dequantize_torch(storage, active: Tensor | None, out: Tensor) -> None:
     step = max(1, TORCH_CHUNK // per)
     for e0 in range(0, E, step):
         e1 = min(E, e0 + step)
-        vals = storage.code[_nibbles(data[e0 * per // 2:e1 * per // 2])].view(-1, bs)
-        vals = (vals * absmax[e0 * per // bs:e1 * per // bs, None]).view(e1 - e0, a, b).to(out.dtype)
+        vals = storage.code[_nibbles(data[e0 * per // 2 : e1 * per // 2])].view(-1, bs)
+        vals = (vals * absmax[e0 * per // bs : e1 * per // bs, None]).view(e1 - e0, a, b).to(out.dtype)
         dst = out[e0:e1]
         if active is None:
             dst.copy_(vals)
@@ -132,7 +134,9 @@ def check_active(storage, active: Tensor | None) -> None:
         kind = f"a {active.dtype} tensor" if isinstance(active, Tensor) else f"a {type(active).__name__}"
         raise TypeError(f"active: expected a bool or integer tensor [E], got {kind}")
     if tuple(active.shape) != (storage.shape[0],):
-        raise ValueError(f"active: expected shape ({storage.shape[0]},) (one entry per expert), got {tuple(active.shape)}")
+        raise ValueError(
+            f"active: expected shape ({storage.shape[0]},) (one entry per expert), got {tuple(active.shape)}"
+        )
     if active.device != storage.device:
         raise ValueError(f"active: expected device {storage.device} (the storage's), got {active.device}")
 
@@ -158,5 +162,8 @@ def check_out(storage, out: Tensor) -> None:
 
 @functools.cache
 def _warn_no_triton() -> None:
-    warnings.warn("moeyard: triton is not installed, so quantised experts are dequantised on CUDA by the torch "
-                  "path, which decodes every expert whatever `active` says (pip install triton)", stacklevel=4)
+    warnings.warn(
+        "moeyard: triton is not installed, so quantised experts are dequantised on CUDA by the torch "
+        "path, which decodes every expert whatever `active` says (pip install triton)",
+        stacklevel=4,
+    )

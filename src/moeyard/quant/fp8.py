@@ -25,6 +25,7 @@ A block of zeros gets ``s = 1`` (``float``, ``pow2``) or ``2^-127`` (``e8m0*``) 
 infinity in a block makes its values NaN (never a silent finite result). Everything runs on the
 device with static shapes (no host sync).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,7 +56,9 @@ class Blocks:
     def __post_init__(self):
         for name, v in (("k", self.k), ("m", self.m)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"Blocks.{name}: expected a positive int{' or None' if name == 'k' else ''}, got {v!r}")
+                raise ValueError(
+                    f"Blocks.{name}: expected a positive int{' or None' if name == 'k' else ''}, got {v!r}"
+                )
 
     def transposed(self) -> Blocks:
         """The same blocks seen from the transposed operand (``[K, M]`` contracting over M): only
@@ -120,7 +123,7 @@ def scales_from_amax(amax: Tensor, mode: str) -> Tensor:
     _, e = torch.frexp(amax)
     exponent = (e - 1 - E4M3_EMAX).clamp(min=-127)  # e8m0 holds 2^-127 .. 2^127
     s = torch.ldexp(torch.ones_like(amax), exponent)
-    s = torch.where(amax > 0, s, torch.full_like(amax, 2.0 ** -127))
+    s = torch.where(amax > 0, s, torch.full_like(amax, 2.0**-127))
     return torch.where(torch.isfinite(amax), s, amax)
 
 
@@ -158,8 +161,9 @@ def quantize(t: Tensor, blocks: Blocks, mode: str, offsets: Tensor | None = None
     return q, scale
 
 
-def dequantize(q: Tensor, scale: Tensor, blocks: Blocks, offsets: Tensor | None = None,
-               dtype: torch.dtype = torch.float32) -> Tensor:
+def dequantize(
+    q: Tensor, scale: Tensor, blocks: Blocks, offsets: Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """The inverse of :func:`quantize`: ``q * s`` per block, in ``dtype``."""
     ids, _ = column_blocks(q.shape[-1], blocks.k, offsets, q.device)
     return (q.float() * expand_scales(scale, ids, blocks, q.shape[-2])).to(dtype)

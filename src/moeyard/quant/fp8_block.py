@@ -31,6 +31,7 @@ Square blocks mean the transposed layout needs nothing special: the blocks of ``
 transposes of the blocks of ``w``, so a gpt-oss ``[E, H, 2I]`` stack is stored as it is, its scales
 ``[E, ceil(H / 128), ceil(2I / 128)]``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -71,8 +72,10 @@ class FP8BlockExperts(nn.Module):
         self.row_segments = normalize_segments(row_segments, shape[1])
         E, _, b = shape
         self.register_buffer("weight", torch.zeros(shape, dtype=E4M3, device=device))
-        self.register_buffer("weight_scale_inv", torch.ones(E, scale_rows(self.row_segments), -(-b // BLOCK),
-                                                             dtype=torch.float32, device=device))
+        self.register_buffer(
+            "weight_scale_inv",
+            torch.ones(E, scale_rows(self.row_segments), -(-b // BLOCK), dtype=torch.float32, device=device),
+        )
 
     # ------------------------------------------------------------------ construction
 
@@ -105,15 +108,16 @@ class FP8BlockExperts(nn.Module):
             for e0 in range(0, E, step):
                 start, srow = 0, 0
                 for size in self.row_segments:
-                    q, scale = quantize(w[e0:e0 + step, start:start + size], BLOCKS, "float")
-                    self.weight[e0:e0 + step, start:start + size] = q
-                    self.weight_scale_inv[e0:e0 + step, srow:srow + scale.shape[1]] = scale
+                    q, scale = quantize(w[e0 : e0 + step, start : start + size], BLOCKS, "float")
+                    self.weight[e0 : e0 + step, start : start + size] = q
+                    self.weight_scale_inv[e0 : e0 + step, srow : srow + scale.shape[1]] = scale
                     start, srow = start + size, srow + scale.shape[1]
         return self
 
     @classmethod
-    def from_fp8(cls, weight: Tensor, weight_scale_inv: Tensor, *, dtype: torch.dtype,
-                 row_segments=None) -> FP8BlockExperts:
+    def from_fp8(
+        cls, weight: Tensor, weight_scale_inv: Tensor, *, dtype: torch.dtype, row_segments=None
+    ) -> FP8BlockExperts:
         """Adopt stored tensors (a checkpoint's): ``weight [E, a, b]`` float8_e4m3fn and
         ``weight_scale_inv [E, Ra, Rb]`` (float32; another float dtype is converted to float32),
         both on one device. No copy of ``weight``; ``dtype`` is the compute dtype.
@@ -136,18 +140,26 @@ class FP8BlockExperts(nn.Module):
         segments = normalize_segments(row_segments, weight.shape[1])
         want = grid_shape(weight.shape, segments)
         if tuple(weight_scale_inv.shape) != want:
-            raise ValueError(f"weight_scale_inv: expected shape {want} (one scale per 128 x 128 block of weight "
-                             f"{tuple(weight.shape)}), got {tuple(weight_scale_inv.shape)}")
+            raise ValueError(
+                f"weight_scale_inv: expected shape {want} (one scale per 128 x 128 block of weight "
+                f"{tuple(weight.shape)}), got {tuple(weight_scale_inv.shape)}"
+            )
         if weight_scale_inv.device != weight.device:
-            raise ValueError(f"weight_scale_inv: expected device {weight.device} (the weight's), "
-                             f"got {weight_scale_inv.device}")
+            raise ValueError(
+                f"weight_scale_inv: expected device {weight.device} (the weight's), got {weight_scale_inv.device}"
+            )
         # a copy only of a weight that is not contiguous, or of scales not in float32
-        return cls.adopt(weight.detach().contiguous(), weight_scale_inv.detach().to(torch.float32).contiguous(),
-                         dtype=dtype, row_segments=segments)
+        return cls.adopt(
+            weight.detach().contiguous(),
+            weight_scale_inv.detach().to(torch.float32).contiguous(),
+            dtype=dtype,
+            row_segments=segments,
+        )
 
     @classmethod
-    def adopt(cls, weight: Tensor, weight_scale_inv: Tensor, *, dtype: torch.dtype,
-              row_segments: tuple[int, ...]) -> FP8BlockExperts:
+    def adopt(
+        cls, weight: Tensor, weight_scale_inv: Tensor, *, dtype: torch.dtype, row_segments: tuple[int, ...]
+    ) -> FP8BlockExperts:
         """The storage over these very tensor objects, unchecked (:meth:`from_fp8` checks, then calls
         this): ``weight`` contiguous float8_e4m3fn, ``weight_scale_inv`` contiguous float32 of the grid
         of normalised ``row_segments``. Given ``nn.Parameter`` s, the storage follows them when a module
@@ -204,6 +216,7 @@ class FP8BlockExperts(nn.Module):
             ValueError: ``active`` / ``out`` have the wrong shape or device, or ``out`` is not contiguous.
         """
         from .dequant import check_active, check_out, use_triton
+
         check_active(self, active)
         if out is None:
             alloc = torch.empty if active is None else torch.zeros
@@ -213,6 +226,7 @@ class FP8BlockExperts(nn.Module):
         with torch.no_grad():
             if use_triton(self.device):
                 from .triton_fp8_block import dequantize_triton
+
                 dequantize_triton(self, active, out)
             else:
                 dequantize_torch(self, active, out)
@@ -271,12 +285,13 @@ def dequantize_reference(storage: FP8BlockExperts, active: Tensor | None = None)
     it to float32 gives the stored float32 product); inactive experts' rows are zero. Slow, for tests."""
     from .dequant import check_active
     from .fp8 import dequantize
+
     check_active(storage, active)
     parts, start, srow = [], 0, 0
     for size in storage.row_segments:
         n = -(-size // BLOCK)
-        q = storage.weight[:, start:start + size]
-        s = storage.weight_scale_inv[:, srow:srow + n].double()
+        q = storage.weight[:, start : start + size]
+        s = storage.weight_scale_inv[:, srow : srow + n].double()
         parts.append(dequantize(q, s, BLOCKS, dtype=torch.float64))
         start, srow = start + size, srow + n
     vals = torch.cat(parts, dim=1)
@@ -297,6 +312,7 @@ def check_shape(shape, name: str = "weight") -> None:
 def check_compute_dtype(dtype: torch.dtype, name: str = "dtype") -> None:
     """Raise TypeError unless ``dtype`` is a compute dtype (float16, bfloat16, float32, float64)."""
     if dtype not in COMPUTE_DTYPES:
-        raise TypeError(f"{name}: FP8 block storage needs float16, bfloat16, float32 or float64 weights "
-                        f"(the compute dtype), got {dtype}")
-
+        raise TypeError(
+            f"{name}: FP8 block storage needs float16, bfloat16, float32 or float64 weights "
+            f"(the compute dtype), got {dtype}"
+        )

@@ -3,6 +3,7 @@ blocked per row segment (a ``gate_up_proj``'s gate and up halves, as checkpoints
 storage, its Triton dequantisation kernel (:mod:`.triton_fp8_block`) and the checkpoint loader
 (:mod:`.fp8_checkpoint`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,9 @@ def normalize_segments(row_segments, rows: int) -> tuple[int, ...]:
         return (rows,)
     segs = tuple(row_segments)
     if not segs or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in segs) or sum(segs) != rows:
-        raise ValueError(f"row_segments: expected positive ints summing to the weight's {rows} rows, "
-                         f"got {row_segments!r}")
+        raise ValueError(
+            f"row_segments: expected positive ints summing to the weight's {rows} rows, got {row_segments!r}"
+        )
     if all(s % BLOCK == 0 for s in segs[:-1]):
         return (rows,)
     return segs
@@ -70,6 +72,8 @@ def infer_row_segments(shape, scale_shape, *, gated: bool) -> tuple[int, ...]:
         if grid_shape(shape, segs) == tuple(scale_shape):
             return normalize_segments(segs, a)
     want = grid_shape(shape, (a,))
-    raise ValueError(f"weight_scale_inv: expected shape {want} (one scale per 128 x 128 block of the weight "
-                     f"{tuple(shape)}){' or the gate and up halves blocked separately' if gated else ''}, "
-                     f"got {tuple(scale_shape)}")
+    raise ValueError(
+        f"weight_scale_inv: expected shape {want} (one scale per 128 x 128 block of the weight "
+        f"{tuple(shape)}){' or the gate and up halves blocked separately' if gated else ''}, "
+        f"got {tuple(scale_shape)}"
+    )

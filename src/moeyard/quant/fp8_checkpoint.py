@@ -32,6 +32,7 @@ The parameters being ordinary ``nn.Parameter`` s, PEFT targets them after loadin
 (``LoraConfig(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])``), and
 :func:`moeyard.integrations.peft.fuse_lora` trains the adapters on the frozen FP8 base.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,16 +75,19 @@ def fp8_experts_weight(module: nn.Module, name: str, weight, dtype: torch.dtype)
         return weight
     if weight.dtype != E4M3:
         if isinstance(scale, Tensor) and weight.dtype.is_floating_point:
-            raise TypeError(f"{name}: has {name}_scale_inv but is {weight.dtype}, not {E4M3}: the stored FP8 values "
-                            "were cast (model.to(dtype) or .half() cast every floating parameter); load the "
-                            "checkpoint again and move the model with .to(device) only")
+            raise TypeError(
+                f"{name}: has {name}_scale_inv but is {weight.dtype}, not {E4M3}: the stored FP8 values "
+                "were cast (model.to(dtype) or .half() cast every floating parameter); load the "
+                "checkpoint again and move the model with .to(device) only"
+            )
         return weight
     if not isinstance(scale, Tensor):
         raise TypeError(f"{name}: a {E4M3} expert weight needs its block scales {name}_scale_inv, found none")
     block = getattr(module, "block_size", None)
     if block is not None and tuple(block) != (BLOCK, BLOCK):
-        raise ValueError(f"{name}: moeyard runs FP8 experts with {BLOCK} x {BLOCK} block scales, this module has "
-                         f"block_size {block}")
+        raise ValueError(
+            f"{name}: moeyard runs FP8 experts with {BLOCK} x {BLOCK} block scales, this module has block_size {block}"
+        )
     cache = module.__dict__.setdefault("_moeyard_fp8_views", {})
     hit = cache.get(name)
     if hit is not None and hit.weight is weight and hit.weight_scale_inv is scale and hit.dtype == dtype:
@@ -99,15 +103,22 @@ def fp8_experts_weight(module: nn.Module, name: str, weight, dtype: torch.dtype)
 
 def _gated(module: nn.Module, name: str) -> bool:
     from .apply import gated_rows
+
     return gated_rows(module, name)
 
 
 # ---------------------------------------------------------------------- loading
 
 
-def load_fp8_checkpoint(model_or_path, checkpoint: str | os.PathLike | None = None, *,
-                        dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                        strict: bool = True, **model_kwargs) -> nn.Module:
+def load_fp8_checkpoint(
+    model_or_path,
+    checkpoint: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    strict: bool = True,
+    **model_kwargs,
+) -> nn.Module:
     """Load an FP8 checkpoint of the DeepSeek-V3 / Qwen3-FP8 format with the experts kept in FP8 (module
     docstring) and return the model.
 
@@ -158,8 +169,9 @@ def load_fp8_checkpoint(model_or_path, checkpoint: str | os.PathLike | None = No
         path = os.fspath(model_or_path)
         model, built = None, True
     else:
-        raise TypeError(f"model_or_path: expected a checkpoint path or a torch.nn.Module, got "
-                        f"{type(model_or_path).__name__}")
+        raise TypeError(
+            f"model_or_path: expected a checkpoint path or a torch.nn.Module, got {type(model_or_path).__name__}"
+        )
     files = checkpoint_files(path)
     config_dir = path if os.path.isdir(path) else os.path.dirname(path)
     block = check_quantization_config(_read_quantization_config(config_dir, model))
@@ -169,8 +181,10 @@ def load_fp8_checkpoint(model_or_path, checkpoint: str | os.PathLike | None = No
     elif device is not None:
         device = torch.device(device)
     if any(hasattr(m, "base_layer") for m in model.modules()):
-        raise ValueError("model: wrapped by PEFT; load the FP8 checkpoint into the base model first, then call "
-                         "peft.get_peft_model (and moeyard.integrations.peft.fuse_lora)")
+        raise ValueError(
+            "model: wrapped by PEFT; load the FP8 checkpoint into the base model first, then call "
+            "peft.get_peft_model (and moeyard.integrations.peft.fuse_lora)"
+        )
     with _open(files, model) as reader:
         _Loader(model, reader, block, device).run(strict)
     if built:
@@ -217,13 +231,16 @@ def check_quantization_config(qc) -> Blocks:
     qc = qc if isinstance(qc, Mapping) else qc.to_dict()
     method = str(qc.get("quant_method", ""))
     if method.split(".")[-1].lower() != "fp8":
-        raise ValueError(f"quantization_config.quant_method: expected 'fp8' (FineGrainedFP8: DeepSeek-V3, Qwen3-FP8), "
-                         f"got {method!r}")
+        raise ValueError(
+            f"quantization_config.quant_method: expected 'fp8' (FineGrainedFP8: DeepSeek-V3, Qwen3-FP8), got {method!r}"
+        )
     fmt = str(qc.get("fmt") or "e4m3")
-    checks = (("weight_block_size", list(qc.get("weight_block_size") or []), [BLOCK, BLOCK]),
-              ("activation_scheme", qc.get("activation_scheme") or "dynamic", "dynamic"),
-              ("scale_fmt", qc.get("scale_fmt") or "float", "float"),
-              ("fmt", "e4m3" if fmt.removeprefix("float8_").removesuffix("fn") == "e4m3" else fmt, "e4m3"))
+    checks = (
+        ("weight_block_size", list(qc.get("weight_block_size") or []), [BLOCK, BLOCK]),
+        ("activation_scheme", qc.get("activation_scheme") or "dynamic", "dynamic"),
+        ("scale_fmt", qc.get("scale_fmt") or "float", "float"),
+        ("fmt", "e4m3" if fmt.removeprefix("float8_").removesuffix("fn") == "e4m3" else fmt, "e4m3"),
+    )
     for name, got, want in checks:
         if got != want:
             raise ValueError(f"quantization_config.{name}: moeyard loads {want!r}, got {got!r}")
@@ -247,13 +264,16 @@ def _build(config_dir: str, dtype, model_kwargs: dict) -> nn.Module:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as ex:
-        raise ImportError("building a model from an FP8 checkpoint needs transformers "
-                          "(pip install 'transformers>=5')") from ex
+        raise ImportError(
+            "building a model from an FP8 checkpoint needs transformers (pip install 'transformers>=5')"
+        ) from ex
     try:
         from accelerate import init_empty_weights
     except ImportError as ex:
-        raise ImportError("building a model from an FP8 checkpoint needs accelerate (pip install accelerate), "
-                          "or build it yourself and call load_fp8_checkpoint(model, path)") from ex
+        raise ImportError(
+            "building a model from an FP8 checkpoint needs accelerate (pip install accelerate), "
+            "or build it yourself and call load_fp8_checkpoint(model, path)"
+        ) from ex
     config = AutoConfig.from_pretrained(config_dir)
     for c in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
         if hasattr(c, "quantization_config"):
@@ -269,6 +289,7 @@ def _build(config_dir: str, dtype, model_kwargs: dict) -> nn.Module:
 def _generation_config(model: nn.Module, config_dir: str) -> None:
     if os.path.isfile(os.path.join(config_dir, "generation_config.json")):
         from transformers import GenerationConfig
+
         model.generation_config = GenerationConfig.from_pretrained(config_dir)
 
 
@@ -300,8 +321,9 @@ def _open(files: list[str], model: nn.Module) -> Iterator[_Reader]:
     except ImportError as ex:
         raise ImportError("loading an FP8 checkpoint needs safetensors (pip install safetensors)") from ex
     with contextlib.ExitStack() as stack:
-        yield _Reader({f: stack.enter_context(safe_open(f, framework="pt", device="cpu")) for f in files},
-                      _renamings(model))
+        yield _Reader(
+            {f: stack.enter_context(safe_open(f, framework="pt", device="cpu")) for f in files}, _renamings(model)
+        )
 
 
 def _renamings(model: nn.Module):
@@ -323,6 +345,7 @@ def _renamings(model: nn.Module):
         for r in renamings:
             key, _ = r.rename_source_key(key)
         return key
+
     return rename
 
 
@@ -335,10 +358,13 @@ class _Loader:
 
     def run(self, strict: bool) -> None:
         from .apply import expert_parameters
+
         found = expert_parameters(self.model)
         if not found:
-            raise ValueError(f"model: no experts module in {type(self.model).__name__} (expected 3-D gate_up_proj "
-                             "or up_proj and down_proj parameters)")
+            raise ValueError(
+                f"model: no experts module in {type(self.model).__name__} (expected 3-D gate_up_proj "
+                "or up_proj and down_proj parameters)"
+            )
         expert_names = set()
         for name, owner, attr, p in found:
             expert_names.add(name)
@@ -353,17 +379,21 @@ class _Loader:
         ignore = [re.compile(p) for p in (getattr(self.model, "_keys_to_ignore_on_load_unexpected", None) or [])]
         unexpected = [k for k in self.reader.unused() if not any(p.search(k) for p in ignore)]
         if strict and (unexpected or self.missing):
-            raise RuntimeError(f"load_fp8_checkpoint: missing tensors {sorted(self.missing)[:20]} (of "
-                               f"{len(self.missing)}), unexpected tensors {sorted(unexpected)[:20]} "
-                               f"(of {len(unexpected)})")
+            raise RuntimeError(
+                f"load_fp8_checkpoint: missing tensors {sorted(self.missing)[:20]} (of "
+                f"{len(self.missing)}), unexpected tensors {sorted(unexpected)[:20]} "
+                f"(of {len(unexpected)})"
+            )
         for name, buf in self.model.named_buffers():
             if buf.device.type != "meta" and self.device is not None and buf.device != self.device:
                 _set(self.model, name, buf.to(self.device), buffer=True)
         meta = [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()] if t.device.type == "meta"]
         if meta:
-            raise RuntimeError(f"load_fp8_checkpoint: still on the meta device after loading: {meta[:10]} (of "
-                               f"{len(meta)}); buffers a checkpoint does not hold (rotary inv_freq) must be real: "
-                               "build the model under accelerate.init_empty_weights(include_buffers=False)")
+            raise RuntimeError(
+                f"load_fp8_checkpoint: still on the meta device after loading: {meta[:10]} (of "
+                f"{len(meta)}); buffers a checkpoint does not hold (rotary inv_freq) must be real: "
+                "build the model under accelerate.init_empty_weights(include_buffers=False)"
+            )
 
     # -- experts
 
@@ -387,8 +417,10 @@ class _Loader:
     def _fused(self, prefix: str, attr: str, device) -> tuple[Tensor, Tensor] | None:
         """``<prefix>.<attr>`` + ``_scale_inv`` (transformers' FP8Experts) or ``.weight`` +
         ``.weight_scale_inv`` (moeyard's FP8BlockExperts), if the checkpoint has them."""
-        for w_key, s_key in ((f"{prefix}.{attr}", f"{prefix}.{attr}_scale_inv"),
-                             (f"{prefix}.{attr}.weight", f"{prefix}.{attr}.{SCALE}")):
+        for w_key, s_key in (
+            (f"{prefix}.{attr}", f"{prefix}.{attr}_scale_inv"),
+            (f"{prefix}.{attr}.weight", f"{prefix}.{attr}.{SCALE}"),
+        ):
             if w_key in self.reader and s_key in self.reader:
                 return self.reader.get(w_key, device), self.reader.get(s_key, device)
         return None
@@ -397,8 +429,10 @@ class _Loader:
         """Per-expert 2-D tensors stacked (gate rows then up rows for ``gate_up_proj``)."""
         E, a, b = p.shape
         if getattr(owner, "is_transposed", False):
-            raise ValueError(f"{prefix}.{attr}: per-expert checkpoint tensors for a transposed experts module; "
-                             f"expected fused {prefix}.{attr} and {prefix}.{attr}_scale_inv")
+            raise ValueError(
+                f"{prefix}.{attr}: per-expert checkpoint tensors for a transposed experts module; "
+                f"expected fused {prefix}.{attr} and {prefix}.{attr}_scale_inv"
+            )
         parts = {"gate_up_proj": (GATE_NAMES, UP_NAMES), "up_proj": (UP_NAMES,), "down_proj": (DOWN_NAMES,)}[attr]
         if attr == "gate_up_proj" and not _gated(owner, attr):
             parts = (UP_NAMES,)
@@ -411,19 +445,22 @@ class _Loader:
                 key = self._expert_key(prefix, e, names)
                 q = self.reader.get(f"{key}.weight", device)
                 if q.dtype != E4M3 or tuple(q.shape) != (rows, b):
-                    raise ValueError(f"{key}.weight: expected a {E4M3} tensor of shape {(rows, b)}, got {q.dtype} "
-                                     f"{tuple(q.shape)}")
+                    raise ValueError(
+                        f"{key}.weight: expected a {E4M3} tensor of shape {(rows, b)}, got {q.dtype} {tuple(q.shape)}"
+                    )
                 sc = self._scale(f"{key}.{SCALE}", (srows, scols), device)
-                w[e, i * rows:(i + 1) * rows] = q
-                s[e, i * srows:(i + 1) * srows] = sc
+                w[e, i * rows : (i + 1) * rows] = q
+                s[e, i * srows : (i + 1) * srows] = sc
         return w, s
 
     def _expert_key(self, prefix: str, e: int, names: tuple[str, ...]) -> str:
         for n in names:
             if f"{prefix}.{e}.{n}.weight" in self.reader:
                 return f"{prefix}.{e}.{n}"
-        raise ValueError(f"{prefix}: expert {e} not in the checkpoint (expected {prefix}.{e}.{names[0]}.weight and "
-                         f".{SCALE}, or fused {prefix}.gate_up_proj and {prefix}.gate_up_proj_scale_inv)")
+        raise ValueError(
+            f"{prefix}: expert {e} not in the checkpoint (expected {prefix}.{e}.{names[0]}.weight and "
+            f".{SCALE}, or fused {prefix}.gate_up_proj and {prefix}.gate_up_proj_scale_inv)"
+        )
 
     def _scale(self, key: str, shape: tuple[int, int], device) -> Tensor:
         if key not in self.reader:

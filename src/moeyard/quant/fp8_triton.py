@@ -20,6 +20,7 @@ Under Triton's CPU interpreter, whose float8 conversion does not round to neares
 127.6 became 64), the kernels store the scaled float32 values and the wrapper casts them with torch;
 on CUDA the kernels cast (``cvt.rn.satfinite``, the same rounding as torch's). No host sync.
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,9 +46,25 @@ def _pow2_scale(amax):
 
 
 @triton.jit
-def _load(x_ptr, idx_ptr, rw_ptr, n_src, rows, m_rows, cols, m_cols, stride_r, K, alpha, limit,
-          ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_INDEX: tl.constexpr,
-          HAS_RW: tl.constexpr):
+def _load(
+    x_ptr,
+    idx_ptr,
+    rw_ptr,
+    n_src,
+    rows,
+    m_rows,
+    cols,
+    m_cols,
+    stride_r,
+    K,
+    alpha,
+    limit,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    HAS_RW: tl.constexpr,
+):
     """The float32 block ``[rows, cols]`` of the operand a cast reads (``_source`` in the wrappers):
     ``x[rows]``, or ``x[idx[rows]]`` with ``HAS_INDEX`` (an index ``>= n_src`` reads zeros: pad rows); with
     ``ACT`` the activation's output there (``x`` is then the up projection's output: gate at ``cols``
@@ -80,42 +97,105 @@ def _load(x_ptr, idx_ptr, rw_ptr, n_src, rows, m_rows, cols, m_cols, stride_r, K
 
 @triton.jit
 def _rowwise_kernel(
-    x_ptr, idx_ptr, rw_ptr, n_src,  # the operand (see _load): x [n_src or M, *] float, unit column stride
-    q_ptr,      # [M, K] e4m3 (float32 under the interpreter), contiguous
-    s_ptr,      # [M] float32
-    M, K, stride_xm, alpha, limit,
-    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_INDEX: tl.constexpr,
-    HAS_RW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    idx_ptr,
+    rw_ptr,
+    n_src,  # the operand (see _load): x [n_src or M, *] float, unit column stride
+    q_ptr,  # [M, K] e4m3 (float32 under the interpreter), contiguous
+    s_ptr,  # [M] float32
+    M,
+    K,
+    stride_xm,
+    alpha,
+    limit,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    HAS_RW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_rows = rows < M
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        b_x = _load(x_ptr, idx_ptr, rw_ptr, n_src, rows, m_rows, cols, cols < K, stride_xm, K, alpha, limit,
-                    ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW)
+        b_x = _load(
+            x_ptr,
+            idx_ptr,
+            rw_ptr,
+            n_src,
+            rows,
+            m_rows,
+            cols,
+            cols < K,
+            stride_xm,
+            K,
+            alpha,
+            limit,
+            ACT,
+            GATED,
+            INTERLEAVED,
+            HAS_INDEX,
+            HAS_RW,
+        )
         amax = tl.maximum(amax, tl.max(tl.abs(b_x), axis=1))
     scale = _pow2_scale(amax)
     tl.store(s_ptr + rows, scale, mask=m_rows)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        b_x = _load(x_ptr, idx_ptr, rw_ptr, n_src, rows, m_rows, cols, cols < K, stride_xm, K, alpha, limit,
-                    ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW)
+        b_x = _load(
+            x_ptr,
+            idx_ptr,
+            rw_ptr,
+            n_src,
+            rows,
+            m_rows,
+            cols,
+            cols < K,
+            stride_xm,
+            K,
+            alpha,
+            limit,
+            ACT,
+            GATED,
+            INTERLEAVED,
+            HAS_INDEX,
+            HAS_RW,
+        )
         b_q = tl.clamp(b_x / scale[:, None], -448.0, 448.0)
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], b_q.to(q_ptr.dtype.element_ty),
-                 mask=m_rows[:, None] & (cols < K)[None, :])
+        tl.store(
+            q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
+            b_q.to(q_ptr.dtype.element_ty),
+            mask=m_rows[:, None] & (cols < K)[None, :],
+        )
 
 
 @triton.jit
 def _colwise_kernel(
-    x_ptr, idx_ptr, rw_ptr, n_src,  # the operand (see _load): rows r of the groups, unit column stride
+    x_ptr,
+    idx_ptr,
+    rw_ptr,
+    n_src,  # the operand (see _load): rows r of the groups, unit column stride
     offsets_ptr,  # [G + 1] int32: rows of group g are offsets[g] .. offsets[g + 1]
-    q_ptr,        # transposed e4m3 output (float32 under the interpreter); element (g, n, r) at
-                  # g * stride_qg + n * stride_qn + (r - offsets[g] if LOCAL else r)
-    s_ptr,        # [G, N] float32
-    N, stride_xr, stride_qg, stride_qn, alpha, limit,
-    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_INDEX: tl.constexpr,
-    HAS_RW: tl.constexpr, LOCAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,  # transposed e4m3 output (float32 under the interpreter); element (g, n, r) at
+    # g * stride_qg + n * stride_qn + (r - offsets[g] if LOCAL else r)
+    s_ptr,  # [G, N] float32
+    N,
+    stride_xr,
+    stride_qg,
+    stride_qn,
+    alpha,
+    limit,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    HAS_RW: tl.constexpr,
+    LOCAL: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     g = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,20 +205,57 @@ def _colwise_kernel(
     amax = tl.zeros([BLOCK_N], dtype=tl.float32)
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
-        b_x = _load(x_ptr, idx_ptr, rw_ptr, n_src, rows, rows < end, cols, m_cols, stride_xr, N, alpha, limit,
-                    ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW)
+        b_x = _load(
+            x_ptr,
+            idx_ptr,
+            rw_ptr,
+            n_src,
+            rows,
+            rows < end,
+            cols,
+            m_cols,
+            stride_xr,
+            N,
+            alpha,
+            limit,
+            ACT,
+            GATED,
+            INTERLEAVED,
+            HAS_INDEX,
+            HAS_RW,
+        )
         amax = tl.maximum(amax, tl.max(tl.abs(b_x), axis=0))
     scale = _pow2_scale(amax)
     tl.store(s_ptr + g * N + cols, scale, mask=m_cols)
     base = q_ptr + g.to(tl.int64) * stride_qg
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
-        b_x = _load(x_ptr, idx_ptr, rw_ptr, n_src, rows, rows < end, cols, m_cols, stride_xr, N, alpha, limit,
-                    ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW)
+        b_x = _load(
+            x_ptr,
+            idx_ptr,
+            rw_ptr,
+            n_src,
+            rows,
+            rows < end,
+            cols,
+            m_cols,
+            stride_xr,
+            N,
+            alpha,
+            limit,
+            ACT,
+            GATED,
+            INTERLEAVED,
+            HAS_INDEX,
+            HAS_RW,
+        )
         b_q = tl.clamp(b_x / scale[None, :], -448.0, 448.0).to(q_ptr.dtype.element_ty)
         at = rows - start if LOCAL else rows
-        tl.store(base + cols[None, :].to(tl.int64) * stride_qn + at[:, None], b_q,
-                 mask=(rows < end)[:, None] & m_cols[None, :])
+        tl.store(
+            base + cols[None, :].to(tl.int64) * stride_qn + at[:, None],
+            b_q,
+            mask=(rows < end)[:, None] & m_cols[None, :],
+        )
 
 
 def _out(shape, device) -> Tensor:
@@ -156,8 +273,13 @@ def _act_args(act: Activation | None, interleaved: bool) -> dict:
         return dict(alpha=0.0, limit=0.0, ACT="none", GATED=False, INTERLEAVED=False)
     if act.fn is not None:
         raise ValueError("act: a custom activation callable cannot run inside a cast kernel")
-    return dict(alpha=float(act.alpha), limit=float(act.limit), ACT=act.name, GATED=act.gated,
-                INTERLEAVED=bool(interleaved and act.gated))
+    return dict(
+        alpha=float(act.alpha),
+        limit=float(act.limit),
+        ACT=act.name,
+        GATED=act.gated,
+        INTERLEAVED=bool(interleaved and act.gated),
+    )
 
 
 def _out_columns(t: Tensor, act: Activation | None) -> int:
@@ -167,12 +289,24 @@ def _out_columns(t: Tensor, act: Activation | None) -> int:
 def _source(t: Tensor, index: Tensor | None, row_weights: Tensor | None) -> dict:
     """The operand arguments of the kernels (``_load``): ``t`` (unit column stride), an optional row
     ``index`` (int64 or int32, ``>= t.shape[0]``: a zero row) and optional float32 ``row_weights``."""
-    return dict(x_ptr=t, idx_ptr=t if index is None else index, rw_ptr=t if row_weights is None else row_weights,
-                n_src=t.shape[0], HAS_INDEX=index is not None, HAS_RW=row_weights is not None)
+    return dict(
+        x_ptr=t,
+        idx_ptr=t if index is None else index,
+        rw_ptr=t if row_weights is None else row_weights,
+        n_src=t.shape[0],
+        HAS_INDEX=index is not None,
+        HAS_RW=row_weights is not None,
+    )
 
 
-def rowwise(t: Tensor, act: Activation | None = None, *, interleaved: bool = False, index: Tensor | None = None,
-            row_weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def rowwise(
+    t: Tensor,
+    act: Activation | None = None,
+    *,
+    interleaved: bool = False,
+    index: Tensor | None = None,
+    row_weights: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """``t [M, K]`` (unit column stride) -> ``(q [M, K] e4m3 contiguous, s [M] float32)``: one power-of-two
     scale per row (:func:`moeyard.quant.fp8.quantize` with ``Blocks(None, 1)``, mode ``pow2``). With
     ``act``: of ``act(t)`` (``t`` the up projection's output, ``K`` its output columns; module docstring);
@@ -184,14 +318,29 @@ def rowwise(t: Tensor, act: Activation | None = None, *, interleaved: bool = Fal
         t = t.contiguous()
     q, s = _out((M, K), t.device), torch.empty(M, device=t.device, dtype=torch.float32)
     if M:
-        _rowwise_kernel[(triton.cdiv(M, 16),)](**_source(t, index, row_weights), q_ptr=q, s_ptr=s, M=M, K=K,
-                                               stride_xm=t.stride(0), **_act_args(act, interleaved),
-                                               BLOCK_M=16, BLOCK_K=128)
+        _rowwise_kernel[(triton.cdiv(M, 16),)](
+            **_source(t, index, row_weights),
+            q_ptr=q,
+            s_ptr=s,
+            M=M,
+            K=K,
+            stride_xm=t.stride(0),
+            **_act_args(act, interleaved),
+            BLOCK_M=16,
+            BLOCK_K=128,
+        )
     return _cast(q), s
 
 
-def colwise_per_group(t: Tensor, offsets: Tensor, act: Activation | None = None, *, interleaved: bool = False,
-                      index: Tensor | None = None, row_weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def colwise_per_group(
+    t: Tensor,
+    offsets: Tensor,
+    act: Activation | None = None,
+    *,
+    interleaved: bool = False,
+    index: Tensor | None = None,
+    row_weights: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """``t [R, N]`` (unit column stride), ``offsets [G + 1]`` int32 -> ``(q [N, R] e4m3, s [G, N] float32)``:
     ``q[n, r] = t[r, n] / s[g, n]`` for the rows of each group ``g``, ``s[g, n]`` the power-of-two scale of
     column ``n`` over the group's rows (:func:`moeyard.quant.fp8.quantize` of ``t^T`` with offsets). Columns
@@ -204,22 +353,42 @@ def colwise_per_group(t: Tensor, offsets: Tensor, act: Activation | None = None,
     G = offsets.numel() - 1
     q, s = _out((N, R), t.device), torch.empty(G, N, device=t.device, dtype=torch.float32)
     if G and N:
-        _colwise_kernel[(G, triton.cdiv(N, 64))](**_source(t, index, row_weights), offsets_ptr=offsets, q_ptr=q,
-                                                 s_ptr=s, N=N, stride_xr=t.stride(0), stride_qg=0, stride_qn=R,
-                                                 **_act_args(act, interleaved), LOCAL=False, BLOCK_R=64, BLOCK_N=64)
+        _colwise_kernel[(G, triton.cdiv(N, 64))](
+            **_source(t, index, row_weights),
+            offsets_ptr=offsets,
+            q_ptr=q,
+            s_ptr=s,
+            N=N,
+            stride_xr=t.stride(0),
+            stride_qg=0,
+            stride_qn=R,
+            **_act_args(act, interleaved),
+            LOCAL=False,
+            BLOCK_R=64,
+            BLOCK_N=64,
+        )
     return _cast(q), s
 
 
 @triton.jit
 def _act_backward_kernel(
-    h_ptr,   # [R, 2I] gated (gate then up, or interleaved) or [R, I] plain, float, unit column stride
-    g_ptr,   # [R, I] float, unit column stride: the gradient of act(h) (HAS_RW: of rw * act(h), before rw)
+    h_ptr,  # [R, 2I] gated (gate then up, or interleaved) or [R, I] plain, float, unit column stride
+    g_ptr,  # [R, I] float, unit column stride: the gradient of act(h) (HAS_RW: of rw * act(h), before rw)
     rw_ptr,  # [R] float32 row weights (HAS_RW)
     dh_ptr,  # [R, 2I] or [R, I], h's dtype, contiguous
     drw_ptr,  # [R] float32: sum_i g[r, i] * act(h)[r, i] (HAS_RW)
-    R, I, stride_h, stride_g, alpha, limit,
-    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_RW: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
+    R,
+    I,
+    stride_h,
+    stride_g,
+    alpha,
+    limit,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_RW: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_I: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     m_rows = rows < R
@@ -252,8 +421,9 @@ def _act_backward_kernel(
         tl.store(drw_ptr + rows, dot, mask=m_rows)
 
 
-def act_backward(h: Tensor, da: Tensor, act: Activation, *, interleaved: bool = False,
-                 row_weights: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def act_backward(
+    h: Tensor, da: Tensor, act: Activation, *, interleaved: bool = False, row_weights: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
     """``(d h, d row_weights)`` of ``y = row_weights * act(h)`` (``row_weights`` None: ``y = act(h)``) given
     ``da = d y / row_weights`` (``[R, I]``, the gradient before the row weight): ``d h`` in ``h``'s shape and
     dtype with ``d act = row_weights * da``, and ``d row_weights [R]`` float32 ``= sum_i da * act(h)`` (None
@@ -268,8 +438,20 @@ def act_backward(h: Tensor, da: Tensor, act: Activation, *, interleaved: bool = 
     drw = None if row_weights is None else torch.empty(R, device=h.device, dtype=torch.float32)
     if R and I:
         _act_backward_kernel[(triton.cdiv(R, 32),)](
-            h, da, h if row_weights is None else row_weights, dh, dh if drw is None else drw, R, I, h.stride(0),
-            da.stride(0), **_act_args(act, interleaved), HAS_RW=row_weights is not None, BLOCK_R=32, BLOCK_I=128)
+            h,
+            da,
+            h if row_weights is None else row_weights,
+            dh,
+            dh if drw is None else drw,
+            R,
+            I,
+            h.stride(0),
+            da.stride(0),
+            **_act_args(act, interleaved),
+            HAS_RW=row_weights is not None,
+            BLOCK_R=32,
+            BLOCK_I=128,
+        )
     elif drw is not None:
         drw.zero_()
     return dh, drw
@@ -282,10 +464,20 @@ def colwise_per_expert(w: Tensor) -> tuple[Tensor, Tensor]:
     w = w.contiguous()
     q, s = _out((E, K, N), w.device), torch.empty(E, K, device=w.device, dtype=torch.float32)
     if E and K and N:
-        _colwise_kernel[(E, triton.cdiv(K, 64))](**_source(w.view(E * N, K), None, None),
-                                                 offsets_ptr=_equal_offsets(E, N, w.device), q_ptr=q, s_ptr=s, N=K,
-                                                 stride_xr=K, stride_qg=K * N, stride_qn=N, **_act_args(None, False),
-                                                 LOCAL=True, BLOCK_R=64, BLOCK_N=64)
+        _colwise_kernel[(E, triton.cdiv(K, 64))](
+            **_source(w.view(E * N, K), None, None),
+            offsets_ptr=_equal_offsets(E, N, w.device),
+            q_ptr=q,
+            s_ptr=s,
+            N=K,
+            stride_xr=K,
+            stride_qg=K * N,
+            stride_qn=N,
+            **_act_args(None, False),
+            LOCAL=True,
+            BLOCK_R=64,
+            BLOCK_N=64,
+        )
     return _cast(q), s
 
 

@@ -19,6 +19,7 @@ in row-major order, ``bs`` the blocksize, ``nb = n / bs`` absmax blocks, ``nb2 =
 and blocks ``[e*a*b/bs, (e+1)*a*b/bs)``, and dequantising some experts gives exactly the rows a
 whole-tensor dequantisation gives.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,7 @@ class NF4Experts(nn.Module):
         blocksize: elements per absmax block.
     """
 
-    def __init__(self, shape, *, dtype: torch.dtype, blocksize: int, compress_statistics: bool,
-                 device=None):
+    def __init__(self, shape, *, dtype: torch.dtype, blocksize: int, compress_statistics: bool, device=None):
         super().__init__()
         shape = torch.Size(shape)
         check_layout(shape, blocksize)
@@ -62,11 +62,14 @@ class NF4Experts(nn.Module):
         self.shape, self.dtype, self.blocksize = shape, dtype, blocksize
         kw = {"device": device}
         self.register_buffer("data", torch.zeros(n // 2, 1, dtype=torch.uint8, **kw))
-        self.register_buffer("absmax", torch.zeros(nb, dtype=torch.uint8 if compress_statistics else torch.float32,
-                                                   **kw))
-        nested = {"absmax2": torch.zeros(-(-nb // NESTED_BLOCKSIZE), dtype=torch.float32, **kw),
-                  "code2": torch.zeros(256, dtype=torch.float32, **kw),
-                  "offset": torch.zeros((), dtype=torch.float32, **kw)}
+        self.register_buffer(
+            "absmax", torch.zeros(nb, dtype=torch.uint8 if compress_statistics else torch.float32, **kw)
+        )
+        nested = {
+            "absmax2": torch.zeros(-(-nb // NESTED_BLOCKSIZE), dtype=torch.float32, **kw),
+            "code2": torch.zeros(256, dtype=torch.float32, **kw),
+            "offset": torch.zeros((), dtype=torch.float32, **kw),
+        }
         for name, t in nested.items():
             self.register_buffer(name, t if compress_statistics else None)
         self.register_buffer("code", nf4_code(device))
@@ -74,8 +77,9 @@ class NF4Experts(nn.Module):
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def empty(cls, shape, *, dtype: torch.dtype, blocksize: int = 64, compress_statistics: bool = True,
-              device=None) -> NF4Experts:
+    def empty(
+        cls, shape, *, dtype: torch.dtype, blocksize: int = 64, compress_statistics: bool = True, device=None
+    ) -> NF4Experts:
         """A zero-filled structure of the right buffer shapes, to ``load_state_dict`` into (needs no
         bitsandbytes). Raises as :meth:`from_float`."""
         return cls(shape, dtype=dtype, blocksize=blocksize, compress_statistics=compress_statistics, device=device)
@@ -98,10 +102,10 @@ class NF4Experts(nn.Module):
         check_layout(weight.shape, blocksize)
         F = bnb_functional()
         w = weight.detach().contiguous()
-        data, state = F.quantize_4bit(w, quant_type="nf4", blocksize=blocksize,
-                                      compress_statistics=compress_statistics)
-        self = cls(w.shape, dtype=w.dtype, blocksize=blocksize, compress_statistics=compress_statistics,
-                   device=w.device)
+        data, state = F.quantize_4bit(w, quant_type="nf4", blocksize=blocksize, compress_statistics=compress_statistics)
+        self = cls(
+            w.shape, dtype=w.dtype, blocksize=blocksize, compress_statistics=compress_statistics, device=w.device
+        )
         with torch.no_grad():
             self.data.copy_(data.view(torch.uint8).reshape(self.data.shape))
             self.absmax.copy_(state.absmax)
@@ -126,20 +130,20 @@ class NF4Experts(nn.Module):
             ValueError: not ``0 <= start < stop <= E`` (ints).
         """
         E, a, b = self.shape
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, stop)) or \
-                not 0 <= start < stop <= E:
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, stop)) or not 0 <= start < stop <= E:
             raise ValueError(f"start, stop: expected ints with 0 <= start < stop <= {E}, got {start!r}, {stop!r}")
         per, bs = a * b, self.blocksize
         b0, b1 = start * per // bs, stop * per // bs
         nested = self.compress_statistics and b0 % NESTED_BLOCKSIZE == 0
-        out = NF4Experts((stop - start, a, b), dtype=self.dtype, blocksize=bs, compress_statistics=nested,
-                         device=self.device)
+        out = NF4Experts(
+            (stop - start, a, b), dtype=self.dtype, blocksize=bs, compress_statistics=nested, device=self.device
+        )
         with torch.no_grad():
-            out.data.copy_(self.data[start * per // 2:stop * per // 2])
+            out.data.copy_(self.data[start * per // 2 : stop * per // 2])
             out.code.copy_(self.code)
             if nested:
                 out.absmax.copy_(self.absmax[b0:b1])
-                out.absmax2.copy_(self.absmax2[b0 // NESTED_BLOCKSIZE:-(-b1 // NESTED_BLOCKSIZE)])
+                out.absmax2.copy_(self.absmax2[b0 // NESTED_BLOCKSIZE : -(-b1 // NESTED_BLOCKSIZE)])
                 out.code2.copy_(self.code2)
                 out.offset.copy_(self.offset)
             else:
@@ -193,8 +197,16 @@ class NF4Experts(nn.Module):
         state2 = None
         if self.compress_statistics:
             state2 = QuantState(absmax=self.absmax2, code=self.code2, blocksize=NESTED_BLOCKSIZE, dtype=torch.float32)
-        return QuantState(absmax=self.absmax, shape=self.shape, code=self.code, blocksize=self.blocksize,
-                          quant_type="nf4", dtype=self.dtype, offset=self.offset, state2=state2)
+        return QuantState(
+            absmax=self.absmax,
+            shape=self.shape,
+            code=self.code,
+            blocksize=self.blocksize,
+            quant_type="nf4",
+            dtype=self.dtype,
+            offset=self.offset,
+            state2=state2,
+        )
 
     def dequantize(self, active: Tensor | None = None, *, out: Tensor | None = None) -> Tensor:
         """Dequantise the experts marked in ``active`` (all when None) into ``[E, a, b]``.
@@ -220,8 +232,10 @@ class NF4Experts(nn.Module):
         return self  # no parameters or submodules of its own
 
     def extra_repr(self) -> str:
-        return (f"shape={tuple(self.shape)}, dtype={self.dtype}, blocksize={self.blocksize}, "
-                f"compress_statistics={self.compress_statistics}, bytes={self.memory_bytes()}")
+        return (
+            f"shape={tuple(self.shape)}, dtype={self.dtype}, blocksize={self.blocksize}, "
+            f"compress_statistics={self.compress_statistics}, bytes={self.memory_bytes()}"
+        )
 
 
 def check_compute_dtype(dtype: torch.dtype, name: str = "dtype") -> None:
@@ -238,5 +252,7 @@ def check_layout(shape, blocksize: int) -> None:
         raise ValueError(f"blocksize: expected one of {BLOCKSIZES} (bitsandbytes' 4-bit block sizes), got {blocksize}")
     per_expert = shape[1] * shape[2]
     if per_expert % blocksize:
-        raise ValueError(f"blocksize: {blocksize} must divide each expert's element count a*b = {shape[1]}*{shape[2]} "
-                         f"= {per_expert}, so that no block straddles two experts; pick a smaller blocksize")
+        raise ValueError(
+            f"blocksize: {blocksize} must divide each expert's element count a*b = {shape[1]}*{shape[2]} "
+            f"= {per_expert}, so that no block straddles two experts; pick a smaller blocksize"
+        )

@@ -33,6 +33,7 @@ recipe, the compute dtype's own GEMMs). Transformers models on ``experts_impleme
 with the process-wide default: :func:`set_recipe` / :func:`use_recipe`, or the ``MOEYARD_RECIPE``
 environment variable (a recipe name or ``none``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -84,12 +85,25 @@ class Recipe:
 ROW = Blocks(None, 1)
 TILE = Blocks(128, 1)
 RECIPES: dict[str, Recipe] = {
-    "fp8_rowwise": Recipe(name="fp8_rowwise", scale="pow2", forward=(ROW, ROW), dgrad=(ROW, ROW),
-                          wgrad=(ROW, ROW), align=16),
-    "fp8_blockwise": Recipe(name="fp8_blockwise", scale="float", forward=(TILE, Blocks(128, 128)),
-                            dgrad=(TILE, Blocks(128, 128)), wgrad=(TILE, TILE), align=128),
-    "mxfp8": Recipe(name="mxfp8", scale="e8m0", forward=(Blocks(32), Blocks(32)), dgrad=(Blocks(32), Blocks(32)),
-                    wgrad=(Blocks(32), Blocks(32)), align=32),
+    "fp8_rowwise": Recipe(
+        name="fp8_rowwise", scale="pow2", forward=(ROW, ROW), dgrad=(ROW, ROW), wgrad=(ROW, ROW), align=16
+    ),
+    "fp8_blockwise": Recipe(
+        name="fp8_blockwise",
+        scale="float",
+        forward=(TILE, Blocks(128, 128)),
+        dgrad=(TILE, Blocks(128, 128)),
+        wgrad=(TILE, TILE),
+        align=128,
+    ),
+    "mxfp8": Recipe(
+        name="mxfp8",
+        scale="e8m0",
+        forward=(Blocks(32), Blocks(32)),
+        dgrad=(Blocks(32), Blocks(32)),
+        wgrad=(Blocks(32), Blocks(32)),
+        align=32,
+    ),
 }
 _default: list[str | Recipe | None] = [None]
 
@@ -110,8 +124,9 @@ def resolve_recipe(recipe: str | Recipe | None) -> Recipe | None:
         return recipe
     if isinstance(recipe, str):
         return _named(recipe, "recipe")
-    raise TypeError(f"recipe: expected a recipe name {recipe_names()}, a moeyard.quant.Recipe or None, "
-                    f"got {type(recipe).__name__}")
+    raise TypeError(
+        f"recipe: expected a recipe name {recipe_names()}, a moeyard.quant.Recipe or None, got {type(recipe).__name__}"
+    )
 
 
 def get_recipe() -> Recipe | None:

@@ -14,6 +14,7 @@ is :func:`moeyard.quant.triton_nf4._round_bf16` (round to nearest even on the bi
 
 Legend: E experts, ``(a, b)`` one expert's matrix, ``Ra x Rb`` its block grid.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,14 +35,20 @@ BLOCK_COLS = 128  # one scale block wide: a tile reads one scale per row
 
 @triton.jit
 def fp8_block_dequant_kernel(
-    w_ptr,          # [E, a, b] uint8: the e4m3 bytes, contiguous
-    scale_ptr,      # [E, Ra, Rb] float32, contiguous
+    w_ptr,  # [E, a, b] uint8: the e4m3 bytes, contiguous
+    scale_ptr,  # [E, Ra, Rb] float32, contiguous
     row_block_ptr,  # [a] int32: block row of each weight row
-    lut_ptr,        # [256] float32: the value of each e4m3 byte
-    active_ptr,     # [E] uint8 (a bool viewed as bytes) or int32/int64: expert e is decoded iff > 0; read if HAS_ACTIVE
-    out_ptr,        # [E, a, b] float16 / bfloat16 / float32 / float64, contiguous
-    a, b, Ra, Rb,
-    BR: tl.constexpr, BC: tl.constexpr, BLOCK: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+    lut_ptr,  # [256] float32: the value of each e4m3 byte
+    active_ptr,  # [E] uint8 (a bool viewed as bytes) or int32/int64: expert e is decoded iff > 0; read if HAS_ACTIVE
+    out_ptr,  # [E, a, b] float16 / bfloat16 / float32 / float64, contiguous
+    a,
+    b,
+    Ra,
+    Rb,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
 ):
     """``out[e, i, j] = fl(lut[w[e, i, j]] * scale[e, row_block[i], j // BLOCK])`` over one tile."""
     e = tl.program_id(2)
@@ -65,8 +72,15 @@ def fp8_block_dequant_kernel(
 
 
 @kernel_op("moeyard::fp8_block_dequantize_", mutates_args=("out",))
-def fp8_block_dequantize_(weight: Tensor, weight_scale_inv: Tensor, row_blocks: Tensor, lut: Tensor,
-                          active: Tensor | None, block: int, out: Tensor) -> None:
+def fp8_block_dequantize_(
+    weight: Tensor,
+    weight_scale_inv: Tensor,
+    row_blocks: Tensor,
+    lut: Tensor,
+    active: Tensor | None,
+    block: int,
+    out: Tensor,
+) -> None:
     """Write the active experts of ``out [E, a, b]`` from FP8 block storage (tensors as the kernel documents)."""
     E, a, b = out.shape
     if out.numel() == 0:
@@ -75,9 +89,21 @@ def fp8_block_dequantize_(weight: Tensor, weight_scale_inv: Tensor, row_blocks: 
         active = active.view(torch.uint8)
     grid = (triton.cdiv(a, BLOCK_ROWS), triton.cdiv(b, BLOCK_COLS), E)
     fp8_block_dequant_kernel[grid](
-        weight.view(torch.uint8), weight_scale_inv, row_blocks, lut, active if active is not None else lut, out,
-        a, b, weight_scale_inv.shape[1], weight_scale_inv.shape[2],
-        BR=BLOCK_ROWS, BC=BLOCK_COLS, BLOCK=block, HAS_ACTIVE=active is not None)
+        weight.view(torch.uint8),
+        weight_scale_inv,
+        row_blocks,
+        lut,
+        active if active is not None else lut,
+        out,
+        a,
+        b,
+        weight_scale_inv.shape[1],
+        weight_scale_inv.shape[2],
+        BR=BLOCK_ROWS,
+        BC=BLOCK_COLS,
+        BLOCK=block,
+        HAS_ACTIVE=active is not None,
+    )
 
 
 @fp8_block_dequantize_.register_fake
@@ -105,6 +131,12 @@ def dequantize_triton(storage, active: Tensor | None, out: Tensor) -> None:
     """
     if storage.shape[0] > MAX_GRID_Y:
         raise ValueError(f"FP8 dequantisation: at most {MAX_GRID_Y} experts per tensor, got {storage.shape[0]}")
-    fp8_block_dequantize_(storage.weight.contiguous(), storage.weight_scale_inv.contiguous(),
-                          _row_blocks(storage.row_segments, storage.device), e4m3_table(storage.device), active,
-                          BLOCK, out)
+    fp8_block_dequantize_(
+        storage.weight.contiguous(),
+        storage.weight_scale_inv.contiguous(),
+        _row_blocks(storage.row_segments, storage.device),
+        e4m3_table(storage.device),
+        active,
+        BLOCK,
+        out,
+    )

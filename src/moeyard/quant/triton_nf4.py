@@ -11,6 +11,7 @@ truncates, so this keeps CPU tests and GPU runs bit-identical).
 
 Legend: E experts, P = a*b elements per expert, BS blocksize, BS2 = 256 (nested absmax blocksize).
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,16 +37,20 @@ def _round_bf16(x):
 
 @triton.jit
 def nf4_dequant_kernel(
-    data_ptr,         # [E * P / 2] uint8: element 2i in the high nibble of byte i, 2i+1 in the low nibble
-    absmax_ptr,       # [E * P / BS] uint8 (NESTED: indexes code2) or float32: one scale per block
-    absmax2_ptr,      # [ceil(E * P / BS / BS2)] float32: second-level scales; read if NESTED
-    code2_ptr,        # [256] float32: the absmax code (bitsandbytes' dynamic map); read if NESTED
-    offset_ptr,       # [] float32: added to every decoded absmax; read if NESTED
-    code_ptr,         # [16] float32: the NF4 table
-    active_ptr,       # [E] uint8 (a bool viewed as bytes) or int32/int64: expert e is decoded iff > 0; read if HAS_ACTIVE
-    out_ptr,          # [E, P] float32 / bfloat16 / float16, contiguous
+    data_ptr,  # [E * P / 2] uint8: element 2i in the high nibble of byte i, 2i+1 in the low nibble
+    absmax_ptr,  # [E * P / BS] uint8 (NESTED: indexes code2) or float32: one scale per block
+    absmax2_ptr,  # [ceil(E * P / BS / BS2)] float32: second-level scales; read if NESTED
+    code2_ptr,  # [256] float32: the absmax code (bitsandbytes' dynamic map); read if NESTED
+    offset_ptr,  # [] float32: added to every decoded absmax; read if NESTED
+    code_ptr,  # [16] float32: the NF4 table
+    active_ptr,  # [E] uint8 (a bool viewed as bytes) or int32/int64: expert e is decoded iff > 0; read if HAS_ACTIVE
+    out_ptr,  # [E, P] float32 / bfloat16 / float16, contiguous
     blocks_per_expert,  # P // BS
-    BS: tl.constexpr, BS2: tl.constexpr, NB: tl.constexpr, NESTED: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+    BS: tl.constexpr,
+    BS2: tl.constexpr,
+    NB: tl.constexpr,
+    NESTED: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
 ):
     """``out[e, k] = fl(code[q] * absmax[block])`` for the ``NB`` blocks of one program."""
     e = tl.program_id(1)
@@ -54,16 +59,16 @@ def nf4_dequant_kernel(
             return
     r_blk = tl.program_id(0) * NB + tl.arange(0, NB)
     m_blk = r_blk < blocks_per_expert
-    blk = e.to(tl.int64) * blocks_per_expert + r_blk          # [NB] global block index
+    blk = e.to(tl.int64) * blocks_per_expert + r_blk  # [NB] global block index
     if NESTED:
         b_q = tl.load(absmax_ptr + blk, mask=m_blk, other=0).to(tl.int32)
         b_scale = tl.load(code2_ptr + b_q) * tl.load(absmax2_ptr + blk // BS2, mask=m_blk, other=0.0)
-        b_scale = b_scale + tl.load(offset_ptr)                # rounded twice (launched without FMA fusion)
+        b_scale = b_scale + tl.load(offset_ptr)  # rounded twice (launched without FMA fusion)
     else:
         b_scale = tl.load(absmax_ptr + blk, mask=m_blk, other=0.0)
     HALF: tl.constexpr = BS // 2
     p_bytes = data_ptr + blk[:, None] * HALF + tl.arange(0, HALF)[None, :]
-    b_bytes = tl.load(p_bytes, mask=m_blk[:, None], other=0).to(tl.int32)    # [NB, BS/2]
+    b_bytes = tl.load(p_bytes, mask=m_blk[:, None], other=0).to(tl.int32)  # [NB, BS/2]
     b_vals = tl.interleave(tl.load(code_ptr + (b_bytes >> 4)), tl.load(code_ptr + (b_bytes & 0xF)))  # [NB, BS]
     b_vals = b_vals * b_scale[:, None]
     p_out = out_ptr + blk[:, None] * BS + tl.arange(0, BS)[None, :]
@@ -74,9 +79,17 @@ def nf4_dequant_kernel(
 
 
 @kernel_op("moeyard::nf4_dequantize_", mutates_args=("out",))
-def nf4_dequantize_(data: Tensor, absmax: Tensor, absmax2: Tensor | None, code2: Tensor | None,
-                    offset: Tensor | None, code: Tensor, active: Tensor | None, blocksize: int,
-                    out: Tensor) -> None:
+def nf4_dequantize_(
+    data: Tensor,
+    absmax: Tensor,
+    absmax2: Tensor | None,
+    code2: Tensor | None,
+    offset: Tensor | None,
+    code: Tensor,
+    active: Tensor | None,
+    blocksize: int,
+    out: Tensor,
+) -> None:
     """Write the active experts of ``out [E, a, b]`` from NF4 storage (tensors as the kernel documents)."""
     E = out.shape[0]
     per = out.numel() // max(E, 1)
@@ -89,10 +102,22 @@ def nf4_dequantize_(data: Tensor, absmax: Tensor, absmax2: Tensor | None, code2:
         active = active.view(torch.uint8)
     grid = (triton.cdiv(blocks_per_expert, nb), E)
     nf4_dequant_kernel[grid](
-        data, absmax, absmax2 if nested else absmax, code2 if nested else code, offset if nested else code,
-        code, active if active is not None else code, out, blocks_per_expert,
-        BS=blocksize, BS2=NESTED_BLOCKSIZE, NB=nb, NESTED=nested, HAS_ACTIVE=active is not None,
-        enable_fp_fusion=False)
+        data,
+        absmax,
+        absmax2 if nested else absmax,
+        code2 if nested else code,
+        offset if nested else code,
+        code,
+        active if active is not None else code,
+        out,
+        blocks_per_expert,
+        BS=blocksize,
+        BS2=NESTED_BLOCKSIZE,
+        NB=nb,
+        NESTED=nested,
+        HAS_ACTIVE=active is not None,
+        enable_fp_fusion=False,
+    )
 
 
 @nf4_dequantize_.register_fake
@@ -109,5 +134,14 @@ def dequantize_triton(storage, active: Tensor | None, out: Tensor) -> None:
     """
     if storage.shape[0] > MAX_GRID_Y:
         raise ValueError(f"NF4 dequantisation: at most {MAX_GRID_Y} experts per tensor, got {storage.shape[0]}")
-    nf4_dequantize_(storage.data, storage.absmax, storage.absmax2, storage.code2, storage.offset, storage.code,
-                    active, storage.blocksize, out)
+    nf4_dequantize_(
+        storage.data,
+        storage.absmax,
+        storage.absmax2,
+        storage.code2,
+        storage.offset,
+        storage.code,
+        active,
+        storage.blocksize,
+        out,
+    )

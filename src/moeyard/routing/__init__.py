@@ -29,6 +29,7 @@ Implementations (:mod:`.options`): the torch path below (the reference), and a f
 backward in one more). The default, ``auto``, runs the fused router on CUDA when triton is installed
 and the torch path elsewhere; ``MOEYARD_ROUTER=torch|fused`` or ``use_router(...)`` choose one.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,12 +43,30 @@ from .options import router_impl, use_router
 from .output import RoutingOutput, finish
 
 Tensor = torch.Tensor
-__all__ = ["Router", "RoutingOutput", "route", "select_experts", "update_correction_bias", "load_balancing_loss",
-           "sequence_balance_loss", "z_loss", "router_impl", "use_router"]
+__all__ = [
+    "Router",
+    "RoutingOutput",
+    "route",
+    "select_experts",
+    "update_correction_bias",
+    "load_balancing_loss",
+    "sequence_balance_loss",
+    "z_loss",
+    "router_impl",
+    "use_router",
+]
 
 
-def route(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None = None,
-          correction_bias: Tensor | None = None, num_sequences: int = 1, training: bool = False) -> RoutingOutput:
+def route(
+    x: Tensor,
+    weight: Tensor,
+    config: MoEConfig,
+    *,
+    bias: Tensor | None = None,
+    correction_bias: Tensor | None = None,
+    num_sequences: int = 1,
+    training: bool = False,
+) -> RoutingOutput:
     """Route ``x [T, H]`` with router ``weight [E, H]`` (and ``bias [E]``) as ``config`` says.
 
     Runs the fused Triton router where the implementation in force (:mod:`.options`; default
@@ -67,16 +86,18 @@ def route(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None =
     check_float("weight", weight, dim=2)
     E, H = config.num_experts, config.hidden_size
     if tuple(weight.shape) != (E, H) or x.shape[1] != H:
-        raise ValueError(f"weight: expected shape {(E, H)} with x [T, {H}], got {tuple(weight.shape)} and "
-                         f"{tuple(x.shape)}")
+        raise ValueError(
+            f"weight: expected shape {(E, H)} with x [T, {H}], got {tuple(weight.shape)} and {tuple(x.shape)}"
+        )
     T = x.shape[0]
     if not isinstance(num_sequences, int) or num_sequences < 1 or T % num_sequences:
         raise ValueError(f"num_sequences: expected a positive divisor of T={T}, got {num_sequences!r}")
     fused = _pick_fused(x)
     if fused is not None:
         if fused.unsupported(x, config, training=training) is None:
-            return fused.route_fused(x, weight, config, bias=bias, correction_bias=correction_bias,
-                                     num_sequences=num_sequences)
+            return fused.route_fused(
+                x, weight, config, bias=bias, correction_bias=correction_bias, num_sequences=num_sequences
+            )
     if training and config.router_jitter > 0:
         eps = config.router_jitter
         x = x * torch.empty_like(x).uniform_(1 - eps, 1 + eps)
@@ -95,7 +116,8 @@ def route(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None =
             w = w / (w.sum(-1, keepdim=True) + EPS)
     w = w * config.routed_scaling_factor
     counts = torch.zeros(E, device=x.device, dtype=torch.float32).index_add_(
-        0, ids.reshape(-1), torch.ones(ids.numel(), device=x.device, dtype=torch.float32))
+        0, ids.reshape(-1), torch.ones(ids.numel(), device=x.device, dtype=torch.float32)
+    )
     probs = scores if config.score_func == "softmax" else scores / (scores.sum(-1, keepdim=True) + EPS)
     aux = load_balancing_loss(probs, counts, config.top_k)
     # one sequence (B = 1, S = T): E / (K T^2) * sum_e counts_e * prob_sum_e, the aux loss itself
@@ -126,8 +148,9 @@ def _fused_module():
     try:
         from . import fused
     except ImportError as e:
-        raise ImportError("MOEYARD_ROUTER=fused needs triton (pip install 'moeyard[triton]'), or use "
-                          "MOEYARD_ROUTER=torch") from e
+        raise ImportError(
+            "MOEYARD_ROUTER=fused needs triton (pip install 'moeyard[triton]'), or use MOEYARD_ROUTER=torch"
+        ) from e
     return fused
 
 
@@ -173,13 +196,21 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, **kw))
         self.bias = nn.Parameter(torch.zeros(config.num_experts, **kw)) if config.router_bias else None
         if config.score_correction_bias:
-            self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, device=device,
-                                                                        dtype=torch.float32))
+            self.register_buffer(
+                "e_score_correction_bias", torch.zeros(config.num_experts, device=device, dtype=torch.float32)
+            )
         else:
             self.e_score_correction_bias = None
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: Tensor, num_sequences: int = 1) -> RoutingOutput:
         """``x [T, H]`` -> :class:`RoutingOutput`."""
-        return route(x, self.weight, self.config, bias=self.bias, correction_bias=self.e_score_correction_bias,
-                     num_sequences=num_sequences, training=self.training)
+        return route(
+            x,
+            self.weight,
+            self.config,
+            bias=self.bias,
+            correction_bias=self.e_score_correction_bias,
+            num_sequences=num_sequences,
+            training=self.training,
+        )

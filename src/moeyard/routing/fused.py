@@ -16,6 +16,7 @@ exactly (or, after rounding, within an ulp): among equal keys the lower expert i
 Supported: float16 / bfloat16 / float32 inputs, ``E <= 512``, ``K <= 16``, ``n_group == 1``
 (:func:`unsupported` names what is not; :func:`moeyard.routing.route` then uses the torch path).
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,9 +51,14 @@ class Spec:
 
     @staticmethod
     def of(config: MoEConfig, num_sequences: int) -> Spec:
-        return Spec(sigmoid=config.score_func == "sigmoid", topk_first=config.topk_before_score,
-                    norm=config.norm_topk_prob, scale=float(config.routed_scaling_factor), top_k=config.top_k,
-                    num_sequences=num_sequences)
+        return Spec(
+            sigmoid=config.score_func == "sigmoid",
+            topk_first=config.topk_before_score,
+            norm=config.norm_topk_prob,
+            scale=float(config.routed_scaling_factor),
+            top_k=config.top_k,
+            num_sequences=num_sequences,
+        )
 
 
 @dataclass(frozen=True)
@@ -71,9 +77,14 @@ class LossSpec:
     def of(config: MoEConfig, num_tokens: int, num_sequences: int) -> LossSpec:
         T, B, E, K = num_tokens, num_sequences, config.num_experts, config.top_k
         S = T // B
-        return LossSpec(c_aux=E / (T * T * K) if T else 0.0, c_seq=E / (K * S * S * B) if S else 0.0,
-                        c_z=1.0 / T if T else 0.0, w_aux=float(config.aux_loss_coef),
-                        w_seq=float(config.seq_aux_loss_coef), w_z=float(config.z_loss_coef))
+        return LossSpec(
+            c_aux=E / (T * T * K) if T else 0.0,
+            c_seq=E / (K * S * S * B) if S else 0.0,
+            c_z=1.0 / T if T else 0.0,
+            w_aux=float(config.aux_loss_coef),
+            w_seq=float(config.seq_aux_loss_coef),
+            w_z=float(config.z_loss_coef),
+        )
 
     def args(self) -> tuple:
         return self.c_aux, self.c_seq, self.c_z, self.w_aux, self.w_seq, self.w_z
@@ -96,8 +107,15 @@ def unsupported(x: Tensor, config: MoEConfig, *, training: bool = False) -> str 
     return None
 
 
-def route_fused(x: Tensor, weight: Tensor, config: MoEConfig, *, bias: Tensor | None = None,
-                correction_bias: Tensor | None = None, num_sequences: int = 1):
+def route_fused(
+    x: Tensor,
+    weight: Tensor,
+    config: MoEConfig,
+    *,
+    bias: Tensor | None = None,
+    correction_bias: Tensor | None = None,
+    num_sequences: int = 1,
+):
     """:func:`moeyard.routing.route` (``training=False`` semantics: no jitter) by the fused kernels.
 
     Args:
@@ -130,8 +148,9 @@ def _check(x, weight, config, bias, correction_bias, num_sequences) -> None:
         raise TypeError(f"x: expected one of {DTYPES} for the fused router, got {x.dtype} (use the torch path)")
     E, H = config.num_experts, config.hidden_size
     if tuple(weight.shape) != (E, H) or x.shape[1] != H:
-        raise ValueError(f"weight: expected shape {(E, H)} with x [T, {H}], got {tuple(weight.shape)} and "
-                         f"{tuple(x.shape)}")
+        raise ValueError(
+            f"weight: expected shape {(E, H)} with x [T, {H}], got {tuple(weight.shape)} and {tuple(x.shape)}"
+        )
     for name, t in (("bias", bias), ("correction_bias", correction_bias)):
         if t is None:
             continue
@@ -165,8 +184,9 @@ class _FusedRouter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logits, g_scores, _g_ids, g_w, _g_counts, g_losses):
         x, weight, bias, logits, ids, seq_stats, counts = ctx.saved_tensors
-        dl = _backward(logits, ids, g_w, g_logits, g_scores, (g_losses, counts, seq_stats), ctx.spec,
-                       ctx.loss_spec, x.dtype)
+        dl = _backward(
+            logits, ids, g_w, g_logits, g_scores, (g_losses, counts, seq_stats), ctx.spec, ctx.loss_spec, x.dtype
+        )
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx = dl @ weight.to(x.dtype) if need_x else None
         dw = (dl.mT @ x).to(weight.dtype) if need_w else None
@@ -207,8 +227,23 @@ def _forward(x, weight, bias, corr, spec: Spec):
     # emitted (KeyError in Scheduler.compute_ancestors; pytorch/pytorch#189271). A 1-D buffer is never re-wrapped.
     stats = empty((B * ns * (2 * E + 1),), **f32)
     if T > 0:
-        _forward_(x, weight, bias, corr, spec.sigmoid, spec.topk_first, spec.norm, spec.scale, bm, B, logits, scores,
-                  ids, w, stats)
+        _forward_(
+            x,
+            weight,
+            bias,
+            corr,
+            spec.sigmoid,
+            spec.topk_first,
+            spec.norm,
+            spec.scale,
+            bm,
+            B,
+            logits,
+            scores,
+            ids,
+            w,
+            stats,
+        )
     return logits, scores, ids, w, stats
 
 
@@ -217,9 +252,23 @@ def _forward(x, weight, bias, corr, spec: Spec):
 # counts; Dynamo then captures the router in one graph at any token count, also under the interpreter
 # (tests/test_router_fused.py, test_compiles_for_varying_token_counts).
 @kernel_op("moeyard::router_forward", mutates_args=("logits", "scores", "ids", "w", "stats"))
-def _forward_(x: Tensor, weight: Tensor, bias: Tensor | None, corr: Tensor | None, sigmoid: bool,
-              topk_first: bool, norm: bool, scale: float, block_m: int, num_sequences: int, logits: Tensor,
-              scores: Tensor, ids: Tensor, w: Tensor, stats: Tensor) -> None:
+def _forward_(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    corr: Tensor | None,
+    sigmoid: bool,
+    topk_first: bool,
+    norm: bool,
+    scale: float,
+    block_m: int,
+    num_sequences: int,
+    logits: Tensor,
+    scores: Tensor,
+    ids: Tensor,
+    w: Tensor,
+    stats: Tensor,
+) -> None:
     """:func:`.kernels.router_fwd_kernel` over ``x [T, H]`` (T > 0) and ``weight [E, H]``: ``logits``, ``scores
     [T, E]``, ``ids [T, K]`` int64, ``w [T, K]`` and the partial statistics ``stats``, ``[B, NS, 2E + 1]``
     flattened (B = ``num_sequences`` sequences of ``T / B`` tokens, NS programs of ``block_m`` tokens each),
@@ -231,12 +280,35 @@ def _forward_(x: Tensor, weight: Tensor, bias: Tensor | None, corr: Tensor | Non
     ns = triton.cdiv(S, block_m)
     e_p2 = _e_p2(E)
     _fwd_launcher()[(ns, B)](
-        x, weight, weight if bias is None else bias, weight if corr is None else corr,  # unread if None
-        logits, scores, ids, w, stats, H, E, K, S, ns,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), scale,
-        HAS_BIAS=bias is not None, HAS_CORR=corr is not None and not topk_first,
-        PRECISION=dot_precision(x.dtype), E_P2=e_p2, K_P2=max(2, triton.next_power_of_2(K)), BM=block_m,
-        SIGMOID=sigmoid, TOPK_FIRST=topk_first, NORM=norm)
+        x,
+        weight,
+        weight if bias is None else bias,
+        weight if corr is None else corr,  # unread if None
+        logits,
+        scores,
+        ids,
+        w,
+        stats,
+        H,
+        E,
+        K,
+        S,
+        ns,
+        x.stride(0),
+        x.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        scale,
+        HAS_BIAS=bias is not None,
+        HAS_CORR=corr is not None and not topk_first,
+        PRECISION=dot_precision(x.dtype),
+        E_P2=e_p2,
+        K_P2=max(2, triton.next_power_of_2(K)),
+        BM=block_m,
+        SIGMOID=sigmoid,
+        TOPK_FIRST=topk_first,
+        NORM=norm,
+    )
 
 
 @_forward_.register_fake
@@ -244,8 +316,7 @@ def _(x, weight, bias, corr, sigmoid, topk_first, norm, scale, block_m, num_sequ
     return None
 
 
-def _losses(stats: Tensor, num_sequences: int, num_experts: int,
-            loss_spec: LossSpec) -> tuple[Tensor, Tensor, Tensor]:
+def _losses(stats: Tensor, num_sequences: int, num_experts: int, loss_spec: LossSpec) -> tuple[Tensor, Tensor, Tensor]:
     """``(seq_stats [B, 2E + 1], counts [E], losses [4])`` float32 from the partial statistics ``[B, NS, 2E +
     1]`` flattened (:func:`.kernels.router_losses_kernel`; with no tokens, zeros)."""
     B, E = num_sequences, num_experts
@@ -259,8 +330,18 @@ def _losses(stats: Tensor, num_sequences: int, num_experts: int,
 
 
 @kernel_op("moeyard::router_losses", mutates_args=("seq_stats", "counts", "losses"))
-def _losses_(stats: Tensor, c_aux: float, c_seq: float, c_z: float, w_aux: float, w_seq: float, w_z: float,
-             seq_stats: Tensor, counts: Tensor, losses: Tensor) -> None:
+def _losses_(
+    stats: Tensor,
+    c_aux: float,
+    c_seq: float,
+    c_z: float,
+    w_aux: float,
+    w_seq: float,
+    w_z: float,
+    seq_stats: Tensor,
+    counts: Tensor,
+    losses: Tensor,
+) -> None:
     """:func:`.kernels.router_losses_kernel` over ``stats``, ``[B, NS, 2E + 1]`` flattened (NS > 0; B and 2E + 1
     from ``seq_stats [B, 2E + 1]``): ``seq_stats``, ``counts`` and ``losses`` written (:class:`LossSpec`'s scales
     and weights)."""
@@ -269,8 +350,9 @@ def _losses_(stats: Tensor, c_aux: float, c_seq: float, c_z: float, w_aux: float
     E = (width - 1) // 2
     e_p2 = _e_p2(E)
     bj = 4 if interpreting() else max(1, min(32, 4096 // e_p2))  # three [BJ, E_P2] float32 tiles in registers
-    kernels.router_losses_kernel[(1,)](stats, seq_stats, counts, losses, B, NS, E, c_aux, c_seq, c_z, w_aux, w_seq,
-                                      w_z, E_P2=e_p2, BJ=bj, num_warps=4)
+    kernels.router_losses_kernel[(1,)](
+        stats, seq_stats, counts, losses, B, NS, E, c_aux, c_seq, c_z, w_aux, w_seq, w_z, E_P2=e_p2, BJ=bj, num_warps=4
+    )
 
 
 @_losses_.register_fake
@@ -285,18 +367,54 @@ def _backward(logits, ids, g_w, g_logits, g_scores, loss_grad, spec: Spec, loss_
     if T == 0:
         return dl
     g_losses, counts, seq_stats = loss_grad
-    g_w, g_logits, g_scores, g_losses = (None if g is None else g.contiguous() for g in (g_w, g_logits, g_scores,
-                                                                                          g_losses))
-    _backward_(logits, ids, g_w, g_logits, g_scores, g_losses, counts, seq_stats, spec.sigmoid, spec.topk_first,
-               spec.norm, spec.scale, spec.top_k, spec.num_sequences, *loss_spec.args(), dl)
+    g_w, g_logits, g_scores, g_losses = (
+        None if g is None else g.contiguous() for g in (g_w, g_logits, g_scores, g_losses)
+    )
+    _backward_(
+        logits,
+        ids,
+        g_w,
+        g_logits,
+        g_scores,
+        g_losses,
+        counts,
+        seq_stats,
+        spec.sigmoid,
+        spec.topk_first,
+        spec.norm,
+        spec.scale,
+        spec.top_k,
+        spec.num_sequences,
+        *loss_spec.args(),
+        dl,
+    )
     return dl
 
 
 @kernel_op("moeyard::router_backward", mutates_args=("dl",))
-def _backward_(logits: Tensor, ids: Tensor, g_w: Tensor | None, g_logits: Tensor | None,
-               g_scores: Tensor | None, g_losses: Tensor | None, counts: Tensor, seq_stats: Tensor, sigmoid: bool,
-               topk_first: bool, norm: bool, scale: float, top_k: int, num_sequences: int, c_aux: float, c_seq: float,
-               c_z: float, w_aux: float, w_seq: float, w_z: float, dl: Tensor) -> None:
+def _backward_(
+    logits: Tensor,
+    ids: Tensor,
+    g_w: Tensor | None,
+    g_logits: Tensor | None,
+    g_scores: Tensor | None,
+    g_losses: Tensor | None,
+    counts: Tensor,
+    seq_stats: Tensor,
+    sigmoid: bool,
+    topk_first: bool,
+    norm: bool,
+    scale: float,
+    top_k: int,
+    num_sequences: int,
+    c_aux: float,
+    c_seq: float,
+    c_z: float,
+    w_aux: float,
+    w_seq: float,
+    w_z: float,
+    dl: Tensor,
+) -> None:
     """:func:`.kernels.router_bwd_kernel`: ``dl = d logits [T, E]`` (T > 0) written from the gradients given (None:
     zero) of the weights, logits, scores and losses."""
     T, E = logits.shape
@@ -304,15 +422,60 @@ def _backward_(logits: Tensor, ids: Tensor, g_w: Tensor | None, g_logits: Tensor
     bm = max(1, min(64, 4096 // e_p2))
     grads = [logits if g is None else g for g in (g_w, g_logits, g_scores, g_losses)]  # unread if None
     kernels.router_bwd_kernel[(triton.cdiv(T, bm),)](
-        logits, ids, *grads, counts, seq_stats, dl, T, E, top_k, T // num_sequences, scale,
-        c_aux, c_seq, c_z, w_aux, w_seq, w_z, E_P2=e_p2, BM=bm, num_warps=4 if e_p2 <= 128 else 8,
-        HAS_GW=g_w is not None, HAS_GL=g_logits is not None, HAS_GS=g_scores is not None,
-        HAS_GLOSS=g_losses is not None, SIGMOID=sigmoid, TOPK_FIRST=topk_first, NORM=norm)
+        logits,
+        ids,
+        *grads,
+        counts,
+        seq_stats,
+        dl,
+        T,
+        E,
+        top_k,
+        T // num_sequences,
+        scale,
+        c_aux,
+        c_seq,
+        c_z,
+        w_aux,
+        w_seq,
+        w_z,
+        E_P2=e_p2,
+        BM=bm,
+        num_warps=4 if e_p2 <= 128 else 8,
+        HAS_GW=g_w is not None,
+        HAS_GL=g_logits is not None,
+        HAS_GS=g_scores is not None,
+        HAS_GLOSS=g_losses is not None,
+        SIGMOID=sigmoid,
+        TOPK_FIRST=topk_first,
+        NORM=norm,
+    )
 
 
 @_backward_.register_fake
-def _(logits, ids, g_w, g_logits, g_scores, g_losses, counts, seq_stats, sigmoid, topk_first, norm, scale, top_k,
-      num_sequences, c_aux, c_seq, c_z, w_aux, w_seq, w_z, dl):
+def _(
+    logits,
+    ids,
+    g_w,
+    g_logits,
+    g_scores,
+    g_losses,
+    counts,
+    seq_stats,
+    sigmoid,
+    topk_first,
+    norm,
+    scale,
+    top_k,
+    num_sequences,
+    c_aux,
+    c_seq,
+    c_z,
+    w_aux,
+    w_seq,
+    w_z,
+    dl,
+):
     return None
 
 
@@ -348,8 +511,9 @@ def _prune(configs, named_args, **kwargs):
     """Keep configs whose pipelined ``x [BM, BK]`` and ``W [BK, E_P2]`` tiles fit in shared memory."""
     args = {**named_args, **kwargs}
     size = args["x_ptr"].element_size()
-    ok = [c for c in configs
-          if c.num_stages * c.kwargs["BK"] * (args["BM"] + args["E_P2"]) * size <= device_smem_limit()]
+    ok = [
+        c for c in configs if c.num_stages * c.kwargs["BK"] * (args["BM"] + args["E_P2"]) * size <= device_smem_limit()
+    ]
     return ok or configs[:1]
 
 
@@ -361,6 +525,13 @@ def _fwd_launcher():
     (keyed on H, E, K, the scheme and the tokens per program), ``FIXED`` under the interpreter or
     ``MOEYARD_TRITON_AUTOTUNE=0`` (:func:`moeyard.experts.triton.schedule.tuned`; built on first use)."""
     if not _TUNED:
-        _TUNED.append(tuned(kernels.router_fwd_kernel, FWD_CONFIGS, ["H", "E", "K", "SIGMOID", "TOPK_FIRST", "BM"],
-                            prune=_prune, fixed=_fixed))
+        _TUNED.append(
+            tuned(
+                kernels.router_fwd_kernel,
+                FWD_CONFIGS,
+                ["H", "E", "K", "SIGMOID", "TOPK_FIRST", "BM"],
+                prune=_prune,
+                fixed=_fixed,
+            )
+        )
     return _TUNED[0]

@@ -19,6 +19,7 @@ Backward (one program per block of BM tokens): ``d logits`` from the gradients o
 logits, the scores and the losses, recomputing scores and the selection mask from the logits and
 ids (the per-sequence statistics are kept too).
 """
+
 import triton
 import triton.language as tl
 
@@ -28,18 +29,40 @@ EPS = tl.constexpr(losses.EPS)  # the renormalisation guard, as a constexpr (ker
 
 
 @triton.jit
-def _logits(x_ptr, w_ptr, b_ptr, rows, m_mask, cols, e_mask, H, stride_xt, stride_xh, stride_we, stride_wh,
-            HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, E_P2: tl.constexpr,
-            BK: tl.constexpr):
+def _logits(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    rows,
+    m_mask,
+    cols,
+    e_mask,
+    H,
+    stride_xt,
+    stride_xh,
+    stride_we,
+    stride_wh,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BM: tl.constexpr,
+    E_P2: tl.constexpr,
+    BK: tl.constexpr,
+):
     """``[BM, E_P2]`` float32 logits ``x W^T + b``, rounded to x's dtype; padded columns ``-inf``."""
     acc = tl.zeros((BM, E_P2), tl.float32)
     for k0 in range(0, H, BK):
         ks = k0 + tl.arange(0, BK)
         k_mask = ks < H
-        a = tl.load(x_ptr + rows[:, None] * stride_xt + ks[None, :] * stride_xh,
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + cols[None, :] * stride_we + ks[:, None] * stride_wh,
-                    mask=e_mask[None, :] & k_mask[:, None], other=0.0)
+        a = tl.load(
+            x_ptr + rows[:, None] * stride_xt + ks[None, :] * stride_xh,
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + cols[None, :] * stride_we + ks[:, None] * stride_wh,
+            mask=e_mask[None, :] & k_mask[:, None],
+            other=0.0,
+        )
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=e_mask, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)[None, :]
@@ -100,21 +123,35 @@ def _weights(vals, k_mask, scale, SIGMOID: tl.constexpr, TOPK_FIRST: tl.constexp
 
 @triton.jit
 def router_fwd_kernel(
-    x_ptr,          # [T, H] float16/bfloat16/float32, strides (stride_xt, stride_xh)
-    w_ptr,          # [E, H] router weight (cast to x's dtype), strides (stride_we, stride_wh)
-    b_ptr,          # [E] router bias; read if HAS_BIAS
-    corr_ptr,       # [E] selection-only correction bias; read if HAS_CORR (score-then-top-k only)
-    logits_ptr,     # [T, E] float32, contiguous
-    scores_ptr,     # [T, E] float32, contiguous
-    ids_ptr,        # [T, K] int64, contiguous
-    wts_ptr,        # [T, K] float32, contiguous
-    stats_ptr,      # [B, NS, 2E + 1] float32: per-program counts [E], probability sums [E], sum lse^2
-    H, E, K, S, NS,
-    stride_xt, stride_xh, stride_we, stride_wh,
+    x_ptr,  # [T, H] float16/bfloat16/float32, strides (stride_xt, stride_xh)
+    w_ptr,  # [E, H] router weight (cast to x's dtype), strides (stride_we, stride_wh)
+    b_ptr,  # [E] router bias; read if HAS_BIAS
+    corr_ptr,  # [E] selection-only correction bias; read if HAS_CORR (score-then-top-k only)
+    logits_ptr,  # [T, E] float32, contiguous
+    scores_ptr,  # [T, E] float32, contiguous
+    ids_ptr,  # [T, K] int64, contiguous
+    wts_ptr,  # [T, K] float32, contiguous
+    stats_ptr,  # [B, NS, 2E + 1] float32: per-program counts [E], probability sums [E], sum lse^2
+    H,
+    E,
+    K,
+    S,
+    NS,
+    stride_xt,
+    stride_xh,
+    stride_we,
+    stride_wh,
     scale,
-    SIGMOID: tl.constexpr, TOPK_FIRST: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_CORR: tl.constexpr, PRECISION: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    TOPK_FIRST: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_CORR: tl.constexpr,
+    PRECISION: tl.constexpr,
+    E_P2: tl.constexpr,
+    K_P2: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """Program ``(j, b)``: tokens ``b S + j BM ...`` (at most BM, all in sequence b)."""
     scale = tl.cast(scale, tl.float32)  # float arguments reach Inductor's launch of this kernel as float64
@@ -125,8 +162,25 @@ def router_fwd_kernel(
     rows = b.to(tl.int64) * S + local
     cols = tl.arange(0, E_P2)
     e_mask = cols < E
-    l = _logits(x_ptr, w_ptr, b_ptr, rows, m_mask, cols, e_mask, H, stride_xt, stride_xh, stride_we, stride_wh,
-                HAS_BIAS, PRECISION, BM, E_P2, BK)
+    l = _logits(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        rows,
+        m_mask,
+        cols,
+        e_mask,
+        H,
+        stride_xt,
+        stride_xh,
+        stride_we,
+        stride_wh,
+        HAS_BIAS,
+        PRECISION,
+        BM,
+        E_P2,
+        BK,
+    )
     sm, lse = _softmax(l)
     s = _scores(l, sm, SIGMOID)
     if TOPK_FIRST:
@@ -162,14 +216,21 @@ def router_fwd_kernel(
 
 @triton.jit
 def router_losses_kernel(
-    stats_ptr,      # [B, NS, 2E + 1] float32 per-program statistics (router_fwd_kernel)
-    seq_ptr,        # [B, 2E + 1] out: per-sequence statistics (counts, probability sums, sum lse^2)
-    counts_ptr,     # [E] out: routed pairs per expert
-    loss_ptr,       # [4] out: aux, seq_aux, z and their coefficient-weighted sum (w_aux, w_seq, w_z)
-    B, NS, E,
-    c_aux, c_seq, c_z,  # E / (T^2 K), E / (K S^2 B), 1 / T (0 for T = 0): the losses' scale factors
-    w_aux, w_seq, w_z,
-    E_P2: tl.constexpr, BJ: tl.constexpr,
+    stats_ptr,  # [B, NS, 2E + 1] float32 per-program statistics (router_fwd_kernel)
+    seq_ptr,  # [B, 2E + 1] out: per-sequence statistics (counts, probability sums, sum lse^2)
+    counts_ptr,  # [E] out: routed pairs per expert
+    loss_ptr,  # [4] out: aux, seq_aux, z and their coefficient-weighted sum (w_aux, w_seq, w_z)
+    B,
+    NS,
+    E,
+    c_aux,
+    c_seq,
+    c_z,  # E / (T^2 K), E / (K S^2 B), 1 / T (0 for T = 0): the losses' scale factors
+    w_aux,
+    w_seq,
+    w_z,
+    E_P2: tl.constexpr,
+    BJ: tl.constexpr,
 ):
     """One program: ``aux = c_aux sum_e counts_e P_e``, ``seq = c_seq sum_be counts_be P_be``,
     ``z = c_z sum_t lse_t^2`` (the formulas of :mod:`.losses`, factored), summing the NS slots of each
@@ -242,19 +303,35 @@ def _renorm_grad(g, w, sel, NORM: tl.constexpr):
 
 @triton.jit
 def router_bwd_kernel(
-    logits_ptr,     # [T, E] float32, contiguous (the forward's router_logits)
-    ids_ptr,        # [T, K] int64, contiguous
-    gw_ptr,         # [T, K] d topk_weights, contiguous; read if HAS_GW
-    gl_ptr,         # [T, E] d router_logits, contiguous; read if HAS_GL
-    gs_ptr,         # [T, E] d scores, contiguous; read if HAS_GS
-    gloss_ptr,      # [4] d (aux, seq_aux, z, weighted sum), float32; read if HAS_GLOSS
-    counts_ptr,     # [E] float32 routed pairs per expert (router_losses_kernel); read if HAS_GLOSS
-    seq_ptr,        # [B, 2E + 1] float32 per-sequence statistics (router_losses_kernel); read if HAS_GLOSS
-    dl_ptr,         # [T, E] out: d logits (x's dtype), contiguous
-    T, E, K, S, scale,
-    c_aux, c_seq, c_z, w_aux, w_seq, w_z,  # as router_losses_kernel
-    SIGMOID: tl.constexpr, TOPK_FIRST: tl.constexpr, NORM: tl.constexpr, HAS_GW: tl.constexpr,
-    HAS_GL: tl.constexpr, HAS_GS: tl.constexpr, HAS_GLOSS: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
+    logits_ptr,  # [T, E] float32, contiguous (the forward's router_logits)
+    ids_ptr,  # [T, K] int64, contiguous
+    gw_ptr,  # [T, K] d topk_weights, contiguous; read if HAS_GW
+    gl_ptr,  # [T, E] d router_logits, contiguous; read if HAS_GL
+    gs_ptr,  # [T, E] d scores, contiguous; read if HAS_GS
+    gloss_ptr,  # [4] d (aux, seq_aux, z, weighted sum), float32; read if HAS_GLOSS
+    counts_ptr,  # [E] float32 routed pairs per expert (router_losses_kernel); read if HAS_GLOSS
+    seq_ptr,  # [B, 2E + 1] float32 per-sequence statistics (router_losses_kernel); read if HAS_GLOSS
+    dl_ptr,  # [T, E] out: d logits (x's dtype), contiguous
+    T,
+    E,
+    K,
+    S,
+    scale,
+    c_aux,
+    c_seq,
+    c_z,
+    w_aux,
+    w_seq,
+    w_z,  # as router_losses_kernel
+    SIGMOID: tl.constexpr,
+    TOPK_FIRST: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_GW: tl.constexpr,
+    HAS_GL: tl.constexpr,
+    HAS_GS: tl.constexpr,
+    HAS_GLOSS: tl.constexpr,
+    E_P2: tl.constexpr,
+    BM: tl.constexpr,
 ):
     """``d logits`` of the tokens ``pid BM ...``: chain rule through the routing weights, the scores,
     the losses (through the per-sequence probability sums and ``sum logsumexp^2``), plus the direct

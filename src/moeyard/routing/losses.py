@@ -7,6 +7,7 @@ so the torch path has one formula. The fused router computes the same formulas f
 losses kernel, with the constant factors folded (:class:`moeyard.routing.fused.LossSpec`); its tests
 compare every loss and gradient with the torch path.
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,8 +58,7 @@ def load_balancing_loss(probs: Tensor, tokens_per_expert: Tensor, top_k: int) ->
     return balance_loss_from_stats(tokens_per_expert, probs.sum(0), probs.shape[0], top_k)
 
 
-def sequence_balance_loss(probs: Tensor, topk_ids: Tensor, num_experts: int, top_k: int,
-                          num_sequences: int) -> Tensor:
+def sequence_balance_loss(probs: Tensor, topk_ids: Tensor, num_experts: int, top_k: int, num_sequences: int) -> Tensor:
     """DeepSeek-V3 sequence-wise balance loss (module docstring); 0 for T = 0.
 
     Args:
@@ -71,7 +71,8 @@ def sequence_balance_loss(probs: Tensor, topk_ids: Tensor, num_experts: int, top
     seq = torch.arange(T, device=topk_ids.device).div_(max(S, 1), rounding_mode="floor").unsqueeze(1)
     slots = (seq * num_experts + topk_ids).reshape(-1)  # (sequence, expert) of every pair: no [T, E] one-hot
     counts = torch.zeros(B * num_experts, device=probs.device, dtype=probs.dtype).index_add_(
-        0, slots, torch.ones(slots.numel(), device=probs.device, dtype=probs.dtype))
+        0, slots, torch.ones(slots.numel(), device=probs.device, dtype=probs.dtype)
+    )
     return sequence_balance_from_stats(counts.view(B, num_experts), probs.view(B, S, num_experts).sum(1), S, top_k)
 
 

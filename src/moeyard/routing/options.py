@@ -14,6 +14,7 @@ it wins over the environment).
 The fused router is used only where it applies (:func:`moeyard.routing.fused.unsupported` says why
 not: grouped top-k, float64, ...); elsewhere the torch path runs.
 """
+
 from __future__ import annotations
 
 import contextlib

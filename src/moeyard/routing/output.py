@@ -1,5 +1,6 @@
 """What the router returns: :class:`RoutingOutput`, and :func:`finish`, which both router
 implementations (the torch path in :mod:`moeyard.routing`, the fused kernels in :mod:`.fused`) end with."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,11 +45,30 @@ class RoutingOutput:
 torch.utils._pytree.register_dataclass(RoutingOutput)
 
 
-def finish(config: MoEConfig, ids: Tensor, w: Tensor, logits: Tensor, scores: Tensor, counts: Tensor,
-           aux: Tensor, seq: Tensor, z: Tensor, loss: Tensor | None = None) -> RoutingOutput:
+def finish(
+    config: MoEConfig,
+    ids: Tensor,
+    w: Tensor,
+    logits: Tensor,
+    scores: Tensor,
+    counts: Tensor,
+    aux: Tensor,
+    seq: Tensor,
+    z: Tensor,
+    loss: Tensor | None = None,
+) -> RoutingOutput:
     """The :class:`RoutingOutput` of these tensors, with the coefficient-weighted ``loss`` (computed
     here unless given)."""
     if loss is None:
         loss = config.aux_loss_coef * aux + config.seq_aux_loss_coef * seq + config.z_loss_coef * z
-    return RoutingOutput(topk_ids=ids, topk_weights=w, router_logits=logits, scores=scores,
-                         tokens_per_expert=counts, aux_loss=aux, seq_aux_loss=seq, z_loss=z, loss=loss)
+    return RoutingOutput(
+        topk_ids=ids,
+        topk_weights=w,
+        router_logits=logits,
+        scores=scores,
+        tokens_per_expert=counts,
+        aux_loss=aux,
+        seq_aux_loss=seq,
+        z_loss=z,
+        loss=loss,
+    )

@@ -17,6 +17,7 @@ partial buffer at most ``MOEYARD_TRITON_WGRAD_PARTIAL_MIB``, default 512). In co
 Runs on CUDA in bfloat16, float16 and float32, and on CPU under Triton's interpreter
 (``TRITON_INTERPRET=1``, float32 only: the interpreter's ``tl.dot`` needs float32 operands).
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,15 @@ Tensor = torch.Tensor
 MAX_LORA_RANK = 128
 
 
-def triton_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
-                   activation: Activation, *, drop_invalid: bool = False) -> Tensor:
+def triton_forward(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    weights: ExpertWeights,
+    activation: Activation,
+    *,
+    drop_invalid: bool = False,
+) -> Tensor:
     """``out[t] = sum_k topk_weights[t, k] * FFN_e(x[t])``: ``x [T, H]``, ``topk_ids`` / ``topk_weights``
     ``[T, K]`` -> ``[T, H]`` in ``x.dtype``. Differentiable w.r.t. ``x``, the weights, biases and
     ``topk_weights``. Pairs with an id outside ``[0, E)`` add nothing with ``drop_invalid``; otherwise
@@ -47,13 +55,16 @@ def triton_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: E
     """
     if weights.recipe is not None:
         from ..grouped_mm import grouped_mm_forward
+
         return grouped_mm_forward(x, topk_ids, topk_weights, weights, activation, drop_invalid=drop_invalid)
     from .function import triton_experts
+
     return triton_experts(x, topk_ids, topk_weights, weights, activation, drop_invalid=drop_invalid)
 
 
-def _unsupported(device: torch.device, dtype: torch.dtype, weights: ExpertWeights | None,
-                 activation: Activation | None) -> str | None:
+def _unsupported(
+    device: torch.device, dtype: torch.dtype, weights: ExpertWeights | None, activation: Activation | None
+) -> str | None:
     if not _have_triton():
         return "triton is not installed (pip install triton)"
     if weights is not None and weights.max_rank > MAX_LORA_RANK:
@@ -75,8 +86,13 @@ def _unsupported(device: torch.device, dtype: torch.dtype, weights: ExpertWeight
 # (README's benchmark table), also for large experts with weight gradients: at sonic-120b (32768 tokens,
 # H 4096, I 2048, E 64, k 4; 2026-11-23) triton 44.3 ms fwd+bwd, the torch grouped_mm pipeline 46.1 ms,
 # moeyard's grouped_mm 57.5 ms.
-register_backend(ExpertBackend(
-    name="triton", forward=triton_forward, unsupported=_unsupported, priority={"cuda": 30},
-    description="fused Triton grouped GEMMs: gather in the loads, activation/bias/weight in epilogues; "
-                "deterministic combine; no host sync",
-))
+register_backend(
+    ExpertBackend(
+        name="triton",
+        forward=triton_forward,
+        unsupported=_unsupported,
+        priority={"cuda": 30},
+        description="fused Triton grouped GEMMs: gather in the loads, activation/bias/weight in epilogues; "
+        "deterministic combine; no host sync",
+    )
+)

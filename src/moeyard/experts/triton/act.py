@@ -5,6 +5,7 @@ activation runs in torch between the two grouped GEMMs). Inputs are float32 bloc
 activations ``u`` is ignored. Derivatives follow torch's autograd conventions at the kinks
 (relu: 0 at 0; clamp: 1 on the closed interval).
 """
+
 import triton
 import triton.language as tl
 

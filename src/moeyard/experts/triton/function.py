@@ -24,6 +24,7 @@ No ``W + dW`` is formed, and with frozen base weights no base weight gradient is
 
 Legend: T tokens, H hidden, I intermediate, N1 = 2I (gated) or I, E experts, K top-k, N = T*K, R rank.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,8 +45,15 @@ NONE = ActSpec(name="none")
 # the options read once for the forward's launches here, and once in each backward method (not on the
 # autograd functions' forward methods: Dynamo does not trace those through a decorator)
 @read_once
-def triton_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
-                   activation: Activation, *, drop_invalid: bool | str = False) -> Tensor:
+def triton_experts(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    weights: ExpertWeights,
+    activation: Activation,
+    *,
+    drop_invalid: bool | str = False,
+) -> Tensor:
     """The routed expert FFN (shapes and semantics as :func:`moeyard.experts`)."""
     r = ops.routing(topk_ids, weights.num_experts, zero_invalid=drop_invalid != UNWRITTEN)
     tw = topk_weights.reshape(-1)
@@ -53,13 +61,16 @@ def triton_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: E
     a_dn, b_dn, s_dn = _factors(weights.lora_down)
     train = records_graph(x, tw, weights.w_up, weights.w_down, weights.b_up, weights.b_down, a_up, b_up, a_dn, b_dn)
     if activation.fn is None:
-        spec = ActSpec(name=activation.name, alpha=activation.alpha, limit=activation.limit,
-                       interleaved=weights.interleaved)
+        spec = ActSpec(
+            name=activation.name, alpha=activation.alpha, limit=activation.limit, interleaved=weights.interleaved
+        )
         if not train:  # no graph to record: the kernels without the autograd functions' host time
-            _, a, _ = ops.up_proj(x, weights.w_up, weights.b_up, r, spec, store_h=False,
-                                  lora=_forward_term(a_up, b_up, s_up))
-            return _down_forward(a, tw, weights.w_down, weights.b_down, r, drop_invalid,
-                                 _forward_term(a_dn, b_dn, s_dn))[0]
+            _, a, _ = ops.up_proj(
+                x, weights.w_up, weights.b_up, r, spec, store_h=False, lora=_forward_term(a_up, b_up, s_up)
+            )
+            return _down_forward(
+                a, tw, weights.w_down, weights.b_down, r, drop_invalid, _forward_term(a_dn, b_dn, s_dn)
+            )[0]
         h, a = _UpProj.apply(x, weights.w_up, weights.b_up, a_up, b_up, r, s_up, spec, train)
         return _DownProj.apply(h, a, tw, weights.w_down, weights.b_down, a_dn, b_dn, r, s_dn, spec, drop_invalid)
     h = _UpProj.apply(x, weights.w_up, weights.b_up, a_up, b_up, r, s_up, NONE, False)
@@ -91,8 +102,9 @@ class _UpProj(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_up, b_up, a_up, bl_up, r: Routing, s_up: float, spec: ActSpec, store_h: bool):
         fused = spec is not NONE
-        h, a, z_up = ops.up_proj(x, w_up, b_up, r, spec, store_h=fused and store_h,
-                                 lora=_forward_term(a_up, bl_up, s_up))
+        h, a, z_up = ops.up_proj(
+            x, w_up, b_up, r, spec, store_h=fused and store_h, lora=_forward_term(a_up, bl_up, s_up)
+        )
         ctx.save_for_backward(x, w_up, b_up, a_up, bl_up, z_up)
         ctx.r, ctx.s = r, s_up
         if not fused:
@@ -111,8 +123,18 @@ class _UpProj(torch.autograd.Function):
         x, w_up, b_up, a_up, bl_up, z_up = ctx.saved_tensors
         need = ctx.needs_input_grad
         dx, dw_up, db_up, da_up, dbl_up = _up_backward(
-            dh.contiguous(), x, w_up, b_up, (a_up, bl_up, ctx.s, z_up), ctx.r, need[0], need[1], need[2], need[3],
-            need[4])
+            dh.contiguous(),
+            x,
+            w_up,
+            b_up,
+            (a_up, bl_up, ctx.s, z_up),
+            ctx.r,
+            need[0],
+            need[1],
+            need[2],
+            need[3],
+            need[4],
+        )
         return dx, dw_up, db_up, da_up, dbl_up, None, None, None, None
 
 
@@ -126,8 +148,7 @@ class _DownProj(torch.autograd.Function):
     projection's ``a`` gets no zero gradient, round 28)."""
 
     @staticmethod
-    def forward(ctx, h, a, tw, w_down, b_down, a_dn, bl_dn, r: Routing, s_dn: float, spec: ActSpec,
-                drop_invalid: bool):
+    def forward(ctx, h, a, tw, w_down, b_down, a_dn, bl_dn, r: Routing, s_dn: float, spec: ActSpec, drop_invalid: bool):
         a = a.contiguous()
         out, z_dn = _down_forward(a, tw, w_down, b_down, r, drop_invalid, _forward_term(a_dn, bl_dn, s_dn))
         ctx.save_for_backward(a if spec is NONE else h, tw, w_down, b_down, a_dn, bl_dn, z_dn)
@@ -140,15 +161,16 @@ class _DownProj(torch.autograd.Function):
         h, tw, w_down, b_down, a_dn, bl_dn, z_dn = ctx.saved_tensors
         need = ctx.needs_input_grad
         dh, d_tw, dw_down, db_down, da_dn, dbl_dn = _down_backward(
-            dout, h, tw, w_down, b_down, (a_dn, bl_dn, ctx.s, z_dn), ctx.r, ctx.spec, need[3], need[4], need[5],
-            need[6])
+            dout, h, tw, w_down, b_down, (a_dn, bl_dn, ctx.s, z_dn), ctx.r, ctx.spec, need[3], need[4], need[5], need[6]
+        )
         d_inputs = (None, dh) if ctx.spec is NONE else (dh, None)
         d_tw = d_tw.to(tw.dtype) if need[2] else None
         return *d_inputs, d_tw, dw_down, db_down, da_dn, dbl_dn, None, None, None, None
 
 
-def _down_forward(a: Tensor, tw: Tensor, w_down: Tensor, b_down: Tensor | None, r: Routing, drop_invalid: bool,
-                  lora: LoRATerm | None) -> tuple[Tensor, Tensor | None]:
+def _down_forward(
+    a: Tensor, tw: Tensor, w_down: Tensor, b_down: Tensor | None, r: Routing, drop_invalid: bool, lora: LoRATerm | None
+) -> tuple[Tensor, Tensor | None]:
     return ops.down_combine(a, w_down, b_down, tw, r, None if drop_invalid else tw, lora)
 
 
@@ -164,8 +186,16 @@ def _down_backward(dout, h, tw, w_down, b_down, lora, r, spec, need_w, need_b, n
     dh, aw, d_tw, g_dn = ops.act_grad(dout, w_down, b_down, h, tw, r, spec, _input_grad_term(a_dn, bl_dn, s))
     dw = db = da = None
     if need_w or need_b:
-        dw, db = ops.wgrad(dout, aw, lhs_by_token=True, rhs_by_token=False, scale=tw if need_b else None, r=r,
-                           like_w=w_down, like_b=b_down if need_b else None)
+        dw, db = ops.wgrad(
+            dout,
+            aw,
+            lhs_by_token=True,
+            rhs_by_token=False,
+            scale=tw if need_b else None,
+            r=r,
+            like_w=w_down,
+            like_b=b_down if need_b else None,
+        )
     if need_a:  # dA_e = s (w * dout B_e)^T a = s (dout B_e)^T (w a)
         da = _thin_wgrad(g_dn, aw, False, False, r, a_dn, s)
     if need_bl:
@@ -185,8 +215,9 @@ def _up_backward(dh, x, w_up, b_up, lora, r, need_x, need_w, need_b, need_a, nee
     elif need_a and g_up is None:
         g_up = ops.low_rank_rows(dh, bl_up, r, gather=False)
     if need_w or need_b:
-        dw, db = ops.wgrad(dh, x, lhs_by_token=False, rhs_by_token=True, scale=None, r=r, like_w=w_up,
-                           like_b=b_up if need_b else None)
+        dw, db = ops.wgrad(
+            dh, x, lhs_by_token=False, rhs_by_token=True, scale=None, r=r, like_w=w_up, like_b=b_up if need_b else None
+        )
     if need_a:  # dA_e = s (d_h B_e)^T x
         da = _thin_wgrad(g_up, x, False, True, r, a_up, s)
     if need_bl and dbl is None:  # dB_e = s d_h^T (x A_e^T)
@@ -202,13 +233,23 @@ def _one_pass(b: Tensor | None, r: Routing) -> bool:
     together faster than one pass, whose programs each read ``d out`` for one expert only (H200, r = 16:
     0.30 against 0.34 ms at qwen3.5-35b-a3b, 0.28 against 0.32 at qwen3-30b-a3b; over ``d_h`` one pass
     stays faster, 0.19 against 0.27 and 0.27 against 0.38; ``benchmarks/NOTES.md``, round 20)."""
-    return (b is not None and LoRATerm.mode() == LORA_SPLIT
-            and ops.wgrad_rows_fits(r.num_pairs, b.shape[1], b.shape[2]))
+    return b is not None and LoRATerm.mode() == LORA_SPLIT and ops.wgrad_rows_fits(r.num_pairs, b.shape[1], b.shape[2])
 
 
-def _thin_wgrad(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, r: Routing, like: Tensor,
-                s: float) -> Tensor:
+def _thin_wgrad(
+    lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, r: Routing, like: Tensor, s: float
+) -> Tensor:
     """``s * lhs[rows of e]^T @ rhs[rows of e]`` shaped like the LoRA factor ``like`` (an operand
     ``*_by_token`` is ``[T, *]`` read at each row's token, else ``[N, *]`` in sorted rows)."""
-    return ops.wgrad(lhs, rhs, lhs_by_token=lhs_by_token, rhs_by_token=rhs_by_token, scale=None, r=r,
-                     like_w=like, like_b=None, low_rank=True, alpha=s)[0]
+    return ops.wgrad(
+        lhs,
+        rhs,
+        lhs_by_token=lhs_by_token,
+        rhs_by_token=rhs_by_token,
+        scale=None,
+        r=r,
+        like_w=like,
+        like_b=None,
+        low_rank=True,
+        alpha=s,
+    )[0]

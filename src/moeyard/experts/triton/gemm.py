@@ -3,6 +3,7 @@ expert's weight ``B``, with the row gather folded into the A loads (rows given a
 
 Loads use 64-bit row offsets (``T * K * H`` may exceed 2**31). ``tl.dot`` accumulates in float32.
 """
+
 import triton
 import triton.language as tl
 
@@ -10,22 +11,29 @@ from .schedule import band_tile, expert_tile
 
 
 @triton.jit
-def gathered_mainloop(acc_g, acc_u, acc_z,
-                      a_ptr,       # A base pointer (any float dtype); row r's element k at a_ptr + r_off + k * stride_ak
-                      a_row_off,   # [BM] int64 element offsets of the A rows (gathered or sorted)
-                      m_mask,      # [BM] bool, rows that exist
-                      stride_ak,
-                      b_ptr,       # one expert's B: element (k, col) at b_ptr + col_off + k * stride_bk
-                      b_off_g,     # [BN] int64 column offsets of B for acc_g
-                      b_off_u,     # [BN] int64 column offsets of B for acc_u (read when DUAL)
-                      n_mask,      # [BN] bool, columns that exist
-                      stride_bk,
-                      la_ptr,      # one expert's LoRA factor L [K, R]: element (k, j) at la_ptr + la_off_r[j] + k * stride_lak
-                      la_off_r,    # [RP] int64 offsets of L's rank columns (read when LORA_FUSED)
-                      r_mask,      # [RP] bool, rank columns that exist
-                      stride_lak,
-                      K,           # reduction length
-                      BK: tl.constexpr, DUAL: tl.constexpr, LORA_FUSED: tl.constexpr, PRECISION: tl.constexpr):
+def gathered_mainloop(
+    acc_g,
+    acc_u,
+    acc_z,
+    a_ptr,  # A base pointer (any float dtype); row r's element k at a_ptr + r_off + k * stride_ak
+    a_row_off,  # [BM] int64 element offsets of the A rows (gathered or sorted)
+    m_mask,  # [BM] bool, rows that exist
+    stride_ak,
+    b_ptr,  # one expert's B: element (k, col) at b_ptr + col_off + k * stride_bk
+    b_off_g,  # [BN] int64 column offsets of B for acc_g
+    b_off_u,  # [BN] int64 column offsets of B for acc_u (read when DUAL)
+    n_mask,  # [BN] bool, columns that exist
+    stride_bk,
+    la_ptr,  # one expert's LoRA factor L [K, R]: element (k, j) at la_ptr + la_off_r[j] + k * stride_lak
+    la_off_r,  # [RP] int64 offsets of L's rank columns (read when LORA_FUSED)
+    r_mask,  # [RP] bool, rank columns that exist
+    stride_lak,
+    K,  # reduction length
+    BK: tl.constexpr,
+    DUAL: tl.constexpr,
+    LORA_FUSED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Returns ``(acc_g, acc_u, acc_z)`` after the K loop; ``acc_u`` is only updated when ``DUAL``
     (gated layers: the gate and up columns of the same output tile share the A loads) and
     ``acc_z [BM, RP] += A @ L`` only when ``LORA_FUSED`` (the LoRA down-projection of the same rows,
@@ -54,10 +62,23 @@ def gathered_mainloop(acc_g, acc_u, acc_z,
 
 
 @triton.jit
-def gathered_mainloop_tma_b(acc_g, acc_u, a_ptr, a_row_off, m_mask, stride_ak,
-                            b_desc,      # descriptor of B [E, NB, K] (unit stride along K), boxes [1, BN, BK]
-                            e, col_g0, col_u0,  # B rows col_g0 ... (acc_g) and col_u0 ... (acc_u, when DUAL)
-                            K, BN: tl.constexpr, BK: tl.constexpr, DUAL: tl.constexpr, PRECISION: tl.constexpr):
+def gathered_mainloop_tma_b(
+    acc_g,
+    acc_u,
+    a_ptr,
+    a_row_off,
+    m_mask,
+    stride_ak,
+    b_desc,  # descriptor of B [E, NB, K] (unit stride along K), boxes [1, BN, BK]
+    e,
+    col_g0,
+    col_u0,  # B rows col_g0 ... (acc_g) and col_u0 ... (acc_u, when DUAL)
+    K,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    DUAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """:func:`gathered_mainloop` (no fused LoRA) with B's tiles loaded through a TMA descriptor: boxes
     past B's rows or K are zero-filled; columns past the output's end are computed and not stored."""
     ks = tl.arange(0, BK)
@@ -91,20 +112,31 @@ def lora_z(acc_z, z_ptr, rows, m_mask, R, pid_n, RP: tl.constexpr, LORA: tl.cons
 
 
 @triton.jit
-def lora_epilogue(acc, z, lb_ptr, col_off, n_mask, stride_lbr, R, scale, PRECISION: tl.constexpr,
-                  RP: tl.constexpr):
+def lora_epilogue(acc, z, lb_ptr, col_off, n_mask, stride_lbr, R, scale, PRECISION: tl.constexpr, RP: tl.constexpr):
     """``acc [BM, BN] += scale * z [BM, RP] @ Lb[cols, :]^T`` for one expert's LoRA factor ``Lb``:
     element (col, j) at ``lb_ptr + col_off[col] + j * stride_lbr``. ``scale * z`` is rounded to the
     factor's dtype for the tensor-core product (float32 accumulation)."""
     r_offs = tl.arange(0, RP)
-    lb = tl.load(lb_ptr + col_off[None, :] + r_offs[:, None].to(tl.int64) * stride_lbr,
-                 mask=(r_offs < R)[:, None] & n_mask[None, :], other=0.0)  # [RP, BN]
+    lb = tl.load(
+        lb_ptr + col_off[None, :] + r_offs[:, None].to(tl.int64) * stride_lbr,
+        mask=(r_offs < R)[:, None] & n_mask[None, :],
+        other=0.0,
+    )  # [RP, BN]
     return tl.dot((z * scale).to(lb.dtype), lb, acc, input_precision=PRECISION)
 
 
 @triton.jit
-def sorted_rows(pid_m, offsets_ptr, sort_order_ptr, E, top_k, band_bits, BM: tl.constexpr, E_P2: tl.constexpr,
-                BAND: tl.constexpr = False):
+def sorted_rows(
+    pid_m,
+    offsets_ptr,
+    sort_order_ptr,
+    E,
+    top_k,
+    band_bits,
+    BM: tl.constexpr,
+    E_P2: tl.constexpr,
+    BAND: tl.constexpr = False,
+):
     """The rows of row tile ``pid_m``: ``(e, rows, m_mask, pair, token)`` with ``rows`` [BM] int64
     sorted positions, ``pair`` the flat pair index and ``token = pair // top_k`` (masked rows: 0).
     ``e >= E``: the tile does not exist. ``BAND``: tiles in band-major order (:func:`.schedule.band_tile`,
@@ -121,15 +153,26 @@ def sorted_rows(pid_m, offsets_ptr, sort_order_ptr, E, top_k, band_bits, BM: tl.
 
 
 @triton.jit
-def row_col_tile(NC, offsets_ptr, sort_order_ptr, E, top_k, BM: tl.constexpr, BN: tl.constexpr,
-                 E_P2: tl.constexpr, band_bits=0, BAND: tl.constexpr = False):
+def row_col_tile(
+    NC,
+    offsets_ptr,
+    sort_order_ptr,
+    E,
+    top_k,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    E_P2: tl.constexpr,
+    band_bits=0,
+    BAND: tl.constexpr = False,
+):
     """This program's (row tile, column tile) of a grouped GEMM over sorted rows with ``NC`` output
     columns: ``(e, rows, m_mask, pair, token, cols, n_mask)`` (see :func:`sorted_rows`); ``e >= E``:
     the tile does not exist and the program should exit."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(NC, BN)
-    e, rows, m_mask, pair, token = sorted_rows(pid // n_tiles, offsets_ptr, sort_order_ptr, E, top_k, band_bits,
-                                               BM, E_P2, BAND)
+    e, rows, m_mask, pair, token = sorted_rows(
+        pid // n_tiles, offsets_ptr, sort_order_ptr, E, top_k, band_bits, BM, E_P2, BAND
+    )
     cols = (pid % n_tiles) * BN + tl.arange(0, BN)
     return e, rows, m_mask, pair, token, cols, cols < NC
 

@@ -6,6 +6,7 @@ deterministic, no atomics). The input gradient reuses
 
 Legend as in :mod:`.kernels_fwd`.
 """
+
 import triton
 import triton.language as tl
 
@@ -16,32 +17,60 @@ from .schedule import expert_piece, expert_slots
 
 @triton.jit
 def dh_kernel(
-    dout_ptr,         # [T, H] output-gradient dtype, strides (stride_dt, stride_dh)
-    w_ptr,            # [E, H, I] down weight, strides (stride_we, stride_wh, stride_wi)
-    b_ptr,            # [E, H] down bias, strides (stride_be, stride_bh); read if HAS_BIAS
-    h_ptr,            # [N, N1] input dtype, contiguous: pre-activation rows, sorted
-    tw_ptr,           # [N] routing weight of each pair (any float dtype), by pair
-    sort_order_ptr,   # [N] int64: sorted position -> flat pair index
-    offsets_ptr,      # [E + 1] int32: expert_offsets
-    dh_ptr,           # [N, N1] input dtype, contiguous: d loss / d h, sorted (out)
-    aw_ptr,           # [N, I] input dtype, contiguous: w * act(h), sorted (out)
-    dw_ptr,           # [n_col_tiles_max, N] float32, zero-filled: partial d loss / d w by (column tile, pair) (out)
-    la_ptr,           # [E, H, R] LoRA factor La = B_down (input dtype), strides (stride_lae, stride_lak, stride_lar)
-    lb_ptr,           # [E, I, R] LoRA factor Lb = A_down^T (input dtype), strides (stride_lbe, stride_lbn, stride_lbr)
-    z_ptr,            # [N, R] input dtype, contiguous: dout[token] @ B_down_e, sorted (read if LORA == 1, written if 2)
-    H, I, N1, N, E, top_k, R,
-    stride_dt, stride_dh, stride_we, stride_wh, stride_wi, stride_be, stride_bh,
-    stride_lae, stride_lak, stride_lar, stride_lbe, stride_lbn, stride_lbr,
-    gate_step, up_offset, alpha, limit, lora_scale,
-    ACT: tl.constexpr, DUAL: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr, RP: tl.constexpr,
-    PRECISION: tl.constexpr, E_P2: tl.constexpr, PREFETCH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    dout_ptr,  # [T, H] output-gradient dtype, strides (stride_dt, stride_dh)
+    w_ptr,  # [E, H, I] down weight, strides (stride_we, stride_wh, stride_wi)
+    b_ptr,  # [E, H] down bias, strides (stride_be, stride_bh); read if HAS_BIAS
+    h_ptr,  # [N, N1] input dtype, contiguous: pre-activation rows, sorted
+    tw_ptr,  # [N] routing weight of each pair (any float dtype), by pair
+    sort_order_ptr,  # [N] int64: sorted position -> flat pair index
+    offsets_ptr,  # [E + 1] int32: expert_offsets
+    dh_ptr,  # [N, N1] input dtype, contiguous: d loss / d h, sorted (out)
+    aw_ptr,  # [N, I] input dtype, contiguous: w * act(h), sorted (out)
+    dw_ptr,  # [n_col_tiles_max, N] float32, zero-filled: partial d loss / d w by (column tile, pair) (out)
+    la_ptr,  # [E, H, R] LoRA factor La = B_down (input dtype), strides (stride_lae, stride_lak, stride_lar)
+    lb_ptr,  # [E, I, R] LoRA factor Lb = A_down^T (input dtype), strides (stride_lbe, stride_lbn, stride_lbr)
+    z_ptr,  # [N, R] input dtype, contiguous: dout[token] @ B_down_e, sorted (read if LORA == 1, written if 2)
+    H,
+    I,
+    N1,
+    N,
+    E,
+    top_k,
+    R,
+    stride_dt,
+    stride_dh,
+    stride_we,
+    stride_wh,
+    stride_wi,
+    stride_be,
+    stride_bh,
+    stride_lae,
+    stride_lak,
+    stride_lar,
+    stride_lbe,
+    stride_lbn,
+    stride_lbr,
+    gate_step,
+    up_offset,
+    alpha,
+    limit,
+    lora_scale,
+    ACT: tl.constexpr,
+    DUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    LORA: tl.constexpr,
+    RP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    E_P2: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
     BK: tl.constexpr,
 ):
     """``g = dout[token] @ W_down[e] (+ s (dout[token] @ B_e) A_e)``; ``d_a = w * g``;
     ``d_h = act'(h) * d_a``; ``d_w = g . act(h) (+ dout[token] . b_down[e])`` split over column tiles.
     ``PREFETCH``: the tile's ``h`` rows are prefetched into L2 before the main loop (:func:`_prefetch_h`)."""
-    e, rows, m_mask, pair, token, cols, n_mask = row_col_tile(
-        I, offsets_ptr, sort_order_ptr, E, top_k, BM, BN, E_P2)
+    e, rows, m_mask, pair, token, cols, n_mask = row_col_tile(I, offsets_ptr, sort_order_ptr, E, top_k, BM, BN, E_P2)
     if e >= E:
         return
     e64 = e.to(tl.int64)
@@ -53,29 +82,109 @@ def dh_kernel(
     acc = tl.zeros((BM, BN), tl.float32)
     acc_z = tl.zeros((BM, RP), tl.float32)
     acc, _, acc_z = gathered_mainloop(
-        acc, acc, acc_z, dout_ptr, token * stride_dt, m_mask, stride_dh,
-        w_ptr + e64 * stride_we, col_off, col_off, n_mask, stride_wh,
-        la_ptr + e64 * stride_lae, r_offs.to(tl.int64) * stride_lar, r_offs < R, stride_lak, H,
-        BK, False, LORA == 2, PRECISION)
+        acc,
+        acc,
+        acc_z,
+        dout_ptr,
+        token * stride_dt,
+        m_mask,
+        stride_dh,
+        w_ptr + e64 * stride_we,
+        col_off,
+        col_off,
+        n_mask,
+        stride_wh,
+        la_ptr + e64 * stride_lae,
+        r_offs.to(tl.int64) * stride_lar,
+        r_offs < R,
+        stride_lak,
+        H,
+        BK,
+        False,
+        LORA == 2,
+        PRECISION,
+    )
     if LORA:
         z = lora_z(acc_z, z_ptr, rows, m_mask, R, pid_n, RP, LORA)
-        acc = lora_epilogue(acc, z, lb_ptr + e64 * stride_lbe, cols.to(tl.int64) * stride_lbn, n_mask, stride_lbr,
-                            R, lora_scale, PRECISION, RP)
+        acc = lora_epilogue(
+            acc,
+            z,
+            lb_ptr + e64 * stride_lbe,
+            cols.to(tl.int64) * stride_lbn,
+            n_mask,
+            stride_lbr,
+            R,
+            lora_scale,
+            PRECISION,
+            RP,
+        )
     w = tl.load(tw_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)[:, None]
     if BN >= 128:  # the epilogue in two column halves: half the live registers (no spills at wide tiles)
         acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
         cols0 = pid_n * BN + tl.arange(0, BN // 2)
-        d_w = _dh_epilogue(acc0, w, cols0, rows, m_mask, h_ptr, dh_ptr, aw_ptr, I, N1, gate_step, up_offset,
-                           alpha, limit, ACT, DUAL, PREFETCH)
-        d_w += _dh_epilogue(acc1, w, cols0 + BN // 2, rows, m_mask, h_ptr, dh_ptr, aw_ptr, I, N1, gate_step,
-                            up_offset, alpha, limit, ACT, DUAL, PREFETCH)
+        d_w = _dh_epilogue(
+            acc0,
+            w,
+            cols0,
+            rows,
+            m_mask,
+            h_ptr,
+            dh_ptr,
+            aw_ptr,
+            I,
+            N1,
+            gate_step,
+            up_offset,
+            alpha,
+            limit,
+            ACT,
+            DUAL,
+            PREFETCH,
+        )
+        d_w += _dh_epilogue(
+            acc1,
+            w,
+            cols0 + BN // 2,
+            rows,
+            m_mask,
+            h_ptr,
+            dh_ptr,
+            aw_ptr,
+            I,
+            N1,
+            gate_step,
+            up_offset,
+            alpha,
+            limit,
+            ACT,
+            DUAL,
+            PREFETCH,
+        )
     else:
-        d_w = _dh_epilogue(acc, w, cols, rows, m_mask, h_ptr, dh_ptr, aw_ptr, I, N1, gate_step, up_offset,
-                           alpha, limit, ACT, DUAL, PREFETCH)
+        d_w = _dh_epilogue(
+            acc,
+            w,
+            cols,
+            rows,
+            m_mask,
+            h_ptr,
+            dh_ptr,
+            aw_ptr,
+            I,
+            N1,
+            gate_step,
+            up_offset,
+            alpha,
+            limit,
+            ACT,
+            DUAL,
+            PREFETCH,
+        )
     if HAS_BIAS:
         if pid_n == 0:
-            d_w += _rows_dot_bias(dout_ptr, token * stride_dt, m_mask, stride_dh,
-                                  b_ptr + e64 * stride_be, stride_bh, H, BM, BK)
+            d_w += _rows_dot_bias(
+                dout_ptr, token * stride_dt, m_mask, stride_dh, b_ptr + e64 * stride_be, stride_bh, H, BM, BK
+            )
     tl.store(dw_ptr + pid_n.to(tl.int64) * N + pair, d_w, mask=m_mask)
 
 
@@ -83,8 +192,9 @@ def dh_kernel(
 def _prefetch_l2(ptrs):
     """``prefetch.global.L2::evict_last`` of every address in ``ptrs`` (PTX ISA 7.4+, sm_80+,
     "prefetch"): a hint, no result; the lines are kept ahead of streamed data until read."""
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2::evict_last [$1];", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        "mov.u32 $0, 0;\n\tprefetch.global.L2::evict_last [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
@@ -109,8 +219,25 @@ def _prefetch_h(h_ptr, rows, m_mask, c0, N1, gate_step, up_offset, DUAL: tl.cons
 
 
 @triton.jit
-def _dh_epilogue(acc, w, cols, rows, m_mask, h_ptr, dh_ptr, aw_ptr, I, N1, gate_step, up_offset, alpha, limit,
-                 ACT: tl.constexpr, DUAL: tl.constexpr, PREFETCHED: tl.constexpr):
+def _dh_epilogue(
+    acc,
+    w,
+    cols,
+    rows,
+    m_mask,
+    h_ptr,
+    dh_ptr,
+    aw_ptr,
+    I,
+    N1,
+    gate_step,
+    up_offset,
+    alpha,
+    limit,
+    ACT: tl.constexpr,
+    DUAL: tl.constexpr,
+    PREFETCHED: tl.constexpr,
+):
     """For the output columns ``cols`` of ``acc = dout[token] @ W_down[e]`` (``[BM, len(cols)]``
     float32) and routing weights ``w [BM, 1]``: store ``d_h`` and ``w * act(h)``; return this
     block's ``[BM]`` share of ``d w = sum_cols acc * act(h)``."""
@@ -140,8 +267,9 @@ def _rows_dot_bias(d_ptr, row_off, m_mask, stride_dh, b_ptr, stride_bh, H, BM: t
     for k0 in range(0, H, BK):
         ks = k0 + tl.arange(0, BK)
         k_mask = ks < H
-        d = tl.load(d_ptr + row_off[:, None] + ks[None, :] * stride_dh, mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0).to(tl.float32)
+        d = tl.load(
+            d_ptr + row_off[:, None] + ks[None, :] * stride_dh, mask=m_mask[:, None] & k_mask[None, :], other=0.0
+        ).to(tl.float32)
         b = tl.load(b_ptr + ks * stride_bh, mask=k_mask, other=0.0).to(tl.float32)
         acc += tl.sum(d * b[None, :], 1)
     return acc
@@ -149,23 +277,48 @@ def _rows_dot_bias(d_ptr, row_off, m_mask, stride_dh, b_ptr, stride_bh, H, BM: t
 
 @triton.jit
 def wgrad_kernel(
-    l_ptr,            # rows of L [*, NL]: row r's column n at l_ptr + r_off + n * stride_ln (input dtype)
-    r_ptr,            # rows of R [*, NR], likewise with stride_rn
-    scale_ptr,        # [N] routing weight by sorted row (any float dtype); read if DB_SCALE
-    token_ptr,        # [N] int32: sorted position -> token (sort_order // top_k)
-    offsets_ptr,      # [E + 1] int32: expert_offsets
-    dw_ptr,           # [E, NL, NR] weight gradient, strides (stride_de, stride_dl, stride_dr) (out)
-    db_ptr,           # [E, NL] bias gradient, strides (stride_be, stride_bl); written if HAS_DB (out)
-    part_ptr,         # [S, NL, NR] float32, contiguous: partial dW of split experts' chunks (out, if CHUNKED)
-    part_b_ptr,       # [S, NL] float32, contiguous: partial db likewise (out, if CHUNKED and HAS_DB)
-    f_ptr,            # [E, NL, NR] factor F, strides (stride_fe, stride_fl, stride_fr); read if ROWS
-    rows_ptr,         # [cdiv(NL, BN), N, NR] float32, contiguous: row-product partials by L tile (out, if ROWS)
-    NL, NR, E, chunk_rows, alpha,
-    stride_lm, stride_ln, stride_rm, stride_rn, stride_de, stride_dl, stride_dr, stride_be, stride_bl,
-    stride_fe, stride_fl, stride_fr, stride_pl,
-    L_GATHER: tl.constexpr, R_GATHER: tl.constexpr, HAS_DB: tl.constexpr, DB_SCALE: tl.constexpr,
-    CHUNKED: tl.constexpr, PRECISION: tl.constexpr, E_P2: tl.constexpr, TMA: tl.constexpr, ROWS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TILE_MAJOR: tl.constexpr = False,
+    l_ptr,  # rows of L [*, NL]: row r's column n at l_ptr + r_off + n * stride_ln (input dtype)
+    r_ptr,  # rows of R [*, NR], likewise with stride_rn
+    scale_ptr,  # [N] routing weight by sorted row (any float dtype); read if DB_SCALE
+    token_ptr,  # [N] int32: sorted position -> token (sort_order // top_k)
+    offsets_ptr,  # [E + 1] int32: expert_offsets
+    dw_ptr,  # [E, NL, NR] weight gradient, strides (stride_de, stride_dl, stride_dr) (out)
+    db_ptr,  # [E, NL] bias gradient, strides (stride_be, stride_bl); written if HAS_DB (out)
+    part_ptr,  # [S, NL, NR] float32, contiguous: partial dW of split experts' chunks (out, if CHUNKED)
+    part_b_ptr,  # [S, NL] float32, contiguous: partial db likewise (out, if CHUNKED and HAS_DB)
+    f_ptr,  # [E, NL, NR] factor F, strides (stride_fe, stride_fl, stride_fr); read if ROWS
+    rows_ptr,  # [cdiv(NL, BN), N, NR] float32, contiguous: row-product partials by L tile (out, if ROWS)
+    NL,
+    NR,
+    E,
+    chunk_rows,
+    alpha,
+    stride_lm,
+    stride_ln,
+    stride_rm,
+    stride_rn,
+    stride_de,
+    stride_dl,
+    stride_dr,
+    stride_be,
+    stride_bl,
+    stride_fe,
+    stride_fl,
+    stride_fr,
+    stride_pl,
+    L_GATHER: tl.constexpr,
+    R_GATHER: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    DB_SCALE: tl.constexpr,
+    CHUNKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    E_P2: tl.constexpr,
+    TMA: tl.constexpr,
+    ROWS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    TILE_MAJOR: tl.constexpr = False,
 ):
     """``dW[e] = alpha * L[rows of e]^T @ R[rows of e]`` and ``db[e] = alpha * sum_rows s * L`` (``s`` =
     routing weight with ``DB_SCALE``, else 1). A gathered operand is indexed by token, else by sorted row.
@@ -196,16 +349,21 @@ def wgrad_kernel(
     l_mask = cl < NL
     r_mask = cr < NR
     if TMA and not L_GATHER:
-        l_desc = tl.make_tensor_descriptor(l_ptr, shape=[tl.maximum(end, 1), NL], strides=[stride_lm, 1],
-                                           block_shape=[BM, BN])
+        l_desc = tl.make_tensor_descriptor(
+            l_ptr, shape=[tl.maximum(end, 1), NL], strides=[stride_lm, 1], block_shape=[BM, BN]
+        )
     if TMA and not R_GATHER:
-        r_desc = tl.make_tensor_descriptor(r_ptr, shape=[tl.maximum(end, 1), NR], strides=[stride_rm, 1],
-                                           block_shape=[BM, BK])
+        r_desc = tl.make_tensor_descriptor(
+            r_ptr, shape=[tl.maximum(end, 1), NR], strides=[stride_rm, 1], block_shape=[BM, BK]
+        )
     acc = tl.zeros((BN, BK), tl.float32)
     acc_b = tl.zeros((BN,), tl.float32)
     if ROWS:  # F_e's tile, read once
-        f = tl.load(f_ptr + e.to(tl.int64) * stride_fe + cl[:, None] * stride_fl + cr[None, :] * stride_fr,
-                    mask=l_mask[:, None] & r_mask[None, :], other=0.0)  # [BN, BK]
+        f = tl.load(
+            f_ptr + e.to(tl.int64) * stride_fe + cl[:, None] * stride_fl + cr[None, :] * stride_fr,
+            mask=l_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        )  # [BN, BK]
         rows_ptr += pid_l.to(tl.int64) * stride_pl
     # the gather index of the next row step is loaded one step ahead (a loop-carried value), so
     # Triton pipelines the gathered loads with all of num_stages' buffers; it is used as loaded (a
@@ -223,13 +381,19 @@ def wgrad_kernel(
         if TMA and not L_GATHER:
             lt = tl.trans(l_desc.load([r0, pid_l * BN]))  # [BN, BM]
         else:
-            lt = tl.load(l_ptr + l_rows[None, :] * stride_lm + cl[:, None] * stride_ln,
-                         mask=l_mask[:, None] & m_mask[None, :], other=0.0)  # [BN, BM]
+            lt = tl.load(
+                l_ptr + l_rows[None, :] * stride_lm + cl[:, None] * stride_ln,
+                mask=l_mask[:, None] & m_mask[None, :],
+                other=0.0,
+            )  # [BN, BM]
         if TMA and not R_GATHER:
             r = r_desc.load([r0, pid_r * BK])  # [BM, BK]
         else:
-            r = tl.load(r_ptr + r_rows[:, None] * stride_rm + cr[None, :] * stride_rn,
-                        mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BM, BK]
+            r = tl.load(
+                r_ptr + r_rows[:, None] * stride_rm + cr[None, :] * stride_rn,
+                mask=m_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )  # [BM, BK]
         acc = tl.dot(lt, r, acc, input_precision=PRECISION)
         if ROWS:
             p = tl.dot(tl.trans(lt), f, input_precision=PRECISION)  # [BM, BK]
@@ -248,20 +412,47 @@ def wgrad_kernel(
             if pid_r == 0:
                 tl.store(part_b_ptr + slot * NL + cl, acc_b, mask=l_mask)
     else:
-        _store_expert_grads(dw_ptr, db_ptr, e, acc * alpha, acc_b * alpha, cl, cr, mask, l_mask, pid_r,
-                            stride_de, stride_dl, stride_dr, stride_be, stride_bl, HAS_DB)
+        _store_expert_grads(
+            dw_ptr,
+            db_ptr,
+            e,
+            acc * alpha,
+            acc_b * alpha,
+            cl,
+            cr,
+            mask,
+            l_mask,
+            pid_r,
+            stride_de,
+            stride_dl,
+            stride_dr,
+            stride_be,
+            stride_bl,
+            HAS_DB,
+        )
 
 
 @triton.jit
 def wgrad_reduce_kernel(
-    part_ptr,         # [S, NL, NR] float32, contiguous: chunk partials of dW
-    part_b_ptr,       # [S, NL] float32, contiguous: chunk partials of db; read if HAS_DB
-    offsets_ptr,      # [E + 1] int32: expert_offsets
-    dw_ptr,           # [E, NL, NR] weight gradient, strides (stride_de, stride_dl, stride_dr) (out)
-    db_ptr,           # [E, NL] bias gradient, strides (stride_be, stride_bl); written if HAS_DB (out)
-    NL, NR, E, chunk_rows, alpha,
-    stride_de, stride_dl, stride_dr, stride_be, stride_bl,
-    HAS_DB: tl.constexpr, E_P2: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    part_ptr,  # [S, NL, NR] float32, contiguous: chunk partials of dW
+    part_b_ptr,  # [S, NL] float32, contiguous: chunk partials of db; read if HAS_DB
+    offsets_ptr,  # [E + 1] int32: expert_offsets
+    dw_ptr,  # [E, NL, NR] weight gradient, strides (stride_de, stride_dl, stride_dr) (out)
+    db_ptr,  # [E, NL] bias gradient, strides (stride_be, stride_bl); written if HAS_DB (out)
+    NL,
+    NR,
+    E,
+    chunk_rows,
+    alpha,
+    stride_de,
+    stride_dl,
+    stride_dr,
+    stride_be,
+    stride_bl,
+    HAS_DB: tl.constexpr,
+    E_P2: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """``dW[e] = alpha * sum_j part[slot0 + j]`` in chunk order (deterministic) for every expert cut into
     more than one chunk; programs of the other experts exit at once."""
@@ -279,17 +470,52 @@ def wgrad_reduce_kernel(
         if HAS_DB:
             if pid_r == 0:  # the bias row is summed by the first column tile
                 acc_b += tl.load(part_b_ptr + slot * NL + cl, mask=l_mask, other=0.0)
-    _store_expert_grads(dw_ptr, db_ptr, e, acc * alpha, acc_b * alpha, cl, cr, mask, l_mask, pid_r,
-                        stride_de, stride_dl, stride_dr, stride_be, stride_bl, HAS_DB)
+    _store_expert_grads(
+        dw_ptr,
+        db_ptr,
+        e,
+        acc * alpha,
+        acc_b * alpha,
+        cl,
+        cr,
+        mask,
+        l_mask,
+        pid_r,
+        stride_de,
+        stride_dl,
+        stride_dr,
+        stride_be,
+        stride_bl,
+        HAS_DB,
+    )
 
 
 @triton.jit
-def _store_expert_grads(dw_ptr, db_ptr, e, acc, acc_b, cl, cr, mask, l_mask, pid_r,
-                        stride_de, stride_dl, stride_dr, stride_be, stride_bl, HAS_DB: tl.constexpr):
+def _store_expert_grads(
+    dw_ptr,
+    db_ptr,
+    e,
+    acc,
+    acc_b,
+    cl,
+    cr,
+    mask,
+    l_mask,
+    pid_r,
+    stride_de,
+    stride_dl,
+    stride_dr,
+    stride_be,
+    stride_bl,
+    HAS_DB: tl.constexpr,
+):
     """Store expert ``e``'s ``dW`` tile ``acc [BN, BK]`` (and, from the first R tile, ``db`` = ``acc_b [BN]``)."""
     e64 = e.to(tl.int64)
-    tl.store(dw_ptr + e64 * stride_de + cl[:, None] * stride_dl + cr[None, :] * stride_dr,
-             acc.to(dw_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        dw_ptr + e64 * stride_de + cl[:, None] * stride_dl + cr[None, :] * stride_dr,
+        acc.to(dw_ptr.dtype.element_ty),
+        mask=mask,
+    )
     if HAS_DB:
         if pid_r == 0:
             tl.store(db_ptr + e64 * stride_be + cl * stride_bl, acc_b.to(db_ptr.dtype.element_ty), mask=l_mask)

@@ -32,6 +32,7 @@ Operands (``N`` sorted rows, ``KA`` reduction, ``NY`` outputs, ``R`` rank, ``RP`
 A box past a tensor's end reads zeros, so the K tail, the last rows and the rank padding need no mask.
 Rows of a tile past its expert's end belong to the next expert: computed, not stored.
 """
+
 import functools
 
 import triton
@@ -77,8 +78,22 @@ def scaled_z(z_s, lora_scale, layout: gl.constexpr, dtype: gl.constexpr):
 
 
 @gluon.jit
-def load_lora(z_desc, lb_desc, z_bufs, lbg_bufs, lbu_bufs, lready, lempty, t, e, row0, col0, up_offset,
-              LB_KMAJOR: gl.constexpr, TWO_B: gl.constexpr):
+def load_lora(
+    z_desc,
+    lb_desc,
+    z_bufs,
+    lbg_bufs,
+    lbu_bufs,
+    lready,
+    lempty,
+    t,
+    e,
+    row0,
+    col0,
+    up_offset,
+    LB_KMAJOR: gl.constexpr,
+    TWO_B: gl.constexpr,
+):
     """A loader's LoRA boxes of tile ``t`` (expert ``e``, rows ``row0 ...``, columns ``col0 ...``) into slot
     ``t % 2`` of their ring once both consumers released it: ``z``, ``Lb``'s box (and, ``TWO_B``, its box at
     ``col0 + up_offset``, the up rows of a gated projection)."""
@@ -132,9 +147,30 @@ def _my_tiles(table_ptr, M, NY, BN: gl.constexpr):
 
 
 @gluon.jit
-def _loader(a_desc, w_desc, z_desc, lb_desc, a_bufs, w_bufs, z_bufs, lb_bufs, ready, empty, lready, lempty,
-            table_ptr, KA, NY, M, W_KMAJOR: gl.constexpr, LB_KMAJOR: gl.constexpr, LORA: gl.constexpr,
-            BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+def _loader(
+    a_desc,
+    w_desc,
+    z_desc,
+    lb_desc,
+    a_bufs,
+    w_bufs,
+    z_bufs,
+    lb_bufs,
+    ready,
+    empty,
+    lready,
+    lempty,
+    table_ptr,
+    KA,
+    NY,
+    M,
+    W_KMAJOR: gl.constexpr,
+    LB_KMAJOR: gl.constexpr,
+    LORA: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """The loader partition (one warp): a tile's LoRA boxes into slot ``t % 2`` of their ring once both
     consumers released it, then each K step's boxes into the next stage once both released that."""
     pid, nprog, n_tiles_n, my_tiles = _my_tiles(table_ptr, M, NY, BN)
@@ -158,10 +194,39 @@ def _loader(a_desc, w_desc, z_desc, lb_desc, a_bufs, w_bufs, z_bufs, lb_bufs, re
 
 
 @gluon.jit
-def _consumer(half, a_bufs, w_bufs, z_bufs, lb_bufs, ready, empty, lready, lempty, b_ptr, tw_ptr, sort_order_ptr,
-              offsets_ptr, y_ptr, table_ptr, N, KA, NY, E, M, stride_be, stride_bn, lora_scale,
-              W_KMAJOR: gl.constexpr, LB_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_WEIGHT: gl.constexpr,
-              LORA: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+def _consumer(
+    half,
+    a_bufs,
+    w_bufs,
+    z_bufs,
+    lb_bufs,
+    ready,
+    empty,
+    lready,
+    lempty,
+    b_ptr,
+    tw_ptr,
+    sort_order_ptr,
+    offsets_ptr,
+    y_ptr,
+    table_ptr,
+    N,
+    KA,
+    NY,
+    E,
+    M,
+    stride_be,
+    stride_bn,
+    lora_scale,
+    W_KMAJOR: gl.constexpr,
+    LB_KMAJOR: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_WEIGHT: gl.constexpr,
+    LORA: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """A consumer partition (one warp group): rows ``64 half ... 64 half + 63`` of every tile. Each K step's MMA
     runs with one in flight; the stage the previous one read goes back to the loader. The stage index
     of the previous step is recomputed, not carried (a variable assigned only from another loop
@@ -222,17 +287,36 @@ def _consumer(half, a_bufs, w_bufs, z_bufs, lb_bufs, ready, empty, lready, lempt
 
 @gluon.jit
 def down_kernel(
-    a_desc, w_desc, z_desc, lb_desc,
-    b_ptr,            # [E, NY] bias (read if HAS_BIAS), strides (stride_be, stride_bn)
-    tw_ptr,           # [N] routing weight by pair (read if HAS_WEIGHT)
-    sort_order_ptr,   # [N] int64: sorted row -> pair
-    offsets_ptr,      # [E + 1] int32: expert_offsets
-    y_ptr,            # [N, NY] output by pair, contiguous (out)
-    table_ptr,        # [2 * M + 1] int32 tile table (ops.Routing.tile_table)
-    N, KA, NY, E, M, stride_be, stride_bn, lora_scale,
-    W_KMAJOR: gl.constexpr, LB_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_WEIGHT: gl.constexpr,
-    LORA: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, RP: gl.constexpr,
-    STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    a_desc,
+    w_desc,
+    z_desc,
+    lb_desc,
+    b_ptr,  # [E, NY] bias (read if HAS_BIAS), strides (stride_be, stride_bn)
+    tw_ptr,  # [N] routing weight by pair (read if HAS_WEIGHT)
+    sort_order_ptr,  # [N] int64: sorted row -> pair
+    offsets_ptr,  # [E + 1] int32: expert_offsets
+    y_ptr,  # [N, NY] output by pair, contiguous (out)
+    table_ptr,  # [2 * M + 1] int32 tile table (ops.Routing.tile_table)
+    N,
+    KA,
+    NY,
+    E,
+    M,
+    stride_be,
+    stride_bn,
+    lora_scale,
+    W_KMAJOR: gl.constexpr,
+    LB_KMAJOR: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_WEIGHT: gl.constexpr,
+    LORA: gl.constexpr,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    RP: gl.constexpr,
+    STAGES: gl.constexpr,
+    LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     """``y[pair] = w[pair] * (a[row] @ W[e].T + b[e] (+ s z[row] @ Lb_e^T with LORA))`` for every
     existing tile (see the module docstring); one program per SM, tiles ``pid, pid + programs, ...``;
@@ -261,24 +345,181 @@ def down_kernel(
     # the partitions' argument tuples are written out in the call: a constexpr inside a concatenated tuple
     # reaches the partition as a runtime value, and a tuple holding a function cannot be built (Triton 3.6)
     if CONSUMERS == 2:
-        gl.warp_specialize([
-            (_consumer, (0, a_bufs, w_bufs, z_bufs, lb_bufs, ready, empty, lready, lempty, b_ptr, tw_ptr,
-                         sort_order_ptr, offsets_ptr, y_ptr, table_ptr, N, KA, NY, E, M, stride_be, stride_bn,
-                         lora_scale, W_KMAJOR, LB_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, BN, BK, STAGES)),
-            (_consumer, (1, a_bufs, w_bufs, z_bufs, lb_bufs, ready, empty, lready, lempty, b_ptr, tw_ptr,
-                         sort_order_ptr, offsets_ptr, y_ptr, table_ptr, N, KA, NY, E, M, stride_be, stride_bn,
-                         lora_scale, W_KMAJOR, LB_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, BN, BK, STAGES)),
-            (_loader, (a_desc, w_desc, z_desc, lb_desc, a_bufs, w_bufs, z_bufs, lb_bufs, ready, empty, lready,
-                       lempty, table_ptr, KA, NY, M, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        0,
+                        a_bufs,
+                        w_bufs,
+                        z_bufs,
+                        lb_bufs,
+                        ready,
+                        empty,
+                        lready,
+                        lempty,
+                        b_ptr,
+                        tw_ptr,
+                        sort_order_ptr,
+                        offsets_ptr,
+                        y_ptr,
+                        table_ptr,
+                        N,
+                        KA,
+                        NY,
+                        E,
+                        M,
+                        stride_be,
+                        stride_bn,
+                        lora_scale,
+                        W_KMAJOR,
+                        LB_KMAJOR,
+                        HAS_BIAS,
+                        HAS_WEIGHT,
+                        LORA,
+                        BN,
+                        BK,
+                        STAGES,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        1,
+                        a_bufs,
+                        w_bufs,
+                        z_bufs,
+                        lb_bufs,
+                        ready,
+                        empty,
+                        lready,
+                        lempty,
+                        b_ptr,
+                        tw_ptr,
+                        sort_order_ptr,
+                        offsets_ptr,
+                        y_ptr,
+                        table_ptr,
+                        N,
+                        KA,
+                        NY,
+                        E,
+                        M,
+                        stride_be,
+                        stride_bn,
+                        lora_scale,
+                        W_KMAJOR,
+                        LB_KMAJOR,
+                        HAS_BIAS,
+                        HAS_WEIGHT,
+                        LORA,
+                        BN,
+                        BK,
+                        STAGES,
+                    ),
+                ),
+                (
+                    _loader,
+                    (
+                        a_desc,
+                        w_desc,
+                        z_desc,
+                        lb_desc,
+                        a_bufs,
+                        w_bufs,
+                        z_bufs,
+                        lb_bufs,
+                        ready,
+                        empty,
+                        lready,
+                        lempty,
+                        table_ptr,
+                        KA,
+                        NY,
+                        M,
+                        W_KMAJOR,
+                        LB_KMAJOR,
+                        LORA,
+                        BN,
+                        BK,
+                        STAGES,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, LOADER_REGS],
+        )
     else:
-        gl.warp_specialize([
-            (_consumer, (0, a_bufs, w_bufs, z_bufs, lb_bufs, ready, empty, lready, lempty, b_ptr, tw_ptr,
-                         sort_order_ptr, offsets_ptr, y_ptr, table_ptr, N, KA, NY, E, M, stride_be, stride_bn,
-                         lora_scale, W_KMAJOR, LB_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, BN, BK, STAGES)),
-            (_loader, (a_desc, w_desc, z_desc, lb_desc, a_bufs, w_bufs, z_bufs, lb_bufs, ready, empty, lready,
-                       lempty, table_ptr, KA, NY, M, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
-        ], [1], [LOADER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        0,
+                        a_bufs,
+                        w_bufs,
+                        z_bufs,
+                        lb_bufs,
+                        ready,
+                        empty,
+                        lready,
+                        lempty,
+                        b_ptr,
+                        tw_ptr,
+                        sort_order_ptr,
+                        offsets_ptr,
+                        y_ptr,
+                        table_ptr,
+                        N,
+                        KA,
+                        NY,
+                        E,
+                        M,
+                        stride_be,
+                        stride_bn,
+                        lora_scale,
+                        W_KMAJOR,
+                        LB_KMAJOR,
+                        HAS_BIAS,
+                        HAS_WEIGHT,
+                        LORA,
+                        BN,
+                        BK,
+                        STAGES,
+                    ),
+                ),
+                (
+                    _loader,
+                    (
+                        a_desc,
+                        w_desc,
+                        z_desc,
+                        lb_desc,
+                        a_bufs,
+                        w_bufs,
+                        z_bufs,
+                        lb_bufs,
+                        ready,
+                        empty,
+                        lready,
+                        lempty,
+                        table_ptr,
+                        KA,
+                        NY,
+                        M,
+                        W_KMAJOR,
+                        LB_KMAJOR,
+                        LORA,
+                        BN,
+                        BK,
+                        STAGES,
+                    ),
+                ),
+            ],
+            [1],
+            [LOADER_REGS],
+        )
 
 
 BN, BK = 256, 64  # the measured tile (as the Triton kernel's best config)
@@ -311,6 +552,7 @@ def ready(rows, w, lb, z, rp: int, block_m: int) -> bool:
 
     from .kernels_tma import rows_tma_ready, tma_ready, weight_tma_ready
     from .schedule import is_sm90
+
     if not (is_sm90(rows.device) and block_m in (64, 128)):
         return False
     if rows.dtype not in (torch.bfloat16, torch.float16) or not tma_ready(rows, w):
@@ -320,16 +562,37 @@ def ready(rows, w, lb, z, rp: int, block_m: int) -> bool:
     if lb is None:
         return True
     lb_ok = weight_tma_ready(lb) if lb.stride(2) == 1 else weight_tma_ready(lb.mT)
-    return (z.dtype == rows.dtype and lb.dtype == rows.dtype and rows_tma_ready(z) and z.is_contiguous() and lb_ok
-            and rp <= MAX_RP)
+    return (
+        z.dtype == rows.dtype
+        and lb.dtype == rows.dtype
+        and rows_tma_ready(z)
+        and z.is_contiguous()
+        and lb_ok
+        and rp <= MAX_RP
+    )
 
 
-def launch(rows, w, b, topk_weights, sort_order, expert_offsets, y, lb, z, table, lora_scale: float, rp: int,
-           block_m: int, num_sms: int) -> None:
+def launch(
+    rows,
+    w,
+    b,
+    topk_weights,
+    sort_order,
+    expert_offsets,
+    y,
+    lb,
+    z,
+    table,
+    lora_scale: float,
+    rp: int,
+    block_m: int,
+    num_sms: int,
+) -> None:
     """:func:`down_kernel` over the tile ``table`` (rows of ``block_m``); one program per SM at
     most. Arguments as ``kernels_tma.down_tma_kernel``'s; :func:`ready` must hold (``lb`` and ``z``
     None: no LoRA term)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     E, NY, KA = w.shape
     N = rows.shape[0]
     M = table.shape[0] // 2
@@ -345,16 +608,48 @@ def launch(rows, w, b, topk_weights, sort_order, expert_offsets, y, lb, z, table
         z_d = TensorDescriptor(z, [N, R], [R, 1], [block_m, rp], _layout(2, narrow))
         lb_kmajor = lb.stride(2) == 1
         lbt = lb if lb_kmajor else lb.mT
-        lb_d = TensorDescriptor(lbt, list(lbt.shape), list(lbt.stride()), [1, BN, rp] if lb_kmajor else [1, rp, BN],
-                                _layout(3, narrow) if lb_kmajor else wide)
+        lb_d = TensorDescriptor(
+            lbt,
+            list(lbt.shape),
+            list(lbt.stride()),
+            [1, BN, rp] if lb_kmajor else [1, rp, BN],
+            _layout(3, narrow) if lb_kmajor else wide,
+        )
     bb = w if b is None else b
     grid = (min(M * -(-NY // BN), num_sms),)
     down_kernel[grid](
-        a_d, w_d, z_d, lb_d, bb, rows if topk_weights is None else topk_weights, sort_order, expert_offsets, y,
-        table, N, KA, NY, E, M, bb.stride(0), bb.stride(-1), lora_scale,
-        W_KMAJOR=w_kmajor, LB_KMAJOR=lb_kmajor, HAS_BIAS=b is not None, HAS_WEIGHT=topk_weights is not None,
-        LORA=lb is not None, BM=block_m, BN=BN, BK=BK, RP=rp, STAGES=stages(rp if lb is not None else 0),
-        LOADER_REGS=LOADER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+        a_d,
+        w_d,
+        z_d,
+        lb_d,
+        bb,
+        rows if topk_weights is None else topk_weights,
+        sort_order,
+        expert_offsets,
+        y,
+        table,
+        N,
+        KA,
+        NY,
+        E,
+        M,
+        bb.stride(0),
+        bb.stride(-1),
+        lora_scale,
+        W_KMAJOR=w_kmajor,
+        LB_KMAJOR=lb_kmajor,
+        HAS_BIAS=b is not None,
+        HAS_WEIGHT=topk_weights is not None,
+        LORA=lb is not None,
+        BM=block_m,
+        BN=BN,
+        BK=BK,
+        RP=rp,
+        STAGES=stages(rp if lb is not None else 0),
+        LOADER_REGS=LOADER_REGS,
+        CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=4,
+    )
 
 
 @triton.constexpr_function
@@ -365,10 +660,13 @@ def store_layout(bm: int, bn: int, warps: int):
     and ``+ 8``) with two lane bits (columns 2, 4) swapped for two register bits (columns 8, 16), so the
     conversion stays within each warp (no block-wide shared-memory buffer)."""
     cols = [[0, 1 << i] for i in range(5, bn.bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + cols,
-                                      lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-                                      warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)],
-                                      block_bases=[], shape=[bm, bn])
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + cols,
+        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)],
+        block_bases=[],
+        shape=[bm, bn],
+    )
 
 
 @functools.cache

@@ -37,6 +37,7 @@ Operands (``N`` sorted rows, ``K`` reduction, ``NA`` output columns, ``N1 = 2 NA
   ``[1, BN, RP]``) or ``[E, R, N1]`` (boxes ``[1, RP, BN]``).
 Rows of a tile past its expert's end are computed on zeros and not stored.
 """
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -67,17 +68,50 @@ _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinter
 
 
 @gluon.jit
-def _loader(x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready,
-            empty, lready, lempty, sort_order_ptr, offsets_ptr, table_ptr, K, NA, E, M, top_k, stride_xt, up_offset,
-            DUAL: gl.constexpr, DH: gl.constexpr, W_KMAJOR: gl.constexpr,
-            LB_KMAJOR: gl.constexpr, LORA: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-            STAGES: gl.constexpr, WARPS: gl.constexpr):
+def _loader(
+    x_ptr,
+    w_desc,
+    z_desc,
+    lb_desc,
+    h_desc,
+    x_bufs,
+    wg_bufs,
+    wu_bufs,
+    z_bufs,
+    lbg_bufs,
+    lbu_bufs,
+    ready,
+    empty,
+    lready,
+    lempty,
+    sort_order_ptr,
+    offsets_ptr,
+    table_ptr,
+    K,
+    NA,
+    E,
+    M,
+    top_k,
+    stride_xt,
+    up_offset,
+    DUAL: gl.constexpr,
+    DH: gl.constexpr,
+    W_KMAJOR: gl.constexpr,
+    LB_KMAJOR: gl.constexpr,
+    LORA: gl.constexpr,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    WARPS: gl.constexpr,
+):
     """The loader partition: per tile, its LoRA boxes into slot ``t % 2`` once both consumers released it,
     the rows' tokens, then each K step's weight boxes (TMA) and gathered rows (``cp.async``) into the next
     stage once both consumers released that; dh: then the tile's ``h`` boxes (:func:`_load_h`)."""
     TWO_B: gl.constexpr = DUAL and not DH  # the up projection's gate and up boxes
-    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 * 8 // BK, BK // 8],
-                                        warps_per_cta=[WARPS, 1], order=[1, 0])
+    ld: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 8], threads_per_warp=[32 * 8 // BK, BK // 8], warps_per_cta=[WARPS, 1], order=[1, 0]
+    )
     pid, nprog, n_tiles_n, my_tiles = _my_tiles(table_ptr, M, NA, BN)
     k_steps = gl.cdiv(K, BK)
     ks = gl.arange(0, BK, gl.SliceLayout(0, ld))
@@ -86,8 +120,22 @@ def _loader(x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_
     for t in range(my_tiles):
         e, row0, col0 = _tile_of(t, pid, nprog, n_tiles_n, table_ptr, M, BN)
         if LORA:
-            load_lora(z_desc, lb_desc, z_bufs, lbg_bufs, lbu_bufs, lready, lempty, t, e, row0, col0, up_offset,
-                      LB_KMAJOR, TWO_B)
+            load_lora(
+                z_desc,
+                lb_desc,
+                z_bufs,
+                lbg_bufs,
+                lbu_bufs,
+                lready,
+                lempty,
+                t,
+                e,
+                row0,
+                col0,
+                up_offset,
+                LB_KMAJOR,
+                TWO_B,
+            )
         rows = row0 + gl.arange(0, BM, gl.SliceLayout(1, ld))
         ok = rows < gl.load(offsets_ptr + gl.minimum(e, E - 1) + 1)
         pair = gl.load(sort_order_ptr + rows, mask=ok, other=0)
@@ -107,8 +155,7 @@ def _loader(x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_
             async_copy.mbarrier_arrive(bar, increment_count=False)
             s, phase = next_stage(s, phase, STAGES)
         if DH:
-            s, phase = _load_h(h_desc, x_bufs, wg_bufs, ready, empty, s, phase, row0, col0, up_offset, DUAL, BN,
-                               STAGES)
+            s, phase = _load_h(h_desc, x_bufs, wg_bufs, ready, empty, s, phase, row0, col0, up_offset, DUAL, BN, STAGES)
 
 
 @gluon.jit
@@ -123,8 +170,21 @@ def _h_up_view(wg_bufs, x_bufs, s):
 
 
 @gluon.jit
-def _load_h(h_desc, x_bufs, wg_bufs, ready, empty, s, phase, row0, col0, up_offset, DUAL: gl.constexpr,
-            BN: gl.constexpr, STAGES: gl.constexpr):
+def _load_h(
+    h_desc,
+    x_bufs,
+    wg_bufs,
+    ready,
+    empty,
+    s,
+    phase,
+    row0,
+    col0,
+    up_offset,
+    DUAL: gl.constexpr,
+    BN: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """dh: the tile's ``h`` rows as ``BN / BK`` more entries of the ring, after its last K step: entry ``q``
     holds the gate's columns ``col0 + q BK ...`` (in the rows buffer) and the up's (in the weight buffer,
     :func:`_h_up_view`), ``[BM, BK]`` boxes each. So they land while the consumers run the tile's last K
@@ -144,12 +204,51 @@ def _load_h(h_desc, x_bufs, wg_bufs, ready, empty, s, phase, row0, col0, up_offs
 
 
 @gluon.jit
-def _consumer(half, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready, empty, lready, lempty, b_ptr, h_ptr,
-              a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA, N1, N, E, M, stride_be,
-              stride_bn, up_offset, alpha, limit, lora_scale, ACT: gl.constexpr, DUAL: gl.constexpr,
-              DH: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_H: gl.constexpr,
-              W_KMAJOR: gl.constexpr, LB_KMAJOR: gl.constexpr, LORA: gl.constexpr, BN: gl.constexpr,
-              BK: gl.constexpr, STAGES: gl.constexpr):
+def _consumer(
+    half,
+    x_bufs,
+    wg_bufs,
+    wu_bufs,
+    z_bufs,
+    lbg_bufs,
+    lbu_bufs,
+    ready,
+    empty,
+    lready,
+    lempty,
+    b_ptr,
+    h_ptr,
+    a_ptr,
+    dh_ptr,
+    tw_ptr,
+    dw_ptr,
+    sort_order_ptr,
+    offsets_ptr,
+    table_ptr,
+    K,
+    NA,
+    N1,
+    N,
+    E,
+    M,
+    stride_be,
+    stride_bn,
+    up_offset,
+    alpha,
+    limit,
+    lora_scale,
+    ACT: gl.constexpr,
+    DUAL: gl.constexpr,
+    DH: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    STORE_H: gl.constexpr,
+    W_KMAJOR: gl.constexpr,
+    LB_KMAJOR: gl.constexpr,
+    LORA: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """A consumer partition (one warp group): rows ``64 half ... 64 half + 63`` of every tile (see the
     module docstring). As in :mod:`.kernels_gluon`, the previous step's stage index is recomputed, not
     carried."""
@@ -206,19 +305,83 @@ def _consumer(half, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready,
             acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
         mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)  # the tile's last stage
         if DH:
-            s, phase = _dh_epilogue(gl.convert_layout(acc_g, ST), w, pair, rows, ok, col0, x_bufs, wg_bufs, ready,
-                                    empty, s, phase, half, a_ptr, dh_ptr, dw_ptr, NA, N1, N, up_offset, alpha, limit,
-                                    ACT, DUAL, BN, STAGES)
+            s, phase = _dh_epilogue(
+                gl.convert_layout(acc_g, ST),
+                w,
+                pair,
+                rows,
+                ok,
+                col0,
+                x_bufs,
+                wg_bufs,
+                ready,
+                empty,
+                s,
+                phase,
+                half,
+                a_ptr,
+                dh_ptr,
+                dw_ptr,
+                NA,
+                N1,
+                N,
+                up_offset,
+                alpha,
+                limit,
+                ACT,
+                DUAL,
+                BN,
+                STAGES,
+            )
         else:
             cols = col0 + gl.arange(0, BN, gl.SliceLayout(0, ST))
-            _up_epilogue(gl.convert_layout(acc_g, ST), gl.convert_layout(acc_u, ST), e, rows,
-                         ok[:, None] & (cols < NA)[None, :], cols, b_ptr, h_ptr, a_ptr, NA, N1, stride_be, stride_bn,
-                         up_offset, alpha, limit, ACT, DUAL, HAS_BIAS, STORE_H)
+            _up_epilogue(
+                gl.convert_layout(acc_g, ST),
+                gl.convert_layout(acc_u, ST),
+                e,
+                rows,
+                ok[:, None] & (cols < NA)[None, :],
+                cols,
+                b_ptr,
+                h_ptr,
+                a_ptr,
+                NA,
+                N1,
+                stride_be,
+                stride_bn,
+                up_offset,
+                alpha,
+                limit,
+                ACT,
+                DUAL,
+                HAS_BIAS,
+                STORE_H,
+            )
 
 
 @gluon.jit
-def _up_epilogue(g, u, e, rows, mask, cols, b_ptr, h_ptr, a_ptr, NA, N1, stride_be, stride_bn, up_offset, alpha,
-                 limit, ACT: gl.constexpr, DUAL: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_H: gl.constexpr):
+def _up_epilogue(
+    g,
+    u,
+    e,
+    rows,
+    mask,
+    cols,
+    b_ptr,
+    h_ptr,
+    a_ptr,
+    NA,
+    N1,
+    stride_be,
+    stride_bn,
+    up_offset,
+    alpha,
+    limit,
+    ACT: gl.constexpr,
+    DUAL: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    STORE_H: gl.constexpr,
+):
     """Bias, rounding to the stored dtype (backward recomputes the activation from the stored ``h``), ``h``
     and ``a = act(h)`` stored by sorted row (``g``, ``u``: the gate and up tiles in the store layout)."""
     if HAS_BIAS:
@@ -238,9 +401,34 @@ def _up_epilogue(g, u, e, rows, mask, cols, b_ptr, h_ptr, a_ptr, NA, N1, stride_
 
 
 @gluon.jit
-def _dh_epilogue(acc, w, pair, rows, ok, col0, x_bufs, wg_bufs, ready, empty, s, phase, half, aw_ptr, dh_ptr, dw_ptr,
-                 NA, N1, N, up_offset, alpha, limit, ACT: gl.constexpr, DUAL: gl.constexpr, BN: gl.constexpr,
-                 STAGES: gl.constexpr):
+def _dh_epilogue(
+    acc,
+    w,
+    pair,
+    rows,
+    ok,
+    col0,
+    x_bufs,
+    wg_bufs,
+    ready,
+    empty,
+    s,
+    phase,
+    half,
+    aw_ptr,
+    dh_ptr,
+    dw_ptr,
+    NA,
+    N1,
+    N,
+    up_offset,
+    alpha,
+    limit,
+    ACT: gl.constexpr,
+    DUAL: gl.constexpr,
+    BN: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """For ``acc = d_out[token] @ W_down[e]`` over columns ``col0 ... col0 + BN - 1`` (the store layout) and
     the routing weights ``w``: ``d_h`` and ``w act(h)`` stored by sorted row, and these columns' share of
     ``d w = sum_cols acc act(h)`` into row ``col0 / BN`` of the partials ``dw [tiles, N]`` (as
@@ -254,10 +442,54 @@ def _dh_epilogue(acc, w, pair, rows, ok, col0, x_bufs, wg_bufs, ready, empty, s,
     ok = gl.convert_layout(ok, gl.SliceLayout(1, HL))
     w = gl.convert_layout(w, gl.SliceLayout(1, HL))
     c = col0 + gl.arange(0, BN // 2, gl.SliceLayout(0, HL))
-    d_w, s, phase = _dh_half(acc0, w, rows, ok, c, x_bufs, wg_bufs, ready, empty, s, phase, half, aw_ptr, dh_ptr, NA,
-                             N1, up_offset, alpha, limit, ACT, DUAL, STAGES)
-    d_w1, s, phase = _dh_half(acc1, w, rows, ok, c + BN // 2, x_bufs, wg_bufs, ready, empty, s, phase, half, aw_ptr,
-                              dh_ptr, NA, N1, up_offset, alpha, limit, ACT, DUAL, STAGES)
+    d_w, s, phase = _dh_half(
+        acc0,
+        w,
+        rows,
+        ok,
+        c,
+        x_bufs,
+        wg_bufs,
+        ready,
+        empty,
+        s,
+        phase,
+        half,
+        aw_ptr,
+        dh_ptr,
+        NA,
+        N1,
+        up_offset,
+        alpha,
+        limit,
+        ACT,
+        DUAL,
+        STAGES,
+    )
+    d_w1, s, phase = _dh_half(
+        acc1,
+        w,
+        rows,
+        ok,
+        c + BN // 2,
+        x_bufs,
+        wg_bufs,
+        ready,
+        empty,
+        s,
+        phase,
+        half,
+        aw_ptr,
+        dh_ptr,
+        NA,
+        N1,
+        up_offset,
+        alpha,
+        limit,
+        ACT,
+        DUAL,
+        STAGES,
+    )
     gl.store(dw_ptr + (col0 // BN) * N + gl.convert_layout(pair, gl.SliceLayout(1, HL)), d_w + d_w1, mask=ok)
     return s, phase
 
@@ -269,8 +501,30 @@ def _halves(x, BN: gl.constexpr):
 
 
 @gluon.jit
-def _dh_half(acc, w, rows, ok, cols, x_bufs, wg_bufs, ready, empty, s, phase, half, aw_ptr, dh_ptr, NA, N1,
-             up_offset, alpha, limit, ACT: gl.constexpr, DUAL: gl.constexpr, STAGES: gl.constexpr):
+def _dh_half(
+    acc,
+    w,
+    rows,
+    ok,
+    cols,
+    x_bufs,
+    wg_bufs,
+    ready,
+    empty,
+    s,
+    phase,
+    half,
+    aw_ptr,
+    dh_ptr,
+    NA,
+    N1,
+    up_offset,
+    alpha,
+    limit,
+    ACT: gl.constexpr,
+    DUAL: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """Column half of :func:`_dh_epilogue` with its ``h`` from ring stage ``s``: stores ``d_h`` and ``w
     act(h)``, releases the stage, returns ``(sum_cols acc act(h), next stage, phase)`` (``h`` from shared
     memory: in registers from before the K loop it spilled 17-38 registers at 128-row tiles, and loaded from
@@ -298,22 +552,50 @@ def _dh_half(acc, w, rows, ok, cols, x_bufs, wg_bufs, ready, empty, s, phase, ha
 
 @gluon.jit
 def gathered_kernel(
-    x_ptr, w_desc, z_desc, lb_desc,
-    h_desc,           # dh: h [N, N1], boxes [BM, BK] (up: a placeholder)
-    b_ptr,            # up: [E, N1] bias (read if HAS_BIAS), strides (stride_be, stride_bn)
-    h_ptr,            # up: [N, N1] pre-activation rows, sorted, contiguous (written if STORE_H)
-    a_ptr,            # [N, NA] sorted, contiguous (out): up a = act(h); dh w * act(h)
-    dh_ptr,           # dh: [N, N1] d loss / d h, sorted, contiguous (out)
-    tw_ptr,           # dh: [N] routing weight by pair
-    dw_ptr,           # dh: [tiles, N] float32, zero-filled: the routing weight's gradient by (column tile, pair) (out)
-    sort_order_ptr,   # [N] int64: sorted row -> pair
-    offsets_ptr,      # [E + 1] int32: expert_offsets
-    table_ptr,        # [2 * M + 1] int32 tile table (ops.Routing.tile_table)
-    K, NA, N1, N, E, M, top_k, stride_xt, stride_be, stride_bn, up_offset, alpha, limit, lora_scale,
-    ACT: gl.constexpr, DUAL: gl.constexpr, DH: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_H: gl.constexpr,
-    W_KMAJOR: gl.constexpr, LB_KMAJOR: gl.constexpr, LORA: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-    BK: gl.constexpr, RP: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
-    LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    x_ptr,
+    w_desc,
+    z_desc,
+    lb_desc,
+    h_desc,  # dh: h [N, N1], boxes [BM, BK] (up: a placeholder)
+    b_ptr,  # up: [E, N1] bias (read if HAS_BIAS), strides (stride_be, stride_bn)
+    h_ptr,  # up: [N, N1] pre-activation rows, sorted, contiguous (written if STORE_H)
+    a_ptr,  # [N, NA] sorted, contiguous (out): up a = act(h); dh w * act(h)
+    dh_ptr,  # dh: [N, N1] d loss / d h, sorted, contiguous (out)
+    tw_ptr,  # dh: [N] routing weight by pair
+    dw_ptr,  # dh: [tiles, N] float32, zero-filled: the routing weight's gradient by (column tile, pair) (out)
+    sort_order_ptr,  # [N] int64: sorted row -> pair
+    offsets_ptr,  # [E + 1] int32: expert_offsets
+    table_ptr,  # [2 * M + 1] int32 tile table (ops.Routing.tile_table)
+    K,
+    NA,
+    N1,
+    N,
+    E,
+    M,
+    top_k,
+    stride_xt,
+    stride_be,
+    stride_bn,
+    up_offset,
+    alpha,
+    limit,
+    lora_scale,
+    ACT: gl.constexpr,
+    DUAL: gl.constexpr,
+    DH: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    STORE_H: gl.constexpr,
+    W_KMAJOR: gl.constexpr,
+    LB_KMAJOR: gl.constexpr,
+    LORA: gl.constexpr,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    RP: gl.constexpr,
+    STAGES: gl.constexpr,
+    LOADER_WARPS: gl.constexpr,
+    LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     """Up (``DH`` false): ``h = x[token] @ W[e].T + b[e] (+ s z Lb_e^T)``, ``a = act(h)``; dh: ``g =
     d_out[token] @ W_down[e] (+ s z Lb_e^T)`` and its epilogue; for every existing tile (see the module
@@ -353,31 +635,243 @@ def gathered_kernel(
     # argument tuples written out in each call (see kernels_gluon.down_kernel: Triton 3.6 passes a constexpr
     # inside a concatenated tuple as a runtime value)
     if CONSUMERS == 2:
-        gl.warp_specialize([
-            (_consumer, (0, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready, empty, lready, lempty,
-                         b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA,
-                         N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit, lora_scale, ACT, DUAL, DH,
-                         HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
-            (_consumer, (1, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready, empty, lready, lempty,
-                         b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA,
-                         N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit, lora_scale, ACT, DUAL, DH,
-                         HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
-            (_loader, (x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs,
-                       ready, empty, lready, lempty, sort_order_ptr, offsets_ptr, table_ptr, K, NA, E, M, top_k,
-                       stride_xt, up_offset, DUAL, DH, W_KMAJOR, LB_KMAJOR, LORA, BM, BN, BK, STAGES,
-                       LOADER_WARPS)),
-        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        0,
+                        x_bufs,
+                        wg_bufs,
+                        wu_bufs,
+                        z_bufs,
+                        lbg_bufs,
+                        lbu_bufs,
+                        ready,
+                        empty,
+                        lready,
+                        lempty,
+                        b_ptr,
+                        h_ptr,
+                        a_ptr,
+                        dh_ptr,
+                        tw_ptr,
+                        dw_ptr,
+                        sort_order_ptr,
+                        offsets_ptr,
+                        table_ptr,
+                        K,
+                        NA,
+                        N1,
+                        N,
+                        E,
+                        M,
+                        stride_be,
+                        stride_bn,
+                        up_offset,
+                        alpha,
+                        limit,
+                        lora_scale,
+                        ACT,
+                        DUAL,
+                        DH,
+                        HAS_BIAS,
+                        STORE_H,
+                        W_KMAJOR,
+                        LB_KMAJOR,
+                        LORA,
+                        BN,
+                        BK,
+                        STAGES,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        1,
+                        x_bufs,
+                        wg_bufs,
+                        wu_bufs,
+                        z_bufs,
+                        lbg_bufs,
+                        lbu_bufs,
+                        ready,
+                        empty,
+                        lready,
+                        lempty,
+                        b_ptr,
+                        h_ptr,
+                        a_ptr,
+                        dh_ptr,
+                        tw_ptr,
+                        dw_ptr,
+                        sort_order_ptr,
+                        offsets_ptr,
+                        table_ptr,
+                        K,
+                        NA,
+                        N1,
+                        N,
+                        E,
+                        M,
+                        stride_be,
+                        stride_bn,
+                        up_offset,
+                        alpha,
+                        limit,
+                        lora_scale,
+                        ACT,
+                        DUAL,
+                        DH,
+                        HAS_BIAS,
+                        STORE_H,
+                        W_KMAJOR,
+                        LB_KMAJOR,
+                        LORA,
+                        BN,
+                        BK,
+                        STAGES,
+                    ),
+                ),
+                (
+                    _loader,
+                    (
+                        x_ptr,
+                        w_desc,
+                        z_desc,
+                        lb_desc,
+                        h_desc,
+                        x_bufs,
+                        wg_bufs,
+                        wu_bufs,
+                        z_bufs,
+                        lbg_bufs,
+                        lbu_bufs,
+                        ready,
+                        empty,
+                        lready,
+                        lempty,
+                        sort_order_ptr,
+                        offsets_ptr,
+                        table_ptr,
+                        K,
+                        NA,
+                        E,
+                        M,
+                        top_k,
+                        stride_xt,
+                        up_offset,
+                        DUAL,
+                        DH,
+                        W_KMAJOR,
+                        LB_KMAJOR,
+                        LORA,
+                        BM,
+                        BN,
+                        BK,
+                        STAGES,
+                        LOADER_WARPS,
+                    ),
+                ),
+            ],
+            [4, LOADER_WARPS],
+            [CONSUMER_REGS, LOADER_REGS],
+        )
     else:
-        gl.warp_specialize([
-            (_consumer, (0, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs, ready, empty, lready, lempty,
-                         b_ptr, h_ptr, a_ptr, dh_ptr, tw_ptr, dw_ptr, sort_order_ptr, offsets_ptr, table_ptr, K, NA,
-                         N1, N, E, M, stride_be, stride_bn, up_offset, alpha, limit, lora_scale, ACT, DUAL, DH,
-                         HAS_BIAS, STORE_H, W_KMAJOR, LB_KMAJOR, LORA, BN, BK, STAGES)),
-            (_loader, (x_ptr, w_desc, z_desc, lb_desc, h_desc, x_bufs, wg_bufs, wu_bufs, z_bufs, lbg_bufs, lbu_bufs,
-                       ready, empty, lready, lempty, sort_order_ptr, offsets_ptr, table_ptr, K, NA, E, M, top_k,
-                       stride_xt, up_offset, DUAL, DH, W_KMAJOR, LB_KMAJOR, LORA, BM, BN, BK, STAGES,
-                       LOADER_WARPS)),
-        ], [LOADER_WARPS], [LOADER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        0,
+                        x_bufs,
+                        wg_bufs,
+                        wu_bufs,
+                        z_bufs,
+                        lbg_bufs,
+                        lbu_bufs,
+                        ready,
+                        empty,
+                        lready,
+                        lempty,
+                        b_ptr,
+                        h_ptr,
+                        a_ptr,
+                        dh_ptr,
+                        tw_ptr,
+                        dw_ptr,
+                        sort_order_ptr,
+                        offsets_ptr,
+                        table_ptr,
+                        K,
+                        NA,
+                        N1,
+                        N,
+                        E,
+                        M,
+                        stride_be,
+                        stride_bn,
+                        up_offset,
+                        alpha,
+                        limit,
+                        lora_scale,
+                        ACT,
+                        DUAL,
+                        DH,
+                        HAS_BIAS,
+                        STORE_H,
+                        W_KMAJOR,
+                        LB_KMAJOR,
+                        LORA,
+                        BN,
+                        BK,
+                        STAGES,
+                    ),
+                ),
+                (
+                    _loader,
+                    (
+                        x_ptr,
+                        w_desc,
+                        z_desc,
+                        lb_desc,
+                        h_desc,
+                        x_bufs,
+                        wg_bufs,
+                        wu_bufs,
+                        z_bufs,
+                        lbg_bufs,
+                        lbu_bufs,
+                        ready,
+                        empty,
+                        lready,
+                        lempty,
+                        sort_order_ptr,
+                        offsets_ptr,
+                        table_ptr,
+                        K,
+                        NA,
+                        E,
+                        M,
+                        top_k,
+                        stride_xt,
+                        up_offset,
+                        DUAL,
+                        DH,
+                        W_KMAJOR,
+                        LB_KMAJOR,
+                        LORA,
+                        BM,
+                        BN,
+                        BK,
+                        STAGES,
+                        LOADER_WARPS,
+                    ),
+                ),
+            ],
+            [LOADER_WARPS],
+            [LOADER_REGS],
+        )
 
 
 BN, BK = 128, 64  # up: gate + up accumulators of [64, 128] float32, 128 registers per consumer thread
@@ -390,8 +884,10 @@ MAX_RP = 32
 # the activations whose epilogues fit the consumers' registers (compiled for sm_90a with Triton 3.6: GeGLU's erf
 # spilled 16 registers in the up projection at 128-row tiles, 4 at 64, clamped SwiGLU's derivative one in dh;
 # those stay with the Triton kernels)
-ACTS = {"up": ("swiglu", "reglu", "clamped_swiglu", "silu", "gelu", "relu", "relu2"),
-        "dh": ("swiglu", "reglu", "silu", "gelu", "relu", "relu2")}
+ACTS = {
+    "up": ("swiglu", "reglu", "clamped_swiglu", "silu", "gelu", "relu", "relu2"),
+    "dh": ("swiglu", "reglu", "silu", "gelu", "relu", "relu2"),
+}
 
 
 def stages(block_m: int, rp: int, two_b: bool, most: int) -> int:
@@ -415,10 +911,17 @@ def gathered_ready(x, pairs: int) -> bool:
     import torch
 
     from .schedule import is_sm90
+
     if not (is_sm90(x.device) and pairs < 2**31):
         return False
-    return (x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and x.stride(1) == 1
-            and x.shape[1] % 16 == 0 and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0)
+    return (
+        x.dtype in (torch.bfloat16, torch.float16)
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and x.shape[1] % 16 == 0
+        and x.stride(0) % 16 == 0
+        and x.data_ptr() % 16 == 0
+    )
 
 
 def rows_ready(x, pairs: int, act: str, gate_step: int, block_m: int, kind: str) -> bool:
@@ -432,11 +935,18 @@ def lora_ready(x, lb, z, rp: int) -> bool:
     """With a LoRA term (``lb`` not None): ``z [N, R]`` contiguous and ``Lb`` in x's dtype with a unit stride
     along ``R`` or the outputs, readable by TMA descriptors, ``RP <= MAX_RP``. Host metadata only."""
     from .kernels_tma import rows_tma_ready, weight_tma_ready
+
     if lb is None:
         return True
     lb_ok = weight_tma_ready(lb) if lb.stride(2) == 1 else weight_tma_ready(lb.mT)
-    return (z.dtype == x.dtype and lb.dtype == x.dtype and rows_tma_ready(z) and z.is_contiguous() and lb_ok
-            and rp <= MAX_RP)
+    return (
+        z.dtype == x.dtype
+        and lb.dtype == x.dtype
+        and rows_tma_ready(z)
+        and z.is_contiguous()
+        and lb_ok
+        and rp <= MAX_RP
+    )
 
 
 def up_ready(x, w, lb, z, act: str, gate_step: int, gather: bool, rp: int, block_m: int, pairs: int) -> bool:
@@ -444,8 +954,14 @@ def up_ready(x, w, lb, z, act: str, gate_step: int, gather: bool, rp: int, block
     :func:`lora_ready`, and ``w [E, N1, H]`` in x's dtype readable by a TMA descriptor with unit stride
     along ``H`` (:func:`.kernels_tma.weight_tma_ready`). Host metadata only."""
     from .kernels_tma import weight_tma_ready
-    return (gather and rows_ready(x, pairs, act, gate_step, block_m, "up") and w.dtype == x.dtype
-            and weight_tma_ready(w) and lora_ready(x, lb, z, rp))
+
+    return (
+        gather
+        and rows_ready(x, pairs, act, gate_step, block_m, "up")
+        and w.dtype == x.dtype
+        and weight_tma_ready(w)
+        and lora_ready(x, lb, z, rp)
+    )
 
 
 def dh_ready(dout, w, b, h, lb, z, act: str, gate_step: int, rp: int, block_m: int, pairs: int) -> bool:
@@ -454,73 +970,254 @@ def dh_ready(dout, w, b, h, lb, z, act: str, gate_step: int, rp: int, block_m: i
     TMA descriptor with unit stride along ``I`` or ``H``, and ``h [N, N1]`` in d_out's dtype, contiguous and
     readable by a TMA descriptor. Host metadata only."""
     from .kernels_tma import rows_tma_ready, weight_tma_ready
+
     w_ok = weight_tma_ready(w) or weight_tma_ready(w.mT)
-    return (b is None and rows_ready(dout, pairs, act, gate_step, block_m, "dh") and w.dtype == dout.dtype and w_ok
-            and h.dtype == dout.dtype and h.is_contiguous() and rows_tma_ready(h) and lora_ready(dout, lb, z, rp))
+    return (
+        b is None
+        and rows_ready(dout, pairs, act, gate_step, block_m, "dh")
+        and w.dtype == dout.dtype
+        and w_ok
+        and h.dtype == dout.dtype
+        and h.is_contiguous()
+        and rows_tma_ready(h)
+        and lora_ready(dout, lb, z, rp)
+    )
 
 
 def _lora_descriptors(lb, z, rp: int, block_m: int):
     """``(z descriptor, Lb descriptor, Lb K-major)`` of a split LoRA term."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     N, R = z.shape
     narrow = min(2 * rp, 128)
     z_d = TensorDescriptor(z, [N, R], [R, 1], [block_m, rp], _layout(2, narrow))
     lb_kmajor = lb.stride(2) == 1
     lbt = lb if lb_kmajor else lb.mT
-    lb_d = TensorDescriptor(lbt, list(lbt.shape), list(lbt.stride()), [1, BN, rp] if lb_kmajor else [1, rp, BN],
-                            _layout(3, narrow) if lb_kmajor else _layout(3, 128))
+    lb_d = TensorDescriptor(
+        lbt,
+        list(lbt.shape),
+        list(lbt.stride()),
+        [1, BN, rp] if lb_kmajor else [1, rp, BN],
+        _layout(3, narrow) if lb_kmajor else _layout(3, 128),
+    )
     return z_d, lb_d, lb_kmajor
 
 
-def launch_up(x, w, b, sort_order, expert_offsets, top_k: int, act: str, alpha: float, limit: float,
-              up_offset: int, h, a, lb, z, table, lora_scale: float, rp: int, block_m: int, num_sms: int) -> None:
+def launch_up(
+    x,
+    w,
+    b,
+    sort_order,
+    expert_offsets,
+    top_k: int,
+    act: str,
+    alpha: float,
+    limit: float,
+    up_offset: int,
+    h,
+    a,
+    lb,
+    z,
+    table,
+    lora_scale: float,
+    rp: int,
+    block_m: int,
+    num_sms: int,
+) -> None:
     """The up projection over the tile ``table`` (rows of ``block_m``); one program per SM at most. ``h``
     may be None (not stored); ``lb`` and ``z`` None: no LoRA term. :func:`up_ready` must hold."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     E, N1, H = w.shape
     NA = a.shape[1]
     w_d = TensorDescriptor(w, [E, N1, H], list(w.stride()), [1, BN, BK], _layout(3, 128))
     z_d, lb_d, lb_kmajor = _lora_descriptors(lb, z, rp, block_m) if lb is not None else (w_d, w_d, True)
     bb = w if b is None else b
     dual = NA != N1
-    _launch(x, w_d, z_d, lb_d, w_d, bb, a if h is None else h, a, a, a, a, sort_order, expert_offsets, table, H, NA, N1,
-            top_k, bb.stride(0), bb.stride(-1), up_offset, alpha, limit, lora_scale, num_sms,
-            ACT=act, DUAL=dual, DH=False, HAS_BIAS=b is not None, STORE_H=h is not None, W_KMAJOR=True,
-            LB_KMAJOR=lb_kmajor, LORA=lb is not None, BM=block_m, RP=rp,
-            STAGES=stages(block_m, rp if lb is not None else 0, dual, STAGES))
+    _launch(
+        x,
+        w_d,
+        z_d,
+        lb_d,
+        w_d,
+        bb,
+        a if h is None else h,
+        a,
+        a,
+        a,
+        a,
+        sort_order,
+        expert_offsets,
+        table,
+        H,
+        NA,
+        N1,
+        top_k,
+        bb.stride(0),
+        bb.stride(-1),
+        up_offset,
+        alpha,
+        limit,
+        lora_scale,
+        num_sms,
+        ACT=act,
+        DUAL=dual,
+        DH=False,
+        HAS_BIAS=b is not None,
+        STORE_H=h is not None,
+        W_KMAJOR=True,
+        LB_KMAJOR=lb_kmajor,
+        LORA=lb is not None,
+        BM=block_m,
+        RP=rp,
+        STAGES=stages(block_m, rp if lb is not None else 0, dual, STAGES),
+    )
 
 
-def launch_dh(dout, w, h, topk_weights, sort_order, expert_offsets, top_k: int, act: str, alpha: float,
-              limit: float, up_offset: int, dh, aw, dw, lb, z, table, lora_scale: float, rp: int, block_m: int,
-              num_sms: int) -> None:
+def launch_dh(
+    dout,
+    w,
+    h,
+    topk_weights,
+    sort_order,
+    expert_offsets,
+    top_k: int,
+    act: str,
+    alpha: float,
+    limit: float,
+    up_offset: int,
+    dh,
+    aw,
+    dw,
+    lb,
+    z,
+    table,
+    lora_scale: float,
+    rp: int,
+    block_m: int,
+    num_sms: int,
+) -> None:
     """The activation gradient over the tile ``table``: ``d_h [N, N1]``, ``aw = w act(h) [N, I]`` and the
     routing weight's gradient partials ``dw [tiles >= cdiv(I, BN), N]`` (zero-filled; row ``c`` for
     column tile ``c``) from ``d_out [T, H]``, ``w = W_down [E, H, I]`` and ``h [N, N1]``; ``lb``, ``z``
     as in :func:`launch_up` (``lb = A_down^T [E, I, R]``). :func:`dh_ready` must hold."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     E, H, I = w.shape
     N1 = h.shape[1]
     w_kmajor = w.stride(1) == 1  # [E, H, I] with unit stride along H: boxes [1, BN, BK] of its [E, I, H] view
     wt = w.mT if w_kmajor else w
-    w_d = TensorDescriptor(wt, list(wt.shape), list(wt.stride()), [1, BN, BK] if w_kmajor else [1, BK, BN],
-                           _layout(3, 128))
+    w_d = TensorDescriptor(
+        wt, list(wt.shape), list(wt.stride()), [1, BN, BK] if w_kmajor else [1, BK, BN], _layout(3, 128)
+    )
     z_d, lb_d, lb_kmajor = _lora_descriptors(lb, z, rp, block_m) if lb is not None else (w_d, w_d, True)
     h_d = TensorDescriptor(h, list(h.shape), [N1, 1], [block_m, BK], _layout(2, 128))
-    _launch(dout, w_d, z_d, lb_d, h_d, h, h, aw, dh, topk_weights, dw, sort_order, expert_offsets, table, H, I, N1,
-            top_k, 0, 0, up_offset, alpha, limit, lora_scale, num_sms,
-            ACT=act, DUAL=N1 != I, DH=True, HAS_BIAS=False, STORE_H=False, W_KMAJOR=w_kmajor, LB_KMAJOR=lb_kmajor,
-            LORA=lb is not None, BM=block_m, RP=rp, STAGES=stages(block_m, rp if lb is not None else 0, False,
-                                                                  DH_STAGES))
+    _launch(
+        dout,
+        w_d,
+        z_d,
+        lb_d,
+        h_d,
+        h,
+        h,
+        aw,
+        dh,
+        topk_weights,
+        dw,
+        sort_order,
+        expert_offsets,
+        table,
+        H,
+        I,
+        N1,
+        top_k,
+        0,
+        0,
+        up_offset,
+        alpha,
+        limit,
+        lora_scale,
+        num_sms,
+        ACT=act,
+        DUAL=N1 != I,
+        DH=True,
+        HAS_BIAS=False,
+        STORE_H=False,
+        W_KMAJOR=w_kmajor,
+        LB_KMAJOR=lb_kmajor,
+        LORA=lb is not None,
+        BM=block_m,
+        RP=rp,
+        STAGES=stages(block_m, rp if lb is not None else 0, False, DH_STAGES),
+    )
 
 
-def _launch(x, w_d, z_d, lb_d, h_d, b, h, a, dh, tw, dw, sort_order, expert_offsets, table, K, NA, N1, top_k, stride_be,
-            stride_bn, up_offset, alpha, limit, lora_scale, num_sms, **meta) -> None:
+def _launch(
+    x,
+    w_d,
+    z_d,
+    lb_d,
+    h_d,
+    b,
+    h,
+    a,
+    dh,
+    tw,
+    dw,
+    sort_order,
+    expert_offsets,
+    table,
+    K,
+    NA,
+    N1,
+    top_k,
+    stride_be,
+    stride_bn,
+    up_offset,
+    alpha,
+    limit,
+    lora_scale,
+    num_sms,
+    **meta,
+) -> None:
     """:func:`gathered_kernel` over every (row tile of ``table``, column tile of ``NA``), one program per SM at
     most; ``meta``: the constexprs that differ between the up projection and dh."""
     M = table.shape[0] // 2
     grid = (min(M * -(-NA // BN), num_sms),)
     gathered_kernel[grid](
-        x, w_d, z_d, lb_d, h_d, b, h, a, dh, tw, dw, sort_order, expert_offsets, table,
-        K, NA, N1, sort_order.shape[0], w_d.shape[0], M, top_k, x.stride(0), stride_be, stride_bn, up_offset, alpha,
-        limit, lora_scale, BN=BN, BK=BK, LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS,
-        CONSUMER_REGS=CONSUMER_REGS, num_warps=4, **meta)
+        x,
+        w_d,
+        z_d,
+        lb_d,
+        h_d,
+        b,
+        h,
+        a,
+        dh,
+        tw,
+        dw,
+        sort_order,
+        expert_offsets,
+        table,
+        K,
+        NA,
+        N1,
+        sort_order.shape[0],
+        w_d.shape[0],
+        M,
+        top_k,
+        x.stride(0),
+        stride_be,
+        stride_bn,
+        up_offset,
+        alpha,
+        limit,
+        lora_scale,
+        BN=BN,
+        BK=BK,
+        LOADER_WARPS=LOADER_WARPS,
+        LOADER_REGS=LOADER_REGS,
+        CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=4,
+        **meta,
+    )

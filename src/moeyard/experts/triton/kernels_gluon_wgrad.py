@@ -40,6 +40,7 @@ Operands (``N`` sorted rows; ``NG`` the gathered operand's width, ``NL`` or ``NR
 - ``s_desc``: the sorted operand ``[N, NL]`` (``L``; boxes ``[BK, 64]``, ``2 MH`` per step) or ``[N, NR]``
   (``R``, with ``L_GATHER``; boxes ``[BK, BN]``).
 """
+
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -86,17 +87,35 @@ def _window(lo, end, BK: gl.constexpr):
 
 
 @gluon.jit
-def _loader(g_ptr, s_desc, l_bufs, r_bufs, ready, empty, token_ptr, offsets_ptr, NL, NR, E, stride_gt,
-            L_GATHER: gl.constexpr, MH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-            WARPS: gl.constexpr):
+def _loader(
+    g_ptr,
+    s_desc,
+    l_bufs,
+    r_bufs,
+    ready,
+    empty,
+    token_ptr,
+    offsets_ptr,
+    NL,
+    NR,
+    E,
+    stride_gt,
+    L_GATHER: gl.constexpr,
+    MH: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    WARPS: gl.constexpr,
+):
     """The loader partition: for every (tile, step), the sorted operand's box(es) by TMA and the gathered
     rows by ``cp.async`` into the next stage once both consumers released it. ``L``'s ``[BK, 128 MH]`` are
     stored as ``2 MH`` blocks of ``[BK, 64]``, one per MMA of a consumer."""
     LB: gl.constexpr = 2 * MH  # L blocks per stage
     GC: gl.constexpr = HM if L_GATHER else BN  # columns of one gathered copy
     NG = NL if L_GATHER else NR
-    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 * 8 // GC, GC // 8],
-                                        warps_per_cta=[WARPS, 1], order=[1, 0])
+    ld: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 8], threads_per_warp=[32 * 8 // GC, GC // 8], warps_per_cta=[WARPS, 1], order=[1, 0]
+    )
     cs = gl.arange(0, GC, gl.SliceLayout(0, ld))
     steps = gl.arange(0, BK, gl.SliceLayout(1, ld))
     pid, nprog, tiles_m, tiles_n, my_tiles = _tiles(NL, NR, E, LB * HM, BN)
@@ -136,8 +155,26 @@ def _loader(g_ptr, s_desc, l_bufs, r_bufs, ready, empty, token_ptr, offsets_ptr,
 
 
 @gluon.jit
-def _consumer(half, l_bufs, r_bufs, ready, empty, dw_ptr, offsets_ptr, NL, NR, E, alpha, stride_de, stride_dl,
-              stride_dr, MH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+def _consumer(
+    half,
+    l_bufs,
+    r_bufs,
+    ready,
+    empty,
+    dw_ptr,
+    offsets_ptr,
+    NL,
+    NR,
+    E,
+    alpha,
+    stride_de,
+    stride_dl,
+    stride_dr,
+    MH: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """A consumer partition (one warp group): rows ``64 MH half ...`` of every tile's ``128 MH`` rows of ``NL``,
     in ``MH`` accumulators of ``[64, BN]``. As in :mod:`.kernels_gluon`, the previous step's stage index is
     recomputed, not carried."""
@@ -185,14 +222,27 @@ def _store(acc, alpha, dw_ptr, e, row0, n0, NL, NR, stride_de, stride_dl, stride
 
 @gluon.jit
 def wgrad_kernel(
-    g_ptr,            # [T, NG] gathered operand (16-bit), unit stride along NG, row stride stride_gt
-    s_desc,           # TMA descriptor of the sorted operand [N, NL] (boxes [BK, 64]) or [N, NR] (L_GATHER: [BK, BN])
-    token_ptr,        # [N] int32: sorted row -> token (ops.Routing.sorted_token)
-    offsets_ptr,      # [E + 1] int32: expert_offsets
-    dw_ptr,           # [E, NL, NR] weight gradient, strides (stride_de, stride_dl, stride_dr) (out)
-    NL, NR, E, stride_gt, alpha, stride_de, stride_dl, stride_dr,
-    L_GATHER: gl.constexpr, MH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-    LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    g_ptr,  # [T, NG] gathered operand (16-bit), unit stride along NG, row stride stride_gt
+    s_desc,  # TMA descriptor of the sorted operand [N, NL] (boxes [BK, 64]) or [N, NR] (L_GATHER: [BK, BN])
+    token_ptr,  # [N] int32: sorted row -> token (ops.Routing.sorted_token)
+    offsets_ptr,  # [E + 1] int32: expert_offsets
+    dw_ptr,  # [E, NL, NR] weight gradient, strides (stride_de, stride_dl, stride_dr) (out)
+    NL,
+    NR,
+    E,
+    stride_gt,
+    alpha,
+    stride_de,
+    stride_dl,
+    stride_dr,
+    L_GATHER: gl.constexpr,
+    MH: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    LOADER_WARPS: gl.constexpr,
+    LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     """``dW[e] = alpha * L[rows of e]^T R[rows of e]`` for every output tile ``[128 MH, BN]`` (module docstring);
     one program per SM, tiles ``pid, pid + programs, ...``; launched with 4 warps (the first consumer), plus the
@@ -203,14 +253,81 @@ def wgrad_kernel(
     r_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BN], sl)
     # ready: the TMA's expect + each loader thread's copies; empty: one arrival per consumer
     ready, empty = barrier_ring(STAGES, 1 + 32 * LOADER_WARPS, 2)
-    gl.warp_specialize([
-        (_consumer, (0, l_bufs, r_bufs, ready, empty, dw_ptr, offsets_ptr, NL, NR, E, alpha, stride_de, stride_dl,
-                     stride_dr, MH, BN, BK, STAGES)),
-        (_consumer, (1, l_bufs, r_bufs, ready, empty, dw_ptr, offsets_ptr, NL, NR, E, alpha, stride_de, stride_dl,
-                     stride_dr, MH, BN, BK, STAGES)),
-        (_loader, (g_ptr, s_desc, l_bufs, r_bufs, ready, empty, token_ptr, offsets_ptr, NL, NR, E, stride_gt,
-                   L_GATHER, MH, BN, BK, STAGES, LOADER_WARPS)),
-    ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    0,
+                    l_bufs,
+                    r_bufs,
+                    ready,
+                    empty,
+                    dw_ptr,
+                    offsets_ptr,
+                    NL,
+                    NR,
+                    E,
+                    alpha,
+                    stride_de,
+                    stride_dl,
+                    stride_dr,
+                    MH,
+                    BN,
+                    BK,
+                    STAGES,
+                ),
+            ),
+            (
+                _consumer,
+                (
+                    1,
+                    l_bufs,
+                    r_bufs,
+                    ready,
+                    empty,
+                    dw_ptr,
+                    offsets_ptr,
+                    NL,
+                    NR,
+                    E,
+                    alpha,
+                    stride_de,
+                    stride_dl,
+                    stride_dr,
+                    MH,
+                    BN,
+                    BK,
+                    STAGES,
+                ),
+            ),
+            (
+                _loader,
+                (
+                    g_ptr,
+                    s_desc,
+                    l_bufs,
+                    r_bufs,
+                    ready,
+                    empty,
+                    token_ptr,
+                    offsets_ptr,
+                    NL,
+                    NR,
+                    E,
+                    stride_gt,
+                    L_GATHER,
+                    MH,
+                    BN,
+                    BK,
+                    STAGES,
+                    LOADER_WARPS,
+                ),
+            ),
+        ],
+        [4, LOADER_WARPS],
+        [CONSUMER_REGS, LOADER_REGS],
+    )
 
 
 BK = 64
@@ -231,6 +348,7 @@ def ready(lhs, rhs, lhs_by_token: bool, rhs_by_token: bool, dw, pairs: int) -> b
     and strides. Host metadata only."""
     from .kernels_gluon_gather import gathered_ready
     from .kernels_tma import rows_tma_ready
+
     if lhs_by_token == rhs_by_token or lhs.dtype != rhs.dtype:
         return False
     g, srt = (lhs, rhs) if lhs_by_token else (rhs, lhs)
@@ -244,6 +362,7 @@ def launch(lhs, rhs, lhs_by_token: bool, sorted_token, expert_offsets, dw, alpha
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .kernels_gluon import _layout
+
     E, NL, NR = dw.shape
     mh, bn, stages, loader_regs = CONFIGS[lhs_by_token]
     g, srt = (lhs, rhs) if lhs_by_token else (rhs, lhs)
@@ -251,6 +370,26 @@ def launch(lhs, rhs, lhs_by_token: bool, sorted_token, expert_offsets, dw, alpha
     s_d = TensorDescriptor(srt, list(srt.shape), list(srt.stride()), box, _layout(2, 128))
     grid = (max(min(E * triton.cdiv(NL, 128 * mh) * triton.cdiv(NR, bn), num_sms), 1),)
     wgrad_kernel[grid](
-        g, s_d, sorted_token, expert_offsets, dw, NL, NR, E, g.stride(0), alpha, dw.stride(0), dw.stride(1),
-        dw.stride(2), L_GATHER=lhs_by_token, MH=mh, BN=bn, BK=BK, STAGES=stages, LOADER_WARPS=LOADER_WARPS,
-        LOADER_REGS=loader_regs, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+        g,
+        s_d,
+        sorted_token,
+        expert_offsets,
+        dw,
+        NL,
+        NR,
+        E,
+        g.stride(0),
+        alpha,
+        dw.stride(0),
+        dw.stride(1),
+        dw.stride(2),
+        L_GATHER=lhs_by_token,
+        MH=mh,
+        BN=bn,
+        BK=BK,
+        STAGES=stages,
+        LOADER_WARPS=LOADER_WARPS,
+        LOADER_REGS=loader_regs,
+        CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=4,
+    )

@@ -17,6 +17,7 @@ projection its weight (``kernels_fwd.up_kernel`` with ``W_TMA``, :func:`weight_t
 
 Device-side descriptors need a small global scratch per launch: :func:`ensure_allocator`.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -26,16 +27,43 @@ from .kernels_fwd import down_epilogue
 
 @triton.jit
 def down_tma_kernel(
-    a_ptr,            # [N, KA] input dtype, contiguous: rows in sorted order
-    w_ptr,            # [E, NY, KA] input dtype, strides (stride_we, stride_wn, stride_wk); stride_wk == 1
-                      # (W_KMAJOR) or stride_wn == 1
-    b_ptr, tw_ptr, sort_order_ptr, offsets_ptr, y_ptr, lb_ptr, z_ptr,  # as kernels_fwd.down_kernel
-    table_ptr,        # [2 * M + 1] int32: row tile -> expert (>= E: none), -> first row, tiles (ops.Routing.tile_table)
-    N, KA, NY, E, top_k, R, M,
-    stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_lbe, stride_lbn, stride_lbr, lora_scale,
-    W_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, LORA: tl.constexpr,
-    RP: tl.constexpr, PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    a_ptr,  # [N, KA] input dtype, contiguous: rows in sorted order
+    w_ptr,  # [E, NY, KA] input dtype, strides (stride_we, stride_wn, stride_wk); stride_wk == 1
+    # (W_KMAJOR) or stride_wn == 1
+    b_ptr,
+    tw_ptr,
+    sort_order_ptr,
+    offsets_ptr,
+    y_ptr,
+    lb_ptr,
+    z_ptr,  # as kernels_fwd.down_kernel
+    table_ptr,  # [2 * M + 1] int32: row tile -> expert (>= E: none), -> first row, tiles (ops.Routing.tile_table)
+    N,
+    KA,
+    NY,
+    E,
+    top_k,
+    R,
+    M,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    stride_lbe,
+    stride_lbn,
+    stride_lbr,
+    lora_scale,
+    W_KMAJOR: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    LORA: tl.constexpr,
+    RP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """``y[pair] = w[pair] * (a[row] @ W[e].T + b[e] (+ s z Lb_e^T))`` for one (row tile, column
     tile), as :func:`.kernels_fwd.down_kernel` without the atomic and fused-LoRA variants; with
@@ -44,31 +72,128 @@ def down_tma_kernel(
     sm_90a code of Triton 3.6: one loop, the next tile's loads issued before a tile's epilogue)."""
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N, KA], strides=[KA, 1], block_shape=[BM, BK])
     if W_KMAJOR:
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E, NY, KA], strides=[stride_we, stride_wn, 1],
-                                           block_shape=[1, BN, BK])
+        w_desc = tl.make_tensor_descriptor(
+            w_ptr, shape=[E, NY, KA], strides=[stride_we, stride_wn, 1], block_shape=[1, BN, BK]
+        )
     else:
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E, KA, NY], strides=[stride_we, stride_wk, 1],
-                                           block_shape=[1, BK, BN])
+        w_desc = tl.make_tensor_descriptor(
+            w_ptr, shape=[E, KA, NY], strides=[stride_we, stride_wk, 1], block_shape=[1, BK, BN]
+        )
     n_tiles = tl.cdiv(NY, BN)
     if PERSISTENT:  # over the tiles that exist (table[2M]): every tile runs the same K steps
-        for tile in tl.range(tl.program_id(0), tl.load(table_ptr + 2 * M) * n_tiles, tl.num_programs(0),
-                             flatten=True):
-            _down_tile(tile, n_tiles, a_desc, w_desc, b_ptr, tw_ptr, sort_order_ptr, offsets_ptr, y_ptr, lb_ptr,
-                       z_ptr, table_ptr, KA, NY, E, top_k, R, M, stride_be, stride_bn, stride_lbe, stride_lbn,
-                       stride_lbr, lora_scale, W_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, RP, PRECISION, True,
-                       BM, BN, BK)
+        for tile in tl.range(tl.program_id(0), tl.load(table_ptr + 2 * M) * n_tiles, tl.num_programs(0), flatten=True):
+            _down_tile(
+                tile,
+                n_tiles,
+                a_desc,
+                w_desc,
+                b_ptr,
+                tw_ptr,
+                sort_order_ptr,
+                offsets_ptr,
+                y_ptr,
+                lb_ptr,
+                z_ptr,
+                table_ptr,
+                KA,
+                NY,
+                E,
+                top_k,
+                R,
+                M,
+                stride_be,
+                stride_bn,
+                stride_lbe,
+                stride_lbn,
+                stride_lbr,
+                lora_scale,
+                W_KMAJOR,
+                HAS_BIAS,
+                HAS_WEIGHT,
+                LORA,
+                RP,
+                PRECISION,
+                True,
+                BM,
+                BN,
+                BK,
+            )
     else:
-        _down_tile(tl.program_id(0), n_tiles, a_desc, w_desc, b_ptr, tw_ptr, sort_order_ptr, offsets_ptr, y_ptr,
-                   lb_ptr, z_ptr, table_ptr, KA, NY, E, top_k, R, M, stride_be, stride_bn, stride_lbe, stride_lbn,
-                   stride_lbr, lora_scale, W_KMAJOR, HAS_BIAS, HAS_WEIGHT, LORA, RP, PRECISION, False, BM, BN, BK)
+        _down_tile(
+            tl.program_id(0),
+            n_tiles,
+            a_desc,
+            w_desc,
+            b_ptr,
+            tw_ptr,
+            sort_order_ptr,
+            offsets_ptr,
+            y_ptr,
+            lb_ptr,
+            z_ptr,
+            table_ptr,
+            KA,
+            NY,
+            E,
+            top_k,
+            R,
+            M,
+            stride_be,
+            stride_bn,
+            stride_lbe,
+            stride_lbn,
+            stride_lbr,
+            lora_scale,
+            W_KMAJOR,
+            HAS_BIAS,
+            HAS_WEIGHT,
+            LORA,
+            RP,
+            PRECISION,
+            False,
+            BM,
+            BN,
+            BK,
+        )
 
 
 @triton.jit
-def _down_tile(tile, n_tiles, a_desc, w_desc, b_ptr, tw_ptr, sort_order_ptr, offsets_ptr, y_ptr, lb_ptr, z_ptr,
-               table_ptr, KA, NY, E, top_k, R, M, stride_be, stride_bn, stride_lbe, stride_lbn, stride_lbr,
-               lora_scale, W_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-               LORA: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr,
-               ALL_LIVE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _down_tile(
+    tile,
+    n_tiles,
+    a_desc,
+    w_desc,
+    b_ptr,
+    tw_ptr,
+    sort_order_ptr,
+    offsets_ptr,
+    y_ptr,
+    lb_ptr,
+    z_ptr,
+    table_ptr,
+    KA,
+    NY,
+    E,
+    top_k,
+    R,
+    M,
+    stride_be,
+    stride_bn,
+    stride_lbe,
+    stride_lbn,
+    stride_lbr,
+    lora_scale,
+    W_KMAJOR: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    LORA: tl.constexpr,
+    RP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ALL_LIVE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     """One (row tile, column tile) of :func:`down_tma_kernel`. A tile that does not exist (expert
     ``>= E`` in the table) runs no K step and stores nothing (``ALL_LIVE``: the caller visits only
     tiles that exist). The tile's expert and first row come from a table (a persistent program
@@ -97,17 +222,50 @@ def _down_tile(tile, n_tiles, a_desc, w_desc, b_ptr, tw_ptr, sort_order_ptr, off
     m_mask = rows < row_end
     pair = tl.load(sort_order_ptr + rows, mask=m_mask, other=0)
     cols = col0 + tl.arange(0, BN)
-    down_epilogue(acc, acc, e.to(tl.int64), rows, m_mask, pair, pair // top_k, cols, cols < NY, pid_n,
-                  b_ptr, tw_ptr, y_ptr, lb_ptr, z_ptr, NY, R, stride_be, stride_bn, stride_lbe, stride_lbn,
-                  stride_lbr, lora_scale, HAS_BIAS, HAS_WEIGHT, False, LORA, RP, PRECISION)
+    down_epilogue(
+        acc,
+        acc,
+        e.to(tl.int64),
+        rows,
+        m_mask,
+        pair,
+        pair // top_k,
+        cols,
+        cols < NY,
+        pid_n,
+        b_ptr,
+        tw_ptr,
+        y_ptr,
+        lb_ptr,
+        z_ptr,
+        NY,
+        R,
+        stride_be,
+        stride_bn,
+        stride_lbe,
+        stride_lbn,
+        stride_lbr,
+        lora_scale,
+        HAS_BIAS,
+        HAS_WEIGHT,
+        False,
+        LORA,
+        RP,
+        PRECISION,
+    )
 
 
 def tma_ready(rows: torch.Tensor, w: torch.Tensor, float32: bool = False) -> bool:
     """Whether :func:`down_tma_kernel` can read ``rows [N, KA]`` and ``w [E, NY, KA]``: ``rows``
     contiguous and :func:`rows_tma_ready`, ``w`` in its dtype with unit stride along NY or KA and the
     descriptor's other rules (:func:`_descriptor_ready`). Host metadata only."""
-    return (rows.is_contiguous() and rows_tma_ready(rows, float32) and w.dtype == rows.dtype and w.dim() == 3
-            and (_descriptor_ready(w, 2, float32) or _descriptor_ready(w, 1, float32)))
+    return (
+        rows.is_contiguous()
+        and rows_tma_ready(rows, float32)
+        and w.dtype == rows.dtype
+        and w.dim() == 3
+        and (_descriptor_ready(w, 2, float32) or _descriptor_ready(w, 1, float32))
+    )
 
 
 def weight_tma_ready(w: torch.Tensor, float32: bool = False) -> bool:
@@ -130,8 +288,11 @@ def _descriptor_ready(t: torch.Tensor, unit_dim: int, float32: bool) -> bool:
     if t.numel() == 0 or t.dtype not in (torch.bfloat16, torch.float16) + ((torch.float32,) if float32 else ()):
         return False
     size = t.element_size()
-    return (t.stride(unit_dim) == 1 and t.data_ptr() % 16 == 0
-            and all(t.stride(d) * size % 16 == 0 for d in range(t.dim()) if d != unit_dim))
+    return (
+        t.stride(unit_dim) == 1
+        and t.data_ptr() % 16 == 0
+        and all(t.stride(d) * size % 16 == 0 for d in range(t.dim()) if d != unit_dim)
+    )
 
 
 def _torch_scratch(size: int, alignment: int, stream):

@@ -5,6 +5,7 @@ called directly in eager mode; writing into preallocated outputs, with fake regi
 Legend: T tokens, H hidden, I intermediate, N1 = 2I (gated) or I, E experts, K top-k, N = T*K
 pairs. Weights are ``[E, out, in]`` views of any strides (never copied).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -125,8 +126,13 @@ def routing(topk_ids: Tensor, num_experts: int, zero_invalid: bool = True) -> Ro
     if one_launch(topk_ids, num_experts) and not torch.compiler.is_compiling():
         return _sorted_and_tiled(topk_ids, num_experts, zero_invalid)
     _, sort_order, expert_offsets = sort_by_expert(topk_ids, num_experts)
-    return Routing(topk_ids=topk_ids.contiguous(), sort_order=sort_order, expert_offsets=expert_offsets,
-                   num_experts=num_experts, zero_invalid=zero_invalid)
+    return Routing(
+        topk_ids=topk_ids.contiguous(),
+        sort_order=sort_order,
+        expert_offsets=expert_offsets,
+        num_experts=num_experts,
+        zero_invalid=zero_invalid,
+    )
 
 
 def _sorted_and_tiled(topk_ids: Tensor, num_experts: int, zero_invalid: bool) -> Routing:
@@ -137,8 +143,13 @@ def _sorted_and_tiled(topk_ids: Tensor, num_experts: int, zero_invalid: bool) ->
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
     table = torch.empty(2 * max_row_tiles(N, num_experts, block_m) + 1, dtype=torch.int32, device=dev)
     sort_and_tile(ids, num_experts, block_m, order, offsets, table)
-    r = Routing(topk_ids=topk_ids.contiguous(), sort_order=order, expert_offsets=offsets, num_experts=num_experts,
-                zero_invalid=zero_invalid)
+    r = Routing(
+        topk_ids=topk_ids.contiguous(),
+        sort_order=order,
+        expert_offsets=offsets,
+        num_experts=num_experts,
+        zero_invalid=zero_invalid,
+    )
     r.made[block_m] = table
     return r
 
@@ -190,8 +201,19 @@ def _lora_args(la: Tensor | None, lb: Tensor | None, z: Tensor | None, mode: int
     if mode == LORA_NONE:
         return dummy, dummy, dummy, 0, 0, 0, 0, 0, 0, 0, 16
     R = la.shape[2]
-    return (la, lb, z, R, la.stride(0), la.stride(1), la.stride(2), lb.stride(0), lb.stride(1), lb.stride(2),
-            rank_block(R))
+    return (
+        la,
+        lb,
+        z,
+        R,
+        la.stride(0),
+        la.stride(1),
+        la.stride(2),
+        lb.stride(0),
+        lb.stride(1),
+        lb.stride(2),
+        rank_block(R),
+    )
 
 
 def _kernels():
@@ -201,16 +223,32 @@ def _kernels():
             up=tuned(kernels_fwd.up_kernel, DUAL_CONFIGS, ["NA", "H", "N1", "E", "R", "LORA"], "up"),
             up_thin=tuned(kernels_fwd.up_kernel, THIN_CONFIGS, ["NA", "H", "E", "GATHER"], "up"),
             # the atomic combine adds into y; dh writes one routing-weight partial row per column tile of BN
-            down=tuned(kernels_fwd.down_kernel, GEMM_CONFIGS, ["KA", "NY", "E", "ATOMIC", "R", "LORA"], "down",
-                       reset_to_zero=["y_ptr"]),
-            dh=tuned(kernels_bwd.dh_kernel, DH_CONFIGS, ["H", "I", "N1", "E", "R", "LORA"], "dh",
-                     reset_to_zero=["dw_ptr"]),
+            down=tuned(
+                kernels_fwd.down_kernel,
+                GEMM_CONFIGS,
+                ["KA", "NY", "E", "ATOMIC", "R", "LORA"],
+                "down",
+                reset_to_zero=["y_ptr"],
+            ),
+            dh=tuned(
+                kernels_bwd.dh_kernel, DH_CONFIGS, ["H", "I", "N1", "E", "R", "LORA"], "dh", reset_to_zero=["dw_ptr"]
+            ),
             wgrad=tuned(kernels_bwd.wgrad_kernel, WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], "wgrad"),
             wgrad_thin=tuned(kernels_bwd.wgrad_kernel, THIN_WGRAD_CONFIGS, ["NL", "NR", "CHUNKED"], "wgrad"),
-            wgrad_rows=tuned(kernels_bwd.wgrad_kernel, ROWS_WGRAD_CONFIGS, ["NL", "NR", "CHUNKED", "L_GATHER"],
-                             "wgrad", fixed_extra=dict(BN=rows_block())),
-            down_tma=tuned(kernels_tma.down_tma_kernel, TMA_CONFIGS, _TMA_KEY, "down_tma",
-                           fixed_extra=dict(PERSISTENT=False, BM=tma_block_m())),
+            wgrad_rows=tuned(
+                kernels_bwd.wgrad_kernel,
+                ROWS_WGRAD_CONFIGS,
+                ["NL", "NR", "CHUNKED", "L_GATHER"],
+                "wgrad",
+                fixed_extra=dict(BN=rows_block()),
+            ),
+            down_tma=tuned(
+                kernels_tma.down_tma_kernel,
+                TMA_CONFIGS,
+                _TMA_KEY,
+                "down_tma",
+                fixed_extra=dict(PERSISTENT=False, BM=tma_block_m()),
+            ),
         )
     return _LAUNCHERS
 
@@ -236,11 +274,29 @@ def _row_grid(n: int, e: int, cols: int):
 
 # ---------------------------------------------------------------- custom ops (write into outputs)
 
+
 @kernel_op("moeyard::triton_up_proj", mutates_args=("h", "a", "z"))
-def up_proj_(x: Tensor, w: Tensor, b: Tensor | None, sort_order: Tensor, expert_offsets: Tensor,
-             top_k: int, act: str, alpha: float, limit: float, interleaved: bool, gather: bool,
-             la: Tensor | None, lb: Tensor | None, lora_mode: int, lora_scale: float,
-             table: Tensor | None, h: Tensor | None, a: Tensor, z: Tensor | None) -> None:
+def up_proj_(
+    x: Tensor,
+    w: Tensor,
+    b: Tensor | None,
+    sort_order: Tensor,
+    expert_offsets: Tensor,
+    top_k: int,
+    act: str,
+    alpha: float,
+    limit: float,
+    interleaved: bool,
+    gather: bool,
+    la: Tensor | None,
+    lb: Tensor | None,
+    lora_mode: int,
+    lora_scale: float,
+    table: Tensor | None,
+    h: Tensor | None,
+    a: Tensor,
+    z: Tensor | None,
+) -> None:
     """``h = x[token] @ w[e].T + b[e] (+ s z lb[e]^T)`` (sorted rows; ``x[row]`` without ``gather``;
     ``h`` written when given), ``a = act(h)``; LoRA ``z = x @ la[e]`` read (split) or written (fused).
     On sm_90 the warp-specialised Gluon kernel runs over the tile ``table`` (when given) where
@@ -254,37 +310,116 @@ def up_proj_(x: Tensor, w: Tensor, b: Tensor | None, sort_order: Tensor, expert_
     bb = w if b is None else b
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
     lb_split, z_split = (lb, z) if lora_mode == LORA_SPLIT else (None, None)
-    if table is not None and lora_mode != LORA_FUSED and (gluon := _gluon("gluon_up")) is not None \
-            and gluon.up_ready(x, w, lb_split, z_split, act, gate_step, gather, RP, tma_block_m(), N):
+    if (
+        table is not None
+        and lora_mode != LORA_FUSED
+        and (gluon := _gluon("gluon_up")) is not None
+        and gluon.up_ready(x, w, lb_split, z_split, act, gate_step, gather, RP, tma_block_m(), N)
+    ):
         kernels_tma.ensure_allocator()
-        gluon.launch_up(x, w, b, sort_order, expert_offsets, top_k, act, alpha, limit, up_offset, h, a, lb_split,
-                        z_split, table, lora_scale, RP, tma_block_m(), num_sms(x.device))
+        gluon.launch_up(
+            x,
+            w,
+            b,
+            sort_order,
+            expert_offsets,
+            top_k,
+            act,
+            alpha,
+            limit,
+            up_offset,
+            h,
+            a,
+            lb_split,
+            z_split,
+            table,
+            lora_scale,
+            RP,
+            tma_block_m(),
+            num_sms(x.device),
+        )
         return
     thin = N1 <= THIN and not spec.gated and not lora_mode
     w_tma = not thin and gate_step == 1 and lora_mode != LORA_FUSED and _up_weight_tma(w, x)
     band = thin and gather and options().band_rows
     _kernels()["up_thin" if thin else "up"][_row_grid(N, E, NA)](
-        x, w, bb, sort_order, expert_offsets, a if h is None else h, a, la_, lb_, z_,
-        H, NA, N1, E, top_k, R, band_bits(N, _THIN_MIN_BM) if band else 0,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1),
-        *lora_strides, gate_step, up_offset, alpha, limit, lora_scale,
-        ACT=act, DUAL=spec.gated, HAS_BIAS=b is not None, STORE_H=h is not None, GATHER=gather,
-        LORA=lora_mode, RP=RP, PRECISION=dot_precision(x.dtype), E_P2=_e_p2(E), W_TMA=w_tma, BAND=band)
+        x,
+        w,
+        bb,
+        sort_order,
+        expert_offsets,
+        a if h is None else h,
+        a,
+        la_,
+        lb_,
+        z_,
+        H,
+        NA,
+        N1,
+        E,
+        top_k,
+        R,
+        band_bits(N, _THIN_MIN_BM) if band else 0,
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        bb.stride(0),
+        bb.stride(-1),
+        *lora_strides,
+        gate_step,
+        up_offset,
+        alpha,
+        limit,
+        lora_scale,
+        ACT=act,
+        DUAL=spec.gated,
+        HAS_BIAS=b is not None,
+        STORE_H=h is not None,
+        GATHER=gather,
+        LORA=lora_mode,
+        RP=RP,
+        PRECISION=dot_precision(x.dtype),
+        E_P2=_e_p2(E),
+        W_TMA=w_tma,
+        BAND=band,
+    )
 
 
 def _up_weight_tma(w: Tensor, x: Tensor) -> bool:
     """Whether the up projection loads its weight ``w [E, N1, H]`` through TMA: option ``tma_up``, Hopper
     or the interpreter, ``x`` in w's dtype and ``w`` as :func:`kernels_tma.weight_tma_ready` asks."""
-    if not (options().tma_up and _tma_device(w) and x.dtype == w.dtype
-            and kernels_tma.weight_tma_ready(w, interpreting())):
+    if not (
+        options().tma_up and _tma_device(w) and x.dtype == w.dtype and kernels_tma.weight_tma_ready(w, interpreting())
+    ):
         return False
     kernels_tma.ensure_allocator()
     return True
 
 
 @up_proj_.register_fake
-def _(x, w, b, sort_order, expert_offsets, top_k, act, alpha, limit, interleaved, gather, la, lb, lora_mode,
-      lora_scale, table, h, a, z):
+def _(
+    x,
+    w,
+    b,
+    sort_order,
+    expert_offsets,
+    top_k,
+    act,
+    alpha,
+    limit,
+    interleaved,
+    gather,
+    la,
+    lb,
+    lora_mode,
+    lora_scale,
+    table,
+    h,
+    a,
+    z,
+):
     return None
 
 
@@ -296,8 +431,23 @@ def _down_table(rows: Tensor, r: Routing, lora_mode: int) -> Tensor | None:
     return None
 
 
-def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, y, z,
-                table, atomic: bool) -> None:
+def launch_down(
+    rows,
+    w,
+    b,
+    topk_weights,
+    sort_order,
+    expert_offsets,
+    top_k,
+    la,
+    lb,
+    lora_mode,
+    lora_scale,
+    y,
+    z,
+    table,
+    atomic: bool,
+) -> None:
     """The down projection's launch: TMA-loaded over the tile ``table`` when given (not with
     ``atomic``) and the operands suit TMA (:func:`kernels_tma.tma_ready`), else pointer loads. On sm_90
     the warp-specialised Gluon kernel runs instead (no LoRA term or a split one) where
@@ -309,27 +459,97 @@ def launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la,
     bb = w if b is None else b
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
     lb_split, z_split = (lb, z) if lora_mode == LORA_SPLIT else (None, None)
-    if table is not None and lora_mode != LORA_FUSED and not atomic and (gluon := _gluon("gluon_down")) is not None \
-            and gluon.ready(rows, w, lb_split, z_split, RP, tma_block_m()):
+    if (
+        table is not None
+        and lora_mode != LORA_FUSED
+        and not atomic
+        and (gluon := _gluon("gluon_down")) is not None
+        and gluon.ready(rows, w, lb_split, z_split, RP, tma_block_m())
+    ):
         kernels_tma.ensure_allocator()
-        gluon.launch(rows, w, b, topk_weights, sort_order, expert_offsets, y, lb_split, z_split, table, lora_scale,
-                     RP, tma_block_m(), num_sms(rows.device))
+        gluon.launch(
+            rows,
+            w,
+            b,
+            topk_weights,
+            sort_order,
+            expert_offsets,
+            y,
+            lb_split,
+            z_split,
+            table,
+            lora_scale,
+            RP,
+            tma_block_m(),
+            num_sms(rows.device),
+        )
         return
     if table is not None and not atomic and kernels_tma.tma_ready(rows, w, interpreting()):
         kernels_tma.ensure_allocator()
         _kernels()["down_tma"][_tma_grid(table, NY, rows.device)](
-            rows, w, bb, rows if topk_weights is None else topk_weights, sort_order, expert_offsets, y, lb_, z_,
-            table, N, KA, NY, E, top_k, R, table.shape[0] // 2,
-            w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1), *lora_strides[3:], lora_scale,
-            W_KMAJOR=w.stride(2) == 1, HAS_BIAS=b is not None, HAS_WEIGHT=topk_weights is not None, LORA=lora_mode,
-            RP=RP, PRECISION=dot_precision(rows.dtype))
+            rows,
+            w,
+            bb,
+            rows if topk_weights is None else topk_weights,
+            sort_order,
+            expert_offsets,
+            y,
+            lb_,
+            z_,
+            table,
+            N,
+            KA,
+            NY,
+            E,
+            top_k,
+            R,
+            table.shape[0] // 2,
+            w.stride(0),
+            w.stride(1),
+            w.stride(2),
+            bb.stride(0),
+            bb.stride(-1),
+            *lora_strides[3:],
+            lora_scale,
+            W_KMAJOR=w.stride(2) == 1,
+            HAS_BIAS=b is not None,
+            HAS_WEIGHT=topk_weights is not None,
+            LORA=lora_mode,
+            RP=RP,
+            PRECISION=dot_precision(rows.dtype),
+        )
         return
     _kernels()["down"][_row_grid(N, E, NY)](
-        rows, w, bb, rows if topk_weights is None else topk_weights, sort_order, expert_offsets, y, la_, lb_, z_,
-        KA, NY, E, top_k, R,
-        w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1), *lora_strides, lora_scale,
-        HAS_BIAS=b is not None, HAS_WEIGHT=topk_weights is not None, ATOMIC=atomic, LORA=lora_mode, RP=RP,
-        PRECISION=dot_precision(rows.dtype), E_P2=_e_p2(E))
+        rows,
+        w,
+        bb,
+        rows if topk_weights is None else topk_weights,
+        sort_order,
+        expert_offsets,
+        y,
+        la_,
+        lb_,
+        z_,
+        KA,
+        NY,
+        E,
+        top_k,
+        R,
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        bb.stride(0),
+        bb.stride(-1),
+        *lora_strides,
+        lora_scale,
+        HAS_BIAS=b is not None,
+        HAS_WEIGHT=topk_weights is not None,
+        ATOMIC=atomic,
+        LORA=lora_mode,
+        RP=RP,
+        PRECISION=dot_precision(rows.dtype),
+        E_P2=_e_p2(E),
+    )
 
 
 def _import_gluon(name: str):
@@ -341,9 +561,15 @@ def _import_gluon(name: str):
 
 
 # imported with this module, not at the first launch: torch.compile cannot trace an import (about 0.1 s)
-_GLUON_MODULES = {option: _import_gluon(name) for option, name in (
-    ("gluon_down", "kernels_gluon"), ("gluon_up", "kernels_gluon_gather"), ("gluon_dh", "kernels_gluon_gather"),
-    ("gluon_wgrad", "kernels_gluon_wgrad"))}
+_GLUON_MODULES = {
+    option: _import_gluon(name)
+    for option, name in (
+        ("gluon_down", "kernels_gluon"),
+        ("gluon_up", "kernels_gluon_gather"),
+        ("gluon_dh", "kernels_gluon_gather"),
+        ("gluon_wgrad", "kernels_gluon_wgrad"),
+    )
+}
 
 
 def _gluon(option: str):
@@ -400,14 +626,28 @@ def _(expert_offsets, block_m, table):
 
 
 @kernel_op("moeyard::triton_down_proj", mutates_args=("y", "z"))
-def down_proj_(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor | None, sort_order: Tensor,
-               expert_offsets: Tensor, top_k: int, la: Tensor | None, lb: Tensor | None, lora_mode: int,
-               lora_scale: float, table: Tensor | None, y: Tensor, z: Tensor | None) -> None:
+def down_proj_(
+    rows: Tensor,
+    w: Tensor,
+    b: Tensor | None,
+    topk_weights: Tensor | None,
+    sort_order: Tensor,
+    expert_offsets: Tensor,
+    top_k: int,
+    la: Tensor | None,
+    lb: Tensor | None,
+    lora_mode: int,
+    lora_scale: float,
+    table: Tensor | None,
+    y: Tensor,
+    z: Tensor | None,
+) -> None:
     """``y[pair] = topk_weights[pair] * (rows[sorted row] @ w[e].T + b[e] (+ s z lb[e]^T))``;
     ``w [E, NY, KA]``; LoRA ``z = rows @ la[e]`` read (split) or written (fused); TMA loads over the
     tile ``table`` when given."""
-    launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, y, z,
-                table, False)
+    launch_down(
+        rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, y, z, table, False
+    )
 
 
 @down_proj_.register_fake
@@ -416,14 +656,26 @@ def _(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_
 
 
 @kernel_op("moeyard::triton_down_proj_atomic", mutates_args=("acc", "z"))
-def down_proj_atomic_(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor | None,
-                      sort_order: Tensor, expert_offsets: Tensor, top_k: int, la: Tensor | None,
-                      lb: Tensor | None, lora_mode: int, lora_scale: float, acc: Tensor,
-                      z: Tensor | None) -> None:
+def down_proj_atomic_(
+    rows: Tensor,
+    w: Tensor,
+    b: Tensor | None,
+    topk_weights: Tensor | None,
+    sort_order: Tensor,
+    expert_offsets: Tensor,
+    top_k: int,
+    la: Tensor | None,
+    lb: Tensor | None,
+    lora_mode: int,
+    lora_scale: float,
+    acc: Tensor,
+    z: Tensor | None,
+) -> None:
     """``acc[token] += topk_weights[pair] * (rows[sorted row] @ w[e].T + b[e] (+ LoRA))`` with float32
     atomics (``acc [T, NY]`` float32; not deterministic)."""
-    launch_down(rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, acc, z,
-                None, True)
+    launch_down(
+        rows, w, b, topk_weights, sort_order, expert_offsets, top_k, la, lb, lora_mode, lora_scale, acc, z, None, True
+    )
 
 
 @down_proj_atomic_.register_fake
@@ -440,8 +692,16 @@ def combine_(y: Tensor, topk_ids: Tensor, topk_weights: Tensor | None, num_exper
         return
     grid = (T, triton.cdiv(H, COMBINE_BH))
     kernels_fwd.combine_kernel[grid](
-        y, topk_ids, y if topk_weights is None else topk_weights, out, H, num_experts, K,
-        NAN_INVALID=topk_weights is not None, BH=COMBINE_BH)
+        y,
+        topk_ids,
+        y if topk_weights is None else topk_weights,
+        out,
+        H,
+        num_experts,
+        K,
+        NAN_INVALID=topk_weights is not None,
+        BH=COMBINE_BH,
+    )
 
 
 @combine_.register_fake
@@ -460,8 +720,16 @@ def fill_invalid_(topk_ids: Tensor, topk_weights: Tensor | None, num_experts: in
         return
     grid = (triton.cdiv(T, FILL_BT), triton.cdiv(H, FILL_BH))
     kernels_fwd.fill_invalid_kernel[grid](
-        y, topk_ids, y if topk_weights is None else topk_weights, T, H, num_experts,
-        NAN_INVALID=topk_weights is not None, BT=FILL_BT, BH=FILL_BH)
+        y,
+        topk_ids,
+        y if topk_weights is None else topk_weights,
+        T,
+        H,
+        num_experts,
+        NAN_INVALID=topk_weights is not None,
+        BT=FILL_BT,
+        BH=FILL_BH,
+    )
 
 
 @fill_invalid_.register_fake
@@ -470,10 +738,29 @@ def _(topk_ids, topk_weights, num_experts, y):
 
 
 @kernel_op("moeyard::triton_act_grad", mutates_args=("dh", "aw", "dw", "z"))
-def act_grad_(dout: Tensor, w: Tensor, b: Tensor | None, h: Tensor, topk_weights: Tensor, sort_order: Tensor,
-              expert_offsets: Tensor, top_k: int, act: str, alpha: float, limit: float, interleaved: bool,
-              la: Tensor | None, lb: Tensor | None, lora_mode: int, lora_scale: float,
-              table: Tensor | None, dh: Tensor, aw: Tensor, dw: Tensor, z: Tensor | None) -> None:
+def act_grad_(
+    dout: Tensor,
+    w: Tensor,
+    b: Tensor | None,
+    h: Tensor,
+    topk_weights: Tensor,
+    sort_order: Tensor,
+    expert_offsets: Tensor,
+    top_k: int,
+    act: str,
+    alpha: float,
+    limit: float,
+    interleaved: bool,
+    la: Tensor | None,
+    lb: Tensor | None,
+    lora_mode: int,
+    lora_scale: float,
+    table: Tensor | None,
+    dh: Tensor,
+    aw: Tensor,
+    dw: Tensor,
+    z: Tensor | None,
+) -> None:
     """``d_h`` (sorted), ``aw = w * act(h)`` (sorted) and column-tile partials of the routing-weight
     gradient ``dw [tiles, N]`` from ``dout [T, H]`` and the down weight ``w [E, H, I]`` (plus its LoRA
     term: ``la = B [E, H, R]``, ``lb = A^T [E, I, R]``, ``z = dout[token] @ B_e`` read or written).
@@ -488,33 +775,129 @@ def act_grad_(dout: Tensor, w: Tensor, b: Tensor | None, h: Tensor, topk_weights
     bb = w if b is None else b
     la_, lb_, z_, R, *lora_strides, RP = _lora_args(la, lb, z, lora_mode, w)
     lb_split, z_split = (lb, z) if lora_mode == LORA_SPLIT else (None, None)
-    if table is not None and lora_mode != LORA_FUSED and (gluon := _gluon("gluon_dh")) is not None \
-            and gluon.dh_ready(dout, w, b, h, lb_split, z_split, act, gate_step, RP, tma_block_m(), N):
+    if (
+        table is not None
+        and lora_mode != LORA_FUSED
+        and (gluon := _gluon("gluon_dh")) is not None
+        and gluon.dh_ready(dout, w, b, h, lb_split, z_split, act, gate_step, RP, tma_block_m(), N)
+    ):
         kernels_tma.ensure_allocator()
-        gluon.launch_dh(dout, w, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha, limit, up_offset,
-                        dh, aw, dw, lb_split, z_split, table, lora_scale, RP, tma_block_m(), num_sms(dout.device))
+        gluon.launch_dh(
+            dout,
+            w,
+            h,
+            topk_weights,
+            sort_order,
+            expert_offsets,
+            top_k,
+            act,
+            alpha,
+            limit,
+            up_offset,
+            dh,
+            aw,
+            dw,
+            lb_split,
+            z_split,
+            table,
+            lora_scale,
+            RP,
+            tma_block_m(),
+            num_sms(dout.device),
+        )
         return
     _kernels()["dh"][_row_grid(N, E, I)](
-        dout, w, bb, h, topk_weights, sort_order, expert_offsets, dh, aw, dw, la_, lb_, z_,
-        H, I, N1, N, E, top_k, R,
-        dout.stride(0), dout.stride(1), w.stride(0), w.stride(1), w.stride(2), bb.stride(0), bb.stride(-1),
-        *lora_strides, gate_step, up_offset, alpha, limit, lora_scale,
-        ACT=act, DUAL=spec.gated, HAS_BIAS=b is not None, LORA=lora_mode, RP=RP, PRECISION=dot_precision(h.dtype),
-        E_P2=_e_p2(E), PREFETCH=options().prefetch_h and not interpreting())
+        dout,
+        w,
+        bb,
+        h,
+        topk_weights,
+        sort_order,
+        expert_offsets,
+        dh,
+        aw,
+        dw,
+        la_,
+        lb_,
+        z_,
+        H,
+        I,
+        N1,
+        N,
+        E,
+        top_k,
+        R,
+        dout.stride(0),
+        dout.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        bb.stride(0),
+        bb.stride(-1),
+        *lora_strides,
+        gate_step,
+        up_offset,
+        alpha,
+        limit,
+        lora_scale,
+        ACT=act,
+        DUAL=spec.gated,
+        HAS_BIAS=b is not None,
+        LORA=lora_mode,
+        RP=RP,
+        PRECISION=dot_precision(h.dtype),
+        E_P2=_e_p2(E),
+        PREFETCH=options().prefetch_h and not interpreting(),
+    )
 
 
 @act_grad_.register_fake
-def _(dout, w, b, h, topk_weights, sort_order, expert_offsets, top_k, act, alpha, limit, interleaved, la, lb,
-      lora_mode, lora_scale, table, dh, aw, dw, z):
+def _(
+    dout,
+    w,
+    b,
+    h,
+    topk_weights,
+    sort_order,
+    expert_offsets,
+    top_k,
+    act,
+    alpha,
+    limit,
+    interleaved,
+    la,
+    lb,
+    lora_mode,
+    lora_scale,
+    table,
+    dh,
+    aw,
+    dw,
+    z,
+):
     return None
 
 
 @kernel_op("moeyard::triton_wgrad", mutates_args=("dw", "db", "part", "part_b", "rows_part"))
-def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, scale: Tensor | None,
-           sorted_token: Tensor, expert_offsets: Tensor, chunk_rows: int,
-           dw: Tensor, db: Tensor | None, part: Tensor | None, part_b: Tensor | None,
-           factor: Tensor | None, rows_part: Tensor | None, tile_major: bool = False,
-           alpha: float = 1.0, low_rank: bool = False) -> None:
+def wgrad_(
+    lhs: Tensor,
+    rhs: Tensor,
+    lhs_by_token: bool,
+    rhs_by_token: bool,
+    scale: Tensor | None,
+    sorted_token: Tensor,
+    expert_offsets: Tensor,
+    chunk_rows: int,
+    dw: Tensor,
+    db: Tensor | None,
+    part: Tensor | None,
+    part_b: Tensor | None,
+    factor: Tensor | None,
+    rows_part: Tensor | None,
+    tile_major: bool = False,
+    alpha: float = 1.0,
+    low_rank: bool = False,
+) -> None:
     """``dw[e] = alpha * lhs[rows of e]^T @ rhs[rows of e]``, ``db[e] = alpha * sum scale * lhs[rows of e]``.
     An operand ``*_by_token`` is ``[T, *]`` read at each row's token (``sorted_token [N]`` int32),
     else ``[N, *]`` by sorted row; ``scale [N]`` is in sorted-row order too.
@@ -528,23 +911,63 @@ def wgrad_(lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, sca
     made per program cost more than it saved on these short row loops, NOTES round 20).
     (No mutated argument has a default: torch 2.11's fake dispatch of such an op indexed past its
     positional arguments, and ``torch.compile`` failed on the backward.)"""
-    launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows,
-                 dw, db, part, part_b, factor, rows_part, tile_major, alpha, low_rank)
+    launch_wgrad(
+        lhs,
+        rhs,
+        lhs_by_token,
+        rhs_by_token,
+        scale,
+        sorted_token,
+        expert_offsets,
+        chunk_rows,
+        dw,
+        db,
+        part,
+        part_b,
+        factor,
+        rows_part,
+        tile_major,
+        alpha,
+        low_rank,
+    )
     if chunk_rows > 0:
         launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db, alpha)
 
 
-def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows,
-                 dw, db, part, part_b, factor=None, rows_part=None, tile_major=False, alpha=1.0,
-                 low_rank=False) -> None:
+def launch_wgrad(
+    lhs,
+    rhs,
+    lhs_by_token,
+    rhs_by_token,
+    scale,
+    sorted_token,
+    expert_offsets,
+    chunk_rows,
+    dw,
+    db,
+    part,
+    part_b,
+    factor=None,
+    rows_part=None,
+    tile_major=False,
+    alpha=1.0,
+    low_rank=False,
+) -> None:
     """The first stage of :func:`wgrad_` (every chunk, or every expert when ``chunk_rows == 0``); the Gluon
     kernel (options ``gluon_wgrad`` and ``tma_wgrad``) where it serves: one operand by token, no bias, chunk,
     row product or LoRA factor (:func:`.kernels_gluon_wgrad.ready`)."""
     E, NL, NR = dw.shape
     N = sorted_token.shape[0]
-    if (db is None and chunk_rows == 0 and factor is None and not low_rank and dw.is_cuda and options().tma_wgrad
-            and (gluon := _gluon("gluon_wgrad")) is not None
-            and gluon.ready(lhs, rhs, lhs_by_token, rhs_by_token, dw, N)):
+    if (
+        db is None
+        and chunk_rows == 0
+        and factor is None
+        and not low_rank
+        and dw.is_cuda
+        and options().tma_wgrad
+        and (gluon := _gluon("gluon_wgrad")) is not None
+        and gluon.ready(lhs, rhs, lhs_by_token, rhs_by_token, dw, N)
+    ):
         gluon.launch(lhs, rhs, lhs_by_token, sorted_token, expert_offsets, dw, alpha, num_sms(dw.device))
         return
     dbb = dw[:, :, 0] if db is None else db
@@ -555,21 +978,60 @@ def launch_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expe
     f = dw if factor is None else factor
     items = max_chunks(N, E, chunk_rows) if chunked else E
     grid = lambda m: (items * triton.cdiv(NL, m["BN"]) * triton.cdiv(NR, m["BK"]),)  # noqa: E731
-    tma = not low_rank and options().tma_wgrad and _tma_device(lhs) and all(
-        kernels_tma.rows_tma_ready(t, interpreting()) for t, gathered in ((lhs, lhs_by_token), (rhs, rhs_by_token))
-        if not gathered)
+    tma = (
+        not low_rank
+        and options().tma_wgrad
+        and _tma_device(lhs)
+        and all(
+            kernels_tma.rows_tma_ready(t, interpreting())
+            for t, gathered in ((lhs, lhs_by_token), (rhs, rhs_by_token))
+            if not gathered
+        )
+    )
     if tma:
         kernels_tma.ensure_allocator()
     launcher = "wgrad_rows" if with_rows else "wgrad_thin" if min(NL, NR) <= THIN else "wgrad"
     _kernels()[launcher][grid](
-        lhs, rhs, lhs if scale is None else scale, sorted_token, expert_offsets, dw, dbb, part, part_b,
-        f, part if rows_part is None else rows_part,
-        NL, NR, E, max(chunk_rows, 1), alpha,
-        lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-        dbb.stride(0), dbb.stride(1), f.stride(0), f.stride(1), f.stride(2), N * NR,
-        L_GATHER=lhs_by_token, R_GATHER=rhs_by_token, HAS_DB=db is not None, DB_SCALE=scale is not None,
-        CHUNKED=chunked, PRECISION=dot_precision(lhs.dtype), E_P2=_e_p2(E), TMA=tma, ROWS=with_rows,
-        TILE_MAJOR=tile_major)
+        lhs,
+        rhs,
+        lhs if scale is None else scale,
+        sorted_token,
+        expert_offsets,
+        dw,
+        dbb,
+        part,
+        part_b,
+        f,
+        part if rows_part is None else rows_part,
+        NL,
+        NR,
+        E,
+        max(chunk_rows, 1),
+        alpha,
+        lhs.stride(0),
+        lhs.stride(1),
+        rhs.stride(0),
+        rhs.stride(1),
+        dw.stride(0),
+        dw.stride(1),
+        dw.stride(2),
+        dbb.stride(0),
+        dbb.stride(1),
+        f.stride(0),
+        f.stride(1),
+        f.stride(2),
+        N * NR,
+        L_GATHER=lhs_by_token,
+        R_GATHER=rhs_by_token,
+        HAS_DB=db is not None,
+        DB_SCALE=scale is not None,
+        CHUNKED=chunked,
+        PRECISION=dot_precision(lhs.dtype),
+        E_P2=_e_p2(E),
+        TMA=tma,
+        ROWS=with_rows,
+        TILE_MAJOR=tile_major,
+    )
 
 
 def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db, alpha=1.0) -> None:
@@ -579,19 +1041,54 @@ def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db, alpha=
     blk = SMALL if interpreting() else REDUCE_BLOCK
     grid = (E * triton.cdiv(NL, blk["BN"]) * triton.cdiv(NR, blk["BK"]),)
     kernels_bwd.wgrad_reduce_kernel[grid](
-        part, part if part_b is None else part_b, expert_offsets, dw, dbb, NL, NR, E, chunk_rows, alpha,
-        dw.stride(0), dw.stride(1), dw.stride(2), dbb.stride(0), dbb.stride(1),
-        HAS_DB=db is not None, E_P2=_e_p2(E), BN=blk["BN"], BK=blk["BK"],
-        **({} if interpreting() else dict(num_warps=blk["num_warps"])))
+        part,
+        part if part_b is None else part_b,
+        expert_offsets,
+        dw,
+        dbb,
+        NL,
+        NR,
+        E,
+        chunk_rows,
+        alpha,
+        dw.stride(0),
+        dw.stride(1),
+        dw.stride(2),
+        dbb.stride(0),
+        dbb.stride(1),
+        HAS_DB=db is not None,
+        E_P2=_e_p2(E),
+        BN=blk["BN"],
+        BK=blk["BK"],
+        **({} if interpreting() else dict(num_warps=blk["num_warps"])),
+    )
 
 
 @wgrad_.register_fake
-def _(lhs, rhs, lhs_by_token, rhs_by_token, scale, sorted_token, expert_offsets, chunk_rows, dw, db,
-      part, part_b, factor, rows_part, tile_major=False, alpha=1.0, low_rank=False):
+def _(
+    lhs,
+    rhs,
+    lhs_by_token,
+    rhs_by_token,
+    scale,
+    sorted_token,
+    expert_offsets,
+    chunk_rows,
+    dw,
+    db,
+    part,
+    part_b,
+    factor,
+    rows_part,
+    tile_major=False,
+    alpha=1.0,
+    low_rank=False,
+):
     return None
 
 
 # ---------------------------------------------------------------- allocating wrappers
+
 
 def empty(shape: tuple[int, ...], like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """Every buffer a kernel fills (tests replace this to poison buffers with NaN)."""
@@ -603,8 +1100,17 @@ def empty_like(like: Tensor) -> Tensor:
     return torch.empty_like(like)
 
 
-def up_proj(x: Tensor, w: Tensor, b: Tensor | None, r: Routing, spec: ActSpec, *, store_h: bool,
-            lora: LoRATerm | None = None, gather: bool = True) -> tuple[Tensor | None, Tensor, Tensor | None]:
+def up_proj(
+    x: Tensor,
+    w: Tensor,
+    b: Tensor | None,
+    r: Routing,
+    spec: ActSpec,
+    *,
+    store_h: bool,
+    lora: LoRATerm | None = None,
+    gather: bool = True,
+) -> tuple[Tensor | None, Tensor, Tensor | None]:
     """``x [T, H]`` (``[N, H]`` sorted rows without ``gather``), ``w [E, N1, H]`` ->
     ``(h [N, N1] | None, a [N, NA], z [N, R] | None)`` in sorted row order; ``z = x @ La_e`` is the
     LoRA term's low-rank rows (kept for backward)."""
@@ -614,8 +1120,27 @@ def up_proj(x: Tensor, w: Tensor, b: Tensor | None, r: Routing, spec: ActSpec, *
     a = empty((N, spec.columns(n1)[0]), x)
     mode, z, la, lb = _lora_rows(x, lora, r, gather, n1)
     table = _gather_table(x, r, spec, "gluon_up") if gather else None
-    up_proj_(x, w, b, r.sort_order, r.expert_offsets, r.top_k, spec.name, spec.alpha, spec.limit,
-             spec.interleaved, gather, la, lb, mode, 0.0 if lora is None else lora.scale, table, h, a, z)
+    up_proj_(
+        x,
+        w,
+        b,
+        r.sort_order,
+        r.expert_offsets,
+        r.top_k,
+        spec.name,
+        spec.alpha,
+        spec.limit,
+        spec.interleaved,
+        gather,
+        la,
+        lb,
+        mode,
+        0.0 if lora is None else lora.scale,
+        table,
+        h,
+        a,
+        z,
+    )
     return h, a, z
 
 
@@ -640,14 +1165,35 @@ def _lora_rows(x: Tensor, lora: LoRATerm | None, r: Routing, gather: bool, num_o
     return mode, z, lora.la, lora.lb
 
 
-def down_proj(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor | None, r: Routing,
-              lora: LoRATerm | None = None, z: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def down_proj(
+    rows: Tensor,
+    w: Tensor,
+    b: Tensor | None,
+    topk_weights: Tensor | None,
+    r: Routing,
+    lora: LoRATerm | None = None,
+    z: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """Sorted ``rows [N, KA]``, ``w [E, NY, KA]`` -> ``(y [N, NY] by pair (optionally weighted),
     z [N, R] | None)``; ``z``: the LoRA rows when made already (split mode)."""
     y = empty((r.num_pairs, w.shape[1]), rows)
     mode, z, la, lb = _lora_rows(rows, lora, r, False, w.shape[1], z)
-    down_proj_(rows, w, b, topk_weights, r.sort_order, r.expert_offsets, r.top_k, la, lb, mode,
-               0.0 if lora is None else lora.scale, _down_table(rows, r, mode), y, z)
+    down_proj_(
+        rows,
+        w,
+        b,
+        topk_weights,
+        r.sort_order,
+        r.expert_offsets,
+        r.top_k,
+        la,
+        lb,
+        mode,
+        0.0 if lora is None else lora.scale,
+        _down_table(rows, r, mode),
+        y,
+        z,
+    )
     return y, z
 
 
@@ -665,9 +1211,16 @@ def combine(y: Tensor, r: Routing, topk_weights: Tensor | None) -> Tensor:
     return out
 
 
-def down_combine(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor | None, r: Routing,
-                 nan_weights: Tensor | None, lora: LoRATerm | None = None,
-                 z: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def down_combine(
+    rows: Tensor,
+    w: Tensor,
+    b: Tensor | None,
+    topk_weights: Tensor | None,
+    r: Routing,
+    nan_weights: Tensor | None,
+    lora: LoRATerm | None = None,
+    z: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """``combine(down_proj(...))``: ``([T, NY] in rows.dtype, LoRA rows z [N, R] | None)``. Invalid
     pairs add ``nan_weights * 0`` when given (NaN for a NaN weight), else nothing. With
     ``options().atomic_combine`` (and ``K > 1``) the pair rows are added into a float32 accumulator by
@@ -679,17 +1232,38 @@ def down_combine(rows: Tensor, w: Tensor, b: Tensor | None, topk_weights: Tensor
     T, K = r.topk_ids.shape
     acc = torch.zeros((T, w.shape[1]), dtype=torch.float32, device=rows.device)
     mode, z, la, lb = _lora_rows(rows, lora, r, False, w.shape[1], z)
-    down_proj_atomic_(rows, w, b, topk_weights, r.sort_order, r.expert_offsets, r.top_k, la, lb, mode,
-                      0.0 if lora is None else lora.scale, acc, z)
+    down_proj_atomic_(
+        rows,
+        w,
+        b,
+        topk_weights,
+        r.sort_order,
+        r.expert_offsets,
+        r.top_k,
+        la,
+        lb,
+        mode,
+        0.0 if lora is None else lora.scale,
+        acc,
+        z,
+    )
     if nan_weights is not None:
         valid = (r.topk_ids >= 0) & (r.topk_ids < r.num_experts)
         acc += torch.where(valid, 0.0, nan_weights.view(T, K).float() * 0.0).sum(1, keepdim=True)
     return acc.to(rows.dtype), z
 
 
-def act_grad(dout: Tensor, w: Tensor, b: Tensor | None, h: Tensor, topk_weights: Tensor, r: Routing,
-             spec: ActSpec, lora: LoRATerm | None = None,
-             z: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def act_grad(
+    dout: Tensor,
+    w: Tensor,
+    b: Tensor | None,
+    h: Tensor,
+    topk_weights: Tensor,
+    r: Routing,
+    spec: ActSpec,
+    lora: LoRATerm | None = None,
+    z: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """``(d_h [N, N1], w * a [N, I], d topk_weights [N] float32, z [N, R] | None)`` from
     ``dout [T, H]``, ``w [E, H, I]`` (``z = dout[token] @ la[e]``, the LoRA term's rows; given when
     made already)."""
@@ -698,15 +1272,45 @@ def act_grad(dout: Tensor, w: Tensor, b: Tensor | None, h: Tensor, topk_weights:
     aw = empty((N, I), h)
     partial = torch.zeros((triton.cdiv(I, _dh_min_bn()), N), dtype=torch.float32, device=h.device)
     mode, z, la, lb = _lora_rows(dout, lora, r, True, I, z)
-    act_grad_(dout, w, b, h, topk_weights, r.sort_order, r.expert_offsets, r.top_k, spec.name, spec.alpha,
-              spec.limit, spec.interleaved, la, lb, mode, 0.0 if lora is None else lora.scale,
-              _gather_table(dout, r, spec, "gluon_dh"), dh, aw, partial, z)
+    act_grad_(
+        dout,
+        w,
+        b,
+        h,
+        topk_weights,
+        r.sort_order,
+        r.expert_offsets,
+        r.top_k,
+        spec.name,
+        spec.alpha,
+        spec.limit,
+        spec.interleaved,
+        la,
+        lb,
+        mode,
+        0.0 if lora is None else lora.scale,
+        _gather_table(dout, r, spec, "gluon_dh"),
+        dh,
+        aw,
+        partial,
+        z,
+    )
     return dh, aw, partial.sum(0), z
 
 
-def wgrad(lhs: Tensor, rhs: Tensor, *, lhs_by_token: bool, rhs_by_token: bool, scale: Tensor | None,
-          r: Routing, like_w: Tensor, like_b: Tensor | None, low_rank: bool = False,
-          alpha: float = 1.0) -> tuple[Tensor, Tensor | None]:
+def wgrad(
+    lhs: Tensor,
+    rhs: Tensor,
+    *,
+    lhs_by_token: bool,
+    rhs_by_token: bool,
+    scale: Tensor | None,
+    r: Routing,
+    like_w: Tensor,
+    like_b: Tensor | None,
+    low_rank: bool = False,
+    alpha: float = 1.0,
+) -> tuple[Tensor, Tensor | None]:
     """Grouped weight (and bias) gradient shaped and strided like ``like_w [E, NL, NR]`` (and ``like_b``),
     times ``alpha`` (e.g. a LoRA scaling); ``scale``: ``[N]`` by pair (the routing weights) or None, the
     bias gradient's row weights.
@@ -717,8 +1321,9 @@ def wgrad(lhs: Tensor, rhs: Tensor, *, lhs_by_token: bool, rhs_by_token: bool, s
     return dw, db
 
 
-def wgrad_rows(lhs: Tensor, rhs: Tensor, factor: Tensor, *, lhs_by_token: bool, r: Routing,
-               alpha: float = 1.0) -> tuple[Tensor, Tensor]:
+def wgrad_rows(
+    lhs: Tensor, rhs: Tensor, factor: Tensor, *, lhs_by_token: bool, r: Routing, alpha: float = 1.0
+) -> tuple[Tensor, Tensor]:
     """One pass over ``lhs`` for both of a LoRA factor ``B``'s uses in backward: ``(dw, rows)`` with
     ``dw[e] = alpha * lhs[rows of e]^T @ rhs[rows of e]`` shaped and strided like ``factor [E, NL, R]``
     (``dB``, from ``rhs [N, R]`` in sorted rows) and ``rows [N, R] = lhs[row] @ factor[e]`` in
@@ -735,7 +1340,7 @@ def wgrad_rows(lhs: Tensor, rhs: Tensor, factor: Tensor, *, lhs_by_token: bool, 
 def wgrad_rows_fits(num_pairs: int, nl: int, rank: int) -> bool:
     """Whether :func:`wgrad_rows`'s float32 partials (``cdiv(NL, rows_block())`` of ``[N, R]``) fit the
     ``wgrad_partial_mib`` budget of the weight gradients' partials (:mod:`.options`)."""
-    return triton.cdiv(nl, rows_block()) * num_pairs * rank * 4 <= options().wgrad_partial_mib * 2 ** 20
+    return triton.cdiv(nl, rows_block()) * num_pairs * rank * 4 <= options().wgrad_partial_mib * 2**20
 
 
 def _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, factor, low_rank, alpha):
@@ -757,7 +1362,23 @@ def _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, facto
     rows_part = None
     if factor is not None:
         rows_part = empty((triton.cdiv(NL, rows_block()), N, NR), lhs, torch.float32)
-    wgrad_(lhs, rhs, lhs_by_token, rhs_by_token, scale, r.sorted_token, r.expert_offsets, chunk,
-           dw, db, part, part_b, factor, rows_part,
-           low_rank and opts.wgrad_tile_major and (lhs_by_token or rhs_by_token), alpha, low_rank)
+    wgrad_(
+        lhs,
+        rhs,
+        lhs_by_token,
+        rhs_by_token,
+        scale,
+        r.sorted_token,
+        r.expert_offsets,
+        chunk,
+        dw,
+        db,
+        part,
+        part_b,
+        factor,
+        rows_part,
+        low_rank and opts.wgrad_tile_major and (lhs_by_token or rhs_by_token),
+        alpha,
+        low_rank,
+    )
     return dw, db, rows_part

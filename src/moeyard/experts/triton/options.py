@@ -97,6 +97,7 @@ Each defaults to the measured default path; set an environment variable, or over
   ``benchmarks/NOTES.md``), expert-major -> band-major: ``x A_up^T`` 0.184 -> 0.154 ms at qwen3.5-35b-a3b,
   0.177 -> 0.141 ms at qwen3-30b-a3b; ``d out B_down`` 0.185 -> 0.153 and 0.177 -> 0.142 ms.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -107,12 +108,22 @@ from dataclasses import dataclass
 
 import torch
 
-ENV = dict(atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE", wgrad_chunk_rows="MOEYARD_TRITON_WGRAD_CHUNK",
-           wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB", lora_mode="MOEYARD_TRITON_LORA",
-           tma="MOEYARD_TRITON_TMA", tma_wgrad="MOEYARD_TRITON_TMA_WGRAD", prefetch_h="MOEYARD_TRITON_PREFETCH",
-           tma_up="MOEYARD_TRITON_TMA_UP", gluon_down="MOEYARD_TRITON_GLUON_DOWN", gluon_up="MOEYARD_TRITON_GLUON_UP",
-           gluon_dh="MOEYARD_TRITON_GLUON_DH", gluon_wgrad="MOEYARD_TRITON_GLUON_WGRAD",
-           wgrad_tile_major="MOEYARD_TRITON_WGRAD_TILE_MAJOR", band_rows="MOEYARD_TRITON_BAND_ROWS")
+ENV = dict(
+    atomic_combine="MOEYARD_TRITON_ATOMIC_COMBINE",
+    wgrad_chunk_rows="MOEYARD_TRITON_WGRAD_CHUNK",
+    wgrad_partial_mib="MOEYARD_TRITON_WGRAD_PARTIAL_MIB",
+    lora_mode="MOEYARD_TRITON_LORA",
+    tma="MOEYARD_TRITON_TMA",
+    tma_wgrad="MOEYARD_TRITON_TMA_WGRAD",
+    prefetch_h="MOEYARD_TRITON_PREFETCH",
+    tma_up="MOEYARD_TRITON_TMA_UP",
+    gluon_down="MOEYARD_TRITON_GLUON_DOWN",
+    gluon_up="MOEYARD_TRITON_GLUON_UP",
+    gluon_dh="MOEYARD_TRITON_GLUON_DH",
+    gluon_wgrad="MOEYARD_TRITON_GLUON_WGRAD",
+    wgrad_tile_major="MOEYARD_TRITON_WGRAD_TILE_MAJOR",
+    band_rows="MOEYARD_TRITON_BAND_ROWS",
+)
 LORA_MODES = ("split", "fused")
 
 
@@ -150,7 +161,7 @@ class Options:
         at least ``wgrad_chunk_rows``, raised until ``2 * N // rows`` float32 partials fit the budget."""
         if self.wgrad_chunk_rows == 0:
             return 0
-        budget_slots = max(self.wgrad_partial_mib * 2 ** 20 // (4 * max(nl * nr, 1)), 1)
+        budget_slots = max(self.wgrad_partial_mib * 2**20 // (4 * max(nl * nr, 1)), 1)
         return max(self.wgrad_chunk_rows, -(-2 * num_rows // budget_slots))
 
 
@@ -203,6 +214,7 @@ def read_once(fn):
     them (16 readings per forward and backward, 11 µs each on the H100 machine's host: 0.18 ms of host time
     per step, which paces small shapes; ``benchmarks/NOTES.md``, round 26). While ``torch.compile`` traces,
     ``fn`` runs as is."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if torch.compiler.is_compiling():
@@ -212,6 +224,7 @@ def read_once(fn):
             return fn(*args, **kwargs)
         finally:
             _FROZEN.reset(token)
+
     return wrapper
 
 

@@ -8,6 +8,7 @@ bound and each program finds its expert from ``expert_offsets`` on the device (:
 programs past the last tile exit at once. No host sync, and the map does not depend on a
 precomputed ``BM``, so ``BM`` can be autotuned.
 """
+
 from __future__ import annotations
 
 import functools
@@ -68,8 +69,21 @@ def tile_table_kernel(offsets_ptr, table_ptr, E, M, BM: tl.constexpr, E_P2: tl.c
 
 
 @triton.jit
-def sort_tile_kernel(ids_ptr, order_ptr, offsets_ptr, table_ptr, N, E, M, N_P2: tl.constexpr, SHIFT: tl.constexpr,
-                     E_P2: tl.constexpr, BM: tl.constexpr, TE_P2: tl.constexpr, BT: tl.constexpr):
+def sort_tile_kernel(
+    ids_ptr,
+    order_ptr,
+    offsets_ptr,
+    table_ptr,
+    N,
+    E,
+    M,
+    N_P2: tl.constexpr,
+    SHIFT: tl.constexpr,
+    E_P2: tl.constexpr,
+    BM: tl.constexpr,
+    TE_P2: tl.constexpr,
+    BT: tl.constexpr,
+):
     """One program: the one-launch sort by expert (:func:`moeyard.dispatch_triton.sort_pairs`, its order and
     offsets), then, from the offsets it wrote, the tile table of ``BM`` rows (:func:`tile_table_kernel`'s,
     ``BT`` tiles at a time): the two launches of a call with few pairs in one."""
@@ -109,15 +123,27 @@ def _table_blocks(num_experts: int) -> tuple[int, int]:
     return e_p2, max(8, 4096 // e_p2)
 
 
-def sort_and_tile(ids: torch.Tensor, num_experts: int, block_m: int, order: torch.Tensor, offsets: torch.Tensor,
-                  table: torch.Tensor) -> None:
+def sort_and_tile(
+    ids: torch.Tensor, num_experts: int, block_m: int, order: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor
+) -> None:
     """:func:`moeyard.dispatch_triton.sort_by_expert_small`'s ``order [N]`` int64 and ``offsets [E + 1]`` int32
     and :func:`fill_tile_table`'s ``table [2 M + 1]`` int32 of ``block_m`` rows for the flat ``ids [N]``, in
     one launch of one program (:func:`sort_tile_kernel`; ``N`` within :func:`moeyard.dispatch_triton.fits`).
     No host sync."""
     te_p2, bt = _table_blocks(num_experts)
-    sort_tile_kernel[(1,)](ids, order, offsets, table, ids.shape[0], num_experts, (table.shape[0] - 1) // 2,
-                           BM=block_m, TE_P2=te_p2, BT=bt, **sort_meta(ids.shape[0], num_experts))
+    sort_tile_kernel[(1,)](
+        ids,
+        order,
+        offsets,
+        table,
+        ids.shape[0],
+        num_experts,
+        (table.shape[0] - 1) // 2,
+        BM=block_m,
+        TE_P2=te_p2,
+        BT=bt,
+        **sort_meta(ids.shape[0], num_experts),
+    )
 
 
 @triton.jit
@@ -234,8 +260,14 @@ def _cfg(bm, bn, bk, warps, stages, **meta):
 # wide BN (fewer recomputations), so every rank up to 128 has candidates that fit (python -m
 # moeyard.experts.triton.schedule).
 GEMM_CONFIGS = [
-    _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(128, 256, 64, 8, 4), _cfg(256, 128, 64, 8, 3),
-    _cfg(128, 128, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(128, 128, 128, 8, 3), _cfg(128, 256, 128, 8, 2),
+    _cfg(128, 128, 64, 8, 4),
+    _cfg(128, 256, 64, 8, 3),
+    _cfg(128, 256, 64, 8, 4),
+    _cfg(256, 128, 64, 8, 3),
+    _cfg(128, 128, 64, 4, 4),
+    _cfg(64, 128, 64, 4, 4),
+    _cfg(128, 128, 128, 8, 3),
+    _cfg(128, 256, 128, 8, 2),
     _cfg(64, 256, 64, 8, 3),
 ]
 # The TMA-loaded down projection (kernels_tma). One BM for all (the row tiles come from a table built
@@ -243,41 +275,73 @@ GEMM_CONFIGS = [
 # flattened into one pipeline (the H200's pick at qwen3-30b-a3b and sonic-7b: 128x256x64, 3 stages).
 TMA_BM = 128
 TMA_CONFIGS = [
-    _cfg(TMA_BM, 128, 64, 8, 4, PERSISTENT=False), _cfg(TMA_BM, 256, 64, 8, 3, PERSISTENT=False),
+    _cfg(TMA_BM, 128, 64, 8, 4, PERSISTENT=False),
+    _cfg(TMA_BM, 256, 64, 8, 3, PERSISTENT=False),
     _cfg(TMA_BM, 128, 128, 8, 3, PERSISTENT=False),
-    _cfg(TMA_BM, 128, 64, 8, 4, PERSISTENT=True), _cfg(TMA_BM, 256, 64, 8, 3, PERSISTENT=True),
+    _cfg(TMA_BM, 128, 64, 8, 4, PERSISTENT=True),
+    _cfg(TMA_BM, 256, 64, 8, 3, PERSISTENT=True),
     _cfg(TMA_BM, 256, 64, 8, 4, PERSISTENT=True),
 ]
 DUAL_CONFIGS = [
-    _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(128, 64, 64, 8, 4), _cfg(128, 64, 64, 4, 4),
-    _cfg(64, 128, 64, 4, 4), _cfg(64, 128, 64, 8, 3),
+    _cfg(128, 128, 64, 8, 3),
+    _cfg(128, 128, 64, 8, 4),
+    _cfg(128, 64, 64, 8, 4),
+    _cfg(128, 64, 64, 4, 4),
+    _cfg(64, 128, 64, 4, 4),
+    _cfg(64, 128, 64, 8, 3),
 ]
 # BN >= 64 always: the routing-weight gradient keeps one partial per column tile (see ops._dh_min_bn).
 # BN >= 128 runs the epilogue in two column halves (kernels_bwd.dh_kernel).
 DH_CONFIGS = [
-    _cfg(128, 128, 64, 8, 4), _cfg(128, 128, 64, 8, 5), _cfg(128, 128, 64, 8, 3), _cfg(128, 256, 64, 8, 3),
-    _cfg(128, 256, 64, 8, 4), _cfg(128, 64, 64, 8, 4), _cfg(128, 64, 64, 4, 4), _cfg(64, 256, 64, 8, 3),
+    _cfg(128, 128, 64, 8, 4),
+    _cfg(128, 128, 64, 8, 5),
+    _cfg(128, 128, 64, 8, 3),
+    _cfg(128, 256, 64, 8, 3),
+    _cfg(128, 256, 64, 8, 4),
+    _cfg(128, 64, 64, 8, 4),
+    _cfg(128, 64, 64, 4, 4),
+    _cfg(64, 256, 64, 8, 3),
 ]
 # weight gradients: L [BM, BN]^T @ R [BM, BK] per row step; wide output tiles read fewer operand
 # bytes per FLOP (the row loop streams each expert's rows through L2)
 WGRAD_CONFIGS = [
-    _cfg(64, 256, 128, 8, 4), _cfg(64, 128, 256, 8, 4), _cfg(64, 256, 128, 8, 3), _cfg(64, 128, 128, 8, 4),
-    _cfg(64, 128, 128, 8, 3), _cfg(128, 128, 128, 8, 3), _cfg(32, 256, 128, 8, 6), _cfg(64, 64, 128, 4, 4),
+    _cfg(64, 256, 128, 8, 4),
+    _cfg(64, 128, 256, 8, 4),
+    _cfg(64, 256, 128, 8, 3),
+    _cfg(64, 128, 128, 8, 4),
+    _cfg(64, 128, 128, 8, 3),
+    _cfg(128, 128, 128, 8, 3),
+    _cfg(32, 256, 128, 8, 6),
+    _cfg(64, 64, 128, 4, 4),
 ]
 # thin grouped GEMMs (the LoRA rows z = x A_e^T: R <= 64 output columns, memory-bound): narrow column
 # tiles, deep K steps, more programs per SM to hide the gathered loads' latency (128 x 16 x 64 with 3 stages:
 # the fastest of a sweep at r = 16 on an H200, NOTES round 20)
 THIN_CONFIGS = [
-    _cfg(64, 16, 128, 4, 4), _cfg(128, 16, 128, 4, 4), _cfg(128, 32, 64, 4, 4), _cfg(64, 32, 128, 4, 3),
-    _cfg(128, 16, 256, 8, 3), _cfg(256, 16, 64, 8, 4), _cfg(128, 64, 64, 4, 4), _cfg(128, 16, 64, 4, 3),
+    _cfg(64, 16, 128, 4, 4),
+    _cfg(128, 16, 128, 4, 4),
+    _cfg(128, 32, 64, 4, 4),
+    _cfg(64, 32, 128, 4, 3),
+    _cfg(128, 16, 256, 8, 3),
+    _cfg(256, 16, 64, 8, 4),
+    _cfg(128, 64, 64, 4, 4),
+    _cfg(128, 16, 64, 4, 3),
     _cfg(128, 16, 64, 8, 3),
 ]
 # weight gradients with one thin side (LoRA factors: r rows or columns): narrow tiles on that side; short
 # row steps (BM = 32) with 3 stages ran fastest for dB_down and dA_up at r = 16 (NOTES round 20)
 THIN_WGRAD_CONFIGS = [
-    _cfg(64, 16, 256, 4, 4), _cfg(64, 32, 256, 8, 4), _cfg(128, 16, 128, 4, 4), _cfg(64, 64, 128, 4, 4),
-    _cfg(64, 256, 16, 4, 4), _cfg(64, 256, 32, 8, 4), _cfg(128, 128, 16, 4, 4),
-    _cfg(32, 256, 16, 4, 3), _cfg(32, 128, 16, 4, 3), _cfg(64, 128, 16, 4, 3), _cfg(32, 16, 128, 4, 3),
+    _cfg(64, 16, 256, 4, 4),
+    _cfg(64, 32, 256, 8, 4),
+    _cfg(128, 16, 128, 4, 4),
+    _cfg(64, 64, 128, 4, 4),
+    _cfg(64, 256, 16, 4, 4),
+    _cfg(64, 256, 32, 8, 4),
+    _cfg(128, 128, 16, 4, 4),
+    _cfg(32, 256, 16, 4, 3),
+    _cfg(32, 128, 16, 4, 3),
+    _cfg(64, 128, 16, 4, 3),
+    _cfg(32, 16, 128, 4, 3),
     _cfg(128, 16, 128, 4, 3),
 ]
 # weight gradients of a LoRA factor B that also yield the rows d_y B_e from the same pass over d_y
@@ -285,8 +349,14 @@ THIN_WGRAD_CONFIGS = [
 # columns of d_y) are counted before the launch
 ROWS_BN = 256
 ROWS_WGRAD_CONFIGS = [
-    _cfg(64, ROWS_BN, 16, 4, 4), _cfg(64, ROWS_BN, 16, 8, 4), _cfg(32, ROWS_BN, 16, 4, 6), _cfg(128, ROWS_BN, 16, 8, 3),
-    _cfg(64, ROWS_BN, 32, 8, 4), _cfg(64, ROWS_BN, 64, 8, 3), _cfg(64, ROWS_BN, 16, 8, 2), _cfg(64, ROWS_BN, 16, 4, 2),
+    _cfg(64, ROWS_BN, 16, 4, 4),
+    _cfg(64, ROWS_BN, 16, 8, 4),
+    _cfg(32, ROWS_BN, 16, 4, 6),
+    _cfg(128, ROWS_BN, 16, 8, 3),
+    _cfg(64, ROWS_BN, 32, 8, 4),
+    _cfg(64, ROWS_BN, 64, 8, 3),
+    _cfg(64, ROWS_BN, 16, 8, 2),
+    _cfg(64, ROWS_BN, 16, 4, 2),
     _cfg(128, ROWS_BN, 16, 4, 3),
 ]
 # the second-stage sum of weight-gradient partials (memory-bound; BN x BK float32 tiles)
@@ -342,8 +412,12 @@ def tuned(kernel, configs, key, kind=None, *, prune=None, fixed=None, fixed_extr
             return _Fixed(kernel, fixed)
         return _Fixed(kernel, {**(fixed or (SMALL if interpreting() else FIXED)), **(fixed_extra or {})})
     prune = prune or pruner(kind, device_smem_limit)
-    return _Tuned(triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune},
-                                  reset_to_zero=reset_to_zero)(kernel), key)
+    return _Tuned(
+        triton.autotune(
+            configs=configs, key=key, prune_configs_by={"early_config_prune": prune}, reset_to_zero=reset_to_zero
+        )(kernel),
+        key,
+    )
 
 
 class _Tuned:
@@ -370,9 +444,11 @@ class _Tuned:
 
     def _launch(self, grid, args, kwargs):
         n = len(args)
-        key = (tuple(args[i] if i < n else kwargs.get(k) for i, k in self._key),
-               tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),
-               tuple(v.dtype for v in kwargs.values() if isinstance(v, torch.Tensor)))
+        key = (
+            tuple(args[i] if i < n else kwargs.get(k) for i, k in self._key),
+            tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),
+            tuple(v.dtype for v in kwargs.values() if isinstance(v, torch.Tensor)),
+        )
         config = self.picks.get(key)
         if config is None:
             ret = self.autotuner.run(*args, grid=grid, warmup=False, **kwargs)
@@ -396,22 +472,26 @@ class _Fixed:
             meta = self.meta(args, kwargs) if callable(self.meta) else self.meta
             g = grid(meta) if callable(grid) else grid
             return self.kernel[g](*args, **kwargs, **meta)
+
         return launch
 
 
 # ---------------------------------------------------------------- pruning report (no GPU needed)
 
+
 def _report_lists():
     """``(title, configs, launch kind, gated, has LoRA variants, with the row product)`` of every tuned
     launcher (ops._kernels)."""
-    return [("up (gated: DUAL_CONFIGS)", DUAL_CONFIGS, "up", True, True, False),
-            ("down / dx (GEMM_CONFIGS)", GEMM_CONFIGS, "down", False, True, False),
-            ("down / dx, TMA loads (TMA_CONFIGS)", TMA_CONFIGS, "down_tma", False, False, False),
-            ("dh (DH_CONFIGS)", DH_CONFIGS, "dh", False, True, False),
-            ("wgrad (WGRAD_CONFIGS)", WGRAD_CONFIGS, "wgrad", False, False, False),
-            ("thin up: LoRA z rows (THIN_CONFIGS)", THIN_CONFIGS, "up", False, False, False),
-            ("thin wgrad: LoRA factors (THIN_WGRAD_CONFIGS)", THIN_WGRAD_CONFIGS, "wgrad", False, False, False),
-            ("LoRA dB with the rows d_y B (ROWS_WGRAD_CONFIGS)", ROWS_WGRAD_CONFIGS, "wgrad", False, False, True)]
+    return [
+        ("up (gated: DUAL_CONFIGS)", DUAL_CONFIGS, "up", True, True, False),
+        ("down / dx (GEMM_CONFIGS)", GEMM_CONFIGS, "down", False, True, False),
+        ("down / dx, TMA loads (TMA_CONFIGS)", TMA_CONFIGS, "down_tma", False, False, False),
+        ("dh (DH_CONFIGS)", DH_CONFIGS, "dh", False, True, False),
+        ("wgrad (WGRAD_CONFIGS)", WGRAD_CONFIGS, "wgrad", False, False, False),
+        ("thin up: LoRA z rows (THIN_CONFIGS)", THIN_CONFIGS, "up", False, False, False),
+        ("thin wgrad: LoRA factors (THIN_WGRAD_CONFIGS)", THIN_WGRAD_CONFIGS, "wgrad", False, False, False),
+        ("LoRA dB with the rows d_y B (ROWS_WGRAD_CONFIGS)", ROWS_WGRAD_CONFIGS, "wgrad", False, False, True),
+    ]
 
 
 def _cell(config, launch, smem_limit: int) -> str:
@@ -423,20 +503,44 @@ def report(smem_limit: int = tuning.SMEM_OPTIN_HOPPER, ranks=(16, 64, 128), dtyp
     """A table per tuned launcher: each config's estimated registers per thread, shared memory and
     whether :func:`tuning.prune` keeps it under ``smem_limit`` bytes, without LoRA (r=0) and with
     LoRA of each rank in ``ranks``, split (``s``) and fused (``f``), for ``dtype_bytes``-byte data."""
-    lines = [f"estimates for {dtype_bytes}-byte data, shared-memory limit {smem_limit} bytes; "
-             "cell: registers/thread, shared memory, kept or pruned"]
+    lines = [
+        f"estimates for {dtype_bytes}-byte data, shared-memory limit {smem_limit} bytes; "
+        "cell: registers/thread, shared memory, kept or pruned"
+    ]
     for title, configs, kind, gated, lora, rows in _report_lists():
-        variants = [("r=0", 0, 0)] + ([(f"r={r} {m[0]}", r, mode) for r in ranks for m, mode in
-                                        (("split", tuning.LORA_SPLIT), ("fused", tuning.LORA_FUSED))] if lora else [])
+        variants = [("r=0", 0, 0)] + (
+            [
+                (f"r={r} {m[0]}", r, mode)
+                for r in ranks
+                for m, mode in (("split", tuning.LORA_SPLIT), ("fused", tuning.LORA_FUSED))
+            ]
+            if lora
+            else []
+        )
         lines += ["", title, f"{'BM  BN  BK w s':18}| " + " | ".join(f"{v[0]:^16}" for v in variants)]
         for c in configs:
             k = c.kwargs
-            cells = [_cell(c, tuning.Launch(kind=kind, dual=gated, lora=mode, rank=rank_block(r) if mode else 0,
-                                            a_bytes=dtype_bytes, b_bytes=dtype_bytes, lora_bytes=dtype_bytes,
-                                            has_rows=rows),
-                           smem_limit) for _, r, mode in variants]
+            cells = [
+                _cell(
+                    c,
+                    tuning.Launch(
+                        kind=kind,
+                        dual=gated,
+                        lora=mode,
+                        rank=rank_block(r) if mode else 0,
+                        a_bytes=dtype_bytes,
+                        b_bytes=dtype_bytes,
+                        lora_bytes=dtype_bytes,
+                        has_rows=rows,
+                    ),
+                    smem_limit,
+                )
+                for _, r, mode in variants
+            ]
             flag = "P" if k.get("PERSISTENT") else ""
-            lines.append(f"{k['BM']:3d} {k['BN']:3d} {k['BK']:3d} {c.num_warps} {c.num_stages} {flag:<2}| " + " | ".join(cells))
+            lines.append(
+                f"{k['BM']:3d} {k['BN']:3d} {k['BK']:3d} {c.num_warps} {c.num_stages} {flag:<2}| " + " | ".join(cells)
+            )
     return "\n".join(lines)
 
 

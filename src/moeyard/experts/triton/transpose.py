@@ -3,6 +3,7 @@ expert-major relayout and its gradient's way back (:mod:`moeyard.experts.relayou
 that strided view runs at 0.6 TB/s on an H200 (16 MiB in 0.053 ms); this kernel takes 0.007 ms
 (``benchmarks/NOTES.md``, round 16).
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -17,8 +18,11 @@ def transpose_kernel(x_ptr, y_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     x = tl.load(x_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], mask=(rm[:, None] < M) & (rn[None, :] < N))
-    tl.store(y_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(x).to(y_ptr.dtype.element_ty),
-             mask=(rn[:, None] < N) & (rm[None, :] < M))
+    tl.store(
+        y_ptr + rn[:, None].to(tl.int64) * M + rm[None, :],
+        tl.trans(x).to(y_ptr.dtype.element_ty),
+        mask=(rn[:, None] < N) & (rm[None, :] < M),
+    )
 
 
 def launch(x: torch.Tensor, y: torch.Tensor) -> None:

@@ -55,6 +55,7 @@ drops the configs that cannot fit, and configs that spill anyway lose the autotu
 Check them against the compiled kernels' ``n_regs`` / ``n_spills`` (``benchmarks/lora_profile.py
 --regs`` on a GPU, ``benchmarks/offline_sm90.py`` without one).
 """
+
 from __future__ import annotations
 
 import math
@@ -109,8 +110,8 @@ class _Kind:
     """A kernel's GEMM shape and the arguments that hold its two operands."""
 
     family: str  # "gemm" (A [BM, BK] @ B [BK, BN]) or "wgrad" (L^T [BN, BM] @ R [BM, BK])
-    a: str       # argument holding A (or L)
-    b: str       # argument holding B (or R)
+    a: str  # argument holding A (or L)
+    b: str  # argument holding B (or R)
     tma: bool = False  # operands loaded by TMA descriptors: no pointer tensors in the main loop
 
 
@@ -142,10 +143,17 @@ def launch_of(kind: str, args: dict) -> Launch:
     k = KINDS[kind]
     lora = int(args.get("LORA", LORA_NONE))
     # DUAL: two accumulators in the up kernel only (the dh kernel's DUAL means a gated activation)
-    return Launch(kind=kind, dual=kind == "up" and bool(args.get("DUAL", False)), lora=lora,
-                  rank=int(args.get("RP", 16)) if lora else 0, a_bytes=_size(args.get(k.a)),
-                  b_bytes=_size(args.get(k.b)), lora_bytes=_size(args.get("la_ptr", args.get(k.a))),
-                  has_db=bool(args.get("HAS_DB", False)), has_rows=bool(args.get("ROWS", False)))
+    return Launch(
+        kind=kind,
+        dual=kind == "up" and bool(args.get("DUAL", False)),
+        lora=lora,
+        rank=int(args.get("RP", 16)) if lora else 0,
+        a_bytes=_size(args.get(k.a)),
+        b_bytes=_size(args.get(k.b)),
+        lora_bytes=_size(args.get("la_ptr", args.get(k.a))),
+        has_db=bool(args.get("HAS_DB", False)),
+        has_rows=bool(args.get("ROWS", False)),
+    )
 
 
 def _tiles(c) -> tuple[int, int, int]:
@@ -227,9 +235,12 @@ def prune(configs, launch: Launch, smem_limit: int) -> list:
     smallest = min(configs, key=lambda c: (registers(c, launch), smem_bytes(c, launch)))
     if launch not in _WARNED:
         _WARNED.add(launch)
-        warnings.warn(f"moeyard triton: no {launch.kind} config fits {smem_limit} bytes of shared memory and "
-                      f"{MAX_REGS_PER_THREAD} registers for {launch}; keeping the smallest, {smallest}",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"moeyard triton: no {launch.kind} config fits {smem_limit} bytes of shared memory and "
+            f"{MAX_REGS_PER_THREAD} registers for {launch}; keeping the smallest, {smallest}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return [smallest]
 
 
@@ -241,4 +252,5 @@ def pruner(kind: str, smem_limit):
 
     def early_config_prune(configs, named_args, **kwargs):
         return prune(configs, launch_of(kind, {**named_args, **kwargs}), smem_limit())
+
     return early_config_prune
