@@ -20,7 +20,8 @@ Two forms:
   e4m3 rows (the bf16 permuted copy of x is never made; its wgrad cast reads ``x`` through the rows'
   token index); the down projection casts ``act(h)`` straight from ``h`` with the routing weight folded into
   its rowwise scale (``act(h)`` is never written in bf16, nor kept: only ``h`` is); the combine is then an
-  unweighted sum of each token's rows, and the routing weights' gradient ``<d out[t], y_r> = <d act_r,
+  unweighted sum of each token's rows, whose backward's ``d out`` is cast once per token and gathered in
+  e4m3 like ``x`` (no ``[R, H]`` copy of it in bf16), and the routing weights' gradient ``<d out[t], y_r> = <d act_r,
   act(h_r)>`` comes out of the activation's backward kernel (the ``[T, K, H]`` pair copy a weighted combine
   keeps for it is never made). Same results as the composed form, up to where bf16 rounding happens.
 
@@ -40,7 +41,7 @@ from ..activations import Activation
 from ..dispatch import DispatchPlan, make_plan
 from ..kernel_op import have_triton
 from ..quant.recipe import Recipe
-from ..weighted_sum import gathered_sum, gathered_weighted_sum
+from ..weighted_sum import gathered_sum
 from .scaled import Emulated, RecipeGEMMs
 from .weights import ExpertWeights
 
@@ -83,9 +84,7 @@ class HopperRowwise(RecipeGEMMs):
         return _forward(_cast().rowwise(x), w, offsets, x.dtype)
 
     def dgrad(self, dy, w, offsets, recipe):
-        dyq, dys = _cast().rowwise(dy)
-        wq, ws = _cast().colwise_per_expert(w)  # [E, K, N], [E, K]
-        return scaled_grouped_mm(dyq, wq.mT, dys, ws, offsets, dy.dtype, True)
+        return _dgrad(_cast().rowwise(dy), w, offsets, dy.dtype)
 
     def wgrad(self, dy, x, offsets, recipe):
         return _wgrad(_cast().colwise_per_group(dy, offsets), _cast().colwise_per_group(x, offsets), offsets, dy.dtype)
@@ -134,14 +133,16 @@ def routed_ffn(
     plan = make_plan(topk_ids, weights.num_experts, align=recipe.align)
     live = plan.valid.view(T, K)
     offsets = plan.padded_offsets
-    h = _GatheredUp.apply(x, weights.w_up, plan.row_tokens(), plan.pair_rows.view(T, K), live, offsets)
+    row_tokens, pair_rows = plan.row_tokens(), plan.pair_rows.view(T, K)
+    h = _GatheredUp.apply(x, weights.w_up, row_tokens, pair_rows, live, offsets)
     if weights.b_up is not None:
         from .pipeline import add_row_bias
 
         h = add_row_bias(h, weights.b_up, plan)
     rw = _row_weights(topk_weights, plan, live)
-    y = _ActDown.apply(h, weights.w_down, offsets, rw, activation, weights.interleaved)
-    out = gathered_weighted_sum(y, plan.pair_rows.view(T, K), live.to(y.dtype))  # no weight gradient: no copy
+    out = _ActDownCombine.apply(
+        h, weights.w_down, offsets, rw, row_tokens, pair_rows, live, activation, weights.interleaved
+    )
     if not drop_invalid:  # the NaN weight of an invalid id reaches its token's row (0 * NaN); no gradient
         out = out + 0 * topk_weights.masked_fill(live, 0).sum(1, keepdim=True).to(out.dtype)
     return out
@@ -154,19 +155,31 @@ def _row_weights(topk_weights: Tensor, plan: DispatchPlan, live: Tensor) -> Tens
     return w.new_zeros(plan.num_rows).index_put((plan.pair_rows,), w)
 
 
+def _gathered_rows(t: Tensor, row_tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """``t [T, K]`` cast per row once (:func:`moeyard.quant.fp8_triton.rowwise`), then its e4m3 rows and
+    scales gathered by ``row_tokens [R]`` (``T``: a zero row with scale 1): ``([R, K] e4m3, [R] float32)``,
+    the rowwise cast of ``t[row_tokens]`` (a row's scale depends on the row alone) for a ``[T, K]`` read
+    instead of ``[R, K]``."""
+    q, s = _cast().rowwise(t)
+    zero = torch.zeros(1, t.shape[1], device=t.device, dtype=torch.uint8)
+    rows_q = torch.cat([q.view(torch.uint8), zero]).index_select(0, row_tokens).view(q.dtype)
+    return rows_q, torch.cat([s, s.new_ones(1)]).index_select(0, row_tokens)
+
+
+def _dgrad(dyq_dys: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype: torch.dtype) -> Tensor:
+    """``dx = dy w_e`` from the rowwise cast of ``dy [R, N]``: casts ``w [E, N, K]`` per input channel."""
+    wq, ws = _cast().colwise_per_expert(w)  # [E, K, N], [E, K]
+    return scaled_grouped_mm(dyq_dys[0], wq.mT, dyq_dys[1], ws, offsets, dtype, True)
+
+
 class _GatheredUp(torch.autograd.Function):
     """``h = x[row_tokens] w_e^T`` with the e4m3 rows gathered from one cast per token; backward: ``dx``
     summed over each token's live rows, ``dw`` from ``x`` read through ``row_tokens``."""
 
     @staticmethod
     def forward(ctx, x, w, row_tokens, pair_rows, live, offsets):
-        cast = _cast()
-        xq, xs = cast.rowwise(x)
-        zero = torch.zeros(1, x.shape[1], device=x.device, dtype=torch.uint8)
-        rows_q = torch.cat([xq.view(torch.uint8), zero]).index_select(0, row_tokens).view(xq.dtype)
-        rows_s = torch.cat([xs, xs.new_ones(1)]).index_select(0, row_tokens)
         ctx.save_for_backward(x, w, row_tokens, pair_rows, live, offsets)
-        return _forward((rows_q, rows_s), w, offsets, x.dtype)
+        return _forward(_gathered_rows(x, row_tokens), w, offsets, x.dtype)
 
     @staticmethod
     def backward(ctx, dh):
@@ -187,30 +200,34 @@ class _GatheredUp(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
-class _ActDown(torch.autograd.Function):
-    """``y_r = rw_r * act(h_r) w_e^T`` (``rw`` folded into the rowwise scale of ``act(h)``); backward: ``d h``
-    and ``d rw`` from one kernel over ``h`` and ``d act``, ``dw`` from ``act(h)`` cast again from ``h``."""
+class _ActDownCombine(torch.autograd.Function):
+    """``out[t] = sum over t's live rows r of rw_r * act(h_r) w_e^T`` (``rw`` folded into the rowwise scale
+    of ``act(h)``; the combine an unweighted gathered sum); backward from ``d out [T, H]``: the rows' ``dy =
+    d out[token]`` cast once per token and gathered in e4m3 (no ``[R, H]`` copy in the compute dtype), ``d h``
+    and ``d rw`` from one kernel over ``h`` and ``d act``, ``dw`` from ``act(h)`` cast again from ``h`` and
+    ``d out`` read through the rows' tokens."""
 
     @staticmethod
-    def forward(ctx, h, w, offsets, rw, act, interleaved):
+    def forward(ctx, h, w, offsets, rw, row_tokens, pair_rows, live, act, interleaved):
         aq, a_s = _cast().rowwise(h, act, interleaved=interleaved)
-        ctx.save_for_backward(h, w, offsets, rw)
+        y = _forward((aq, a_s * rw), w, offsets, h.dtype)
+        ctx.save_for_backward(h, w, offsets, rw, row_tokens)
         ctx.act, ctx.interleaved = act, interleaved
-        return _forward((aq, a_s * rw), w, offsets, h.dtype)
+        return gathered_sum(y, pair_rows, live.to(y.dtype))[0]
 
     @staticmethod
-    def backward(ctx, dy):
-        h, w, offsets, rw = ctx.saved_tensors
+    def backward(ctx, d_out):
+        h, w, offsets, rw, row_tokens = ctx.saved_tensors
         cast = _cast()
-        dy = dy.contiguous()
+        d_out = d_out.contiguous()
         dh = drw = dw = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
-            da = HOPPER_ROWWISE.dgrad(dy, w, offsets, None)  # d y / d (rw * act(h)), before the weight
+            da = _dgrad(_gathered_rows(d_out, row_tokens), w, offsets, d_out.dtype)  # d / d (rw * act(h))
             dh, drw = cast.act_backward(h, da, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
         if ctx.needs_input_grad[1]:
             a_t = cast.colwise_per_group(h, offsets, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
-            dw = _wgrad(cast.colwise_per_group(dy, offsets), a_t, offsets, dy.dtype)
-        return dh, dw, None, drw, None, None
+            dw = _wgrad(cast.colwise_per_group(d_out, offsets, index=row_tokens), a_t, offsets, d_out.dtype)
+        return dh, dw, None, drw, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------- the choice
