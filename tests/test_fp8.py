@@ -141,12 +141,14 @@ def test_recipe_blocks():
     assert not b.rowwise and b.forward == (Blocks(128), Blocks(128, 128)) and b.wgrad == (Blocks(128), Blocks(128))
     m = RECIPES["mxfp8"]
     assert m.scale == "e8m0" and all(x == Blocks(32) for g in ("forward", "dgrad", "wgrad") for x in m.blocks(g))
+    hp = RECIPES["fp8_rowwise_gw_hp"]
+    assert hp.rowwise and hp.blocks("wgrad") is None and hp.forward == r.forward and hp.dgrad == r.dgrad
     with pytest.raises(ValueError, match="gemm"):
         r.blocks("fprop")
 
 
 def test_recipe_names_and_errors():
-    assert moeyard.recipe_names() == ["fp8_rowwise", "fp8_blockwise", "mxfp8"]
+    assert moeyard.recipe_names() == ["fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise", "mxfp8"]
     assert resolve_recipe(None) is None and resolve_recipe("mxfp8") is RECIPES["mxfp8"]
     with pytest.raises(ValueError, match="recipe: expected one of"):
         resolve_recipe("fp8")
@@ -399,6 +401,10 @@ def test_triton_casts_of_the_activation(name, interleaved):
     dh, drw = cast.act_backward(h, da, act, interleaved=interleaved, row_weights=rw.detach().float())
     torch.testing.assert_close(dh.double(), hh.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(drw.double(), rw.grad, rtol=1e-5, atol=1e-4)
+    # act(h) times the row weights written in h's dtype (the high-precision weight gradient's operand)
+    aw = cast.act_rows(h, act, interleaved=interleaved, row_weights=rw.detach().float())
+    assert aw.dtype == h.dtype and aw.shape == (R, I)
+    torch.testing.assert_close(aw.double(), rw.detach()[:, None] * a.double(), rtol=1e-5, atol=1e-5)
     # the casts of gathered, weighted rows: t[index] * rw (an index past the end reads a zero row)
     t = torch.randn(10, 24)
     index = torch.tensor([3, 3, 10, 0, 9, 10, 1])
@@ -436,7 +442,7 @@ def forced_fast_path(monkeypatch):
     return calls
 
 
-def _check_fused(backend: str, inputs, **kw):
+def _check_fused(backend: str, inputs, recipe: str = "fp8_rowwise", **kw):
     """The fused form folds the routing weight into the down projection's activation operand, so its
     backward casts the output gradient before the weight multiplies it (the composed form casts after):
     the same recipe, rounded in another order. Its output (cast the same way) is judged by the strict rule;
@@ -446,9 +452,9 @@ def _check_fused(backend: str, inputs, **kw):
     T, H = inputs["hidden_states"].shape
     g = torch.randn(T, H, dtype=torch.float64)
     exact = run_experts(inputs, torch.float64, "loop", g, **kw)
-    oracle = run_experts(inputs, torch.float64, "loop", g, recipe="fp8_rowwise", **kw)
-    lowp = run_experts(inputs, torch.float32, "loop", g, recipe="fp8_rowwise", **kw)
-    got = run_experts(inputs, torch.float32, backend, g, recipe="fp8_rowwise", **kw)
+    oracle = run_experts(inputs, torch.float64, "loop", g, recipe=recipe, **kw)
+    lowp = run_experts(inputs, torch.float32, "loop", g, recipe=recipe, **kw)
+    got = run_experts(inputs, torch.float32, backend, g, recipe=recipe, **kw)
     assert_matches_oracle({"out": got["out"]}, {"out": lowp["out"]}, {"out": oracle["out"]}, torch.float32)
 
     def norm_err(a, ref):
@@ -461,9 +467,53 @@ def _check_fused(backend: str, inputs, **kw):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
-def test_fast_path_fused_on_cpu(forced_fast_path, backend, case):
-    _check_fused(backend, _inputs(case))
-    assert "fused" in forced_fast_path and forced_fast_path.count("gemm") >= 2
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
+def test_fast_path_fused_on_cpu(forced_fast_path, recipe, backend, case):
+    _check_fused(backend, _inputs(case), recipe)
+    # forward and dgrad of both projections in FP8; wgrad too, unless the recipe keeps it in the compute dtype
+    assert "fused" in forced_fast_path and forced_fast_path.count("gemm") == (4 if recipe.endswith("gw_hp") else 6)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_gw_hp_weight_gradient_in_compute_dtype(monkeypatch, fast):
+    # fp8_rowwise_gw_hp: forward and dgrad as fp8_rowwise's, the weight gradient exactly dy_e^T x_e (the
+    # emulated path and the Hopper path's logic, the latter under the interpreter)
+    from moeyard.experts.loop import EMULATED
+    from moeyard.experts.scaled import scaled_linear
+
+    if fast:
+        pytest.importorskip("triton")
+        from moeyard.kernel_op import interpreting
+
+        if not interpreting():
+            pytest.skip("the Hopper path's CPU rehearsal runs under Triton's interpreter")
+        from moeyard.experts.scaled_hopper import HOPPER_ROWWISE as gemms
+    else:
+        gemms = EMULATED
+    torch.manual_seed(0)
+    E, N, K, offsets = 3, 16, 32, torch.tensor([0, 16, 16, 48], dtype=torch.int32)
+    x = torch.randn(48, K, requires_grad=True)
+    w = torch.randn(E, N, K, requires_grad=True)
+    dy = torch.randn(48, N)
+    ys, grads = {}, {}
+    for name in ("fp8_rowwise", "fp8_rowwise_gw_hp"):
+        x.grad = w.grad = None
+        if fast:
+            y = scaled_linear(x, w, offsets, RECIPES[name], gemms)
+        else:  # the loop backend's layout: one expert at a time
+            y = torch.cat(
+                [
+                    scaled_linear(x[a:b], w[e], None, RECIPES[name], gemms)
+                    for e, (a, b) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True))
+                ]
+            )
+        y.backward(dy)
+        ys[name], grads[name] = y.detach(), (x.grad.clone(), w.grad.clone())
+    assert torch.equal(ys["fp8_rowwise"], ys["fp8_rowwise_gw_hp"])  # the same forward
+    assert torch.equal(grads["fp8_rowwise"][0], grads["fp8_rowwise_gw_hp"][0])  # the same dgrad
+    want = torch.stack([dy[a:b].mT @ x.detach()[a:b] for a, b in ((0, 16), (16, 16), (16, 48))])
+    torch.testing.assert_close(grads["fp8_rowwise_gw_hp"][1], want, rtol=1e-5, atol=1e-5)
+    assert (grads["fp8_rowwise"][1] - want).abs().max() > 1e-3  # the FP8 wgrad differs: the test can fail
 
 
 @pytest.mark.parametrize("case", ["up_bias", "down_bias", "lora", "gpt_oss", "gelu", "drop_invalid", "frozen"])

@@ -79,6 +79,8 @@ class Emulated(RecipeGEMMs):
         return self.ops.mm(fake_quantize(dy, a, recipe.scale), fake_quantize(w.mT, b, recipe.scale), offsets)
 
     def wgrad(self, dy, x, offsets, recipe):
+        if recipe.wgrad is None:  # in the compute dtype
+            return self.ops.kmm(dy, x, offsets)
         a, b = recipe.wgrad  # along the tokens: per expert (offsets) or the whole axis of one expert
         dy_t = fake_quantize(dy.mT, a, recipe.scale, offsets)
         x_t = fake_quantize(x.mT, b, recipe.scale, offsets)

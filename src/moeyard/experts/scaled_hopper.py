@@ -6,7 +6,8 @@ Which scale each GEMM's operands carry (expert-major rows ``x [R, K]``, ``w [E, 
 - forward ``y = x w_e^T``: ``x`` one scale per row (over K), ``w_e`` one per output channel (over K);
 - dgrad ``dx = dy w_e``: ``dy`` one per row (over N), ``w_e^T`` one per input channel (over N);
 - wgrad ``dw_e = dy_e^T x_e``: ``dy^T`` and ``x^T`` one per channel and expert, over the expert's tokens
-  (so the rows of each expert are padded to a multiple of 16: ``Recipe.align``).
+  (so the rows of each expert are padded to a multiple of 16: ``Recipe.align``); under
+  ``fp8_rowwise_gw_hp`` (``Recipe.wgrad`` None) in the compute dtype on ``torch._grouped_mm``.
 
 Forward and dgrad accumulate with ``use_fast_accum`` (contraction over H or I, at most a few thousand);
 wgrad contracts over an expert's tokens (thousands to hundreds of thousands) and accumulates exactly.
@@ -87,6 +88,8 @@ class HopperRowwise(RecipeGEMMs):
         return _dgrad(_cast().rowwise(dy), w, offsets, dy.dtype)
 
     def wgrad(self, dy, x, offsets, recipe):
+        if recipe.wgrad is None:
+            return _wgrad_hp(dy, x, offsets)
         return _wgrad(_cast().colwise_per_group(dy, offsets), _cast().colwise_per_group(x, offsets), offsets, dy.dtype)
 
 
@@ -105,6 +108,17 @@ def _wgrad(dyq_dys: tuple[Tensor, Tensor], xq_xs: tuple[Tensor, Tensor], offsets
     ``(x^T [K, R], [E, K])``."""
     (dyq, dys), (xq, xs) = dyq_dys, xq_xs
     return scaled_grouped_mm(dyq, xq.mT, dys.reshape(-1), xs.reshape(-1), offsets, dtype, False)
+
+
+def _wgrad_hp(dy: Tensor, x: Tensor, offsets: Tensor) -> Tensor:
+    """``dw_e = dy_e^T x_e`` ``[E, N, K]`` in the compute dtype (``torch._grouped_mm``) from the rows
+    ``dy [R, N]``, ``x [R, K]``: a recipe's wgrad with ``wgrad=None``."""
+    return torch._grouped_mm(dy.mT, x, offs=offsets[1:])
+
+
+def _gathered(t: Tensor, row_tokens: Tensor) -> Tensor:
+    """``t [T, K]``'s rows at ``row_tokens [R]`` (``T``: a zero row), in ``t``'s dtype."""
+    return torch.cat([t, t.new_zeros(1, t.shape[1])]).index_select(0, row_tokens)
 
 
 # ---------------------------------------------------------------------------------- the fused form
@@ -134,14 +148,15 @@ def routed_ffn(
     live = plan.valid.view(T, K)
     offsets = plan.padded_offsets
     row_tokens, pair_rows = plan.row_tokens(), plan.pair_rows.view(T, K)
-    h = _GatheredUp.apply(x, weights.w_up, row_tokens, pair_rows, live, offsets)
+    hp = recipe.wgrad is None  # the weight gradients in the compute dtype
+    h = _GatheredUp.apply(x, weights.w_up, row_tokens, pair_rows, live, offsets, hp)
     if weights.b_up is not None:
         from .pipeline import add_row_bias
 
         h = add_row_bias(h, weights.b_up, plan)
     rw = _row_weights(topk_weights, plan, live)
     out = _ActDownCombine.apply(
-        h, weights.w_down, offsets, rw, row_tokens, pair_rows, live, activation, weights.interleaved
+        h, weights.w_down, offsets, rw, row_tokens, pair_rows, live, activation, weights.interleaved, hp
     )
     if not drop_invalid:  # the NaN weight of an invalid id reaches its token's row (0 * NaN); no gradient
         out = out + 0 * topk_weights.masked_fill(live, 0).sum(1, keepdim=True).to(out.dtype)
@@ -174,11 +189,13 @@ def _dgrad(dyq_dys: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype: to
 
 class _GatheredUp(torch.autograd.Function):
     """``h = x[row_tokens] w_e^T`` with the e4m3 rows gathered from one cast per token; backward: ``dx``
-    summed over each token's live rows, ``dw`` from ``x`` read through ``row_tokens``."""
+    summed over each token's live rows, ``dw`` from ``x`` read through ``row_tokens`` (``hp``: in the
+    compute dtype, from ``x``'s rows gathered)."""
 
     @staticmethod
-    def forward(ctx, x, w, row_tokens, pair_rows, live, offsets):
+    def forward(ctx, x, w, row_tokens, pair_rows, live, offsets, hp):
         ctx.save_for_backward(x, w, row_tokens, pair_rows, live, offsets)
+        ctx.hp = hp
         return _forward(_gathered_rows(x, row_tokens), w, offsets, x.dtype)
 
     @staticmethod
@@ -190,14 +207,16 @@ class _GatheredUp(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             d_rows = HOPPER_ROWWISE.dgrad(dh, w, offsets, None)
             dx, _ = gathered_sum(d_rows, pair_rows, live.to(d_rows.dtype))
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and ctx.hp:
+            dw = _wgrad_hp(dh, _gathered(x, row_tokens), offsets)
+        elif ctx.needs_input_grad[1]:
             dw = _wgrad(
                 cast.colwise_per_group(dh, offsets),
                 cast.colwise_per_group(x, offsets, index=row_tokens),
                 offsets,
                 dh.dtype,
             )
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 class _ActDownCombine(torch.autograd.Function):
@@ -205,14 +224,15 @@ class _ActDownCombine(torch.autograd.Function):
     of ``act(h)``; the combine an unweighted gathered sum); backward from ``d out [T, H]``: the rows' ``dy =
     d out[token]`` cast once per token and gathered in e4m3 (no ``[R, H]`` copy in the compute dtype), ``d h``
     and ``d rw`` from one kernel over ``h`` and ``d act``, ``dw`` from ``act(h)`` cast again from ``h`` and
-    ``d out`` read through the rows' tokens."""
+    ``d out`` read through the rows' tokens (``hp``: in the compute dtype, from ``d out``'s rows gathered and
+    ``rw * act(h)`` written once)."""
 
     @staticmethod
-    def forward(ctx, h, w, offsets, rw, row_tokens, pair_rows, live, act, interleaved):
+    def forward(ctx, h, w, offsets, rw, row_tokens, pair_rows, live, act, interleaved, hp):
         aq, a_s = _cast().rowwise(h, act, interleaved=interleaved)
         y = _forward((aq, a_s * rw), w, offsets, h.dtype)
         ctx.save_for_backward(h, w, offsets, rw, row_tokens)
-        ctx.act, ctx.interleaved = act, interleaved
+        ctx.act, ctx.interleaved, ctx.hp = act, interleaved, hp
         return gathered_sum(y, pair_rows, live.to(y.dtype))[0]
 
     @staticmethod
@@ -224,10 +244,13 @@ class _ActDownCombine(torch.autograd.Function):
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
             da = _dgrad(_gathered_rows(d_out, row_tokens), w, offsets, d_out.dtype)  # d / d (rw * act(h))
             dh, drw = cast.act_backward(h, da, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and ctx.hp:
+            aw = cast.act_rows(h, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
+            dw = _wgrad_hp(_gathered(d_out, row_tokens), aw, offsets)
+        elif ctx.needs_input_grad[1]:
             a_t = cast.colwise_per_group(h, offsets, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
             dw = _wgrad(cast.colwise_per_group(d_out, offsets, index=row_tokens), a_t, offsets, d_out.dtype)
-        return dh, dw, None, drw, None, None, None, None, None
+        return dh, dw, None, drw, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------- the choice

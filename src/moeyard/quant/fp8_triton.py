@@ -115,11 +115,12 @@ def _rowwise_kernel(
     HAS_RW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr = True,  # False: store the operand itself in q's dtype (no scale, no s)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_rows = rows < M
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, K if QUANT else 0, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         b_x = _load(
             x_ptr,
@@ -142,7 +143,8 @@ def _rowwise_kernel(
         )
         amax = tl.maximum(amax, tl.max(tl.abs(b_x), axis=1))
     scale = _pow2_scale(amax)
-    tl.store(s_ptr + rows, scale, mask=m_rows)
+    if QUANT:
+        tl.store(s_ptr + rows, scale, mask=m_rows)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         b_x = _load(
@@ -164,7 +166,7 @@ def _rowwise_kernel(
             HAS_INDEX,
             HAS_RW,
         )
-        b_q = tl.clamp(b_x / scale[:, None], -448.0, 448.0)
+        b_q = tl.clamp(b_x / scale[:, None], -448.0, 448.0) if QUANT else b_x
         tl.store(
             q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
             b_q.to(q_ptr.dtype.element_ty),
@@ -330,6 +332,30 @@ def rowwise(
             BLOCK_K=128,
         )
     return _cast(q), s
+
+
+def act_rows(h: Tensor, act: Activation, *, interleaved: bool = False, row_weights: Tensor | None = None) -> Tensor:
+    """``act(h) [R, I]`` in ``h``'s dtype (times ``row_weights [R]`` float32 when given) from the up
+    projection's output ``h [R, 2I]`` (gated) or ``[R, I]``: the operand :func:`rowwise` would cast, stored
+    as is (activation and row weight in float32, one rounding)."""
+    R, K = h.shape[0], _out_columns(h, act)
+    if h.stride(1) != 1:
+        h = h.contiguous()
+    out = torch.empty(R, K, device=h.device, dtype=h.dtype)
+    if R and K:
+        _rowwise_kernel[(triton.cdiv(R, 16),)](
+            **_source(h, None, row_weights),
+            q_ptr=out,
+            s_ptr=out,
+            M=R,
+            K=K,
+            stride_xm=h.stride(0),
+            **_act_args(act, interleaved),
+            BLOCK_M=16,
+            BLOCK_K=128,
+            QUANT=False,
+        )
+    return out
 
 
 def colwise_per_group(

@@ -23,6 +23,11 @@ the whole axis, per expert for the token axis of wgrad):
   ``128 x 128`` blocks (the same blocks serve forward and dgrad); float scales.
 - ``mxfp8`` (OCP Microscaling Formats v1.0, MXFP8 E4M3): every operand in blocks of 32 elements along
   the contraction axis, e8m0 (power-of-two) scales; the Blackwell recipe, emulated here.
+- ``fp8_rowwise_gw_hp``: ``fp8_rowwise``'s forward and dgrad, the weight gradient in the compute dtype
+  (torchao's ``Float8LinearRecipeName.ROWWISE_WITH_GW_HP``, ``torchao/float8/config.py``). wgrad is the
+  least accurate FP8 GEMM (it sums over thousands of tokens, each scaled per channel over the whole
+  expert) and the one whose operands need a transposed cast each: in the compute dtype it needs neither
+  (``benchmarks/NOTES.md`` gives both recipes' SQNR and speed).
 
 Each recipe keeps bf16 (or the model's dtype) master weights and outputs; FP8 is only what the
 tensor cores read. ``align`` is the token-group alignment the Hopper fast path needs (``torch._scaled_grouped_mm``
@@ -55,7 +60,8 @@ class Recipe:
         scale: scale mode of :mod:`moeyard.quant.fp8` (``"float"``, ``"pow2"``, ``"e8m0"``).
         forward, dgrad, wgrad: ``(Blocks of the left operand, Blocks of the right operand)`` of each
             GEMM, in the orientation "contraction axis last": forward ``(x [R, in], W_e [out, in])``,
-            dgrad ``(dy [R, out], W_e^T [in, out])``, wgrad ``(dy^T [out, R_e], x^T [in, R_e])``.
+            dgrad ``(dy [R, out], W_e^T [in, out])``, wgrad ``(dy^T [out, R_e], x^T [in, R_e])``;
+            ``wgrad=None``: the weight gradient in the compute dtype (no quantisation).
         align: rows per expert are padded to a multiple of this on the fast path.
     """
 
@@ -63,14 +69,15 @@ class Recipe:
     scale: str
     forward: tuple[Blocks, Blocks]
     dgrad: tuple[Blocks, Blocks]
-    wgrad: tuple[Blocks, Blocks]
+    wgrad: tuple[Blocks, Blocks] | None
     align: int = 16
 
     def __post_init__(self):
         check_scale_mode(self.scale)
 
-    def blocks(self, gemm: str) -> tuple[Blocks, Blocks]:
-        """The operands' blocks of ``gemm`` (``"forward"``, ``"dgrad"`` or ``"wgrad"``)."""
+    def blocks(self, gemm: str) -> tuple[Blocks, Blocks] | None:
+        """The operands' blocks of ``gemm`` (``"forward"``, ``"dgrad"`` or ``"wgrad"``); None: that GEMM
+        runs in the compute dtype."""
         if gemm not in GEMMS:
             raise ValueError(f"gemm: expected one of {GEMMS}, got {gemm!r}")
         return getattr(self, gemm)
@@ -79,7 +86,7 @@ class Recipe:
     def rowwise(self) -> bool:
         """Every operand scaled per row over its whole contraction axis (what ``torch._scaled_grouped_mm``
         takes on Hopper)."""
-        return all(b == Blocks(None, 1) for g in GEMMS for b in self.blocks(g))
+        return all(b == Blocks(None, 1) for g in GEMMS for b in (self.blocks(g) or ()))
 
 
 ROW = Blocks(None, 1)
@@ -87,6 +94,9 @@ TILE = Blocks(128, 1)
 RECIPES: dict[str, Recipe] = {
     "fp8_rowwise": Recipe(
         name="fp8_rowwise", scale="pow2", forward=(ROW, ROW), dgrad=(ROW, ROW), wgrad=(ROW, ROW), align=16
+    ),
+    "fp8_rowwise_gw_hp": Recipe(
+        name="fp8_rowwise_gw_hp", scale="pow2", forward=(ROW, ROW), dgrad=(ROW, ROW), wgrad=None, align=16
     ),
     "fp8_blockwise": Recipe(
         name="fp8_blockwise",
