@@ -467,3 +467,44 @@ def test_activation_checkpointing_two_ranks():
     without overlap_chunks: the recomputed forward issues its exchanges again in backward; outputs and every
     gradient against the oracle, nothing hangs."""
     ep_workers.spawn(ep_workers.worker_checkpoint, 2)
+
+
+def test_bench_ep_fp8_dispatch_under_torchrun(tmp_path):
+    """``moeyard bench --ep 2 --fp8-dispatch --recipe fp8_rowwise``: the all_to_all and all_gather rows
+    again with e4m3 rows on the wire (their bytes: H + 16 per row), the experts under the recipe."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "ep_fp8.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
+    cmd += ["moeyard", "bench", "--ep", "2", "--shape", "32,16,8,4,2", "--warmup", "0", "--iters", "1"]
+    cmd += ["--routing", "balanced", "--fp8-dispatch", "--recipe", "fp8_rowwise", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "recipe fp8_rowwise" in proc.stdout and "all_to_all fp8" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    fp8 = {r["dispatcher"] for r in rows if r["fp8_dispatch"]}
+    assert fp8 == {"all_to_all", "all_gather"} and len(rows) == 2 * 5
+    for r in rows:
+        assert r["dispatch_ms"] > 0 and r["overlap"]["1"]["fwd_bwd_ms"] > 0
+        if r["fp8_dispatch"]:  # e4m3 rows and their scale: H + 16 bytes a row
+            assert r["dispatch_GBps"] == pytest.approx(r["rows_sent"] * (r["H"] + 16) / r["dispatch_ms"] / 1e6)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--fp8-dispatch"], "--fp8-dispatch: .*--ep"),
+        (["--ep", "2", "--recipe", "fp8_rowwise,mxfp8"], "--ep --recipe: one recipe"),
+        (["--ep", "2", "--lora", "4", "--recipe", "fp8_rowwise"], "--recipe: .*not with --lora"),
+    ],
+)
+def test_bench_ep_fp8_arguments_refused(argv, match):
+    from moeyard.bench.args import check_bench_arguments
+    from moeyard.cli import build_parser
+
+    with pytest.raises(ValueError, match=match):
+        check_bench_arguments(build_parser().parse_args(["bench", *argv]))

@@ -166,6 +166,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--nproc-per-node N -m moeyard bench --ep N (see moeyard.bench.ep)",
     )
     p.add_argument(
+        "--fp8-dispatch",
+        action="store_true",
+        help="with --ep: also time the all_to_all and all_gather dispatchers sending e4m3 rows with their "
+        "scales (expert_parallel(..., fp8_dispatch=True)) next to their rows in the compute dtype",
+    )
+    p.add_argument(
         "--overlap",
         default="1",
         metavar="N,N",
@@ -226,8 +232,12 @@ def check_bench_arguments(args) -> None:
         raise ValueError("--e2e: cannot be combined with --lora / --quant (one benchmark mode at a time)")
     if args.ep and (args.e2e or args.plot or args.trace):
         raise ValueError("--ep: --e2e, --plot and --trace are not available with expert parallelism")
-    if given("recipe") and (given("lora") or given("quant") or args.ep):
-        raise ValueError("--recipe: times the layer benchmark or --e2e (not with --lora, --quant or --ep)")
+    if given("recipe") and (given("lora") or given("quant")):
+        raise ValueError("--recipe: times the layer benchmark, --e2e or --ep (not with --lora or --quant)")
+    if args.ep and given("recipe") and len([r for r in args.recipe.split(",") if r.strip() != "none"]) > 1:
+        raise ValueError("--ep --recipe: one recipe (the expert-parallel rows run under one)")
+    if given("fp8_dispatch") and not args.ep:
+        raise ValueError("--fp8-dispatch: times expert-parallel dispatch (with --ep)")
     if args.framework == "jax" and (args.e2e or given("lora") or given("quant") or args.ep or given("compile")):
         raise ValueError(
             "--framework jax: times the layer benchmark only (not with --e2e, --lora, --quant, --ep or --compile)"

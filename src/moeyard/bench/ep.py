@@ -99,7 +99,7 @@ def _run(args, command: str, device: torch.device) -> int:
         if config.num_experts % ep.world_size:
             raise SystemExit(f"--ep: {ep.world_size} does not divide num_experts={config.num_experts} of {shape.name}")
         for routing in routings:
-            for name, exchange in _variants(ep):
+            for name, exchange, fp8 in _variants(ep, getattr(args, "fp8_dispatch", False)):
                 rows.append(
                     measure(
                         shape,
@@ -113,6 +113,7 @@ def _run(args, command: str, device: torch.device) -> int:
                         overlaps,
                         exchange=exchange,
                         lora_rank=lora_rank,
+                        fp8_dispatch=fp8,
                     )
                 )
     everyone = [None] * ep.world_size
@@ -122,14 +123,24 @@ def _run(args, command: str, device: torch.device) -> int:
     return 0
 
 
-def _variants(ep) -> list[tuple[str, str]]:
-    """``(dispatcher, exchange)`` to time: every dispatcher, ``sync_free`` with the ``all_to_all``
-    exchange and, where it can run (CUDA, NCCL), with ``p2p`` (what ``auto`` takes there)."""
+def ep_recipe(opts) -> str | None:
+    """The FP8 recipe of the expert-parallel rows: ``--recipe``'s first name other than ``none`` (None: the
+    compute dtype)."""
+    return next((r for r in (opts.recipes or []) if r != layer_bench.NO_RECIPE), None)
+
+
+def _variants(ep, fp8_dispatch: bool = False) -> list[tuple[str, str, bool]]:
+    """``(dispatcher, exchange, fp8_dispatch)`` to time: every dispatcher, ``sync_free`` with the
+    ``all_to_all`` exchange and, where it can run (CUDA, NCCL), with ``p2p`` (what ``auto`` takes there);
+    with ``fp8_dispatch`` also ``all_to_all`` and ``all_gather`` sending e4m3 rows."""
     from ..parallel import p2p
 
-    out = [(name, "all_to_all" if name == "sync_free" else "auto") for name in DISPATCHERS]
+    out = [(name, "all_to_all" if name == "sync_free" else "auto", False) for name in DISPATCHERS]
     if p2p.OPS.unavailable(ep) is None:
-        out.insert(out.index(("sync_free", "all_to_all")) + 1, ("sync_free", "p2p"))
+        out.insert(out.index(("sync_free", "all_to_all", False)) + 1, ("sync_free", "p2p", False))
+    if fp8_dispatch:
+        for name in ("all_to_all", "all_gather"):
+            out.insert(out.index((name, "auto", False)) + 1, (name, "auto", True))
     return out
 
 
@@ -174,6 +185,7 @@ def measure(
     *,
     exchange: str = "auto",
     lora_rank: int | None = None,
+    fp8_dispatch: bool = False,
 ) -> dict:
     """One rank's numbers for one (shape, routing, dispatcher); ``sync_free`` rows moved by
     ``exchange``; the whole call timed at each of ``overlaps`` that the options take (1 only for
@@ -192,11 +204,16 @@ def measure(
     w_down = torch.randn(El, H, I, device=device, dtype=dtype) / I**0.5
     more = {"exchange": exchange} if dispatcher == "sync_free" else {}
     options = EPOptions(
-        num_experts=E, dispatcher=dispatcher, max_tokens=None if dispatcher == "all_to_all" else T, **more
+        num_experts=E,
+        dispatcher=dispatcher,
+        max_tokens=None if dispatcher == "all_to_all" else T,
+        fp8_dispatch=fp8_dispatch,
+        **more,
     )
     mod = DISPATCHERS[dispatcher]
     lora = None if lora_rank is None else lora_factors(El, n1, H, I, lora_rank, device, dtype)
-    kw = dict(activation=config.activation, backend=backend, drop_invalid=True, lora=lora)
+    recipe = ep_recipe(opts)
+    kw = dict(activation=config.activation, backend=backend, drop_invalid=True, lora=lora, recipe=recipe)
     rows_kw = {**kw, "drop_invalid": mod.EXPERTS_DROP_INVALID}  # as ExpertParallel calls them
 
     def time_ms(fn) -> float:
@@ -231,12 +248,13 @@ def measure(
     }
     one_gpu = measure_one_gpu(x, ids, w, E, n1, H, I, lora_rank, kw, time_ms)
     flops = (6 if gated else 4) * pairs * H * I
-    nbytes = sent * H * dtype.itemsize
+    nbytes = sent * (H + 16 if fp8_dispatch else H * dtype.itemsize)  # e4m3 rows carry 16 bytes of scale
     return {
         "case": shape.name,
         "routing": routing,
         "dispatcher": dispatcher,
         "exchange": options.exchange,
+        "fp8_dispatch": fp8_dispatch,
         "rank": ep.rank,
         "T": T,
         "H": H,
@@ -348,6 +366,7 @@ def _report(everyone: list[list[dict]], opts, args, device) -> None:
     W = len(everyone)
     lora = everyone[0][0].get("lora_rank")
     step = f"LoRA r={lora} step" if lora else "training step"
+    step += f" · recipe {ep_recipe(opts)}" if ep_recipe(opts) else ""
     table = Table(
         title=f"moeyard bench --ep {W} · {layer_bench.device_info(device)['device']} · {opts.dtype} · "
         f"{step} · slowest rank's ms, rank 0's rates"
@@ -377,6 +396,7 @@ def _report(everyone: list[list[dict]], opts, args, device) -> None:
         per = [rank_rows[i] for rank_rows in everyone]
         slow = {k: max(p[k] for p in per) for k in ("dispatch_ms", "experts_ms", "combine_ms", "rows_received")}
         label = r0["dispatcher"] + (f" ({r0['exchange']})" if r0["exchange"] not in ("auto", None) else "")
+        label += " fp8" if r0.get("fp8_dispatch") else ""
         table.add_row(
             r0["case"],
             r0["routing"],
