@@ -4,7 +4,9 @@
 # the kernels of one FP8 step, and the SQNR tables at a real shape.
 # Usage (repository root, GPU machine):  bash benchmarks/gpu_fp8.sh [MODEL ...]
 #   torchao comes from the wheel in .whl (carried; pip download --no-deps torchao) when present.
-#   FP8_STEPS (default "test bench profile numerics") picks the steps; FP8_BENCH_ARGS adds bench flags;
+#   FP8_STEPS (default "test bench profile numerics") picks the steps; FP8_BENCH_ARGS adds bench flags,
+#   FP8_RECIPES and FP8_BACKENDS set the bench's rows; also "e2e" (a training step, tokens/s per recipe)
+#   and "ep" (two GPUs: bench --ep 2 with FP8 dispatch beside bf16 dispatch, FP8_EP_RECIPE's experts);
 #   also "ckpt" (FP8 checkpoint storage: CUDA tests, the dequantisation kernel's rates) and "train"
 #   (examples/fp8_train.py, the small model, 300 steps: loss curves of bf16 seeds and each recipe).
 # Full logs go to $OUT (default ./out); short summaries are printed last.
@@ -26,17 +28,22 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.tx
 }
 for s in $STEPS; do case $s in
   test) step pytest_fp8 170 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_fp8_cuda.py ;;
-  bench) step bench_fp8 330 python3 -m moeyard bench --recipe none,fp8_rowwise \
-           --backends triton,grouped_mm,torch_gmm,torchao_fp8 --warmup 3 --iters 10 --json "$OUT/bench_fp8.json" \
+  bench) step bench_fp8 330 python3 -m moeyard bench --recipe "${FP8_RECIPES:-none,fp8_rowwise,fp8_rowwise_gw_hp}" \
+           --backends "${FP8_BACKENDS:-triton,torchao_fp8}" --warmup 3 --iters 10 --json "$OUT/bench_fp8.json" \
            "${margs[@]}" ${FP8_BENCH_ARGS:-} ;;
+  e2e) step e2e_fp8 200 python3 -m moeyard bench --e2e --model qwen3-30b-a3b \
+         --recipe "${FP8_RECIPES:-none,fp8_rowwise,fp8_rowwise_gw_hp}" --warmup 3 --iters 10 ;;
+  ep) step ep_fp8 240 torchrun --standalone --nproc-per-node 2 -m moeyard bench --ep 2 --model qwen3-30b-a3b \
+        --routing balanced --fp8-dispatch --recipe "${FP8_EP_RECIPE:-fp8_rowwise}" --warmup 3 --iters 10 \
+        --json "$OUT/ep_fp8.json" ;;
   profile) step profile_fp8 120 python3 benchmarks/fp8_profile.py --model qwen3-30b-a3b --model sonic-120b \
-             --recipes none,fp8_rowwise --casts ;;
+             --recipes none,fp8_rowwise,fp8_rowwise_gw_hp --casts ;;
   ckpt) step pytest_ckpt 150 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_fp8_checkpoint_cuda.py
         step dequant_fp8 90 python3 benchmarks/fp8_dequant.py ;;
   train) step train_fp8 330 python3 examples/fp8_train.py --device cuda --size small --steps 300 --out "$OUT" ;;
   numerics) step numerics_random 60 python3 benchmarks/fp8_numerics.py --tokens 4096 --json "$OUT/numerics.json"
             step numerics_torchao 40 python3 benchmarks/fp8_numerics.py --tokens 4096 --protocol torchao ;;
 esac; done
-for f in "$OUT"/bench_*.txt "$OUT"/profile*.txt "$OUT"/numerics*.txt "$OUT"/dequant*.txt "$OUT"/train*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 60 "$f"; }; done
+for f in "$OUT"/bench_*.txt "$OUT"/e2e*.txt "$OUT"/ep_*.txt "$OUT"/profile*.txt "$OUT"/numerics*.txt "$OUT"/dequant*.txt "$OUT"/train*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 60 "$f"; }; done
 for f in "$OUT"/pytest_*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed|Error" "$f" | tail -n 20; }; done
 cat "$OUT/gpu.txt"; printf '%s\n' "${summary[@]}"
