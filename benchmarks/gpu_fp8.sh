@@ -27,11 +27,11 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.tx
   summary+=("$name rc=$? ($(tail -n 1 "$OUT/$name.txt" | cut -c1-150))")
 }
 for s in $STEPS; do case $s in
-  test) step pytest_fp8 170 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_fp8_cuda.py ;;
-  bench) step bench_fp8 330 python3 -m moeyard bench --recipe "${FP8_RECIPES:-none,fp8_rowwise,fp8_rowwise_gw_hp}" \
+  test) step pytest_fp8 150 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_fp8_cuda.py ;;
+  bench) step bench_fp8 300 python3 -m moeyard bench --recipe "${FP8_RECIPES:-none,fp8_rowwise,fp8_rowwise_gw_hp}" \
            --backends "${FP8_BACKENDS:-triton,torchao_fp8}" --warmup 3 --iters 10 --json "$OUT/bench_fp8.json" \
            "${margs[@]}" ${FP8_BENCH_ARGS:-} ;;
-  e2e) step e2e_fp8 200 python3 -m moeyard bench --e2e --model qwen3-30b-a3b \
+  e2e) step e2e_fp8 130 python3 -m moeyard bench --e2e --model qwen3-30b-a3b \
          --recipe "${FP8_RECIPES:-none,fp8_rowwise,fp8_rowwise_gw_hp}" --warmup 3 --iters 10 ;;
   ep) step ep_fp8 240 torchrun --standalone --nproc-per-node 2 -m moeyard bench --ep 2 --model qwen3-30b-a3b \
         --routing balanced --fp8-dispatch --recipe "${FP8_EP_RECIPE:-fp8_rowwise}" --warmup 3 --iters 10 \
