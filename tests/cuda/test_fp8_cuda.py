@@ -168,3 +168,16 @@ def test_fast_path_activations(case):
         _check("triton", make_inputs(512, 128, 64, 8, 2, gated=False), fused=True, activation="gelu")
     else:
         _check("triton", add_lora(make_inputs(512, 128, 64, 8, 2), 8, projections=("down_proj",)), frozen=FROZEN)
+
+
+@pytest.mark.parametrize("N, H", [(1, 16), (4099, 2048), (777, 7168)])
+def test_fp8_dispatch_packed_rows_on_device(N, H):
+    # FP8 dispatch's packed rows: the Triton pack and unpack against the torch reference, bit for bit
+    from moeyard.parallel import fp8_rows
+
+    x = (torch.randn(N, H, device=DEV) * torch.logspace(-3, 3, H, device=DEV)).bfloat16()
+    x[: N // 3] = 0
+    want = fp8_rows.pack_reference(x)
+    got = fp8_rows.pack(x)
+    assert torch.equal(got, want)
+    assert torch.equal(fp8_rows.unpack(got, H, torch.bfloat16), fp8_rows.unpack_reference(want, H, torch.bfloat16))

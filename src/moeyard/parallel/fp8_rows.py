@@ -26,24 +26,60 @@ PAD = 16  # bytes after the row's H e4m3 bytes: its float32 scale, then zeros (1
 
 
 def pack(x: Tensor) -> Tensor:
-    """``x [N, H]`` float -> ``[N, H + 16]`` uint8: each row's e4m3 bytes, its float32 scale's bytes, zeros."""
-    N, H = x.shape
-    if x.is_cuda:
-        from ..quant import fp8_triton
+    """``x [N, H]`` float -> ``[N, H + 16]`` uint8: each row's e4m3 bytes, its float32 scale's bytes, zeros.
+    On CUDA one Triton pass writes the packed rows (:func:`pack_kernel`; ``H`` a multiple of 4), elsewhere
+    :func:`pack_reference`."""
+    return pack_kernel(x) if x.is_cuda and x.shape[1] % 4 == 0 else pack_reference(x)
 
-        q, s = fp8_triton.rowwise(x)
-        s = s[:, None]
-    else:
-        q, s = quantize(x, Blocks(None), "pow2")
+
+def unpack(packed: Tensor, H: int, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """``[N, H + 16]`` uint8 from :func:`pack` -> ``[N, H]`` in ``dtype`` (written into ``out`` when given: a
+    ``[N, H]`` view with a unit column stride). On CUDA one Triton pass (:func:`unpack_kernel`)."""
+    if packed.is_cuda and H % 4 == 0:
+        return unpack_kernel(packed, H, dtype, out)
+    rows = unpack_reference(packed, H, dtype)
+    return rows if out is None else out.copy_(rows)
+
+
+def pack_reference(x: Tensor) -> Tensor:
+    """:func:`pack` in torch (the reference: :func:`moeyard.quant.fp8.quantize`)."""
+    N, H = x.shape
+    q, s = quantize(x, Blocks(None), "pow2")
     tail = torch.zeros(N, PAD - 4, dtype=torch.uint8, device=x.device)
     return torch.cat([q.view(torch.uint8), s.contiguous().view(torch.uint8), tail], dim=1)
 
 
-def unpack(packed: Tensor, H: int, dtype: torch.dtype) -> Tensor:
-    """``[N, H + 16]`` uint8 from :func:`pack` -> ``[N, H]`` in ``dtype``."""
+def unpack_reference(packed: Tensor, H: int, dtype: torch.dtype) -> Tensor:
+    """:func:`unpack` in torch."""
     q = packed[:, :H].contiguous().view(E4M3)
     s = packed[:, H : H + 4].contiguous().view(torch.float32)
     return (q.float() * s).to(dtype)
+
+
+def _views(packed: Tensor, H: int) -> tuple[Tensor, Tensor]:
+    """The e4m3 ``[N, H]`` and float32 ``[N]`` views of packed rows (``H`` a multiple of 4)."""
+    return packed.view(E4M3)[:, :H], packed.view(torch.float32)[:, H // 4]
+
+
+def pack_kernel(x: Tensor) -> Tensor:
+    """:func:`pack` by :func:`moeyard.quant.fp8_triton.rowwise` writing the packed rows' bytes directly (no
+    e4m3 copy, no concatenation); ``H`` a multiple of 4 (the fast paths need 16)."""
+    from ..quant import fp8_triton
+
+    N, H = x.shape
+    packed = torch.empty(N, H + PAD, dtype=torch.uint8, device=x.device)
+    fp8_triton.rowwise(x, out=_views(packed, H))
+    packed[:, H + 4 :].zero_()
+    return packed
+
+
+def unpack_kernel(packed: Tensor, H: int, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """:func:`unpack` by :func:`moeyard.quant.fp8_triton.dequantize_rows` reading the packed rows in place."""
+    from ..quant import fp8_triton
+
+    q, s = _views(packed, H)
+    out = torch.empty(packed.shape[0], H, dtype=dtype, device=packed.device) if out is None else out
+    return fp8_triton.dequantize_rows(q, s, out)
 
 
 def all_to_all(
@@ -75,8 +111,9 @@ class _FP8AllToAll(torch.autograd.Function):
         buffer, received = receive_buffer(packed, out_splits, out_rows, 0)
         dist.all_to_all_single(received, packed, out_splits, in_splits, group=group)
         ctx.received = received.shape[0]
-        rows = x.new_zeros(received.shape[0] + pad_rows, x.shape[1])
-        rows[: received.shape[0]] = unpack(received, x.shape[1], x.dtype)
+        rows = x.new_empty(received.shape[0] + pad_rows, x.shape[1])
+        rows[received.shape[0] :].zero_()
+        unpack(received, x.shape[1], x.dtype, out=rows[: received.shape[0]])
         return rows
 
     @staticmethod

@@ -101,11 +101,13 @@ def _rowwise_kernel(
     idx_ptr,
     rw_ptr,
     n_src,  # the operand (see _load): x [n_src or M, *] float, unit column stride
-    q_ptr,  # [M, K] e4m3 (float32 under the interpreter), contiguous
-    s_ptr,  # [M] float32
+    q_ptr,  # [M, K] e4m3 (float32 under the interpreter), unit column stride, row stride stride_qm
+    s_ptr,  # [M] float32, stride stride_s
     M,
     K,
     stride_xm,
+    stride_qm,
+    stride_s,
     alpha,
     limit,
     ACT: tl.constexpr,
@@ -144,7 +146,7 @@ def _rowwise_kernel(
         amax = tl.maximum(amax, tl.max(tl.abs(b_x), axis=1))
     scale = _pow2_scale(amax)
     if QUANT:
-        tl.store(s_ptr + rows, scale, mask=m_rows)
+        tl.store(s_ptr + rows.to(tl.int64) * stride_s, scale, mask=m_rows)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         b_x = _load(
@@ -168,7 +170,7 @@ def _rowwise_kernel(
         )
         b_q = tl.clamp(b_x / scale[:, None], -448.0, 448.0) if QUANT else b_x
         tl.store(
-            q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
+            q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :],
             b_q.to(q_ptr.dtype.element_ty),
             mask=m_rows[:, None] & (cols < K)[None, :],
         )
@@ -308,17 +310,27 @@ def rowwise(
     interleaved: bool = False,
     index: Tensor | None = None,
     row_weights: Tensor | None = None,
+    out: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``t [M, K]`` (unit column stride) -> ``(q [M, K] e4m3 contiguous, s [M] float32)``: one power-of-two
     scale per row (:func:`moeyard.quant.fp8.quantize` with ``Blocks(None, 1)``, mode ``pow2``). With
     ``act``: of ``act(t)`` (``t`` the up projection's output, ``K`` its output columns; module docstring);
     with ``index [M]``: of ``t[index]`` (an index ``>= len(t)`` gives a zero row); with ``row_weights [M]``
-    (float32): of each row times its weight."""
+    (float32): of each row times its weight. ``out``: ``(q [M, K] e4m3 with a unit column stride, s [M]
+    float32)`` views to write into (any row strides, e.g. the columns of a packed row), returned."""
     M = t.shape[0] if index is None else index.shape[0]
     K = _out_columns(t, act)
     if t.stride(1) != 1:
         t = t.contiguous()
-    q, s = _out((M, K), t.device), torch.empty(M, device=t.device, dtype=torch.float32)
+    if (
+        out is not None and interpreting() and out[0].dtype != torch.float32
+    ):  # the interpreter stores float32: strided float32 views, cast after
+        q_out, s_out = out
+        wide = torch.empty(M, q_out.stride(0), device=t.device, dtype=torch.float32)
+        q, s = rowwise(t, act, interleaved=interleaved, index=index, row_weights=row_weights, out=(wide[:, :K], s_out))
+        q_out.copy_(q)
+        return q_out, s_out
+    q, s = out if out is not None else (_out((M, K), t.device), torch.empty(M, device=t.device, dtype=torch.float32))
     if M:
         _rowwise_kernel[(triton.cdiv(M, 16),)](
             **_source(t, index, row_weights),
@@ -327,6 +339,8 @@ def rowwise(
             M=M,
             K=K,
             stride_xm=t.stride(0),
+            stride_qm=q.stride(0),
+            stride_s=s.stride(0),
             **_act_args(act, interleaved),
             BLOCK_M=16,
             BLOCK_K=128,
@@ -350,10 +364,47 @@ def act_rows(h: Tensor, act: Activation, *, interleaved: bool = False, row_weigh
             M=R,
             K=K,
             stride_xm=h.stride(0),
+            stride_qm=out.stride(0),
+            stride_s=0,
             **_act_args(act, interleaved),
             BLOCK_M=16,
             BLOCK_K=128,
             QUANT=False,
+        )
+    return out
+
+
+@triton.jit
+def _dequantize_rows_kernel(
+    q_ptr,  # [M, K] e4m3 (float32 under the interpreter), unit column stride
+    s_ptr,  # [M] float32
+    out_ptr,  # [M, K], unit column stride
+    M,
+    K,
+    stride_qm,
+    stride_s,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    r64 = rows[:, None].to(tl.int64)
+    q = tl.load(q_ptr + r64 * stride_qm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + rows.to(tl.int64) * stride_s, mask=rows < M, other=0.0)
+    tl.store(out_ptr + r64 * stride_om + cols[None, :], (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_rows(q: Tensor, s: Tensor, out: Tensor) -> Tensor:
+    """``out[m] = q[m] * s[m]`` rounded once to ``out``'s dtype: ``q [M, K]`` e4m3 and ``s [M]`` float32 (any
+    row strides, unit column stride: e.g. views of packed rows), ``out [M, K]`` (unit column stride), returned."""
+    M, K = q.shape
+    if interpreting():  # the interpreter's float8 loads: widen with torch first
+        q = q.float()
+    if M and K:
+        _dequantize_rows_kernel[(triton.cdiv(M, 16), triton.cdiv(K, 256))](
+            q, s, out, M, K, q.stride(0), s.stride(0), out.stride(0), BLOCK_M=16, BLOCK_K=256
         )
     return out
 
