@@ -68,7 +68,7 @@ def _compare(cfg, x, w, bias, corr, B=1, use=FIELDS):
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == torch.float32 and a.shape == b.shape, name
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=name)
-    for name, a, b in zip(("x", "weight", "bias"), g_got, g_want, strict=True):
+    for name, a, b in zip(("x", "weight", "bias")[: len(g_got)], g_got, g_want, strict=True):
         assert a.shape == b.shape and not a.isnan().any(), name
         err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
         assert err < 2e-5, f"d {name}: relative error {err:.2e}"
