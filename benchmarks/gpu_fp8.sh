@@ -13,7 +13,9 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if compgen -G ".whl/torchao-*.whl" > /dev/null; then
+if [ -d /tmp/site/torchao ]; then
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+elif compgen -G ".whl/torchao-*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/torchao-*.whl \
     && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
