@@ -316,10 +316,11 @@ def part_memory(args) -> None:
                     capture_output=True,
                     text=True,
                     timeout=900,
-                    env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")},
+                    env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "JAX_TRACEBACK_FILTERING": "off"},
                 )
                 if run.returncode != 0:
-                    raise RuntimeError(f"memory child {model} x{layers}: {run.stderr.strip().splitlines()[-1:]}")
+                    error = [line for line in run.stderr.strip().splitlines() if "Error" in line][-3:]
+                    raise RuntimeError(f"memory child {model} x{layers}: {error or run.stderr.strip()[-600:]}")
                 row[custom] = json.loads(run.stdout.strip().splitlines()[-1])
             a, b = row[True], row[False]
             peak = (
