@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_ep_lora.sh                       # logs and JSON under $OUT (default ./gpu_ep_lora_out)
 #   EP_SIZES="1 2" EP_STEPS=bench bash benchmarks/gpu_ep_lora.sh   # 2 GPUs: the scaling rows only
 #   BNB_WHEEL=/path/bitsandbytes-*.whl bash benchmarks/gpu_ep_lora.sh   # install bitsandbytes first
+#                                                       (default: the wheel in .bnb/ when carried)
 #
 # 1. bench: moeyard bench --ep N for N in $EP_SIZES (default 1 2 4) at qwen3-30b-a3b and qwen3-235b-a22b
 #    ($EP_MODELS), $EP_TOKENS tokens per rank (default 8192), balanced and Zipf routing, every
@@ -60,7 +61,9 @@ if has bench; then
     python benchmarks/ep_scaling_table.py "$OUT"/bench_ep*.json > "$OUT/scaling.md" 2>&1
 fi
 if has qlora235; then
-    [ -n "${BNB_WHEEL:-}" ] && pip install --no-deps "$BNB_WHEEL" > "$OUT/bnb_install.log" 2>&1
+    BNB_WHEEL=${BNB_WHEEL:-$(ls .bnb/bitsandbytes-*.whl 2> /dev/null | head -n 1)}
+    # the interpreter's own pip (a bare `pip` may belong to another Python and leave this one without it)
+    [ -n "$BNB_WHEEL" ] && python3 -m pip install --no-deps --no-index "$BNB_WHEEL" > "$OUT/bnb_install.log" 2>&1
     names+=(qwen3_235b_qlora)
     step qwen3_235b_qlora "${EP_LIMIT_QLORA:-1800}" torchrun --standalone --nproc-per-node 4 \
         examples/qwen3_235b_qlora.py --out "$OUT/qwen3_235b_qlora.json"
