@@ -211,6 +211,14 @@ def permute(x: Tensor, plan: DispatchPlan) -> Tensor:
     return _Permute.apply(x, plan.row_tokens(), plan.pair_rows.view(T, K), plan.valid.view(T, K))
 
 
+def rows_by_token(x: Tensor, index: Tensor) -> Tensor:
+    """``[x; 0][index]``: ``x [T, H]``'s rows at ``index [R]`` (int64), where ``T`` names a zero row (pad
+    rows, invalid pairs: :meth:`DispatchPlan.row_tokens`); no autograd of its own, any dtype (e4m3 included)."""
+    if x.dtype.is_floating_point and x.dtype.itemsize == 1:  # float8: torch.cat has no kernel for it on every device; its bytes gather alike
+        return rows_by_token(x.view(torch.uint8), index).view(x.dtype)
+    return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, index)
+
+
 class _Permute(torch.autograd.Function):
     """``rows = [x; 0][index]`` (``index`` may name the zero row ``T``); backward: ``dx[t] = sum_k
     live[t, k] * d rows[pair_rows[t, k]]`` (``live`` None: every pair)."""
@@ -218,9 +226,7 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, index, pair_rows, live):
         ctx.save_for_backward(pair_rows, live)
-        if live is None:
-            return x.index_select(0, index)
-        return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, index)  # row T is the zero row
+        return x.index_select(0, index) if live is None else rows_by_token(x, index)
 
     @staticmethod
     def backward(ctx, d_rows):

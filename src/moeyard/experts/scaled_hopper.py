@@ -39,7 +39,7 @@ import warnings
 import torch
 
 from ..activations import Activation
-from ..dispatch import DispatchPlan, make_plan
+from ..dispatch import DispatchPlan, make_plan, rows_by_token
 from ..kernel_op import have_triton
 from ..quant.recipe import Recipe
 from ..weighted_sum import gathered_sum
@@ -116,11 +116,6 @@ def _wgrad_hp(dy: Tensor, x: Tensor, offsets: Tensor) -> Tensor:
     return torch._grouped_mm(dy.mT, x, offs=offsets[1:])
 
 
-def _gathered(t: Tensor, row_tokens: Tensor) -> Tensor:
-    """``t [T, K]``'s rows at ``row_tokens [R]`` (``T``: a zero row), in ``t``'s dtype."""
-    return torch.cat([t, t.new_zeros(1, t.shape[1])]).index_select(0, row_tokens)
-
-
 # ---------------------------------------------------------------------------------- the fused form
 
 
@@ -172,13 +167,11 @@ def _row_weights(topk_weights: Tensor, plan: DispatchPlan, live: Tensor) -> Tens
 
 def _gathered_rows(t: Tensor, row_tokens: Tensor) -> tuple[Tensor, Tensor]:
     """``t [T, K]`` cast per row once (:func:`moeyard.quant.fp8_triton.rowwise`), then its e4m3 rows and
-    scales gathered by ``row_tokens [R]`` (``T``: a zero row with scale 1): ``([R, K] e4m3, [R] float32)``,
+    scales gathered by ``row_tokens [R]`` (``T``: a zero row): ``([R, K] e4m3, [R] float32)``,
     the rowwise cast of ``t[row_tokens]`` (a row's scale depends on the row alone) for a ``[T, K]`` read
     instead of ``[R, K]``."""
     q, s = _cast().rowwise(t)
-    zero = torch.zeros(1, t.shape[1], device=t.device, dtype=torch.uint8)
-    rows_q = torch.cat([q.view(torch.uint8), zero]).index_select(0, row_tokens).view(q.dtype)
-    return rows_q, torch.cat([s, s.new_ones(1)]).index_select(0, row_tokens)
+    return rows_by_token(q, row_tokens), rows_by_token(s[:, None], row_tokens)[:, 0]  # zero rows: scale 0
 
 
 def _dgrad(dyq_dys: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype: torch.dtype) -> Tensor:
@@ -208,7 +201,7 @@ class _GatheredUp(torch.autograd.Function):
             d_rows = HOPPER_ROWWISE.dgrad(dh, w, offsets, None)
             dx, _ = gathered_sum(d_rows, pair_rows, live.to(d_rows.dtype))
         if ctx.needs_input_grad[1] and ctx.hp:
-            dw = _wgrad_hp(dh, _gathered(x, row_tokens), offsets)
+            dw = _wgrad_hp(dh, rows_by_token(x, row_tokens), offsets)
         elif ctx.needs_input_grad[1]:
             dw = _wgrad(
                 cast.colwise_per_group(dh, offsets),
@@ -246,7 +239,7 @@ class _ActDownCombine(torch.autograd.Function):
             dh, drw = cast.act_backward(h, da, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
         if ctx.needs_input_grad[1] and ctx.hp:
             aw = cast.act_rows(h, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
-            dw = _wgrad_hp(_gathered(d_out, row_tokens), aw, offsets)
+            dw = _wgrad_hp(rows_by_token(d_out, row_tokens), aw, offsets)
         elif ctx.needs_input_grad[1]:
             a_t = cast.colwise_per_group(h, offsets, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
             dw = _wgrad(cast.colwise_per_group(d_out, offsets, index=row_tokens), a_t, offsets, d_out.dtype)

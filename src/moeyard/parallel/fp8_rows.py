@@ -108,7 +108,7 @@ class _FP8AllToAll(torch.autograd.Function):
     def forward(ctx, x, out_splits, in_splits, group, out_rows, pad_rows):
         ctx.group, ctx.out_splits, ctx.in_splits, ctx.in_rows = group, out_splits, in_splits, x.shape[0]
         packed = pack(x)
-        buffer, received = receive_buffer(packed, out_splits, out_rows, 0)
+        _, received = receive_buffer(packed, out_splits, out_rows, 0)
         dist.all_to_all_single(received, packed, out_splits, in_splits, group=group)
         ctx.received = received.shape[0]
         rows = x.new_empty(received.shape[0] + pad_rows, x.shape[1])

@@ -322,15 +322,13 @@ def rowwise(
     K = _out_columns(t, act)
     if t.stride(1) != 1:
         t = t.contiguous()
-    if (
-        out is not None and interpreting() and out[0].dtype != torch.float32
-    ):  # the interpreter stores float32: strided float32 views, cast after
-        q_out, s_out = out
-        wide = torch.empty(M, q_out.stride(0), device=t.device, dtype=torch.float32)
-        q, s = rowwise(t, act, interleaved=interleaved, index=index, row_weights=row_weights, out=(wide[:, :K], s_out))
-        q_out.copy_(q)
-        return q_out, s_out
-    q, s = out if out is not None else (_out((M, K), t.device), torch.empty(M, device=t.device, dtype=torch.float32))
+    q_out = None
+    if out is None:
+        q, s = _out((M, K), t.device), torch.empty(M, device=t.device, dtype=torch.float32)
+    else:
+        q, s = out
+        if interpreting():  # the interpreter stores float32 (module docstring): a float32 view of q's strides
+            q_out, q = q, torch.empty(M, q.stride(0), device=t.device, dtype=torch.float32)[:, :K]
     if M:
         _rowwise_kernel[(triton.cdiv(M, 16),)](
             **_source(t, index, row_weights),
@@ -345,7 +343,8 @@ def rowwise(
             BLOCK_M=16,
             BLOCK_K=128,
         )
-    return _cast(q), s
+    q = _cast(q)
+    return (q, s) if q_out is None else (q_out.copy_(q), s)
 
 
 def act_rows(h: Tensor, act: Activation, *, interleaved: bool = False, row_weights: Tensor | None = None) -> Tensor:
