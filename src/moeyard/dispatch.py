@@ -214,7 +214,8 @@ def permute(x: Tensor, plan: DispatchPlan) -> Tensor:
 def rows_by_token(x: Tensor, index: Tensor) -> Tensor:
     """``[x; 0][index]``: ``x [T, H]``'s rows at ``index [R]`` (int64), where ``T`` names a zero row (pad
     rows, invalid pairs: :meth:`DispatchPlan.row_tokens`); no autograd of its own, any dtype (e4m3 included)."""
-    if x.dtype.is_floating_point and x.dtype.itemsize == 1:  # float8: torch.cat has no kernel for it on every device; its bytes gather alike
+    # float8: torch.cat has no kernel for it on every device; its bytes gather alike
+    if x.dtype.is_floating_point and x.dtype.itemsize == 1:
         return rows_by_token(x.view(torch.uint8), index).view(x.dtype)
     return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, index)
 
