@@ -149,7 +149,7 @@ def time_ms(fn, make, warmup=5, iters=30):
 
 def run_shape(name: str, device) -> dict:
     shape = get_model(name)
-    cfg = shape.config
+    cfg = shape.moe_config()
     T, E, K, H = shape.tokens, cfg.num_experts, cfg.top_k, cfg.hidden_size
     NC = 2 * cfg.intermediate_size
     N = T * K
@@ -183,7 +183,7 @@ def run_shape(name: str, device) -> dict:
 
     got = cutlass(prepared[0]).float()
     out["rel_err_cutlass"] = float((got - ref).norm() / ref.norm())
-    spec = ops.ActSpec("none")
+    spec = ops.ActSpec(name="none")
     rows = {
         "bf16 moeyard up_proj": lambda p: ops.up_proj(p[0], p[1], None, p[2], spec, store_h=False),
         "e4m3 triton (ptr W)": lambda p: fp8_up(p[3], p[4], p[5], p[6], p[2], tma=False),
