@@ -421,10 +421,11 @@ def test_triton_casts_of_the_activation(name, interleaved):
 # ------------------------------------------------ the Hopper fast path's logic on the CPU (interpreter)
 
 
-@pytest.fixture
-def forced_fast_path(monkeypatch):
-    """The ``fp8_rowwise`` fast path taken on the CPU: its Triton casts under the interpreter and
-    ``torch._scaled_grouped_mm`` replaced by its definition (``scaled_hopper.scaled_grouped_mm``)."""
+@pytest.fixture(params=["triton", "cutlass"])
+def forced_fast_path(monkeypatch, request):
+    """The ``fp8_rowwise`` fast path taken on the CPU, with each choice of forward / input-gradient GEMM
+    (``MOEYARD_FP8_GEMM``): its Triton casts and GEMM under the interpreter, ``torch._scaled_grouped_mm``
+    replaced by its definition (``scaled_hopper.scaled_grouped_mm``). Returns the list of calls made."""
     pytest.importorskip("triton")
     from moeyard.kernel_op import interpreting
 
@@ -439,6 +440,10 @@ def forced_fast_path(monkeypatch):
     monkeypatch.setattr(hop, "routed_ffn", lambda *a, **k: calls.append("fused") or real_fused(*a, **k))
     real_mm = hop.scaled_grouped_mm
     monkeypatch.setattr(hop, "scaled_grouped_mm", lambda *a: calls.append("gemm") or real_mm(*a))
+    monkeypatch.setenv(hop.ENV_GEMM, request.param)
+    grouped = importlib.import_module("moeyard.quant.fp8_grouped")
+    real_triton = grouped.grouped_mm
+    monkeypatch.setattr(grouped, "grouped_mm", lambda *a, **k: calls.append("gemm") or real_triton(*a, **k))
     return calls
 
 
@@ -591,3 +596,15 @@ def test_recipe_under_torch_compile_equals_eager(backend, recipe):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_fp8_gemm_choice_is_checked(monkeypatch):
+    from moeyard.experts import scaled_hopper
+
+    monkeypatch.setenv(scaled_hopper.ENV_GEMM, " CUTLASS ")
+    assert scaled_hopper.gemm_backend() == "cutlass"
+    monkeypatch.setenv(scaled_hopper.ENV_GEMM, "")
+    assert scaled_hopper.gemm_backend() == "triton"
+    monkeypatch.setenv(scaled_hopper.ENV_GEMM, "cublas")
+    with pytest.raises(ValueError, match="MOEYARD_FP8_GEMM: expected 'triton' or 'cutlass', got 'cublas'"):
+        scaled_hopper.gemm_backend()

@@ -40,15 +40,19 @@ def _check(backend, inputs, recipe="fp8_rowwise", fused=False, **kw):
         assert e_got <= 1.25 * e_recipe + 4e-3, f"{backend} fused {k}: err {e_got:.3g} > 1.25 * {e_recipe:.3g}"
 
 
-@pytest.fixture
-def fast_path_calls(monkeypatch):
-    """The Hopper fast path's calls: "gemm" per scaled grouped GEMM, "fused" per fused FFN."""
+@pytest.fixture(params=["triton", "cutlass"])
+def fast_path_calls(monkeypatch, request):
+    """The Hopper fast path's calls, with each choice of forward / input-gradient GEMM (``MOEYARD_FP8_GEMM``):
+    "gemm" per FP8 grouped GEMM (Triton or CUTLASS), "fused" per fused FFN."""
     import importlib
 
     hop = importlib.import_module("moeyard.experts.scaled_hopper")
+    grouped = importlib.import_module("moeyard.quant.fp8_grouped")
     calls = []
-    real_mm, real_ffn = hop.scaled_grouped_mm, hop.routed_ffn
+    real_mm, real_ffn, real_triton = hop.scaled_grouped_mm, hop.routed_ffn, grouped.grouped_mm
+    monkeypatch.setenv(hop.ENV_GEMM, request.param)
     monkeypatch.setattr(hop, "scaled_grouped_mm", lambda *a: calls.append("gemm") or real_mm(*a))
+    monkeypatch.setattr(grouped, "grouped_mm", lambda *a, **k: calls.append("gemm") or real_triton(*a, **k))
     monkeypatch.setattr(hop, "routed_ffn", lambda *a, **k: calls.append("fused") or real_ffn(*a, **k))
     return calls
 

@@ -1,5 +1,8 @@
-"""The Hopper fast path of the ``fp8_rowwise`` recipe: ``torch._scaled_grouped_mm`` (CUTLASS, SM 9.0) on
-e4m3 operands with float32 rowwise scales, cast by :mod:`moeyard.quant.fp8_triton`.
+"""The Hopper fast path of the ``fp8_rowwise`` recipes: grouped GEMMs on e4m3 operands with float32 rowwise
+scales, cast by :mod:`moeyard.quant.fp8_triton`. The forward and input-gradient GEMMs run on
+:func:`moeyard.quant.fp8_grouped.grouped_mm` (Triton, the row gather by token inside its loads; default) or,
+with ``MOEYARD_FP8_GEMM=cutlass``, on ``torch._scaled_grouped_mm`` (CUTLASS, SM 9.0) after a gather of the
+e4m3 rows; the FP8 weight gradients always on ``torch._scaled_grouped_mm``.
 
 Which scale each GEMM's operands carry (expert-major rows ``x [R, K]``, ``w [E, N, K]``, offsets ``[E + 1]``):
 
@@ -34,6 +37,7 @@ and, on a GPU, says so once.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -48,6 +52,7 @@ from .weights import ExpertWeights
 
 Tensor = torch.Tensor
 _warned: set[tuple] = set()
+ENV_GEMM = "MOEYARD_FP8_GEMM"
 
 
 def scaled_grouped_mm(
@@ -96,11 +101,40 @@ class HopperRowwise(RecipeGEMMs):
 HOPPER_ROWWISE = HopperRowwise()
 
 
-def _forward(xq_xs: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype: torch.dtype) -> Tensor:
-    """``x w_e^T`` from the cast rows ``(xq [R, K], xs [R])``: casts ``w [E, N, K]`` per output channel."""
+def _forward(
+    xq_xs: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype: torch.dtype, index: Tensor | None = None
+) -> Tensor:
+    """``x w_e^T`` from the cast rows ``(xq, xs)`` (``[R, K]``, or ``[T, K]`` read through ``index [R]``,
+    :func:`_gathered_gemm`): casts ``w [E, N, K]`` per output channel."""
     E, N, K = w.shape
     wq, ws = _cast().rowwise(w.reshape(E * N, K))
-    return scaled_grouped_mm(xq_xs[0], wq.view(E, N, K).mT, xq_xs[1], ws.view(E, N), offsets, dtype, True)
+    return _gathered_gemm(xq_xs, wq.view(E, N, K), ws.view(E, N), offsets, dtype, index, True)
+
+
+def _gathered_gemm(a_sa, bq: Tensor, bs: Tensor, offsets: Tensor, dtype, index: Tensor | None, fast_accum: bool):
+    """``out[r] = a[index[r]] b_e^T`` (rowwise scales; ``index`` None: ``a``'s own rows) for ``bq [E, N, K]``
+    e4m3 with ``bs [E, N]``: :func:`moeyard.quant.fp8_grouped.grouped_mm` (the gather in its loads), or with
+    ``MOEYARD_FP8_GEMM=cutlass`` the rows gathered first and ``torch._scaled_grouped_mm``."""
+    aq, sa = a_sa
+    if gemm_backend() == "triton":
+        from ..quant import fp8_grouped
+
+        return fp8_grouped.grouped_mm(aq, sa, bq, bs, offsets, dtype, index=index)
+    if index is not None:
+        aq, sa = rows_by_token(aq, index), rows_by_token(sa[:, None], index)[:, 0]  # zero rows: scale 0
+    return scaled_grouped_mm(aq, bq.mT, sa, bs, offsets, dtype, fast_accum)
+
+
+def gemm_backend() -> str:
+    """``MOEYARD_FP8_GEMM``: ``triton`` (default) or ``cutlass``, the forward and input-gradient GEMMs.
+
+    Raises:
+        ValueError: another value.
+    """
+    value = os.environ.get(ENV_GEMM, "triton").strip().lower() or "triton"
+    if value not in ("triton", "cutlass"):
+        raise ValueError(f"{ENV_GEMM}: expected 'triton' or 'cutlass', got {value!r}")
+    return value
 
 
 def _wgrad(dyq_dys: tuple[Tensor, Tensor], xq_xs: tuple[Tensor, Tensor], offsets: Tensor, dtype) -> Tensor:
@@ -165,19 +199,11 @@ def _row_weights(topk_weights: Tensor, plan: DispatchPlan, live: Tensor) -> Tens
     return w.new_zeros(plan.num_rows).index_put((plan.pair_rows,), w)
 
 
-def _gathered_rows(t: Tensor, row_tokens: Tensor) -> tuple[Tensor, Tensor]:
-    """``t [T, K]`` cast per row once (:func:`moeyard.quant.fp8_triton.rowwise`), then its e4m3 rows and
-    scales gathered by ``row_tokens [R]`` (``T``: a zero row): ``([R, K] e4m3, [R] float32)``,
-    the rowwise cast of ``t[row_tokens]`` (a row's scale depends on the row alone) for a ``[T, K]`` read
-    instead of ``[R, K]``."""
-    q, s = _cast().rowwise(t)
-    return rows_by_token(q, row_tokens), rows_by_token(s[:, None], row_tokens)[:, 0]  # zero rows: scale 0
-
-
-def _dgrad(dyq_dys: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype: torch.dtype) -> Tensor:
-    """``dx = dy w_e`` from the rowwise cast of ``dy [R, N]``: casts ``w [E, N, K]`` per input channel."""
+def _dgrad(dyq_dys: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype, index: Tensor | None = None) -> Tensor:
+    """``dx = dy w_e`` from the rowwise cast of ``dy`` (``[R, N]``, or ``[T, N]`` read through ``index``):
+    casts ``w [E, N, K]`` per input channel."""
     wq, ws = _cast().colwise_per_expert(w)  # [E, K, N], [E, K]
-    return scaled_grouped_mm(dyq_dys[0], wq.mT, dyq_dys[1], ws, offsets, dtype, True)
+    return _gathered_gemm(dyq_dys, wq, ws, offsets, dtype, index, True)
 
 
 class _GatheredUp(torch.autograd.Function):
@@ -189,7 +215,7 @@ class _GatheredUp(torch.autograd.Function):
     def forward(ctx, x, w, row_tokens, pair_rows, live, offsets, hp):
         ctx.save_for_backward(x, w, row_tokens, pair_rows, live, offsets)
         ctx.hp = hp
-        return _forward(_gathered_rows(x, row_tokens), w, offsets, x.dtype)
+        return _forward(_cast().rowwise(x), w, offsets, x.dtype, row_tokens)
 
     @staticmethod
     def backward(ctx, dh):
@@ -235,7 +261,7 @@ class _ActDownCombine(torch.autograd.Function):
         d_out = d_out.contiguous()
         dh = drw = dw = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
-            da = _dgrad(_gathered_rows(d_out, row_tokens), w, offsets, d_out.dtype)  # d / d (rw * act(h))
+            da = _dgrad(_cast().rowwise(d_out), w, offsets, d_out.dtype, row_tokens)  # d / d (rw * act(h))
             dh, drw = cast.act_backward(h, da, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
         if ctx.needs_input_grad[1] and ctx.hp:
             aw = cast.act_rows(h, ctx.act, interleaved=ctx.interleaved, row_weights=rw)

@@ -1,0 +1,91 @@
+"""The e4m3 grouped GEMM in Triton (:mod:`moeyard.quant.fp8_grouped`) against its float32 reference: the
+gather by row index, zero rows (pad rows, an index past the source), empty experts, sizes that are no
+multiple of a tile, the extra row scale, and bad input. Triton's interpreter on a CPU; CUDA where present."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moeyard.kernel_op import interpreting  # noqa: E402
+
+DEVICES = ["cuda"] if torch.cuda.is_available() else (["cpu"] if interpreting() else [])
+if not DEVICES:
+    pytest.skip("needs CUDA or Triton's interpreter (TRITON_INTERPRET=1)", allow_module_level=True)
+
+from moeyard.quant import fp8_grouped  # noqa: E402
+from moeyard.quant.fp8_triton import rowwise  # noqa: E402
+
+
+def _operands(M, K, E, N, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a, s_a = rowwise((torch.randn(M, K, generator=g) * torch.logspace(-2, 2, K)).to(device))
+    b, s_b = rowwise(torch.randn(E * N, K, generator=g).to(device))
+    return a, s_a, b.view(E, N, K), s_b.view(E, N)
+
+
+def _close(got, ref, dtype):
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    err = (got.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)
+    assert err < tol, float(err)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("counts", [[5, 0, 37, 16], [0, 0, 0, 58], [16, 16, 16, 16]])
+def test_gathered_rows_match_reference(device, dtype, counts):
+    M, K, N = 23, 40, 50  # K, N: no multiple of a tile
+    E = len(counts)
+    a, s_a, b, s_b = _operands(M, K, E, N, device)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    R = int(offsets[-1])
+    g = torch.Generator().manual_seed(1)
+    index = torch.randint(0, M + 1, (R,), generator=g).to(device)  # M: a pad row (zero)
+    row_scale = torch.rand(R, generator=g).to(device)
+    kw = dict(index=index, row_scale=row_scale)
+    got = fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, dtype, **kw)
+    ref = fp8_grouped.reference(a, s_a, b, s_b, offsets, dtype, **kw)
+    _close(got, ref, dtype)
+    pad = index == M
+    if pad.any():
+        assert torch.all(got[pad] == 0)  # a pad row reads zeros, whatever its scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sorted_rows_and_rows_past_the_experts(device):
+    M, K, N, E = 70, 64, 32, 3
+    a, s_a, b, s_b = _operands(M, K, E, N, device)
+    offsets = torch.tensor([0, 20, 20, 61], dtype=torch.int32, device=device)  # rows 61.. belong to no expert
+    got = fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, torch.float32)
+    ref = fp8_grouped.reference(a, s_a, b, s_b, offsets, torch.float32)
+    assert got.shape == (M, N)
+    _close(got[:61], ref[:61], torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inputs_unchanged_and_empty(device):
+    a, s_a, b, s_b = _operands(8, 32, 2, 16, device)
+    before = [t.clone() for t in (a.view(torch.uint8), s_a, b.view(torch.uint8), s_b)]
+    offsets = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+    fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, torch.bfloat16)
+    after = (a.view(torch.uint8), s_a, b.view(torch.uint8), s_b)
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    assert fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, torch.bfloat16, index=empty).shape == (0, 16)
+
+
+def test_bad_input_is_named():
+    a, s_a, b, s_b = _operands(8, 32, 2, 16, "cpu")
+    offsets = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="a must be float8_e4m3fn"):
+        fp8_grouped.grouped_mm(a.float(), s_a, b, s_b, offsets, torch.bfloat16)
+    with pytest.raises(TypeError, match="scale_b must be float32"):
+        fp8_grouped.grouped_mm(a, s_a, b, s_b.double(), offsets, torch.bfloat16)
+    with pytest.raises(ValueError, match="share K"):
+        fp8_grouped.grouped_mm(a[:, :16], s_a, b, s_b, offsets, torch.bfloat16)
+    with pytest.raises(ValueError, match="offsets"):
+        fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets[:2], torch.bfloat16)
+    with pytest.raises(ValueError, match="row_scale"):
+        fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, torch.bfloat16, row_scale=torch.ones(3))
