@@ -27,7 +27,9 @@ def _operands(M, K, E, N, device, seed=0):
 
 
 def _close(got, ref, dtype):
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    # float32 output: Hopper's e4m3 MMA accumulates with about 14 bits of mantissa (DeepSeek-V3, arXiv
+    # 2412.19437, section 3.3.2), measured 5e-5 to 9e-5 at K = 40 and 64 on an H200
+    tol = 3e-4 if dtype == torch.float32 else 1e-2
     err = (got.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)
     assert err < tol, float(err)
 
@@ -77,8 +79,9 @@ def test_inputs_unchanged_and_empty(device):
 
 
 def test_bad_input_is_named():
-    a, s_a, b, s_b = _operands(8, 32, 2, 16, "cpu")
-    offsets = torch.tensor([0, 3, 8], dtype=torch.int32)
+    device = DEVICES[0]
+    a, s_a, b, s_b = _operands(8, 32, 2, 16, device)
+    offsets = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
     with pytest.raises(TypeError, match="a must be float8_e4m3fn"):
         fp8_grouped.grouped_mm(a.float(), s_a, b, s_b, offsets, torch.bfloat16)
     with pytest.raises(TypeError, match="scale_b must be float32"):
@@ -88,4 +91,4 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="offsets"):
         fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets[:2], torch.bfloat16)
     with pytest.raises(ValueError, match="row_scale"):
-        fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, torch.bfloat16, row_scale=torch.ones(3))
+        fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, torch.bfloat16, row_scale=torch.ones(3, device=device))
