@@ -30,14 +30,9 @@ def rel(a, b):
     return float(jnp.abs(a - b).max() / jnp.abs(b).max())
 
 
-from moeyard.jax import parallel as mjp  # noqa: E402
-
-# the ragged exchange again with each receive buffer behind its own optimization barrier (the suspicion: two
-# equal zero buffers merged into one, which the in-place collective then writes twice; docs/jax.md)
-VARIANTS = [("all_to_all", False), ("ragged_all_to_all", False), ("ragged_all_to_all", True)]
-for exchange, distinct in VARIANTS:
-    mjp._DISTINCT_BUFFERS = distinct
-    exchange_name = exchange + (" distinct buffers" if distinct else "")
+# (run with XLA_FLAGS to try XLA's other ragged all-to-all implementations; docs/jax.md lists those tried)
+for exchange in ("all_to_all", "ragged_all_to_all"):
+    exchange_name = exchange
     f = jax.jit(
         jax.shard_map(
             functools.partial(mj.ep_experts, axis_name="ep", exchange=exchange),

@@ -55,7 +55,6 @@ from .ffn import FFNSpec, routed_ffn
 __all__ = ["EXCHANGES", "EPExperts", "ep_apply", "ep_experts", "expert_parallel", "partition_specs"]
 
 EXCHANGES = ("all_to_all", "ragged_all_to_all")
-_DISTINCT_BUFFERS = False  # see _receive_buffer
 ragged_all_to_all = jax.lax.ragged_all_to_all  # the collective the ragged exchange calls (the CPU tests emulate it)
 EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # sharded on their dim 0
 
@@ -230,18 +229,12 @@ def _exchange(operand, rows: int, there: tuple, back: tuple, axis_name: str):
     """``ragged_all_to_all`` of ``operand`` into ``rows`` zero rows by ``there`` (input offsets, send sizes,
     output offsets, receive sizes); its VJP sends the output's cotangent back by ``back``, the same
     slices in the other direction (rows no slice names get a zero gradient)."""
-    return _ragged(operand, _receive_buffer(rows, operand, 0), there, back, axis_name)
+    return _ragged(operand, _receive_buffer(rows, operand), there, back, axis_name)
 
 
-def _receive_buffer(rows: int, like, tag: int):
-    """``[rows, *like.shape[1:]]`` zeros in ``like``'s dtype for a ``ragged_all_to_all`` to write into.
-    ``_DISTINCT_BUFFERS`` (a diagnostic, ``benchmarks/jax_ragged_diag.py``): each buffer behind an optimization
-    barrier with its own ``tag``, so that XLA cannot merge two equal zero constants into one buffer that the
-    collective, which updates its output operand in place, would then write twice."""
-    zeros = jnp.zeros((rows, *like.shape[1:]), like.dtype)
-    if _DISTINCT_BUFFERS:
-        zeros = jax.lax.optimization_barrier((zeros, jnp.int32(tag)))[0]
-    return zeros
+def _receive_buffer(rows: int, like):
+    """``[rows, *like.shape[1:]]`` zeros in ``like``'s dtype for a ``ragged_all_to_all`` to write into."""
+    return jnp.zeros((rows, *like.shape[1:]), like.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -256,7 +249,7 @@ def _ragged_fwd(operand, output, there, back, axis_name):
 def _ragged_bwd(axis_name, res, g):
     rows, out_shape, there, back = res
     # the receive buffer of the backward exchange varies over the axis as the operand's cotangent must
-    buffer = jax.lax.pcast(_receive_buffer(rows, g, 1), axis_name, to="varying")
+    buffer = jax.lax.pcast(_receive_buffer(rows, g), axis_name, to="varying")
     d_operand = ragged_all_to_all(g, buffer, *back, axis_name=axis_name)
     d_output = jnp.zeros(out_shape, g.dtype)  # a constant zero buffer: no gradient to pass on
     return (
