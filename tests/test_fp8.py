@@ -7,6 +7,7 @@ Legend: T tokens, H hidden size, I expert intermediate size, E experts, K top-k.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -444,6 +445,8 @@ def forced_fast_path(monkeypatch, request):
     grouped = importlib.import_module("moeyard.quant.fp8_grouped")
     real_triton = grouped.grouped_mm
     monkeypatch.setattr(grouped, "grouped_mm", lambda *a, **k: calls.append("gemm") or real_triton(*a, **k))
+    real_by_token = hop._wgrad_by_token
+    monkeypatch.setattr(hop, "_wgrad_by_token", lambda *a: calls.append("wgrad_by_token") or real_by_token(*a))
     return calls
 
 
@@ -477,6 +480,9 @@ def test_fast_path_fused_on_cpu(forced_fast_path, recipe, backend, case):
     _check_fused(backend, _inputs(case), recipe)
     # forward and dgrad of both projections in FP8; wgrad too, unless the recipe keeps it in the compute dtype
     assert "fused" in forced_fast_path and forced_fast_path.count("gemm") == (4 if recipe.endswith("gw_hp") else 6)
+    # fp8_rowwise_gw_hp on the Triton FP8 GEMM: both weight gradients on the triton backend's kernels, by token
+    by_token = recipe.endswith("gw_hp") and os.environ["MOEYARD_FP8_GEMM"] == "triton"
+    assert forced_fast_path.count("wgrad_by_token") == (2 if by_token else 0)
 
 
 @pytest.mark.parametrize("fast", [False, True])

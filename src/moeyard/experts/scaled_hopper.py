@@ -173,11 +173,21 @@ def routed_ffn(
     ``drop_invalid`` their NaN routing weight (:func:`moeyard.experts` sets it) makes their token's row NaN."""
     recipe = weights.recipe
     T, K = topk_ids.shape
-    plan = make_plan(topk_ids, weights.num_experts, align=recipe.align)
+    hp = recipe.wgrad is None  # the weight gradients in the compute dtype
+    by_token = hp and gemm_backend() == "triton"  # no FP8 GEMM needs aligned groups: rows unpadded
+    plan = make_plan(topk_ids, weights.num_experts, align=1 if by_token else recipe.align)
     live = plan.valid.view(T, K)
     offsets = plan.padded_offsets
     row_tokens, pair_rows = plan.row_tokens(), plan.pair_rows.view(T, K)
-    hp = recipe.wgrad is None  # the weight gradients in the compute dtype
+    if by_token:  # the weight gradients on the triton backend's kernels, reading x and d out by token
+        from .triton import ops
+
+        hp = ops.Routing(
+            topk_ids=topk_ids.contiguous(),
+            sort_order=plan.sort_order,
+            expert_offsets=plan.expert_offsets,
+            num_experts=weights.num_experts,
+        )
     h = _GatheredUp.apply(x, weights.w_up, row_tokens, pair_rows, live, offsets, hp)
     if weights.b_up is not None:
         from .pipeline import add_row_bias
@@ -206,10 +216,29 @@ def _dgrad(dyq_dys: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype, in
     return _gathered_gemm(dyq_dys, wq, ws, offsets, dtype, index, True)
 
 
+def _wgrad_by_token(lhs: Tensor, rhs: Tensor, routing, lhs_by_token: bool, like_w: Tensor) -> Tensor:
+    """``dw_e = lhs_e^T rhs_e`` in the compute dtype on the ``triton`` backend's weight-gradient kernels, one
+    operand read by token (``[T, .]``: ``x`` or ``d out``, no ``[R, .]`` copy), the other in sorted rows."""
+    from .triton import ops
+
+    dw, _ = ops.wgrad(
+        lhs,
+        rhs,
+        lhs_by_token=lhs_by_token,
+        rhs_by_token=not lhs_by_token,
+        scale=None,
+        r=routing,
+        like_w=like_w,
+        like_b=None,
+    )
+    return dw
+
+
 class _GatheredUp(torch.autograd.Function):
-    """``h = x[row_tokens] w_e^T`` with the e4m3 rows gathered from one cast per token; backward: ``dx``
+    """``h = x[row_tokens] w_e^T`` with the e4m3 rows read by token from one cast per token; backward: ``dx``
     summed over each token's live rows, ``dw`` from ``x`` read through ``row_tokens`` (``hp``: in the
-    compute dtype, from ``x``'s rows gathered)."""
+    compute dtype, from ``x``'s rows gathered; ``hp`` a :class:`~.triton.ops.Routing` of unpadded rows: on the
+    ``triton`` backend's weight-gradient kernel, ``x`` read by token)."""
 
     @staticmethod
     def forward(ctx, x, w, row_tokens, pair_rows, live, offsets, hp):
@@ -226,7 +255,9 @@ class _GatheredUp(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             d_rows = HOPPER_ROWWISE.dgrad(dh, w, offsets, None)
             dx, _ = gathered_sum(d_rows, pair_rows, live.to(d_rows.dtype))
-        if ctx.needs_input_grad[1] and ctx.hp:
+        if ctx.needs_input_grad[1] and not isinstance(ctx.hp, bool):
+            dw = _wgrad_by_token(dh, x, ctx.hp, False, w)
+        elif ctx.needs_input_grad[1] and ctx.hp:
             dw = _wgrad_hp(dh, rows_by_token(x, row_tokens), offsets)
         elif ctx.needs_input_grad[1]:
             dw = _wgrad(
@@ -244,7 +275,7 @@ class _ActDownCombine(torch.autograd.Function):
     d out[token]`` cast once per token and gathered in e4m3 (no ``[R, H]`` copy in the compute dtype), ``d h``
     and ``d rw`` from one kernel over ``h`` and ``d act``, ``dw`` from ``act(h)`` cast again from ``h`` and
     ``d out`` read through the rows' tokens (``hp``: in the compute dtype, from ``d out``'s rows gathered and
-    ``rw * act(h)`` written once)."""
+    ``rw * act(h)`` written once; ``hp`` a routing: ``d out`` read by token, as in :class:`_GatheredUp`)."""
 
     @staticmethod
     def forward(ctx, h, w, offsets, rw, row_tokens, pair_rows, live, act, interleaved, hp):
@@ -263,9 +294,12 @@ class _ActDownCombine(torch.autograd.Function):
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
             da = _dgrad(_cast().rowwise(d_out), w, offsets, d_out.dtype, row_tokens)  # d / d (rw * act(h))
             dh, drw = cast.act_backward(h, da, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
-        if ctx.needs_input_grad[1] and ctx.hp:
+        if ctx.needs_input_grad[1] and ctx.hp is not False:
             aw = cast.act_rows(h, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
-            dw = _wgrad_hp(rows_by_token(d_out, row_tokens), aw, offsets)
+            if isinstance(ctx.hp, bool):
+                dw = _wgrad_hp(rows_by_token(d_out, row_tokens), aw, offsets)
+            else:
+                dw = _wgrad_by_token(d_out, aw, ctx.hp, True, w)
         elif ctx.needs_input_grad[1]:
             a_t = cast.colwise_per_group(h, offsets, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
             dw = _wgrad(cast.colwise_per_group(d_out, offsets, index=row_tokens), a_t, offsets, d_out.dtype)
