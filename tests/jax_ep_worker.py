@@ -25,13 +25,13 @@ from jax.sharding import (
     PartitionSpec as P,  # noqa: E402
 )
 
+import jax_ep_emulation  # noqa: E402
 import moeyard.jax as mj  # noqa: E402
-from jax_ep_emulation import ragged_all_to_all  # noqa: E402
 from moeyard import MoEConfig  # noqa: E402
 from moeyard.jax import parallel  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
-parallel.ragged_all_to_all = ragged_all_to_all  # XLA:CPU has no ragged_all_to_all
+EMULATED = jax_ep_emulation.install(parallel)  # XLA:CPU has no ragged_all_to_all
 E, K, T, H, I = 8, 2, 6, 8, 4  # T tokens per device
 
 
@@ -173,7 +173,9 @@ def emulation_check():
     operand = jnp.array([1, 2, 2, 3, 4, 0], jnp.float64)
     args = [jnp.array(v, jnp.int32) for v in ([0, 1, 0, 1], [1, 2, 1, 1], [0, 0, 1, 2], [1, 1, 2, 1])]
     f = jax.shard_map(
-        lambda o, *a: ragged_all_to_all(o, jnp.zeros(4, o.dtype), *a, axis_name="ep"),
+        lambda o, *a: parallel.ragged_all_to_all(
+            o, jax.lax.pcast(jnp.zeros(4, o.dtype), "ep", to="varying"), *a, axis_name="ep"
+        ),
         mesh=m,
         in_specs=(P("ep"),) * 5,
         out_specs=P("ep"),
@@ -188,7 +190,7 @@ def timed(out, name, f, *args, **kw):
 
 
 def main():
-    out = {"emulation": emulation_check()}
+    out = {"emulation": emulation_check(), "emulated_as": EMULATED}
     timed(out, "all_to_all_W8", experts_check, 8, "all_to_all")
     timed(out, "ragged_W8_align4", experts_check, 8, "ragged_all_to_all", align=4)
     timed(out, "all_to_all_W4_plain_autodiff_drop", experts_check, 4, "all_to_all", custom_vjp=False, drop=True)

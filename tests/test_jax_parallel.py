@@ -53,6 +53,12 @@ def test_expert_parallel_equals_one_device(worker, check):
     assert worker[check] <= 1e-10, (check, worker[check])
 
 
+def test_ragged_exchange_runs_the_real_primitive(worker):
+    # the emulated collective is the CPU lowering of JAX's own primitive, so its result is typed as on a GPU:
+    # a receive buffer typed invariant had given wrong gradients there (forward right), and fails here
+    assert worker["emulated_as"] == "lowering"
+
+
 def test_repeated_ids_give_nan_rows(worker):
     """The pairs that find no room come back as NaN rows of their tokens (2 here), the rest exact."""
     assert worker["overflow_nan_rows"] == 2 and worker["overflow_others"] <= 1e-12

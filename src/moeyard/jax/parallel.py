@@ -19,10 +19,13 @@ worst-case shapes (no host sync):
   counts are all-gathered first (``[W, E]`` int32). The receive buffer is sized for the worst case
   including the alignment padding: ``W * C + E_l * (align - 1)`` rows, rounded up to a multiple of
   ``align``. The backward runs the same exchanges reversed, each written out as the other direction's
-  ``ragged_all_to_all`` (a custom VJP: JAX 0.11's transpose of the collective gave wrong gradients on two
-  H200s, 2026-11-27, where its forward matched the dense exchange exactly; ``benchmarks/jax_ragged_diag.py``).
-  XLA:CPU does not implement the collective: GPU (``benchmarks/jax_gpu.py`` checks it against
-  ``all_to_all`` on the GPUs present).
+  ``ragged_all_to_all`` (a custom VJP). Every receive buffer is typed as varying over the axis: the
+  collective's result takes its buffer's type, and a result typed invariant (as a plain ``jnp.zeros`` buffer
+  made it) reaches the backward of ``jax.grad`` over the ``shard_map`` from one device only, which gave wrong
+  gradients of x and of both expert weights on two H200s (2026-11-27) while the forward matched the dense
+  exchange exactly. XLA:CPU does not implement the collective: the CPU tests register an emulation as its
+  CPU lowering (JAX's own primitive, so its typing is the real one); ``benchmarks/jax_gpu.py`` and
+  ``benchmarks/jax_ragged_diag.py`` check it against ``all_to_all`` on the GPUs present.
 
 A token that repeats an id could send more than C pairs to one device: those pairs are not sent and
 the token's output row is NaN (visible, never silently wrong); moeyard's router never repeats an id.
@@ -229,12 +232,16 @@ def _exchange(operand, rows: int, there: tuple, back: tuple, axis_name: str):
     """``ragged_all_to_all`` of ``operand`` into ``rows`` zero rows by ``there`` (input offsets, send sizes,
     output offsets, receive sizes); its VJP sends the output's cotangent back by ``back``, the same
     slices in the other direction (rows no slice names get a zero gradient)."""
-    return _ragged(operand, _receive_buffer(rows, operand), there, back, axis_name)
+    return _ragged(operand, _receive_buffer(rows, operand, axis_name), there, back, axis_name)
 
 
-def _receive_buffer(rows: int, like):
-    """``[rows, *like.shape[1:]]`` zeros in ``like``'s dtype for a ``ragged_all_to_all`` to write into."""
-    return jnp.zeros((rows, *like.shape[1:]), like.dtype)
+def _receive_buffer(rows: int, like, axis_name: str):
+    """``[rows, *like.shape[1:]]`` zeros in ``like``'s dtype for a ``ragged_all_to_all`` to write into, typed
+    as varying over ``axis_name``: the collective's result takes the type of this operand (jax's abstract
+    evaluation copies its aval), and a result typed invariant, though it differs per device, reaches the
+    backward of ``jax.grad`` over the ``shard_map`` from one device only (the wrong gradients on GPUs of
+    jax 0.11, 2026-11-27; the CPU tests' emulated collective checks the typing)."""
+    return jax.lax.pcast(jnp.zeros((rows, *like.shape[1:]), like.dtype), axis_name, to="varying")
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -248,10 +255,8 @@ def _ragged_fwd(operand, output, there, back, axis_name):
 
 def _ragged_bwd(axis_name, res, g):
     rows, out_shape, there, back = res
-    # the receive buffer of the backward exchange varies over the axis as the operand's cotangent must
-    buffer = jax.lax.pcast(_receive_buffer(rows, g), axis_name, to="varying")
-    d_operand = ragged_all_to_all(g, buffer, *back, axis_name=axis_name)
-    d_output = jnp.zeros(out_shape, g.dtype)  # a constant zero buffer: no gradient to pass on
+    d_operand = ragged_all_to_all(g, _receive_buffer(rows, g, axis_name), *back, axis_name=axis_name)
+    d_output = jax.lax.pcast(jnp.zeros(out_shape, g.dtype), axis_name, to="varying")  # zeros: nothing to pass on
     return (
         d_operand,
         d_output,
