@@ -1,7 +1,8 @@
-"""Probe: the gathered up projection (``h = x[token] @ W_e^T``, sorted rows) with e4m3 operands in a plain
-Triton kernel (``tl.dot`` on float8, rowwise scales in the epilogue, the token gather in the A loads), next to
-what the ``fp8_rowwise`` recipe runs today (gather the e4m3 rows, then CUTLASS ``torch._scaled_grouped_mm``)
-and moeyard's bf16 up projection (``act="none"``, so the outputs are the same ``[N, 2I]``), at anchor shapes.
+"""Probe: the gathered up projection (``h = x[token] @ W_e^T``, sorted rows) with e4m3 operands on moeyard's
+Triton grouped GEMM (:func:`moeyard.quant.fp8_grouped.grouped_mm`: ``tl.dot`` on float8, rowwise scales in the
+epilogue, the token gather in the A loads), next to the e4m3 rows gathered and then CUTLASS
+``torch._scaled_grouped_mm`` (``MOEYARD_FP8_GEMM=cutlass``) and moeyard's bf16 up projection
+(``act="none"``, so the outputs are the same ``[N, 2I]``), at anchor shapes.
 
 Each row: ms (median of CUDA-event timings after warm-up, fresh random inputs), TFLOP/s and the share of the
 dense rate of the same dtype measured in the same run (``torch.mm`` bf16, ``torch._scaled_mm`` e4m3 rowwise, on
@@ -18,93 +19,21 @@ import json
 import statistics
 
 import torch
-import triton
-import triton.language as tl
 
 from moeyard.bench.models import get_model
 from moeyard.experts.triton import ops
-from moeyard.experts.triton.gemm import gathered_mainloop_tma_b, row_col_tile
-from moeyard.experts.triton.kernels_tma import ensure_allocator
-from moeyard.experts.triton.schedule import max_row_tiles
+from moeyard.quant import fp8_grouped
 
 E4M3_MAX = 448.0
-CONFIGS = [
-    triton.Config({"BM": 128, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
-    for bn in (128, 256)
-    for bk in (64, 128)
-    for w in (8,)
-    for s in (3, 4)
-    if not (bn == 256 and bk == 128 and s == 4)  # shared memory
-]
 
 
-@triton.jit
-def fp8_up_kernel(
-    x_ptr,  # [T, H] e4m3 (or bf16 with unit scales)
-    xs_ptr,  # [T] float32: x row t's scale
-    w_ptr,  # [E, NC, H] e4m3, contiguous
-    ws_ptr,  # [E, NC] float32: w row (e, n)'s scale
-    sort_order_ptr,
-    offsets_ptr,
-    out_ptr,  # [N, NC] bf16, sorted rows
-    H,
-    NC,
-    E,
-    top_k,
-    E_P2: tl.constexpr,
-    W_TMA: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-):
-    e, rows, m_mask, pair, token, cols, n_mask = row_col_tile(NC, offsets_ptr, sort_order_ptr, E, top_k, BM, BN, E_P2)
-    if e >= E:
-        return
-    e64 = e.to(tl.int64)
-    acc = tl.zeros((BM, BN), tl.float32)
-    a_row_off = token.to(tl.int64) * H
-    if W_TMA:
-        desc = tl.make_tensor_descriptor(w_ptr, shape=[E, NC, H], strides=[NC * H, H, 1], block_shape=[1, BN, BK])
-        col0 = (tl.program_id(0) % tl.cdiv(NC, BN)) * BN
-        acc, acc = gathered_mainloop_tma_b(
-            acc, acc, x_ptr, a_row_off, m_mask, 1, desc, e, col0, col0, H, BN, BK, False, "tf32"
-        )
-    else:
-        ks = tl.arange(0, BK)
-        a_ptrs = x_ptr + a_row_off[:, None] + ks[None, :]
-        b_ptrs = w_ptr + e64 * NC * H + cols.to(tl.int64)[None, :] * H + ks[:, None]
-        for k0 in range(0, H, BK):
-            k_mask = (k0 + ks) < H
-            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
-            a_ptrs += BK
-            b_ptrs += BK
-    xs = tl.load(xs_ptr + token, mask=m_mask, other=0.0)
-    ws = tl.load(ws_ptr + e64 * NC + cols, mask=n_mask, other=0.0)
-    acc = acc * xs[:, None] * ws[None, :]
-    out = out_ptr + rows.to(tl.int64)[:, None] * NC + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+def fp8_up(x8, xs, w8, ws, r):
+    """``[N, NC]`` bf16 sorted rows: ``(x8[token] * xs) @ (w8[e] * ws)^T`` on moeyard's Triton e4m3 GEMM."""
+    return fp8_grouped.grouped_mm(x8, xs, w8, ws, r.expert_offsets, torch.bfloat16, index=token_rows(r))
 
 
-_tuned = {flag: triton.autotune(CONFIGS, key=["H", "NC", "W_TMA"])(fp8_up_kernel) for flag in (False, True)}
-
-
-def fp8_up(x8, xs, w8, ws, r, *, tma: bool, configs: bool = True):
-    """``[N, NC]`` bf16 sorted rows: ``(x8[token] * xs) @ (w8[e] * ws)^T``."""
-    T, H = x8.shape
-    E, NC, _ = w8.shape
-    N = r.num_pairs
-    out = torch.empty(N, NC, dtype=torch.bfloat16, device=x8.device)
-    args = (x8, xs, w8, ws, r.sort_order, r.expert_offsets, out, H, NC, E, r.top_k)
-    e_p2 = triton.next_power_of_2(max(E, 2))
-    if configs:
-        grid = lambda m: (max_row_tiles(N, E, m["BM"]) * triton.cdiv(NC, m["BN"]),)  # noqa: E731
-        _tuned[tma][grid](*args, E_P2=e_p2, W_TMA=tma)
-    else:  # the interpreter: one small config
-        grid = (max_row_tiles(N, E, 16) * triton.cdiv(NC, 32),)
-        fp8_up_kernel[grid](*args, E_P2=e_p2, W_TMA=tma, BM=16, BN=32, BK=32)
-    return out
+def token_rows(r):
+    return (r.sort_order // r.top_k).long()
 
 
 def rowwise(t: torch.Tensor):
@@ -122,15 +51,8 @@ def inputs(T, E, K, H, NC, device, seed):
 
 
 def reference(x8, xs, w8, ws, r):
-    """float32 on the dequantised operands, sorted rows (one GEMM per expert; host sync, fine here)."""
-    token = (r.sort_order // r.top_k).long()
-    xd = x8.float()[token] * xs[token, None]
-    offsets = r.expert_offsets.tolist()
-    out = torch.empty(xd.shape[0], w8.shape[1], device=x8.device)
-    for e in range(w8.shape[0]):
-        lo, hi = offsets[e], offsets[e + 1]
-        out[lo:hi] = xd[lo:hi] @ (w8[e].float() * ws[e, :, None]).t()
-    return out
+    """float32 on the dequantised operands, sorted rows."""
+    return fp8_grouped.reference(x8, xs, w8, ws, r.expert_offsets, torch.float32, index=token_rows(r))
 
 
 def time_ms(fn, make, warmup=5, iters=30):
@@ -172,10 +94,7 @@ def run_shape(name: str, device) -> dict:
     x, w, r, x8, xs, w8, ws = prepared[0]
     ref = reference(x8, xs, w8, ws, r)
     out = {"model": name, "T": T, "E": E, "K": K, "H": H, "NC": NC}
-    for tma in (False, True):
-        got = fp8_up(x8, xs, w8, ws, r, tma=tma).float()
-        out[f"rel_err_triton{'_tma' if tma else ''}"] = float((got - ref).norm() / ref.norm())
-    token_rows = lambda r: (r.sort_order // r.top_k).long()  # noqa: E731
+    out["rel_err_triton"] = float((fp8_up(x8, xs, w8, ws, r).float() - ref).norm() / ref.norm())
 
     def cutlass(p):
         _, _, r, x8, xs, w8, ws = p
@@ -189,8 +108,7 @@ def run_shape(name: str, device) -> dict:
     spec = ops.ActSpec(name="none")
     rows = {
         "bf16 moeyard up_proj": lambda p: ops.up_proj(p[0], p[1], None, p[2], spec, store_h=False),
-        "e4m3 triton (ptr W)": lambda p: fp8_up(p[3], p[4], p[5], p[6], p[2], tma=False),
-        "e4m3 triton (TMA W)": lambda p: fp8_up(p[3], p[4], p[5], p[6], p[2], tma=True),
+        "e4m3 triton (moeyard)": lambda p: fp8_up(p[3], p[4], p[5], p[6], p[2]),
         "e4m3 gather + CUTLASS": cutlass,
     }
     xd, wd = torch.randn(N, H, device=device).bfloat16(), torch.randn(NC, H, device=device).bfloat16()
@@ -216,14 +134,14 @@ def run_shape(name: str, device) -> dict:
 
 
 def check_interpreter():
-    """A tiny case under ``TRITON_INTERPRET=1`` (pointer W only): relative error against float32."""
+    """A tiny case under ``TRITON_INTERPRET=1``: relative error against float32."""
     torch.manual_seed(0)
     T, E, K, H, NC = 24, 4, 2, 64, 96
     x, w, ids = inputs(T, E, K, H, NC, "cpu", 0)
     r = ops.routing(ids, E)
     x8, xs = rowwise(x)
     w8, ws = rowwise(w)
-    got = fp8_up(x8, xs, w8, ws, r, tma=False, configs=False).float()
+    got = fp8_up(x8, xs, w8, ws, r).float()
     ref = reference(x8, xs, w8, ws, r)
     err = float((got - ref).norm() / ref.norm())
     print(f"interpreter rel err {err:.2e}")
@@ -239,7 +157,6 @@ def main():
     if args.check:
         check_interpreter()
         return
-    ensure_allocator()
     device = torch.device("cuda")
     results = [run_shape(m, device) for m in args.models.split(",")]
     if args.json:
