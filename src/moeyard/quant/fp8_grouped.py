@@ -120,11 +120,11 @@ def grouped_mm(
     *,
     index: Tensor | None = None,
     row_scale: Tensor | None = None,
-    num_rows: int | None = None,
 ) -> Tensor:
     """The module docstring's product: ``a [M, K]`` e4m3 (unit stride along K) with ``scale_a [M]``,
     ``b [E, N, K]`` e4m3 with ``scale_b [E, N]``, ``offsets [E + 1]`` int32, optional ``index [R]`` int64 and
-    ``row_scale [R]`` float32 -> ``[R, N]`` ``out_dtype`` (``R = index.numel()``, else ``num_rows`` or M).
+    ``row_scale [R]`` float32 -> ``[R, N]`` ``out_dtype`` (``R = index.numel()``, else M). ``offsets[E] <= R``
+    is the caller's to keep (checking it would need a host sync).
     No host sync.
 
     Raises:
@@ -148,7 +148,7 @@ def grouped_mm(
             f"grouped_mm: expected scale_a [{M}], scale_b [{E}, {N}], offsets [{E + 1}], got "
             f"{tuple(scale_a.shape)}, {tuple(scale_b.shape)}, {tuple(offsets.shape)}"
         )
-    R = index.numel() if index is not None else (M if num_rows is None else num_rows)
+    R = index.numel() if index is not None else M
     if row_scale is not None and row_scale.shape != (R,):
         raise ValueError(f"grouped_mm: row_scale must be [{R}], got {tuple(row_scale.shape)}")
     out = torch.empty(R, N, dtype=out_dtype, device=a.device)
@@ -185,13 +185,12 @@ def reference(
     *,
     index: Tensor | None = None,
     row_scale: Tensor | None = None,
-    num_rows: int | None = None,
 ) -> Tensor:
     """:func:`grouped_mm` in float32 on the dequantised operands, one GEMM per expert (host sync; rows past
     ``offsets[E]`` zero)."""
     M = a.shape[0]
     ad = torch.cat([a.float() * scale_a[:, None], a.new_zeros(1, a.shape[1], dtype=torch.float32)])
-    src = index.clamp(max=M) if index is not None else torch.arange(M if num_rows is None else num_rows)
+    src = index.clamp(max=M) if index is not None else torch.arange(M)
     rows = ad[src.to(a.device)]
     if row_scale is not None:
         rows = rows * row_scale[:, None]
