@@ -32,7 +32,6 @@ def rel(a, b):
 
 # (run with XLA_FLAGS to try XLA's other ragged all-to-all implementations; docs/jax.md lists those tried)
 for exchange in ("all_to_all", "ragged_all_to_all"):
-    exchange_name = exchange
     f = jax.jit(
         jax.shard_map(
             functools.partial(mj.ep_experts, axis_name="ep", exchange=exchange),
@@ -44,7 +43,7 @@ for exchange in ("all_to_all", "ragged_all_to_all"):
     out = f(x, ids, w, up, down)
     bad = jnp.abs(out - ref_out).max(axis=1) > 1e-3 * jnp.abs(ref_out).max()
     print(
-        exchange_name,
+        exchange,
         "forward rel err",
         rel(out, ref_out),
         "bad rows",
@@ -60,6 +59,4 @@ for exchange in ("all_to_all", "ragged_all_to_all"):
     refg = jax.grad(lambda x, w, u, d: (mj.experts(x, ids, w, u, d) * probe).sum(), argnums=(0, 1, 2, 3))(
         x, w, up, down
     )
-    print(
-        exchange_name, "grad rel err (x, w, up, down):", [f"{rel(a, b):.1e}" for a, b in zip(grads, refg, strict=True)]
-    )
+    print(exchange, "grad rel err (x, w, up, down):", [f"{rel(a, b):.1e}" for a, b in zip(grads, refg, strict=True)])

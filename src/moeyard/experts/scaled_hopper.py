@@ -87,10 +87,10 @@ class HopperRowwise(RecipeGEMMs):
     """``fp8_rowwise`` on ``torch._scaled_grouped_mm`` (shapes: :mod:`moeyard.experts.scaled`, offsets form)."""
 
     def forward(self, x, w, offsets, recipe):
-        return _forward(_cast().rowwise(x), w, offsets, x.dtype)
+        return _forward(_cast().rowwise(x), w, offsets, x.dtype, gemm_backend())
 
     def dgrad(self, dy, w, offsets, recipe):
-        return _dgrad(_cast().rowwise(dy), w, offsets, dy.dtype)
+        return _dgrad(_cast().rowwise(dy), w, offsets, dy.dtype, gemm_backend())
 
     def wgrad(self, dy, x, offsets, recipe):
         if recipe.wgrad is None:
@@ -102,27 +102,28 @@ HOPPER_ROWWISE = HopperRowwise()
 
 
 def _forward(
-    xq_xs: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype: torch.dtype, index: Tensor | None = None
+    xq_xs: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype: torch.dtype, gemm: str, index: Tensor | None = None
 ) -> Tensor:
     """``x w_e^T`` from the cast rows ``(xq, xs)`` (``[R, K]``, or ``[T, K]`` read through ``index [R]``,
     :func:`_gathered_gemm`): casts ``w [E, N, K]`` per output channel."""
     E, N, K = w.shape
     wq, ws = _cast().rowwise(w.reshape(E * N, K))
-    return _gathered_gemm(xq_xs, wq.view(E, N, K), ws.view(E, N), offsets, dtype, index, True)
+    return _gathered_gemm(xq_xs, wq.view(E, N, K), ws.view(E, N), offsets, dtype, gemm, index)
 
 
-def _gathered_gemm(a_sa, bq: Tensor, bs: Tensor, offsets: Tensor, dtype, index: Tensor | None, fast_accum: bool):
+def _gathered_gemm(a_sa, bq: Tensor, bs: Tensor, offsets: Tensor, dtype, gemm: str, index: Tensor | None):
     """``out[r] = a[index[r]] b_e^T`` (rowwise scales; ``index`` None: ``a``'s own rows) for ``bq [E, N, K]``
-    e4m3 with ``bs [E, N]``: :func:`moeyard.quant.fp8_grouped.grouped_mm` (the gather in its loads), or with
-    ``MOEYARD_FP8_GEMM=cutlass`` the rows gathered first and ``torch._scaled_grouped_mm``."""
+    e4m3 with ``bs [E, N]``: with ``gemm`` ``triton`` :func:`moeyard.quant.fp8_grouped.grouped_mm` (the gather
+    in its loads), with ``cutlass`` the rows gathered first and ``torch._scaled_grouped_mm`` (fast
+    accumulation: forward and dgrad contract over H or I only)."""
     aq, sa = a_sa
-    if gemm_backend() == "triton":
+    if gemm == "triton":
         from ..quant import fp8_grouped
 
         return fp8_grouped.grouped_mm(aq, sa, bq, bs, offsets, dtype, index=index)
     if index is not None:
         aq, sa = rows_by_token(aq, index), rows_by_token(sa[:, None], index)[:, 0]  # zero rows: scale 0
-    return scaled_grouped_mm(aq, bq.mT, sa, bs, offsets, dtype, fast_accum)
+    return scaled_grouped_mm(aq, bq.mT, sa, bs, offsets, dtype, True)
 
 
 def gemm_backend() -> str:
@@ -173,29 +174,22 @@ def routed_ffn(
     ``drop_invalid`` their NaN routing weight (:func:`moeyard.experts` sets it) makes their token's row NaN."""
     recipe = weights.recipe
     T, K = topk_ids.shape
-    hp = recipe.wgrad is None  # the weight gradients in the compute dtype
-    by_token = hp and gemm_backend() == "triton"  # no FP8 GEMM needs aligned groups: rows unpadded
-    plan = make_plan(topk_ids, weights.num_experts, align=1 if by_token else recipe.align)
+    gemm = gemm_backend()  # read once: forward and backward must agree with the plan's alignment
+    # with the weight gradients in the compute dtype and the Triton GEMM, no GEMM needs aligned groups
+    unpadded = recipe.wgrad is None and gemm == "triton"
+    plan = make_plan(topk_ids, weights.num_experts, align=1 if unpadded else recipe.align)
     live = plan.valid.view(T, K)
     offsets = plan.padded_offsets
     row_tokens, pair_rows = plan.row_tokens(), plan.pair_rows.view(T, K)
-    if by_token:  # the weight gradients on the triton backend's kernels, reading x and d out by token
-        from .triton import ops
-
-        hp = ops.Routing(
-            topk_ids=topk_ids.contiguous(),
-            sort_order=plan.sort_order,
-            expert_offsets=plan.expert_offsets,
-            num_experts=weights.num_experts,
-        )
-    h = _GatheredUp.apply(x, weights.w_up, row_tokens, pair_rows, live, offsets, hp)
+    hp = None if recipe.wgrad is not None else _HighPrecisionWgrad(plan, topk_ids, row_tokens, by_token=unpadded)
+    h = _GatheredUp.apply(x, weights.w_up, row_tokens, pair_rows, live, offsets, gemm, hp)
     if weights.b_up is not None:
         from .pipeline import add_row_bias
 
         h = add_row_bias(h, weights.b_up, plan)
     rw = _row_weights(topk_weights, plan, live)
     out = _ActDownCombine.apply(
-        h, weights.w_down, offsets, rw, row_tokens, pair_rows, live, activation, weights.interleaved, hp
+        h, weights.w_down, offsets, rw, row_tokens, pair_rows, live, activation, weights.interleaved, gemm, hp
     )
     if not drop_invalid:  # the NaN weight of an invalid id reaches its token's row (0 * NaN); no gradient
         out = out + 0 * topk_weights.masked_fill(live, 0).sum(1, keepdim=True).to(out.dtype)
@@ -209,11 +203,40 @@ def _row_weights(topk_weights: Tensor, plan: DispatchPlan, live: Tensor) -> Tens
     return w.new_zeros(plan.num_rows).index_put((plan.pair_rows,), w)
 
 
-def _dgrad(dyq_dys: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype, index: Tensor | None = None) -> Tensor:
+def _dgrad(
+    dyq_dys: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype, gemm: str, index: Tensor | None = None
+) -> Tensor:
     """``dx = dy w_e`` from the rowwise cast of ``dy`` (``[R, N]``, or ``[T, N]`` read through ``index``):
     casts ``w [E, N, K]`` per input channel."""
     wq, ws = _cast().colwise_per_expert(w)  # [E, K, N], [E, K]
-    return _gathered_gemm(dyq_dys, wq, ws, offsets, dtype, index, True)
+    return _gathered_gemm(dyq_dys, wq, ws, offsets, dtype, gemm, index)
+
+
+class _HighPrecisionWgrad:
+    """The weight gradients of a recipe with ``wgrad=None``, in the compute dtype: ``dw_e = lhs_e^T rhs_e``
+    with one operand read by token (``x`` or ``d out``, ``[T, .]``) and the other in the plan's rows. With
+    ``by_token`` (unpadded rows) on the ``triton`` backend's weight-gradient kernels, which read the first by
+    token (no ``[R, .]`` copy of it); else that operand's rows gathered for ``torch._grouped_mm``."""
+
+    def __init__(self, plan: DispatchPlan, topk_ids: Tensor, row_tokens: Tensor, *, by_token: bool):
+        self.row_tokens, self.offsets, self.routing = row_tokens, plan.padded_offsets, None
+        if by_token:
+            from .triton import ops
+
+            self.routing = ops.Routing(
+                topk_ids=topk_ids.contiguous(),
+                sort_order=plan.sort_order,
+                expert_offsets=plan.expert_offsets,
+                num_experts=plan.num_experts,
+            )
+
+    def __call__(self, by_token: Tensor, rows: Tensor, token_first: bool, like_w: Tensor) -> Tensor:
+        """``dw`` shaped like ``like_w``: ``lhs, rhs = (by_token, rows)`` if ``token_first`` else ``(rows, by_token)``."""
+        if self.routing is not None:
+            lhs, rhs = (by_token, rows) if token_first else (rows, by_token)
+            return _wgrad_by_token(lhs, rhs, self.routing, token_first, like_w)
+        gathered = rows_by_token(by_token, self.row_tokens)
+        return _wgrad_hp(gathered, rows, self.offsets) if token_first else _wgrad_hp(rows, gathered, self.offsets)
 
 
 def _wgrad_by_token(lhs: Tensor, rhs: Tensor, routing, lhs_by_token: bool, like_w: Tensor) -> Tensor:
@@ -236,15 +259,14 @@ def _wgrad_by_token(lhs: Tensor, rhs: Tensor, routing, lhs_by_token: bool, like_
 
 class _GatheredUp(torch.autograd.Function):
     """``h = x[row_tokens] w_e^T`` with the e4m3 rows read by token from one cast per token; backward: ``dx``
-    summed over each token's live rows, ``dw`` from ``x`` read through ``row_tokens`` (``hp``: in the
-    compute dtype, from ``x``'s rows gathered; ``hp`` a :class:`~.triton.ops.Routing` of unpadded rows: on the
-    ``triton`` backend's weight-gradient kernel, ``x`` read by token)."""
+    summed over each token's live rows, ``dw`` from ``x`` read through ``row_tokens`` (in FP8, or with ``hp``
+    in the compute dtype: :class:`_HighPrecisionWgrad`)."""
 
     @staticmethod
-    def forward(ctx, x, w, row_tokens, pair_rows, live, offsets, hp):
+    def forward(ctx, x, w, row_tokens, pair_rows, live, offsets, gemm, hp):
         ctx.save_for_backward(x, w, row_tokens, pair_rows, live, offsets)
-        ctx.hp = hp
-        return _forward(_cast().rowwise(x), w, offsets, x.dtype, row_tokens)
+        ctx.gemm, ctx.hp = gemm, hp
+        return _forward(_cast().rowwise(x), w, offsets, x.dtype, gemm, row_tokens)
 
     @staticmethod
     def backward(ctx, dh):
@@ -253,12 +275,10 @@ class _GatheredUp(torch.autograd.Function):
         dh = dh.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            d_rows = HOPPER_ROWWISE.dgrad(dh, w, offsets, None)
+            d_rows = _dgrad(cast.rowwise(dh), w, offsets, dh.dtype, ctx.gemm)
             dx, _ = gathered_sum(d_rows, pair_rows, live.to(d_rows.dtype))
-        if ctx.needs_input_grad[1] and not isinstance(ctx.hp, bool):
-            dw = _wgrad_by_token(dh, x, ctx.hp, False, w)
-        elif ctx.needs_input_grad[1] and ctx.hp:
-            dw = _wgrad_hp(dh, rows_by_token(x, row_tokens), offsets)
+        if ctx.needs_input_grad[1] and ctx.hp is not None:
+            dw = ctx.hp(x, dh, False, w)
         elif ctx.needs_input_grad[1]:
             dw = _wgrad(
                 cast.colwise_per_group(dh, offsets),
@@ -266,7 +286,7 @@ class _GatheredUp(torch.autograd.Function):
                 offsets,
                 dh.dtype,
             )
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 class _ActDownCombine(torch.autograd.Function):
@@ -274,15 +294,15 @@ class _ActDownCombine(torch.autograd.Function):
     of ``act(h)``; the combine an unweighted gathered sum); backward from ``d out [T, H]``: the rows' ``dy =
     d out[token]`` cast once per token and gathered in e4m3 (no ``[R, H]`` copy in the compute dtype), ``d h``
     and ``d rw`` from one kernel over ``h`` and ``d act``, ``dw`` from ``act(h)`` cast again from ``h`` and
-    ``d out`` read through the rows' tokens (``hp``: in the compute dtype, from ``d out``'s rows gathered and
-    ``rw * act(h)`` written once; ``hp`` a routing: ``d out`` read by token, as in :class:`_GatheredUp`)."""
+    ``d out`` read through the rows' tokens (with ``hp`` in the compute dtype, :class:`_HighPrecisionWgrad`,
+    from ``rw * act(h)`` written once)."""
 
     @staticmethod
-    def forward(ctx, h, w, offsets, rw, row_tokens, pair_rows, live, act, interleaved, hp):
+    def forward(ctx, h, w, offsets, rw, row_tokens, pair_rows, live, act, interleaved, gemm, hp):
         aq, a_s = _cast().rowwise(h, act, interleaved=interleaved)
-        y = _forward((aq, a_s * rw), w, offsets, h.dtype)
+        y = _forward((aq, a_s * rw), w, offsets, h.dtype, gemm)
         ctx.save_for_backward(h, w, offsets, rw, row_tokens)
-        ctx.act, ctx.interleaved, ctx.hp = act, interleaved, hp
+        ctx.act, ctx.interleaved, ctx.gemm, ctx.hp = act, interleaved, gemm, hp
         return gathered_sum(y, pair_rows, live.to(y.dtype))[0]
 
     @staticmethod
@@ -292,18 +312,14 @@ class _ActDownCombine(torch.autograd.Function):
         d_out = d_out.contiguous()
         dh = drw = dw = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
-            da = _dgrad(_cast().rowwise(d_out), w, offsets, d_out.dtype, row_tokens)  # d / d (rw * act(h))
+            da = _dgrad(cast.rowwise(d_out), w, offsets, d_out.dtype, ctx.gemm, row_tokens)  # d / d (rw * act(h))
             dh, drw = cast.act_backward(h, da, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
-        if ctx.needs_input_grad[1] and ctx.hp is not False:
-            aw = cast.act_rows(h, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
-            if isinstance(ctx.hp, bool):
-                dw = _wgrad_hp(rows_by_token(d_out, row_tokens), aw, offsets)
-            else:
-                dw = _wgrad_by_token(d_out, aw, ctx.hp, True, w)
+        if ctx.needs_input_grad[1] and ctx.hp is not None:
+            dw = ctx.hp(d_out, cast.act_rows(h, ctx.act, interleaved=ctx.interleaved, row_weights=rw), True, w)
         elif ctx.needs_input_grad[1]:
             a_t = cast.colwise_per_group(h, offsets, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
             dw = _wgrad(cast.colwise_per_group(d_out, offsets, index=row_tokens), a_t, offsets, d_out.dtype)
-        return dh, dw, None, drw, None, None, None, None, None, None
+        return dh, dw, None, drw, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------- the choice

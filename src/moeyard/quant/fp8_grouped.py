@@ -2,7 +2,7 @@
 the row gather folded into the A loads: the forward and input-gradient GEMMs of the ``fp8_rowwise``
 recipes on Hopper (:mod:`moeyard.experts.scaled_hopper`). CUDA; on a CPU under ``TRITON_INTERPRET=1``.
 
-``out[r] = (a[src(r)] * scale_a[src(r)] * row_scale[r]) @ (b[e] * scale_b[e][:, None])^T`` for the rows
+``out[r] = (a[src(r)] * scale_a[src(r)]) @ (b[e] * scale_b[e][:, None])^T`` for the rows
 ``r`` of expert ``e`` (``offsets[e] <= r < offsets[e + 1]``), with ``src(r) = index[r]`` (``index`` given:
 the gather; an index ``>= M`` reads a zero row) or ``r``. Rows past ``offsets[E]`` are not written (as
 ``torch._scaled_grouped_mm`` leaves them).
@@ -40,7 +40,6 @@ def grouped_kernel(
     a_ptr,  # [M, K] e4m3, unit stride along K, row stride stride_am
     a_scale_ptr,  # [M] float32
     index_ptr,  # [R] int64: source row of each output row (read if GATHER)
-    row_scale_ptr,  # [R] float32 (read if ROW_SCALE)
     b_ptr,  # [E, N, K] e4m3, contiguous
     b_scale_ptr,  # [E, N] float32, contiguous
     offsets_ptr,  # [E + 1] int32: expert e's rows [offsets[e], offsets[e + 1])
@@ -51,7 +50,6 @@ def grouped_kernel(
     E,
     stride_am,
     GATHER: tl.constexpr,
-    ROW_SCALE: tl.constexpr,
     E_P2: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -85,8 +83,6 @@ def grouped_kernel(
         a_ptrs += BK
         b_ptrs += BK
     sa = tl.load(a_scale_ptr + src, mask=a_mask, other=0.0)
-    if ROW_SCALE:
-        sa = sa * tl.load(row_scale_ptr + rows, mask=m_mask, other=0.0)
     sb = tl.load(b_scale_ptr + e * N + cols, mask=n_mask, other=0.0)
     acc = acc * sa[:, None] * sb[None, :]
     out = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
@@ -119,11 +115,10 @@ def grouped_mm(
     out_dtype: torch.dtype,
     *,
     index: Tensor | None = None,
-    row_scale: Tensor | None = None,
 ) -> Tensor:
     """The module docstring's product: ``a [M, K]`` e4m3 (unit stride along K) with ``scale_a [M]``,
-    ``b [E, N, K]`` e4m3 with ``scale_b [E, N]``, ``offsets [E + 1]`` int32, optional ``index [R]`` int64 and
-    ``row_scale [R]`` float32 -> ``[R, N]`` ``out_dtype`` (``R = index.numel()``, else M). ``offsets[E] <= R``
+    ``b [E, N, K]`` e4m3 with ``scale_b [E, N]``, ``offsets [E + 1]`` int32, optional ``index [R]`` int64 ->
+    ``[R, N]`` ``out_dtype`` (``R = index.numel()``, else M). ``offsets[E] <= R``
     is the caller's to keep (checking it would need a host sync).
     No host sync.
 
@@ -134,8 +129,8 @@ def grouped_mm(
     for name, t in (("a", a), ("b", b)):
         if t.dtype != torch.float8_e4m3fn:
             raise TypeError(f"grouped_mm: {name} must be float8_e4m3fn, got {t.dtype}")
-    for name, t in (("scale_a", scale_a), ("scale_b", scale_b), ("row_scale", row_scale)):
-        if t is not None and t.dtype != torch.float32:
+    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if t.dtype != torch.float32:
             raise TypeError(f"grouped_mm: {name} must be float32, got {t.dtype}")
     M, K = a.shape
     E, N, Kb = b.shape
@@ -149,8 +144,6 @@ def grouped_mm(
             f"{tuple(scale_a.shape)}, {tuple(scale_b.shape)}, {tuple(offsets.shape)}"
         )
     R = index.numel() if index is not None else M
-    if row_scale is not None and row_scale.shape != (R,):
-        raise ValueError(f"grouped_mm: row_scale must be [{R}], got {tuple(row_scale.shape)}")
     out = torch.empty(R, N, dtype=out_dtype, device=a.device)
     if R == 0 or N == 0:
         return out
@@ -159,7 +152,6 @@ def grouped_mm(
         a,
         scale_a,
         index if index is not None else scale_a,
-        row_scale if row_scale is not None else scale_a,
         b,
         scale_b,
         offsets,
@@ -170,7 +162,7 @@ def grouped_mm(
         E,
         a.stride(0),
     )
-    meta = dict(GATHER=index is not None, ROW_SCALE=row_scale is not None, E_P2=triton.next_power_of_2(max(E, 2)))
+    meta = dict(GATHER=index is not None, E_P2=triton.next_power_of_2(max(E, 2)))
     _launcher()[lambda m: (max_row_tiles(R, E, m["BM"]) * triton.cdiv(N, m["BN"]),)](*args, **meta)
     return out
 
@@ -184,7 +176,6 @@ def reference(
     out_dtype: torch.dtype,
     *,
     index: Tensor | None = None,
-    row_scale: Tensor | None = None,
 ) -> Tensor:
     """:func:`grouped_mm` in float32 on the dequantised operands, one GEMM per expert (host sync; rows past
     ``offsets[E]`` zero)."""
@@ -192,8 +183,6 @@ def reference(
     ad = torch.cat([a.float() * scale_a[:, None], a.new_zeros(1, a.shape[1], dtype=torch.float32)])
     src = index.clamp(max=M) if index is not None else torch.arange(M)
     rows = ad[src.to(a.device)]
-    if row_scale is not None:
-        rows = rows * row_scale[:, None]
     out = torch.zeros(rows.shape[0], b.shape[1], device=a.device)
     bounds = offsets.tolist()
     for e in range(b.shape[0]):
