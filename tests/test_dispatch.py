@@ -342,6 +342,24 @@ def test_gathered_sum_kernel_matches_reference():
         assert none is None and torch.equal(pairs, rows.float()), (T, K, H)
         for got, ref in ((out, want_w), (plain, want)):
             assert torch.allclose(got.double(), ref, atol=1e-5, rtol=1e-5), (T, K, H)
+        # an index < 0 names no row: the pair adds nothing, even where the row it would read is NaN and its
+        # weight zero (an unwritten row of an invalid pair)
+        skip = index.clone()
+        skip[:, 0] = -1
+        src_nan = src.clone()
+        src_nan[index[:, 0]] = float("nan")
+        src_nan[-1] = 0
+        w0 = w.clone()
+        w0[:, 0] = 0
+        want_skip = (src[skip.clamp(min=0)] * (skip >= 0).unsqueeze(-1) * w0.unsqueeze(-1)).sum(1)
+        keep_nan = ~torch.isin(skip[:, 1:], index[:, 0]).any(1)  # tokens none of whose other pairs read NaN
+        cpu_skip, _ = gathered_sum(src_nan, skip, w0)
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
+            kernel_skip, kept = kernel(src_nan.float(), skip, w0.float(), True)
+        assert torch.equal(kept[:, 0], torch.zeros_like(kept[:, 0]))
+        for got in (cpu_skip, kernel_skip):
+            assert not got[keep_nan].isnan().any(), (T, K, H)
+            assert torch.allclose(got[keep_nan].double(), want_skip[keep_nan], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("extra_rows", [0, 5])  # a permutation of the rows, or rows no pair names (padding)

@@ -48,7 +48,8 @@ def gathered_sum(
 ) -> tuple[Tensor, Tensor | None]:
     """``out[t] = sum_k w[t, k] * src[index[t, k]]`` (``w = 1`` when ``weights`` is None), outside
     autograd, with each gathered row read once: ``src [*, H]``, ``index [T, K]`` int64 (rows of
-    ``src``), ``weights [T, K]`` in ``src.dtype``. Returns ``(out [T, H], pairs [T, K, H] | None)``
+    ``src``; an index < 0 names no row: that pair adds nothing, whatever its weight), ``weights [T, K]`` in
+    ``src.dtype``. Returns ``(out [T, H], pairs [T, K, H] | None)``
     in ``src.dtype``; with ``keep`` the gathered rows ``src[index]`` too (for a backward that needs
     them), written by the same pass. Sums as :func:`weighted_sum`. For the combines that read their
     pairs out of a buffer (:mod:`moeyard.parallel.send_order`), saving the ``[T, K, H]`` copy a gather
@@ -59,7 +60,8 @@ def gathered_sum(
 
         return kernel(src, index.contiguous(), None if weights is None else weights.contiguous(), keep)
     T, K = index.shape
-    pairs = src.index_select(0, index.reshape(-1)).view(T, K, src.shape[1])
+    pairs = src.index_select(0, index.clamp(min=0).reshape(-1)).view(T, K, src.shape[1])
+    pairs = pairs.masked_fill((index < 0).unsqueeze(2), 0)
     out = pairs.sum(1) if weights is None else weighted_sum_reference(pairs, weights)
     return out, pairs if keep else None
 

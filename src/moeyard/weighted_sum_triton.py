@@ -48,17 +48,21 @@ def weighted_sum_kernel(
     BH: tl.constexpr,
 ):
     """``out[t, h] = sum_k w[t, k] * pairs[t, k, h]`` (float32 sums, k in order; ``w = 1`` without
-    ``HAS_W``). ``GATHER``: pair ``(t, k)``'s row is ``pairs[index[t, k]]`` (rows ``stride_src`` apart),
-    and with ``KEEP`` it is also copied to ``keep[t, k]``; otherwise ``pairs [T, K, H]`` contiguous."""
+    ``HAS_W``). ``GATHER``: pair ``(t, k)``'s row is ``pairs[index[t, k]]`` (rows ``stride_src`` apart;
+    zeros for an index < 0, whatever its weight), and with ``KEEP`` it is also copied to ``keep[t, k]``;
+    otherwise ``pairs [T, K, H]`` contiguous."""
     t64, h, m_t, mask = _token_tile(T, H, BT, BH)
     acc = tl.zeros((BT, BH), tl.float32)
     for k in tl.static_range(K):
         pair = t64 * K + k
-        if GATHER:
-            src = tl.load(index_ptr + pair, mask=m_t, other=0) * stride_src
+        if GATHER:  # a negative index names no row: the pair adds nothing
+            row = tl.load(index_ptr + pair, mask=m_t, other=-1)
+            src = tl.maximum(row, 0) * stride_src
+            m_p = mask & (row >= 0)[:, None]
         else:
             src = pair * H
-        p = tl.load(pairs_ptr + src[:, None] + h[None, :], mask=mask, other=0.0)
+            m_p = mask
+        p = tl.load(pairs_ptr + src[:, None] + h[None, :], mask=m_p, other=0.0)
         if KEEP:
             tl.store(keep_ptr + pair[:, None] * H + h[None, :], p, mask=mask)
         if HAS_W:
