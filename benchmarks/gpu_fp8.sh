@@ -5,7 +5,8 @@
 # Usage (repository root, GPU machine):  bash benchmarks/gpu_fp8.sh [MODEL ...]
 #   torchao comes from the wheel in .whl (carried; pip download --no-deps torchao) when present.
 #   FP8_STEPS (default "test bench profile numerics") picks the steps; FP8_BENCH_ARGS adds bench flags,
-#   FP8_RECIPES and FP8_BACKENDS set the bench's rows; also "e2e" (a training step, tokens/s per recipe)
+#   FP8_RECIPES and FP8_BACKENDS set the bench's rows, FP8_PROFILE_ARGS the profile's arguments; also "e2e"
+#   (a training step, tokens/s per recipe)
 #   and "ep" (two GPUs: bench --ep 2 with FP8 dispatch beside bf16 dispatch, FP8_EP_RECIPE's experts);
 #   also "ckpt" (FP8 checkpoint storage: CUDA tests, the dequantisation kernel's rates) and "train"
 #   (examples/fp8_train.py, the small model, 300 steps: loss curves of bf16 seeds and each recipe).
@@ -38,8 +39,8 @@ for s in $STEPS; do case $s in
   ep) step ep_fp8 240 torchrun --standalone --nproc-per-node 2 -m moeyard bench --ep 2 --model qwen3-30b-a3b \
         --routing balanced --fp8-dispatch --recipe "${FP8_EP_RECIPE:-fp8_rowwise}" --warmup 3 --iters 10 \
         --json "$OUT/ep_fp8.json" ;;
-  profile) step profile_fp8 120 python3 benchmarks/fp8_profile.py --model qwen3-30b-a3b --model sonic-120b \
-             --recipes none,fp8_rowwise,fp8_rowwise_gw_hp --casts ;;
+  profile) step profile_fp8 120 python3 benchmarks/fp8_profile.py \
+             ${FP8_PROFILE_ARGS:---model qwen3-30b-a3b --model sonic-120b --recipes none,fp8_rowwise,fp8_rowwise_gw_hp --casts} ;;
   ckpt) step pytest_ckpt 150 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_fp8_checkpoint_cuda.py
         step dequant_fp8 90 python3 benchmarks/fp8_dequant.py ;;
   train) step train_fp8 330 python3 examples/fp8_train.py --device cuda --size small --steps 300 --out "$OUT" ;;

@@ -334,14 +334,32 @@ def _triton_casts():
     return fp8_triton
 
 
-@pytest.mark.parametrize("M, K", [(1, 16), (37, 200), (16, 128), (0, 32)])
-def test_triton_rowwise_matches_reference(M, K):
+@pytest.mark.parametrize("one_pass", [True, False])
+@pytest.mark.parametrize("M, K", [(1, 16), (37, 200), (16, 128), (0, 32), (5, 700)])
+def test_triton_rowwise_matches_reference(monkeypatch, M, K, one_pass):
+    # rows read once (held whole in one block) or, for rows too wide for that, twice (amax, then cast)
     cast = _triton_casts()
+    if not one_pass:
+        monkeypatch.setattr(cast, "INTERPRETER_ONE_PASS", 0)
+    assert cast._row_blocks(K, None)["ONE_PASS"] == (one_pass and K <= 512)
     t = torch.randn(M, K) * torch.logspace(-5, 5, K)
     t[M // 2 : M // 2 + 1] = 0  # a zero row
     q, s = cast.rowwise(t)
     q_ref, s_ref = fp8.quantize(t, Blocks(None), "pow2")
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref[:, 0])
+
+
+def test_triton_row_casts_of_the_activation_one_or_two_passes(monkeypatch):
+    # act(h), optionally times row weights, cast or stored: the same values whether a row is read once or twice
+    cast = _triton_casts()
+    from moeyard.activations import Activation
+
+    act, h, rw = Activation(name="swiglu"), torch.randn(9, 2 * 100) * 3, torch.rand(9) + 0.5
+    once = cast.rowwise(h, act, row_weights=rw), cast.act_rows(h, act, row_weights=rw)
+    monkeypatch.setattr(cast, "INTERPRETER_ONE_PASS", 0)
+    twice = cast.rowwise(h, act, row_weights=rw), cast.act_rows(h, act, row_weights=rw)
+    assert torch.equal(once[0][0].view(torch.uint8), twice[0][0].view(torch.uint8))
+    assert torch.equal(once[0][1], twice[0][1]) and torch.equal(once[1], twice[1])
 
 
 @pytest.mark.parametrize("offsets", [[0, 16, 16, 48, 80], [0, 0, 0, 0, 96], [0, 32, 64, 96, 96]])
@@ -392,20 +410,28 @@ def test_triton_casts_of_the_activation(name, interleaved):
     hh = h.double().requires_grad_()
     da = torch.randn(R, I)
     act(hh, interleaved=interleaved).backward(da.double())
-    dh, none = cast.act_backward(h, da, act, interleaved=interleaved)
-    assert none is None
+    dh, none, no_fp8, no_rows = cast.act_backward(h, da, act, interleaved=interleaved)
+    assert none is None and no_fp8 is None and no_rows is None
     torch.testing.assert_close(dh.double(), hh.grad, rtol=1e-5, atol=1e-5)
     # with row weights: y = rw * act(h); da is dy before the weight; d rw = sum_i dy * act(h)
     hh.grad = None
     rw = (torch.rand(R) + 0.5).double().requires_grad_()
     (rw[:, None] * act(hh, interleaved=interleaved)).backward(da.double())
-    dh, drw = cast.act_backward(h, da, act, interleaved=interleaved, row_weights=rw.detach().float())
+    dh, drw, _, _ = cast.act_backward(h, da, act, interleaved=interleaved, row_weights=rw.detach().float())
     torch.testing.assert_close(dh.double(), hh.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(drw.double(), rw.grad, rtol=1e-5, atol=1e-4)
     # act(h) times the row weights written in h's dtype (the high-precision weight gradient's operand)
     aw = cast.act_rows(h, act, interleaved=interleaved, row_weights=rw.detach().float())
     assert aw.dtype == h.dtype and aw.shape == (R, I)
     torch.testing.assert_close(aw.double(), rw.detach()[:, None] * a.double(), rtol=1e-5, atol=1e-5)
+    # the same kernel also casting d h per row (as rowwise would) and writing rw * act(h) (as act_rows would)
+    both = cast.act_backward(
+        h, da, act, interleaved=interleaved, row_weights=rw.detach().float(), quantize=True, with_act_rows=True
+    )
+    assert torch.equal(both.dh, dh) and torch.equal(both.d_row_weights, drw)
+    q_dh, s_dh = cast.rowwise(dh)
+    assert torch.equal(both.dh_fp8[0].view(torch.uint8), q_dh.view(torch.uint8)) and torch.equal(both.dh_fp8[1], s_dh)
+    torch.testing.assert_close(both.act_rows, aw, rtol=1e-6, atol=1e-6)
     # the casts of gathered, weighted rows: t[index] * rw (an index past the end reads a zero row)
     t = torch.randn(10, 24)
     index = torch.tensor([3, 3, 10, 0, 9, 10, 1])
@@ -447,6 +473,13 @@ def forced_fast_path(monkeypatch, request):
     monkeypatch.setattr(grouped, "grouped_mm", lambda *a, **k: calls.append("gemm") or real_triton(*a, **k))
     real_by_token = hop._wgrad_by_token
     monkeypatch.setattr(hop, "_wgrad_by_token", lambda *a: calls.append("wgrad_by_token") or real_by_token(*a))
+    real_take = hop._DhCast.take
+
+    def take(self, dh):  # whether the up projection's dgrad took d h's cast from the activation's backward
+        calls.append("dh_cast_kept" if self.fp8 is not None and self.key == self._key(dh) else "dh_cast_again")
+        return real_take(self, dh)
+
+    monkeypatch.setattr(hop._DhCast, "take", take)
     return calls
 
 
@@ -483,6 +516,8 @@ def test_fast_path_fused_on_cpu(forced_fast_path, recipe, backend, case):
     # fp8_rowwise_gw_hp on the Triton FP8 GEMM: both weight gradients on the triton backend's kernels, by token
     by_token = recipe.endswith("gw_hp") and os.environ["MOEYARD_FP8_GEMM"] == "triton"
     assert forced_fast_path.count("wgrad_by_token") == (2 if by_token else 0)
+    # d h cast once, by the activation's backward kernel
+    assert forced_fast_path.count("dh_cast_kept") == 1 and "dh_cast_again" not in forced_fast_path
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -558,6 +593,7 @@ def test_fast_path_forms_on_cpu(forced_fast_path, case):
         _check("fp8_rowwise", "grouped_mm", inp, torch.float32, frozen=frozen, **kw)
     assert ("fused" in forced_fast_path) == fused
     assert "gemm" in forced_fast_path
+    assert forced_fast_path.count("dh_cast_kept") == fused and "dh_cast_again" not in forced_fast_path
 
 
 def test_fast_path_invalid_ids_give_nan_rows(forced_fast_path):

@@ -57,7 +57,7 @@ def fast_path_calls(monkeypatch, request):
     return calls
 
 
-@pytest.mark.parametrize("M, K", [(1, 16), (4097, 2048), (333, 768)])
+@pytest.mark.parametrize("M, K", [(1, 16), (4097, 2048), (333, 768), (65, 4096), (40, 12288)])
 def test_rowwise_cast_on_device(M, K):
     from moeyard.quant import fp8_triton
 
@@ -65,6 +65,31 @@ def test_rowwise_cast_on_device(M, K):
     q, s = fp8_triton.rowwise(t)
     q_ref, s_ref = fp8.quantize(t, Blocks(None), "pow2")
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref[:, 0])
+
+
+@pytest.mark.parametrize("I", [768, 2048, 3000])
+def test_row_casts_of_the_activation_on_device(monkeypatch, I):
+    # act(h) cast per row, read once (a row held whole) or twice (amax, then cast): the same bits; the
+    # activation's backward kernel casting d h (as rowwise(d h)) and writing rw * act(h) (as act_rows)
+    from moeyard.activations import Activation
+    from moeyard.quant import fp8_triton
+
+    act, R = Activation(name="swiglu"), 1000
+    h = (torch.randn(R, 2 * I, device=DEV) * 3).bfloat16()
+    rw, da = torch.rand(R, device=DEV) + 0.5, torch.randn(R, I, device=DEV).bfloat16()
+    once = fp8_triton.rowwise(h, act, row_weights=rw), fp8_triton.act_rows(h, act, row_weights=rw)
+    monkeypatch.setattr(fp8_triton, "ONE_PASS_ELEMENTS", 0)
+    twice = fp8_triton.rowwise(h, act, row_weights=rw), fp8_triton.act_rows(h, act, row_weights=rw)
+    assert torch.equal(once[0][0].view(torch.uint8), twice[0][0].view(torch.uint8))
+    assert torch.equal(once[0][1], twice[0][1]) and torch.equal(once[1], twice[1])
+    plain = fp8_triton.act_backward(h, da, act, row_weights=rw)
+    both = fp8_triton.act_backward(h, da, act, row_weights=rw, quantize=True, with_act_rows=True)
+    assert torch.equal(both.dh, plain.dh)
+    # the row sums in the same order; the compiler may contract their products differently in the two variants
+    torch.testing.assert_close(both.d_row_weights, plain.d_row_weights, rtol=1e-6, atol=1e-6)
+    q, s = fp8_triton.rowwise(plain.dh)
+    assert torch.equal(both.dh_fp8[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(both.dh_fp8[1], s)
+    torch.testing.assert_close(both.act_rows, once[1], rtol=2**-8, atol=1e-6)  # one bf16 rounding apart at most
 
 
 def test_colwise_casts_on_device():

@@ -180,16 +180,18 @@ def routed_ffn(
     plan = make_plan(topk_ids, weights.num_experts, align=1 if unpadded else recipe.align)
     live = plan.valid.view(T, K)
     offsets = plan.padded_offsets
-    row_tokens, pair_rows = plan.row_tokens(), plan.pair_rows.view(T, K)
+    # each pair's row, -1 for an invalid pair (the combines skip it: its row is past offsets[E], unwritten)
+    row_tokens, pair_rows = plan.row_tokens(), plan.pair_rows.view(T, K).masked_fill(~live, -1)
     hp = None if recipe.wgrad is not None else _HighPrecisionWgrad(plan, topk_ids, row_tokens, by_token=unpadded)
-    h = _GatheredUp.apply(x, weights.w_up, row_tokens, pair_rows, live, offsets, gemm, hp)
+    dh_cast = _DhCast()
+    h = _GatheredUp.apply(x, weights.w_up, row_tokens, pair_rows, offsets, gemm, hp, dh_cast)
     if weights.b_up is not None:
         from .pipeline import add_row_bias
 
         h = add_row_bias(h, weights.b_up, plan)
     rw = _row_weights(topk_weights, plan, live)
     out = _ActDownCombine.apply(
-        h, weights.w_down, offsets, rw, row_tokens, pair_rows, live, activation, weights.interleaved, gemm, hp
+        h, weights.w_down, offsets, rw, row_tokens, pair_rows, activation, weights.interleaved, gemm, hp, dh_cast
     )
     if not drop_invalid:  # the NaN weight of an invalid id reaches its token's row (0 * NaN); no gradient
         out = out + 0 * topk_weights.masked_fill(live, 0).sum(1, keepdim=True).to(out.dtype)
@@ -257,26 +259,49 @@ def _wgrad_by_token(lhs: Tensor, rhs: Tensor, routing, lhs_by_token: bool, like_
     return dw
 
 
+class _DhCast:
+    """The rowwise e4m3 cast of the up projection's output gradient ``d h``, made by the activation's
+    backward kernel (:func:`moeyard.quant.fp8_triton.act_backward`, from the rows it has just written) and
+    handed to the up projection's backward, which takes it only for the same memory at the same version
+    (else, e.g. after a hook changed ``d h``, it casts ``d h`` itself)."""
+
+    def __init__(self):
+        self.wanted, self.key, self.fp8 = False, None, None
+
+    @staticmethod
+    def _key(t: Tensor) -> tuple:
+        return t.data_ptr(), t.shape, t.stride(), t.dtype, t._version
+
+    def put(self, dh: Tensor, fp8: tuple[Tensor, Tensor]) -> None:
+        self.key, self.fp8 = self._key(dh), fp8
+
+    def take(self, dh: Tensor) -> tuple[Tensor, Tensor]:
+        fp8 = self.fp8 if self.fp8 is not None and self.key == self._key(dh) else None
+        self.key = self.fp8 = None
+        return fp8 if fp8 is not None else _cast().rowwise(dh)
+
+
 class _GatheredUp(torch.autograd.Function):
     """``h = x[row_tokens] w_e^T`` with the e4m3 rows read by token from one cast per token; backward: ``dx``
     summed over each token's live rows, ``dw`` from ``x`` read through ``row_tokens`` (in FP8, or with ``hp``
     in the compute dtype: :class:`_HighPrecisionWgrad`)."""
 
     @staticmethod
-    def forward(ctx, x, w, row_tokens, pair_rows, live, offsets, gemm, hp):
-        ctx.save_for_backward(x, w, row_tokens, pair_rows, live, offsets)
-        ctx.gemm, ctx.hp = gemm, hp
+    def forward(ctx, x, w, row_tokens, pair_rows, offsets, gemm, hp, dh_cast):
+        ctx.save_for_backward(x, w, row_tokens, pair_rows, offsets)
+        ctx.gemm, ctx.hp, ctx.dh_cast = gemm, hp, dh_cast
+        dh_cast.wanted = ctx.needs_input_grad[0]  # whether backward's dgrad will take d h's e4m3 cast
         return _forward(_cast().rowwise(x), w, offsets, x.dtype, gemm, row_tokens)
 
     @staticmethod
     def backward(ctx, dh):
-        x, w, row_tokens, pair_rows, live, offsets = ctx.saved_tensors
+        x, w, row_tokens, pair_rows, offsets = ctx.saved_tensors
         cast = _cast()
         dh = dh.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            d_rows = _dgrad(cast.rowwise(dh), w, offsets, dh.dtype, ctx.gemm)
-            dx, _ = gathered_sum(d_rows, pair_rows, live.to(d_rows.dtype))
+            d_rows = _dgrad(ctx.dh_cast.take(dh), w, offsets, dh.dtype, ctx.gemm)
+            dx, _ = gathered_sum(d_rows, pair_rows)
         if ctx.needs_input_grad[1] and ctx.hp is not None:
             dw = ctx.hp(x, dh, False, w)
         elif ctx.needs_input_grad[1]:
@@ -295,27 +320,38 @@ class _ActDownCombine(torch.autograd.Function):
     d out[token]`` cast once per token and gathered in e4m3 (no ``[R, H]`` copy in the compute dtype), ``d h``
     and ``d rw`` from one kernel over ``h`` and ``d act``, ``dw`` from ``act(h)`` cast again from ``h`` and
     ``d out`` read through the rows' tokens (with ``hp`` in the compute dtype, :class:`_HighPrecisionWgrad`,
-    from ``rw * act(h)`` written once)."""
+    from ``rw * act(h)`` written once, by the same kernel as ``d h``); ``d h``'s e4m3 cast for the up
+    projection's dgrad comes from that kernel too (``dh_cast``, :class:`_DhCast`)."""
 
     @staticmethod
-    def forward(ctx, h, w, offsets, rw, row_tokens, pair_rows, live, act, interleaved, gemm, hp):
+    def forward(ctx, h, w, offsets, rw, row_tokens, pair_rows, act, interleaved, gemm, hp, dh_cast):
         aq, a_s = _cast().rowwise(h, act, interleaved=interleaved)
         y = _forward((aq, a_s * rw), w, offsets, h.dtype, gemm)
         ctx.save_for_backward(h, w, offsets, rw, row_tokens)
-        ctx.act, ctx.interleaved, ctx.gemm, ctx.hp = act, interleaved, gemm, hp
-        return gathered_sum(y, pair_rows, live.to(y.dtype))[0]
+        ctx.act, ctx.interleaved, ctx.gemm, ctx.hp, ctx.dh_cast = act, interleaved, gemm, hp, dh_cast
+        return gathered_sum(y, pair_rows)[0]
 
     @staticmethod
     def backward(ctx, d_out):
         h, w, offsets, rw, row_tokens = ctx.saved_tensors
         cast = _cast()
         d_out = d_out.contiguous()
-        dh = drw = dw = None
+        dh = drw = dw = a_rows = None
+        hp_wgrad = ctx.needs_input_grad[1] and ctx.hp is not None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
             da = _dgrad(cast.rowwise(d_out), w, offsets, d_out.dtype, ctx.gemm, row_tokens)  # d / d (rw * act(h))
-            dh, drw = cast.act_backward(h, da, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
-        if ctx.needs_input_grad[1] and ctx.hp is not None:
-            dw = ctx.hp(d_out, cast.act_rows(h, ctx.act, interleaved=ctx.interleaved, row_weights=rw), True, w)
+            quantize = ctx.needs_input_grad[0] and ctx.dh_cast.wanted
+            grads = cast.act_backward(
+                h, da, ctx.act, interleaved=ctx.interleaved, row_weights=rw, quantize=quantize, with_act_rows=hp_wgrad
+            )
+            del da
+            dh, drw, a_rows = grads.dh, grads.d_row_weights, grads.act_rows
+            if quantize:
+                ctx.dh_cast.put(dh, grads.dh_fp8)
+        if hp_wgrad:
+            if a_rows is None:
+                a_rows = cast.act_rows(h, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
+            dw = ctx.hp(d_out, a_rows, True, w)
         elif ctx.needs_input_grad[1]:
             a_t = cast.colwise_per_group(h, offsets, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
             dw = _wgrad(cast.colwise_per_group(d_out, offsets, index=row_tokens), a_t, offsets, d_out.dtype)

@@ -2,8 +2,11 @@
 their reference, :func:`moeyard.quant.fp8.quantize` (same values: the tests compare them).
 
 - :func:`rowwise`: ``t [M, K]`` -> e4m3 ``[M, K]`` with one scale per row (forward and dgrad operands:
-  token rows, ``W_e`` rows). One program per ``BLOCK_M`` rows: a pass for the rows' ``amax``, a pass to
-  scale and cast.
+  token rows, ``W_e`` rows). One program per ``BLOCK_M`` rows; a row block that fits
+  ``ONE_PASS_ELEMENTS`` is read once (held whole in registers), a wider one twice (the rows' ``amax``,
+  then scale and cast). With :func:`act_backward` casting ``d h`` in the same pass, the row casts and
+  the activation's backward of a qwen3-30b-a3b ``fp8_rowwise_gw_hp`` step went from 3.73 to 2.32 ms on an
+  H100 (``benchmarks/NOTES.md``, round 39).
 - :func:`colwise_per_group`: ``t [R, N]`` with expert offsets -> e4m3 ``t^T [N, R]`` with one scale per
   column and expert (the wgrad operands ``dy^T`` and ``x^T``, transposed as ``torch._scaled_grouped_mm``
   reads them). One program per (expert, ``BLOCK_N`` columns), looping over the expert's rows twice.
@@ -13,8 +16,8 @@ their reference, :func:`moeyard.quant.fp8.quantize` (same values: the tests comp
   :func:`colwise_per_group` cast ``act(h)`` computed in float32 from the up projection's output ``h``
   (``[R, 2I]`` gated, gate then up columns or interleaved; ``[R, I]`` plain) as they load it, so the
   activation's output is never written in the compute dtype; :func:`act_backward` gives ``d h`` from ``h``
-  and ``d act(h)``. The activations are those of the ``triton`` backend's epilogues
-  (:mod:`moeyard.experts.triton.act`).
+  and ``d act(h)`` (and, from the same pass, ``d h``'s rowwise cast and ``rw * act(h)``). The
+  activations are those of the ``triton`` backend's epilogues (:mod:`moeyard.experts.triton.act`).
 
 Under Triton's CPU interpreter, whose float8 conversion does not round to nearest (seen with triton 3.9:
 127.6 became 64), the kernels store the scaled float32 values and the wrapper casts them with torch;
@@ -24,6 +27,7 @@ on CUDA the kernels cast (``cvt.rn.satfinite``, the same rounding as torch's). N
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -118,62 +122,59 @@ def _rowwise_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr = True,  # False: store the operand itself in q's dtype (no scale, no s)
+    ONE_PASS: tl.constexpr = False,  # BLOCK_K >= K: each row read once
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_rows = rows < M
-    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K if QUANT else 0, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
+    if ONE_PASS:  # the whole row in one block: read once
+        cols = tl.arange(0, BLOCK_K)
         b_x = _load(
-            x_ptr,
-            idx_ptr,
-            rw_ptr,
-            n_src,
-            rows,
-            m_rows,
-            cols,
-            cols < K,
-            stride_xm,
-            K,
-            alpha,
-            limit,
-            ACT,
-            GATED,
-            INTERLEAVED,
-            HAS_INDEX,
-            HAS_RW,
-        )
-        amax = tl.maximum(amax, tl.max(tl.abs(b_x), axis=1))
-    scale = _pow2_scale(amax)
+            x_ptr, idx_ptr, rw_ptr, n_src, rows, m_rows, cols, cols < K, stride_xm, K, alpha, limit,
+            ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW,
+        )  # fmt: skip
+        scale = _row_scale(s_ptr, tl.max(tl.abs(b_x), axis=1), rows, m_rows, stride_s, QUANT)
+        _store_rows(q_ptr, b_x, scale, rows, m_rows, cols, K, stride_qm, QUANT)
+    else:
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K if QUANT else 0, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            b_x = _load(
+                x_ptr, idx_ptr, rw_ptr, n_src, rows, m_rows, cols, cols < K, stride_xm, K, alpha, limit,
+                ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW,
+            )  # fmt: skip
+            amax = tl.maximum(amax, tl.max(tl.abs(b_x), axis=1))
+        scale = _row_scale(s_ptr, amax, rows, m_rows, stride_s, QUANT)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            b_x = _load(
+                x_ptr, idx_ptr, rw_ptr, n_src, rows, m_rows, cols, cols < K, stride_xm, K, alpha, limit,
+                ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW,
+            )  # fmt: skip
+            _store_rows(q_ptr, b_x, scale, rows, m_rows, cols, K, stride_qm, QUANT)
+
+
+@triton.jit
+def _row_scale(s_ptr, amax, rows, m_rows, stride_s, QUANT: tl.constexpr):
+    """The rows' power-of-two scales from their ``amax``, stored (``QUANT``; else ones, not stored)."""
     if QUANT:
+        scale = _pow2_scale(amax)
         tl.store(s_ptr + rows.to(tl.int64) * stride_s, scale, mask=m_rows)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        b_x = _load(
-            x_ptr,
-            idx_ptr,
-            rw_ptr,
-            n_src,
-            rows,
-            m_rows,
-            cols,
-            cols < K,
-            stride_xm,
-            K,
-            alpha,
-            limit,
-            ACT,
-            GATED,
-            INTERLEAVED,
-            HAS_INDEX,
-            HAS_RW,
-        )
-        b_q = tl.clamp(b_x / scale[:, None], -448.0, 448.0) if QUANT else b_x
-        tl.store(
-            q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :],
-            b_q.to(q_ptr.dtype.element_ty),
-            mask=m_rows[:, None] & (cols < K)[None, :],
-        )
+    else:
+        scale = tl.full(amax.shape, 1.0, tl.float32)
+    return scale
+
+
+@triton.jit
+def _store_rows(q_ptr, b_x, scale, rows, m_rows, cols, K, stride_qm, QUANT: tl.constexpr):
+    """Store the block ``b_x [rows, cols]`` divided by the rows' ``scale`` and cast to ``q``'s dtype, or as
+    is (``QUANT`` false)."""
+    if QUANT:
+        b_x = tl.clamp(b_x / scale[:, None], -448.0, 448.0)
+    tl.store(
+        q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :],
+        b_x.to(q_ptr.dtype.element_ty),
+        mask=m_rows[:, None] & (cols < K)[None, :],
+    )
 
 
 @triton.jit
@@ -303,6 +304,24 @@ def _source(t: Tensor, index: Tensor | None, row_weights: Tensor | None) -> dict
     )
 
 
+ONE_PASS_ELEMENTS = 8192  # per program and operand: a row block this size is held in registers
+INTERPRETER_ONE_PASS = 512  # the same under the interpreter (small tiles)
+
+
+def _row_blocks(K: int, act: Activation | None) -> dict:
+    """The row kernel's tile for ``K`` output columns: the whole row in one block (read once) where
+    ``BLOCK_M`` rows of it fit ``ONE_PASS_ELEMENTS`` (halved for a gated activation, which loads two
+    operands), else 16 rows by 128 columns in two passes (the row's ``amax``, then the cast). The
+    interpreter's tile is small either way."""
+    budget = (INTERPRETER_ONE_PASS if interpreting() else ONE_PASS_ELEMENTS) // (
+        2 if act is not None and act.gated else 1
+    )
+    width = triton.next_power_of_2(max(K, 1))
+    if width <= budget:
+        return dict(BLOCK_M=min(16, budget // width), BLOCK_K=width, ONE_PASS=True)
+    return dict(BLOCK_M=16, BLOCK_K=128, ONE_PASS=False)
+
+
 def rowwise(
     t: Tensor,
     act: Activation | None = None,
@@ -330,7 +349,8 @@ def rowwise(
         if interpreting():  # the interpreter stores float32 (module docstring): a float32 view of q's strides
             q_out, q = q, torch.empty(M, q.stride(0), device=t.device, dtype=torch.float32)[:, :K]
     if M:
-        _rowwise_kernel[(triton.cdiv(M, 16),)](
+        blocks = _row_blocks(K, act)
+        _rowwise_kernel[(triton.cdiv(M, blocks["BLOCK_M"]),)](
             **_source(t, index, row_weights),
             q_ptr=q,
             s_ptr=s,
@@ -340,8 +360,7 @@ def rowwise(
             stride_qm=q.stride(0),
             stride_s=s.stride(0),
             **_act_args(act, interleaved),
-            BLOCK_M=16,
-            BLOCK_K=128,
+            **blocks,
         )
     q = _cast(q)
     return (q, s) if q_out is None else (q_out.copy_(q), s)
@@ -356,7 +375,8 @@ def act_rows(h: Tensor, act: Activation, *, interleaved: bool = False, row_weigh
         h = h.contiguous()
     out = torch.empty(R, K, device=h.device, dtype=h.dtype)
     if R and K:
-        _rowwise_kernel[(triton.cdiv(R, 16),)](
+        blocks = _row_blocks(K, act)
+        _rowwise_kernel[(triton.cdiv(R, blocks["BLOCK_M"]),)](
             **_source(h, None, row_weights),
             q_ptr=out,
             s_ptr=out,
@@ -366,8 +386,7 @@ def act_rows(h: Tensor, act: Activation, *, interleaved: bool = False, row_weigh
             stride_qm=out.stride(0),
             stride_s=0,
             **_act_args(act, interleaved),
-            BLOCK_M=16,
-            BLOCK_K=128,
+            **blocks,
             QUANT=False,
         )
     return out
@@ -453,6 +472,9 @@ def _act_backward_kernel(
     rw_ptr,  # [R] float32 row weights (HAS_RW)
     dh_ptr,  # [R, 2I] or [R, I], h's dtype, contiguous
     drw_ptr,  # [R] float32: sum_i g[r, i] * act(h)[r, i] (HAS_RW)
+    q_ptr,  # [R, 2I] or [R, I] e4m3 (float32 under the interpreter), contiguous: dh cast per row (QUANT)
+    s_ptr,  # [R] float32: its power-of-two scales (QUANT)
+    a_ptr,  # [R, I] h's dtype, contiguous: rw * act(h) (ACT_OUT)
     R,
     I,
     stride_h,
@@ -463,6 +485,8 @@ def _act_backward_kernel(
     GATED: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     HAS_RW: tl.constexpr,
+    QUANT: tl.constexpr,
+    ACT_OUT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
@@ -471,6 +495,7 @@ def _act_backward_kernel(
     r64 = rows[:, None].to(tl.int64)
     rw = tl.load(rw_ptr + rows, mask=m_rows, other=0.0).to(tl.float32) if HAS_RW else tl.zeros([BLOCK_R], tl.float32)
     dot = tl.zeros([BLOCK_R], dtype=tl.float32)
+    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
     width = 2 * I if GATED else I
     for i0 in range(0, I, BLOCK_I):  # the whole row in one program: the row sums in a fixed order
         cols = i0 + tl.arange(0, BLOCK_I)
@@ -490,21 +515,60 @@ def _act_backward_kernel(
         if HAS_RW:
             dot += tl.sum(tl.where(mask, da * a, 0.0), axis=1)
             da = da * rw[:, None]
-        tl.store(dh_ptr + r64 * width + gcol[None, :], (da * dg).to(dh_ptr.dtype.element_ty), mask=mask)
+        if ACT_OUT:
+            aw = a * rw[:, None] if HAS_RW else a
+            tl.store(a_ptr + r64 * I + cols[None, :], aw.to(a_ptr.dtype.element_ty), mask=mask)
+        d_g = (da * dg).to(dh_ptr.dtype.element_ty)
+        tl.store(dh_ptr + r64 * width + gcol[None, :], d_g, mask=mask)
+        amax = tl.maximum(amax, tl.max(tl.abs(d_g.to(tl.float32)), axis=1))
         if GATED:
-            tl.store(dh_ptr + r64 * width + ucol[None, :], (da * du).to(dh_ptr.dtype.element_ty), mask=mask)
+            d_u = (da * du).to(dh_ptr.dtype.element_ty)
+            tl.store(dh_ptr + r64 * width + ucol[None, :], d_u, mask=mask)
+            amax = tl.maximum(amax, tl.max(tl.abs(d_u.to(tl.float32)), axis=1))
     if HAS_RW:
         tl.store(drw_ptr + rows, dot, mask=m_rows)
+    if QUANT:  # cast the rows of d h just written (still in cache) with the scale of their rounded amax
+        tl.debug_barrier()
+        scale = _pow2_scale(amax)
+        tl.store(s_ptr + rows, scale, mask=m_rows)
+        for c0 in range(0, width, BLOCK_I):
+            cols = c0 + tl.arange(0, BLOCK_I)
+            mask = m_rows[:, None] & (cols < width)[None, :]
+            d = tl.load(dh_ptr + r64 * width + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            d = tl.clamp(d / scale[:, None], -448.0, 448.0)
+            tl.store(q_ptr + r64 * width + cols[None, :], d.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+class ActGrads(NamedTuple):
+    """:func:`act_backward`'s results: ``dh`` in ``h``'s shape and dtype; ``d_row_weights [R]`` float32 (None
+    without row weights); ``dh_fp8``, ``dh`` cast per row as :func:`rowwise` casts it (``(q, s)``; None unless
+    asked); ``act_rows`` ``[R, I]`` as :func:`act_rows` gives it (None unless asked)."""
+
+    dh: Tensor
+    d_row_weights: Tensor | None
+    dh_fp8: tuple[Tensor, Tensor] | None = None
+    act_rows: Tensor | None = None
 
 
 def act_backward(
-    h: Tensor, da: Tensor, act: Activation, *, interleaved: bool = False, row_weights: Tensor | None = None
-) -> tuple[Tensor, Tensor | None]:
-    """``(d h, d row_weights)`` of ``y = row_weights * act(h)`` (``row_weights`` None: ``y = act(h)``) given
-    ``da = d y / row_weights`` (``[R, I]``, the gradient before the row weight): ``d h`` in ``h``'s shape and
-    dtype with ``d act = row_weights * da``, and ``d row_weights [R]`` float32 ``= sum_i da * act(h)`` (None
-    without row weights). Derivatives in float32 (:func:`moeyard.experts.triton.act.act_grad`; torch
-    autograd's conventions at kinks); one program per 32 rows, so the row sums have a fixed order."""
+    h: Tensor,
+    da: Tensor,
+    act: Activation,
+    *,
+    interleaved: bool = False,
+    row_weights: Tensor | None = None,
+    quantize: bool = False,
+    with_act_rows: bool = False,
+) -> ActGrads:
+    """The backward of ``y = row_weights * act(h)`` (``row_weights`` None: ``y = act(h)``) given ``da = d y /
+    row_weights`` (``[R, I]``, the gradient before the row weight): ``d h`` in ``h``'s shape and dtype with
+    ``d act = row_weights * da``, and ``d row_weights [R]`` float32 ``= sum_i da * act(h)`` (:class:`ActGrads`).
+    With ``quantize``, also ``d h``'s rowwise e4m3 cast (the input-gradient GEMM's operand; equal to
+    ``rowwise(dh)``), cast from the rows just written while they are in cache; with ``with_act_rows``, also
+    ``row_weights * act(h)`` in ``h``'s dtype (the high-precision weight gradient's operand; equal to
+    :func:`act_rows`), from the same read of ``h``. Derivatives in float32
+    (:func:`moeyard.experts.triton.act.act_grad`; torch autograd's conventions at kinks); one program per 32
+    rows (8 with ``quantize``), each row's sums in a fixed order."""
     R, I = da.shape
     if h.stride(1) != 1:
         h = h.contiguous()
@@ -512,25 +576,40 @@ def act_backward(
         da = da.contiguous()
     dh = torch.empty(h.shape, device=h.device, dtype=h.dtype)
     drw = None if row_weights is None else torch.empty(R, device=h.device, dtype=torch.float32)
+    q, s = (_out(h.shape, h.device), torch.empty(R, device=h.device, dtype=torch.float32)) if quantize else (dh, dh)
+    a = torch.empty(R, I, device=h.device, dtype=h.dtype) if with_act_rows else dh
+    # with quantize each program reads back the d h rows it wrote: fewer rows per program keep less in flight,
+    # so the read-back finds them in L2 (qwen3-30b-a3b, H100: 1.28 ms with 32 rows against 0.70 without the cast)
+    block_r = 8 if quantize else 32
     if R and I:
-        _act_backward_kernel[(triton.cdiv(R, 32),)](
+        _act_backward_kernel[(triton.cdiv(R, block_r),)](
             h,
             da,
             h if row_weights is None else row_weights,
             dh,
             dh if drw is None else drw,
+            q,
+            s,
+            a,
             R,
             I,
             h.stride(0),
             da.stride(0),
             **_act_args(act, interleaved),
             HAS_RW=row_weights is not None,
-            BLOCK_R=32,
+            QUANT=quantize,
+            ACT_OUT=with_act_rows,
+            BLOCK_R=block_r,
             BLOCK_I=128,
         )
     elif drw is not None:
         drw.zero_()
-    return dh, drw
+    return ActGrads(
+        dh,
+        drw,
+        (_cast(q), s) if quantize else None,
+        a if with_act_rows else None,
+    )
 
 
 def colwise_per_expert(w: Tensor) -> tuple[Tensor, Tensor]:
