@@ -40,7 +40,7 @@ def grouped_kernel(
     a_ptr,  # [M, K] e4m3, unit stride along K, row stride stride_am
     a_scale_ptr,  # [M] float32
     index_ptr,  # [R] int64: source row of each output row (read if GATHER)
-    b_ptr,  # [E, N, K] e4m3, contiguous (B_KN: [E, K, N])
+    b_ptr,  # [E, N, K] e4m3, contiguous
     b_scale_ptr,  # [E, N] float32, contiguous
     offsets_ptr,  # [E + 1] int32: expert e's rows [offsets[e], offsets[e + 1])
     out_ptr,  # [R, N], contiguous
@@ -50,7 +50,6 @@ def grouped_kernel(
     E,
     stride_am,
     GATHER: tl.constexpr,
-    B_KN: tl.constexpr,
     E_P2: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -74,12 +73,7 @@ def grouped_kernel(
     n_mask = cols < N
     ks = tl.arange(0, BK)
     a_ptrs = a_ptr + src[:, None] * stride_am + ks[None, :]
-    if B_KN:  # b_e stored [K, N]: the tile's N columns contiguous
-        b_ptrs = b_ptr + e.to(tl.int64) * N * K + ks.to(tl.int64)[:, None] * N + cols[None, :]
-        b_step = BK * N
-    else:
-        b_ptrs = b_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[None, :] * K + ks[:, None]
-        b_step = BK
+    b_ptrs = b_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[None, :] * K + ks[:, None]
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, K, BK):
         k_mask = (k0 + ks) < K
@@ -87,7 +81,7 @@ def grouped_kernel(
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
         a_ptrs += BK
-        b_ptrs += b_step
+        b_ptrs += BK
     sa = tl.load(a_scale_ptr + src, mask=a_mask, other=0.0)
     sb = tl.load(b_scale_ptr + e * N + cols, mask=n_mask, other=0.0)
     acc = acc * sa[:, None] * sb[None, :]
@@ -106,7 +100,7 @@ def _launcher():
     return tuned(
         grouped_kernel,
         CONFIGS,
-        ["K", "N", "GATHER", "B_KN"],
+        ["K", "N", "GATHER"],
         prune=lambda configs, named_args, **kw: configs,
         fixed=SMALL if interpreting() else FIXED,
     )
@@ -121,12 +115,11 @@ def grouped_mm(
     out_dtype: torch.dtype,
     *,
     index: Tensor | None = None,
-    b_kn: bool = False,
 ) -> Tensor:
     """The module docstring's product: ``a [M, K]`` e4m3 (unit stride along K) with ``scale_a [M]``,
-    ``b [E, N, K]`` e4m3 (with ``b_kn``: ``[E, K, N]``, each ``b_e`` read transposed) with ``scale_b [E, N]``,
-    ``offsets [E + 1]`` int32, optional ``index [R]`` int64 -> ``[R, N]`` ``out_dtype`` (``R =
-    index.numel()``, else M). ``offsets[E] <= R`` is the caller's to keep (checking it would need a host sync).
+    ``b [E, N, K]`` e4m3 with ``scale_b [E, N]``, ``offsets [E + 1]`` int32, optional ``index [R]`` int64 ->
+    ``[R, N]`` ``out_dtype`` (``R = index.numel()``, else M). ``offsets[E] <= R``
+    is the caller's to keep (checking it would need a host sync).
     No host sync.
 
     Raises:
@@ -140,11 +133,10 @@ def grouped_mm(
         if t.dtype != torch.float32:
             raise TypeError(f"grouped_mm: {name} must be float32, got {t.dtype}")
     M, K = a.shape
-    E, N, Kb = (b.shape[0], b.shape[2], b.shape[1]) if b_kn else b.shape
+    E, N, Kb = b.shape
     if Kb != K or a.stride(1) != 1:
         raise ValueError(
-            f"grouped_mm: a [M, K] (unit stride along K) and b [E, {'K, N' if b_kn else 'N, K'}] must share K, "
-            f"got {tuple(a.shape)}, {tuple(b.shape)}"
+            f"grouped_mm: a [M, K] (unit stride along K) and b [E, N, K] must share K, got {a.shape}, {b.shape}"
         )
     if scale_a.shape != (M,) or scale_b.shape != (E, N) or offsets.shape != (E + 1,):
         raise ValueError(
@@ -170,7 +162,7 @@ def grouped_mm(
         E,
         a.stride(0),
     )
-    meta = dict(GATHER=index is not None, B_KN=b_kn, E_P2=triton.next_power_of_2(max(E, 2)))
+    meta = dict(GATHER=index is not None, E_P2=triton.next_power_of_2(max(E, 2)))
     _launcher()[lambda m: (max_row_tiles(R, E, m["BM"]) * triton.cdiv(N, m["BN"]),)](*args, **meta)
     return out
 
@@ -184,13 +176,10 @@ def reference(
     out_dtype: torch.dtype,
     *,
     index: Tensor | None = None,
-    b_kn: bool = False,
 ) -> Tensor:
     """:func:`grouped_mm` in float32 on the dequantised operands, one GEMM per expert (host sync; rows past
     ``offsets[E]`` zero)."""
     M = a.shape[0]
-    if b_kn:
-        b = b.mT
     ad = torch.cat([a.float() * scale_a[:, None], a.new_zeros(1, a.shape[1], dtype=torch.float32)])
     src = index.clamp(max=M) if index is not None else torch.arange(M)
     rows = ad[src.to(a.device)]
