@@ -650,3 +650,64 @@ def test_fp8_gemm_choice_is_checked(monkeypatch):
     monkeypatch.setenv(scaled_hopper.ENV_GEMM, "cublas")
     with pytest.raises(ValueError, match="MOEYARD_FP8_GEMM: expected 'triton' or 'cutlass', got 'cublas'"):
         scaled_hopper.gemm_backend()
+
+
+@pytest.mark.parametrize("form", ["fused", "per_projection"])
+def test_cache_fp8_weights(forced_fast_path, monkeypatch, form):
+    # inside moeyard.cache_fp8_weights(): the same results, each weight cast once per kind over several
+    # calls (forward and backward); a weight changed in place inside the block is cast again; outside the
+    # block every call casts (the per-projection form: a down bias keeps the layer off the fused one)
+    import moeyard
+    from moeyard.quant import fp8_triton, weight_cache
+
+    inp = make_inputs(40, 32, 16, 4, 2, bias=form == "per_projection")
+    if form == "per_projection":
+        del inp["gate_up_bias"]
+    w_up = inp["gate_up_proj"].float().requires_grad_()
+    w_down = inp["down_proj"].float().requires_grad_()
+    weights = {w_up.data_ptr(): "up", w_down.data_ptr(): "down"}
+    casts = []
+    real_row, real_col = fp8_triton.rowwise, fp8_triton.colwise_per_expert
+
+    def row(t, *a, **k):
+        if t.data_ptr() in weights:
+            casts.append(("row", weights[t.data_ptr()]))
+        return real_row(t, *a, **k)
+
+    monkeypatch.setattr(fp8_triton, "rowwise", row)
+    monkeypatch.setattr(
+        fp8_triton, "colwise_per_expert", lambda w: casts.append(("col", weights[w.data_ptr()])) or real_col(w)
+    )
+    extra = {k: inp[k].float() for k in ("down_bias",) if k in inp}
+    x = inp["hidden_states"].float().requires_grad_()
+
+    def step():
+        x.grad = w_up.grad = w_down.grad = None
+        out = moeyard.experts(
+            x,
+            inp["topk_ids"],
+            inp["topk_weights"].float(),
+            w_up,
+            w_down,
+            backend="grouped_mm",
+            recipe="fp8_rowwise_gw_hp",
+            **extra,
+        )
+        out.backward(torch.ones_like(out))
+        return out.detach(), x.grad.clone(), w_up.grad.clone(), w_down.grad.clone()
+
+    plain = step()
+    assert sorted(casts) == sorted([("row", "up"), ("row", "down"), ("col", "up"), ("col", "down")])
+    casts.clear()
+    with moeyard.cache_fp8_weights():
+        cached = [step() for _ in range(3)]
+        assert len(casts) == 4  # each weight, each kind, once for the three steps
+        with torch.no_grad():
+            w_up.mul_(2)  # an in-place change (an optimizer step) inside the block: cast again
+        changed = step()
+    assert len(casts) == 6 and set(casts[4:]) == {("row", "up"), ("col", "up")}
+    for got in cached:
+        assert all(torch.equal(a, b) for a, b in zip(got, plain, strict=True))
+    fresh = step()  # outside the block: the casts are made again, the same result as inside
+    assert all(torch.equal(a, b) for a, b in zip(changed, fresh, strict=True))
+    assert len(casts) == 10 and not weight_cache._caches

@@ -14,6 +14,7 @@ from .experts import ExpertLoRA, available_backends, backend_names, experts, get
 from .layer import MoE, SharedExpert
 from .quant import quantize_experts
 from .quant.recipe import Recipe, get_recipe, recipe_names, set_recipe, use_recipe
+from .quant.weight_cache import cache_fp8_weights
 from .routing import Router, RoutingOutput, route, update_correction_bias
 
 __version__ = "0.3.1"  # the package version (pyproject.toml reads it from here); CHANGELOG.md says what it added
@@ -36,6 +37,7 @@ __all__ = [
     "SharedExpert",
     "available_backends",
     "backend_names",
+    "cache_fp8_weights",
     "experts",
     "get_backend",
     "is_debug",

@@ -186,6 +186,36 @@ def test_no_host_sync_and_cuda_graph():
     torch.testing.assert_close(moe.gate_up_proj.grad, ref_grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
+def test_cache_fp8_weights_on_device(monkeypatch, recipe):
+    # moeyard.cache_fp8_weights(): three steps cast each weight once per kind, bit-equal to casting every call
+    if not _hopper():
+        pytest.skip("the fast path needs SM 9.0")
+    from moeyard.quant import fp8_triton
+
+    cfg = moeyard.MoEConfig(num_experts=16, hidden_size=256, intermediate_size=128, top_k=4)
+    moe = moeyard.MoE(cfg, backend="triton", recipe=recipe, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(2048, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def step():
+        for t in (x, *moe.parameters()):
+            t.grad = None
+        y = moe(x)
+        y.backward(dy)
+        return [y.detach(), x.grad.clone(), moe.gate_up_proj.grad.clone(), moe.down_proj.grad.clone()]
+
+    plain = step()
+    calls = []
+    real = fp8_triton.colwise_per_expert
+    monkeypatch.setattr(fp8_triton, "colwise_per_expert", lambda w: calls.append(w.shape) or real(w))
+    with moeyard.cache_fp8_weights():
+        cached = [step() for _ in range(3)]
+    assert len(calls) == 2  # the two weights' transposed casts, once for the three steps
+    for got in cached:
+        assert all(torch.equal(a, b) for a, b in zip(got, plain, strict=True))
+
+
 @pytest.mark.parametrize("case", ["gpt_oss", "gelu", "lora_down"])
 def test_fast_path_activations(case):
     # the down projection with the activation fused (gpt-oss: clamped SwiGLU, interleaved, biases; a plain

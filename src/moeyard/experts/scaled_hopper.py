@@ -45,6 +45,7 @@ import torch
 from ..activations import Activation
 from ..dispatch import DispatchPlan, make_plan, rows_by_token
 from ..kernel_op import have_triton
+from ..quant import weight_cache
 from ..quant.recipe import Recipe
 from ..weighted_sum import gathered_sum
 from .scaled import Emulated, RecipeGEMMs
@@ -105,9 +106,10 @@ def _forward(
     xq_xs: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype: torch.dtype, gemm: str, index: Tensor | None = None
 ) -> Tensor:
     """``x w_e^T`` from the cast rows ``(xq, xs)`` (``[R, K]``, or ``[T, K]`` read through ``index [R]``,
-    :func:`_gathered_gemm`): casts ``w [E, N, K]`` per output channel."""
+    :func:`_gathered_gemm`): casts ``w [E, N, K]`` per output channel (once per
+    :func:`moeyard.cache_fp8_weights` block)."""
     E, N, K = w.shape
-    wq, ws = _cast().rowwise(w.reshape(E * N, K))
+    wq, ws = weight_cache.cached(w, "rowwise", lambda: _cast().rowwise(w.reshape(E * N, K)))
     return _gathered_gemm(xq_xs, wq.view(E, N, K), ws.view(E, N), offsets, dtype, gemm, index)
 
 
@@ -209,8 +211,8 @@ def _dgrad(
     dyq_dys: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype, gemm: str, index: Tensor | None = None
 ) -> Tensor:
     """``dx = dy w_e`` from the rowwise cast of ``dy`` (``[R, N]``, or ``[T, N]`` read through ``index``):
-    casts ``w [E, N, K]`` per input channel."""
-    wq, ws = _cast().colwise_per_expert(w)  # [E, K, N], [E, K]
+    casts ``w [E, N, K]`` per input channel (once per :func:`moeyard.cache_fp8_weights` block)."""
+    wq, ws = weight_cache.cached(w, "colwise", lambda: _cast().colwise_per_expert(w))  # [E, K, N], [E, K]
     return _gathered_gemm(dyq_dys, wq, ws, offsets, dtype, gemm, index)
 
 
