@@ -34,6 +34,8 @@ def cache_fp8_weights():
 
     For gradient accumulation under an FP8 recipe: put the micro-batches' forward and backward passes in the
     block and the optimizer step after it, so each weight is cast once per optimizer step (module docstring).
+    With a frozen base (LoRA adapters on top) the block may span the whole training loop: the base is cast
+    once.
     The casts are made on first use and freed when the block ends: two e4m3 copies per weight, as many bytes
     as the weight in bf16. A weight changed in place inside the block is cast again (version counter); one
     changed through ``.data`` is not: do not do that inside the block. Blocks nest (the innermost serves).
