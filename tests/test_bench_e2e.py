@@ -70,6 +70,34 @@ def test_e2e_tiny_rows_json_and_table(tmp_path, capsys):
     assert "tokens/s" in out and "AdamW" in out
 
 
+def test_e2e_gradient_accumulation(tmp_path, capsys):
+    # --grad-accum 2: two micro-batches of --tokens per optimizer step; tokens/s counts both; the step's loss
+    # is the micro-batches' mean and their gradients add up before the one optimizer step
+    data = _json(tmp_path, [*TINY_E2E, "--grad-accum", "2", "--backends", "moeyard:loop"])
+    (row,) = data["rows"]
+    assert "error" not in row, row
+    assert (row["accumulate"], row["batch"] * row["seq"], row["tokens"]) == (2, 32, 64)
+    assert row["tokens_per_s"] == pytest.approx(64 / row["step_ms"] * 1e3)
+    assert "micro-batches" in capsys.readouterr().out
+    entry = bench_e2e.get_e2e_model("olmoe-1b-7b")
+    size = bench_e2e.step_size(entry, tokens=16, seq_len=8, vocab=None, layers=1, tiny=True, accumulate=2)
+    config = bench_e2e.hf_config(entry, size)
+    trainer = bench_e2e.build_trainer(config, "moeyard:loop", size, torch.device("cpu"), torch.float32)
+    model = trainer.model
+    with torch.no_grad():
+        losses = [model(input_ids=trainer.ids[k], labels=trainer.labels[k]).loss for k in (0, 1)]
+    for k in (0, 1):
+        model(input_ids=trainer.ids[k], labels=trainer.labels[k]).loss.backward()
+    summed = [p.grad.clone() / 2 for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    grads = []
+    trainer.optimizer.step = lambda: grads.extend(p.grad.clone() for p in model.parameters())
+    loss = trainer.step(0)
+    torch.testing.assert_close(loss, (losses[0] + losses[1]) / 2, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, summed, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_e2e_step_trains_the_same_model_under_both_implementations():
     # same seed, same weights: the first loss agrees, and the optimizer step changes the weights
     entry = bench_e2e.get_e2e_model("olmoe-1b-7b")
@@ -123,6 +151,8 @@ def test_e2e_unknown_and_unmapped_models(capsys):
         (["--e2e", "--quant", "nf4"], "--e2e: cannot be combined with --lora / --quant"),
         (["--tiny"], "--tiny: only with --e2e"),
         (["--vocab", "64"], "--vocab: only with --e2e"),
+        (["--grad-accum", "2"], "--grad-accum: only with --e2e"),
+        (["--e2e", "--device", "cpu", "--tiny", "--grad-accum", "0"], "--grad-accum: expected a positive integer"),
         (["--e2e", "--device", "cpu", "--tiny", "--tokens", "30", "--seq-len", "8"], "--tokens: expected a multiple"),
         (["--e2e", "--device", "cpu", "--tiny", "--backends", "nope"], "--backends: with --e2e expected"),
         (["--e2e", "--device", "cpu", "--tiny", "--backends", "moeyard:nope"], "--backends: expected one of"),

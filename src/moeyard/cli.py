@@ -186,6 +186,7 @@ def _run_with_progress(opts: layer_bench.BenchOptions, args) -> dict:
                 vocab=args.vocab,
                 tiny=tiny,
                 trace=args.trace,
+                accumulate=args.grad_accum if args.grad_accum is not None else 1,
             )
         if args.framework == "jax":
             from .bench import jax as jax_bench

@@ -114,6 +114,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--backends: transformers experts implementations (default moeyard,grouped_mm[,sonicmoe])",
     )
     p.add_argument(
+        "--grad-accum",
+        type=int,
+        metavar="M",
+        help="with --e2e: M micro-batches of --tokens tokens per optimizer step (gradient accumulation; "
+        "FP8 recipes cast each expert weight once per step, moeyard.cache_fp8_weights); default 1",
+    )
+    p.add_argument(
         "--seq-len",
         type=int,
         metavar="S",
@@ -244,7 +251,7 @@ def check_bench_arguments(args) -> None:
         )
     if given("compile") and (args.e2e or given("lora") or given("quant") or args.ep):
         raise ValueError("--compile: times the layer benchmark only (not with --e2e, --lora, --quant or --ep)")
-    for name in ("tiny", "seq_len", "vocab"):
+    for name in ("tiny", "seq_len", "vocab", "grad_accum"):
         if given(name) and not args.e2e:
             raise ValueError(f"--{name.replace('_', '-')}: only with --e2e")
     if args.ep and given("quant"):

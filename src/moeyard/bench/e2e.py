@@ -255,22 +255,32 @@ def get_e2e_model(name: str) -> E2EModel:
 
 @dataclass(frozen=True, kw_only=True)
 class StepSize:
-    """Sizes of one step: ``layers`` decoder layers, ``batch x seq`` tokens, ``vocab`` ids; ``tiny``:
-    :mod:`moeyard.verify`'s tiny configuration."""
+    """Sizes of one step: ``layers`` decoder layers, ``accumulate`` micro-batches of ``batch x seq`` tokens
+    each (gradient accumulation: one optimizer step), ``vocab`` ids; ``tiny``: :mod:`moeyard.verify`'s tiny
+    configuration."""
 
     layers: int
     batch: int
     seq: int
     vocab: int
     tiny: bool = False
+    accumulate: int = 1
 
     @property
     def tokens(self) -> int:
-        return self.batch * self.seq
+        """Tokens per optimizer step."""
+        return self.batch * self.seq * self.accumulate
 
 
 def step_size(
-    model: E2EModel, *, tokens: int | None, seq_len: int | None, vocab: int | None, layers: int | None, tiny: bool
+    model: E2EModel,
+    *,
+    tokens: int | None,
+    seq_len: int | None,
+    vocab: int | None,
+    layers: int | None,
+    tiny: bool,
+    accumulate: int = 1,
 ) -> StepSize:
     """Defaults filled in (module docstring) and checked.
 
@@ -281,12 +291,18 @@ def step_size(
     seq = seq_len if seq_len is not None else min(tokens, TINY_SEQ if tiny else DEFAULT_SEQ)
     vocab = vocab if vocab is not None else (_verify().COMMON["vocab_size"] if tiny else DEFAULT_VOCAB)
     layers = layers if layers is not None else (2 if tiny else model.layers)
-    for flag, v in (("--tokens", tokens), ("--seq-len", seq), ("--vocab", vocab), ("--layers", layers)):
+    for flag, v in (
+        ("--tokens", tokens),
+        ("--seq-len", seq),
+        ("--vocab", vocab),
+        ("--layers", layers),
+        ("--grad-accum", accumulate),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{flag}: expected a positive integer, got {v!r}")
     if tokens % seq:
         raise ValueError(f"--tokens: expected a multiple of --seq-len {seq} (tokens = batch x seq), got {tokens}")
-    return StepSize(layers=layers, batch=tokens // seq, seq=seq, vocab=vocab, tiny=tiny)
+    return StepSize(layers=layers, batch=tokens // seq, seq=seq, vocab=vocab, tiny=tiny, accumulate=accumulate)
 
 
 def hf_config(model: E2EModel, size: StepSize):
@@ -415,17 +431,27 @@ class Trainer:
     labels: list[torch.Tensor]
     backend: str | None
     recipe: str | None = None
+    accumulate: int = 1
 
     def step(self, i: int = 0) -> torch.Tensor:
-        """Forward, loss, backward, optimizer step, zero_grad; returns the (detached) loss."""
+        """Forward, loss, backward of ``accumulate`` micro-batches (sets ``i * accumulate + j``, cycling; each
+        loss divided by ``accumulate``; under an FP8 recipe inside :func:`moeyard.cache_fp8_weights`, so each
+        expert weight is cast once per step), then the optimizer step and zero_grad; returns the (detached)
+        mean loss."""
         from ..quant.recipe import use_recipe
+        from ..quant.weight_cache import cache_fp8_weights
 
-        with self._backend(), use_recipe(self.recipe):
-            loss = self.model(input_ids=self.ids[i], labels=self.labels[i]).loss
-            loss.backward()
+        cache = cache_fp8_weights() if self.recipe and self.accumulate > 1 else contextlib.nullcontext()
+        total = 0.0
+        with self._backend(), use_recipe(self.recipe), cache:
+            for j in range(self.accumulate):
+                k = (i * self.accumulate + j) % len(self.ids)
+                loss = self.model(input_ids=self.ids[k], labels=self.labels[k]).loss / self.accumulate
+                loss.backward()
+                total = total + loss.detach()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return total
 
     def _backend(self):
         if self.backend is None:
@@ -455,7 +481,13 @@ def build_trainer(
     ids = [torch.randint(0, vocab, shape, device=device, generator=gen) for _ in range(n_sets)]
     labels = [torch.randint(0, vocab, shape, device=device, generator=gen) for _ in range(n_sets)]
     return Trainer(
-        model=model, optimizer=optimizer, ids=ids, labels=labels, backend=backend or None, recipe=recipe or None
+        model=model,
+        optimizer=optimizer,
+        ids=ids,
+        labels=labels,
+        backend=backend or None,
+        recipe=recipe or None,
+        accumulate=size.accumulate,
     )
 
 
@@ -522,6 +554,7 @@ def run(
     vocab: int | None = None,
     tiny: bool = False,
     trace: str | None = None,
+    accumulate: int = 1,
 ) -> dict:
     """Run the end-to-end benchmark: ``{"env": {...}, "rows": [...]}`` (ms, tokens/s, GiB).
 
@@ -529,7 +562,8 @@ def run(
         opts: models (``opts.models``; default qwen3-30b-a3b; ``moeyard bench --e2e`` on a CPU without
             ``--model`` makes it tiny), ``tokens`` per step, device, dtype,
             ``backends`` (experts implementations), warm-up and iterations.
-        layers, seq_len, vocab, tiny: the step's sizes (:func:`step_size`).
+        layers, seq_len, vocab, tiny, accumulate: the step's sizes (:func:`step_size`; ``accumulate``
+            micro-batches of ``opts.tokens`` tokens per optimizer step).
         trace: a directory: one profiled step per row (:mod:`moeyard.bench.trace`).
         progress: optional ``progress(description, done, total)``.
     Raises:
@@ -546,7 +580,10 @@ def run(
     opts = resolve(opts)
     device = torch.device(opts.device)
     entries = [get_e2e_model(n) for n in opts.models or ["qwen3-30b-a3b"]]
-    sizes = [step_size(e, tokens=opts.tokens, seq_len=seq_len, vocab=vocab, layers=layers, tiny=tiny) for e in entries]
+    sizes = [
+        step_size(e, tokens=opts.tokens, seq_len=seq_len, vocab=vocab, layers=layers, tiny=tiny, accumulate=accumulate)
+        for e in entries
+    ]
     names, skipped = implementations(opts.backends, opts.peers, device, opts.recipes)
     report = progress or (lambda desc, done, total: None)
     env = {
@@ -567,6 +604,7 @@ def run(
             "layers": size.layers,
             "batch": size.batch,
             "seq": size.seq,
+            "accumulate": size.accumulate,
             "tokens": size.tokens,
             "vocab": size.vocab,
             "real_vocab": entry.vocab,

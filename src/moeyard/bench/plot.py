@@ -39,7 +39,8 @@ def result_mode(result: dict) -> str:
 def case_label(row: dict) -> str:
     """A case's two-line label: name, then its sizes (``T,H,I,E,k``; for ``--e2e`` layers and batch x seq)."""
     if "layers" in row and "seq" in row:
-        return f"{row['case']}\n{row['layers']} layer{'s' if row['layers'] > 1 else ''}, {row['batch']}x{row['seq']}"
+        micro = f" x {row['accumulate']} micro-batches" if row.get("accumulate", 1) > 1 else ""
+        return f"{row['case']}\n{row['layers']} layer{'s' if row['layers'] > 1 else ''}, {row['batch']}x{row['seq']}{micro}"
     if "T" not in row:
         return row["case"]
     return f"{row['case']}\n({row['T']},{row['H']},{row['I']},{row['E']},{row['k']})"

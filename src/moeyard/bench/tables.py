@@ -132,7 +132,9 @@ def e2e_table(result: dict) -> Table:
     caption = [
         f"$ {env['command']}" if env["command"] else "",
         f"step = forward + cross-entropy on random labels + backward + {env['optimizer']} step + zero_grad; "
-        f"median of {env['iters']} after {env['warmup']} warm-up; tokens/s = batch x seq / step; "
+        f"median of {env['iters']} after {env['warmup']} warm-up; tokens/s = batch x seq / step; with "
+        "micro-batches: each one's forward + backward, then one optimizer step (an FP8 recipe's weights cast "
+        "once per step: moeyard.cache_fp8_weights), tokens/s = micro-batches x batch x seq / step; "
         "x gmm = grouped_mm step / step (> 1: faster); peak = max allocated in the timed steps (weights, "
         "gradients, optimizer states, activations)",
         *[
