@@ -6,7 +6,7 @@
 #   torchao comes from the wheel in .whl (carried; pip download --no-deps torchao) when present.
 #   FP8_STEPS (default "test bench profile numerics") picks the steps; FP8_BENCH_ARGS adds bench flags,
 #   FP8_RECIPES and FP8_BACKENDS set the bench's rows, FP8_PROFILE_ARGS the profile's arguments; also "e2e"
-#   (a training step, tokens/s per recipe)
+#   (a training step, tokens/s per recipe), "accum" (the same with 1 and 4 micro-batches per optimizer step)
 #   and "ep" (two GPUs: bench --ep 2 with FP8 dispatch beside bf16 dispatch, FP8_EP_RECIPE's experts);
 #   also "ckpt" (FP8 checkpoint storage: CUDA tests, the dequantisation kernel's rates) and "train"
 #   (examples/fp8_train.py, the small model, 300 steps: loss curves of bf16 seeds and each recipe).
@@ -36,6 +36,10 @@ for s in $STEPS; do case $s in
            "${margs[@]}" ${FP8_BENCH_ARGS:-} ;;
   e2e) step e2e_fp8 130 python3 -m moeyard bench --e2e --model qwen3-30b-a3b \
          --recipe "${FP8_RECIPES:-none,fp8_rowwise,fp8_rowwise_gw_hp}" --warmup 3 --iters 10 ;;
+  accum) for m in 1 4; do  # gradient accumulation: FP8 weights cast once per optimizer step (cache_fp8_weights)
+           step "e2e_accum$m" 200 python3 -m moeyard bench --e2e --model qwen3-30b-a3b --grad-accum "$m" \
+             --recipe "${FP8_RECIPES:-none,fp8_rowwise_gw_hp}" --warmup 2 --iters 5 --json "$OUT/e2e_accum$m.json"
+         done ;;
   ep) step ep_fp8 240 torchrun --standalone --nproc-per-node 2 -m moeyard bench --ep 2 --model qwen3-30b-a3b \
         --routing balanced --fp8-dispatch --recipe "${FP8_EP_RECIPE:-fp8_rowwise}" --warmup 3 --iters 10 \
         --json "$OUT/ep_fp8.json" ;;
