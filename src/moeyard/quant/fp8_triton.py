@@ -336,7 +336,10 @@ def rowwise(
     ``act``: of ``act(t)`` (``t`` the up projection's output, ``K`` its output columns; module docstring);
     with ``index [M]``: of ``t[index]`` (an index ``>= len(t)`` gives a zero row); with ``row_weights [M]``
     (float32): of each row times its weight. ``out``: ``(q [M, K] e4m3 with a unit column stride, s [M]
-    float32)`` views to write into (any row strides, e.g. the columns of a packed row), returned."""
+    float32)`` views to write into (any row strides, e.g. the columns of a packed row), returned.
+
+    Raises:
+        ValueError: ``act`` is a custom callable (the kernel computes named activations only)."""
     M = t.shape[0] if index is None else index.shape[0]
     K = _out_columns(t, act)
     if t.stride(1) != 1:
@@ -568,7 +571,10 @@ def act_backward(
     ``row_weights * act(h)`` in ``h``'s dtype (the high-precision weight gradient's operand; equal to
     :func:`act_rows`), from the same read of ``h``. Derivatives in float32
     (:func:`moeyard.experts.triton.act.act_grad`; torch autograd's conventions at kinks); one program per 32
-    rows (8 with ``quantize``), each row's sums in a fixed order."""
+    rows (8 with ``quantize``), each row's sums in a fixed order.
+
+    Raises:
+        ValueError: ``act`` is a custom callable (the kernel computes named activations only)."""
     R, I = da.shape
     if h.stride(1) != 1:
         h = h.contiguous()
