@@ -378,13 +378,23 @@ def test_triton_colwise_per_group_matches_reference(offsets):
     assert torch.equal(s[lengths > 0], s_ref.mT[:-1][lengths > 0])
 
 
-def test_triton_colwise_per_expert_matches_reference():
+@pytest.mark.parametrize("rows", [None, 8])
+def test_triton_weight_casts_match_reference(rows):
+    # the forward's cast per row with the columns' amax from the same read (rows=8: several programs per
+    # expert, their amax combined by atomic max), and the transposed cast per column from that amax or alone
     cast = _triton_casts()
-    w = torch.randn(3, 40, 24) * torch.logspace(-2, 2, 24)
-    q, s = cast.colwise_per_expert(w)
-    q_ref, s_ref = fp8.quantize(w.mT, Blocks(None), "pow2")
-    assert q.shape == (3, 24, 40) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-    assert torch.equal(s, s_ref[..., 0])
+    w = (torch.randn(3, 40, 24) * torch.logspace(-2, 2, 24)).bfloat16()
+    w[1, :, 5] = 0  # a zero column
+    before = w.clone()
+    q, s, amax = cast.rowwise_per_expert(w, rows=rows)
+    q_ref, s_ref = cast.rowwise(w.view(-1, 24))
+    assert q.shape == (3, 40, 24) and torch.equal(q.view(torch.uint8), q_ref.view(3, 40, 24).view(torch.uint8))
+    assert torch.equal(s, s_ref.view(3, 40)) and torch.equal(amax, w.float().abs().amax(1))
+    q_ref, s_ref = fp8.quantize(w.float().mT, Blocks(None), "pow2")
+    for got_q, got_s in (cast.colwise_per_expert(w, amax), cast.colwise_per_expert(w)):
+        assert got_q.shape == (3, 24, 40) and torch.equal(got_q.view(torch.uint8), q_ref.view(torch.uint8))
+        assert torch.equal(got_s, s_ref[..., 0])
+    assert torch.equal(w, before)
 
 
 @pytest.mark.parametrize(
@@ -667,16 +677,14 @@ def test_cache_fp8_weights(forced_fast_path, monkeypatch, form):
     w_down = inp["down_proj"].float().requires_grad_()
     weights = {w_up.data_ptr(): "up", w_down.data_ptr(): "down"}
     casts = []
-    real_row, real_col = fp8_triton.rowwise, fp8_triton.colwise_per_expert
-
-    def row(t, *a, **k):
-        if t.data_ptr() in weights:
-            casts.append(("row", weights[t.data_ptr()]))
-        return real_row(t, *a, **k)
-
-    monkeypatch.setattr(fp8_triton, "rowwise", row)
+    real_row, real_col = fp8_triton.rowwise_per_expert, fp8_triton.colwise_per_expert
     monkeypatch.setattr(
-        fp8_triton, "colwise_per_expert", lambda w: casts.append(("col", weights[w.data_ptr()])) or real_col(w)
+        fp8_triton, "rowwise_per_expert", lambda w: casts.append(("row", weights[w.data_ptr()])) or real_row(w)
+    )
+    monkeypatch.setattr(
+        fp8_triton,
+        "colwise_per_expert",
+        lambda w, amax=None: casts.append(("col", weights[w.data_ptr()])) or real_col(w, amax),
     )
     extra = {k: inp[k].float() for k in ("down_bias",) if k in inp}
     x = inp["hidden_states"].float().requires_grad_()

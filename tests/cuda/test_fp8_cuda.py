@@ -103,10 +103,15 @@ def test_colwise_casts_on_device():
     assert torch.equal(q[:, :2992].view(torch.uint8), q_ref[:, :2992].view(torch.uint8))
     live = off.diff() > 0
     assert torch.equal(s[live], s_ref.mT[:-1][live])
-    w = torch.randn(5, 256, 128, device=DEV).bfloat16()
-    q, s = fp8_triton.colwise_per_expert(w)
+    w = (torch.randn(5, 1000, 200, device=DEV) * torch.logspace(-3, 3, 200, device=DEV)).bfloat16()
     q_ref, s_ref = fp8.quantize(w.mT, Blocks(None), "pow2")
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref[..., 0])
+    for rows in (None, 16, 1024):  # the forward's cast with the columns' amax (atomic max over programs)
+        qf, sf, amax = fp8_triton.rowwise_per_expert(w, rows=rows)
+        qf_ref, sf_ref = fp8_triton.rowwise(w.view(-1, 200))
+        assert torch.equal(qf.view(torch.uint8), qf_ref.view(5, 1000, 200).view(torch.uint8))
+        assert torch.equal(sf, sf_ref.view(5, 1000)) and torch.equal(amax, w.float().abs().amax(1))
+        for q, s in (fp8_triton.colwise_per_expert(w, amax), fp8_triton.colwise_per_expert(w)):
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref[..., 0])
 
 
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
@@ -208,7 +213,7 @@ def test_cache_fp8_weights_on_device(monkeypatch, recipe):
     plain = step()
     calls = []
     real = fp8_triton.colwise_per_expert
-    monkeypatch.setattr(fp8_triton, "colwise_per_expert", lambda w: calls.append(w.shape) or real(w))
+    monkeypatch.setattr(fp8_triton, "colwise_per_expert", lambda w, amax=None: calls.append(w.shape) or real(w, amax))
     with moeyard.cache_fp8_weights():
         cached = [step() for _ in range(3)]
     assert len(calls) == 2  # the two weights' transposed casts, once for the three steps

@@ -88,7 +88,7 @@ class HopperRowwise(RecipeGEMMs):
     """``fp8_rowwise`` on ``torch._scaled_grouped_mm`` (shapes: :mod:`moeyard.experts.scaled`, offsets form)."""
 
     def forward(self, x, w, offsets, recipe):
-        return _forward(_cast().rowwise(x), w, offsets, x.dtype, gemm_backend())
+        return _forward(_cast().rowwise(x), w, offsets, x.dtype, gemm_backend())[0]
 
     def dgrad(self, dy, w, offsets, recipe):
         return _dgrad(_cast().rowwise(dy), w, offsets, dy.dtype, gemm_backend())
@@ -104,13 +104,13 @@ HOPPER_ROWWISE = HopperRowwise()
 
 def _forward(
     xq_xs: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype: torch.dtype, gemm: str, index: Tensor | None = None
-) -> Tensor:
-    """``x w_e^T`` from the cast rows ``(xq, xs)`` (``[R, K]``, or ``[T, K]`` read through ``index [R]``,
-    :func:`_gathered_gemm`): casts ``w [E, N, K]`` per output channel (once per
-    :func:`moeyard.cache_fp8_weights` block)."""
-    E, N, K = w.shape
-    wq, ws = weight_cache.cached(w, "rowwise", lambda: _cast().rowwise(w.reshape(E * N, K)))
-    return _gathered_gemm(xq_xs, wq.view(E, N, K), ws.view(E, N), offsets, dtype, gemm, index)
+) -> tuple[Tensor, Tensor | None]:
+    """``(x w_e^T, amax)`` from the cast rows ``(xq, xs)`` (``[R, K]``, or ``[T, K]`` read through ``index
+    [R]``, :func:`_gathered_gemm`): casts ``w [E, N, K]`` per output channel (once per
+    :func:`moeyard.cache_fp8_weights` block), which also gives ``amax [E, K]`` (or None), the columns' ``max
+    |w|`` that :func:`_dgrad`'s transposed cast takes (:func:`moeyard.quant.fp8_triton.rowwise_per_expert`)."""
+    wq, ws, amax = weight_cache.cached(w, "rowwise", lambda: _cast().rowwise_per_expert(w))
+    return _gathered_gemm(xq_xs, wq, ws, offsets, dtype, gemm, index), amax
 
 
 def _gathered_gemm(a_sa, bq: Tensor, bs: Tensor, offsets: Tensor, dtype, gemm: str, index: Tensor | None):
@@ -208,11 +208,18 @@ def _row_weights(topk_weights: Tensor, plan: DispatchPlan, live: Tensor) -> Tens
 
 
 def _dgrad(
-    dyq_dys: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype, gemm: str, index: Tensor | None = None
+    dyq_dys: tuple[Tensor, Tensor],
+    w: Tensor,
+    offsets: Tensor,
+    dtype,
+    gemm: str,
+    index: Tensor | None = None,
+    amax: Tensor | None = None,
 ) -> Tensor:
     """``dx = dy w_e`` from the rowwise cast of ``dy`` (``[R, N]``, or ``[T, N]`` read through ``index``):
-    casts ``w [E, N, K]`` per input channel (once per :func:`moeyard.cache_fp8_weights` block)."""
-    wq, ws = weight_cache.cached(w, "colwise", lambda: _cast().colwise_per_expert(w))  # [E, K, N], [E, K]
+    casts ``w [E, N, K]`` per input channel (once per :func:`moeyard.cache_fp8_weights` block), with the
+    forward's column ``amax [E, K]`` when given (:func:`_forward`)."""
+    wq, ws = weight_cache.cached(w, "colwise", lambda: _cast().colwise_per_expert(w, amax))  # [E, K, N], [E, K]
     return _gathered_gemm(dyq_dys, wq, ws, offsets, dtype, gemm, index)
 
 
@@ -293,7 +300,8 @@ class _GatheredUp(torch.autograd.Function):
         ctx.save_for_backward(x, w, row_tokens, pair_rows, offsets)
         ctx.gemm, ctx.hp, ctx.dh_cast = gemm, hp, dh_cast
         dh_cast.wanted = ctx.needs_input_grad[0]  # whether backward's dgrad will take d h's e4m3 cast
-        return _forward(_cast().rowwise(x), w, offsets, x.dtype, gemm, row_tokens)
+        h, ctx.w_amax = _forward(_cast().rowwise(x), w, offsets, x.dtype, gemm, row_tokens)
+        return h
 
     @staticmethod
     def backward(ctx, dh):
@@ -302,7 +310,7 @@ class _GatheredUp(torch.autograd.Function):
         dh = dh.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            d_rows = _dgrad(ctx.dh_cast.take(dh), w, offsets, dh.dtype, ctx.gemm)
+            d_rows = _dgrad(ctx.dh_cast.take(dh), w, offsets, dh.dtype, ctx.gemm, amax=ctx.w_amax)
             dx, _ = gathered_sum(d_rows, pair_rows)
         if ctx.needs_input_grad[1] and ctx.hp is not None:
             dw = ctx.hp(x, dh, False, w)
@@ -328,7 +336,7 @@ class _ActDownCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, offsets, rw, row_tokens, pair_rows, act, interleaved, gemm, hp, dh_cast):
         aq, a_s = _cast().rowwise(h, act, interleaved=interleaved)
-        y = _forward((aq, a_s * rw), w, offsets, h.dtype, gemm)
+        y, ctx.w_amax = _forward((aq, a_s * rw), w, offsets, h.dtype, gemm)
         ctx.save_for_backward(h, w, offsets, rw, row_tokens)
         ctx.act, ctx.interleaved, ctx.gemm, ctx.hp, ctx.dh_cast = act, interleaved, gemm, hp, dh_cast
         return gathered_sum(y, pair_rows)[0]
@@ -341,7 +349,8 @@ class _ActDownCombine(torch.autograd.Function):
         dh = drw = dw = a_rows = None
         hp_wgrad = ctx.needs_input_grad[1] and ctx.hp is not None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
-            da = _dgrad(cast.rowwise(d_out), w, offsets, d_out.dtype, ctx.gemm, row_tokens)  # d / d (rw * act(h))
+            # d / d (rw * act(h))
+            da = _dgrad(cast.rowwise(d_out), w, offsets, d_out.dtype, ctx.gemm, row_tokens, ctx.w_amax)
             quantize = ctx.needs_input_grad[0] and ctx.dh_cast.wanted
             grads = cast.act_backward(
                 h, da, ctx.act, interleaved=ctx.interleaved, row_weights=rw, quantize=quantize, with_act_rows=hp_wgrad

@@ -10,8 +10,11 @@ their reference, :func:`moeyard.quant.fp8.quantize` (same values: the tests comp
 - :func:`colwise_per_group`: ``t [R, N]`` with expert offsets -> e4m3 ``t^T [N, R]`` with one scale per
   column and expert (the wgrad operands ``dy^T`` and ``x^T``, transposed as ``torch._scaled_grouped_mm``
   reads them). One program per (expert, ``BLOCK_N`` columns), looping over the expert's rows twice.
+- :func:`rowwise_per_expert`: ``w [E, N, K]`` -> e4m3 with one scale per row (``W_e`` for the forward), and
+  from the same read each column's ``amax`` over the expert's rows (atomic max).
 - :func:`colwise_per_expert`: ``w [E, N, K]`` -> e4m3 ``w^T [E, K, N]`` with one scale per (expert,
-  column) (``W_e^T`` for dgrad), the same kernel with the experts as equal groups.
+  column) (``W_e^T`` for dgrad): 64 x 64 tiles stored transposed, reading ``w`` once given the forward's
+  ``amax``.
 - With ``act`` (an :class:`moeyard.activations.Activation` by name), :func:`rowwise` and
   :func:`colwise_per_group` cast ``act(h)`` computed in float32 from the up projection's output ``h``
   (``[R, 2I]`` gated, gate then up columns or interleaved; ``[R, I]`` plain) as they load it, so the
@@ -26,7 +29,6 @@ on CUDA the kernels cast (``cvt.rn.satfinite``, the same rounding as torch's). N
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -184,12 +186,10 @@ def _colwise_kernel(
     rw_ptr,
     n_src,  # the operand (see _load): rows r of the groups, unit column stride
     offsets_ptr,  # [G + 1] int32: rows of group g are offsets[g] .. offsets[g + 1]
-    q_ptr,  # transposed e4m3 output (float32 under the interpreter); element (g, n, r) at
-    # g * stride_qg + n * stride_qn + (r - offsets[g] if LOCAL else r)
+    q_ptr,  # transposed e4m3 output (float32 under the interpreter); element (n, r) at n * stride_qn + r
     s_ptr,  # [G, N] float32
     N,
     stride_xr,
-    stride_qg,
     stride_qn,
     alpha,
     limit,
@@ -198,7 +198,6 @@ def _colwise_kernel(
     INTERLEAVED: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     HAS_RW: tl.constexpr,
-    LOCAL: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -232,7 +231,6 @@ def _colwise_kernel(
         amax = tl.maximum(amax, tl.max(tl.abs(b_x), axis=0))
     scale = _pow2_scale(amax)
     tl.store(s_ptr + g * N + cols, scale, mask=m_cols)
-    base = q_ptr + g.to(tl.int64) * stride_qg
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         b_x = _load(
@@ -255,9 +253,8 @@ def _colwise_kernel(
             HAS_RW,
         )
         b_q = tl.clamp(b_x / scale[None, :], -448.0, 448.0).to(q_ptr.dtype.element_ty)
-        at = rows - start if LOCAL else rows
         tl.store(
-            base + cols[None, :].to(tl.int64) * stride_qn + at[:, None],
+            q_ptr + cols[None, :].to(tl.int64) * stride_qn + rows[:, None],
             b_q,
             mask=(rows < end)[:, None] & m_cols[None, :],
         )
@@ -458,10 +455,8 @@ def colwise_per_group(
             s_ptr=s,
             N=N,
             stride_xr=t.stride(0),
-            stride_qg=0,
             stride_qn=R,
             **_act_args(act, interleaved),
-            LOCAL=False,
             BLOCK_R=64,
             BLOCK_N=64,
         )
@@ -618,38 +613,113 @@ def act_backward(
     )
 
 
-def colwise_per_expert(w: Tensor) -> tuple[Tensor, Tensor]:
-    """``w [E, N, K]`` (contiguous) -> ``(q [E, K, N] e4m3, s [E, K] float32)``: ``w_e^T`` with one power-of-two
-    scale per (expert, column of ``w_e``) over its ``N`` rows."""
+@triton.jit
+def _weight_rows_kernel(
+    w_ptr,  # [E, N, K] float, contiguous
+    q_ptr,  # [E, N, K] e4m3 (float32 under the interpreter), contiguous
+    s_ptr,  # [E, N] float32
+    amax_ptr,  # [E, K] float32, zero-filled: max over n of |w[e, n, k]| (atomic max)
+    N,
+    K,
+    ROWS: tl.constexpr,  # rows of one expert per program
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # >= K: each row read once
+):
+    """``ROWS`` rows of ``w_e`` cast per row (as :func:`rowwise`), ``BLOCK_M`` at a time, their columns'
+    ``amax`` folded into ``amax[e]``."""
+    e = tl.program_id(0).to(tl.int64)
+    n0 = tl.program_id(1) * ROWS
+    cols = tl.arange(0, BLOCK_K)
+    m_cols = cols < K
+    col_max = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # reduced over rows once, after the loop
+    for c in range(0, ROWS, BLOCK_M):
+        rows = n0 + c + tl.arange(0, BLOCK_M)
+        m_rows = rows < N
+        offs = e * N * K + rows[:, None].to(tl.int64) * K + cols[None, :]
+        b = tl.load(w_ptr + offs, mask=m_rows[:, None] & m_cols[None, :], other=0.0).to(tl.float32)
+        a = tl.abs(b)
+        scale = _pow2_scale(tl.max(a, axis=1))
+        tl.store(s_ptr + e * N + rows, scale, mask=m_rows)
+        q = tl.clamp(b / scale[:, None], -448.0, 448.0)
+        tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m_rows[:, None] & m_cols[None, :])
+        col_max = tl.maximum(col_max, a)
+    tl.atomic_max(amax_ptr + e * K + cols, tl.max(col_max, axis=0), mask=m_cols)
+
+
+@triton.jit
+def _transpose_cast_kernel(
+    w_ptr,  # [E, N, K] float, contiguous
+    amax_ptr,  # [E, K] float32: the columns' amax over N
+    q_ptr,  # [E, K, N] e4m3 (float32 under the interpreter), contiguous
+    s_ptr,  # [E, K] float32: the power-of-two scales
+    N,
+    K,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One ``[BLOCK_N, BLOCK_K]`` tile of ``w_e``, scaled per column, stored transposed."""
+    e = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_rows, m_cols = rows < N, cols < K
+    scale = _pow2_scale(tl.load(amax_ptr + e * K + cols, mask=m_cols, other=0.0))
+    if tl.program_id(1) == 0:
+        tl.store(s_ptr + e * K + cols, scale, mask=m_cols)
+    b = tl.load(
+        w_ptr + e * N * K + rows[:, None].to(tl.int64) * K + cols[None, :],
+        mask=m_rows[:, None] & m_cols[None, :],
+        other=0.0,
+    )
+    q = tl.clamp(b.to(tl.float32) / scale[None, :], -448.0, 448.0).to(q_ptr.dtype.element_ty)
+    tl.store(
+        q_ptr + e * K * N + cols[:, None].to(tl.int64) * N + rows[None, :],
+        tl.trans(q),
+        mask=m_cols[:, None] & m_rows[None, :],
+    )
+
+
+WEIGHT_PROGRAMS = 1024  # rowwise_per_expert: about this many programs (fewer rows each: more atomics)
+
+
+def rowwise_per_expert(w: Tensor, *, rows: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``w [E, N, K]`` (any float dtype) -> ``(q [E, N, K] e4m3, s [E, N] float32, amax [E, K] float32 or
+    None)``: the forward's cast of each expert weight, one power-of-two scale per row (output channel),
+    equal to ``rowwise(w.view(E * N, K))``; and, from the same read, each column's ``max |w_e[:, k]|``
+    (``amax``), with which :func:`colwise_per_expert` makes the transposed cast for the input gradient
+    reading ``w`` once. Rows wider than one block (:data:`ONE_PASS_ELEMENTS`) take :func:`rowwise`, and
+    ``amax`` is then None. ``rows``: rows per program (default: about :data:`WEIGHT_PROGRAMS` programs)."""
+    E, N, K = w.shape
+    w = w.contiguous()
+    blocks = _row_blocks(K, None)
+    if not blocks["ONE_PASS"] or not (E and N and K):
+        q, s = rowwise(w.view(E * N, K))
+        return q.view(E, N, K), s.view(E, N), None
+    q, s = _out((E, N, K), w.device), torch.empty(E, N, device=w.device, dtype=torch.float32)
+    amax = torch.zeros(E, K, device=w.device, dtype=torch.float32)
+    bm = blocks["BLOCK_M"]
+    rows = rows or min(triton.next_power_of_2(triton.cdiv(E * N, WEIGHT_PROGRAMS)), 1024)
+    rows = max(bm, rows)
+    _weight_rows_kernel[(E, triton.cdiv(N, rows))](
+        w, q, s, amax, N, K, ROWS=rows, BLOCK_M=bm, BLOCK_K=blocks["BLOCK_K"]
+    )
+    return _cast(q), s, amax
+
+
+def colwise_per_expert(w: Tensor, amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``w [E, N, K]`` -> ``(q [E, K, N] e4m3, s [E, K] float32)``: ``w_e^T`` with one power-of-two scale
+    per (expert, column of ``w_e``) over its ``N`` rows. ``amax [E, K]``: those columns' ``max |w|``, from
+    :func:`rowwise_per_expert` (then ``w`` is read once; else its ``amax`` is computed first, one more read).
+    Tiles of 64 x 64 stored transposed: 1.22-1.31x the one-kernel strip cast it replaced, on an H100
+    (``benchmarks/NOTES.md``, round 40)."""
     E, N, K = w.shape
     w = w.contiguous()
     q, s = _out((E, K, N), w.device), torch.empty(E, K, device=w.device, dtype=torch.float32)
-    if E and K and N:
-        _colwise_kernel[(E, triton.cdiv(K, 64))](
-            **_source(w.view(E * N, K), None, None),
-            offsets_ptr=_equal_offsets(E, N, w.device),
-            q_ptr=q,
-            s_ptr=s,
-            N=K,
-            stride_xr=K,
-            stride_qg=K * N,
-            stride_qn=N,
-            **_act_args(None, False),
-            LOCAL=True,
-            BLOCK_R=64,
-            BLOCK_N=64,
-        )
+    if not (E and K and N):
+        return _cast(q), s
+    if amax is None:
+        amax = torch.linalg.vector_norm(w, ord=float("inf"), dim=1, dtype=torch.float32)
+    block = 16 if interpreting() else 64
+    _transpose_cast_kernel[(E, triton.cdiv(N, block), triton.cdiv(K, block))](
+        w, amax, q, s, N, K, BLOCK_N=block, BLOCK_K=block
+    )
     return _cast(q), s
-
-
-def _equal_offsets(E: int, N: int, device: torch.device) -> Tensor:
-    """``[0, N, 2N, ..., EN]`` int32: made once per (E, N, device) eagerly, fresh while a CUDA graph is
-    captured (a captured ``arange`` fills its tensor only when the graph replays)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.arange(0, (E + 1) * N, N, device=device, dtype=torch.int32)
-    return _cached_offsets(E, N, device)
-
-
-@functools.lru_cache(maxsize=32)
-def _cached_offsets(E: int, N: int, device: torch.device) -> Tensor:
-    return torch.arange(0, (E + 1) * N, N, device=device, dtype=torch.int32)

@@ -1,0 +1,69 @@
+"""The FP8 casts of the expert weights under the ``fp8_rowwise`` recipes' Hopper path, timed alone (one GPU):
+the forward's cast per output channel, which also gives each column's ``amax``
+(:func:`moeyard.quant.fp8_triton.rowwise_per_expert`, at several rows per program, against
+:func:`~moeyard.quant.fp8_triton.rowwise` of the flattened weight), and the transposed cast per input
+channel for the input gradient (:func:`~moeyard.quant.fp8_triton.colwise_per_expert`) with that ``amax`` and
+without it; each result checked bit-equal, next to a device copy of the weight (the bandwidth ceiling).
+GB/s count 2 bytes read and 1 written per element (the reads of ``amax`` passes not counted).
+
+Usage (GPU machine): ``PYTHONPATH=src python3 benchmarks/fp8_cast_probe.py [--model qwen3-30b-a3b ...]``
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from triton.testing import do_bench
+
+from moeyard.bench.models import ANCHOR_MODELS, get_model
+from moeyard.quant import fp8_triton as cast
+
+
+def ms(fn) -> float:
+    return do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def weight_casts(E: int, N: int, K: int, rows: list) -> None:
+    """Both casts of ``w [E, N, K]`` (bf16, random, columns of different magnitudes)."""
+    w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * torch.rand(E, 1, K, device="cuda").bfloat16()
+    case = f"w [{E},{N},{K}]"
+    gbs = 3 * w.numel() / 1e6
+    q0, s0 = cast.rowwise(w.view(E * N, K))
+    rows.append((case, "copy (ceiling)", ms(lambda: w.clone()), 4 * w.numel() / 1e6, ""))
+    base = ms(lambda: cast.rowwise(w.view(E * N, K)))
+    rows.append((case, "forward: rowwise", base, gbs, ""))
+    amax = None
+    for r in (None, 64, 256, 1024):
+        q, s, amax = cast.rowwise_per_expert(w, rows=r)
+        same = torch.equal(q0.view(torch.uint8).view(E, N, K), q.view(torch.uint8)) and torch.equal(s0.view(E, N), s)
+        t = ms(lambda r=r: cast.rowwise_per_expert(w, rows=r))
+        rows.append((case, f"forward: rowwise_per_expert rows {r}", t, gbs, f"{base / t:.2f}x same {same}"))
+    qt, st = cast.colwise_per_expert(w)
+    qa, sa = cast.colwise_per_expert(w, amax)
+    same = torch.equal(qt.view(torch.uint8), qa.view(torch.uint8)) and torch.equal(st, sa)
+    alone = ms(lambda: cast.colwise_per_expert(w))
+    rows.append((case, "dgrad: colwise_per_expert", alone, gbs, ""))
+    t = ms(lambda: cast.colwise_per_expert(w, amax))
+    rows.append((case, "dgrad: colwise_per_expert(amax)", t, gbs, f"{alone / t:.2f}x same {same}"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", action="append", default=[])
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    rows: list = []
+    for name in args.model or ANCHOR_MODELS:
+        c = get_model(name).config
+        E, H, I = c["num_experts"], c["hidden_size"], c["intermediate_size"]
+        weight_casts(E, 2 * I, H, rows)
+        weight_casts(E, H, I, rows)
+    print(torch.cuda.get_device_name())
+    for case, what, t, nbytes, note in rows:
+        print(f"{case:20s} {what:40s} {t:7.3f} ms {nbytes / t:6.0f} GB/s  {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
