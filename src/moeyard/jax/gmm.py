@@ -27,7 +27,10 @@ accumulation, output in the operand dtype (:func:`tgmm`: ``out_dtype``). moeyard
 bfloat16 / float16 only (:mod:`.ffn`): a float32 Pallas-Triton dot is not PyTorch's float32 product.
 
 Off GPUs the kernels run in Pallas's interpret mode (``interpret=None`` decides from the default backend):
-correct and slow, for tests. :func:`gmm` and :func:`gmm_t` are differentiable (a ``jax.custom_vjp``: the
+correct and slow, for tests; inside ``jax.shard_map`` that mode cannot run on operands varying over a
+mesh axis (JAX's interpreter mixes them with the invariant program ids) and raises NotImplementedError.
+Compiled for a GPU, the output is typed varying over the union of the operands' mesh axes (the weight's
+gradient summed over the axes the weight does not vary over). :func:`gmm` and :func:`gmm_t` are differentiable (a ``jax.custom_vjp``: the
 rows' gradient is the other one of the two, the weight's :func:`tgmm`; ``group_sizes`` gets none);
 :func:`tgmm` is not.
 """
@@ -41,6 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from .checks import match_varying, to_varying, varying_axes
 
 __all__ = ["TileConfig", "GPU_CONFIG", "INTERPRET_CONFIG", "gmm", "gmm_t", "tgmm", "tile_table", "SUPPORTED_DTYPES"]
 
@@ -96,6 +101,37 @@ def _config(config, interpret: bool) -> TileConfig:
     if not isinstance(config, TileConfig):
         raise TypeError(f"config: expected a TileConfig, got a {type(config).__name__}")
     return config
+
+
+def _launch(kernel, out_shape, dtype, grid, config: TileConfig, interpret: bool, name: str, *args):
+    """``pallas_call`` of ``kernel`` over ``grid`` on ``args``; inside ``jax.shard_map`` the inputs are
+    typed varying over the union of their mesh axes and so is the output (``pallas_call`` needs its
+    output's type there)."""
+    axes = frozenset().union(*(varying_axes(a) for a in args))
+    if interpret and axes:
+        raise NotImplementedError(
+            "moeyard.jax.gmm: Pallas's interpret mode cannot run on operands varying over the mesh axes "
+            f"{sorted(axes)} inside jax.shard_map (use jax.lax.ragged_dot there, or a GPU)"
+        )
+    args = [to_varying(a, axes) for a in args]
+    return pl.pallas_call(
+        kernel,
+        out_shape=_shape_struct(out_shape, dtype, axes),
+        grid=grid,
+        interpret=interpret,
+        compiler_params=_compiler_params(config),
+        name=name,
+    )(*args)
+
+
+def _shape_struct(shape, dtype, axes: frozenset):
+    """A ``jax.ShapeDtypeStruct`` varying over mesh ``axes`` (none: a plain one)."""
+    if not axes:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    manual = getattr(jax.sharding, "ManualAxisType", None)
+    if manual is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual(varying=axes))
+    return jax.ShapeDtypeStruct(shape, dtype, vma=axes)  # releases before ManualAxisType
 
 
 def _compiler_params(config: TileConfig):
@@ -225,14 +261,8 @@ def _grouped(lhs, w, group_sizes, w_kn: bool, config: TileConfig, interpret: boo
         return jnp.zeros((R, N), lhs.dtype)
     expert, start, end = tile_table(group_sizes, R, config.block_m)
     kernel = partial(_gmm_kernel, w_kn=w_kn, num_experts=E, k_size=K, n_size=N, cfg=config)
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((R, N), lhs.dtype),
-        grid=(_cdiv(N, config.block_n), expert.shape[0]),
-        interpret=interpret,
-        compiler_params=_compiler_params(config),
-        name="moeyard_gmm",
-    )(expert, start, end, lhs, w)
+    grid = (_cdiv(N, config.block_n), expert.shape[0])
+    return _launch(kernel, (R, N), lhs.dtype, grid, config, interpret, "moeyard_gmm", expert, start, end, lhs, w)
 
 
 def _tgmm(a, b, group_sizes, out_dtype, config: TileConfig, interpret: bool):
@@ -245,14 +275,8 @@ def _tgmm(a, b, group_sizes, out_dtype, config: TileConfig, interpret: bool):
         return jnp.zeros((E, M, N), out_dtype)
     bounds = group_bounds(group_sizes, R)
     kernel = partial(_tgmm_kernel, m_size=M, n_size=N, cfg=config)
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((E, M, N), out_dtype),
-        grid=(_cdiv(N, config.block_n), _cdiv(M, config.block_m), E),
-        interpret=interpret,
-        compiler_params=_compiler_params(config),
-        name="moeyard_tgmm",
-    )(bounds, a, b)
+    grid = (_cdiv(N, config.block_n), _cdiv(M, config.block_m), E)
+    return _launch(kernel, (E, M, N), out_dtype, grid, config, interpret, "moeyard_tgmm", bounds, a, b)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -272,7 +296,8 @@ def _grouped_bwd(w_kn, config, interpret, res, ct):
         dw = _tgmm(lhs, ct, group_sizes, w.dtype, config, interpret)
     else:  # w_e [N, K]: dw_e = ct_e^T lhs_e
         dw = _tgmm(ct, lhs, group_sizes, w.dtype, config, interpret)
-    return d_lhs, dw, None
+    # inside jax.shard_map: an input the same on every device gets the sum of the devices' gradients
+    return match_varying(d_lhs, varying_axes(lhs)), match_varying(dw, varying_axes(w)), None
 
 
 _grouped_vjp.defvjp(_grouped_fwd, _grouped_bwd)
