@@ -109,3 +109,30 @@ def precision(dtype):
     """``Precision.HIGHEST`` for float32 / float64 matmuls (full-precision products, as PyTorch's
     defaults: no TF32), else the default."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) in (jnp.float32, jnp.float64) else None
+
+
+def varying_axes(a) -> frozenset:
+    """The mesh axes ``a`` varies over inside ``jax.shard_map`` (empty elsewhere, and for None): the
+    type's ``manual_axis_type.varying`` (jax 0.10), or its ``vma`` (earlier releases)."""
+    if a is None:
+        return frozenset()
+    t = jax.typeof(a)
+    manual = getattr(t, "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", None) or getattr(t, "vma", None) or ())
+
+
+def match_varying(ct, axes: frozenset):
+    """``ct`` summed over the mesh axes it varies over and its input (of mesh axes ``axes``) does not: the
+    gradient of an input that is the same on every device of an axis (replicated weights inside
+    ``jax.shard_map``) is the sum of the devices' contributions, as JAX's own transposes make it."""
+    if ct is None:
+        return None
+    extra = tuple(sorted(varying_axes(ct) - axes))
+    return jax.lax.psum(ct, extra) if extra else ct
+
+
+def to_varying(a, axes: frozenset):
+    """``a`` typed varying over ``axes`` inside ``jax.shard_map`` (``jax.lax.pcast`` over the axes it does
+    not vary over yet; ``a`` itself when there are none)."""
+    missing = tuple(sorted(axes - varying_axes(a)))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a

@@ -1,5 +1,6 @@
 """The routed expert FFN on JAX arrays, :func:`experts`: the signature, weight layouts, activations,
-biases and errors of :func:`moeyard.experts`, computed with ``jax.lax.ragged_dot`` (:mod:`.ffn`)."""
+biases and errors of :func:`moeyard.experts`, computed with ``jax.lax.ragged_dot`` or moeyard's Pallas grouped
+GEMMs (:mod:`.gmm`; ``MOEYARD_JAX_GMM`` chooses, :mod:`.ffn`)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def experts(
     Raises:
         TypeError: an array of the wrong kind or dtype.
         ValueError: shapes, ``K > E`` without ``drop_invalid``, ids out of range (see ``drop_invalid``),
-            unknown activation, a flag that is not a bool.
+            unknown activation, a flag that is not a bool, ``MOEYARD_JAX_GMM`` none of ``auto``,
+            ``pallas``, ``ragged_dot`` (:mod:`moeyard.jax.ffn`).
     """
     act = get_activation(activation)
     check_bool("drop_invalid", drop_invalid)

@@ -1,5 +1,5 @@
-"""The routed expert FFN on ``jax.lax.ragged_dot``: permute -> grouped up-proj (+ bias) -> activation
--> grouped down-proj (+ bias) -> weighted combine, and its one custom VJP.
+"""The routed expert FFN on grouped GEMMs: permute -> grouped up-proj (+ bias) -> activation -> grouped
+down-proj (+ bias) -> weighted combine, and its one custom VJP.
 
 Legend: T tokens, H hidden, I intermediate, N1 = 2I (gated) or I, E experts, K top-k, R rows.
 
@@ -7,6 +7,19 @@ Weights stay as stored (no transposed copy per call): ``[E, out, in]`` (transfor
 contracts its last dimension, gpt-oss's transposed ``[E, in, out]`` its middle one, through
 ``jax.lax.ragged_dot_general``'s dimension numbers. float32 and float64 matmuls run at
 ``Precision.HIGHEST`` (PyTorch's defaults compute full float32 products).
+
+The grouped GEMMs (:func:`mm`, :func:`mm_t`, :func:`_weight_grad`) run on ``jax.lax.ragged_dot_general``
+or on moeyard's Pallas kernels (:mod:`.gmm`), as the environment variable ``MOEYARD_JAX_GMM`` says:
+
+- ``auto`` (default): Pallas for bfloat16 / float16 rows on a GPU backend, ``ragged_dot`` otherwise;
+- ``pallas``: Pallas for bfloat16 / float16 rows on any backend (off GPUs in Pallas's interpret mode:
+  slow, for tests; not inside ``jax.shard_map``, where the interpreter cannot run on varying operands);
+  float32 / float64 keep ``ragged_dot`` (PyTorch computes full float32 products);
+- ``ragged_dot``: always ``ragged_dot``.
+
+Any other value raises ValueError naming the variable. :func:`routed_ffn` reads it on each call and keys
+its ``jax.jit`` cache on it; under an enclosing ``jax.jit`` it is read once, when that function is traced,
+and the compiled function keeps that choice until it is traced again.
 
 The custom VJP (:func:`routed_ffn` with ``custom_vjp=True``) keeps for the backward only what the
 inputs do not already hold: the up projection's output ``h [R, N1]`` and the plan (int32). Plain
@@ -21,7 +34,8 @@ the PyTorch side).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
@@ -29,10 +43,52 @@ import jax.numpy as jnp
 
 from ..activations import Activation
 from .activations import apply_activation
-from .checks import accumulation_dtype, precision
+from .checks import accumulation_dtype, match_varying, precision, varying_axes
 from .dispatch import permute_unchecked, plan_unchecked, unpermute_unchecked
+from .gmm import gmm, gmm_t, tgmm
 
 _RAGGED = dict(lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+GMM_ENV = "MOEYARD_JAX_GMM"
+GMM_CHOICES = ("auto", "pallas", "ragged_dot")
+PALLAS_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def gmm_choice() -> str:
+    """The grouped GEMM chosen by ``MOEYARD_JAX_GMM`` (module docstring): ``auto`` when unset.
+
+    Raises:
+        ValueError: another value.
+    """
+    return check_choice(os.environ.get(GMM_ENV, "auto").strip().lower() or "auto")
+
+
+def check_choice(choice: str) -> str:
+    """``choice`` if it is one of :data:`GMM_CHOICES`.
+
+    Raises:
+        ValueError: it is not (the message names ``MOEYARD_JAX_GMM``).
+    """
+    if choice not in GMM_CHOICES:
+        raise ValueError(f"{GMM_ENV}: expected one of {', '.join(GMM_CHOICES)}, got {choice!r}")
+    return choice
+
+
+def use_pallas(rows, w, choice: str | None = None) -> bool:
+    """Whether ``rows`` (and weight ``w``) go through the Pallas GEMMs under ``choice`` (None:
+    :func:`gmm_choice`): bfloat16 / float16 rows, ``pallas`` or ``auto`` on a GPU backend. Off GPUs
+    (interpret mode), operands varying over a mesh axis inside ``jax.shard_map`` (the expert-parallel
+    path, :mod:`.parallel`) keep ``ragged_dot``: the interpreter cannot run there (:mod:`.gmm`).
+
+    Raises:
+        ValueError: an invalid choice.
+    """
+    choice = gmm_choice() if choice is None else check_choice(choice)
+    if jnp.dtype(rows.dtype) not in PALLAS_DTYPES or choice == "ragged_dot":
+        return False
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and (varying_axes(rows) or varying_axes(w)):
+        return False
+    return choice == "pallas" or on_gpu
 
 
 @dataclass(frozen=True)
@@ -45,6 +101,8 @@ class FFNSpec:
         transposed: weights stored ``[E, in, out]`` (gpt-oss).
         drop_invalid: pairs with ids outside ``[0, E)`` contribute nothing (else their weight is NaN).
         num_experts: E.
+        gmm: the grouped GEMM choice (``MOEYARD_JAX_GMM``'s values); None: read the variable when
+            :func:`routed_ffn` is called.
     """
 
     activation: Activation
@@ -52,20 +110,26 @@ class FFNSpec:
     transposed: bool
     drop_invalid: bool
     num_experts: int
+    gmm: str | None = None
 
 
-def mm(rows, w, group_sizes, transposed: bool):
+def mm(rows, w, group_sizes, transposed: bool, choice: str | None = None):
     """``rows [R, in]`` -> ``[R, out]``: the rows of group e times expert e's weight (``w [E, out, in]``,
-    or ``[E, in, out]`` when ``transposed``); rows past the last group give zeros."""
+    or ``[E, in, out]`` when ``transposed``); rows past the last group give zeros. ``choice``: the grouped
+    GEMM (module docstring; None: ``MOEYARD_JAX_GMM``)."""
+    if use_pallas(rows, w, choice):
+        return gmm(rows, w, group_sizes, transposed)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([1], [1 if transposed else 2]), ([], [])), **_RAGGED
     )
     return jax.lax.ragged_dot_general(rows, w.astype(rows.dtype), group_sizes, dims, precision=precision(rows.dtype))
 
 
-def mm_t(g, w, group_sizes, transposed: bool):
+def mm_t(g, w, group_sizes, transposed: bool, choice: str | None = None):
     """``g [R, out]`` -> ``[R, in]``: the rows of group e times expert e's weight transposed (the
-    input gradient of :func:`mm`)."""
+    input gradient of :func:`mm`); ``choice`` as :func:`mm`'s."""
+    if use_pallas(g, w, choice):
+        return gmm_t(g, w, group_sizes, transposed)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([1], [2 if transposed else 1]), ([], [])), **_RAGGED
     )
@@ -85,9 +149,9 @@ def add_bias(y, bias, row_experts):
 def grouped_ffn(rows, group_sizes, row_experts, up, b_up, down, b_down, spec: FFNSpec):
     """``rows [R, H]`` (expert-major, ``group_sizes [E]``) -> ``(y [R, H], h [R, N1])``: each expert's
     ``down(act(up(rows)))`` with biases; rows past the last group give zeros (and no gradient)."""
-    h = add_bias(mm(rows, up, group_sizes, spec.transposed), b_up, row_experts)
+    h = add_bias(mm(rows, up, group_sizes, spec.transposed, spec.gmm), b_up, row_experts)
     a = apply_activation(spec.activation, h, interleaved=spec.interleaved)
-    y = add_bias(mm(a, down, group_sizes, spec.transposed), b_down, row_experts)
+    y = add_bias(mm(a, down, group_sizes, spec.transposed, spec.gmm), b_down, row_experts)
     return y, h
 
 
@@ -98,10 +162,20 @@ def _forward(spec: FFNSpec, x, topk_ids, topk_weights, up, b_up, down, b_down):
     return unpermute_unchecked(y, plan, topk_weights, spec.drop_invalid), (plan, h)
 
 
-@partial(jax.jit, static_argnums=(0, 1))
 def routed_ffn(spec: FFNSpec, custom_vjp: bool, x, topk_ids, topk_weights, up, b_up, down, b_down):
     """``out [T, H] = sum_k w[t, k] * FFN_{ids[t, k]}(x[t])`` (arguments checked by the caller);
-    ``custom_vjp`` chooses the backward (module docstring)."""
+    ``custom_vjp`` chooses the backward, ``spec.gmm`` (None: ``MOEYARD_JAX_GMM``, read now) the grouped
+    GEMM (module docstring).
+
+    Raises:
+        ValueError: ``MOEYARD_JAX_GMM`` (or ``spec.gmm``) is none of ``auto``, ``pallas``, ``ragged_dot``.
+    """
+    spec = replace(spec, gmm=gmm_choice() if spec.gmm is None else check_choice(spec.gmm))
+    return _routed_ffn(spec, custom_vjp, x, topk_ids, topk_weights, up, b_up, down, b_down)
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _routed_ffn(spec: FFNSpec, custom_vjp: bool, x, topk_ids, topk_weights, up, b_up, down, b_down):
     if custom_vjp:
         return _routed_ffn_vjp(spec, x, topk_ids, topk_weights, up, b_up, down, b_down)
     return _forward(spec, x, topk_ids, topk_weights, up, b_up, down, b_down)[0]
@@ -114,7 +188,7 @@ def _routed_ffn_vjp(spec, x, topk_ids, topk_weights, up, b_up, down, b_down):
 
 def _vjp_fwd(spec, x, topk_ids, topk_weights, up, b_up, down, b_down):
     out, (plan, h) = _forward(spec, x, topk_ids, topk_weights, up, b_up, down, b_down)
-    vma = _Static(tuple(_vma(a) for a in (x, topk_weights, up, b_up, down, b_down)))
+    vma = _Static(tuple(varying_axes(a) for a in (x, topk_weights, up, b_up, down, b_down)))
     return out, (x, topk_weights, up, b_up, down, b_down, plan, h, vma)
 
 
@@ -129,7 +203,7 @@ def _vjp_bwd(spec: FFNSpec, res, dout):
     dout_rows = jnp.concatenate([dout, jnp.zeros((1, dout.shape[1]), dout.dtype)])[row_tokens]  # [R, H]
     pair_w = jnp.where(plan.valid, w.reshape(-1).astype(acc), 0)
     w_rows = jnp.zeros(plan.num_rows, acc).at[plan.pair_rows].set(pair_w)  # 0 for pad rows, invalid pairs
-    g = mm_t(dout_rows, down, gs, spec.transposed)  # [R, I]: dout[t] W_down_e
+    g = mm_t(dout_rows, down, gs, spec.transposed, spec.gmm)  # [R, I]: dout[t] W_down_e
     dw_rows = jnp.sum(g.astype(acc) * a.astype(acc), axis=-1)
     if b_down is not None:
         b_rows = jnp.concatenate([b_down.astype(acc), jnp.zeros((1, b_down.shape[1]), acc)])[re]
@@ -137,13 +211,13 @@ def _vjp_bwd(spec: FFNSpec, res, dout):
     dw = jnp.where(plan.valid, dw_rows[plan.pair_rows], 0).reshape(T, K).astype(w.dtype)
     dy = (dout_rows.astype(acc) * w_rows[:, None]).astype(x.dtype)
     da = (g.astype(acc) * w_rows[:, None]).astype(x.dtype)
-    d_down = _weight_grad(a, dy, down, gs, spec.transposed)
+    d_down = _weight_grad(a, dy, down, gs, spec.transposed, spec.gmm)
     dh = act_vjp(da)[0]
-    d_rows = mm_t(dh, up, gs, spec.transposed)
-    d_up = _weight_grad(rows, dh, up, gs, spec.transposed)
+    d_rows = mm_t(dh, up, gs, spec.transposed, spec.gmm)
+    d_up = _weight_grad(rows, dh, up, gs, spec.transposed, spec.gmm)
     dx = jnp.zeros((T + 1, x.shape[1]), acc).at[row_tokens].add(d_rows.astype(acc))[:T].astype(x.dtype)
     cts = (dx, dw, d_up, _bias_grad(dh, b_up, re), d_down, _bias_grad(dy, b_down, re))
-    dx, dw, d_up, d_b_up, d_down, d_b_down = map(_match_vma, cts, vma.value)
+    dx, dw, d_up, d_b_up, d_down, d_b_down = map(match_varying, cts, vma.value)
     return dx, None, dw, d_up, d_b_up, d_down, d_b_down
 
 
@@ -155,30 +229,13 @@ class _Static:
     value: tuple
 
 
-def _vma(a) -> frozenset:
-    """The mesh axes ``a`` varies over inside ``jax.shard_map`` (empty elsewhere, and for None): the
-    type's ``manual_axis_type.varying`` (jax 0.10), or its ``vma`` (earlier releases)."""
-    if a is None:
-        return frozenset()
-    t = jax.typeof(a)
-    manual = getattr(t, "manual_axis_type", None)
-    return frozenset(getattr(manual, "varying", None) or getattr(t, "vma", None) or ())
-
-
-def _match_vma(ct, vma: frozenset):
-    """``ct`` summed over the mesh axes it varies over and its input (of mesh axes ``vma``) does not: the
-    gradient of an input that is the same on every device of an axis (replicated weights inside
-    ``jax.shard_map``) is the sum of the devices' contributions, as JAX's own transposes make it."""
-    if ct is None:
-        return None
-    extra = tuple(sorted(_vma(ct) - vma))
-    return jax.lax.psum(ct, extra) if extra else ct
-
-
-def _weight_grad(lhs, ct, w, group_sizes, transposed: bool):
-    """The gradient of :func:`mm`'s weight for cotangent ``ct``, in ``w``'s dtype (JAX's own transpose of
-    ``ragged_dot_general``; the forward product it traces is dead code under ``jit``)."""
-    return jax.vjp(lambda v: mm(lhs, v, group_sizes, transposed), w)[1](ct)[0]
+def _weight_grad(lhs, ct, w, group_sizes, transposed: bool, choice: str | None = None):
+    """The gradient of :func:`mm`'s weight for cotangent ``ct``, in ``w``'s dtype: Pallas's :func:`.gmm.tgmm`,
+    or JAX's own transpose of ``ragged_dot_general`` (the forward product it traces is dead code under
+    ``jit``); ``choice`` as :func:`mm`'s."""
+    if use_pallas(lhs, ct, choice):
+        return tgmm(lhs, ct, group_sizes, transposed, out_dtype=w.dtype)
+    return jax.vjp(lambda v: mm(lhs, v, group_sizes, transposed, "ragged_dot"), w)[1](ct)[0]
 
 
 def _bias_grad(ct, bias, row_experts):
