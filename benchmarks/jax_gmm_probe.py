@@ -47,8 +47,8 @@ MODELS = {  # name: (H, I, E, K)
 }
 TINY = {"tiny": (64, 48, 8, 2)}
 CONFIGS = {
-    "m128n128k64w8s3": GPU_CONFIG,
-    "m128n256k64w8s3": TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
+    "m128n128k64w8s3": TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+    "m128n256k64w8s3 (default)": GPU_CONFIG,
     "m64n128k64w4s4": TileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
 }
 TINY_CONFIGS = {"i16": INTERPRET_CONFIG, "i32": TileConfig(block_m=32, block_n=32, block_k=16)}

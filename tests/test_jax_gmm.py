@@ -239,6 +239,20 @@ def test_gmm_choice(monkeypatch):
     assert not _uses_pallas(jnp.bfloat16)
 
 
+@pytest.mark.parametrize("choice", ["auto", "pallas"])
+@pytest.mark.parametrize("backend", ["gpu", "cpu"])
+def test_gmm_choice_inside_shard_map(monkeypatch, choice, backend):
+    """Operands varying over a mesh axis (the expert-parallel path) keep ragged_dot under ``auto`` on a GPU,
+    and under ``pallas`` off GPUs; outside ``jax.shard_map`` ``auto`` takes Pallas on a GPU only."""
+    monkeypatch.setattr(ffn.jax, "default_backend", lambda: backend)
+    rows, w = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((2, 8, 8), jnp.bfloat16)
+    outside = ffn.use_pallas(rows, w, choice)
+    monkeypatch.setattr(ffn, "varying_axes", lambda a: frozenset({"ep"}))
+    inside = ffn.use_pallas(rows, w, choice)
+    assert outside == (choice == "pallas" or backend == "gpu")
+    assert inside == (choice == "pallas" and backend == "gpu")
+
+
 def test_gmm_choice_invalid(monkeypatch):
     monkeypatch.setenv(ffn.GMM_ENV, "triton")
     with pytest.raises(ValueError, match=f"^{ffn.GMM_ENV}.*'triton'"):

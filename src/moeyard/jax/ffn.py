@@ -11,7 +11,8 @@ contracts its last dimension, gpt-oss's transposed ``[E, in, out]`` its middle o
 The grouped GEMMs (:func:`mm`, :func:`mm_t`, :func:`_weight_grad`) run on ``jax.lax.ragged_dot_general``
 or on moeyard's Pallas kernels (:mod:`.gmm`), as the environment variable ``MOEYARD_JAX_GMM`` says:
 
-- ``auto`` (default): Pallas for bfloat16 / float16 rows on a GPU backend, ``ragged_dot`` otherwise;
+- ``auto`` (default): Pallas for bfloat16 / float16 rows on a GPU backend outside ``jax.shard_map``,
+  ``ragged_dot`` otherwise;
 - ``pallas``: Pallas for bfloat16 / float16 rows on any backend (off GPUs in Pallas's interpret mode:
   slow, for tests; not inside ``jax.shard_map``, where the interpreter cannot run on varying operands);
   float32 / float64 keep ``ragged_dot`` (PyTorch computes full float32 products);
@@ -75,9 +76,10 @@ def check_choice(choice: str) -> str:
 
 def use_pallas(rows, w, choice: str | None = None) -> bool:
     """Whether ``rows`` (and weight ``w``) go through the Pallas GEMMs under ``choice`` (None:
-    :func:`gmm_choice`): bfloat16 / float16 rows, ``pallas`` or ``auto`` on a GPU backend. Off GPUs
-    (interpret mode), operands varying over a mesh axis inside ``jax.shard_map`` (the expert-parallel
-    path, :mod:`.parallel`) keep ``ragged_dot``: the interpreter cannot run there (:mod:`.gmm`).
+    :func:`gmm_choice`): bfloat16 / float16 rows, ``pallas``, or ``auto`` on a GPU backend. Operands varying
+    over a mesh axis inside ``jax.shard_map`` (the expert-parallel path, :mod:`.parallel`) keep
+    ``ragged_dot`` under ``auto`` (the Pallas GEMMs have not yet run expert-parallel on GPUs) and off GPUs
+    under ``pallas`` too (the interpreter cannot run there, :mod:`.gmm`).
 
     Raises:
         ValueError: an invalid choice.
@@ -86,9 +88,10 @@ def use_pallas(rows, w, choice: str | None = None) -> bool:
     if jnp.dtype(rows.dtype) not in PALLAS_DTYPES or choice == "ragged_dot":
         return False
     on_gpu = jax.default_backend() == "gpu"
-    if not on_gpu and (varying_axes(rows) or varying_axes(w)):
-        return False
-    return choice == "pallas" or on_gpu
+    varying = bool(varying_axes(rows) or varying_axes(w))
+    if choice == "pallas":
+        return on_gpu or not varying
+    return on_gpu and not varying
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,10 @@ class TileConfig:
                 raise ValueError(f"{name}: expected a power of two, got {v}")
 
 
-GPU_CONFIG = TileConfig()
+# 128 x 256 tiles: 1.1-1.2x the 128 x 128 ones at qwen3-30b-a3b's three up-projection GEMMs on an H100 (up 1.80
+# against 2.19 ms, its input gradient 1.99 against 2.20, its weight gradient 1.78 against 1.98;
+# benchmarks/jax_gmm_probe.py, benchmarks/NOTES.md round 40)
+GPU_CONFIG = TileConfig(block_n=256)
 INTERPRET_CONFIG = TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
 
 
