@@ -50,10 +50,13 @@ CONFIGS = {
     "m128n128k64w8s3": TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
     "m128n256k64w8s3 (default)": GPU_CONFIG,
     "m64n128k64w4s4": TileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
+    "m128n256k64w8s4": TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4),
+    "m256n128k64w8s3": TileConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3),
 }
 TINY_CONFIGS = {"i16": INTERPRET_CONFIG, "i32": TileConfig(block_m=32, block_n=32, block_k=16)}
 HIGHEST = jax.lax.Precision.HIGHEST
 ROWS: list[dict] = []  # every measured row, for the table
+SKIP_RAGGED = False  # --skip-ragged: XLA's dense rewrite takes minutes (or runs out of memory) at these sizes
 
 
 def short_error(ex: BaseException) -> str:
@@ -190,6 +193,8 @@ def probe_gemms(model: str, shape, T: int, configs: dict, interpret: bool, warmu
     for gi, (name, (flops, make, impls, reference)) in enumerate(gemms(H, I, E, R, gs, interpret, configs).items()):
         args = make(jax.random.key(gi))
         for impl, f in impls.items():
+            if impl == "ragged_dot" and SKIP_RAGGED:
+                continue
             row = dict(model=model, gemm=name, impl=impl)
             try:
                 out = f(*args)
@@ -277,7 +282,10 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="toy sizes in interpret mode (CPU): correctness only")
     p.add_argument("--skip-layer", action="store_true", help="only the GEMMs")
+    p.add_argument("--skip-ragged", action="store_true", help="no ragged_dot rows (XLA's dense rewrite: slow or OOM)")
     args = p.parse_args()
+    global SKIP_RAGGED
+    SKIP_RAGGED = args.skip_ragged
     print("jax", jax.__version__, jax.devices())
     if args.tiny:
         models, T, configs, interpret, warmup, reps = TINY, 64, TINY_CONFIGS, True, 1, 1
