@@ -397,6 +397,20 @@ def test_triton_weight_casts_match_reference(rows):
     assert torch.equal(w, before)
 
 
+def test_triton_weight_casts_of_wide_rows():
+    # rows wider than one register block: the forward's cast is rowwise's two-pass one and gives no amax, so
+    # the transposed cast takes the columns' amax itself
+    cast = _triton_casts()
+    w = (torch.randn(2, 8, cast.INTERPRETER_ONE_PASS + 88) * 10).bfloat16()
+    q, s, amax = cast.rowwise_per_expert(w)
+    q_ref, s_ref = cast.rowwise(w.view(16, -1))
+    assert amax is None and torch.equal(q.view(torch.uint8), q_ref.view(2, 8, -1).view(torch.uint8))
+    assert torch.equal(s, s_ref.view(2, 8))
+    qt, st = cast.colwise_per_expert(w)
+    qt_ref, st_ref = fp8.quantize(w.float().mT, Blocks(None), "pow2")
+    assert torch.equal(qt.view(torch.uint8), qt_ref.view(torch.uint8)) and torch.equal(st, st_ref[..., 0])
+
+
 @pytest.mark.parametrize(
     "name, interleaved", [("swiglu", False), ("clamped_swiglu", True), ("geglu", False), ("relu2", False)]
 )

@@ -635,13 +635,14 @@ def _weight_rows_kernel(
     for c in range(0, ROWS, BLOCK_M):
         rows = n0 + c + tl.arange(0, BLOCK_M)
         m_rows = rows < N
-        offs = e * N * K + rows[:, None].to(tl.int64) * K + cols[None, :]
-        b = tl.load(w_ptr + offs, mask=m_rows[:, None] & m_cols[None, :], other=0.0).to(tl.float32)
+        b = tl.load(
+            w_ptr + e * N * K + rows[:, None].to(tl.int64) * K + cols[None, :],
+            mask=m_rows[:, None] & m_cols[None, :],
+            other=0.0,
+        ).to(tl.float32)
         a = tl.abs(b)
-        scale = _pow2_scale(tl.max(a, axis=1))
-        tl.store(s_ptr + e * N + rows, scale, mask=m_rows)
-        q = tl.clamp(b / scale[:, None], -448.0, 448.0)
-        tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m_rows[:, None] & m_cols[None, :])
+        scale = _row_scale(s_ptr + e * N, tl.max(a, axis=1), rows, m_rows, 1, True)
+        _store_rows(q_ptr + e * N * K, b, scale, rows, m_rows, cols, K, K, True)
         col_max = tl.maximum(col_max, a)
     tl.atomic_max(amax_ptr + e * K + cols, tl.max(col_max, axis=0), mask=m_cols)
 
@@ -709,8 +710,8 @@ def colwise_per_expert(w: Tensor, amax: Tensor | None = None) -> tuple[Tensor, T
     """``w [E, N, K]`` -> ``(q [E, K, N] e4m3, s [E, K] float32)``: ``w_e^T`` with one power-of-two scale
     per (expert, column of ``w_e``) over its ``N`` rows. ``amax [E, K]``: those columns' ``max |w|``, from
     :func:`rowwise_per_expert` (then ``w`` is read once; else its ``amax`` is computed first, one more read).
-    Tiles of 64 x 64 stored transposed: 1.22-1.31x the one-kernel strip cast it replaced, on an H100
-    (``benchmarks/NOTES.md``, round 40)."""
+    Tiles of 64 x 64 stored transposed; on an H100 about 2x the strip kernel it replaced with ``amax`` given,
+    1.2-1.3x without (``benchmarks/NOTES.md``, round 40)."""
     E, N, K = w.shape
     w = w.contiguous()
     q, s = _out((E, K, N), w.device), torch.empty(E, K, device=w.device, dtype=torch.float32)
