@@ -31,18 +31,26 @@ GEMM_NAMES = (
     "dh_kernel",
     "wgrad_kernel",
     "down_tma_kernel",
+    "sorted_kernel",
 )
 
 
-def step_kernels(moe, x, dy, warmup: int = 3) -> tuple[float, dict[str, tuple[int, float]]]:
-    """(ms of the profiled step, {kernel name: (calls, total ms)})."""
+def step_kernels(moe, x, dy, warmup: int = 3, forward: bool = False) -> tuple[float, dict[str, tuple[int, float]]]:
+    """(ms of the profiled step, {kernel name: (calls, total ms)}); with ``forward`` the training forward
+    alone (autograd on, no backward)."""
+
+    def step():
+        y = moe(x)
+        if not forward:
+            y.backward(dy)
+
     for _ in range(warmup):
-        moe(x).backward(dy)
+        step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        moe(x).backward(dy)
+        step()
         end.record()
         torch.cuda.synchronize()
     kernels: dict[str, list] = defaultdict(lambda: [0, 0.0])
@@ -101,6 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--recipes", default="none,fp8_rowwise")
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--casts", action="store_true", help="also time each FP8 cast alone (GB/s)")
+    p.add_argument("--forward", action="store_true", help="profile the training forward alone (no backward)")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     bf16, fp8 = dense_tflops(dev, 3, 10), dense_fp8_tflops(dev, 3, 10)
@@ -109,7 +118,7 @@ def main(argv=None) -> int:
         shape = get_model(name)
         cfg = routed_only(shape.moe_config())
         T = shape.tokens
-        flops = 3 * layer_flops(cfg, T)
+        flops = (1 if args.forward else 3) * layer_flops(cfg, T)
         torch.manual_seed(0)
         x = torch.randn(T, cfg.hidden_size, device=dev, dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn_like(x)
@@ -117,12 +126,12 @@ def main(argv=None) -> int:
             moe = moeyard.MoE(
                 cfg, backend=args.backend, recipe=None if recipe == "none" else recipe, device=dev, dtype=torch.bfloat16
             )
-            ms, kernels = step_kernels(moe, x, dy)
+            ms, kernels = step_kernels(moe, x, dy, forward=args.forward)
             total = sum(v[1] for v in kernels.values())
             gemm = sum(v[1] for k, v in kernels.items() if any(g in k.lower() for g in GEMM_NAMES))
             print(
                 f"\n== {name} (T {T}) · {args.backend} · recipe {recipe}: step {ms:.2f} ms, kernels {total:.2f} ms "
-                f"({3 * layer_flops(cfg, T) / ms / 1e9:.0f} TFLOP/s); GEMM kernels {gemm:.2f} ms "
+                f"({flops / ms / 1e9:.0f} TFLOP/s); GEMM kernels {gemm:.2f} ms "
                 f"= {flops / gemm / 1e9 if gemm else 0:.0f} TFLOP/s"
                 f"{f' = {flops / gemm / 1e9 / fp8:.0%} of dense e4m3' if gemm and fp8 and recipe != 'none' else ''}"
             )

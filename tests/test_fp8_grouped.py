@@ -90,3 +90,39 @@ def test_bad_input_is_named():
         fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets[:2], torch.bfloat16)
     with pytest.raises(ValueError, match="scale_a"):
         fp8_grouped.grouped_mm(a, s_a[:3], b, s_b, offsets, torch.bfloat16)
+
+
+ON_CPU = DEVICES[0] == "cpu"
+gpu_only = pytest.mark.skipif(ON_CPU, reason="sizes too large for Triton's interpreter")
+
+
+@pytest.mark.parametrize(
+    "gluon", ["1", pytest.param("0", marks=pytest.mark.skipif(ON_CPU, reason="no Gluon on a CPU"))]
+)
+@pytest.mark.parametrize(
+    "counts, K, N",
+    [
+        pytest.param([300, 0, 1, 129, 0, 77], 2048, 600, marks=gpu_only),  # several row tiles, empty experts
+        pytest.param([128, 128], 4096, 512, marks=gpu_only),  # the longest reduction the anchor shapes have
+        ([0, 0, 0, 33], 80, 72),  # all rows to one expert; K and N no multiple of a tile
+        ([1, 1, 1, 1], 32, 40),  # one row per expert
+    ],
+)
+def test_rows_in_order_on_each_kernel(gluon, counts, K, N, monkeypatch):
+    """Rows in expert order (the down projection, the up projection's input gradient): on Hopper the Gluon
+    kernel (``MOEYARD_FP8_GLUON=1``) and the Triton kernel (``0``) both match the float32 reference, rows past
+    ``offsets[E]`` included in the output's shape, and the rows of each expert only from its own weight."""
+    device = DEVICES[0]
+    monkeypatch.setenv(fp8_grouped.ENV_GLUON, gluon)
+    E = len(counts)
+    R = sum(counts)
+    a, s_a, b, s_b = _operands(R + 5, K, E, N, device, seed=3)  # 5 rows past the experts
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    got = fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, torch.bfloat16)
+    ref = fp8_grouped.reference(a, s_a, b, s_b, offsets, torch.bfloat16)
+    assert got.shape == (R + 5, N)
+    _close(got[:R], ref[:R], torch.bfloat16)
+    for e in range(E):  # each expert's rows, alone: a tile's rows past its expert's end are not stored
+        lo, hi = sum(counts[:e]), sum(counts[: e + 1])
+        if hi > lo:
+            _close(got[lo:hi], ref[lo:hi], torch.bfloat16)

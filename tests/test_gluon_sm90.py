@@ -6,7 +6,8 @@ library launches (row tiles of 64 and 128, with and without a LoRA term, ``W`` o
 ranks 8 to 32, gated and plain activations) compiles,
 keeps its registers (no spills: no local-memory stores in the SASS), fits the 227 KiB of shared memory a
 Hopper block can hold, and, at 128-row tiles, is warp-specialised (``setmaxnreg`` moves registers between
-the partitions); the gathering kernels copy their rows with 16-byte ``cp.async``. A Triton whose Gluon
+the partitions); the gathering kernels copy their rows with 16-byte ``cp.async``; the e4m3 grouped GEMM
+of :mod:`moeyard.quant.fp8_gluon` runs e4m3 MMAs. A Triton whose Gluon
 API changed fails here instead of at a user's first launch.
 
 The compiles run in a fresh Python process (this file run as a script): Triton's interpreter, which
@@ -87,6 +88,11 @@ def _compile_all() -> list[dict]:
     grab(kernels_gluon, "down_kernel")
     grab(gather, "gathered_kernel")
     grab(wgrad, "wgrad_kernel")
+    from moeyard.experts.triton import schedule
+    from moeyard.quant import fp8_gluon
+
+    grab(fp8_gluon, "sorted_kernel")
+    schedule.fill_tile_table = lambda *args: None  # a launch: nothing runs here
     E, NY, KA, N, bf = 8, 2048, 512, 4096, torch.bfloat16
     table = lambda block_m: torch.empty(2 * (N // block_m + E) + 1, dtype=torch.int32)  # noqa: E731
     for block_m, lora, kmajor, rank in VARIANTS:
@@ -182,6 +188,15 @@ def _compile_all() -> list[dict]:
                 1.0,
                 132,
             )
+    f8 = torch.float8_e4m3fn
+    fp8_gluon.launch(
+        torch.empty(N, KA, dtype=f8),
+        torch.empty(N),
+        torch.empty(E, NY, KA, dtype=f8),
+        torch.empty(E, NY),
+        torch.empty(E + 1, dtype=torch.int32),
+        torch.empty(N, NY, dtype=bf),
+    )
     return [_resources(k, triton) for k in compiled]
 
 
@@ -203,6 +218,7 @@ def _resources(k, triton) -> dict:
         warps=k.metadata.num_warps,
         spills=len(re.findall(r"\bSTL\b", sass)),
         setmaxnreg="setmaxnreg" in ptx,
+        fp8_mma="e4m3.e4m3" in ptx,
         copy_bytes=sorted(set(re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)", ptx))),
     )
 
@@ -247,6 +263,14 @@ def test_wgrad_compiles_for_sm90(i, compiled):
     k = compiled[len(VARIANTS) + len(GATHER_VARIANTS) + i]
     _check(k, 128)
     assert k["copy_bytes"] == ["0x10"], f"the gathered rows' copies: {k['copy_bytes']} bytes"
+
+
+def test_fp8_sorted_compiles_for_sm90(compiled):
+    """The e4m3 grouped GEMM over rows in order (:mod:`moeyard.quant.fp8_gluon`): e4m3 wgmma, two consumer
+    warp groups and a loader."""
+    k = compiled[-1]
+    _check(k, 128)
+    assert k["fp8_mma"], "no e4m3 wgmma in the PTX"
 
 
 if __name__ == "__main__":

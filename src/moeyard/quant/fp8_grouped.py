@@ -12,6 +12,10 @@ costs a copy of its e4m3 rows first. Measured on an H200 (``benchmarks/fp8_trito
 projection ``[N, H] x [H, 2I]`` gathered by token, 2026-11-27), ms: qwen3-30b-a3b 1.86 here against 2.23
 (gather + CUTLASS), sonic-120b 4.11 against 4.89, sonic-7b 0.54 against 1.25.
 
+Rows already in expert order (no ``index``) run on Hopper on the warp-specialised Gluon kernel of
+:mod:`.fp8_gluon` (both operands through TMA) where it applies; ``MOEYARD_FP8_GLUON=0`` keeps them on this
+kernel.
+
 The reference is :func:`reference` (float32 on the dequantised operands, one GEMM per expert).
 Legend: M source rows, R output rows, K reduction, N output columns, E experts.
 """
@@ -19,6 +23,7 @@ Legend: M source rows, R output rows, K reduction, N output columns, E experts.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -28,6 +33,7 @@ from ..experts.triton.schedule import expert_tile, max_row_tiles, tuned
 from ..kernel_op import interpreting
 
 Tensor = torch.Tensor
+ENV_GLUON = "MOEYARD_FP8_GLUON"
 
 CONFIGS = [  # (BN, BK, stages), 8 warps, BM 128: each fits Hopper's shared memory
     triton.Config({"BM": 128, "BN": bn, "BK": bk}, num_warps=8, num_stages=s)
@@ -119,8 +125,8 @@ def grouped_mm(
     """The module docstring's product: ``a [M, K]`` e4m3 (unit stride along K) with ``scale_a [M]``,
     ``b [E, N, K]`` e4m3 with ``scale_b [E, N]``, ``offsets [E + 1]`` int32, optional ``index [R]`` int64 ->
     ``[R, N]`` ``out_dtype`` (``R = index.numel()``, else M). ``offsets[E] <= R``
-    is the caller's to keep (checking it would need a host sync).
-    No host sync.
+    is the caller's to keep (checking it would need a host sync). Without ``index``, on Hopper, the Gluon
+    kernel of :mod:`.fp8_gluon` runs where it applies (module docstring). No host sync.
 
     Raises:
         TypeError: ``a`` or ``b`` not float8_e4m3fn, or a scale not float32.
@@ -148,6 +154,11 @@ def grouped_mm(
     if R == 0 or N == 0:
         return out
     b, scale_b, scale_a = b.contiguous(), scale_b.contiguous(), scale_a.contiguous()
+    if index is None and _gluon_ready(a, b):
+        from . import fp8_gluon
+
+        fp8_gluon.launch(a, scale_a, b, scale_b, offsets, out)
+        return out
     args = (
         a,
         scale_a,
@@ -165,6 +176,18 @@ def grouped_mm(
     meta = dict(GATHER=index is not None, E_P2=triton.next_power_of_2(max(E, 2)))
     _launcher()[lambda m: (max_row_tiles(R, E, m["BM"]) * triton.cdiv(N, m["BN"]),)](*args, **meta)
     return out
+
+
+def _gluon_ready(a: Tensor, b: Tensor) -> bool:
+    """Whether :func:`grouped_mm` runs rows in order on :mod:`.fp8_gluon`: ``MOEYARD_FP8_GLUON`` not ``0``,
+    not under the interpreter (Gluon has none), and :func:`.fp8_gluon.ready`."""
+    if interpreting() or not a.is_cuda or os.environ.get(ENV_GLUON, "1").strip() in ("0", "false", "False"):
+        return False
+    try:
+        from . import fp8_gluon
+    except ImportError:  # a Triton without Gluon
+        return False
+    return fp8_gluon.ready(a, b)
 
 
 def reference(

@@ -1,0 +1,84 @@
+"""Probe: the two e4m3 grouped GEMMs whose rows are already in expert order, the down projection's forward
+(``act(h) [N, I] x W_down^T``) and the up projection's input gradient (``d h [N, 2I] x W_up``), on the Gluon
+kernel (:mod:`moeyard.quant.fp8_gluon`, both operands through TMA) and on the Triton kernel
+(:func:`moeyard.quant.fp8_grouped.grouped_kernel`, ``MOEYARD_FP8_GLUON=0``), at the anchor shapes.
+
+Each row: ms (median of CUDA-event timings after warm-up, three input sets in turn), TFLOP/s, the share of
+the dense e4m3 rate measured in the same run (``torch._scaled_mm``, rowwise scales, 8192^3), and the
+relative error (Frobenius) against float32 on the dequantised operands.
+
+    PYTHONPATH=src python3 benchmarks/fp8_sorted_probe.py [--models qwen3-30b-a3b,sonic-120b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+
+from moeyard.bench import dense_fp8_tflops
+from moeyard.bench.models import get_model
+from moeyard.quant import fp8_grouped
+from moeyard.quant.fp8_triton import rowwise
+
+
+def operands(R: int, K: int, E: int, N: int, seed: int):
+    """Rows ``[R, K]`` and ``W [E, N, K]`` cast rowwise, and balanced-at-random offsets ``[E + 1]``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a, sa = rowwise(torch.randn(R, K, device="cuda", generator=g, dtype=torch.bfloat16))
+    b, sb = rowwise(torch.randn(E * N, K, device="cuda", generator=g, dtype=torch.bfloat16))
+    counts = torch.bincount(torch.randint(0, E, (R,), device="cuda", generator=g), minlength=E)
+    offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+    offsets[1:] = counts.cumsum(0)
+    return a, sa, b.view(E, N, K), sb.view(E, N), offsets
+
+
+def time_ms(fn, pool, warmup: int = 5, iters: int = 30) -> float:
+    for i in range(warmup):
+        fn(*pool[i % len(pool)])
+    times = []
+    for i in range(iters):
+        args = pool[i % len(pool)]
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        s.record()
+        fn(*args)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def gemm(a, sa, b, sb, offsets):
+    return fp8_grouped.grouped_mm(a, sa, b, sb, offsets, torch.bfloat16)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="sonic-7b,qwen3-30b-a3b,sonic-30b-a,sonic-120b,qwen3.5-35b-a3b")
+    args = p.parse_args()
+    dense = dense_fp8_tflops(torch.device("cuda"), 3, 10)
+    print(f"{torch.cuda.get_device_name()} · dense e4m3 {dense:.0f} TFLOP/s · ms / TFLOP/s / share of dense / rel err")
+    for name in args.models.split(","):
+        cfg = get_model(name).moe_config()
+        T, E, k, H, I = get_model(name).tokens, cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size
+        R = T * k
+        print(f"{name} (R {R} rows, E {E}, H {H}, I {I})")
+        for label, K in (("down  act(h) W_down^T", I), ("dgrad d h W_up", 2 * I)):
+            pool = [operands(R, K, E, H, s) for s in range(3)]
+            ref = fp8_grouped.reference(*pool[0], torch.float32)
+            flops = 2.0 * R * K * H
+            for kernel, flag in (("gluon", "1"), ("triton", "0")):
+                os.environ[fp8_grouped.ENV_GLUON] = flag
+                err = float((gemm(*pool[0]).float() - ref).norm() / ref.norm())
+                ms = time_ms(gemm, pool)
+                rate = flops / ms / 1e9
+                print(f"  {label:22s} {kernel:6s} {ms:7.3f} ms {rate:6.0f} TFLOP/s {rate / dense:5.0%} err {err:.1e}")
+            del pool, ref
+    os.environ.pop(fp8_grouped.ENV_GLUON, None)
+
+
+if __name__ == "__main__":
+    main()

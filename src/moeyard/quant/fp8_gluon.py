@@ -1,0 +1,276 @@
+"""The rowwise-scaled e4m3 grouped GEMM of :mod:`.fp8_grouped` for rows already in expert order (no
+gather), written in Gluon for sm_90: the down projection's forward ``y = act(h) W_down^T`` and the up
+projection's input gradient ``d rows = d h W_up`` of the ``fp8_rowwise`` recipes.
+
+Why a second kernel: :func:`.fp8_grouped.grouped_kernel` loads both operands with pointer loads that every
+warp issues between its MMAs (64% of the dense e4m3 rate at qwen3-30b-a3b, H100, ``benchmarks/NOTES.md``,
+round 39). Rows in expert order need no gather, so both operands can come through TMA, as in the bf16 down
+projection (:mod:`moeyard.experts.triton.kernels_gluon`), whose schedule this kernel keeps: one persistent
+program per SM, warp-specialised (``gl.warp_specialize``):
+
+- a one-warp loader issues each (tile, K step)'s two TMA boxes (``a [BM, BK]`` and ``b_e [BN, BK]``, both
+  K-major, as e4m3 MMAs need) into a ring of ``STAGES`` stages, each once both consumers released it;
+- two consumer warp groups (rows ``0 .. 63`` and ``64 .. 127`` of each tile) wait for a stage, run its MMA
+  with one in flight, release the stage the previous one read; the epilogue multiplies the float32
+  accumulator by the rows' and the columns' scales and stores the tile by row in 16-byte vectors.
+
+``out[r] = (a[r] * scale_a[r]) @ (b[e] * scale_b[e][:, None])^T`` for the rows ``r`` of expert ``e``
+(``offsets[e] <= r < offsets[e + 1]``); rows past ``offsets[E]`` are not written. A tile's rows past its
+expert's end belong to the next expert: computed, not stored. A box past a tensor's end reads zeros, so
+the K tail and the last rows need no mask.
+"""
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from ..experts.triton.kernels_gluon import (
+    LOADER_REGS,
+    _my_tiles,
+    _store_tile,
+    _tile_of,
+    _tma_load,
+    barrier_ring,
+    next_stage,
+    store_layout,
+)
+
+Tensor = torch.Tensor
+
+BM, BN, BK = 128, 256, 128  # a stage: (128 + 256) x 128 bytes = 48 KiB
+STAGES = 4  # 192 KiB of the 227 KiB a Hopper block may hold
+CONSUMER_REGS = 232  # as the bf16 down projection's (its accumulator is the same [64, 256] float32)
+
+
+@gluon.jit
+def _loader(
+    a_desc,
+    b_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    table_ptr,
+    K,
+    N,
+    M,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """The loader partition (one warp): each K step's two boxes into the next stage once both consumers
+    released it."""
+    pid, nprog, n_tiles_n, my_tiles = _my_tiles(table_ptr, M, N, BN)
+    k_steps = gl.cdiv(K, BK)
+    s = 0
+    phase = 0
+    for t in range(my_tiles):
+        e, row0, col0 = _tile_of(t, pid, nprog, n_tiles_n, table_ptr, M, BN)
+        for kt in range(k_steps):
+            mbarrier.wait(empty.index(s), phase ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            _tma_load(a_desc, [row0, kt * BK], bar, a_bufs.index(s))
+            _tma_load(b_desc, [e, col0, kt * BK], bar, b_bufs.index(s))
+            s, phase = next_stage(s, phase, STAGES)
+
+
+@gluon.jit
+def _consumer(
+    half,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    a_scale_ptr,
+    b_scale_ptr,
+    offsets_ptr,
+    out_ptr,
+    table_ptr,
+    K,
+    N,
+    E,
+    M,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """A consumer partition (one warp group): rows ``64 half ... 64 half + 63`` of every tile (as
+    :func:`moeyard.experts.triton.kernels_gluon._consumer`, with the scales in the epilogue)."""
+    HM: gl.constexpr = 64
+    ST: gl.constexpr = store_layout(HM, BN, 4)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    pid, nprog, n_tiles_n, my_tiles = _my_tiles(table_ptr, M, N, BN)
+    k_steps = gl.cdiv(K, BK)
+    s = 0
+    phase = 0
+    for t in range(my_tiles):
+        e, row0, col0 = _tile_of(t, pid, nprog, n_tiles_n, table_ptr, M, BN)
+        # the rows' end and both scales, read before the K loop hides their latency
+        rows = row0 + half * HM + gl.arange(0, HM, rows_l)
+        ok = rows < gl.load(offsets_ptr + e + 1)
+        sa = gl.load(a_scale_ptr + rows, mask=ok, other=0.0)
+        cols = col0 + gl.arange(0, BN, cols_l)
+        sb = gl.load(b_scale_ptr + e.to(gl.int64) * N + cols, mask=cols < N, other=0.0)
+        acc = gl.zeros([HM, BN], gl.float32, mma)
+        for kt in range(k_steps):
+            mbarrier.wait(ready.index(s), phase)
+            acc = warpgroup_mma(
+                a_bufs.index(s).slice(half * HM, HM), b_bufs.index(s).permute((1, 0)), acc, is_async=True
+            )
+            acc = warpgroup_mma_wait(1, deps=[acc])
+            if kt > 0:  # the previous step's MMA has read its stage
+                mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
+            s, phase = next_stage(s, phase, STAGES)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)  # the tile's last stage
+        acc = acc * sa[:, None] * sb[None, :]
+        _store_tile(acc, rows.to(gl.int64), ok, col0, N, out_ptr, BN, ST)
+
+
+@gluon.jit
+def sorted_kernel(
+    a_desc,  # rows [R, K] e4m3, boxes [BM, BK]
+    b_desc,  # b [E, N, K] e4m3, boxes [1, BN, BK]
+    a_scale_ptr,  # [R] float32
+    b_scale_ptr,  # [E, N] float32, contiguous
+    offsets_ptr,  # [E + 1] int32
+    out_ptr,  # [R, N], contiguous
+    table_ptr,  # [2 * M + 1] int32 tile table (moeyard.experts.triton.schedule.fill_tile_table)
+    K,
+    N,
+    E,
+    M,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
+    """The module docstring's product for every tile of the table; one program per SM, tiles ``pid, pid +
+    programs, ...``; launched with 4 warps (the first consumer), plus the second consumer and the loader."""
+    dtype: gl.constexpr = a_desc.dtype
+    sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, 128, BK], sl)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], sl)
+    ready, empty = barrier_ring(STAGES, 1, 2)  # the TMA's expect; one arrival per consumer
+    # the partitions' argument tuples are written out in the call (see kernels_gluon.down_kernel)
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    0,
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    a_scale_ptr,
+                    b_scale_ptr,
+                    offsets_ptr,
+                    out_ptr,
+                    table_ptr,
+                    K,
+                    N,
+                    E,
+                    M,
+                    BN,
+                    BK,
+                    STAGES,
+                ),
+            ),
+            (
+                _consumer,
+                (
+                    1,
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    a_scale_ptr,
+                    b_scale_ptr,
+                    offsets_ptr,
+                    out_ptr,
+                    table_ptr,
+                    K,
+                    N,
+                    E,
+                    M,
+                    BN,
+                    BK,
+                    STAGES,
+                ),
+            ),
+            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, table_ptr, K, N, M, BN, BK, STAGES)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
+    )
+
+
+def ready(a: Tensor, b: Tensor) -> bool:
+    """Whether :func:`launch` can run: Hopper (sm_90), ``a [R, K]`` and ``b [E, N, K]`` e4m3, contiguous,
+    16-byte aligned, ``K`` a multiple of 16 (TMA strides). Host metadata only."""
+    from ..experts.triton.schedule import is_sm90
+
+    if not (a.is_cuda and is_sm90(a.device)):
+        return False
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        return False
+    return (
+        a.is_contiguous()
+        and b.is_contiguous()
+        and a.shape[1] % 16 == 0
+        and a.data_ptr() % 16 == 0
+        and b.data_ptr() % 16 == 0
+    )
+
+
+def launch(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offsets: Tensor, out: Tensor) -> None:
+    """:func:`sorted_kernel` into ``out [R, N]``: ``a [R, K]`` e4m3 with ``scale_a [R]``, ``b [E, N, K]`` e4m3
+    with ``scale_b [E, N]`` (float32, contiguous), ``offsets [E + 1]`` int32. :func:`ready` must hold. Two
+    launches (the tile table, then the GEMM), no host sync."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..experts.triton.ops import num_sms
+    from ..experts.triton.schedule import fill_tile_table, max_row_tiles
+
+    R, K = a.shape
+    E, N, _ = b.shape
+    M = max_row_tiles(R, E, BM)
+    table = torch.empty(2 * M + 1, dtype=torch.int32, device=a.device)
+    fill_tile_table(offsets, BM, table)
+    a_d = TensorDescriptor(a, [R, K], [K, 1], [BM, BK], _layout(2))
+    b_d = TensorDescriptor(b, [E, N, K], [N * K, K, 1], [1, BN, BK], _layout(3))
+    grid = (min(M * triton.cdiv(N, BN), num_sms(a.device)),)
+    sorted_kernel[grid](
+        a_d,
+        b_d,
+        scale_a,
+        scale_b,
+        offsets,
+        out,
+        table,
+        K,
+        N,
+        E,
+        M,
+        BN=BN,
+        BK=BK,
+        STAGES=STAGES,
+        LOADER_REGS=LOADER_REGS,
+        CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=4,
+    )
+
+
+@functools.cache
+def _layout(rank: int):
+    """The NVMMA shared layout of an e4m3 TMA box of ``rank`` dimensions (128-byte rows: BK = 128)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=rank)
