@@ -31,7 +31,6 @@ GEMM_NAMES = (
     "dh_kernel",
     "wgrad_kernel",
     "down_tma_kernel",
-    "sorted_kernel",
 )
 
 

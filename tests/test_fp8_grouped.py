@@ -99,6 +99,7 @@ gpu_only = pytest.mark.skipif(ON_CPU, reason="sizes too large for Triton's inter
 @pytest.mark.parametrize(
     "gluon", ["1", pytest.param("0", marks=pytest.mark.skipif(ON_CPU, reason="no Gluon on a CPU"))]
 )
+@pytest.mark.parametrize("gather", [False, True], ids=["in-order", "gathered"])
 @pytest.mark.parametrize(
     "counts, K, N",
     [
@@ -108,21 +109,28 @@ gpu_only = pytest.mark.skipif(ON_CPU, reason="sizes too large for Triton's inter
         ([1, 1, 1, 1], 32, 40),  # one row per expert
     ],
 )
-def test_rows_in_order_on_each_kernel(gluon, counts, K, N, monkeypatch):
-    """Rows in expert order (the down projection, the up projection's input gradient): on Hopper the Gluon
-    kernel (``MOEYARD_FP8_GLUON=1``) and the Triton kernel (``0``) both match the float32 reference, rows past
-    ``offsets[E]`` included in the output's shape, and the rows of each expert only from its own weight."""
+def test_each_kernel(gluon, gather, counts, K, N, monkeypatch):
+    """On Hopper the Gluon kernel (``MOEYARD_FP8_GLUON=1``) and the Triton kernel (``0``) both match the
+    float32 reference, rows in expert order (the down projection, the up projection's input gradient) and
+    rows gathered by index (the up projection, the down projection's input gradient; pad rows zero), and
+    the rows of each expert come from its own weight only (a tile's rows past its expert's end are not
+    stored)."""
     device = DEVICES[0]
     monkeypatch.setenv(fp8_grouped.ENV_GLUON, gluon)
-    E = len(counts)
-    R = sum(counts)
-    a, s_a, b, s_b = _operands(R + 5, K, E, N, device, seed=3)  # 5 rows past the experts
+    E, R = len(counts), sum(counts)
+    M = 37 if gather else R + 5  # in order: 5 rows past the experts
+    a, s_a, b, s_b = _operands(M, K, E, N, device, seed=3)
     offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    got = fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, torch.bfloat16)
-    ref = fp8_grouped.reference(a, s_a, b, s_b, offsets, torch.bfloat16)
-    assert got.shape == (R + 5, N)
+    index = None
+    if gather:
+        index = torch.randint(0, M + 1, (R,), generator=torch.Generator().manual_seed(4)).to(device)  # M: pad
+    got = fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, torch.bfloat16, index=index)
+    ref = fp8_grouped.reference(a, s_a, b, s_b, offsets, torch.bfloat16, index=index)
+    assert got.shape == (R if gather else M, N)
     _close(got[:R], ref[:R], torch.bfloat16)
-    for e in range(E):  # each expert's rows, alone: a tile's rows past its expert's end are not stored
+    for e in range(E):
         lo, hi = sum(counts[:e]), sum(counts[: e + 1])
         if hi > lo:
             _close(got[lo:hi], ref[lo:hi], torch.bfloat16)
+    if gather:
+        assert torch.all(got[index == M] == 0)

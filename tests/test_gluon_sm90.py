@@ -91,7 +91,7 @@ def _compile_all() -> list[dict]:
     from moeyard.experts.triton import schedule
     from moeyard.quant import fp8_gluon
 
-    grab(fp8_gluon, "sorted_kernel")
+    grab(fp8_gluon, "gluon_grouped_kernel")
     schedule.fill_tile_table = lambda *args: None  # a launch: nothing runs here
     E, NY, KA, N, bf = 8, 2048, 512, 4096, torch.bfloat16
     table = lambda block_m: torch.empty(2 * (N // block_m + E) + 1, dtype=torch.int32)  # noqa: E731
@@ -189,14 +189,16 @@ def _compile_all() -> list[dict]:
                 132,
             )
     f8 = torch.float8_e4m3fn
-    fp8_gluon.launch(
-        torch.empty(N, KA, dtype=f8),
-        torch.empty(N),
-        torch.empty(E, NY, KA, dtype=f8),
-        torch.empty(E, NY),
-        torch.empty(E + 1, dtype=torch.int32),
-        torch.empty(N, NY, dtype=bf),
-    )
+    for by_index in (False, True):  # rows in order (TMA), rows gathered by index (cp.async)
+        fp8_gluon.launch(
+            torch.empty(T if by_index else N, KA, dtype=f8),
+            torch.empty(T if by_index else N),
+            torch.empty(E, NY, KA, dtype=f8),
+            torch.empty(E, NY),
+            torch.empty(E + 1, dtype=torch.int32),
+            torch.empty(N, NY, dtype=bf),
+            torch.empty(N, dtype=torch.int64) if by_index else None,
+        )
     return [_resources(k, triton) for k in compiled]
 
 
@@ -265,12 +267,14 @@ def test_wgrad_compiles_for_sm90(i, compiled):
     assert k["copy_bytes"] == ["0x10"], f"the gathered rows' copies: {k['copy_bytes']} bytes"
 
 
-def test_fp8_sorted_compiles_for_sm90(compiled):
-    """The e4m3 grouped GEMM over rows in order (:mod:`moeyard.quant.fp8_gluon`): e4m3 wgmma, two consumer
-    warp groups and a loader."""
-    k = compiled[-1]
+@pytest.mark.parametrize("by_index", [False, True], ids=["rows-in-order", "rows-gathered"])
+def test_fp8_grouped_compiles_for_sm90(by_index, compiled):
+    """The e4m3 grouped GEMM (:mod:`moeyard.quant.fp8_gluon`): e4m3 wgmma, two consumer warp groups and a
+    loader; gathering by index, with 16-byte ``cp.async`` copies."""
+    k = compiled[-1 if by_index else -2]
     _check(k, 128)
     assert k["fp8_mma"], "no e4m3 wgmma in the PTX"
+    assert k["copy_bytes"] == (["0x10"] if by_index else []), k["copy_bytes"]
 
 
 if __name__ == "__main__":

@@ -1,23 +1,28 @@
-"""The rowwise-scaled e4m3 grouped GEMM of :mod:`.fp8_grouped` for rows already in expert order (no
-gather), written in Gluon for sm_90: the down projection's forward ``y = act(h) W_down^T`` and the up
-projection's input gradient ``d rows = d h W_up`` of the ``fp8_rowwise`` recipes.
+"""The rowwise-scaled e4m3 grouped GEMM of :mod:`.fp8_grouped` written in Gluon for sm_90: the four FP8
+GEMMs of the ``fp8_rowwise`` recipes' forward and input gradients. Rows in expert order (the down
+projection ``y = act(h) W_down^T``, the up projection's input gradient ``d h W_up``) come through TMA; rows
+gathered by token (the up projection ``x[token] W_up^T``, the down projection's input gradient ``d
+out[token] W_down``) are copied by ``cp.async``, as Hopper's TMA cannot gather rows.
 
 Why a second kernel: :func:`.fp8_grouped.grouped_kernel` loads both operands with pointer loads that every
 warp issues between its MMAs (64% of the dense e4m3 rate at qwen3-30b-a3b, H100, ``benchmarks/NOTES.md``,
-round 39). Rows in expert order need no gather, so both operands can come through TMA, as in the bf16 down
-projection (:mod:`moeyard.experts.triton.kernels_gluon`), whose schedule this kernel keeps: one persistent
-program per SM, warp-specialised (``gl.warp_specialize``):
+round 39). This kernel keeps the schedule of the bf16 Gluon kernels (:mod:`moeyard.experts.triton.kernels_gluon`,
+:mod:`~moeyard.experts.triton.kernels_gluon_gather`): one persistent program per SM, warp-specialised
+(``gl.warp_specialize``):
 
-- a one-warp loader issues each (tile, K step)'s two TMA boxes (``a [BM, BK]`` and ``b_e [BN, BK]``, both
-  K-major, as e4m3 MMAs need) into a ring of ``STAGES`` stages, each once both consumers released it;
+- a loader partition issues each (tile, K step)'s weight box ``b_e [BN, BK]`` through TMA and the rows
+  ``[BM, BK]`` through TMA (one warp) or gathered (``LOADER_WARPS`` warps, 16 bytes per thread and copy;
+  a stage's ``ready`` barrier then also counts one arrival per loader thread) into a ring of ``STAGES``
+  stages, each once both consumers released it; both operands K-major, as e4m3 MMAs need;
 - two consumer warp groups (rows ``0 .. 63`` and ``64 .. 127`` of each tile) wait for a stage, run its MMA
   with one in flight, release the stage the previous one read; the epilogue multiplies the float32
   accumulator by the rows' and the columns' scales and stores the tile by row in 16-byte vectors.
 
-``out[r] = (a[r] * scale_a[r]) @ (b[e] * scale_b[e][:, None])^T`` for the rows ``r`` of expert ``e``
-(``offsets[e] <= r < offsets[e + 1]``); rows past ``offsets[E]`` are not written. A tile's rows past its
-expert's end belong to the next expert: computed, not stored. A box past a tensor's end reads zeros, so
-the K tail and the last rows need no mask.
+``out[r] = (a[src(r)] * scale_a[src(r)]) @ (b[e] * scale_b[e][:, None])^T`` for the rows ``r`` of expert
+``e`` (``offsets[e] <= r < offsets[e + 1]``), ``src(r) = index[r]`` (gathered; an index ``>= M`` reads a
+zero row) or ``r``; rows past ``offsets[E]`` are not written. A tile's rows past its expert's end belong to
+the next expert: computed, not stored. A box past a tensor's end reads zeros, so the K tail and the last
+rows need no mask.
 """
 
 import functools
@@ -26,7 +31,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from ..experts.triton.kernels_gluon import (
     LOADER_REGS,
@@ -38,44 +49,73 @@ from ..experts.triton.kernels_gluon import (
     next_stage,
     store_layout,
 )
+from ..experts.triton.kernels_gluon_gather import LOADER_REGS as GATHER_LOADER_REGS, LOADER_WARPS, _cp_async
 
 Tensor = torch.Tensor
 
 BM, BN, BK = 128, 256, 128  # a stage: (128 + 256) x 128 bytes = 48 KiB
 STAGES = 4  # 192 KiB of the 227 KiB a Hopper block may hold
 CONSUMER_REGS = 232  # as the bf16 down projection's (its accumulator is the same [64, 256] float32)
+# gathering: LOADER_WARPS loader warps copy the rows (8 of 16 bytes per thread and stage), as the bf16
+# gathering kernels' (2 * 128 * 224 + 128 * 56 registers <= 64K)
+GATHER_CONSUMER_REGS = 224
 
 
 @gluon.jit
 def _loader(
     a_desc,
     b_desc,
+    a_ptr,
+    index_ptr,
     a_bufs,
     b_bufs,
     ready,
     empty,
+    offsets_ptr,
     table_ptr,
+    MA,
     K,
     N,
+    E,
     M,
+    stride_am,
+    GATHER: gl.constexpr,
+    BM: gl.constexpr,
     BN: gl.constexpr,
     BK: gl.constexpr,
     STAGES: gl.constexpr,
+    WARPS: gl.constexpr,
 ):
-    """The loader partition (one warp): each K step's two boxes into the next stage once both consumers
-    released it."""
+    """The loader partition: each K step's weight box (TMA) and rows (TMA, or with ``GATHER`` copied from
+    their source rows by ``cp.async``, 16 bytes per thread and copy, zero past the expert's end, past ``K``
+    and for a source row ``>= MA``) into the next stage once both consumers released it."""
+    ld: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 16], threads_per_warp=[32 * 16 // BK, BK // 16], warps_per_cta=[WARPS, 1], order=[1, 0]
+    )
     pid, nprog, n_tiles_n, my_tiles = _my_tiles(table_ptr, M, N, BN)
     k_steps = gl.cdiv(K, BK)
+    ks = gl.arange(0, BK, gl.SliceLayout(0, ld))
     s = 0
     phase = 0
     for t in range(my_tiles):
         e, row0, col0 = _tile_of(t, pid, nprog, n_tiles_n, table_ptr, M, BN)
+        if GATHER:
+            rows = row0 + gl.arange(0, BM, gl.SliceLayout(1, ld))
+            src = gl.load(index_ptr + rows, mask=rows < gl.load(offsets_ptr + e + 1), other=MA)
+            ok = src < MA
+            ptrs = a_ptr + (src.to(gl.int64) * stride_am)[:, None] + ks[None, :]
         for kt in range(k_steps):
             mbarrier.wait(empty.index(s), phase ^ 1)
             bar = ready.index(s)
-            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            _tma_load(a_desc, [row0, kt * BK], bar, a_bufs.index(s))
-            _tma_load(b_desc, [e, col0, kt * BK], bar, b_bufs.index(s))
+            if GATHER:
+                mbarrier.expect(bar, b_desc.block_type.nbytes)
+                _tma_load(b_desc, [e, col0, kt * BK], bar, b_bufs.index(s))
+                _cp_async(a_bufs.index(s), ptrs + kt * BK, mask=ok[:, None] & ((ks + kt * BK) < K)[None, :])
+                async_copy.mbarrier_arrive(bar, increment_count=False)
+            else:
+                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                _tma_load(a_desc, [row0, kt * BK], bar, a_bufs.index(s))
+                _tma_load(b_desc, [e, col0, kt * BK], bar, b_bufs.index(s))
             s, phase = next_stage(s, phase, STAGES)
 
 
@@ -86,15 +126,18 @@ def _consumer(
     b_bufs,
     ready,
     empty,
+    index_ptr,
     a_scale_ptr,
     b_scale_ptr,
     offsets_ptr,
     out_ptr,
     table_ptr,
+    MA,
     K,
     N,
     E,
     M,
+    GATHER: gl.constexpr,
     BN: gl.constexpr,
     BK: gl.constexpr,
     STAGES: gl.constexpr,
@@ -115,12 +158,18 @@ def _consumer(
         # the rows' end and both scales, read before the K loop hides their latency
         rows = row0 + half * HM + gl.arange(0, HM, rows_l)
         ok = rows < gl.load(offsets_ptr + e + 1)
-        sa = gl.load(a_scale_ptr + rows, mask=ok, other=0.0)
+        if GATHER:
+            src = gl.load(index_ptr + rows, mask=ok, other=MA)
+            sa = gl.load(a_scale_ptr + src, mask=src < MA, other=0.0)
+        else:
+            sa = gl.load(a_scale_ptr + rows, mask=ok, other=0.0)
         cols = col0 + gl.arange(0, BN, cols_l)
         sb = gl.load(b_scale_ptr + e.to(gl.int64) * N + cols, mask=cols < N, other=0.0)
         acc = gl.zeros([HM, BN], gl.float32, mma)
         for kt in range(k_steps):
             mbarrier.wait(ready.index(s), phase)
+            if GATHER:
+                fence_async_shared()  # the cp.async rows (generic proxy) before the MMA's reads (async proxy)
             acc = warpgroup_mma(
                 a_bufs.index(s).slice(half * HM, HM), b_bufs.index(s).permute((1, 0)), acc, is_async=True
             )
@@ -135,31 +184,40 @@ def _consumer(
 
 
 @gluon.jit
-def sorted_kernel(
-    a_desc,  # rows [R, K] e4m3, boxes [BM, BK]
+def gluon_grouped_kernel(
+    a_desc,  # rows [R, K] e4m3, boxes [BM, BK] (read unless GATHER)
     b_desc,  # b [E, N, K] e4m3, boxes [1, BN, BK]
-    a_scale_ptr,  # [R] float32
+    a_ptr,  # GATHER: the source rows [MA, K] e4m3, unit stride along K, row stride stride_am
+    index_ptr,  # GATHER: [R] int64, each output row's source row (>= MA: a zero row)
+    a_scale_ptr,  # [R] float32, or GATHER [MA]
     b_scale_ptr,  # [E, N] float32, contiguous
     offsets_ptr,  # [E + 1] int32
     out_ptr,  # [R, N], contiguous
     table_ptr,  # [2 * M + 1] int32 tile table (moeyard.experts.triton.schedule.fill_tile_table)
+    MA,
     K,
     N,
     E,
     M,
+    stride_am,
+    GATHER: gl.constexpr,
+    BM: gl.constexpr,
     BN: gl.constexpr,
     BK: gl.constexpr,
     STAGES: gl.constexpr,
+    LOADER_WARPS: gl.constexpr,
     LOADER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
 ):
     """The module docstring's product for every tile of the table; one program per SM, tiles ``pid, pid +
-    programs, ...``; launched with 4 warps (the first consumer), plus the second consumer and the loader."""
-    dtype: gl.constexpr = a_desc.dtype
+    programs, ...``; launched with 4 warps (the first consumer), plus the second consumer and the loader
+    (one warp, or ``LOADER_WARPS`` with ``GATHER``)."""
+    dtype: gl.constexpr = b_desc.dtype
     sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, 128, BK], sl)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], sl)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], sl)
-    ready, empty = barrier_ring(STAGES, 1, 2)  # the TMA's expect; one arrival per consumer
+    # ready: the TMA's expect, and with GATHER one arrival per loader thread; empty: one per consumer
+    ready, empty = barrier_ring(STAGES, 1 + 32 * LOADER_WARPS * GATHER, 2)
     # the partitions' argument tuples are written out in the call (see kernels_gluon.down_kernel)
     gl.warp_specialize(
         [
@@ -171,15 +229,18 @@ def sorted_kernel(
                     b_bufs,
                     ready,
                     empty,
+                    index_ptr,
                     a_scale_ptr,
                     b_scale_ptr,
                     offsets_ptr,
                     out_ptr,
                     table_ptr,
+                    MA,
                     K,
                     N,
                     E,
                     M,
+                    GATHER,
                     BN,
                     BK,
                     STAGES,
@@ -193,79 +254,116 @@ def sorted_kernel(
                     b_bufs,
                     ready,
                     empty,
+                    index_ptr,
                     a_scale_ptr,
                     b_scale_ptr,
                     offsets_ptr,
                     out_ptr,
                     table_ptr,
+                    MA,
                     K,
                     N,
                     E,
                     M,
+                    GATHER,
                     BN,
                     BK,
                     STAGES,
                 ),
             ),
-            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, table_ptr, K, N, M, BN, BK, STAGES)),
+            (
+                _loader,
+                (
+                    a_desc,
+                    b_desc,
+                    a_ptr,
+                    index_ptr,
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    offsets_ptr,
+                    table_ptr,
+                    MA,
+                    K,
+                    N,
+                    E,
+                    M,
+                    stride_am,
+                    GATHER,
+                    BM,
+                    BN,
+                    BK,
+                    STAGES,
+                    LOADER_WARPS,
+                ),
+            ),
         ],
-        [4, 1],
+        [4, LOADER_WARPS],
         [CONSUMER_REGS, LOADER_REGS],
     )
 
 
-def ready(a: Tensor, b: Tensor) -> bool:
-    """Whether :func:`launch` can run: Hopper (sm_90), ``a [R, K]`` and ``b [E, N, K]`` e4m3, contiguous,
-    16-byte aligned, ``K`` a multiple of 16 (TMA strides). Host metadata only."""
+def ready(a: Tensor, b: Tensor, index: Tensor | None = None) -> bool:
+    """Whether :func:`launch` can run: Hopper (sm_90), ``a [M, K]`` and ``b [E, N, K]`` e4m3, 16-byte aligned,
+    ``K`` a multiple of 16 (TMA strides and 16-byte copies), ``b`` contiguous; ``a`` contiguous, or with
+    ``index`` a unit stride along ``K`` and a row stride that is a multiple of 16. Host metadata only."""
     from ..experts.triton.schedule import is_sm90
 
     if not (a.is_cuda and is_sm90(a.device)):
         return False
     if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
         return False
-    return (
-        a.is_contiguous()
-        and b.is_contiguous()
-        and a.shape[1] % 16 == 0
-        and a.data_ptr() % 16 == 0
-        and b.data_ptr() % 16 == 0
-    )
+    rows_ok = a.is_contiguous() if index is None else (a.stride(1) == 1 and a.stride(0) % 16 == 0)
+    return rows_ok and b.is_contiguous() and a.shape[1] % 16 == 0 and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
 
 
-def launch(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offsets: Tensor, out: Tensor) -> None:
-    """:func:`sorted_kernel` into ``out [R, N]``: ``a [R, K]`` e4m3 with ``scale_a [R]``, ``b [E, N, K]`` e4m3
-    with ``scale_b [E, N]`` (float32, contiguous), ``offsets [E + 1]`` int32. :func:`ready` must hold. Two
-    launches (the tile table, then the GEMM), no host sync."""
+def launch(
+    a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offsets: Tensor, out: Tensor, index: Tensor | None = None
+) -> None:
+    """:func:`gluon_grouped_kernel` into ``out [R, N]``: ``a [M, K]`` e4m3 with ``scale_a [M]`` (rows in order:
+    ``R = M``; or read through ``index [R]`` int64, an index ``>= M`` a zero row), ``b [E, N, K]`` e4m3 with
+    ``scale_b [E, N]`` (float32, contiguous), ``offsets [E + 1]`` int32. :func:`ready` must hold. Two launches
+    (the tile table, then the GEMM), no host sync."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..experts.triton.ops import num_sms
     from ..experts.triton.schedule import fill_tile_table, max_row_tiles
 
-    R, K = a.shape
+    MA, K = a.shape
     E, N, _ = b.shape
+    R = out.shape[0]
     M = max_row_tiles(R, E, BM)
     table = torch.empty(2 * M + 1, dtype=torch.int32, device=a.device)
     fill_tile_table(offsets, BM, table)
-    a_d = TensorDescriptor(a, [R, K], [K, 1], [BM, BK], _layout(2))
     b_d = TensorDescriptor(b, [E, N, K], [N * K, K, 1], [1, BN, BK], _layout(3))
+    gather = index is not None
+    a_d = b_d if gather else TensorDescriptor(a, [MA, K], [K, 1], [BM, BK], _layout(2))  # placeholder: not read
     grid = (min(M * triton.cdiv(N, BN), num_sms(a.device)),)
-    sorted_kernel[grid](
+    gluon_grouped_kernel[grid](
         a_d,
         b_d,
+        a,
+        index if gather else offsets,
         scale_a,
         scale_b,
         offsets,
         out,
         table,
+        MA,
         K,
         N,
         E,
         M,
+        a.stride(0),
+        GATHER=gather,
+        BM=BM,
         BN=BN,
         BK=BK,
         STAGES=STAGES,
-        LOADER_REGS=LOADER_REGS,
-        CONSUMER_REGS=CONSUMER_REGS,
+        LOADER_WARPS=LOADER_WARPS if gather else 1,
+        LOADER_REGS=GATHER_LOADER_REGS if gather else LOADER_REGS,
+        CONSUMER_REGS=GATHER_CONSUMER_REGS if gather else CONSUMER_REGS,
         num_warps=4,
     )
 

@@ -12,9 +12,8 @@ costs a copy of its e4m3 rows first. Measured on an H200 (``benchmarks/fp8_trito
 projection ``[N, H] x [H, 2I]`` gathered by token, 2026-11-27), ms: qwen3-30b-a3b 1.86 here against 2.23
 (gather + CUTLASS), sonic-120b 4.11 against 4.89, sonic-7b 0.54 against 1.25.
 
-Rows already in expert order (no ``index``) run on Hopper on the warp-specialised Gluon kernel of
-:mod:`.fp8_gluon` (both operands through TMA) where it applies; ``MOEYARD_FP8_GLUON=0`` keeps them on this
-kernel.
+On Hopper the warp-specialised Gluon kernel of :mod:`.fp8_gluon` runs instead where it applies (the weight
+through TMA, the rows through TMA or gathered by ``cp.async``); ``MOEYARD_FP8_GLUON=0`` keeps this kernel.
 
 The reference is :func:`reference` (float32 on the dequantised operands, one GEMM per expert).
 Legend: M source rows, R output rows, K reduction, N output columns, E experts.
@@ -125,8 +124,8 @@ def grouped_mm(
     """The module docstring's product: ``a [M, K]`` e4m3 (unit stride along K) with ``scale_a [M]``,
     ``b [E, N, K]`` e4m3 with ``scale_b [E, N]``, ``offsets [E + 1]`` int32, optional ``index [R]`` int64 ->
     ``[R, N]`` ``out_dtype`` (``R = index.numel()``, else M). ``offsets[E] <= R``
-    is the caller's to keep (checking it would need a host sync). Without ``index``, on Hopper, the Gluon
-    kernel of :mod:`.fp8_gluon` runs where it applies (module docstring). No host sync.
+    is the caller's to keep (checking it would need a host sync). On Hopper the Gluon kernel of
+    :mod:`.fp8_gluon` runs where it applies (module docstring). No host sync.
 
     Raises:
         TypeError: ``a`` or ``b`` not float8_e4m3fn, or a scale not float32.
@@ -154,10 +153,10 @@ def grouped_mm(
     if R == 0 or N == 0:
         return out
     b, scale_b, scale_a = b.contiguous(), scale_b.contiguous(), scale_a.contiguous()
-    if index is None and _gluon_ready(a, b):
+    if _gluon_ready(a, b, index):
         from . import fp8_gluon
 
-        fp8_gluon.launch(a, scale_a, b, scale_b, offsets, out)
+        fp8_gluon.launch(a, scale_a, b, scale_b, offsets, out, index)
         return out
     args = (
         a,
@@ -178,8 +177,8 @@ def grouped_mm(
     return out
 
 
-def _gluon_ready(a: Tensor, b: Tensor) -> bool:
-    """Whether :func:`grouped_mm` runs rows in order on :mod:`.fp8_gluon`: ``MOEYARD_FP8_GLUON`` not ``0``,
+def _gluon_ready(a: Tensor, b: Tensor, index: Tensor | None) -> bool:
+    """Whether :func:`grouped_mm` runs on :mod:`.fp8_gluon`: ``MOEYARD_FP8_GLUON`` not ``0``,
     not under the interpreter (Gluon has none), and :func:`.fp8_gluon.ready`."""
     if interpreting() or not a.is_cuda or os.environ.get(ENV_GLUON, "1").strip() in ("0", "false", "False"):
         return False
@@ -187,7 +186,7 @@ def _gluon_ready(a: Tensor, b: Tensor) -> bool:
         from . import fp8_gluon
     except ImportError:  # a Triton without Gluon
         return False
-    return fp8_gluon.ready(a, b)
+    return fp8_gluon.ready(a, b, index)
 
 
 def reference(

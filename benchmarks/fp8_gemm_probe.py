@@ -1,13 +1,15 @@
-"""Probe: the two e4m3 grouped GEMMs whose rows are already in expert order, the down projection's forward
-(``act(h) [N, I] x W_down^T``) and the up projection's input gradient (``d h [N, 2I] x W_up``), on the Gluon
-kernel (:mod:`moeyard.quant.fp8_gluon`, both operands through TMA) and on the Triton kernel
-(:func:`moeyard.quant.fp8_grouped.grouped_kernel`, ``MOEYARD_FP8_GLUON=0``), at the anchor shapes.
+"""Probe: the four e4m3 grouped GEMMs of the ``fp8_rowwise`` recipes' forward and input gradients: rows in
+expert order, the down projection (``act(h) [N, I] x W_down^T``) and the up projection's input gradient
+(``d h [N, 2I] x W_up``); rows gathered by token, the up projection (``x[token] [N, H] x W_up^T``) and the
+down projection's input gradient (``d out[token] [N, H] x W_down``); each on the Gluon kernel
+(:mod:`moeyard.quant.fp8_gluon`) and on the Triton kernel (:func:`moeyard.quant.fp8_grouped.grouped_kernel`,
+``MOEYARD_FP8_GLUON=0``), at the anchor shapes.
 
 Each row: ms (median of CUDA-event timings after warm-up, three input sets in turn), TFLOP/s, the share of
 the dense e4m3 rate measured in the same run (``torch._scaled_mm``, rowwise scales, 8192^3), and the
 relative error (Frobenius) against float32 on the dequantised operands.
 
-    PYTHONPATH=src python3 benchmarks/fp8_sorted_probe.py [--models qwen3-30b-a3b,sonic-120b]
+    PYTHONPATH=src python3 benchmarks/fp8_gemm_probe.py [--models qwen3-30b-a3b,sonic-120b]
 """
 
 from __future__ import annotations
@@ -24,15 +26,21 @@ from moeyard.quant import fp8_grouped
 from moeyard.quant.fp8_triton import rowwise
 
 
-def operands(R: int, K: int, E: int, N: int, seed: int):
-    """Rows ``[R, K]`` and ``W [E, N, K]`` cast rowwise, and balanced-at-random offsets ``[E + 1]``."""
+def operands(R: int, K: int, E: int, N: int, seed: int, tokens: int = 0):
+    """Rows ``[R, K]`` (or, with ``tokens``, ``[tokens, K]`` and each row's token ``[R]``) and ``W [E, N, K]``
+    cast rowwise, and balanced-at-random offsets ``[E + 1]``."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    a, sa = rowwise(torch.randn(R, K, device="cuda", generator=g, dtype=torch.bfloat16))
+    a, sa = rowwise(torch.randn(tokens or R, K, device="cuda", generator=g, dtype=torch.bfloat16))
     b, sb = rowwise(torch.randn(E * N, K, device="cuda", generator=g, dtype=torch.bfloat16))
     counts = torch.bincount(torch.randint(0, E, (R,), device="cuda", generator=g), minlength=E)
     offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
     offsets[1:] = counts.cumsum(0)
-    return a, sa, b.view(E, N, K), sb.view(E, N), offsets
+    index = None
+    if tokens:  # each expert's rows in token order, over all tokens (as the dispatch's sort leaves them)
+        expert = torch.repeat_interleave(torch.arange(E, device="cuda"), counts)
+        key = expert * tokens + torch.randint(0, tokens, (R,), device="cuda", generator=g)
+        index = key.sort().values % tokens
+    return a, sa, b.view(E, N, K), sb.view(E, N), offsets, index
 
 
 def time_ms(fn, pool, warmup: int = 5, iters: int = 30) -> float:
@@ -51,8 +59,8 @@ def time_ms(fn, pool, warmup: int = 5, iters: int = 30) -> float:
     return statistics.median(times)
 
 
-def gemm(a, sa, b, sb, offsets):
-    return fp8_grouped.grouped_mm(a, sa, b, sb, offsets, torch.bfloat16)
+def gemm(a, sa, b, sb, offsets, index):
+    return fp8_grouped.grouped_mm(a, sa, b, sb, offsets, torch.bfloat16, index=index)
 
 
 def main() -> None:
@@ -66,16 +74,23 @@ def main() -> None:
         T, E, k, H, I = get_model(name).tokens, cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size
         R = T * k
         print(f"{name} (R {R} rows, E {E}, H {H}, I {I})")
-        for label, K in (("down  act(h) W_down^T", I), ("dgrad d h W_up", 2 * I)):
-            pool = [operands(R, K, E, H, s) for s in range(3)]
-            ref = fp8_grouped.reference(*pool[0], torch.float32)
-            flops = 2.0 * R * K * H
+        cases = (  # label, K, N, gathered
+            ("up  x[t] W_up^T", H, 2 * I, True),
+            ("down  act(h) W_down^T", I, H, False),
+            ("dgrad  d out[t] W_down", H, I, True),
+            ("dgrad  d h W_up", 2 * I, H, False),
+        )
+        for label, K, N, gathered in cases:
+            pool = [operands(R, K, E, N, s, T if gathered else 0) for s in range(3)]
+            a, sa, b, sb, offsets, index = pool[0]
+            ref = fp8_grouped.reference(a, sa, b, sb, offsets, torch.float32, index=index)
+            flops = 2.0 * R * K * N
             for kernel, flag in (("gluon", "1"), ("triton", "0")):
                 os.environ[fp8_grouped.ENV_GLUON] = flag
                 err = float((gemm(*pool[0]).float() - ref).norm() / ref.norm())
                 ms = time_ms(gemm, pool)
                 rate = flops / ms / 1e9
-                print(f"  {label:22s} {kernel:6s} {ms:7.3f} ms {rate:6.0f} TFLOP/s {rate / dense:5.0%} err {err:.1e}")
+                print(f"  {label:24s} {kernel:6s} {ms:7.3f} ms {rate:6.0f} TFLOP/s {rate / dense:5.0%} err {err:.1e}")
             del pool, ref
     os.environ.pop(fp8_grouped.ENV_GLUON, None)
 
