@@ -6,8 +6,8 @@ down projection's input gradient (``d out[token] [N, H] x W_down``); each on the
 ``MOEYARD_FP8_GLUON=0``), at the anchor shapes.
 
 Each row: ms (median of CUDA-event timings after warm-up, three input sets in turn), TFLOP/s, the share of
-the dense e4m3 rate measured in the same run (``torch._scaled_mm``, rowwise scales, 8192^3), and the
-relative error (Frobenius) against float32 on the dequantised operands.
+the dense e4m3 rate measured in the same run (``torch._scaled_mm``, rowwise scales, 8192^3), the relative
+error (Frobenius) against float32 on the dequantised operands, and the host ms per call (launch cost).
 
     PYTHONPATH=src python3 benchmarks/fp8_gemm_probe.py [--models qwen3-30b-a3b,sonic-120b]
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 
 import torch
 
@@ -59,6 +60,18 @@ def time_ms(fn, pool, warmup: int = 5, iters: int = 30) -> float:
     return statistics.median(times)
 
 
+def host_ms(fn, args, calls: int = 50) -> float:
+    """Host milliseconds per call of ``fn(*args)``: ``calls`` calls enqueued back to back, then one sync
+    (the GPU runs behind, so this is the Python and launch cost, unless the queue fills)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(*args)
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e3 / calls
+
+
 def gemm(a, sa, b, sb, offsets, index):
     return fp8_grouped.grouped_mm(a, sa, b, sb, offsets, torch.bfloat16, index=index)
 
@@ -89,8 +102,11 @@ def main() -> None:
                 os.environ[fp8_grouped.ENV_GLUON] = flag
                 err = float((gemm(*pool[0]).float() - ref).norm() / ref.norm())
                 ms = time_ms(gemm, pool)
+                host = host_ms(gemm, pool[0])
                 rate = flops / ms / 1e9
-                print(f"  {label:24s} {kernel:6s} {ms:7.3f} ms {rate:6.0f} TFLOP/s {rate / dense:5.0%} err {err:.1e}")
+                print(
+                    f"  {label:24s} {kernel:6s} {ms:7.3f} ms {rate:6.0f} TFLOP/s {rate / dense:5.0%} err {err:.1e} host {host:.3f} ms"
+                )
             del pool, ref
     os.environ.pop(fp8_grouped.ENV_GLUON, None)
 
