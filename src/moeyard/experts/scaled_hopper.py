@@ -1,6 +1,7 @@
 """The Hopper fast path of the ``fp8_rowwise`` recipes: grouped GEMMs on e4m3 operands with float32 rowwise
 scales, cast by :mod:`moeyard.quant.fp8_triton`. The forward and input-gradient GEMMs run on
-:func:`moeyard.quant.fp8_grouped.grouped_mm` (Triton, the row gather by token inside its loads; default) or,
+:func:`moeyard.quant.fp8_grouped.grouped_mm` (Gluon on Hopper, else Triton; the row gather by token inside
+its loads; default) or,
 with ``MOEYARD_FP8_GEMM=cutlass``, on ``torch._scaled_grouped_mm`` (CUTLASS, SM 9.0) after a gather of the
 e4m3 rows; the FP8 weight gradients always on ``torch._scaled_grouped_mm``.
 
