@@ -101,7 +101,8 @@ def part_parity(args) -> None:
     import moeyard.jax as mj
 
     dev = jax.devices()[0]
-    tdev = "cuda" if torch.cuda.is_available() else "cpu"
+    # an explicit index: JAX may leave another GPU current on a multi-GPU host (round 41: weight on cuda:1, x on cuda:0)
+    tdev = "cuda:0" if torch.cuda.is_available() else "cpu"
     blocks = {
         "softmax top-8 + gated shared": dict(
             num_experts=16,
