@@ -15,13 +15,13 @@ error (Frobenius) against float32 on the dequantised operands, and the host ms p
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import statistics
 import time
 
 import torch
 
-from moeyard.bench import dense_fp8_tflops
+from moeyard.bench import dense_fp8_tflops, time_ms
 from moeyard.bench.models import get_model
 from moeyard.quant import fp8_grouped
 from moeyard.quant.fp8_triton import rowwise
@@ -44,22 +44,6 @@ def operands(R: int, K: int, E: int, N: int, seed: int, tokens: int = 0):
     return a, sa, b.view(E, N, K), sb.view(E, N), offsets, index
 
 
-def time_ms(fn, pool, warmup: int = 5, iters: int = 30) -> float:
-    for i in range(warmup):
-        fn(*pool[i % len(pool)])
-    times = []
-    for i in range(iters):
-        args = pool[i % len(pool)]
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        s.record()
-        fn(*args)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
 def host_ms(fn, args, calls: int = 50) -> float:
     """Host milliseconds per call of ``fn(*args)``: ``calls`` calls enqueued back to back, then one sync
     (the GPU runs behind, so this is the Python and launch cost, unless the queue fills)."""
@@ -74,6 +58,11 @@ def host_ms(fn, args, calls: int = 50) -> float:
 
 def gemm(a, sa, b, sb, offsets, index):
     return fp8_grouped.grouped_mm(a, sa, b, sb, offsets, torch.bfloat16, index=index)
+
+
+def run_set(pool, i: int) -> None:
+    """The GEMM on input set ``i`` of ``pool``."""
+    gemm(*pool[i])
 
 
 def main() -> None:
@@ -101,7 +90,7 @@ def main() -> None:
             for kernel, flag in (("gluon", "1"), ("triton", "0")):
                 os.environ[fp8_grouped.ENV_GLUON] = flag
                 err = float((gemm(*pool[0]).float() - ref).norm() / ref.norm())
-                ms = time_ms(gemm, pool)
+                ms = time_ms(functools.partial(run_set, pool), len(pool), 5, 30, torch.device("cuda"))
                 host = host_ms(gemm, pool[0])
                 rate = flops / ms / 1e9
                 print(

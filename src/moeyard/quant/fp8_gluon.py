@@ -307,7 +307,8 @@ def gluon_grouped_kernel(
 def ready(a: Tensor, b: Tensor, index: Tensor | None = None) -> bool:
     """Whether :func:`launch` can run: Hopper (sm_90), ``a [M, K]`` and ``b [E, N, K]`` e4m3, 16-byte aligned,
     ``K`` a multiple of 16 (TMA strides and 16-byte copies), ``b`` contiguous; ``a`` contiguous, or with
-    ``index`` a unit stride along ``K`` and a row stride that is a multiple of 16. Host metadata only."""
+    ``index`` a unit stride along ``K`` and a row stride that is a multiple of 16. Host metadata only; raises
+    nothing (False for anything it cannot serve)."""
     from ..experts.triton.schedule import is_sm90
 
     if not (a.is_cuda and is_sm90(a.device)):
@@ -324,7 +325,9 @@ def launch(
     """:func:`gluon_grouped_kernel` into ``out [R, N]``: ``a [M, K]`` e4m3 with ``scale_a [M]`` (rows in order:
     ``R = M``; or read through ``index [R]`` int64, an index ``>= M`` a zero row), ``b [E, N, K]`` e4m3 with
     ``scale_b [E, N]`` (float32, contiguous), ``offsets [E + 1]`` int32. :func:`ready` must hold. Two launches
-    (the tile table, then the GEMM), no host sync."""
+    (the tile table, then the GEMM), no host sync. It checks nothing itself (its caller,
+    :func:`.fp8_grouped.grouped_mm`, raises TypeError / ValueError for bad operands); operands :func:`ready`
+    rejects fail inside Triton's descriptor set-up or launch."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..experts.triton.ops import num_sms
