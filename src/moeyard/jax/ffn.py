@@ -78,7 +78,9 @@ def use_pallas(rows, w, choice: str | None = None) -> bool:
     """Whether ``rows`` (and weight ``w``) go through the Pallas GEMMs under ``choice`` (None:
     :func:`gmm_choice`): bfloat16 / float16 rows, ``pallas``, or ``auto`` on a GPU backend. Operands varying
     over a mesh axis inside ``jax.shard_map`` (the expert-parallel path, :mod:`.parallel`) keep
-    ``ragged_dot`` under ``auto`` (the Pallas GEMMs have not yet run expert-parallel on GPUs) and off GPUs
+    ``ragged_dot`` under ``auto`` (expert-parallel on two GPUs the Pallas GEMMs ran and agreed with one
+    device to bf16 rounding, 1.1e-2, but no float32 reference has been run there yet: ``benchmarks/NOTES.md``,
+    round 41) and off GPUs
     under ``pallas`` too (the interpreter cannot run there, :mod:`.gmm`).
 
     Raises:
