@@ -10,7 +10,8 @@
 #   and "ep" (two GPUs: bench --ep 2 with FP8 dispatch beside bf16 dispatch, FP8_EP_RECIPE's experts);
 #   also "ckpt" (FP8 checkpoint storage: CUDA tests, the dequantisation kernel's rates) and "train"
 #   (examples/fp8_train.py, the small model, 300 steps: loss curves of bf16 seeds and each recipe); "casts"
-#   (benchmarks/fp8_cast_probe.py: the expert weights' FP8 casts alone at the anchor shapes).
+#   (benchmarks/fp8_cast_probe.py: the expert weights' FP8 casts alone at the anchor shapes); "memory"
+#   (benchmarks/memory_peak.py: what is alive at the peak of one step, FP8_MEMORY_ARGS its arguments).
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -47,12 +48,14 @@ for s in $STEPS; do case $s in
   profile) step profile_fp8 120 python3 benchmarks/fp8_profile.py \
              ${FP8_PROFILE_ARGS:---model qwen3-30b-a3b --model sonic-120b --recipes none,fp8_rowwise,fp8_rowwise_gw_hp --casts} ;;
   casts) step casts_fp8 120 python3 benchmarks/fp8_cast_probe.py ;;
+  memory) step memory_fp8 150 python3 benchmarks/memory_peak.py \
+            ${FP8_MEMORY_ARGS:---model qwen3-30b-a3b --model sonic-120b --recipes none,fp8_rowwise_gw_hp} ;;
   ckpt) step pytest_ckpt 150 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_fp8_checkpoint_cuda.py
         step dequant_fp8 90 python3 benchmarks/fp8_dequant.py ;;
   train) step train_fp8 330 python3 examples/fp8_train.py --device cuda --size small --steps 300 --out "$OUT" ;;
   numerics) step numerics_random 60 python3 benchmarks/fp8_numerics.py --tokens 4096 --json "$OUT/numerics.json"
             step numerics_torchao 40 python3 benchmarks/fp8_numerics.py --tokens 4096 --protocol torchao ;;
 esac; done
-for f in "$OUT"/casts*.txt "$OUT"/bench_*.txt "$OUT"/e2e*.txt "$OUT"/ep_*.txt "$OUT"/profile*.txt "$OUT"/numerics*.txt "$OUT"/dequant*.txt "$OUT"/train*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 60 "$f"; }; done
+for f in "$OUT"/casts*.txt "$OUT"/bench_*.txt "$OUT"/e2e*.txt "$OUT"/ep_*.txt "$OUT"/profile*.txt "$OUT"/memory*.txt "$OUT"/numerics*.txt "$OUT"/dequant*.txt "$OUT"/train*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 60 "$f"; }; done
 for f in "$OUT"/pytest_*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed|Error" "$f" | tail -n 20; }; done
 cat "$OUT/gpu.txt"; printf '%s\n' "${summary[@]}"

@@ -90,6 +90,13 @@ def test_row_casts_of_the_activation_on_device(monkeypatch, I):
     q, s = fp8_triton.rowwise(plain.dh)
     assert torch.equal(both.dh_fp8[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(both.dh_fp8[1], s)
     torch.testing.assert_close(both.act_rows, once[1], rtol=2**-8, atol=1e-6)  # one bf16 rounding apart at most
+    # the cast written over da's memory: the same bits, in da's storage, and nothing else of the results moved
+    da_copy = da.clone()
+    over = fp8_triton.act_backward(h, da_copy, act, row_weights=rw, quantize=True, overwrite_da=True)
+    assert over.dh_fp8[0].data_ptr() == da_copy.data_ptr()
+    assert torch.equal(over.dh_fp8[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(over.dh_fp8[1], s)
+    assert torch.equal(over.dh, plain.dh)
+    torch.testing.assert_close(over.d_row_weights, both.d_row_weights, rtol=1e-6, atol=1e-6)
 
 
 def test_colwise_casts_on_device():

@@ -313,6 +313,7 @@ class _GatheredUp(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             d_rows = _dgrad(ctx.dh_cast.take(dh), w, offsets, dh.dtype, ctx.gemm, amax=ctx.w_amax)
             dx, _ = gathered_sum(d_rows, pair_rows)
+            del d_rows  # [R, H]: not held through the weight gradient
         if ctx.needs_input_grad[1] and ctx.hp is not None:
             dw = ctx.hp(x, dh, False, w)
         elif ctx.needs_input_grad[1]:
@@ -354,7 +355,14 @@ class _ActDownCombine(torch.autograd.Function):
             da = _dgrad(cast.rowwise(d_out), w, offsets, d_out.dtype, ctx.gemm, row_tokens, ctx.w_amax)
             quantize = ctx.needs_input_grad[0] and ctx.dh_cast.wanted
             grads = cast.act_backward(
-                h, da, ctx.act, interleaved=ctx.interleaved, row_weights=rw, quantize=quantize, with_act_rows=hp_wgrad
+                h,
+                da,
+                ctx.act,
+                interleaved=ctx.interleaved,
+                row_weights=rw,
+                quantize=quantize,
+                with_act_rows=hp_wgrad,
+                overwrite_da=True,  # da is dropped below: d h's e4m3 cast takes its memory
             )
             del da
             dh, drw, a_rows = grads.dh, grads.d_row_weights, grads.act_rows
