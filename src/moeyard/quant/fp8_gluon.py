@@ -16,7 +16,9 @@ round 39). This kernel keeps the schedule of the bf16 Gluon kernels (:mod:`moeya
   stages, each once both consumers released it; both operands K-major, as e4m3 MMAs need;
 - two consumer warp groups (rows ``0 .. 63`` and ``64 .. 127`` of each tile) wait for a stage, run its MMA
   with one in flight, release the stage the previous one read; the epilogue multiplies the float32
-  accumulator by the rows' and the columns' scales and stores the tile by row in 16-byte vectors.
+  accumulator by the rows' and the columns' scales and writes the tile to shared memory, whence a TMA
+  store takes it out while the consumer goes on to the next tile's MMAs (a tile that crosses its expert's
+  end, or an output TMA cannot take, is stored by row from registers in 16-byte vectors).
 
 ``out[r] = (a[src(r)] * scale_a[src(r)]) @ (b[e] * scale_b[e][:, None])^T`` for the rows ``r`` of expert
 ``e`` (``offsets[e] <= r < offsets[e + 1]``), ``src(r) = index[r]`` (gathered; an index ``>= M`` reads a
@@ -35,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -52,9 +55,11 @@ from ..experts.triton.kernels_gluon import (
 from ..experts.triton.kernels_gluon_gather import LOADER_REGS as GATHER_LOADER_REGS, LOADER_WARPS, _cp_async
 
 Tensor = torch.Tensor
+_tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global  # Triton 3.6 / later
 
 BM, BN, BK = 128, 256, 128  # a stage: (128 + 256) x 128 bytes = 48 KiB
-STAGES = 4  # 192 KiB of the 227 KiB a Hopper block may hold
+STAGES = 3  # 144 KiB, and 64 KiB for the two consumers' output tiles: 208 of the 227 KiB a Hopper block may hold
+HM = gl.constexpr(64)  # a consumer warp group's rows of a tile
 CONSUMER_REGS = 232  # as the bf16 down projection's (its accumulator is the same [64, 256] float32)
 # gathering: LOADER_WARPS loader warps copy the rows (8 of 16 bytes per thread and stage), as the bf16
 # gathering kernels' (2 * 128 * 224 + 128 * 56 registers <= 64K)
@@ -131,6 +136,8 @@ def _consumer(
     b_scale_ptr,
     offsets_ptr,
     out_ptr,
+    out_desc,
+    c_bufs,
     table_ptr,
     MA,
     K,
@@ -138,17 +145,22 @@ def _consumer(
     E,
     M,
     GATHER: gl.constexpr,
+    TMA_STORE: gl.constexpr,
     BN: gl.constexpr,
     BK: gl.constexpr,
     STAGES: gl.constexpr,
 ):
     """A consumer partition (one warp group): rows ``64 half ... 64 half + 63`` of every tile (as
-    :func:`moeyard.experts.triton.kernels_gluon._consumer`, with the scales in the epilogue)."""
-    HM: gl.constexpr = 64
+    :func:`moeyard.experts.triton.kernels_gluon._consumer`, with the scales in the epilogue). With
+    ``TMA_STORE`` a tile whose 64 rows all belong to its expert goes out through shared memory and a TMA
+    store that runs on while the next tile's MMAs do (waited for only before the buffer is written again);
+    a tile that crosses its expert's end is stored by row from registers (its rows past the end are the
+    next expert's)."""
     ST: gl.constexpr = store_layout(HM, BN, 4)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    compact: gl.constexpr = gl.BlockedLayout([BN // 128], [32], [4], [0])
     pid, nprog, n_tiles_n, my_tiles = _my_tiles(table_ptr, M, N, BN)
     k_steps = gl.cdiv(K, BK)
     s = 0
@@ -163,7 +175,8 @@ def _consumer(
             sa = gl.load(a_scale_ptr + src, mask=src < MA, other=0.0)
         else:
             sa = gl.load(a_scale_ptr + rows, mask=ok, other=0.0)
-        cols = col0 + gl.arange(0, BN, cols_l)
+        # the columns' scales held two per thread through the K loop, spread to the MMA layout after it
+        cols = col0 + gl.arange(0, BN, compact)
         sb = gl.load(b_scale_ptr + e.to(gl.int64) * N + cols, mask=cols < N, other=0.0)
         acc = gl.zeros([HM, BN], gl.float32, mma)
         for kt in range(k_steps):
@@ -179,8 +192,24 @@ def _consumer(
             s, phase = next_stage(s, phase, STAGES)
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)  # the tile's last stage
-        acc = acc * sa[:, None] * sb[None, :]
-        _store_tile(acc, rows.to(gl.int64), ok, col0, N, out_ptr, BN, ST)
+        acc = acc * sa[:, None] * gl.convert_layout(sb, cols_l)[None, :]
+        if TMA_STORE:
+            c_buf = c_bufs.index(half)
+            tma.store_wait(0)  # the previous tile's store has read the buffer
+            c_buf.store(acc.to(out_desc.dtype))
+            fence_async_shared()
+            if row0 + (half + 1) * HM <= gl.load(offsets_ptr + e + 1):
+                _tma_store(out_desc, [row0 + half * HM, col0], c_buf)
+            else:  # rows past the expert's end are the next expert's: stored by row, masked
+                rows_s = gl.convert_layout(rows.to(gl.int64), gl.SliceLayout(1, ST))
+                ok_s = gl.convert_layout(ok, gl.SliceLayout(1, ST))
+                cols_s = col0 + gl.arange(0, BN, gl.SliceLayout(0, ST))
+                mask = ok_s[:, None] & (cols_s < N)[None, :]
+                gl.store(out_ptr + rows_s[:, None] * N + cols_s[None, :], c_buf.load(ST), mask=mask)
+        else:
+            _store_tile(acc, rows.to(gl.int64), ok, col0, N, out_ptr, BN, ST)
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -193,6 +222,7 @@ def gluon_grouped_kernel(
     b_scale_ptr,  # [E, N] float32, contiguous
     offsets_ptr,  # [E + 1] int32
     out_ptr,  # [R, N], contiguous
+    out_desc,  # TMA_STORE: out, boxes [64, BN]
     table_ptr,  # [2 * M + 1] int32 tile table (moeyard.experts.triton.schedule.fill_tile_table)
     MA,
     K,
@@ -201,6 +231,7 @@ def gluon_grouped_kernel(
     M,
     stride_am,
     GATHER: gl.constexpr,
+    TMA_STORE: gl.constexpr,
     BM: gl.constexpr,
     BN: gl.constexpr,
     BK: gl.constexpr,
@@ -218,6 +249,10 @@ def gluon_grouped_kernel(
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], sl)
     # ready: the TMA's expect, and with GATHER one arrival per loader thread; empty: one per consumer
     ready, empty = barrier_ring(STAGES, 1 + 32 * LOADER_WARPS * GATHER, 2)
+    if TMA_STORE:  # each consumer's output tile on its way out
+        c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2, 64, BN], out_desc.layout)
+    else:
+        c_bufs = a_bufs  # not read
     # the partitions' argument tuples are written out in the call (see kernels_gluon.down_kernel)
     gl.warp_specialize(
         [
@@ -234,6 +269,8 @@ def gluon_grouped_kernel(
                     b_scale_ptr,
                     offsets_ptr,
                     out_ptr,
+                    out_desc,
+                    c_bufs,
                     table_ptr,
                     MA,
                     K,
@@ -241,6 +278,7 @@ def gluon_grouped_kernel(
                     E,
                     M,
                     GATHER,
+                    TMA_STORE,
                     BN,
                     BK,
                     STAGES,
@@ -259,6 +297,8 @@ def gluon_grouped_kernel(
                     b_scale_ptr,
                     offsets_ptr,
                     out_ptr,
+                    out_desc,
+                    c_bufs,
                     table_ptr,
                     MA,
                     K,
@@ -266,6 +306,7 @@ def gluon_grouped_kernel(
                     E,
                     M,
                     GATHER,
+                    TMA_STORE,
                     BN,
                     BK,
                     STAGES,
@@ -342,6 +383,8 @@ def launch(
     b_d = TensorDescriptor(b, [E, N, K], [N * K, K, 1], [1, BN, BK], _layout(3))
     gather = index is not None
     a_d = b_d if gather else TensorDescriptor(a, [MA, K], [K, 1], [BM, BK], _layout(2))  # placeholder: not read
+    tma_store = _tma_storable(out)
+    out_d = TensorDescriptor(out, [R, N], [N, 1], [HM.value, BN], _out_layout()) if tma_store else b_d
     grid = (min(M * triton.cdiv(N, BN), num_sms(a.device)),)
     gluon_grouped_kernel[grid](
         a_d,
@@ -352,6 +395,7 @@ def launch(
         scale_b,
         offsets,
         out,
+        out_d,
         table,
         MA,
         K,
@@ -360,6 +404,7 @@ def launch(
         M,
         a.stride(0),
         GATHER=gather,
+        TMA_STORE=tma_store,
         BM=BM,
         BN=BN,
         BK=BK,
@@ -375,3 +420,14 @@ def launch(
 def _layout(rank: int):
     """The NVMMA shared layout of an e4m3 TMA box of ``rank`` dimensions (128-byte rows: BK = 128)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=rank)
+
+
+def _tma_storable(out: Tensor) -> bool:
+    """Whether the output ``[R, N]`` can take TMA stores: contiguous, 16-bit, 16-byte aligned rows."""
+    return out.is_contiguous() and out.element_size() == 2 and (out.shape[1] * 2) % 16 == 0 and out.data_ptr() % 16 == 0
+
+
+@functools.cache
+def _out_layout():
+    """The NVMMA shared layout of a consumer's output tile ``[64, BN]`` (16-bit, 128-byte swizzle)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
