@@ -134,3 +134,23 @@ def test_each_kernel(gluon, gather, counts, K, N, monkeypatch):
             _close(got[lo:hi], ref[lo:hi], torch.bfloat16)
     if gather:
         assert torch.all(got[index == M] == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tile_table_made_once_per_offsets(device):
+    # the step's GEMMs share one tile table: handed out again for the same offsets tensor and row count,
+    # a table of its own (not kept) for other offsets, a new one after the offsets changed in place
+    pytest.importorskip("triton.experimental.gluon")
+    from moeyard.quant import fp8_gluon
+
+    off = torch.tensor([0, 100, 100, 300, 340], dtype=torch.int32, device=device)
+    tiles = fp8_grouped.TileTable()
+    first = tiles.get(off, 340)
+    assert tiles.get(off, 340) is first and torch.equal(first, fp8_gluon.tile_table(off, 340))
+    other = tiles.get(off.clone(), 340)
+    assert other is not first and torch.equal(other, first) and tiles.get(off, 340) is first
+    assert tiles.get(off, 400) is not first  # another row count
+    off[1] = 200
+    changed = tiles.get(off, 340)
+    assert changed is not first and torch.equal(changed, fp8_gluon.tile_table(off, 340))
+    assert not torch.equal(changed, first)

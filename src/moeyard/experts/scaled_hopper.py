@@ -104,17 +104,24 @@ HOPPER_ROWWISE = HopperRowwise()
 
 
 def _forward(
-    xq_xs: tuple[Tensor, Tensor], w: Tensor, offsets: Tensor, dtype: torch.dtype, gemm: str, index: Tensor | None = None
+    xq_xs: tuple[Tensor, Tensor],
+    w: Tensor,
+    offsets: Tensor,
+    dtype: torch.dtype,
+    gemm: str,
+    index: Tensor | None = None,
+    tiles=None,
 ) -> tuple[Tensor, Tensor | None]:
     """``(x w_e^T, amax)`` from the cast rows ``(xq, xs)`` (``[R, K]``, or ``[T, K]`` read through ``index
     [R]``, :func:`_gathered_gemm`): casts ``w [E, N, K]`` per output channel (once per
     :func:`moeyard.cache_fp8_weights` block), which also gives ``amax [E, K]`` (or None), the columns' ``max
-    |w|`` that :func:`_dgrad`'s transposed cast takes (:func:`moeyard.quant.fp8_triton.rowwise_per_expert`)."""
+    |w|`` that :func:`_dgrad`'s transposed cast takes (:func:`moeyard.quant.fp8_triton.rowwise_per_expert`);
+    ``tiles``: the step's :class:`moeyard.quant.fp8_grouped.TileTable` (or None)."""
     wq, ws, amax = weight_cache.cached(w, "rowwise", lambda: _cast().rowwise_per_expert(w))
-    return _gathered_gemm(xq_xs, wq, ws, offsets, dtype, gemm, index), amax
+    return _gathered_gemm(xq_xs, wq, ws, offsets, dtype, gemm, index, tiles), amax
 
 
-def _gathered_gemm(a_sa, bq: Tensor, bs: Tensor, offsets: Tensor, dtype, gemm: str, index: Tensor | None):
+def _gathered_gemm(a_sa, bq: Tensor, bs: Tensor, offsets: Tensor, dtype, gemm: str, index: Tensor | None, tiles=None):
     """``out[r] = a[index[r]] b_e^T`` (rowwise scales; ``index`` None: ``a``'s own rows) for ``bq [E, N, K]``
     e4m3 with ``bs [E, N]``: with ``gemm`` ``triton`` :func:`moeyard.quant.fp8_grouped.grouped_mm` (the gather
     in its loads), with ``cutlass`` the rows gathered first and ``torch._scaled_grouped_mm`` (fast
@@ -123,7 +130,7 @@ def _gathered_gemm(a_sa, bq: Tensor, bs: Tensor, offsets: Tensor, dtype, gemm: s
     if gemm == "triton":
         from ..quant import fp8_grouped
 
-        return fp8_grouped.grouped_mm(aq, sa, bq, bs, offsets, dtype, index=index)
+        return fp8_grouped.grouped_mm(aq, sa, bq, bs, offsets, dtype, index=index, tiles=tiles)
     if index is not None:
         aq, sa = rows_by_token(aq, index), rows_by_token(sa[:, None], index)[:, 0]  # zero rows: scale 0
     return scaled_grouped_mm(aq, bq.mT, sa, bs, offsets, dtype, True)
@@ -187,18 +194,36 @@ def routed_ffn(
     row_tokens, pair_rows = plan.row_tokens(), plan.pair_rows.view(T, K).masked_fill(~live, -1)
     hp = None if recipe.wgrad is not None else _HighPrecisionWgrad(plan, topk_ids, row_tokens, by_token=unpadded)
     dh_cast = _DhCast()
-    h = _GatheredUp.apply(x, weights.w_up, row_tokens, pair_rows, offsets, gemm, hp, dh_cast)
+    tiles = _tile_table() if gemm == "triton" else None  # the four FP8 GEMMs' tile table, made once per step
+    h = _GatheredUp.apply(x, weights.w_up, row_tokens, pair_rows, offsets, gemm, hp, dh_cast, tiles)
     if weights.b_up is not None:
         from .pipeline import add_row_bias
 
         h = add_row_bias(h, weights.b_up, plan)
     rw = _row_weights(topk_weights, plan, live)
     out = _ActDownCombine.apply(
-        h, weights.w_down, offsets, rw, row_tokens, pair_rows, activation, weights.interleaved, gemm, hp, dh_cast
+        h,
+        weights.w_down,
+        offsets,
+        rw,
+        row_tokens,
+        pair_rows,
+        activation,
+        weights.interleaved,
+        gemm,
+        hp,
+        dh_cast,
+        tiles,
     )
     if not drop_invalid:  # the NaN weight of an invalid id reaches its token's row (0 * NaN); no gradient
         out = out + 0 * topk_weights.masked_fill(live, 0).sum(1, keepdim=True).to(out.dtype)
     return out
+
+
+def _tile_table():
+    from ..quant.fp8_grouped import TileTable
+
+    return TileTable()
 
 
 def _row_weights(topk_weights: Tensor, plan: DispatchPlan, live: Tensor) -> Tensor:
@@ -216,12 +241,13 @@ def _dgrad(
     gemm: str,
     index: Tensor | None = None,
     amax: Tensor | None = None,
+    tiles=None,
 ) -> Tensor:
     """``dx = dy w_e`` from the rowwise cast of ``dy`` (``[R, N]``, or ``[T, N]`` read through ``index``):
     casts ``w [E, N, K]`` per input channel (once per :func:`moeyard.cache_fp8_weights` block), with the
     forward's column ``amax [E, K]`` when given (:func:`_forward`)."""
     wq, ws = weight_cache.cached(w, "colwise", lambda: _cast().colwise_per_expert(w, amax))  # [E, K, N], [E, K]
-    return _gathered_gemm(dyq_dys, wq, ws, offsets, dtype, gemm, index)
+    return _gathered_gemm(dyq_dys, wq, ws, offsets, dtype, gemm, index, tiles)
 
 
 class _HighPrecisionWgrad:
@@ -297,11 +323,11 @@ class _GatheredUp(torch.autograd.Function):
     in the compute dtype: :class:`_HighPrecisionWgrad`)."""
 
     @staticmethod
-    def forward(ctx, x, w, row_tokens, pair_rows, offsets, gemm, hp, dh_cast):
+    def forward(ctx, x, w, row_tokens, pair_rows, offsets, gemm, hp, dh_cast, tiles):
         ctx.save_for_backward(x, w, row_tokens, pair_rows, offsets)
-        ctx.gemm, ctx.hp, ctx.dh_cast = gemm, hp, dh_cast
+        ctx.gemm, ctx.hp, ctx.dh_cast, ctx.tiles = gemm, hp, dh_cast, tiles
         dh_cast.wanted = ctx.needs_input_grad[0]  # whether backward's dgrad will take d h's e4m3 cast
-        h, ctx.w_amax = _forward(_cast().rowwise(x), w, offsets, x.dtype, gemm, row_tokens)
+        h, ctx.w_amax = _forward(_cast().rowwise(x), w, offsets, x.dtype, gemm, row_tokens, tiles)
         return h
 
     @staticmethod
@@ -311,7 +337,7 @@ class _GatheredUp(torch.autograd.Function):
         dh = dh.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            d_rows = _dgrad(ctx.dh_cast.take(dh), w, offsets, dh.dtype, ctx.gemm, amax=ctx.w_amax)
+            d_rows = _dgrad(ctx.dh_cast.take(dh), w, offsets, dh.dtype, ctx.gemm, amax=ctx.w_amax, tiles=ctx.tiles)
             dx, _ = gathered_sum(d_rows, pair_rows)
             del d_rows  # [R, H]: not held through the weight gradient
         if ctx.needs_input_grad[1] and ctx.hp is not None:
@@ -323,7 +349,7 @@ class _GatheredUp(torch.autograd.Function):
                 offsets,
                 dh.dtype,
             )
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 class _ActDownCombine(torch.autograd.Function):
@@ -336,11 +362,11 @@ class _ActDownCombine(torch.autograd.Function):
     projection's dgrad comes from that kernel too (``dh_cast``, :class:`_DhCast`)."""
 
     @staticmethod
-    def forward(ctx, h, w, offsets, rw, row_tokens, pair_rows, act, interleaved, gemm, hp, dh_cast):
+    def forward(ctx, h, w, offsets, rw, row_tokens, pair_rows, act, interleaved, gemm, hp, dh_cast, tiles):
         aq, a_s = _cast().rowwise(h, act, interleaved=interleaved)
-        y, ctx.w_amax = _forward((aq, a_s * rw), w, offsets, h.dtype, gemm)
+        y, ctx.w_amax = _forward((aq, a_s * rw), w, offsets, h.dtype, gemm, tiles=tiles)
         ctx.save_for_backward(h, w, offsets, rw, row_tokens)
-        ctx.act, ctx.interleaved, ctx.gemm, ctx.hp, ctx.dh_cast = act, interleaved, gemm, hp, dh_cast
+        ctx.act, ctx.interleaved, ctx.gemm, ctx.hp, ctx.dh_cast, ctx.tiles = act, interleaved, gemm, hp, dh_cast, tiles
         return gathered_sum(y, pair_rows)[0]
 
     @staticmethod
@@ -352,7 +378,7 @@ class _ActDownCombine(torch.autograd.Function):
         hp_wgrad = ctx.needs_input_grad[1] and ctx.hp is not None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
             # d / d (rw * act(h))
-            da = _dgrad(cast.rowwise(d_out), w, offsets, d_out.dtype, ctx.gemm, row_tokens, ctx.w_amax)
+            da = _dgrad(cast.rowwise(d_out), w, offsets, d_out.dtype, ctx.gemm, row_tokens, ctx.w_amax, ctx.tiles)
             quantize = ctx.needs_input_grad[0] and ctx.dh_cast.wanted
             grads = cast.act_backward(
                 h,
@@ -375,7 +401,7 @@ class _ActDownCombine(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:
             a_t = cast.colwise_per_group(h, offsets, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
             dw = _wgrad(cast.colwise_per_group(d_out, offsets, index=row_tokens), a_t, offsets, d_out.dtype)
-        return dh, dw, None, drw, None, None, None, None, None, None, None
+        return dh, dw, None, drw, None, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------- the choice

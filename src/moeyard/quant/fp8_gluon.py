@@ -360,26 +360,42 @@ def ready(a: Tensor, b: Tensor, index: Tensor | None = None) -> bool:
     return rows_ok and b.is_contiguous() and a.shape[1] % 16 == 0 and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
 
 
+def tile_table(offsets: Tensor, rows: int) -> Tensor:
+    """The tile table :func:`launch` reads for ``rows`` output rows split by ``offsets [E + 1]`` int32 into
+    tiles of ``BM`` rows (:func:`moeyard.experts.triton.schedule.fill_tile_table`: one launch, no host sync)."""
+    from ..experts.triton.schedule import fill_tile_table, max_row_tiles
+
+    table = torch.empty(2 * max_row_tiles(rows, offsets.shape[0] - 1, BM) + 1, dtype=torch.int32, device=offsets.device)
+    fill_tile_table(offsets, BM, table)
+    return table
+
+
 def launch(
-    a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offsets: Tensor, out: Tensor, index: Tensor | None = None
+    a: Tensor,
+    scale_a: Tensor,
+    b: Tensor,
+    scale_b: Tensor,
+    offsets: Tensor,
+    out: Tensor,
+    index: Tensor | None = None,
+    table: Tensor | None = None,
 ) -> None:
     """:func:`gluon_grouped_kernel` into ``out [R, N]``: ``a [M, K]`` e4m3 with ``scale_a [M]`` (rows in order:
     ``R = M``; or read through ``index [R]`` int64, an index ``>= M`` a zero row), ``b [E, N, K]`` e4m3 with
-    ``scale_b [E, N]`` (float32, contiguous), ``offsets [E + 1]`` int32. :func:`ready` must hold. Two launches
-    (the tile table, then the GEMM), no host sync. It checks nothing itself (its caller,
+    ``scale_b [E, N]`` (float32, contiguous), ``offsets [E + 1]`` int32, ``table`` :func:`tile_table` of
+    these offsets and ``R`` rows (None: made here). :func:`ready` must hold. One launch (two when the table
+    is made here), no host sync. It checks nothing itself (its caller,
     :func:`.fp8_grouped.grouped_mm`, raises TypeError / ValueError for bad operands); operands :func:`ready`
     rejects fail inside Triton's descriptor set-up or launch."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..experts.triton.ops import num_sms
-    from ..experts.triton.schedule import fill_tile_table, max_row_tiles
 
     MA, K = a.shape
     E, N, _ = b.shape
     R = out.shape[0]
-    M = max_row_tiles(R, E, BM)
-    table = torch.empty(2 * M + 1, dtype=torch.int32, device=a.device)
-    fill_tile_table(offsets, BM, table)
+    table = tile_table(offsets, R) if table is None else table
+    M = (table.shape[0] - 1) // 2
     b_d = TensorDescriptor(b, [E, N, K], [N * K, K, 1], [1, BN, BK], _layout(3))
     gather = index is not None
     a_d = b_d if gather else TensorDescriptor(a, [MA, K], [K, 1], [BM, BK], _layout(2))  # placeholder: not read

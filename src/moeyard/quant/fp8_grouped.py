@@ -120,12 +120,14 @@ def grouped_mm(
     out_dtype: torch.dtype,
     *,
     index: Tensor | None = None,
+    tiles: TileTable | None = None,
 ) -> Tensor:
     """The module docstring's product: ``a [M, K]`` e4m3 (unit stride along K) with ``scale_a [M]``,
     ``b [E, N, K]`` e4m3 with ``scale_b [E, N]``, ``offsets [E + 1]`` int32, optional ``index [R]`` int64 ->
     ``[R, N]`` ``out_dtype`` (``R = index.numel()``, else M). ``offsets[E] <= R``
     is the caller's to keep (checking it would need a host sync). On Hopper the Gluon kernel of
-    :mod:`.fp8_gluon` runs where it applies (module docstring). No host sync.
+    :mod:`.fp8_gluon` runs where it applies (module docstring), with its tile table from ``tiles`` when
+    given (:class:`TileTable`: one per step's offsets, shared by its GEMMs). No host sync.
 
     Raises:
         TypeError: ``a`` or ``b`` not float8_e4m3fn, or a scale not float32.
@@ -156,7 +158,8 @@ def grouped_mm(
     if _gluon_ready(a, b, index):
         from . import fp8_gluon
 
-        fp8_gluon.launch(a, scale_a, b, scale_b, offsets, out, index)
+        table = tiles.get(offsets, R) if tiles is not None else None
+        fp8_gluon.launch(a, scale_a, b, scale_b, offsets, out, index, table)
         return out
     args = (
         a,
@@ -175,6 +178,29 @@ def grouped_mm(
     meta = dict(GATHER=index is not None, E_P2=triton.next_power_of_2(max(E, 2)))
     _launcher()[lambda m: (max_row_tiles(R, E, m["BM"]) * triton.cdiv(N, m["BN"]),)](*args, **meta)
     return out
+
+
+class TileTable:
+    """The Gluon kernel's tile table (:func:`.fp8_gluon.tile_table`) for the GEMMs of one step that share
+    their offsets: made on the first :meth:`get` and handed out again while the same offsets tensor (the
+    same object, not modified in place since) and row count come back; other offsets get a table of their
+    own, not kept."""
+
+    def __init__(self):
+        self._key: tuple | None = None
+        self._offsets: Tensor | None = None  # held, so its memory cannot carry other offsets meanwhile
+        self._table: Tensor | None = None
+
+    def get(self, offsets: Tensor, rows: int) -> Tensor:
+        """The table for ``offsets [E + 1]`` int32 and ``rows`` output rows."""
+        from . import fp8_gluon
+
+        key = (offsets._version, rows)
+        if self._table is None or offsets is not self._offsets or key != self._key:
+            if self._table is not None:  # other offsets: their own table, this one kept
+                return fp8_gluon.tile_table(offsets, rows)
+            self._key, self._offsets, self._table = key, offsets, fp8_gluon.tile_table(offsets, rows)
+        return self._table
 
 
 def _gluon_ready(a: Tensor, b: Tensor, index: Tensor | None) -> bool:
