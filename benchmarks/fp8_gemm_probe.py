@@ -3,7 +3,7 @@ expert order, the down projection (``act(h) [N, I] x W_down^T``) and the up proj
 (``d h [N, 2I] x W_up``); rows gathered by token, the up projection (``x[token] [N, H] x W_up^T``) and the
 down projection's input gradient (``d out[token] [N, H] x W_down``); each on the Gluon kernel
 (:mod:`moeyard.quant.fp8_gluon`) and on the Triton kernel (:func:`moeyard.quant.fp8_grouped.grouped_kernel`,
-``MOEYARD_FP8_GLUON=0``), at the anchor shapes.
+``gluon=False``), at the anchor shapes.
 
 Each row: ms (median of CUDA-event timings after warm-up, three input sets in turn), TFLOP/s, the share of
 the dense e4m3 rate measured in the same run (``torch._scaled_mm``, rowwise scales, 8192^3), the relative
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import time
 
 import torch
@@ -56,13 +55,13 @@ def host_ms(fn, args, calls: int = 50) -> float:
     return (t1 - t0) * 1e3 / calls
 
 
-def gemm(a, sa, b, sb, offsets, index):
-    return fp8_grouped.grouped_mm(a, sa, b, sb, offsets, torch.bfloat16, index=index)
+def gemm(a, sa, b, sb, offsets, index, gluon=True):
+    return fp8_grouped.grouped_mm(a, sa, b, sb, offsets, torch.bfloat16, index=index, gluon=gluon)
 
 
-def run_set(pool, i: int) -> None:
-    """The GEMM on input set ``i`` of ``pool``."""
-    gemm(*pool[i])
+def run_set(pool, gluon: bool, i: int) -> None:
+    """The GEMM on input set ``i`` of ``pool``, on the Gluon kernel or not."""
+    gemm(*pool[i], gluon=gluon)
 
 
 def main() -> None:
@@ -87,17 +86,15 @@ def main() -> None:
             a, sa, b, sb, offsets, index = pool[0]
             ref = fp8_grouped.reference(a, sa, b, sb, offsets, torch.float32, index=index)
             flops = 2.0 * R * K * N
-            for kernel, flag in (("gluon", "1"), ("triton", "0")):
-                os.environ[fp8_grouped.ENV_GLUON] = flag
-                err = float((gemm(*pool[0]).float() - ref).norm() / ref.norm())
-                ms = time_ms(functools.partial(run_set, pool), len(pool), 5, 30, torch.device("cuda"))
-                host = host_ms(gemm, pool[0])
+            for kernel, gluon in (("gluon", True), ("triton", False)):
+                err = float((gemm(*pool[0], gluon=gluon).float() - ref).norm() / ref.norm())
+                ms = time_ms(functools.partial(run_set, pool, gluon), len(pool), 5, 30, torch.device("cuda"))
+                host = host_ms(functools.partial(gemm, gluon=gluon), pool[0])
                 rate = flops / ms / 1e9
                 print(
                     f"  {label:24s} {kernel:6s} {ms:7.3f} ms {rate:6.0f} TFLOP/s {rate / dense:5.0%} err {err:.1e} host {host:.3f} ms"
                 )
             del pool, ref
-    os.environ.pop(fp8_grouped.ENV_GLUON, None)
 
 
 if __name__ == "__main__":

@@ -472,7 +472,7 @@ def test_triton_casts_of_the_activation(name, interleaved):
 # ------------------------------------------------ the Hopper fast path's logic on the CPU (interpreter)
 
 
-@pytest.fixture(params=["triton", "cutlass"])
+@pytest.fixture(params=["auto", "cutlass"])  # under the interpreter "triton" runs as "auto" does
 def forced_fast_path(monkeypatch, request):
     """The ``fp8_rowwise`` fast path taken on the CPU, with each choice of forward / input-gradient GEMM
     (``MOEYARD_FP8_GEMM``): its Triton casts and GEMM under the interpreter, ``torch._scaled_grouped_mm``
@@ -538,7 +538,7 @@ def test_fast_path_fused_on_cpu(forced_fast_path, recipe, backend, case):
     # forward and dgrad of both projections in FP8; wgrad too, unless the recipe keeps it in the compute dtype
     assert "fused" in forced_fast_path and forced_fast_path.count("gemm") == (4 if recipe.endswith("gw_hp") else 6)
     # fp8_rowwise_gw_hp on the Triton FP8 GEMM: both weight gradients on the triton backend's kernels, by token
-    by_token = recipe.endswith("gw_hp") and os.environ["MOEYARD_FP8_GEMM"] == "triton"
+    by_token = recipe.endswith("gw_hp") and os.environ["MOEYARD_FP8_GEMM"] != "cutlass"
     assert forced_fast_path.count("wgrad_by_token") == (2 if by_token else 0)
     # d h cast once, by the activation's backward kernel
     assert forced_fast_path.count("dh_cast_kept") == 1 and "dh_cast_again" not in forced_fast_path
@@ -670,9 +670,13 @@ def test_fp8_gemm_choice_is_checked(monkeypatch):
     monkeypatch.setenv(scaled_hopper.ENV_GEMM, " CUTLASS ")
     assert scaled_hopper.gemm_backend() == "cutlass"
     monkeypatch.setenv(scaled_hopper.ENV_GEMM, "")
+    assert scaled_hopper.gemm_backend() == "auto"
+    monkeypatch.delenv(scaled_hopper.ENV_GEMM)
+    assert scaled_hopper.gemm_backend() == "auto"
+    monkeypatch.setenv(scaled_hopper.ENV_GEMM, "Triton")
     assert scaled_hopper.gemm_backend() == "triton"
     monkeypatch.setenv(scaled_hopper.ENV_GEMM, "cublas")
-    with pytest.raises(ValueError, match="MOEYARD_FP8_GEMM: expected 'triton' or 'cutlass', got 'cublas'"):
+    with pytest.raises(ValueError, match="MOEYARD_FP8_GEMM: expected one of 'auto', 'triton', 'cutlass', got 'cublas'"):
         scaled_hopper.gemm_backend()
 
 

@@ -97,7 +97,7 @@ gpu_only = pytest.mark.skipif(ON_CPU, reason="sizes too large for Triton's inter
 
 
 @pytest.mark.parametrize(
-    "gluon", ["1", pytest.param("0", marks=pytest.mark.skipif(ON_CPU, reason="no Gluon on a CPU"))]
+    "gluon", [False, pytest.param(True, marks=pytest.mark.skipif(ON_CPU, reason="no Gluon on a CPU"))]
 )
 @pytest.mark.parametrize("gather", [False, True], ids=["in-order", "gathered"])
 @pytest.mark.parametrize(
@@ -109,14 +109,13 @@ gpu_only = pytest.mark.skipif(ON_CPU, reason="sizes too large for Triton's inter
         ([1, 1, 1, 1], 32, 40),  # one row per expert
     ],
 )
-def test_each_kernel(gluon, gather, counts, K, N, monkeypatch):
-    """On Hopper the Gluon kernel (``MOEYARD_FP8_GLUON=1``) and the Triton kernel (``0``) both match the
+def test_each_kernel(gluon, gather, counts, K, N):
+    """On Hopper the Gluon kernel (``gluon=True``) and the Triton kernel (``False``) both match the
     float32 reference, rows in expert order (the down projection, the up projection's input gradient) and
     rows gathered by index (the up projection, the down projection's input gradient; pad rows zero), and
     the rows of each expert come from its own weight only (a tile's rows past its expert's end are not
     stored)."""
     device = DEVICES[0]
-    monkeypatch.setenv(fp8_grouped.ENV_GLUON, gluon)
     E, R = len(counts), sum(counts)
     M = 37 if gather else R + 5  # in order: 5 rows past the experts
     a, s_a, b, s_b = _operands(M, K, E, N, device, seed=3)
@@ -124,7 +123,7 @@ def test_each_kernel(gluon, gather, counts, K, N, monkeypatch):
     index = None
     if gather:
         index = torch.randint(0, M + 1, (R,), generator=torch.Generator().manual_seed(4)).to(device)  # M: pad
-    got = fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, torch.bfloat16, index=index)
+    got = fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, torch.bfloat16, index=index, gluon=gluon)
     ref = fp8_grouped.reference(a, s_a, b, s_b, offsets, torch.bfloat16, index=index)
     assert got.shape == (R if gather else M, N)
     _close(got[:R], ref[:R], torch.bfloat16)

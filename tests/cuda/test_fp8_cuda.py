@@ -40,10 +40,10 @@ def _check(backend, inputs, recipe="fp8_rowwise", fused=False, **kw):
         assert e_got <= 1.25 * e_recipe + 4e-3, f"{backend} fused {k}: err {e_got:.3g} > 1.25 * {e_recipe:.3g}"
 
 
-@pytest.fixture(params=["triton", "cutlass"])
+@pytest.fixture(params=["auto", "triton", "cutlass"])
 def fast_path_calls(monkeypatch, request):
     """The Hopper fast path's calls, with each choice of forward / input-gradient GEMM (``MOEYARD_FP8_GEMM``):
-    "gemm" per FP8 grouped GEMM (Triton or CUTLASS), "fused" per fused FFN."""
+    "gemm" per FP8 grouped GEMM (Gluon, Triton or CUTLASS), "fused" per fused FFN."""
     import importlib
 
     hop = importlib.import_module("moeyard.experts.scaled_hopper")

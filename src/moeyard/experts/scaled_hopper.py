@@ -1,9 +1,9 @@
 """The Hopper fast path of the ``fp8_rowwise`` recipes: grouped GEMMs on e4m3 operands with float32 rowwise
 scales, cast by :mod:`moeyard.quant.fp8_triton`. The forward and input-gradient GEMMs run on
-:func:`moeyard.quant.fp8_grouped.grouped_mm` (Gluon on Hopper, else Triton; the row gather by token inside
-its loads; default) or,
-with ``MOEYARD_FP8_GEMM=cutlass``, on ``torch._scaled_grouped_mm`` (CUTLASS, SM 9.0) after a gather of the
-e4m3 rows; the FP8 weight gradients always on ``torch._scaled_grouped_mm``.
+:func:`moeyard.quant.fp8_grouped.grouped_mm` (the row gather by token inside its loads; ``MOEYARD_FP8_GEMM``
+``auto``, the default: its Gluon kernel where it applies, else its Triton kernel; ``triton``: its Triton
+kernel) or, with ``MOEYARD_FP8_GEMM=cutlass``, on ``torch._scaled_grouped_mm`` (CUTLASS, SM 9.0) after a
+gather of the e4m3 rows; the FP8 weight gradients always on ``torch._scaled_grouped_mm``.
 
 Which scale each GEMM's operands carry (expert-major rows ``x [R, K]``, ``w [E, N, K]``, offsets ``[E + 1]``):
 
@@ -123,28 +123,33 @@ def _forward(
 
 def _gathered_gemm(a_sa, bq: Tensor, bs: Tensor, offsets: Tensor, dtype, gemm: str, index: Tensor | None, tiles=None):
     """``out[r] = a[index[r]] b_e^T`` (rowwise scales; ``index`` None: ``a``'s own rows) for ``bq [E, N, K]``
-    e4m3 with ``bs [E, N]``: with ``gemm`` ``triton`` :func:`moeyard.quant.fp8_grouped.grouped_mm` (the gather
-    in its loads), with ``cutlass`` the rows gathered first and ``torch._scaled_grouped_mm`` (fast
-    accumulation: forward and dgrad contract over H or I only)."""
+    e4m3 with ``bs [E, N]``: with ``gemm`` ``auto`` or ``triton`` (:func:`gemm_backend`)
+    :func:`moeyard.quant.fp8_grouped.grouped_mm` (the gather in its loads), with ``cutlass`` the rows gathered
+    first and ``torch._scaled_grouped_mm`` (fast accumulation: forward and dgrad contract over H or I only)."""
     aq, sa = a_sa
-    if gemm == "triton":
+    if gemm != "cutlass":
         from ..quant import fp8_grouped
 
-        return fp8_grouped.grouped_mm(aq, sa, bq, bs, offsets, dtype, index=index, tiles=tiles)
+        return fp8_grouped.grouped_mm(aq, sa, bq, bs, offsets, dtype, index=index, gluon=gemm == "auto", tiles=tiles)
     if index is not None:
         aq, sa = rows_by_token(aq, index), rows_by_token(sa[:, None], index)[:, 0]  # zero rows: scale 0
     return scaled_grouped_mm(aq, bq.mT, sa, bs, offsets, dtype, True)
 
 
+GEMMS = ("auto", "triton", "cutlass")
+
+
 def gemm_backend() -> str:
-    """``MOEYARD_FP8_GEMM``: ``triton`` (default) or ``cutlass``, the forward and input-gradient GEMMs.
+    """``MOEYARD_FP8_GEMM``, the forward and input-gradient GEMMs: ``auto`` (default; unset or empty too)
+    moeyard's grouped GEMM on its Gluon kernel where that applies (Hopper) and on its Triton kernel
+    elsewhere, ``triton`` always on its Triton kernel, ``cutlass`` on ``torch._scaled_grouped_mm``.
 
     Raises:
         ValueError: another value.
     """
-    value = os.environ.get(ENV_GEMM, "triton").strip().lower() or "triton"
-    if value not in ("triton", "cutlass"):
-        raise ValueError(f"{ENV_GEMM}: expected 'triton' or 'cutlass', got {value!r}")
+    value = os.environ.get(ENV_GEMM, "auto").strip().lower() or "auto"
+    if value not in GEMMS:
+        raise ValueError(f"{ENV_GEMM}: expected one of {', '.join(map(repr, GEMMS))}, got {value!r}")
     return value
 
 
@@ -185,8 +190,8 @@ def routed_ffn(
     recipe = weights.recipe
     T, K = topk_ids.shape
     gemm = gemm_backend()  # read once: forward and backward must agree with the plan's alignment
-    # with the weight gradients in the compute dtype and the Triton GEMM, no GEMM needs aligned groups
-    unpadded = recipe.wgrad is None and gemm == "triton"
+    # with the weight gradients in the compute dtype and moeyard's FP8 GEMM, no GEMM needs aligned groups
+    unpadded = recipe.wgrad is None and gemm != "cutlass"
     plan = make_plan(topk_ids, weights.num_experts, align=1 if unpadded else recipe.align)
     live = plan.valid.view(T, K)
     offsets = plan.padded_offsets
@@ -194,7 +199,7 @@ def routed_ffn(
     row_tokens, pair_rows = plan.row_tokens(), plan.pair_rows.view(T, K).masked_fill(~live, -1)
     hp = None if recipe.wgrad is not None else _HighPrecisionWgrad(plan, topk_ids, row_tokens, by_token=unpadded)
     dh_cast = _DhCast()
-    tiles = _tile_table() if gemm == "triton" else None  # the four FP8 GEMMs' tile table, made once per step
+    tiles = _tile_table() if gemm != "cutlass" else None  # the four FP8 GEMMs' tile table, made once per step
     h = _GatheredUp.apply(x, weights.w_up, row_tokens, pair_rows, offsets, gemm, hp, dh_cast, tiles)
     if weights.b_up is not None:
         from .pipeline import add_row_bias

@@ -13,7 +13,8 @@ projection ``[N, H] x [H, 2I]`` gathered by token, 2026-11-27), ms: qwen3-30b-a3
 (gather + CUTLASS), sonic-120b 4.11 against 4.89, sonic-7b 0.54 against 1.25.
 
 On Hopper the warp-specialised Gluon kernel of :mod:`.fp8_gluon` runs instead where it applies (the weight
-through TMA, the rows through TMA or gathered by ``cp.async``); ``MOEYARD_FP8_GLUON=0`` keeps this kernel.
+through TMA, the rows through TMA or gathered by ``cp.async``); ``gluon=False`` (``MOEYARD_FP8_GEMM=triton``
+for the recipes, :func:`moeyard.experts.scaled_hopper.gemm_backend`) keeps this kernel.
 
 The reference is :func:`reference` (float32 on the dequantised operands, one GEMM per expert).
 Legend: M source rows, R output rows, K reduction, N output columns, E experts.
@@ -22,7 +23,6 @@ Legend: M source rows, R output rows, K reduction, N output columns, E experts.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -32,7 +32,6 @@ from ..experts.triton.schedule import expert_tile, max_row_tiles, tuned
 from ..kernel_op import interpreting
 
 Tensor = torch.Tensor
-ENV_GLUON = "MOEYARD_FP8_GLUON"
 
 CONFIGS = [  # (BN, BK, stages), 8 warps, BM 128: each fits Hopper's shared memory
     triton.Config({"BM": 128, "BN": bn, "BK": bk}, num_warps=8, num_stages=s)
@@ -120,14 +119,15 @@ def grouped_mm(
     out_dtype: torch.dtype,
     *,
     index: Tensor | None = None,
+    gluon: bool = True,
     tiles: TileTable | None = None,
 ) -> Tensor:
     """The module docstring's product: ``a [M, K]`` e4m3 (unit stride along K) with ``scale_a [M]``,
     ``b [E, N, K]`` e4m3 with ``scale_b [E, N]``, ``offsets [E + 1]`` int32, optional ``index [R]`` int64 ->
     ``[R, N]`` ``out_dtype`` (``R = index.numel()``, else M). ``offsets[E] <= R``
     is the caller's to keep (checking it would need a host sync). On Hopper the Gluon kernel of
-    :mod:`.fp8_gluon` runs where it applies (module docstring), with its tile table from ``tiles`` when
-    given (:class:`TileTable`: one per step's offsets, shared by its GEMMs). No host sync.
+    :mod:`.fp8_gluon` runs where it applies (module docstring; ``gluon=False``: the Triton kernel
+    everywhere), with its tile table from ``tiles`` when given (:class:`TileTable`: one per step's offsets, shared by its GEMMs). No host sync.
 
     Raises:
         TypeError: ``a`` or ``b`` not float8_e4m3fn, or a scale not float32.
@@ -155,7 +155,7 @@ def grouped_mm(
     if R == 0 or N == 0:
         return out
     b, scale_b, scale_a = b.contiguous(), scale_b.contiguous(), scale_a.contiguous()
-    if _gluon_ready(a, b, index):
+    if gluon and _gluon_ready(a, b, index):
         from . import fp8_gluon
 
         table = tiles.get(offsets, R) if tiles is not None else None
@@ -204,9 +204,9 @@ class TileTable:
 
 
 def _gluon_ready(a: Tensor, b: Tensor, index: Tensor | None) -> bool:
-    """Whether :func:`grouped_mm` runs on :mod:`.fp8_gluon`: ``MOEYARD_FP8_GLUON`` not ``0``,
-    not under the interpreter (Gluon has none), and :func:`.fp8_gluon.ready`."""
-    if interpreting() or not a.is_cuda or os.environ.get(ENV_GLUON, "1").strip() in ("0", "false", "False"):
+    """Whether :func:`grouped_mm` can run on :mod:`.fp8_gluon`: not under the interpreter (Gluon has none),
+    and :func:`.fp8_gluon.ready`."""
+    if interpreting() or not a.is_cuda:
         return False
     try:
         from . import fp8_gluon
