@@ -127,7 +127,8 @@ def grouped_mm(
     ``[R, N]`` ``out_dtype`` (``R = index.numel()``, else M). ``offsets[E] <= R``
     is the caller's to keep (checking it would need a host sync). On Hopper the Gluon kernel of
     :mod:`.fp8_gluon` runs where it applies (module docstring; ``gluon=False``: the Triton kernel
-    everywhere), with its tile table from ``tiles`` when given (:class:`TileTable`: one per step's offsets, shared by its GEMMs). No host sync.
+    everywhere), with its tile table from ``tiles`` when given (:class:`TileTable`: one per step's offsets,
+    shared by its GEMMs). No host sync.
 
     Raises:
         TypeError: ``a`` or ``b`` not float8_e4m3fn, or a scale not float32.
