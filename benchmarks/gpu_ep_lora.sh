@@ -15,7 +15,11 @@
 # 2. qlora235: examples/qwen3_235b_qlora.py on 4 GPUs (94 layers, NF4 experts, LoRA r=16, FSDP2,
 #    activation checkpointing): per-step loss, s/step, tokens/s, per-GPU peak memory; needs
 #    bitsandbytes (BNB_WHEEL installs a carried wheel).
-# Files in $OUT: bench_ep<N>_<model>_<train|lora>.{log,json}, scaling.md, qwen3_235b_qlora.{log,json}, env.txt.
+# 3. qloradsv3 (8 GPUs, not in the default steps): the same example with --model deepseek-v3 (61 layers,
+#    256 experts; EP_DSV3_ARGS adds flags, e.g. "--batch 1 --lora-dtype bfloat16" on 80 GB GPUs).
+#    EP_STEPS="bench qlora235 qloradsv3" EP_SIZES="1 2 4 8" on an 8-GPU host.
+# Files in $OUT: bench_ep<N>_<model>_<train|lora>.{log,json}, scaling.md, qwen3_235b_qlora.{log,json},
+# deepseek_v3_qlora.{log,json}, env.txt.
 set -u
 OUT=${OUT:-./gpu_ep_lora_out}
 mkdir -p "$OUT"
@@ -60,13 +64,20 @@ if has bench; then
     done
     python benchmarks/ep_scaling_table.py "$OUT"/bench_ep*.json > "$OUT/scaling.md" 2>&1
 fi
-if has qlora235; then
+if has qlora235 || has qloradsv3; then
     BNB_WHEEL=${BNB_WHEEL:-$(ls .bnb/bitsandbytes-*.whl 2> /dev/null | head -n 1)}
     # the interpreter's own pip (a bare `pip` may belong to another Python and leave this one without it)
     [ -n "$BNB_WHEEL" ] && python3 -m pip install --no-deps --no-index "$BNB_WHEEL" > "$OUT/bnb_install.log" 2>&1
+fi
+if has qlora235; then
     names+=(qwen3_235b_qlora)
     step qwen3_235b_qlora "${EP_LIMIT_QLORA:-1800}" torchrun --standalone --nproc-per-node 4 \
         examples/qwen3_235b_qlora.py --out "$OUT/qwen3_235b_qlora.json"
+fi
+if has qloradsv3; then
+    names+=(deepseek_v3_qlora)
+    step deepseek_v3_qlora "${EP_LIMIT_QLORA:-1800}" torchrun --standalone --nproc-per-node 8 \
+        examples/qwen3_235b_qlora.py --model deepseek-v3 ${EP_DSV3_ARGS:-} --out "$OUT/deepseek_v3_qlora.json"
 fi
 
 echo
@@ -75,3 +86,4 @@ head -4 "$OUT/env.txt"
 for name in "${names[@]}"; do echo "$name: ${STATUS[$name]:-not run}"; done
 has bench && cat "$OUT/scaling.md"
 has qlora235 && grep -E '^(step|\| qwen3|built|rank 0 holds)' "$OUT/qwen3_235b_qlora.log"
+has qloradsv3 && grep -E '^(step|\| deepseek|built|rank 0 holds)' "$OUT/deepseek_v3_qlora.log"

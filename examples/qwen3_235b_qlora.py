@@ -1,5 +1,6 @@
-"""QLoRA on the full Qwen3-235B-A22B architecture over several GPUs: expert parallelism, NF4 experts,
-LoRA r=16 on experts and attention, FSDP2 for the non-expert weights, activation checkpointing (torchrun).
+"""QLoRA on the full Qwen3-235B-A22B (or DeepSeek-V3) architecture over several GPUs: expert parallelism,
+NF4 experts, LoRA r=16 on experts and attention, FSDP2 for the non-expert weights, activation checkpointing
+(torchrun).
 
 Needs bitsandbytes (``moeyard.quantize_experts`` quantises with ``bitsandbytes.functional.quantize_4bit``:
 ``pip install bitsandbytes``, or carry its wheel to a machine without network), peft and transformers.
@@ -56,11 +57,19 @@ Memory per GPU at W = 4, batch 2 x 4096 tokens per GPU (estimate; the run prints
 About 57 GB (53 GiB) per GPU with FSDP2, 68 GB without (``--no-fsdp``; ``--batch 1`` saves 5 GB of
 activations): under 70 GB on 80 GB H100s. Two GPUs would need 59 GB of NF4 experts each: use 4 or more.
 
+``--model deepseek-v3`` builds DeepSeek-V3's architecture instead (``DEEPSEEK_V3``: 61 layers, the first 3
+dense, 256 routed experts and one shared, MLA attention; LoRA on its ``q_a_proj``, ``q_b_proj``,
+``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``; NF4 and expert LoRA in the 58 sparse layers only). At 8
+GPUs, 2 x 4096 tokens per GPU, about 75 GB per GPU (NF4 experts 42.2 GB, non-expert weights with FSDP2
+8.9 GB, expert LoRA 9.7 GB, activations 14 GB): 8 x 141 GB H200s; on 80 GB H100s ``--batch 1 --lora-dtype
+bfloat16`` brings it to about 64 GB (``docs/finetuning-ep.md`` has the breakdown).
+
 Run (4 GPUs; torch.cuda.set_device(local rank), NCCL)::
 
     torchrun --nproc-per-node 4 examples/qwen3_235b_qlora.py --out $OUT
     torchrun --nproc-per-node 4 examples/qwen3_235b_qlora.py --layers 8 --steps 4   # quick check
     torchrun --nproc-per-node 2 examples/qwen3_235b_qlora.py --tiny --steps 4       # CPU, gloo, float32
+    torchrun --nproc-per-node 8 examples/qwen3_235b_qlora.py --model deepseek-v3 --out $OUT
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ import math
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -123,6 +133,107 @@ TINY = dict(
     vocab_size=512,
     max_position_embeddings=512,
 )
+# https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json: 61 layers, the first 3 dense; 256
+# routed experts of 2048 and one shared, top-8 of 8 groups (4 kept), sigmoid scores with the aux-free bias,
+# renormalised, scaled 2.5; MLA attention (q rank 1536, kv rank 512, 128 heads of 128 + 64 rope dims);
+# YaRN rope (factor 40 over 4096 positions)
+DEEPSEEK_V3 = dict(
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    first_k_dense_replace=3,
+    n_group=8,
+    topk_group=4,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    vocab_size=129280,
+    max_position_embeddings=163840,
+    rms_norm_eps=1e-6,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    attention_bias=False,
+    use_cache=False,
+)
+DEEPSEEK_V3_TINY = dict(
+    DEEPSEEK_V3,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    vocab_size=512,
+    max_position_embeddings=2560,  # 40 x 64: YaRN's factor, as 163840 / 4096 in the full model
+    rope_parameters=dict(DEEPSEEK_V3["rope_parameters"], original_max_position_embeddings=64),
+)
+
+
+class Arch(NamedTuple):
+    """What differs between the two architectures this script builds."""
+
+    config: dict
+    tiny: dict
+    config_class: str  # in transformers
+    rotary: str  # transformers module path : class of the rotary embedding
+    attn_targets: list[str]  # LoRA target_modules (attention projections)
+    experts_key: str  # the config's routed expert count
+    dense_layers: str | None  # the config's count of leading dense layers (no experts)
+    source: str
+
+
+ARCHS = {
+    "qwen3-235b-a22b": Arch(
+        QWEN3_235B_A22B,
+        TINY,
+        "Qwen3MoeConfig",
+        "transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeRotaryEmbedding",
+        single.ATTN_TARGETS,
+        "num_experts",
+        None,
+        "https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json",
+    ),
+    "deepseek-v3": Arch(
+        DEEPSEEK_V3,
+        DEEPSEEK_V3_TINY,
+        "DeepseekV3Config",
+        "transformers.models.deepseek_v3.modeling_deepseek_v3:DeepseekV3RotaryEmbedding",
+        ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+        "n_routed_experts",
+        "first_k_dense_replace",
+        "https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json",
+    ),
+}
 LORA_RANK, LORA_ALPHA = single.LORA_RANK, single.LORA_ALPHA
 INIT_STD = single.INIT_STD
 
@@ -186,11 +297,47 @@ def _materialise(module: nn.Module, device, dtype, lora_dtype, shared: torch.Gen
             else:
                 t.normal_(0.0, INIT_STD, generator=gen)
             m._parameters[pname] = nn.Parameter(t, requires_grad=p.requires_grad)
+        for bname, b in list(m._buffers.items()):  # DeepSeek-V3's aux-free routing bias: zeros, as initialised
+            if b is not None and b.is_meta:
+                m._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+
+
+def first_moe_layer(config_kwargs: dict, arch: Arch) -> int:
+    """The index of the first decoder layer with routed experts."""
+    return config_kwargs[arch.dense_layers] if arch.dense_layers else 0
+
+
+def build_meta_model(config_kwargs: dict, arch: Arch, dtype, attn: str):
+    """PEFT-wrapped model of ``arch`` on the meta device: LoRA on the attention projections and on the routed
+    experts of every sparse layer (``target_parameters``)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    config = getattr(transformers, arch.config_class)(**config_kwargs)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn, experts_implementation="moeyard"
+        )
+        targets = [
+            f"model.layers.{i}.mlp.experts.{p}"
+            for i in range(first_moe_layer(config_kwargs, arch), config.num_hidden_layers)
+            for p in ("gate_up_proj", "down_proj")
+        ]
+        lora = LoraConfig(
+            r=LORA_RANK,
+            lora_alpha=LORA_ALPHA,
+            lora_dropout=0.0,
+            target_modules=arch.attn_targets,
+            target_parameters=targets,
+            bias="none",
+        )
+        return get_peft_model(model, lora)
 
 
 def build(
     config_kwargs: dict,
     *,
+    arch: Arch,
     layers: int,
     device: torch.device,
     dtype,
@@ -203,11 +350,13 @@ def build(
 ):
     """The PEFT model, this rank's part of it, on ``device``: split on the meta device, then layer by
     layer materialised and its expert block quantised. Returns ``(peft_model, timings)``."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
+    import importlib
 
+    module, _, cls = arch.rotary.partition(":")
+    rotary = getattr(importlib.import_module(module), cls)
     cfg = dict(config_kwargs, num_hidden_layers=layers)
     t0 = time.perf_counter()
-    model = single.build_meta_model(cfg, dtype, attn)
+    model = build_meta_model(cfg, arch, dtype, attn)
     expert_parallel(model, group, dispatcher=dispatcher)  # meta: each rank keeps its experts and their adapters
     lm = model.base_model.model
     rank = dist.get_rank(group)
@@ -215,18 +364,21 @@ def build(
     own = torch.Generator(device=device).manual_seed(seed + 1 + rank)
     for sub in (lm.model.embed_tokens, lm.model.norm, lm.lm_head):
         _materialise(sub, device, dtype, lora_dtype, shared, own)
-    lm.model.rotary_emb = Qwen3MoeRotaryEmbedding(config=lm.config).to(device)
+    lm.model.rotary_emb = rotary(config=lm.config).to(device)
+    sparse_from = first_moe_layer(cfg, arch)
     t_quant = 0.0
     for i, layer in enumerate(lm.model.layers):
         _materialise(layer, device, dtype, lora_dtype, shared, own)
         single._sync(device)
         tq = time.perf_counter()
-        moeyard.quantize_experts(layer, "nf4")  # this rank's block only
+        if i >= sparse_from:  # the leading dense layers have no experts
+            moeyard.quantize_experts(layer, "nf4")  # this rank's block only
         single._sync(device)
         t_quant += time.perf_counter() - tq
         if i == 0 or i == layers - 1 or (i + 1) % 16 == 0:
             gib = f", {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB allocated" if device.type == "cuda" else ""
-            log(f"  layer {i + 1}/{layers} materialised and its experts quantised{gib}")
+            what = "and its experts quantised" if i >= sparse_from else "(dense)"
+            log(f"  layer {i + 1}/{layers} materialised {what}{gib}")
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"still on the meta device: {left[:5]}")
@@ -343,7 +495,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 94; --tiny: 2)")
+    ap.add_argument("--model", default="qwen3-235b-a22b", choices=sorted(ARCHS), help="the architecture")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default all: 94 or 61; --tiny: 2 or 3)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 4096; --tiny: 32)")
     ap.add_argument("--batch", type=int, default=2, help="sequences per GPU (default 2)")
     ap.add_argument("--steps", type=int, default=5, help="training steps, the first two warm-up (default 5)")
@@ -391,15 +544,17 @@ def run(args, device: torch.device, bnb_version: str) -> dict:
 
     W, rank = dist.get_world_size(), dist.get_rank()
     log = print if rank == 0 else (lambda *a, **k: None)
-    base_cfg = TINY if args.tiny else QWEN3_235B_A22B
+    arch = ARCHS[args.model]
+    base_cfg = arch.tiny if args.tiny else arch.config
+    n_experts = base_cfg[arch.experts_key]
     layers = args.layers or base_cfg["num_hidden_layers"]
     seq = args.seq or (32 if args.tiny else 4096)
     dtype = getattr(torch, args.dtype or ("float32" if args.tiny else "bfloat16"))
     lora_dtype = getattr(torch, args.lora_dtype)
     warmup = min(2, max(args.steps - 1, 0))
-    if base_cfg["num_experts"] % W:
-        raise SystemExit(f"--nproc-per-node: {W} does not divide the {base_cfg['num_experts']} experts")
-    name = "qwen3-235b-a22b" + ("-tiny" if args.tiny else "")
+    if n_experts % W:
+        raise SystemExit(f"--nproc-per-node: {W} does not divide the {n_experts} experts")
+    name = args.model + ("-tiny" if args.tiny else "")
     versions = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -409,7 +564,7 @@ def run(args, device: torch.device, bnb_version: str) -> dict:
     }
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     log(
-        f"{name}: {layers} layers on {W} ranks (expert parallel, {base_cfg['num_experts'] // W} experts each"
+        f"{name}: {layers} layers on {W} ranks (expert parallel, {n_experts // W} experts each"
         f"{', FSDP2 for the rest' if args.fsdp else ''}), batch {args.batch} x {seq} tokens per rank (random ids, "
         f"repeated), {dtype} base, {lora_dtype} LoRA r={LORA_RANK}, {device}{f' ({gpu})' if gpu else ''}, backend "
         f"{moeyard.get_backend()}; {versions}"
@@ -418,6 +573,7 @@ def run(args, device: torch.device, bnb_version: str) -> dict:
     mesh = init_device_mesh(device.type, (1, W), mesh_dim_names=("dp", "ep"))
     model, build_info = build(
         base_cfg,
+        arch=arch,
         layers=layers,
         device=device,
         dtype=dtype,
@@ -470,7 +626,7 @@ def run(args, device: torch.device, bnb_version: str) -> dict:
     summary = {
         "model": name,
         "config": dict(base_cfg, num_hidden_layers=layers),
-        "source": "https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json (random weights)",
+        "source": f"{arch.source} (random weights)",
         "world_size": W,
         "expert_parallel": W,
         "fsdp": args.fsdp,
@@ -485,7 +641,7 @@ def run(args, device: torch.device, bnb_version: str) -> dict:
         "lora": {
             "r": LORA_RANK,
             "alpha": LORA_ALPHA,
-            "target_modules": single.ATTN_TARGETS,
+            "target_modules": arch.attn_targets,
             "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
         },
         "activation_checkpointing": checkpointing,
@@ -519,7 +675,8 @@ def run(args, device: torch.device, bnb_version: str) -> dict:
     log(line)
     summary["table_line"] = line
     if args.out and rank == 0:
-        path = args.out if args.out.endswith(".json") else os.path.join(args.out, "qwen3_235b_qlora.json")
+        stem = "qwen3_235b" if args.model.startswith("qwen3") else args.model.replace("-", "_")
+        path = args.out if args.out.endswith(".json") else os.path.join(args.out, f"{stem}_qlora.json")
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             json.dump(summary, f, indent=1)

@@ -1,6 +1,7 @@
 """examples/qwen3_235b_qlora.py at ``--tiny`` on CPU under torchrun (2 gloo processes): the run finishes
-with finite losses falling on the repeated batch, with FSDP2 and without; each rank holds NF4 storage of
-its own experts only; the script stops with a clear message without bitsandbytes.
+with finite losses falling on the repeated batch, with FSDP2 and without, for Qwen3-235B-A22B's and
+DeepSeek-V3's architectures; each rank holds NF4 storage of its own experts only (DeepSeek-V3: in its
+sparse layers only); the script stops with a clear message without bitsandbytes.
 """
 
 import importlib.util
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "qwen3_235b_qlora.py"
 
 
-def _run(tmp_path, *flags) -> dict:
+def _run(tmp_path, *flags, model: str = "qwen3-235b-a22b") -> dict:
     out = tmp_path / "summary.json"
     cmd = [
         sys.executable,
@@ -35,6 +36,8 @@ def _run(tmp_path, *flags) -> dict:
         "2",
         str(SCRIPT),
         "--tiny",
+        "--model",
+        model,
         "--out",
         str(out),
         *flags,
@@ -42,7 +45,7 @@ def _run(tmp_path, *flags) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "| qwen3-235b-a22b-tiny QLoRA NF4 r=16 | 2 x cpu EP2" in proc.stdout
+    assert f"| {model}-tiny QLoRA NF4 r=16 | 2 x cpu EP2" in proc.stdout
     return json.loads(out.read_text())
 
 
@@ -74,3 +77,20 @@ def test_needs_bitsandbytes(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit, match="launch with torchrun"):
         mod.init_distributed(None)
+
+
+def test_tiny_deepseek_v3_run(tmp_path):
+    # DeepSeek-V3's architecture: MLA attention, a leading dense layer, a shared expert, group-limited
+    # sigmoid routing with its aux-free bias; NF4 and LoRA on the routed experts of the sparse layers only
+    summary = _run(tmp_path, "--steps", "4", model="deepseek-v3")
+    assert summary["model"] == "deepseek-v3-tiny" and summary["fsdp"] and summary["losses_finite"]
+    losses = [r["loss"] for r in summary["steps"]]
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses
+    assert summary["lora"]["target_modules"] == ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    cfg = summary["config"]
+    E, H, I = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+    sparse = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    assert sparse >= 1 and cfg["first_k_dense_replace"] >= 1
+    for mem in summary["memory_per_rank"]:
+        assert mem["experts_per_layer"] == [E // 2]
+        assert mem["nf4_expert_weights"] == sparse * (E // 2) * 3 * H * I
