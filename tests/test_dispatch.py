@@ -362,6 +362,42 @@ def test_gathered_sum_kernel_matches_reference():
             assert torch.allclose(got[keep_nan].double(), want_skip[keep_nan], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_gathered_sum_in_windows(weighted):
+    """Rows that come a window at a time (``row0``, summed ``into`` the first window's result) give the sum
+    of all rows at once: the Triton kernel (interpreter) and the torch path, windows of uneven sizes, an
+    index < 0 and rows past the last window naming no row, tokens with no pair in a window. The window's
+    rows are all the kernel reads: the rows outside it are NaN in the buffer the window is cut from."""
+    pytest.importorskip("triton")
+    import os
+    from unittest import mock
+
+    from moeyard.weighted_sum import gathered_sum
+
+    g = torch.Generator().manual_seed(5)
+    T, K, H, R = 11, 3, 70, 40
+    src = torch.randn(R, H, generator=g)
+    index = torch.randint(0, R + 4, (T, K), generator=g)  # >= R: past the last window
+    index[0] = -1  # a token with no row at all
+    index[1, 1] = -1
+    w = torch.randn(T, K, generator=g) if weighted else None
+    named = (index >= 0) & (index < R)
+    rows = src[index.clamp(0, R - 1)] * named.unsqueeze(-1)
+    want = (rows * (w if weighted else torch.ones(T, K)).unsqueeze(-1)).sum(1)
+    for interpret in ("0", "1"):
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": interpret}):
+            whole, _ = gathered_sum(src, index, w)
+            out = None
+            for r0, r1 in ((0, 13), (13, 14), (14, 40)):
+                window = torch.full_like(src, float("nan"))
+                window[r0:r1] = src[r0:r1]
+                into = out
+                out, _ = gathered_sum(window[r0:r1], index, w, row0=r0, into=out)
+                assert into is None or out is into  # summed in place
+        assert torch.allclose(whole, want, atol=1e-5), interpret
+        assert torch.allclose(out, want, atol=1e-5), interpret
+
+
 @pytest.mark.parametrize("extra_rows", [0, 5])  # a permutation of the rows, or rows no pair names (padding)
 @pytest.mark.parametrize("weights_grad", [True, False])
 def test_gathered_weighted_sum(extra_rows, weights_grad):

@@ -44,25 +44,39 @@ def weighted_sum_reference(pairs: Tensor, weights: Tensor) -> Tensor:
 
 
 def gathered_sum(
-    src: Tensor, index: Tensor, weights: Tensor | None = None, *, keep: bool = False
+    src: Tensor,
+    index: Tensor,
+    weights: Tensor | None = None,
+    *,
+    keep: bool = False,
+    row0: int = 0,
+    into: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """``out[t] = sum_k w[t, k] * src[index[t, k]]`` (``w = 1`` when ``weights`` is None), outside
-    autograd, with each gathered row read once: ``src [*, H]``, ``index [T, K]`` int64 (rows of
-    ``src``; an index < 0 names no row: that pair adds nothing, whatever its weight), ``weights [T, K]`` in
-    ``src.dtype``. Returns ``(out [T, H], pairs [T, K, H] | None)``
-    in ``src.dtype``; with ``keep`` the gathered rows ``src[index]`` too (for a backward that needs
-    them), written by the same pass. Sums as :func:`weighted_sum`. For the combines that read their
-    pairs out of a buffer (:mod:`moeyard.parallel.send_order`), saving the ``[T, K, H]`` copy a gather
-    then a sum would write and read again. No host sync; shapes and index ranges are not checked (the
-    callers hold them by construction: a check would read the device)."""
+    """``out[t] = sum_k w[t, k] * src[index[t, k] - row0]`` (``w = 1`` when ``weights`` is None), outside
+    autograd, with each gathered row read once: ``src [n, H]`` holds rows ``row0 .. row0 + n - 1`` of the
+    numbering ``index [T, K]`` int64 uses (an index outside them, e.g. < 0, names no row: that pair adds
+    nothing, whatever its weight), ``weights [T, K]`` in ``src.dtype``. Returns ``(out [T, H], pairs [T,
+    K, H] | None)`` in ``src.dtype``; with ``keep`` the gathered rows ``src[index]`` too (for a backward
+    that needs them), written by the same pass. ``into [T, H]`` (``src.dtype``, contiguous): the sum is
+    added to it (in float32, rounded once) and it is returned as ``out``; so a sum over rows that come a
+    window at a time (``row0``) never needs them all at once. Sums as :func:`weighted_sum`. For the
+    combines that read their pairs out of a buffer (:mod:`moeyard.parallel.send_order`), saving the
+    ``[T, K, H]`` copy a gather then a sum would write and read again. No host sync; shapes and index
+    ranges are not checked (the callers hold them by construction: a check would read the device)."""
     if _on_kernels(src) and index.numel() and src.stride(1) == 1:
         from .weighted_sum_triton import gathered_sum as kernel
 
-        return kernel(src, index.contiguous(), None if weights is None else weights.contiguous(), keep)
+        w = None if weights is None else weights.contiguous()
+        return kernel(src, index.contiguous(), w, keep, row0, into)
     T, K = index.shape
-    pairs = src.index_select(0, index.clamp(min=0).reshape(-1)).view(T, K, src.shape[1])
-    pairs = pairs.masked_fill((index < 0).unsqueeze(2), 0)
+    rows = index - row0
+    named = (rows >= 0) & (rows < src.shape[0])
+    pairs = src.index_select(0, rows.clamp(0, max(src.shape[0] - 1, 0)).reshape(-1)).view(T, K, src.shape[1])
+    pairs = pairs.masked_fill(~named.unsqueeze(2), 0)
     out = pairs.sum(1) if weights is None else weighted_sum_reference(pairs, weights)
+    if into is not None:
+        into.copy_(into.float() + (pairs.float().sum(1) if weights is None else out.float()))
+        out = into
     return out, pairs if keep else None
 
 

@@ -40,25 +40,30 @@ def weighted_sum_kernel(
     T,
     H,
     stride_src,
+    row0,
+    n_rows,
     K: tl.constexpr,
     HAS_W: tl.constexpr,
     GATHER: tl.constexpr,
     KEEP: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     BT: tl.constexpr,
     BH: tl.constexpr,
 ):
     """``out[t, h] = sum_k w[t, k] * pairs[t, k, h]`` (float32 sums, k in order; ``w = 1`` without
-    ``HAS_W``). ``GATHER``: pair ``(t, k)``'s row is ``pairs[index[t, k]]`` (rows ``stride_src`` apart;
-    zeros for an index < 0, whatever its weight), and with ``KEEP`` it is also copied to ``keep[t, k]``;
-    otherwise ``pairs [T, K, H]`` contiguous."""
+    ``HAS_W``). ``GATHER``: pair ``(t, k)``'s row is ``pairs[index[t, k] - row0]`` (rows ``stride_src``
+    apart; zeros for an index outside ``[row0, row0 + n_rows)``, whatever its weight), and with ``KEEP``
+    it is also copied to ``keep[t, k]``; otherwise ``pairs [T, K, H]`` contiguous. ``ACCUMULATE``: the
+    sum is added to ``out`` (in float32, rounded once)."""
     t64, h, m_t, mask = _token_tile(T, H, BT, BH)
     acc = tl.zeros((BT, BH), tl.float32)
     for k in tl.static_range(K):
         pair = t64 * K + k
-        if GATHER:  # a negative index names no row: the pair adds nothing
-            row = tl.load(index_ptr + pair, mask=m_t, other=-1)
-            src = tl.maximum(row, 0) * stride_src
-            m_p = mask & (row >= 0)[:, None]
+        if GATHER:  # an index outside the window names no row: the pair adds nothing
+            row = tl.load(index_ptr + pair, mask=m_t, other=-1) - row0
+            ok = (row >= 0) & (row < n_rows)
+            src = tl.where(ok, row, 0) * stride_src
+            m_p = mask & ok[:, None]
         else:
             src = pair * H
             m_p = mask
@@ -69,7 +74,10 @@ def weighted_sum_kernel(
             acc += tl.load(w_ptr + pair, mask=m_t, other=0.0).to(tl.float32)[:, None] * p.to(tl.float32)
         else:
             acc += p.to(tl.float32)
-    tl.store(out_ptr + t64[:, None] * H + h[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    out = out_ptr + t64[:, None] * H + h[None, :]
+    if ACCUMULATE:
+        acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -114,12 +122,37 @@ def weights_grad_kernel(
 def weighted_sum_(pairs: Tensor, weights: Tensor, out: Tensor) -> None:
     T, K, H = pairs.shape
     weighted_sum_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](
-        pairs, weights, out, out, out, T, H, H, K=K, HAS_W=True, GATHER=False, KEEP=False, BT=BT, BH=BH, num_warps=4
+        pairs,
+        weights,
+        out,
+        out,
+        out,
+        T,
+        H,
+        H,
+        0,
+        T * K,
+        K=K,
+        HAS_W=True,
+        GATHER=False,
+        KEEP=False,
+        ACCUMULATE=False,
+        BT=BT,
+        BH=BH,
+        num_warps=4,
     )
 
 
 @kernel_op("moeyard::gathered_sum_", mutates_args=("out", "keep"))
-def gathered_sum_(src: Tensor, index: Tensor, weights: Tensor | None, out: Tensor, keep: Tensor | None) -> None:
+def gathered_sum_(
+    src: Tensor,
+    index: Tensor,
+    weights: Tensor | None,
+    out: Tensor,
+    keep: Tensor | None,
+    row0: int = 0,
+    accumulate: bool = False,
+) -> None:
     T, K = index.shape
     H = out.shape[1]
     weighted_sum_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](
@@ -131,10 +164,13 @@ def gathered_sum_(src: Tensor, index: Tensor, weights: Tensor | None, out: Tenso
         T,
         H,
         src.stride(0),
+        row0,
+        src.shape[0],
         K=K,
         HAS_W=weights is not None,
         GATHER=True,
         KEEP=keep is not None,
+        ACCUMULATE=accumulate,
         BT=BT,
         BH=BH,
         num_warps=4,
@@ -166,13 +202,15 @@ def weights_grad_(pairs: Tensor, grad_out: Tensor, dw: Tensor) -> None:
     )
 
 
-def gathered_sum(src: Tensor, index: Tensor, weights: Tensor | None, keep: bool) -> tuple[Tensor, Tensor | None]:
+def gathered_sum(
+    src: Tensor, index: Tensor, weights: Tensor | None, keep: bool, row0: int = 0, into: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
     """``([T, H], [T, K, H] | None)`` in ``src.dtype`` (``src [*, H]`` unit column stride, contiguous
     ``index [T, K]`` int64 and ``weights [T, K]``): see :func:`moeyard.weighted_sum.gathered_sum`."""
     T, K = index.shape
-    out = src.new_empty(T, src.shape[1])
+    out = src.new_empty(T, src.shape[1]) if into is None else into
     pairs = src.new_empty(T, K, src.shape[1]) if keep else None
-    gathered_sum_(src, index, weights, out, pairs)
+    gathered_sum_(src, index, weights, out, pairs, row0, into is not None)
     return out, pairs
 
 
