@@ -544,6 +544,52 @@ def test_fast_path_fused_on_cpu(forced_fast_path, recipe, backend, case):
     assert forced_fast_path.count("dh_cast_kept") == 1 and "dh_cast_again" not in forced_fast_path
 
 
+@pytest.mark.parametrize("case", ["base", "empty_experts", "odd_sizes"])
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
+def test_fast_path_up_dgrad_in_windows(forced_fast_path, monkeypatch, recipe, case):
+    # the up projection's input gradient made three row windows at a time (16-row aligned, so windows cut
+    # experts): every output and gradient as in one window (float32: rounded after each window), one
+    # GEMM more per extra window
+    import importlib
+
+    hop = importlib.import_module("moeyard.experts.scaled_hopper")
+    inputs = _inputs(case)
+    T, H = inputs["hidden_states"].shape
+    g = torch.randn(T, H, dtype=torch.float64)
+    monkeypatch.setattr(hop, "dgrad_windows", lambda *a: 1)
+    whole = run_experts(inputs, torch.float32, "triton", g, recipe=recipe)
+    gemms = forced_fast_path.count("gemm")
+    monkeypatch.setattr(hop, "WINDOW_ALIGN", 16)
+    monkeypatch.setattr(hop, "MIN_WINDOW_ROWS", 16)
+    monkeypatch.setattr(hop, "dgrad_windows", lambda *a: 3)
+    starts, real_sum = [], hop.gathered_sum
+    monkeypatch.setattr(hop, "gathered_sum", lambda *a, **k: starts.append(k.get("row0")) or real_sum(*a, **k))
+    windows = run_experts(inputs, torch.float32, "triton", g, recipe=recipe)
+    starts = [r for r in starts if r is not None]  # the up projection's dgrad (the forward's combine: None)
+    assert len(starts) == 3 and starts[0] == 0 and all(r % 16 == 0 for r in starts), starts
+    assert forced_fast_path.count("gemm") - gemms == gemms + 2  # one GEMM more per extra window
+    for k in whole:
+        torch.testing.assert_close(windows[k], whole[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_dgrad_windows():
+    # the fewest windows whose unheld [R, H] output rows cover d h's e4m3 cast and W_up's transposed one
+    from moeyard.experts.scaled_hopper import MAX_DGRAD_WINDOWS, dgrad_windows
+
+    assert MAX_DGRAD_WINDOWS >= 2
+    assert dgrad_windows(32768 * 8, 4096, 2 * 512, 128, 2) == 2  # sonic-30b-a: 2 GiB of rows, 0.75 more
+    assert dgrad_windows(32768 * 8, 1536, 2 * 256, 128, 2) == 2  # sonic-7b: 0.56 GiB of rows, 0.19 more
+    assert dgrad_windows(32768 * 8, 2048, 2 * 768, 128, 2) == min(4, MAX_DGRAD_WINDOWS)  # qwen3-30b-a3b: 1, 0.75
+    assert dgrad_windows(32768 * 4, 4096, 2 * 2048, 64, 2) == MAX_DGRAD_WINDOWS  # sonic-120b: 1 GiB, 1.5 more
+    assert dgrad_windows(0, 2048, 1536, 128, 2) == 1
+    for rows, hidden, inner, experts in ((1000, 64, 32, 4), (4096, 512, 1024, 8), (77, 96, 16, 2)):
+        n = dgrad_windows(rows, hidden, inner, experts, 2)
+        out, extra = rows * hidden * 2, rows * inner + experts * hidden * inner
+        assert 1 <= n <= MAX_DGRAD_WINDOWS
+        assert n == MAX_DGRAD_WINDOWS or out * (n - 1) >= extra * n  # saved >= extra
+        assert n == 1 or out * (n - 2) < extra * (n - 1)  # one window fewer would not do
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_gw_hp_weight_gradient_in_compute_dtype(monkeypatch, fast):
     # fp8_rowwise_gw_hp: forward and dgrad as fp8_rowwise's, the weight gradient exactly dy_e^T x_e (the

@@ -220,8 +220,9 @@ def routed_ffn(
         dh_cast,
         tiles,
     )
-    if not drop_invalid:  # the NaN weight of an invalid id reaches its token's row (0 * NaN); no gradient
-        out = out + 0 * topk_weights.masked_fill(live, 0).sum(1, keepdim=True).to(out.dtype)
+    if not drop_invalid:  # the NaN weight of an invalid id reaches its token's row (0 * NaN); no gradient,
+        with torch.no_grad():  # so nothing for backward to reduce: added in place, outside autograd
+            out.add_(0 * topk_weights.detach().masked_fill(live, 0).sum(1, keepdim=True).to(out.dtype))
     return out
 
 
@@ -249,10 +250,72 @@ def _dgrad(
     tiles=None,
 ) -> Tensor:
     """``dx = dy w_e`` from the rowwise cast of ``dy`` (``[R, N]``, or ``[T, N]`` read through ``index``):
-    casts ``w [E, N, K]`` per input channel (once per :func:`moeyard.cache_fp8_weights` block), with the
-    forward's column ``amax [E, K]`` when given (:func:`_forward`)."""
-    wq, ws = weight_cache.cached(w, "colwise", lambda: _cast().colwise_per_expert(w, amax))  # [E, K, N], [E, K]
-    return _gathered_gemm(dyq_dys, wq, ws, offsets, dtype, gemm, index, tiles)
+    casts ``w [E, N, K]`` per input channel (:func:`_weight_t`)."""
+    return _gathered_gemm(dyq_dys, *_weight_t(w, amax), offsets, dtype, gemm, index, tiles)
+
+
+def _weight_t(w: Tensor, amax: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``w [E, N, K]`` cast per input channel, transposed: ``([E, K, N] e4m3, [E, K] float32)``, once per
+    :func:`moeyard.cache_fp8_weights` block; with the forward's column ``amax [E, K]`` when given
+    (:func:`_forward`)."""
+    return weight_cache.cached(w, "colwise", lambda: _cast().colwise_per_expert(w, amax))
+
+
+MAX_DGRAD_WINDOWS = 2  # more saved little more memory and cost time (benchmarks/NOTES.md, round 43)
+WINDOW_ALIGN = 128  # rows: a window starts where an aligned group may (Recipe.align divides it)
+MIN_WINDOW_ROWS = 4096  # fewer rows hold too little memory to be worth a GEMM launch more
+
+
+def dgrad_windows(rows: int, hidden: int, inner: int, experts: int, itemsize: int) -> int:
+    """How many row windows :func:`_dgrad_summed` makes the up projection's input gradient in, for ``rows``
+    rows of ``inner`` (2I) columns, ``hidden`` (H) output columns, ``experts`` experts and an output of
+    ``itemsize`` bytes an element: the fewest (at most :data:`MAX_DGRAD_WINDOWS`) for which the ``[R, H]``
+    output rows not alive at once (``R H itemsize (1 - 1/n)`` bytes) cover what the fast path holds there
+    beyond the compute dtype's path: ``d h``'s e4m3 cast (``R 2I`` bytes) and ``W_up``'s transposed one
+    (``E H 2I`` bytes)."""
+    out = rows * hidden * itemsize
+    extra = rows * inner + experts * hidden * inner
+    if out == 0 or extra == 0:
+        return 1
+    if extra >= out:
+        return MAX_DGRAD_WINDOWS
+    return min(MAX_DGRAD_WINDOWS, -(-out // (out - extra)))
+
+
+def _dgrad_summed(
+    dh_cast: _DhCast,
+    dh: Tensor,
+    w: Tensor,
+    offsets: Tensor,
+    pair_rows: Tensor,
+    gemm: str,
+    amax: Tensor | None,
+    tiles=None,
+) -> Tensor:
+    """``dx [T, H]``, each token's sum over its live rows ``r`` (``pair_rows [T, K]``, -1: none) of ``d h_r
+    w_e``, from the rowwise cast of ``d h [R, 2I]`` (``dh_cast``'s, :class:`_DhCast`) and ``w [E, 2I, H]``.
+    The ``[R, H]`` rows are made :func:`dgrad_windows` windows at a time (each a GEMM over the window's
+    rows, ``offsets`` clipped to it; no more windows than whole :data:`MIN_WINDOW_ROWS` fit in ``R``),
+    each summed into ``dx`` as it comes (:func:`moeyard.weighted_sum.gathered_sum` with ``row0`` and
+    ``into``: windows in order, deterministic; ``dx`` rounded to ``d h``'s dtype after each window). The
+    e4m3 operands are dropped before the last window's sum. No host sync."""
+    dhq, dhs = dh_cast.take(dh)
+    R, inner = dhq.shape
+    E, _, H = w.shape
+    n = max(1, min(dgrad_windows(R, H, inner, E, dh.dtype.itemsize), R // MIN_WINDOW_ROWS))
+    wq, ws = _weight_t(w, amax)
+    step = -(-R // n)  # rows a window, rounded up to WINDOW_ALIGN
+    step = max(-(-step // WINDOW_ALIGN) * WINDOW_ALIGN, WINDOW_ALIGN)
+    dx = None
+    for r0 in range(0, R, step):
+        r1 = min(R, r0 + step)
+        window = offsets if r1 - r0 == R else offsets.clamp(r0, r1) - r0
+        d_rows = _gathered_gemm((dhq[r0:r1], dhs[r0:r1]), wq, ws, window, dh.dtype, gemm, None, tiles)
+        if r1 == R:  # not held through the last sum
+            del dhq, dhs, wq, ws
+        dx, _ = gathered_sum(d_rows, pair_rows, row0=r0, into=dx)
+        del d_rows  # one window's rows alive at a time
+    return dh.new_zeros(pair_rows.shape[0], H) if dx is None else dx
 
 
 class _HighPrecisionWgrad:
@@ -342,9 +405,7 @@ class _GatheredUp(torch.autograd.Function):
         dh = dh.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            d_rows = _dgrad(ctx.dh_cast.take(dh), w, offsets, dh.dtype, ctx.gemm, amax=ctx.w_amax, tiles=ctx.tiles)
-            dx, _ = gathered_sum(d_rows, pair_rows)
-            del d_rows  # [R, H]: not held through the weight gradient
+            dx = _dgrad_summed(ctx.dh_cast, dh, w, offsets, pair_rows, ctx.gemm, ctx.w_amax, ctx.tiles)
         if ctx.needs_input_grad[1] and ctx.hp is not None:
             dw = ctx.hp(x, dh, False, w)
         elif ctx.needs_input_grad[1]:
