@@ -200,12 +200,8 @@ def _consumer(
             fence_async_shared()
             if row0 + (half + 1) * HM <= gl.load(offsets_ptr + e + 1):
                 _tma_store(out_desc, [row0 + half * HM, col0], c_buf)
-            else:  # rows past the expert's end are the next expert's: stored by row, masked
-                rows_s = gl.convert_layout(rows.to(gl.int64), gl.SliceLayout(1, ST))
-                ok_s = gl.convert_layout(ok, gl.SliceLayout(1, ST))
-                cols_s = col0 + gl.arange(0, BN, gl.SliceLayout(0, ST))
-                mask = ok_s[:, None] & (cols_s < N)[None, :]
-                gl.store(out_ptr + rows_s[:, None] * N + cols_s[None, :], c_buf.load(ST), mask=mask)
+            else:  # rows past the expert's end are the next expert's: read back, stored by row, masked
+                _store_tile(c_buf.load(ST), rows.to(gl.int64), ok, col0, N, out_ptr, BN, ST)
         else:
             _store_tile(acc, rows.to(gl.int64), ok, col0, N, out_ptr, BN, ST)
     if TMA_STORE:
