@@ -10,11 +10,16 @@ the dense e4m3 rate measured in the same run (``torch._scaled_mm``, rowwise scal
 error (Frobenius) against float32 on the dequantised operands, and the host ms per call (launch cost).
 
     PYTHONPATH=src python3 benchmarks/fp8_gemm_probe.py [--models qwen3-30b-a3b,sonic-120b]
+        [--tiles 256:3,128:5] [--no-triton]
+
+``--tiles BN:STAGES,...`` times the Gluon kernel once per tile width ``BN`` and ring depth ``STAGES``
+(the module's ``BN`` and ``STAGES`` set for that row; the first is the one timed against the Triton kernel).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import time
 
@@ -22,7 +27,7 @@ import torch
 
 from moeyard.bench import dense_fp8_tflops, time_ms
 from moeyard.bench.models import get_model
-from moeyard.quant import fp8_grouped
+from moeyard.quant import fp8_gluon, fp8_grouped
 from moeyard.quant.fp8_triton import rowwise
 
 
@@ -64,10 +69,24 @@ def run_set(pool, gluon: bool, i: int) -> None:
     gemm(*pool[i], gluon=gluon)
 
 
+@contextlib.contextmanager
+def gluon_tiles(bn: int, stages: int):
+    """The Gluon kernel with tile width ``bn`` and ``stages`` ring stages inside the block."""
+    old = fp8_gluon.BN, fp8_gluon.STAGES
+    fp8_gluon.BN, fp8_gluon.STAGES = bn, stages
+    try:
+        yield
+    finally:
+        fp8_gluon.BN, fp8_gluon.STAGES = old
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="sonic-7b,qwen3-30b-a3b,sonic-30b-a,sonic-120b,qwen3.5-35b-a3b")
+    p.add_argument("--tiles", default=f"{fp8_gluon.BN}:{fp8_gluon.STAGES}", help="Gluon BN:STAGES, comma-separated")
+    p.add_argument("--no-triton", action="store_true", help="skip the Triton kernel's rows")
     args = p.parse_args()
+    tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",")]
     dense = dense_fp8_tflops(torch.device("cuda"), 3, 10)
     print(f"{torch.cuda.get_device_name()} · dense e4m3 {dense:.0f} TFLOP/s · ms / TFLOP/s / share of dense / rel err")
     for name in args.models.split(","):
@@ -86,13 +105,16 @@ def main() -> None:
             a, sa, b, sb, offsets, index = pool[0]
             ref = fp8_grouped.reference(a, sa, b, sb, offsets, torch.float32, index=index)
             flops = 2.0 * R * K * N
-            for kernel, gluon in (("gluon", True), ("triton", False)):
-                err = float((gemm(*pool[0], gluon=gluon).float() - ref).norm() / ref.norm())
-                ms = time_ms(functools.partial(run_set, pool, gluon), len(pool), 5, 30, torch.device("cuda"))
-                host = host_ms(functools.partial(gemm, gluon=gluon), pool[0])
+            rows = [(f"gluon {bn}:{st}", True, bn, st) for bn, st in tiles]
+            rows += [] if args.no_triton else [("triton", False, *tiles[0])]
+            for kernel, gluon, bn, st in rows:
+                with gluon_tiles(bn, st):
+                    err = float((gemm(*pool[0], gluon=gluon).float() - ref).norm() / ref.norm())
+                    ms = time_ms(functools.partial(run_set, pool, gluon), len(pool), 5, 30, torch.device("cuda"))
+                    host = host_ms(functools.partial(gemm, gluon=gluon), pool[0])
                 rate = flops / ms / 1e9
                 print(
-                    f"  {label:24s} {kernel:6s} {ms:7.3f} ms {rate:6.0f} TFLOP/s {rate / dense:5.0%} err {err:.1e} host {host:.3f} ms"
+                    f"  {label:24s} {kernel:11s} {ms:7.3f} ms {rate:6.0f} TFLOP/s {rate / dense:5.0%} err {err:.1e} host {host:.3f} ms"
                 )
             del pool, ref
 

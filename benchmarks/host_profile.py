@@ -4,7 +4,7 @@ the step's wall time is the host's; per recipe, the host ms per step and the Pyt
 it (``cProfile``, own time and cumulative time).
 
 Usage (GPU machine): ``PYTHONPATH=src python3 benchmarks/host_profile.py [--model sonic-7b] [--tokens 256]
-[--recipes none,fp8_rowwise_gw_hp] [--top 25]``
+[--recipes none,fp8_rowwise_gw_hp] [--top 25] [--callers REGEX]``
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     p.add_argument("--recipes", default="none,fp8_rowwise_gw_hp")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--callers", default="", help="also list the callers of the functions matching this regex")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     cfg = routed_only(get_model(args.model).moe_config())
@@ -77,6 +78,11 @@ def main(argv=None) -> int:
             start = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls"))
             print(f"-- by {key} ({args.steps} steps)")
             print("\n".join(lines[start : start + args.top + 1]))
+        if args.callers:
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_callers(args.callers)
+            print(f"-- callers of {args.callers!r}")
+            print("\n".join(ln for ln in buf.getvalue().splitlines() if ln.strip()))
     return 0
 
 
