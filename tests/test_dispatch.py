@@ -396,6 +396,11 @@ def test_gathered_sum_in_windows(weighted):
                 assert into is None or out is into  # summed in place
         assert torch.allclose(whole, want, atol=1e-5), interpret
         assert torch.allclose(out, want, atol=1e-5), interpret
+    for bad in (torch.zeros(T, H + 1), torch.zeros(T, H, dtype=torch.float64), torch.zeros(H, T).t()):
+        with pytest.raises(ValueError, match="into"):
+            gathered_sum(src, index, w, into=bad)
+    with pytest.raises(ValueError, match="row0"):
+        gathered_sum(src, index, w, row0=-1)
 
 
 @pytest.mark.parametrize("extra_rows", [0, 5])  # a permutation of the rows, or rows no pair names (padding)

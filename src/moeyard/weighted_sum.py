@@ -61,8 +61,25 @@ def gathered_sum(
     added to it (in float32, rounded once) and it is returned as ``out``; so a sum over rows that come a
     window at a time (``row0``) never needs them all at once. Sums as :func:`weighted_sum`. For the
     combines that read their pairs out of a buffer (:mod:`moeyard.parallel.send_order`), saving the
-    ``[T, K, H]`` copy a gather then a sum would write and read again. No host sync; shapes and index
-    ranges are not checked (the callers hold them by construction: a check would read the device)."""
+    ``[T, K, H]`` copy a gather then a sum would write and read again. No host sync; index ranges are not
+    checked (the callers hold them by construction: a check would read the device).
+
+    Raises:
+        ValueError: ``into`` not a contiguous ``[T, H]`` tensor of ``src``'s dtype and device, or ``row0``
+            negative.
+    """
+    if into is not None and (
+        into.shape != (index.shape[0], src.shape[1])
+        or into.dtype != src.dtype
+        or into.device != src.device
+        or not into.is_contiguous()
+    ):
+        raise ValueError(
+            f"into: expected a contiguous [{index.shape[0]}, {src.shape[1]}] {src.dtype} tensor on {src.device}, "
+            f"got {tuple(into.shape)} {into.dtype} on {into.device}"
+        )
+    if row0 < 0:
+        raise ValueError(f"row0: expected a row number >= 0, got {row0}")
     if _on_kernels(src) and index.numel() and src.stride(1) == 1:
         from .weighted_sum_triton import gathered_sum as kernel
 
