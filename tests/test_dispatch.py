@@ -396,6 +396,18 @@ def test_gathered_sum_in_windows(weighted):
                 assert into is None or out is into  # summed in place
         assert torch.allclose(whole, want, atol=1e-5), interpret
         assert torch.allclose(out, want, atol=1e-5), interpret
+    # in bf16 the window's sum is added to into's values in float32 and rounded once, on both paths
+    src16, into16 = src.bfloat16(), torch.randn(T, H, generator=g).bfloat16()
+    w16 = None if w is None else w.bfloat16()
+    exact = (
+        (src16.float()[index.clamp(0, R - 1)] * named.unsqueeze(-1))
+        .mul((w16.float() if weighted else torch.ones(T, K)).unsqueeze(-1))
+        .sum(1)
+    )
+    for interpret in ("0", "1"):
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": interpret}):
+            got, _ = gathered_sum(src16, index, w16, into=into16.clone())
+        torch.testing.assert_close(got, (into16.float() + exact).bfloat16(), rtol=0, atol=0)
     for bad in (torch.zeros(T, H + 1), torch.zeros(T, H, dtype=torch.float64), torch.zeros(H, T).t()):
         with pytest.raises(ValueError, match="into"):
             gathered_sum(src, index, w, into=bad)

@@ -90,10 +90,11 @@ def gathered_sum(
     named = (rows >= 0) & (rows < src.shape[0])
     pairs = src.index_select(0, rows.clamp(0, max(src.shape[0] - 1, 0)).reshape(-1)).view(T, K, src.shape[1])
     pairs = pairs.masked_fill(~named.unsqueeze(2), 0)
-    out = pairs.sum(1) if weights is None else weighted_sum_reference(pairs, weights)
-    if into is not None:
-        into.copy_(into.float() + (pairs.float().sum(1) if weights is None else out.float()))
-        out = into
+    if into is None:
+        out = pairs.sum(1) if weights is None else weighted_sum_reference(pairs, weights)
+    else:  # the window's sum and into's values added in float32, rounded once (as the kernel does)
+        p32 = pairs.float()
+        out = into.copy_(into.float() + (p32.sum(1) if weights is None else weighted_sum_reference(p32, weights)))
     return out, pairs if keep else None
 
 
