@@ -113,7 +113,8 @@ def test_row_segments_gate_and_up_blocked_separately(chunk, monkeypatch):
 
 
 def check_selective(s, dequant):
-    """``dequant(storage, active, out)`` writes exactly the active experts and nothing else."""
+    """``dequant(storage, active, out)`` writes exactly the active experts and nothing else; with
+    ``zero_inactive=True`` it zeroes the others (a fresh output from ``torch.empty``)."""
     E = s.shape[0]
     want = s.dequantize()
     for active in (
@@ -126,6 +127,9 @@ def check_selective(s, dequant):
         dequant(s, active, out)
         on = active > 0
         assert torch.equal(out[on], want[on]) and out[~on].isnan().all()
+        out = nan_out(s)
+        dequant(s, active, out, zero_inactive=True)
+        assert torch.equal(out[on], want[on]) and (out[~on] == 0).all()
     out = nan_out(s)
     dequant(s, None, out)
     assert torch.equal(out, want)

@@ -121,8 +121,10 @@ ACTIVE = {
 }
 
 
-def check_selective(s, impl):
-    """``impl(storage, active, out)`` with bool and count masks, out=None and a NaN workspace."""
+def check_selective(s, impl, zeroing=None):
+    """``impl(storage, active, out)`` with bool and count masks, out=None and a NaN workspace; ``zeroing``
+    (e.g. ``dequantize_torch``): also ``zeroing(storage, active, out, zero_inactive=True)``, which must zero
+    the inactive experts' rows of a NaN workspace (what a fresh output from ``torch.empty`` gets)."""
     ref = bnb_dequantize(s)
     for name, flags in ACTIVE.items():
         mask = torch.tensor(flags, dtype=torch.bool)
@@ -132,6 +134,11 @@ def check_selective(s, impl):
             impl(s, active, out)
             assert torch.equal(out[mask], ref[mask]), name
             assert out[~mask].isnan().all(), f"{name}: an inactive expert's rows were written"
+            if zeroing is not None:
+                out = torch.full(s.shape, float("nan"), dtype=s.dtype)
+                zeroing(s, active, out, zero_inactive=True)
+                assert torch.equal(out[mask], ref[mask]), name
+                assert (out[~mask] == 0).all(), f"{name}: an inactive expert's rows were not zeroed"
         fresh = s.dequantize(mask)  # a fresh output: inactive rows zero
         assert torch.equal(fresh[mask], ref[mask]) and not fresh[~mask].any(), name
         assert torch.equal(dequantize_reference(s, mask).float().to(s.dtype), fresh), name
@@ -141,7 +148,7 @@ def check_selective(s, impl):
 @pytest.mark.parametrize("compress_statistics", [True, False])
 def test_selective_torch(dtype, compress_statistics):
     s = NF4Experts.from_float(weights((7, 24, 40), dtype), compress_statistics=compress_statistics)
-    check_selective(s, lambda st, active, out: st.dequantize(active, out=out))
+    check_selective(s, lambda st, active, out: st.dequantize(active, out=out), dequant.dequantize_torch)
 
 
 # ---------------------------------------------------------------- the Triton kernel under the interpreter
@@ -181,7 +188,7 @@ def test_triton_kernel_selective(dtype):
     from moeyard.quant.triton_nf4 import dequantize_triton
 
     s = NF4Experts.from_float(weights((7, 24, 40), dtype))
-    check_selective(s, dequantize_triton)
+    check_selective(s, dequantize_triton, dequantize_triton)
 
 
 # ---------------------------------------------------------------- memory, dtype casts, state dict

@@ -42,20 +42,30 @@ def dequantize(storage, active: Tensor | None = None, *, out: Tensor | None = No
         TypeError: ``active`` is not a bool/integer tensor, or ``out`` has another dtype.
         ValueError: ``active`` / ``out`` have the wrong shape or device, or ``out`` is not contiguous.
     """
-    check_active(storage, active)
-    if out is None:
-        alloc = torch.empty if active is None else torch.zeros
-        out = alloc(storage.shape, dtype=storage.dtype, device=storage.device)
-    else:
-        check_out(storage, out)
+    out, fresh = output(storage, active, out)
     with torch.no_grad():
         if use_triton(storage.device):
             from .triton_nf4 import dequantize_triton
 
-            dequantize_triton(storage, active, out)
+            dequantize_triton(storage, active, out, zero_inactive=fresh)
         else:
-            dequantize_torch(storage, active, out)
+            dequantize_torch(storage, active, out, zero_inactive=fresh)
     return out
+
+
+def output(storage, active: Tensor | None, out: Tensor | None) -> tuple[Tensor, bool]:
+    """``(out, fresh)`` for a dequantisation: the caller's workspace (checked with ``active``) and False, or
+    a new ``[E, a, b]`` from ``torch.empty`` and True; a fresh output's inactive experts are zeroed by the
+    kernel that decodes the active ones (one write of the output, not a memset and then a write).
+
+    Raises:
+        as :func:`check_active` and :func:`check_out`.
+    """
+    check_active(storage, active)
+    if out is not None:
+        check_out(storage, out)
+        return out, False
+    return torch.empty(storage.shape, dtype=storage.dtype, device=storage.device), True
 
 
 def use_triton(device: torch.device) -> bool:
@@ -85,11 +95,11 @@ def _nibbles(packed: Tensor) -> Tensor:
     return torch.stack((packed >> 4, packed & 0xF), dim=-1).view(-1).long()
 
 
-def dequantize_torch(storage, active: Tensor | None, out: Tensor) -> None:
+def dequantize_torch(storage, active: Tensor | None, out: Tensor, zero_inactive: bool = False) -> None:
     """The torch implementation of :func:`dequantize` (any device): decodes every expert in chunks
     of about :data:`TORCH_CHUNK` elements and writes the active ones (a ``torch.where`` keeps the
-    inactive rows of ``out``), so its work does not shrink with fewer active experts; static shapes,
-    no host sync."""
+    inactive rows of ``out``, or zeroes them with ``zero_inactive``), so its work does not shrink with
+    fewer active experts; static shapes, no host sync."""
     E, a, b = storage.shape
     per, bs = a * b, storage.blocksize
     absmax = decoded_absmax(storage)
@@ -99,11 +109,16 @@ def dequantize_torch(storage, active: Tensor | None, out: Tensor) -> None:
         e1 = min(E, e0 + step)
         vals = storage.code[_nibbles(data[e0 * per // 2 : e1 * per // 2])].view(-1, bs)
         vals = (vals * absmax[e0 * per // bs : e1 * per // bs, None]).view(e1 - e0, a, b).to(out.dtype)
-        dst = out[e0:e1]
-        if active is None:
-            dst.copy_(vals)
-        else:
-            dst.copy_(torch.where(active[e0:e1, None, None] > 0, vals, dst))
+        keep_inactive(out[e0:e1], vals, None if active is None else active[e0:e1], zero_inactive)
+
+
+def keep_inactive(dst: Tensor, vals: Tensor, active: Tensor | None, zero: bool) -> None:
+    """``dst <- vals`` for the experts ``active`` marks (all when None); the others' rows are zeroed with
+    ``zero``, else kept."""
+    if active is None:
+        dst.copy_(vals)
+    else:
+        dst.copy_(torch.where(active[:, None, None] > 0, vals, 0 if zero else dst))
 
 
 def dequantize_reference(storage, active: Tensor | None = None) -> Tensor:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .dequant import keep_inactive
 from .fp8 import E4M3, quantize
 from .fp8_block_grid import BLOCK, BLOCKS, grid_shape, normalize_segments, row_block_ids, scale_rows
 
@@ -215,21 +216,16 @@ class FP8BlockExperts(nn.Module):
             TypeError: ``active`` is not a bool/integer tensor, or ``out`` has another dtype.
             ValueError: ``active`` / ``out`` have the wrong shape or device, or ``out`` is not contiguous.
         """
-        from .dequant import check_active, check_out, use_triton
+        from .dequant import output, use_triton
 
-        check_active(self, active)
-        if out is None:
-            alloc = torch.empty if active is None else torch.zeros
-            out = alloc(self.shape, dtype=self.dtype, device=self.device)
-        else:
-            check_out(self, out)
+        out, fresh = output(self, active, out)
         with torch.no_grad():
             if use_triton(self.device):
                 from .triton_fp8_block import dequantize_triton
 
-                dequantize_triton(self, active, out)
+                dequantize_triton(self, active, out, zero_inactive=fresh)
             else:
-                dequantize_torch(self, active, out)
+                dequantize_torch(self, active, out, zero_inactive=fresh)
         return out
 
     def row_block_ids(self) -> Tensor:
@@ -259,11 +255,11 @@ class FP8BlockExperts(nn.Module):
 # ---------------------------------------------------------------------- the torch path
 
 
-def dequantize_torch(storage: FP8BlockExperts, active: Tensor | None, out: Tensor) -> None:
+def dequantize_torch(storage: FP8BlockExperts, active: Tensor | None, out: Tensor, zero_inactive: bool = False) -> None:
     """The torch implementation of :meth:`FP8BlockExperts.dequantize` (any device): every expert in
     chunks of about :data:`TORCH_CHUNK` elements, the active ones written (a ``torch.where`` keeps
-    the inactive rows of ``out``), so its work does not shrink with fewer active experts; static
-    shapes, no host sync."""
+    the inactive rows of ``out``, or zeroes them with ``zero_inactive``), so its work does not shrink
+    with fewer active experts; static shapes, no host sync."""
     E, a, b = storage.shape
     rows = storage.row_block_ids()
     cols = torch.arange(b, device=storage.device) // BLOCK
@@ -272,11 +268,7 @@ def dequantize_torch(storage: FP8BlockExperts, active: Tensor | None, out: Tenso
         e1 = min(E, e0 + step)
         scale = storage.weight_scale_inv[e0:e1].index_select(1, rows).index_select(2, cols)
         vals = (storage.weight[e0:e1].float() * scale).to(out.dtype)
-        dst = out[e0:e1]
-        if active is None:
-            dst.copy_(vals)
-        else:
-            dst.copy_(torch.where(active[e0:e1, None, None] > 0, vals, dst))
+        keep_inactive(out[e0:e1], vals, None if active is None else active[e0:e1], zero_inactive)
 
 
 def dequantize_reference(storage: FP8BlockExperts, active: Tensor | None = None) -> Tensor:

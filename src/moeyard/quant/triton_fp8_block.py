@@ -7,10 +7,10 @@ by ``torch.compile``); :func:`dequantize_triton`, the wrapper that launches. The
 :func:`moeyard.quant.fp8_block.dequantize_reference`.
 
 Grid ``(ceil(a / BR), ceil(b / BC), E)``: a program writes a ``BR x BC`` tile of one expert; programs
-of inactive experts read one flag and exit. The e4m3 bytes are decoded through a 256-entry float32
+of inactive experts read one flag and exit, or, into a fresh output (``ZERO_INACTIVE``), store zeros. The e4m3 bytes are decoded through a 256-entry float32
 table (``torch.float8_e4m3fn`` viewed as float32: exact, NaN included; Triton's interpreter decodes
 ``0x7f`` as 480, not NaN), so CPU tests and GPU runs give the same bits. Output rounding to bfloat16
-is :func:`moeyard.quant.triton_nf4._round_bf16` (round to nearest even on the bits).
+is :func:`moeyard.quant.triton_nf4._store_out`'s (round to nearest even).
 
 Legend: E experts, ``(a, b)`` one expert's matrix, ``Ra x Rb`` its block grid.
 """
@@ -23,10 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernel_op import kernel_op
+from ..kernel_op import interpreting, kernel_op
 from .fp8 import E4M3
 from .fp8_block_grid import BLOCK, row_block_ids
-from .triton_nf4 import MAX_GRID_Y, _round_bf16
+from .triton_nf4 import MAX_GRID_Y, _store_out
 
 Tensor = torch.Tensor
 BLOCK_ROWS = 32
@@ -49,26 +49,26 @@ def fp8_block_dequant_kernel(
     BC: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
+    ZERO_INACTIVE: tl.constexpr,  # an inactive expert's tiles are stored as zeros (else left untouched)
+    HW_ROUND: tl.constexpr,  # round with the hardware conversion (GPU); else on the bits (interpreter)
 ):
     """``out[e, i, j] = fl(lut[w[e, i, j]] * scale[e, row_block[i], j // BLOCK])`` over one tile."""
     e = tl.program_id(2)
-    if HAS_ACTIVE:
-        if tl.load(active_ptr + e) <= 0:
-            return
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     m_row = rows < a
     mask = m_row[:, None] & (cols < b)[None, :]
     offs = e.to(tl.int64) * a * b + rows[:, None].to(tl.int64) * b + cols[None, :]
+    if HAS_ACTIVE:
+        if tl.load(active_ptr + e) <= 0:
+            if ZERO_INACTIVE:
+                tl.store(out_ptr + offs, tl.zeros([BR, BC], dtype=out_ptr.dtype.element_ty), mask=mask)
+            return
     byte = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.int32)
     r_blk = tl.load(row_block_ptr + rows, mask=m_row, other=0)
     s_offs = e.to(tl.int64) * Ra * Rb + r_blk[:, None] * Rb + (cols // BLOCK)[None, :]
     scale = tl.load(scale_ptr + s_offs, mask=mask, other=0.0)
-    vals = tl.load(lut_ptr + byte) * scale
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(out_ptr + offs, _round_bf16(vals), mask=mask)
-    else:
-        tl.store(out_ptr + offs, vals.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_out(out_ptr + offs, tl.load(lut_ptr + byte) * scale, mask, HW_ROUND)
 
 
 @kernel_op("moeyard::fp8_block_dequantize_", mutates_args=("out",))
@@ -79,9 +79,11 @@ def fp8_block_dequantize_(
     lut: Tensor,
     active: Tensor | None,
     block: int,
+    zero_inactive: bool,
     out: Tensor,
 ) -> None:
-    """Write the active experts of ``out [E, a, b]`` from FP8 block storage (tensors as the kernel documents)."""
+    """Write the active experts of ``out [E, a, b]`` from FP8 block storage (tensors as the kernel documents);
+    with ``zero_inactive`` the others' rows are zeroed, else left untouched."""
     E, a, b = out.shape
     if out.numel() == 0:
         return
@@ -103,11 +105,13 @@ def fp8_block_dequantize_(
         BC=BLOCK_COLS,
         BLOCK=block,
         HAS_ACTIVE=active is not None,
+        ZERO_INACTIVE=zero_inactive,
+        HW_ROUND=not interpreting(),
     )
 
 
 @fp8_block_dequantize_.register_fake
-def _(weight, weight_scale_inv, row_blocks, lut, active, block, out):
+def _(weight, weight_scale_inv, row_blocks, lut, active, block, zero_inactive, out):
     return None
 
 
@@ -122,9 +126,10 @@ def _row_blocks(row_segments: tuple[int, ...], device: torch.device) -> Tensor:
     return row_block_ids(row_segments, device).to(torch.int32)
 
 
-def dequantize_triton(storage, active: Tensor | None, out: Tensor) -> None:
+def dequantize_triton(storage, active: Tensor | None, out: Tensor, zero_inactive: bool = False) -> None:
     """Launch the kernel for ``storage`` (an :class:`FP8BlockExperts`) into ``out`` (checked by the
-    caller: ``[E, a, b]``, contiguous, compute dtype, same device).
+    caller: ``[E, a, b]``, contiguous, compute dtype, same device); ``zero_inactive``: zero the inactive
+    experts' rows (``out`` fresh from ``torch.empty``), else leave them untouched.
 
     Raises:
         ValueError: more experts than one grid dimension holds (65535).
@@ -138,5 +143,6 @@ def dequantize_triton(storage, active: Tensor | None, out: Tensor) -> None:
         e4m3_table(storage.device),
         active,
         BLOCK,
+        zero_inactive,
         out,
     )

@@ -5,9 +5,10 @@ a preallocated output (fake registration: traceable by ``torch.compile``); :func
 the wrapper that checks and launches. The oracle is :func:`moeyard.quant.dequant.dequantize_reference`.
 
 Grid ``(ceil(P / (NB * BS)), E)``: a program decodes ``NB`` absmax blocks of ``BS`` elements of one
-expert; programs of inactive experts read one flag and exit. Output rounding to bfloat16 is done
-with integer round-to-nearest-even (the hardware conversion's result; Triton's interpreter
-truncates, so this keeps CPU tests and GPU runs bit-identical).
+expert; programs of inactive experts read one flag and exit, or, into a fresh output
+(``ZERO_INACTIVE``), store zeros (one pass over the output, not a memset then a pass). Output rounding
+to bfloat16 is round-to-nearest-even: the hardware conversion on a GPU, integer arithmetic on the bits
+under the interpreter (which truncates), so CPU tests and GPU runs give the same bits.
 
 Legend: E experts, P = a*b elements per expert, BS blocksize, BS2 = 256 (nested absmax blocksize).
 """
@@ -18,11 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernel_op import kernel_op
+from ..kernel_op import interpreting, kernel_op
 from ._bnb import NESTED_BLOCKSIZE
 
 Tensor = torch.Tensor
 ELEMENTS_PER_PROGRAM = 4096
+NUM_WARPS = 4
 MAX_GRID_Y = 65535
 
 
@@ -33,6 +35,16 @@ def _round_bf16(x):
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     rounded = tl.where(x != x, 0x7FC0, rounded)
     return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _store_out(p_out, vals, mask, HW_ROUND: tl.constexpr):
+    """``vals`` (float32) rounded to ``p_out``'s dtype and stored: to bfloat16 by the hardware conversion
+    (``HW_ROUND``, round to nearest even) or :func:`_round_bf16` (the interpreter truncates)."""
+    if p_out.dtype.element_ty == tl.bfloat16 and not HW_ROUND:
+        tl.store(p_out, _round_bf16(vals), mask=mask)
+    else:
+        tl.store(p_out, vals.to(p_out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -51,15 +63,20 @@ def nf4_dequant_kernel(
     NB: tl.constexpr,
     NESTED: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
+    ZERO_INACTIVE: tl.constexpr,  # an inactive expert's blocks are stored as zeros (else left untouched)
+    HW_ROUND: tl.constexpr,  # round with the hardware conversion (GPU); else on the bits (interpreter)
 ):
     """``out[e, k] = fl(code[q] * absmax[block])`` for the ``NB`` blocks of one program."""
     e = tl.program_id(1)
-    if HAS_ACTIVE:
-        if tl.load(active_ptr + e) <= 0:
-            return
     r_blk = tl.program_id(0) * NB + tl.arange(0, NB)
     m_blk = r_blk < blocks_per_expert
     blk = e.to(tl.int64) * blocks_per_expert + r_blk  # [NB] global block index
+    p_out = out_ptr + blk[:, None] * BS + tl.arange(0, BS)[None, :]
+    if HAS_ACTIVE:
+        if tl.load(active_ptr + e) <= 0:
+            if ZERO_INACTIVE:
+                tl.store(p_out, tl.zeros([NB, BS], dtype=out_ptr.dtype.element_ty), mask=m_blk[:, None])
+            return
     if NESTED:
         b_q = tl.load(absmax_ptr + blk, mask=m_blk, other=0).to(tl.int32)
         b_scale = tl.load(code2_ptr + b_q) * tl.load(absmax2_ptr + blk // BS2, mask=m_blk, other=0.0)
@@ -70,12 +87,7 @@ def nf4_dequant_kernel(
     p_bytes = data_ptr + blk[:, None] * HALF + tl.arange(0, HALF)[None, :]
     b_bytes = tl.load(p_bytes, mask=m_blk[:, None], other=0).to(tl.int32)  # [NB, BS/2]
     b_vals = tl.interleave(tl.load(code_ptr + (b_bytes >> 4)), tl.load(code_ptr + (b_bytes & 0xF)))  # [NB, BS]
-    b_vals = b_vals * b_scale[:, None]
-    p_out = out_ptr + blk[:, None] * BS + tl.arange(0, BS)[None, :]
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(p_out, _round_bf16(b_vals), mask=m_blk[:, None])
-    else:
-        tl.store(p_out, b_vals.to(out_ptr.dtype.element_ty), mask=m_blk[:, None])
+    _store_out(p_out, b_vals * b_scale[:, None], m_blk[:, None], HW_ROUND)
 
 
 @kernel_op("moeyard::nf4_dequantize_", mutates_args=("out",))
@@ -88,9 +100,11 @@ def nf4_dequantize_(
     code: Tensor,
     active: Tensor | None,
     blocksize: int,
+    zero_inactive: bool,
     out: Tensor,
 ) -> None:
-    """Write the active experts of ``out [E, a, b]`` from NF4 storage (tensors as the kernel documents)."""
+    """Write the active experts of ``out [E, a, b]`` from NF4 storage (tensors as the kernel documents);
+    with ``zero_inactive`` the others' rows are zeroed, else left untouched."""
     E = out.shape[0]
     per = out.numel() // max(E, 1)
     if out.numel() == 0:
@@ -116,18 +130,22 @@ def nf4_dequantize_(
         NB=nb,
         NESTED=nested,
         HAS_ACTIVE=active is not None,
+        ZERO_INACTIVE=zero_inactive,
+        HW_ROUND=not interpreting(),
+        num_warps=NUM_WARPS,
         enable_fp_fusion=False,
     )
 
 
 @nf4_dequantize_.register_fake
-def _(data, absmax, absmax2, code2, offset, code, active, blocksize, out):
+def _(data, absmax, absmax2, code2, offset, code, active, blocksize, zero_inactive, out):
     return None
 
 
-def dequantize_triton(storage, active: Tensor | None, out: Tensor) -> None:
+def dequantize_triton(storage, active: Tensor | None, out: Tensor, zero_inactive: bool = False) -> None:
     """Launch the kernel for ``storage`` (an :class:`NF4Experts`) into ``out`` (checked by the caller:
-    ``[E, a, b]``, contiguous, compute dtype, same device).
+    ``[E, a, b]``, contiguous, compute dtype, same device); ``zero_inactive``: zero the inactive experts'
+    rows (``out`` fresh from ``torch.empty``), else leave them untouched.
 
     Raises:
         ValueError: more experts than one grid dimension holds (65535).
@@ -143,5 +161,6 @@ def dequantize_triton(storage, active: Tensor | None, out: Tensor) -> None:
         storage.code,
         active,
         storage.blocksize,
+        zero_inactive,
         out,
     )
