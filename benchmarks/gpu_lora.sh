@@ -11,8 +11,10 @@
 #   kernels: the CUDA LoRA tests, then benchmarks/lora_kernels.py (the TMA down projections, Triton and Gluon,
 #          with and without LoRA; B's backward in one pass or two; lora_B's relayout) at qwen3-30b-a3b, olmoe-1b-7b
 #          and mixtral-8x7b, then the LoRA step's kernels in launch order at MODEL (default qwen3-30b-a3b)
-#   quant: CUDA LoRA, QLoRA and NF4 tests, then moeyard bench --quant nf4 --lora 16 (4-layer stacks) at MODEL...
-#          (default qwen3-30b-a3b); bitsandbytes comes from the wheel in .whl (carried)
+#   quant: CUDA LoRA, QLoRA and NF4 tests (QUANT_TESTS=0 skips them), benchmarks/nf4_dequant.py at MODEL, then
+#          moeyard bench --quant nf4 --lora 16 (4-layer stacks) at MODEL... (default qwen3-30b-a3b); with BASE (a
+#          carried folder holding an earlier src/) the bench runs from that tree too, after this one;
+#          bitsandbytes comes from the wheel in .bnb (carried)
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 STAGE=${1:-check}; shift
@@ -48,13 +50,16 @@ elif [[ $STAGE == kernels ]]; then
   step kernels 240 python3 benchmarks/lora_kernels.py
   step profile 100 python3 benchmarks/lora_profile.py --sequence "${margs[@]:0:2}"
 elif [[ $STAGE == quant ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .bnb/*.whl || exit 1
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
   (( ${#margs[@]} )) || margs=(--model qwen3-30b-a3b)
-  MOEYARD_TRITON_AUTOTUNE=0 step pytest_quant 240 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_lora_cuda.py \
-    tests/cuda/test_qlora_cuda.py tests/test_nf4.py
+  [[ ${QUANT_TESTS:-1} == 1 ]] && MOEYARD_TRITON_AUTOTUNE=0 step pytest_quant 240 python3 -m pytest -q \
+    -p no:cacheprovider tests/cuda/test_lora_cuda.py tests/cuda/test_qlora_cuda.py tests/test_nf4.py
+  step dequant_nf4 120 python3 benchmarks/nf4_dequant.py --variants "${margs[@]}"
   step bench_quant 300 python3 -m moeyard bench --quant nf4 --lora 16 --warmup 3 --iters 10 \
     "${margs[@]}" --json "$OUT/bench_quant.json"
+  [[ -n ${BASE:-} ]] && step bench_quant_base 300 env PYTHONPATH="$BASE/src:/tmp/site" python3 -m moeyard bench \
+    --quant nf4 --lora 16 --warmup 3 --iters 10 "${margs[@]}" --json "$OUT/bench_quant_base.json"
 else
   step bench_lora 500 python3 -m moeyard bench --lora 16 --warmup 3 --iters 10 --json "$OUT/bench_lora.json" \
     "${margs[@]}"
@@ -63,6 +68,6 @@ else
   [[ -n ${ALL:-} ]] && step bench_triton 60 python3 -m moeyard bench --routed-only --model qwen3-30b-a3b --backends triton,torch_gmm \
     --warmup 5 --iters 20
 fi
-for f in "$OUT"/verify_lora.txt "$OUT"/bench_*.txt "$OUT"/profile*.txt "$OUT"/crossover.txt "$OUT"/kernels.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 40 "$f"; }; done
+for f in "$OUT"/verify_lora.txt "$OUT"/dequant_*.txt "$OUT"/bench_*.txt "$OUT"/profile*.txt "$OUT"/crossover.txt "$OUT"/kernels.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 40 "$f"; }; done
 for f in "$OUT"/pytest_*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed|Error" "$f" | tail -n 20; }; done
 cat "$OUT/gpu.txt"; printf '%s\n' "${summary[@]}"
