@@ -415,6 +415,44 @@ def test_gathered_sum_in_windows(weighted):
         gathered_sum(src, index, w, row0=-1)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_gathered_sum_row_terms(weighted):
+    """``row_terms[t]`` joins token ``t``'s float32 sum before the one rounding, on the Triton kernel
+    (interpreter) and the torch path, alone and with ``into``: a NaN term makes that token's row NaN and no
+    other; a term of zero changes no bit. A ``row_terms`` of the wrong shape, dtype or device is refused."""
+    pytest.importorskip("triton")
+    import os
+    from unittest import mock
+
+    from moeyard.weighted_sum import gathered_sum
+
+    g = torch.Generator().manual_seed(6)
+    T, K, H, R = 9, 4, 70, 30
+    src = torch.randn(R, H, generator=g).bfloat16()
+    index = torch.randint(-2, R, (T, K), generator=g)  # < 0: names no row
+    w = torch.randn(T, K, generator=g).bfloat16() if weighted else None
+    terms = torch.randn(T, generator=g)
+    terms[2] = float("nan")
+    into = torch.randn(T, H, generator=g).bfloat16()
+    named = index >= 0
+    exact = (src.float()[index.clamp(0)] * named.unsqueeze(-1)).mul(
+        (w.float() if weighted else torch.ones(T, K)).unsqueeze(-1)
+    ).sum(1) + terms[:, None]
+    for interpret in ("0", "1"):
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": interpret}):
+            got, _ = gathered_sum(src, index, w, row_terms=terms)
+            got_into, _ = gathered_sum(src, index, w, into=into.clone(), row_terms=terms)
+            plain, _ = gathered_sum(src, index, w)
+            zero, _ = gathered_sum(src, index, w, row_terms=torch.zeros(T))
+        torch.testing.assert_close(got, exact.bfloat16(), rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(got_into, (exact + into.float()).bfloat16(), rtol=0, atol=0, equal_nan=True)
+        assert got[2].isnan().all() and not got[torch.arange(T) != 2].isnan().any(), interpret
+        assert torch.equal(zero, plain), interpret
+    for bad in (torch.zeros(T + 1), torch.zeros(T, dtype=torch.float64), torch.zeros(T, 1)):
+        with pytest.raises(ValueError, match="row_terms"):
+            gathered_sum(src, index, w, row_terms=bad)
+
+
 @pytest.mark.parametrize("extra_rows", [0, 5])  # a permutation of the rows, or rows no pair names (padding)
 @pytest.mark.parametrize("weights_grad", [True, False])
 def test_gathered_weighted_sum(extra_rows, weights_grad):

@@ -51,6 +51,7 @@ def gathered_sum(
     keep: bool = False,
     row0: int = 0,
     into: Tensor | None = None,
+    row_terms: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``out[t] = sum_k w[t, k] * src[index[t, k] - row0]`` (``w = 1`` when ``weights`` is None), outside
     autograd, with each gathered row read once: ``src [n, H]`` holds rows ``row0 .. row0 + n - 1`` of the
@@ -59,14 +60,16 @@ def gathered_sum(
     K, H] | None)`` in ``src.dtype``; with ``keep`` the gathered rows ``src[index]`` too (for a backward
     that needs them), written by the same pass. ``into [T, H]`` (``src.dtype``, contiguous): the sum is
     added to it (in float32, rounded once) and it is returned as ``out``; so a sum over rows that come a
-    window at a time (``row0``) never needs them all at once. Sums as :func:`weighted_sum`. For the
+    window at a time (``row0``) never needs them all at once. ``row_terms [T]`` float32: ``row_terms[t]``
+    is added to every element of ``out[t]`` in the same float32 sum (e.g. 0, or NaN for a token whose
+    routing is invalid, without a pass over ``[T, H]`` of its own). Sums as :func:`weighted_sum`. For the
     combines that read their pairs out of a buffer (:mod:`moeyard.parallel.send_order`), saving the
     ``[T, K, H]`` copy a gather then a sum would write and read again. No host sync; index ranges are not
     checked (the callers hold them by construction: a check would read the device).
 
     Raises:
-        ValueError: ``into`` not a contiguous ``[T, H]`` tensor of ``src``'s dtype and device, or ``row0``
-            negative.
+        ValueError: ``into`` not a contiguous ``[T, H]`` tensor of ``src``'s dtype and device, ``row0``
+            negative, or ``row_terms`` not a ``[T]`` float32 tensor on ``src``'s device.
     """
     if into is not None and (
         into.shape != (index.shape[0], src.shape[1])
@@ -80,21 +83,32 @@ def gathered_sum(
         )
     if row0 < 0:
         raise ValueError(f"row0: expected a row number >= 0, got {row0}")
+    if row_terms is not None and (
+        row_terms.shape != (index.shape[0],) or row_terms.dtype != torch.float32 or row_terms.device != src.device
+    ):
+        raise ValueError(
+            f"row_terms: expected a [{index.shape[0]}] float32 tensor on {src.device}, "
+            f"got {tuple(row_terms.shape)} {row_terms.dtype} on {row_terms.device}"
+        )
     if _on_kernels(src) and index.numel() and src.stride(1) == 1:
         from .weighted_sum_triton import gathered_sum as kernel
 
         w = None if weights is None else weights.contiguous()
-        return kernel(src, index.contiguous(), w, keep, row0, into)
+        terms = None if row_terms is None else row_terms.contiguous()
+        return kernel(src, index.contiguous(), w, keep, row0, into, terms)
     T, K = index.shape
     rows = index - row0
     named = (rows >= 0) & (rows < src.shape[0])
     pairs = src.index_select(0, rows.clamp(0, max(src.shape[0] - 1, 0)).reshape(-1)).view(T, K, src.shape[1])
     pairs = pairs.masked_fill(~named.unsqueeze(2), 0)
-    if into is None:
+    if into is None and row_terms is None:
         out = pairs.sum(1) if weights is None else weighted_sum_reference(pairs, weights)
-    else:  # the window's sum and into's values added in float32, rounded once (as the kernel does)
+    else:  # the sum, into's values and the row terms added in float32, rounded once (as the kernel does)
         p32 = pairs.float()
-        out = into.copy_(into.float() + (p32.sum(1) if weights is None else weighted_sum_reference(p32, weights)))
+        out = p32.sum(1) if weights is None else weighted_sum_reference(p32, weights)
+        out = out if into is None else out + into.float()
+        out = out if row_terms is None else out + row_terms[:, None]
+        out = out.to(src.dtype) if into is None else into.copy_(out)
     return out, pairs if keep else None
 
 

@@ -37,6 +37,7 @@ def weighted_sum_kernel(
     out_ptr,
     index_ptr,
     keep_ptr,
+    terms_ptr,  # [T] float32: added to every column of out[t]; read if ROW_TERMS
     T,
     H,
     stride_src,
@@ -49,12 +50,14 @@ def weighted_sum_kernel(
     ACCUMULATE: tl.constexpr,
     BT: tl.constexpr,
     BH: tl.constexpr,
+    ROW_TERMS: tl.constexpr = False,
 ):
     """``out[t, h] = sum_k w[t, k] * pairs[t, k, h]`` (float32 sums, k in order; ``w = 1`` without
     ``HAS_W``). ``GATHER``: pair ``(t, k)``'s row is ``pairs[index[t, k] - row0]`` (rows ``stride_src``
     apart; zeros for an index outside ``[row0, row0 + n_rows)``, whatever its weight), and with ``KEEP``
     it is also copied to ``keep[t, k]``; otherwise ``pairs [T, K, H]`` contiguous. ``ACCUMULATE``: the
-    sum is added to ``out`` (in float32, rounded once)."""
+    sum is added to ``out`` (in float32, rounded once). ``ROW_TERMS``: ``terms[t]`` is added to row ``t``
+    (in float32, before the rounding)."""
     t64, h, m_t, mask = _token_tile(T, H, BT, BH)
     acc = tl.zeros((BT, BH), tl.float32)
     for k in tl.static_range(K):
@@ -74,6 +77,8 @@ def weighted_sum_kernel(
             acc += tl.load(w_ptr + pair, mask=m_t, other=0.0).to(tl.float32)[:, None] * p.to(tl.float32)
         else:
             acc += p.to(tl.float32)
+    if ROW_TERMS:
+        acc += tl.load(terms_ptr + t64, mask=m_t, other=0.0)[:, None]
     out = out_ptr + t64[:, None] * H + h[None, :]
     if ACCUMULATE:
         acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
@@ -127,6 +132,7 @@ def weighted_sum_(pairs: Tensor, weights: Tensor, out: Tensor) -> None:
         out,
         out,
         out,
+        out,
         T,
         H,
         H,
@@ -152,6 +158,7 @@ def gathered_sum_(
     keep: Tensor | None,
     row0: int = 0,
     accumulate: bool = False,
+    row_terms: Tensor | None = None,
 ) -> None:
     T, K = index.shape
     H = out.shape[1]
@@ -161,6 +168,7 @@ def gathered_sum_(
         out,
         index,
         out if keep is None else keep,
+        out if row_terms is None else row_terms,
         T,
         H,
         src.stride(0),
@@ -173,6 +181,7 @@ def gathered_sum_(
         ACCUMULATE=accumulate,
         BT=BT,
         BH=BH,
+        ROW_TERMS=row_terms is not None,
         num_warps=4,
     )
 
@@ -203,14 +212,21 @@ def weights_grad_(pairs: Tensor, grad_out: Tensor, dw: Tensor) -> None:
 
 
 def gathered_sum(
-    src: Tensor, index: Tensor, weights: Tensor | None, keep: bool, row0: int = 0, into: Tensor | None = None
+    src: Tensor,
+    index: Tensor,
+    weights: Tensor | None,
+    keep: bool,
+    row0: int = 0,
+    into: Tensor | None = None,
+    row_terms: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``([T, H], [T, K, H] | None)`` in ``src.dtype`` (``src [*, H]`` unit column stride, contiguous
-    ``index [T, K]`` int64 and ``weights [T, K]``): see :func:`moeyard.weighted_sum.gathered_sum`."""
+    ``index [T, K]`` int64, ``weights [T, K]`` and ``row_terms [T]`` float32): see
+    :func:`moeyard.weighted_sum.gathered_sum`."""
     T, K = index.shape
     out = src.new_empty(T, src.shape[1]) if into is None else into
     pairs = src.new_empty(T, K, src.shape[1]) if keep else None
-    gathered_sum_(src, index, weights, out, pairs, row0, into is not None)
+    gathered_sum_(src, index, weights, out, pairs, row0, into is not None, row_terms)
     return out, pairs
 
 

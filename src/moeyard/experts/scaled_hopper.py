@@ -206,6 +206,9 @@ def routed_ffn(
 
         h = add_row_bias(h, weights.b_up, plan)
     rw = _row_weights(topk_weights, plan, live)
+    # the NaN weight of an invalid id reaches its token's row (0 * NaN) in the combine's own float32 sum;
+    # no gradient (a constant term), so nothing for backward to reduce
+    nan_terms = None if drop_invalid else 0 * topk_weights.detach().float().masked_fill(live, 0).sum(1)
     out = _ActDownCombine.apply(
         h,
         weights.w_down,
@@ -219,10 +222,8 @@ def routed_ffn(
         hp,
         dh_cast,
         tiles,
+        nan_terms,
     )
-    if not drop_invalid:  # the NaN weight of an invalid id reaches its token's row (0 * NaN); no gradient,
-        with torch.no_grad():  # so nothing for backward to reduce: added in place, outside autograd
-            out.add_(0 * topk_weights.detach().masked_fill(live, 0).sum(1, keepdim=True).to(out.dtype))
     return out
 
 
@@ -428,12 +429,12 @@ class _ActDownCombine(torch.autograd.Function):
     projection's dgrad comes from that kernel too (``dh_cast``, :class:`_DhCast`)."""
 
     @staticmethod
-    def forward(ctx, h, w, offsets, rw, row_tokens, pair_rows, act, interleaved, gemm, hp, dh_cast, tiles):
+    def forward(ctx, h, w, offsets, rw, row_tokens, pair_rows, act, interleaved, gemm, hp, dh_cast, tiles, terms):
         aq, a_s = _cast().rowwise(h, act, interleaved=interleaved)
         y, ctx.w_amax = _forward((aq, a_s * rw), w, offsets, h.dtype, gemm, tiles=tiles)
         ctx.save_for_backward(h, w, offsets, rw, row_tokens)
         ctx.act, ctx.interleaved, ctx.gemm, ctx.hp, ctx.dh_cast, ctx.tiles = act, interleaved, gemm, hp, dh_cast, tiles
-        return gathered_sum(y, pair_rows)[0]
+        return gathered_sum(y, pair_rows, row_terms=terms)[0]
 
     @staticmethod
     def backward(ctx, d_out):
@@ -467,7 +468,7 @@ class _ActDownCombine(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:
             a_t = cast.colwise_per_group(h, offsets, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
             dw = _wgrad(cast.colwise_per_group(d_out, offsets, index=row_tokens), a_t, offsets, d_out.dtype)
-        return dh, dw, None, drw, None, None, None, None, None, None, None, None
+        return dh, dw, None, drw, None, None, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------- the choice
