@@ -14,7 +14,7 @@
 #   (benchmarks/memory_peak.py: what is alive at the peak of one step, FP8_MEMORY_ARGS its arguments); "probe"
 #   (benchmarks/fp8_gemm_probe.py, FP8_PROBE_ARGS its arguments: each FP8 GEMM alone); "ab" (this tree against
 #   BASE, an earlier src/ in a carried git-ignored folder: the bench's bf16 and gw_hp rows, trees interleaved,
-#   FP8_AB_RUNS times each, FP8_BENCH_ARGS added).
+#   FP8_AB_RUNS times each, FP8_BENCH_ARGS added; benchmarks/ab_table.py prints each run and the medians' difference).
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -57,7 +57,8 @@ for s in $STEPS; do case $s in
         step "ab_${tree}_$r" 200 env PYTHONPATH="$src:${PYTHONPATH#*:}" python3 -m moeyard bench \
           --recipe "${FP8_RECIPES:-none,fp8_rowwise_gw_hp}" --backends triton --warmup 3 --iters 10 \
           --json "$OUT/ab_${tree}_$r.json" "${margs[@]}" ${FP8_BENCH_ARGS:-}
-      done; done ;;
+      done; done
+      step ab_table 20 python3 benchmarks/ab_table.py "$OUT" ;;
   memory) step memory_fp8 150 python3 benchmarks/memory_peak.py \
             ${FP8_MEMORY_ARGS:---model qwen3-30b-a3b --model sonic-120b --recipes none,fp8_rowwise_gw_hp} ;;
   ckpt) step pytest_ckpt 150 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_fp8_checkpoint_cuda.py
@@ -66,6 +67,6 @@ for s in $STEPS; do case $s in
   numerics) step numerics_random 60 python3 benchmarks/fp8_numerics.py --tokens 4096 --json "$OUT/numerics.json"
             step numerics_torchao 40 python3 benchmarks/fp8_numerics.py --tokens 4096 --protocol torchao ;;
 esac; done
-for f in "$OUT"/casts*.txt "$OUT"/probe*.txt "$OUT"/ab_*.txt "$OUT"/bench_*.txt "$OUT"/e2e*.txt "$OUT"/ep_*.txt "$OUT"/profile*.txt "$OUT"/memory*.txt "$OUT"/numerics*.txt "$OUT"/dequant*.txt "$OUT"/train*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 60 "$f"; }; done
+for f in "$OUT"/casts*.txt "$OUT"/probe*.txt "$OUT"/ab_table.txt "$OUT"/bench_*.txt "$OUT"/e2e*.txt "$OUT"/ep_*.txt "$OUT"/profile*.txt "$OUT"/memory*.txt "$OUT"/numerics*.txt "$OUT"/dequant*.txt "$OUT"/train*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 60 "$f"; }; done
 for f in "$OUT"/pytest_*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed|Error" "$f" | tail -n 20; }; done
 cat "$OUT/gpu.txt"; printf '%s\n' "${summary[@]}"
