@@ -11,7 +11,7 @@
 #   kernels: the CUDA LoRA tests, then benchmarks/lora_kernels.py (the TMA down projections, Triton and Gluon,
 #          with and without LoRA; B's backward in one pass or two; lora_B's relayout) at qwen3-30b-a3b, olmoe-1b-7b
 #          and mixtral-8x7b, then the LoRA step's kernels in launch order at MODEL (default qwen3-30b-a3b)
-#   quant: CUDA LoRA, QLoRA and NF4 tests (QUANT_TESTS=0 skips them), benchmarks/nf4_dequant.py at MODEL, then
+#   quant: CUDA QLoRA, NF4 and FP8-checkpoint tests (QUANT_TESTS=0 skips them; the LoRA ones are in check), benchmarks/nf4_dequant.py at MODEL, then
 #          moeyard bench --quant nf4 --lora 16 (4-layer stacks) at MODEL... (default qwen3-30b-a3b); with BASE (a
 #          carried folder holding an earlier src/) the bench runs from that tree too, after this one;
 #          bitsandbytes comes from the wheel in .bnb (carried)
@@ -54,7 +54,7 @@ elif [[ $STAGE == quant ]]; then
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
   (( ${#margs[@]} )) || margs=(--model qwen3-30b-a3b)
   [[ ${QUANT_TESTS:-1} == 1 ]] && MOEYARD_TRITON_AUTOTUNE=0 step pytest_quant 240 python3 -m pytest -q \
-    -p no:cacheprovider tests/cuda/test_lora_cuda.py tests/cuda/test_qlora_cuda.py tests/test_nf4.py
+    -p no:cacheprovider tests/cuda/test_qlora_cuda.py tests/test_nf4.py tests/cuda/test_fp8_checkpoint_cuda.py
   step dequant_nf4 120 python3 benchmarks/nf4_dequant.py --variants "${margs[@]}"
   step bench_quant 300 python3 -m moeyard bench --quant nf4 --lora 16 --warmup 3 --iters 10 \
     "${margs[@]}" --json "$OUT/bench_quant.json"

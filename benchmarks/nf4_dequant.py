@@ -4,7 +4,7 @@ of the QLoRA shapes: the rate of the Triton kernel and of the two ways a fresh o
 A QLoRA step dequantises each layer's active experts twice (forward, and again in backward:
 ``moeyard.experts.quantized``), each time into a fresh ``[E, a, b]`` bfloat16 buffer. Bytes per call: the
 NF4 codes (half a byte per element) and the block scales read, the bfloat16 values (2 bytes) written;
-GB/s = 2.5 bytes per element over the median time (CUDA events, after warm-up). Rows:
+GB/s = 2.5 bytes per element over the median time (CUDA events, after warm-up; :func:`moeyard.bench.layer.time_ms`). Rows:
 
 - ``into``: the kernel into a preallocated output, every expert active (the kernel alone);
 - ``fresh``: ``dequantize(active)``, an output from ``torch.empty`` whose inactive experts the kernel zeroes;
@@ -28,6 +28,7 @@ import itertools
 
 import torch
 
+from moeyard.bench.layer import time_ms
 from moeyard.bench.models import get_model
 from moeyard.quant import NF4Experts, triton_nf4
 
@@ -35,17 +36,8 @@ MODELS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b", "olmoe-1b-7b", "mixtral-8x7b")
 
 
 def _time(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    """Median ms of ``fn()`` (CUDA events, after 3 untimed calls): :func:`moeyard.bench.layer.time_ms`."""
+    return time_ms(lambda i: fn(), 1, 3, iters, torch.device("cuda"))
 
 
 def random_storage(shape, device="cuda") -> NF4Experts:
