@@ -352,6 +352,24 @@ def test_load_with_other_settings_fails():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cls", ["nf4", "fp8_block"])
+def test_fresh_output_over_dirty_memory_cuda(cls):
+    # a fresh output comes from torch.empty: the kernel itself zeroes the inactive experts' rows, so memory
+    # the caching allocator hands back full of NaN must not show through
+    from moeyard.quant import FP8BlockExperts
+
+    w = weights((7, 64, 128), torch.bfloat16, device="cuda")
+    s = NF4Experts.from_float(w) if cls == "nf4" else FP8BlockExperts.from_float(w)
+    active = torch.tensor([0, 1, 0, 0, 1, 1, 0], device="cuda", dtype=torch.bool)
+    want = s.dequantize()
+    for _ in range(3):
+        dirty = torch.full(s.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+        del dirty  # its block goes back to the allocator, NaN inside
+        got = s.dequantize(active)
+        assert torch.equal(got[active], want[active]) and not got[~active].any()
+
+
+@pytest.mark.cuda
 def test_no_host_sync_cuda():
     s = NF4Experts.from_float(weights((7, 24, 40), torch.bfloat16, device="cuda"))
     active = torch.tensor([3, 0, 1, 0, 0, 2, 0], device="cuda")

@@ -175,6 +175,33 @@ def test_fast_path_drop_invalid():
     _check("grouped_mm", inp, fused=True, drop_invalid=True)
 
 
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
+def test_fast_path_invalid_ids_give_nan_rows(fast_path_calls, recipe):
+    # an invalid id's pair carries a NaN weight (as moeyard.experts gives it): its token comes out NaN from
+    # the combine's own sum (gathered_sum's row_terms), every other token exactly as with drop_invalid
+    import importlib
+
+    if not _hopper():
+        pytest.skip("the fused FP8 path runs on Hopper")
+    hop = importlib.import_module("moeyard.experts.scaled_hopper")
+    from moeyard.activations import Activation
+    from moeyard.experts.weights import expert_weights
+
+    inp = make_inputs(512, 128, 64, 8, 2)
+    x = inp["hidden_states"].to(DEV, torch.bfloat16)
+    ids = inp["topk_ids"].clone().to(DEV)
+    ids[::7, 1] = 8  # another rank's experts
+    w = inp["topk_weights"].to(DEV, torch.bfloat16)
+    up, down = (inp[k].to(DEV, torch.bfloat16) for k in FROZEN)
+    weights = expert_weights(up, down, recipe=recipe)
+    out = hop.routed_ffn(x, ids, w.masked_fill(ids >= 8, float("nan")), weights, Activation())
+    kept = hop.routed_ffn(x, ids, w, weights, Activation(), drop_invalid=True)
+    bad = (ids >= 8).any(1)
+    assert "fused" in fast_path_calls
+    assert out[bad].isnan().all() and not out[~bad].isnan().any()
+    assert torch.equal(out[~bad], kept[~bad])
+
+
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "mxfp8"])
 def test_emulated_recipes_on_device(recipe):
     with pytest.warns(UserWarning, match="emulated"):
