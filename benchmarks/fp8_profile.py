@@ -39,6 +39,9 @@ def step_kernels(moe, x, dy, warmup: int = 3, forward: bool = False) -> tuple[fl
     alone (autograd on, no backward)."""
 
     def step():
+        for p in moe.parameters():  # as zero_grad does: no gradient-accumulation adds in the profile
+            p.grad = None
+        x.grad = None
         y = moe(x)
         if not forward:
             y.backward(dy)
