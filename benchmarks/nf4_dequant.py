@@ -4,7 +4,8 @@ of the QLoRA shapes: the rate of the Triton kernel and of the two ways a fresh o
 A QLoRA step dequantises each layer's active experts twice (forward, and again in backward:
 ``moeyard.experts.quantized``), each time into a fresh ``[E, a, b]`` bfloat16 buffer. Bytes per call: the
 NF4 codes (half a byte per element) and the block scales read, the bfloat16 values (2 bytes) written;
-GB/s = 2.5 bytes per element over the median time (CUDA events, after warm-up; :func:`moeyard.bench.layer.time_ms`). Rows:
+GB/s = 2.5 bytes per element over the median time (CUDA events, after warm-up:
+:func:`moeyard.bench.layer.time_ms`). Rows:
 
 - ``into``: the kernel into a preallocated output, every expert active (the kernel alone);
 - ``fresh``: ``dequantize(active)``, an output from ``torch.empty`` whose inactive experts the kernel zeroes;

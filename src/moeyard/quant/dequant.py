@@ -109,12 +109,12 @@ def dequantize_torch(storage, active: Tensor | None, out: Tensor, zero_inactive:
         e1 = min(E, e0 + step)
         vals = storage.code[_nibbles(data[e0 * per // 2 : e1 * per // 2])].view(-1, bs)
         vals = (vals * absmax[e0 * per // bs : e1 * per // bs, None]).view(e1 - e0, a, b).to(out.dtype)
-        keep_inactive(out[e0:e1], vals, None if active is None else active[e0:e1], zero_inactive)
+        write_active(out[e0:e1], vals, None if active is None else active[e0:e1], zero_inactive)
 
 
-def keep_inactive(dst: Tensor, vals: Tensor, active: Tensor | None, zero: bool) -> None:
-    """``dst <- vals`` for the experts ``active`` marks (all when None); the others' rows are zeroed with
-    ``zero``, else kept."""
+def write_active(dst: Tensor, vals: Tensor, active: Tensor | None, zero: bool) -> None:
+    """``dst [e, a, b] <- vals`` for the experts ``active [e]`` marks (all when None); the others' rows are
+    zeroed with ``zero``, else kept (the torch paths of :func:`dequantize` and of FP8 block storage)."""
     if active is None:
         dst.copy_(vals)
     else:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .dequant import keep_inactive
+from .dequant import write_active
 from .fp8 import E4M3, quantize
 from .fp8_block_grid import BLOCK, BLOCKS, grid_shape, normalize_segments, row_block_ids, scale_rows
 
@@ -268,7 +268,7 @@ def dequantize_torch(storage: FP8BlockExperts, active: Tensor | None, out: Tenso
         e1 = min(E, e0 + step)
         scale = storage.weight_scale_inv[e0:e1].index_select(1, rows).index_select(2, cols)
         vals = (storage.weight[e0:e1].float() * scale).to(out.dtype)
-        keep_inactive(out[e0:e1], vals, None if active is None else active[e0:e1], zero_inactive)
+        write_active(out[e0:e1], vals, None if active is None else active[e0:e1], zero_inactive)
 
 
 def dequantize_reference(storage: FP8BlockExperts, active: Tensor | None = None) -> Tensor:

@@ -7,10 +7,11 @@ by ``torch.compile``); :func:`dequantize_triton`, the wrapper that launches. The
 :func:`moeyard.quant.fp8_block.dequantize_reference`.
 
 Grid ``(ceil(a / BR), ceil(b / BC), E)``: a program writes a ``BR x BC`` tile of one expert; programs
-of inactive experts read one flag and exit, or, into a fresh output (``ZERO_INACTIVE``), store zeros. The e4m3 bytes are decoded through a 256-entry float32
-table (``torch.float8_e4m3fn`` viewed as float32: exact, NaN included; Triton's interpreter decodes
-``0x7f`` as 480, not NaN), so CPU tests and GPU runs give the same bits. Output rounding to bfloat16
-is :func:`moeyard.quant.triton_nf4._store_out`'s (round to nearest even).
+of inactive experts read one flag and exit, or, into a fresh output (``ZERO_INACTIVE``), store zeros.
+The e4m3 bytes are decoded through a 256-entry float32 table (``torch.float8_e4m3fn`` viewed as float32:
+exact, NaN included; Triton's interpreter decodes ``0x7f`` as 480, not NaN), so CPU tests and GPU runs
+give the same values (a NaN is a NaN on both, its payload aside). Output rounding to bfloat16 is
+:func:`moeyard.quant.triton_nf4._store_out`'s (round to nearest even).
 
 Legend: E experts, ``(a, b)`` one expert's matrix, ``Ra x Rb`` its block grid.
 """

@@ -8,7 +8,8 @@ Grid ``(ceil(P / (NB * BS)), E)``: a program decodes ``NB`` absmax blocks of ``B
 expert; programs of inactive experts read one flag and exit, or, into a fresh output
 (``ZERO_INACTIVE``), store zeros (one pass over the output, not a memset then a pass). Output rounding
 to bfloat16 is round-to-nearest-even: the hardware conversion on a GPU, integer arithmetic on the bits
-under the interpreter (which truncates), so CPU tests and GPU runs give the same bits.
+under the interpreter (which truncates), so CPU tests and GPU runs give the same bits (a NaN's
+payload aside: 0x7FFF from the hardware, 0x7FC0 on the bits).
 
 Legend: E experts, P = a*b elements per expert, BS blocksize, BS2 = 256 (nested absmax blocksize).
 """
