@@ -69,6 +69,8 @@ def test_gluon_wgrad(case, monkeypatch):
     with use_options(gluon_wgrad=True):
         got, _ = ops.wgrad(lhs, rhs, **kw)
     assert calls == [1], "the Gluon weight gradient runs once"
+    # 16-bit dW goes out by TMA stores (boxes clipped at NL = 208 and NR = 144); the transposed float32 one by row
+    assert gw.tma_storable(got) == (case != "strided_fp32_dw")
     with use_options(gluon_wgrad=False):
         tri, _ = ops.wgrad(lhs, rhs, **kw)
     assert got.dtype == like.dtype and got.stride() == like.stride()

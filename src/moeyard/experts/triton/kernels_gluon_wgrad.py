@@ -18,8 +18,14 @@ once). Each tile's reduction runs over its expert's rows in steps of ``BK``:
 - two consumer warp groups, each on ``64 MH`` of the tile's rows of ``NL`` (``MH`` MMAs of ``[64, BN]`` per
   step): ``acc += L_s^T R_s``, both operands read from shared memory as stored (rows of the step by columns:
   wgmma's transposed 16-bit forms, ``L`` M-major, ``R`` N-major), one step in flight, the previous step's
-  stage released; then ``alpha``, rounding to ``dW``'s dtype and the store (16-byte vectors along ``NR``
-  when its stride is 1).
+  stage released; then ``alpha``, rounding to ``dW``'s dtype and the store. A 16-bit ``dW`` with unit
+  stride along ``NR`` (:func:`tma_storable`) goes out in blocks of ``[64, 128]`` through one shared-memory
+  block per consumer and TMA stores, which run on under the next tile's MMAs (a block's store is waited for
+  only before the block is written again; boxes past ``NL`` or ``NR`` are clipped by the TMA unit). Any
+  other ``dW`` is stored from registers by row (16-byte vectors along ``NR`` when its stride is 1). The
+  blocks take 32 KiB beside the 4 stages (224 of the 227 KiB). Measured on an H200 against the stores from
+  registers (``benchmarks/NOTES.md``, round 45), time ratios at the five anchor shapes: ``dW_up`` 0.97-1.00x,
+  ``dW_down`` 0.95-1.00x; a first form with 3 stages and a block per ``[64, BN]`` was no better.
 
 Tiles are 256 x 128 outputs whichever operand is gathered (``CONFIGS``): the gathered operand is on the
 128-wide side, so a step gathers 16 KiB of rows for 48 KiB of stage (``dW_down``: ``MH`` 1, ``BN`` 256;
@@ -48,6 +54,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -55,7 +62,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .kernels_gluon import _tma_load, barrier_ring, next_stage, store_layout
 from .kernels_gluon_gather import _cp_async
 
+_tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global  # 3.6 / later
+
 HM = gl.constexpr(64)  # rows of NL in one MMA of a consumer warp group
+SB = gl.constexpr(128)  # columns of one TMA store block
 
 
 @gluon.jit
@@ -162,6 +172,8 @@ def _consumer(
     ready,
     empty,
     dw_ptr,
+    dw_desc,
+    c_bufs,
     offsets_ptr,
     NL,
     NR,
@@ -174,10 +186,13 @@ def _consumer(
     BN: gl.constexpr,
     BK: gl.constexpr,
     STAGES: gl.constexpr,
+    TMA_STORE: gl.constexpr,
 ):
     """A consumer partition (one warp group): rows ``64 MH half ...`` of every tile's ``128 MH`` rows of ``NL``,
     in ``MH`` accumulators of ``[64, BN]``. As in :mod:`.kernels_gluon`, the previous step's stage index is
-    recomputed, not carried."""
+    recomputed, not carried. With ``TMA_STORE`` the tile goes out through shared memory and TMA stores that
+    run on under the next tile's MMAs (waited for only before the buffers are written again; a box past
+    ``NL`` or ``NR`` is clipped by the TMA unit), otherwise by row from registers."""
     LB: gl.constexpr = 2 * MH
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     pid, nprog, tiles_m, tiles_n, my_tiles = _tiles(NL, NR, E, LB * HM, BN)
@@ -203,9 +218,39 @@ def _consumer(
         if n_steps > 0:  # the tile's last stage
             mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
         row0 = m0 + half * MH * HM
-        _store(acc0, alpha, dw_ptr, e, row0, n0, NL, NR, stride_de, stride_dl, stride_dr, BN)
-        if MH == 2:
-            _store(acc1, alpha, dw_ptr, e, row0 + HM, n0, NL, NR, stride_de, stride_dl, stride_dr, BN)
+        if TMA_STORE:
+            c_buf = c_bufs.index(half)
+            if MH == 2:
+                _tma_store_block(acc0 * alpha, c_buf, dw_desc, e, row0, n0)
+                _tma_store_block(acc1 * alpha, c_buf, dw_desc, e, row0 + HM, n0)
+            else:
+                left, right = _halves(acc0 * alpha)
+                _tma_store_block(left, c_buf, dw_desc, e, row0, n0)
+                _tma_store_block(right, c_buf, dw_desc, e, row0, n0 + BN // 2)
+        else:
+            _store(acc0, alpha, dw_ptr, e, row0, n0, NL, NR, stride_de, stride_dl, stride_dr, BN)
+            if MH == 2:
+                _store(acc1, alpha, dw_ptr, e, row0 + HM, n0, NL, NR, stride_de, stride_dl, stride_dr, BN)
+    if TMA_STORE:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def _halves(x):
+    """A ``[64, N]`` tile as its two column halves (in the MMA layout a thread holds columns ``j`` and ``j + N/2``
+    alike, so the split moves no data)."""
+    return gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), [0, 2, 1]))
+
+
+@gluon.jit
+def _tma_store_block(out, c_buf, dw_desc, e, row0, n0):
+    """``out [64, 128]`` rounded to ``dW``'s dtype, through the consumer's shared-memory block and a TMA store
+    to rows ``row0 ...`` and columns ``n0 ...`` of ``dW[e]`` (clipped at ``NL`` and ``NR`` by the TMA unit). Waits
+    first for the block's previous store to have read it."""
+    tma.store_wait(0)
+    c_buf.store(out.to(dw_desc.dtype))
+    fence_async_shared()  # the block's writes (generic proxy) before the TMA's reads (async proxy)
+    _tma_store(dw_desc, [e, row0, n0], c_buf)
 
 
 @gluon.jit
@@ -227,6 +272,7 @@ def wgrad_kernel(
     token_ptr,  # [N] int32: sorted row -> token (ops.Routing.sorted_token)
     offsets_ptr,  # [E + 1] int32: expert_offsets
     dw_ptr,  # [E, NL, NR] weight gradient, strides (stride_de, stride_dl, stride_dr) (out)
+    dw_desc,  # TMA_STORE: its descriptor, boxes [1, 64, BN] (otherwise a placeholder, not used)
     NL,
     NR,
     E,
@@ -240,6 +286,7 @@ def wgrad_kernel(
     BN: gl.constexpr,
     BK: gl.constexpr,
     STAGES: gl.constexpr,
+    TMA_STORE: gl.constexpr,
     LOADER_WARPS: gl.constexpr,
     LOADER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
@@ -253,6 +300,10 @@ def wgrad_kernel(
     r_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BN], sl)
     # ready: the TMA's expect + each loader thread's copies; empty: one arrival per consumer
     ready, empty = barrier_ring(STAGES, 1 + 32 * LOADER_WARPS, 2)
+    if TMA_STORE:  # each consumer's output block [64, 128] on its way out
+        c_bufs = gl.allocate_shared_memory(dw_desc.dtype, [2, HM, SB], sl)
+    else:
+        c_bufs = r_bufs  # not used
     gl.warp_specialize(
         [
             (
@@ -264,6 +315,8 @@ def wgrad_kernel(
                     ready,
                     empty,
                     dw_ptr,
+                    dw_desc,
+                    c_bufs,
                     offsets_ptr,
                     NL,
                     NR,
@@ -276,6 +329,7 @@ def wgrad_kernel(
                     BN,
                     BK,
                     STAGES,
+                    TMA_STORE,
                 ),
             ),
             (
@@ -287,6 +341,8 @@ def wgrad_kernel(
                     ready,
                     empty,
                     dw_ptr,
+                    dw_desc,
+                    c_bufs,
                     offsets_ptr,
                     NL,
                     NR,
@@ -299,6 +355,7 @@ def wgrad_kernel(
                     BN,
                     BK,
                     STAGES,
+                    TMA_STORE,
                 ),
             ),
             (
@@ -368,6 +425,12 @@ def launch(lhs, rhs, lhs_by_token: bool, sorted_token, expert_offsets, dw, alpha
     g, srt = (lhs, rhs) if lhs_by_token else (rhs, lhs)
     box = [BK, bn] if lhs_by_token else [BK, HM.value]
     s_d = TensorDescriptor(srt, list(srt.shape), list(srt.stride()), box, _layout(2, 128))
+    tma_store = tma_storable(dw)
+    dw_d = (
+        TensorDescriptor(dw, [E, NL, NR], list(dw.stride()), [1, HM.value, SB.value], _layout(3, 128))
+        if tma_store
+        else s_d
+    )
     grid = (max(min(E * triton.cdiv(NL, 128 * mh) * triton.cdiv(NR, bn), num_sms), 1),)
     wgrad_kernel[grid](
         g,
@@ -375,6 +438,7 @@ def launch(lhs, rhs, lhs_by_token: bool, sorted_token, expert_offsets, dw, alpha
         sorted_token,
         expert_offsets,
         dw,
+        dw_d,
         NL,
         NR,
         E,
@@ -388,8 +452,20 @@ def launch(lhs, rhs, lhs_by_token: bool, sorted_token, expert_offsets, dw, alpha
         BN=bn,
         BK=BK,
         STAGES=stages,
+        TMA_STORE=tma_store,
         LOADER_WARPS=LOADER_WARPS,
         LOADER_REGS=loader_regs,
         CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4,
+    )
+
+
+def tma_storable(dw) -> bool:
+    """Whether ``dw [E, NL, NR]`` can take TMA stores: 16-bit, unit stride along ``NR``, the other strides and
+    the base 16-byte aligned. Host metadata only."""
+    return (
+        dw.element_size() == 2
+        and dw.stride(2) == 1
+        and all(st * 2 % 16 == 0 for st in dw.stride()[:2])
+        and dw.data_ptr() % 16 == 0
     )
