@@ -40,6 +40,7 @@ def test_gluon_wgrad(case, monkeypatch):
     transposed in memory and float32; float16; three programs (8 tiles each through one ring, of 0 to 4 steps)."""
     _sm90()
     from moeyard.experts.triton import kernels_gluon_wgrad as gw, ops
+    from moeyard.experts.triton.kernels_tma import weight_tma_ready
     from moeyard.experts.triton.options import use_options
 
     calls = []
@@ -70,7 +71,7 @@ def test_gluon_wgrad(case, monkeypatch):
         got, _ = ops.wgrad(lhs, rhs, **kw)
     assert calls == [1], "the Gluon weight gradient runs once"
     # 16-bit dW goes out by TMA stores (boxes clipped at NL = 208 and NR = 144); the transposed float32 one by row
-    assert gw.tma_storable(got) == (case != "strided_fp32_dw")
+    assert weight_tma_ready(got) == (case != "strided_fp32_dw")
     with use_options(gluon_wgrad=False):
         tri, _ = ops.wgrad(lhs, rhs, **kw)
     assert got.dtype == like.dtype and got.stride() == like.stride()

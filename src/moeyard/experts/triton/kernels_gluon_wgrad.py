@@ -18,14 +18,15 @@ once). Each tile's reduction runs over its expert's rows in steps of ``BK``:
 - two consumer warp groups, each on ``64 MH`` of the tile's rows of ``NL`` (``MH`` MMAs of ``[64, BN]`` per
   step): ``acc += L_s^T R_s``, both operands read from shared memory as stored (rows of the step by columns:
   wgmma's transposed 16-bit forms, ``L`` M-major, ``R`` N-major), one step in flight, the previous step's
-  stage released; then ``alpha``, rounding to ``dW``'s dtype and the store. A 16-bit ``dW`` with unit
-  stride along ``NR`` (:func:`tma_storable`) goes out in blocks of ``[64, 128]`` through one shared-memory
-  block per consumer and TMA stores, which run on under the next tile's MMAs (a block's store is waited for
-  only before the block is written again; boxes past ``NL`` or ``NR`` are clipped by the TMA unit). Any
-  other ``dW`` is stored from registers by row (16-byte vectors along ``NR`` when its stride is 1). The
-  blocks take 32 KiB beside the 4 stages (224 of the 227 KiB). Measured on an H200 against the stores from
-  registers (``benchmarks/NOTES.md``, round 45), time ratios at the five anchor shapes: ``dW_up`` 0.97-1.00x,
-  ``dW_down`` 0.95-1.00x; a first form with 3 stages and a block per ``[64, BN]`` was no better.
+  stage released; then ``alpha``, rounding to ``dW``'s dtype and the store. A ``dW`` a TMA descriptor can
+  take (:func:`.kernels_tma.weight_tma_ready`: 16-bit, unit stride along ``NR``) goes out in blocks of
+  ``[64, 128]`` through one shared-memory block per consumer and TMA stores, which run on under the next
+  tile's MMAs (a block's store is waited for only before the block is written again; boxes past ``NL`` or
+  ``NR`` are clipped by the TMA unit). Any other ``dW`` is stored from registers by row (16-byte vectors
+  along ``NR`` when its stride is 1). The blocks take 32 KiB beside the 4 stages (224 of the 227 KiB).
+  Measured on an H200 against the stores from registers (``benchmarks/NOTES.md``, round 45), time ratios at
+  the five anchor shapes: ``dW_up`` 0.97-1.00x, ``dW_down`` 0.95-1.00x; a first form with 3 stages and a
+  block per ``[64, BN]`` was no better.
 
 Tiles are 256 x 128 outputs whichever operand is gathered (``CONFIGS``): the gathered operand is on the
 128-wide side, so a step gathers 16 KiB of rows for 48 KiB of stage (``dW_down``: ``MH`` 1, ``BN`` 256;
@@ -419,13 +420,14 @@ def launch(lhs, rhs, lhs_by_token: bool, sorted_token, expert_offsets, dw, alpha
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .kernels_gluon import _layout
+    from .kernels_tma import weight_tma_ready
 
     E, NL, NR = dw.shape
     mh, bn, stages, loader_regs = CONFIGS[lhs_by_token]
     g, srt = (lhs, rhs) if lhs_by_token else (rhs, lhs)
     box = [BK, bn] if lhs_by_token else [BK, HM.value]
     s_d = TensorDescriptor(srt, list(srt.shape), list(srt.stride()), box, _layout(2, 128))
-    tma_store = tma_storable(dw)
+    tma_store = weight_tma_ready(dw)  # 16-bit, unit stride along NR, 16-byte aligned
     dw_d = (
         TensorDescriptor(dw, [E, NL, NR], list(dw.stride()), [1, HM.value, SB.value], _layout(3, 128))
         if tma_store
@@ -457,15 +459,4 @@ def launch(lhs, rhs, lhs_by_token: bool, sorted_token, expert_offsets, dw, alpha
         LOADER_REGS=loader_regs,
         CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4,
-    )
-
-
-def tma_storable(dw) -> bool:
-    """Whether ``dw [E, NL, NR]`` can take TMA stores: 16-bit, unit stride along ``NR``, the other strides and
-    the base 16-byte aligned. Host metadata only."""
-    return (
-        dw.element_size() == 2
-        and dw.stride(2) == 1
-        and all(st * 2 % 16 == 0 for st in dw.stride()[:2])
-        and dw.data_ptr() % 16 == 0
     )
