@@ -279,3 +279,22 @@ def test_fp8_grouped_compiles_for_sm90(by_index, compiled):
 
 if __name__ == "__main__":
     print(json.dumps(_compile_all()))
+
+
+def test_epilogue_probe_patches_the_kernel_source():
+    """``benchmarks/gather_epilogue_probe.py`` makes its variants by editing the activation-gradient kernel's
+    source text: each edit must still find its anchor in the kernel as it is now, and give valid Python that
+    differs from the kernel (a kernel change that moves an anchor fails here, not in a GPU call)."""
+    import pathlib
+
+    from helpers import load_benchmark
+
+    probe = load_benchmark("gather_epilogue_probe")
+    path = pathlib.Path(__file__).resolve().parents[1] / "src/moeyard/experts/triton/kernels_gluon_gather.py"
+    src = path.read_text()
+    variants = probe._variants(src)
+    assert set(variants) == {"built", "no_stores", "mma_only"} and variants["built"] == src
+    for name in ("no_stores", "mma_only"):
+        assert variants[name] != src, name
+        compile(variants[name], f"_probe_{name}.py", "exec")
+    assert variants["mma_only"].count("gl.store(dh_rows") == 0 and variants["no_stores"].count("rows64 < 0") == 3
