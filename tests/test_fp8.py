@@ -456,6 +456,15 @@ def test_triton_casts_of_the_activation(name, interleaved):
     q_dh, s_dh = cast.rowwise(dh)
     assert torch.equal(both.dh_fp8[0].view(torch.uint8), q_dh.view(torch.uint8)) and torch.equal(both.dh_fp8[1], s_dh)
     torch.testing.assert_close(both.act_rows, aw, rtol=1e-6, atol=1e-6)
+    # d h written over h's memory (for a caller that reads h no more): the same values, in h's storage
+    h_over = h.clone()
+    over = cast.act_backward(
+        h_over, da, act, interleaved=interleaved, row_weights=rw.detach().float(), quantize=True, overwrite_h=True
+    )
+    assert over.dh.data_ptr() == h_over.data_ptr() and torch.equal(over.dh, dh)
+    assert torch.equal(over.dh_fp8[0].view(torch.uint8), q_dh.view(torch.uint8)) and torch.equal(
+        over.d_row_weights, drw
+    )
     # the casts of gathered, weighted rows: t[index] * rw (an index past the end reads a zero row)
     t = torch.randn(10, 24)
     index = torch.tensor([3, 3, 10, 0, 9, 10, 1])
@@ -570,6 +579,24 @@ def test_fast_path_up_dgrad_in_windows(forced_fast_path, monkeypatch, recipe, ca
     assert forced_fast_path.count("gemm") - gemms == gemms + 2  # one GEMM more per extra window
     for k in whole:
         torch.testing.assert_close(windows[k], whole[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
+def test_fast_path_backward_once_per_forward(forced_fast_path, recipe):
+    # backward writes d h over the saved h: a second backward through one forward raises, never computes
+    # from the overwritten h; the caller's tensors are untouched
+    inputs = _inputs("base")
+    x = inputs["hidden_states"].float().requires_grad_()
+    w_up, w_down = (inputs[k].float().requires_grad_() for k in ("gate_up_proj", "down_proj"))
+    kept = [t.detach().clone() for t in (x, w_up, w_down)]
+    out = moeyard.experts(
+        x, inputs["topk_ids"], inputs["topk_weights"].float(), w_up, w_down, backend="triton", recipe=recipe
+    )
+    g = torch.randn_like(out)
+    out.backward(g, retain_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(kept, (x, w_up, w_down), strict=True)) and w_down.grad is not None
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.backward(g)
 
 
 def test_dgrad_windows():

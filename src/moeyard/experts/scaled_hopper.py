@@ -438,15 +438,27 @@ class _ActDownCombine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out):
+        if getattr(ctx, "h_spent", False):
+            raise RuntimeError(
+                "moeyard: a second backward through one forward of the FP8 expert layer: its backward writes "
+                "d h over the saved pre-activation h (one [rows, 2 * intermediate] buffer less at the step's "
+                "peak), so it runs once per forward; run the forward again (or use recipe=None) instead of "
+                "retain_graph=True"
+            )
         h, w, offsets, rw, row_tokens = ctx.saved_tensors
         cast = _cast()
         d_out = d_out.contiguous()
         dh = drw = dw = a_rows = None
         hp_wgrad = ctx.needs_input_grad[1] and ctx.hp is not None
+        if ctx.needs_input_grad[1] and not hp_wgrad:  # the FP8 weight gradient reads h: before d h takes it
+            a_t = cast.colwise_per_group(h, offsets, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
+            dw = _wgrad(cast.colwise_per_group(d_out, offsets, index=row_tokens), a_t, offsets, d_out.dtype)
+            del a_t
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
             # d / d (rw * act(h))
             da = _dgrad(cast.rowwise(d_out), w, offsets, d_out.dtype, ctx.gemm, row_tokens, ctx.w_amax, ctx.tiles)
             quantize = ctx.needs_input_grad[0] and ctx.dh_cast.wanted
+            ctx.h_spent = True
             grads = cast.act_backward(
                 h,
                 da,
@@ -456,8 +468,9 @@ class _ActDownCombine(torch.autograd.Function):
                 quantize=quantize,
                 with_act_rows=hp_wgrad,
                 overwrite_da=True,  # da is dropped below: d h's e4m3 cast takes its memory
+                overwrite_h=True,  # h is read no more (rw * act(h) comes from the same kernel): d h takes it
             )
-            del da
+            del da, h
             dh, drw, a_rows = grads.dh, grads.d_row_weights, grads.act_rows
             if quantize:
                 ctx.dh_cast.put(dh, grads.dh_fp8)
@@ -465,9 +478,6 @@ class _ActDownCombine(torch.autograd.Function):
             if a_rows is None:
                 a_rows = cast.act_rows(h, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
             dw = ctx.hp(d_out, a_rows, True, w)
-        elif ctx.needs_input_grad[1]:
-            a_t = cast.colwise_per_group(h, offsets, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
-            dw = _wgrad(cast.colwise_per_group(d_out, offsets, index=row_tokens), a_t, offsets, d_out.dtype)
         return dh, dw, None, drw, None, None, None, None, None, None, None, None, None
 
 

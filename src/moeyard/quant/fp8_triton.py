@@ -568,6 +568,7 @@ def act_backward(
     quantize: bool = False,
     with_act_rows: bool = False,
     overwrite_da: bool = False,
+    overwrite_h: bool = False,
 ) -> ActGrads:
     """The backward of ``y = row_weights * act(h)`` (``row_weights`` None: ``y = act(h)``) given ``da = d y /
     row_weights`` (``[R, I]``, the gradient before the row weight): ``d h`` in ``h``'s shape and dtype with
@@ -579,7 +580,10 @@ def act_backward(
     afterwards) the e4m3 cast is written over ``da``'s memory where ``da`` is contiguous in a 2-byte dtype
     (each row of ``[R, I]`` 2-byte values has the bytes of a row of ``[R, 2I]`` e4m3, and each program reads
     its rows of ``da`` whole before it writes their cast), so the step holds one ``R x 2I``-byte buffer less;
-    ``da`` then holds garbage. Derivatives in float32
+    ``da`` then holds garbage. With ``overwrite_h`` (for a caller that needs ``h`` no more) ``d h`` is written
+    over ``h``'s memory where ``h`` is contiguous (each program reads each element of ``h`` before it writes
+    ``d h`` there, and no other program touches its rows), so the step holds one ``[R, 2I]`` buffer less; the
+    returned ``dh`` then shares ``h``'s storage. Derivatives in float32
     (:func:`moeyard.experts.triton.act.act_grad`; torch autograd's conventions at kinks); one program per 32
     rows (8 with ``quantize``), each row's sums in a fixed order.
 
@@ -590,7 +594,7 @@ def act_backward(
         h = h.contiguous()
     if da.stride(1) != 1:
         da = da.contiguous()
-    dh = torch.empty(h.shape, device=h.device, dtype=h.dtype)
+    dh = h.detach() if overwrite_h and h.is_contiguous() else torch.empty(h.shape, device=h.device, dtype=h.dtype)
     drw = None if row_weights is None else torch.empty(R, device=h.device, dtype=torch.float32)
     q, s = (
         (_q_buffer(h, da, overwrite_da), torch.empty(R, device=h.device, dtype=torch.float32)) if quantize else (dh, dh)
