@@ -8,7 +8,11 @@ switches):
 - ``no_stores``: ``d_h`` and ``w act(h)`` not stored (their math dead too); ``h``'s loads, ``act(h)`` and the
   routing weight's gradient kept;
 - ``mma_only``: the epilogue reduced to consuming the tile's ``h`` entries of the ring and storing one float
-  per row (the K loop's MMAs, the gathered loads and the ring protocol kept).
+  per row (the K loop's MMAs, the gathered loads and the ring protocol kept);
+- ``mma_only_zero_rows``: ``mma_only`` with every gathered copy zero-filling its 16 bytes instead of reading
+  them (the ``cp.async`` issue and the ring kept, no row bytes read): what the main loop's gathered reads cost;
+- ``mma_only_8_loaders`` and ``built_8_loaders``: eight loader warps instead of four (half the copies per
+  thread; the register split moved to fit): whether issuing the copies is what the main loop waits on.
 
 If ``mma_only`` runs near the dense rate, the epilogue (not overlapped with the tensor cores, since both
 consumer warp groups reach it together) is what the kernel loses; if not, its main loop is.
@@ -43,7 +47,7 @@ def _variants(src: str) -> dict[str, str]:
         "        gl.store(dh_rows + (cols + up_offset)[None, :], (d_a * da_du).to(dh_ptr.dtype.element_ty), mask=mask)\n",
         "    gl.store(aw_ptr + rows64[:, None] * NA + cols[None, :], (a * w[:, None]).to(aw_ptr.dtype.element_ty), mask=mask)\n",
     )
-    for line in stores:
+    for line in (*stores, ROWS_MASK):
         assert line in src, line
     no_stores = src
     for line in stores:
@@ -61,7 +65,26 @@ def _variants(src: str) -> dict[str, str]:
     return gl.sum(gl.where(mask, acc, 0.0), axis=1), s, phase"""
         + src[end:]
     )
-    return {"built": src, "no_stores": no_stores, "mma_only": mma_only}
+    zero_rows = mma_only.replace(ROWS_MASK, "mask=(ok & (rows < 0))[:, None] & ((ks + kt * BK) < K)[None, :])")
+    return {
+        "built": src,
+        "no_stores": no_stores,
+        "mma_only": mma_only,
+        "mma_only_zero_rows": zero_rows,
+        "mma_only_8_loaders": _eight_loaders(mma_only),
+        "built_8_loaders": _eight_loaders(src),
+    }
+
+
+ROWS_MASK = "mask=ok[:, None] & ((ks + kt * BK) < K)[None, :])"
+LOADERS = ("LOADER_WARPS = 4", "LOADER_REGS, CONSUMER_REGS = 56, 224")
+
+
+def _eight_loaders(src: str) -> str:
+    """``src`` with eight loader warps: 2 * 128 * 216 + 256 * 40 registers, the 64K of an SM."""
+    for anchor in LOADERS:
+        assert src.count(anchor) == 1, anchor
+    return src.replace(LOADERS[0], "LOADER_WARPS = 8").replace(LOADERS[1], "LOADER_REGS, CONSUMER_REGS = 40, 216")
 
 
 def _load(name: str, text: str, folder: str):

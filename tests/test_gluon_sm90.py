@@ -293,8 +293,18 @@ def test_epilogue_probe_patches_the_kernel_source():
     path = pathlib.Path(__file__).resolve().parents[1] / "src/moeyard/experts/triton/kernels_gluon_gather.py"
     src = path.read_text()
     variants = probe._variants(src)
-    assert set(variants) == {"built", "no_stores", "mma_only"} and variants["built"] == src
-    for name in ("no_stores", "mma_only"):
+    assert variants["built"] == src
+    assert set(variants) == {
+        "built",
+        "no_stores",
+        "mma_only",
+        "mma_only_zero_rows",
+        "mma_only_8_loaders",
+        "built_8_loaders",
+    }
+    for name in set(variants) - {"built"}:
         assert variants[name] != src, name
         compile(variants[name], f"_probe_{name}.py", "exec")
     assert variants["mma_only"].count("gl.store(dh_rows") == 0 and variants["no_stores"].count("rows64 < 0") == 3
+    assert variants["mma_only_zero_rows"].count("ok & (rows < 0)") == 1
+    assert all("LOADER_WARPS = 8" in variants[n] for n in ("mma_only_8_loaders", "built_8_loaders"))
