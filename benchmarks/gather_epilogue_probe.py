@@ -11,8 +11,8 @@ switches):
   per row (the K loop's MMAs, the gathered loads and the ring protocol kept);
 - ``mma_only_zero_rows``: ``mma_only`` with every gathered copy zero-filling its 16 bytes instead of reading
   them (the ``cp.async`` issue and the ring kept, no row bytes read): what the main loop's gathered reads cost;
-- ``mma_only_8_loaders`` and ``built_8_loaders``: eight loader warps instead of four (half the copies per
-  thread; the register split moved to fit): whether issuing the copies is what the main loop waits on.
+- ``mma_only_4_loaders`` and ``built_4_loaders``: four loader warps instead of the eight dh runs with (twice
+  the copies per thread; the register split as the up projection's): what the extra loader warps give.
 
 If ``mma_only`` runs near the dense rate, the epilogue (not overlapped with the tensor cores, since both
 consumer warp groups reach it together) is what the kernel loses; if not, its main loop is.
@@ -71,20 +71,19 @@ def _variants(src: str) -> dict[str, str]:
         "no_stores": no_stores,
         "mma_only": mma_only,
         "mma_only_zero_rows": zero_rows,
-        "mma_only_8_loaders": _eight_loaders(mma_only),
-        "built_8_loaders": _eight_loaders(src),
+        "mma_only_4_loaders": _four_loaders(mma_only),
+        "built_4_loaders": _four_loaders(src),
     }
 
 
 ROWS_MASK = "mask=ok[:, None] & ((ks + kt * BK) < K)[None, :])"
-LOADERS = ("LOADER_WARPS = 4", "LOADER_REGS, CONSUMER_REGS = 56, 224")
+LOADERS = "DH_LOADER_WARPS, DH_LOADER_REGS = 8, 32"
 
 
-def _eight_loaders(src: str) -> str:
-    """``src`` with eight loader warps: 2 * 128 * 216 + 256 * 40 registers, the 64K of an SM."""
-    for anchor in LOADERS:
-        assert src.count(anchor) == 1, anchor
-    return src.replace(LOADERS[0], "LOADER_WARPS = 8").replace(LOADERS[1], "LOADER_REGS, CONSUMER_REGS = 40, 216")
+def _four_loaders(src: str) -> str:
+    """``src`` with dh's loader partition of four warps and the up projection's register split."""
+    assert src.count(LOADERS) == 1, LOADERS
+    return src.replace(LOADERS, "DH_LOADER_WARPS, DH_LOADER_REGS = 4, 56")
 
 
 def _load(name: str, text: str, folder: str):

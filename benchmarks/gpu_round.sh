@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round per stage, each time-boxed to fit one 10-minute device call (bf16, routed experts only,
 # the torch grouped_mm pipeline and, when installed, SonicMoE timed in the same run).
-# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|tmaup|routerab|lora|loraab|lorapointer|compile]
+# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|loaders|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|tmaup|routerab|lora|loraab|lorapointer|compile]
 #   main: verify, CUDA tests, bench (random and Zipf routing) at qwen3-30b-a3b and sonic-7b.
 #   profile: the TMA CUDA tests, then the triton backend's per-kernel profile with A/B of the TMA-loaded
 #            down projection (benchmarks/triton_profile.py).
@@ -20,6 +20,8 @@
 #   abprof: the per-kernel profile (benchmarks/triton_profile.py) of this tree and of BASE, interleaved, at
 #       qwen3-30b-a3b and sonic-7b (about 50 s a tree and shape); BASE holds src/ and benchmarks/
 #       (`git archive REV src benchmarks | tar -x -C .ab/base`).
+#   loaders: the gathering kernels' loader warps: their CUDA tests, then this tree against BASE (an earlier src/,
+#       carried): the per-kernel profile and the whole-layer bench at the five anchor shapes, then the dh probe.
 #   prefetch: the dh kernel's L2 prefetch of h (option prefetch_h): its CUDA tests, the per-kernel profile
 #       with and without it (qwen3-30b-a3b, sonic-7b), then the whole-layer bench at qwen3-30b-a3b with
 #       MOEYARD_TRITON_PREFETCH=0/1 interleaved, twice each (about 35 s a run).
@@ -140,6 +142,24 @@ elif [[ $STAGE == abprof ]]; then
         --out "$OUT/profile_${shape}_$tree"
     done
   done
+elif [[ $STAGE == loaders ]]; then
+  BASE=$(cd "${BASE:?BASE=dir with an earlier src/}" && pwd)
+  step pytest_gathered 150 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_lora_cuda.py -k gluon_gathered \
+    tests/cuda/test_triton_cuda.py
+  anchors=sonic-7b,qwen3-30b-a3b,sonic-30b-a,sonic-120b,qwen3.5-35b-a3b
+  for tree in base new; do
+    src=$PWD/src; [[ $tree == base ]] && src=$BASE/src
+    PYTHONPATH=$src step "kernels_$tree" 120 python3 benchmarks/triton_profile.py --configs $anchors --rep 100 \
+      --out "$OUT/kernels_$tree"
+  done
+  for tree in new base; do
+    src=$PWD/src; [[ $tree == base ]] && src=$BASE/src
+    PYTHONPATH=$src step "layer_$tree" 110 "${BENCH[@]}" --model ${anchors//,/ --model } --backends triton --no-peers \
+      --json "$OUT/layer_$tree.json"
+  done
+  step probe 150 python3 benchmarks/gather_epilogue_probe.py --models qwen3-30b-a3b,qwen3.5-35b-a3b,sonic-120b
+  for f in "$OUT"/kernels_*.txt; do echo "== $f"; grep -E "^## |^\| (up|dh) " "$f"; done
+  for f in "$OUT"/layer_*.txt "$OUT"/probe.txt; do echo "== $f"; grep -E "^\| " "$f" | tail -n 20; done
 elif [[ $STAGE == prefetch ]]; then
   MOEYARD_TRITON_AUTOTUNE=0 step pytest_prefetch 150 python3 -m pytest -q -p no:cacheprovider \
     tests/cuda/test_triton_cuda.py -k "prefetch or options or graph or sync"

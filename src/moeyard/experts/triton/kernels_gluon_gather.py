@@ -9,7 +9,7 @@ the dense rate where the TMA-loaded down projection reached 65-79% (H100, ``benc
 13). A Hopper TMA box cannot gather rows, but ``cp.async`` can. Here one persistent program per SM is
 warp-specialised (``gl.warp_specialize``):
 
-- a loader partition of ``LOADER_WARPS`` warps, for every (tile, K step): the expert's weight box(es)
+- a loader partition of ``LOADER_WARPS`` warps (``DH_LOADER_WARPS`` for dh at 128-row tiles), for every (tile, K step): the expert's weight box(es)
   through TMA (the gate and up boxes of the up projection), and the tile's rows gathered by token with
   ``cp.async`` (16 bytes per thread and instruction; rows past their expert's end and columns past ``K``
   zero-filled, not read), into a ring of ``STAGES`` stages. A stage's ``ready`` barrier completes once the
@@ -880,6 +880,10 @@ DH_STAGES = 6  # dh: 32 KiB per stage (rows, one weight box), at most 6 (the sha
 SMEM_BUDGET = 220 * 1024  # the ring and the LoRA ring (sm_90: 227 KiB per block; 4 KiB of layout scratch beside)
 LOADER_WARPS = 4  # cp.async of a [128, 64] tile: 8 rows of 16 bytes per thread and stage
 LOADER_REGS, CONSUMER_REGS = 56, 224  # 2 * 128 * 224 + 128 * 56 <= 64K registers; no spills (sm_90a, Triton 3.6)
+# dh at 128-row tiles: eight loader warps (4 rows of 16 bytes per thread and stage; 2 * 128 * 224 + 256 * 32 = 64K
+# registers): its main loop waits on issuing the gathered copies (H200, benchmarks/NOTES.md, round 46: 3-7% faster
+# at four anchor shapes in two calls, qwen3.5-35b-a3b 2% either way; the up projection lost 11% there, so it keeps 4)
+DH_LOADER_WARPS, DH_LOADER_REGS = 8, 32
 MAX_RP = 32
 # the activations whose epilogues fit the consumers' registers (compiled for sm_90a with Triton 3.6: GeGLU's erf
 # spilled 16 registers in the up projection at 128-row tiles, 4 at 64, clamped SwiGLU's derivative one in dh;
@@ -1071,6 +1075,8 @@ def launch_up(
         BM=block_m,
         RP=rp,
         STAGES=stages(block_m, rp if lb is not None else 0, dual, STAGES),
+        LOADER_WARPS=LOADER_WARPS,
+        LOADER_REGS=LOADER_REGS,
     )
 
 
@@ -1149,6 +1155,8 @@ def launch_dh(
         BM=block_m,
         RP=rp,
         STAGES=stages(block_m, rp if lb is not None else 0, False, DH_STAGES),
+        LOADER_WARPS=DH_LOADER_WARPS if block_m == 128 else LOADER_WARPS,
+        LOADER_REGS=DH_LOADER_REGS if block_m == 128 else LOADER_REGS,
     )
 
 
@@ -1215,8 +1223,6 @@ def _launch(
         lora_scale,
         BN=BN,
         BK=BK,
-        LOADER_WARPS=LOADER_WARPS,
-        LOADER_REGS=LOADER_REGS,
         CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4,
         **meta,
