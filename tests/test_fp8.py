@@ -582,9 +582,13 @@ def test_fast_path_up_dgrad_in_windows(forced_fast_path, monkeypatch, recipe, ca
 
 
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
-def test_fast_path_backward_once_per_forward(forced_fast_path, recipe):
-    # backward writes d h over the saved h: a second backward through one forward raises, never computes
-    # from the overwritten h; the caller's tensors are untouched
+def test_fast_path_d_h_over_h_unless_the_graph_is_kept(forced_fast_path, monkeypatch, recipe):
+    # backward writes d h over the saved h, except when the graph is kept for another backward (which reads h
+    # again): a retained graph gives the same gradients twice; the caller's tensors are untouched
+    from moeyard.quant import fp8_triton
+
+    over, real = [], fp8_triton.act_backward
+    monkeypatch.setattr(fp8_triton, "act_backward", lambda *a, **k: over.append(k["overwrite_h"]) or real(*a, **k))
     inputs = _inputs("base")
     x = inputs["hidden_states"].float().requires_grad_()
     w_up, w_down = (inputs[k].float().requires_grad_() for k in ("gate_up_proj", "down_proj"))
@@ -593,9 +597,17 @@ def test_fast_path_backward_once_per_forward(forced_fast_path, recipe):
         x, inputs["topk_ids"], inputs["topk_weights"].float(), w_up, w_down, backend="triton", recipe=recipe
     )
     g = torch.randn_like(out)
-    out.backward(g, retain_graph=True)
-    assert all(torch.equal(a, b) for a, b in zip(kept, (x, w_up, w_down), strict=True)) and w_down.grad is not None
-    with pytest.raises(RuntimeError, match="second backward"):
+    grads = []
+    for retain in (True, False):
+        out.backward(g, retain_graph=retain)
+        grads.append([t.grad.clone() for t in (x, w_up, w_down)])
+        for t in (x, w_up, w_down):
+            t.grad = None
+    assert over == [False, True]
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(kept, (x, w_up, w_down), strict=True))
+    with pytest.raises(RuntimeError, match="second time"):  # torch's own error: the graph was freed
         out.backward(g)
 
 

@@ -426,7 +426,8 @@ class _ActDownCombine(torch.autograd.Function):
     and ``d rw`` from one kernel over ``h`` and ``d act``, ``dw`` from ``act(h)`` cast again from ``h`` and
     ``d out`` read through the rows' tokens (with ``hp`` in the compute dtype, :class:`_HighPrecisionWgrad`,
     from ``rw * act(h)`` written once, by the same kernel as ``d h``); ``d h``'s e4m3 cast for the up
-    projection's dgrad comes from that kernel too (``dh_cast``, :class:`_DhCast`)."""
+    projection's dgrad comes from that kernel too (``dh_cast``, :class:`_DhCast`), and ``d h`` itself goes
+    into ``h``'s memory unless the backward keeps its graph (``retain_graph``, ``create_graph``)."""
 
     @staticmethod
     def forward(ctx, h, w, offsets, rw, row_tokens, pair_rows, act, interleaved, gemm, hp, dh_cast, tiles, terms):
@@ -438,13 +439,6 @@ class _ActDownCombine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out):
-        if getattr(ctx, "h_spent", False):
-            raise RuntimeError(
-                "moeyard: a second backward through one forward of the FP8 expert layer: its backward writes "
-                "d h over the saved pre-activation h (one [rows, 2 * intermediate] buffer less at the step's "
-                "peak), so it runs once per forward; run the forward again (or use recipe=None) instead of "
-                "retain_graph=True"
-            )
         h, w, offsets, rw, row_tokens = ctx.saved_tensors
         cast = _cast()
         d_out = d_out.contiguous()
@@ -458,7 +452,6 @@ class _ActDownCombine(torch.autograd.Function):
             # d / d (rw * act(h))
             da = _dgrad(cast.rowwise(d_out), w, offsets, d_out.dtype, ctx.gemm, row_tokens, ctx.w_amax, ctx.tiles)
             quantize = ctx.needs_input_grad[0] and ctx.dh_cast.wanted
-            ctx.h_spent = True
             grads = cast.act_backward(
                 h,
                 da,
@@ -468,7 +461,9 @@ class _ActDownCombine(torch.autograd.Function):
                 quantize=quantize,
                 with_act_rows=hp_wgrad,
                 overwrite_da=True,  # da is dropped below: d h's e4m3 cast takes its memory
-                overwrite_h=True,  # h is read no more (rw * act(h) comes from the same kernel): d h takes it
+                # h is read no more (rw * act(h) comes from the same kernel): d h takes its memory, unless this
+                # backward keeps the graph for another (retain_graph, create_graph), which reads h again
+                overwrite_h=not _graph_kept(),
             )
             del da, h
             dh, drw, a_rows = grads.dh, grads.d_row_weights, grads.act_rows
@@ -479,6 +474,13 @@ class _ActDownCombine(torch.autograd.Function):
                 a_rows = cast.act_rows(h, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
             dw = ctx.hp(d_out, a_rows, True, w)
         return dh, dw, None, drw, None, None, None, None, None, None, None, None, None
+
+
+def _graph_kept() -> bool:
+    """Whether the running backward keeps its graph (``retain_graph`` or ``create_graph``), so that a saved
+    tensor is read again by a later backward; True where torch does not say (outside a backward)."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep is None else bool(keep())
 
 
 # ---------------------------------------------------------------------------------- the choice
