@@ -9,10 +9,10 @@ the dense rate where the TMA-loaded down projection reached 65-79% (H100, ``benc
 13). A Hopper TMA box cannot gather rows, but ``cp.async`` can. Here one persistent program per SM is
 warp-specialised (``gl.warp_specialize``):
 
-- a loader partition of ``LOADER_WARPS`` warps (``DH_LOADER_WARPS`` for dh at 128-row tiles), for every (tile, K step): the expert's weight box(es)
-  through TMA (the gate and up boxes of the up projection), and the tile's rows gathered by token with
-  ``cp.async`` (16 bytes per thread and instruction; rows past their expert's end and columns past ``K``
-  zero-filled, not read), into a ring of ``STAGES`` stages. A stage's ``ready`` barrier completes once the
+- a loader partition of ``LOADER_WARPS`` warps (``DH_LOADER_WARPS`` for dh at 128-row tiles), for every
+  (tile, K step): the expert's weight box(es) through TMA (the gate and up boxes of the up projection), and
+  the tile's rows gathered by token with ``cp.async`` (16 bytes per thread and instruction; rows past their
+  expert's end and columns past ``K`` zero-filled, not read), into a ring of ``STAGES`` stages. A stage's ``ready`` barrier completes once the
   TMA bytes have landed and each loader thread's copies have (``cp.async.mbarrier.arrive.noinc``: one
   arrival per thread); each tile's LoRA boxes ``z`` and ``Lb`` go into a ring of two ahead of its K loop;
 - ``BM / 64`` consumer warp groups, each on 64 rows of every tile: wait for a stage, make the copies
