@@ -43,9 +43,16 @@ def test_gluon_wgrad(case, monkeypatch):
     from moeyard.experts.triton.kernels_tma import weight_tma_ready
     from moeyard.experts.triton.options import use_options
 
-    calls = []
+    calls, stores = [], []
     real = gw.launch
     monkeypatch.setattr(gw, "launch", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    kernel = gw.wgrad_kernel
+
+    class Spy:  # which store path the launch compiled in
+        def __getitem__(self, grid):
+            return lambda *a, **k: (stores.append(k["TMA_STORE"]), kernel[grid](*a, **k))
+
+    monkeypatch.setattr(gw, "wgrad_kernel", Spy())
     if case == "three_programs":
         monkeypatch.setattr(ops, "num_sms", lambda device: 3)
     g = torch.Generator().manual_seed(7)
@@ -71,7 +78,7 @@ def test_gluon_wgrad(case, monkeypatch):
         got, _ = ops.wgrad(lhs, rhs, **kw)
     assert calls == [1], "the Gluon weight gradient runs once"
     # 16-bit dW goes out by TMA stores (boxes clipped at NL = 208 and NR = 144); the transposed float32 one by row
-    assert weight_tma_ready(got) == (case != "strided_fp32_dw")
+    assert stores == [case != "strided_fp32_dw"] and weight_tma_ready(got) == stores[0]
     with use_options(gluon_wgrad=False):
         tri, _ = ops.wgrad(lhs, rhs, **kw)
     assert got.dtype == like.dtype and got.stride() == like.stride()

@@ -465,7 +465,7 @@ class _ActDownCombine(torch.autograd.Function):
                 # backward keeps the graph for another (retain_graph, create_graph), which reads h again
                 overwrite_h=not _graph_kept(),
             )
-            del da, h
+            del da
             dh, drw, a_rows = grads.dh, grads.d_row_weights, grads.act_rows
             if quantize:
                 ctx.dh_cast.put(dh, grads.dh_fp8)

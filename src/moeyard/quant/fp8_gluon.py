@@ -48,6 +48,7 @@ from ..experts.triton.kernels_gluon import (
     _store_tile,
     _tile_of,
     _tma_load,
+    _tma_store,
     barrier_ring,
     next_stage,
     store_layout,
@@ -55,7 +56,6 @@ from ..experts.triton.kernels_gluon import (
 from ..experts.triton.kernels_gluon_gather import LOADER_REGS as GATHER_LOADER_REGS, LOADER_WARPS, _cp_async
 
 Tensor = torch.Tensor
-_tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global  # Triton 3.6 / later
 
 BM, BN, BK = 128, 256, 128  # a stage: (128 + 256) x 128 bytes = 48 KiB
 STAGES = 3  # 144 KiB, and 64 KiB for the two consumers' output tiles: 208 of the 227 KiB a Hopper block may hold

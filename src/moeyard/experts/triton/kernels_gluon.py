@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 # Triton renamed the TMA load after 3.6 (3.6: async_copy_global_to_shared; 3.9: async_load, the old name raises)
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+_tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global  # 3.6 / later
 
 
 @gluon.jit

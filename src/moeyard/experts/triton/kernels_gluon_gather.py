@@ -496,7 +496,8 @@ def _dh_epilogue(
 
 @gluon.jit
 def _halves(x, BN: gl.constexpr):
-    """A ``[64, BN]`` tile of the store layout as its two column halves (register bits: no data moves)."""
+    """A ``[64, BN]`` tile as its two column halves (in the store layout and in the MMA layout a thread holds
+    columns ``j`` and ``j + BN/2`` alike: register bits, no data moves; also :mod:`.kernels_gluon_wgrad`'s)."""
     return gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, BN // 2]), [0, 2, 1]))
 
 

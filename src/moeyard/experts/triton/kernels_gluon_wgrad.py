@@ -60,10 +60,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .kernels_gluon import _tma_load, barrier_ring, next_stage, store_layout
-from .kernels_gluon_gather import _cp_async
-
-_tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global  # 3.6 / later
+from .kernels_gluon import _tma_load, _tma_store, barrier_ring, next_stage, store_layout
+from .kernels_gluon_gather import _cp_async, _halves
 
 HM = gl.constexpr(64)  # rows of NL in one MMA of a consumer warp group
 SB = gl.constexpr(128)  # columns of one TMA store block
@@ -225,7 +223,7 @@ def _consumer(
                 _tma_store_block(acc0 * alpha, c_buf, dw_desc, e, row0, n0)
                 _tma_store_block(acc1 * alpha, c_buf, dw_desc, e, row0 + HM, n0)
             else:
-                left, right = _halves(acc0 * alpha)
+                left, right = _halves(acc0 * alpha, BN)
                 _tma_store_block(left, c_buf, dw_desc, e, row0, n0)
                 _tma_store_block(right, c_buf, dw_desc, e, row0, n0 + BN // 2)
         else:
@@ -234,13 +232,6 @@ def _consumer(
                 _store(acc1, alpha, dw_ptr, e, row0 + HM, n0, NL, NR, stride_de, stride_dl, stride_dr, BN)
     if TMA_STORE:
         tma.store_wait(0)
-
-
-@gluon.jit
-def _halves(x):
-    """A ``[64, N]`` tile as its two column halves (in the MMA layout a thread holds columns ``j`` and ``j + N/2``
-    alike, so the split moves no data)."""
-    return gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), [0, 2, 1]))
 
 
 @gluon.jit
