@@ -416,6 +416,44 @@ def test_gathered_sum_in_windows(weighted):
 
 
 @pytest.mark.parametrize("weighted", [False, True])
+def test_gathered_sum_into_column_windows(weighted):
+    """``out``: each column window's sum written into those columns of a wider tensor (rows ``H`` apart,
+    unit column stride) gives the whole sum bit for bit, on the Triton kernel (interpreter) and the torch
+    path; the columns outside the window are not touched; ``out`` with ``into``, of the wrong shape or
+    with a column stride is refused."""
+    pytest.importorskip("triton")
+    import os
+    from unittest import mock
+
+    from moeyard.weighted_sum import gathered_sum
+
+    g = torch.Generator().manual_seed(7)
+    T, K, H, R = 10, 3, 90, 35
+    src = torch.randn(R, H, generator=g).bfloat16()
+    index = torch.randint(-1, R, (T, K), generator=g)
+    w = torch.randn(T, K, generator=g).bfloat16() if weighted else None
+    for interpret in ("0", "1"):
+        dx = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": interpret}):
+            from moeyard.weighted_sum_triton import gathered_sum as kernel
+
+            run = (lambda *a, **k: kernel(*a, False, **k)) if interpret == "1" else gathered_sum
+            whole, _ = run(src, index, w)
+            for c0, c1 in ((0, 32), (32, 33), (33, 90)):
+                got, _ = run(src[:, c0:c1].contiguous(), index, w, out=dx[:, c0:c1])
+                assert got.data_ptr() == dx[:, c0:c1].data_ptr()
+                assert dx[:, c1:].isnan().all()  # the columns after the window: untouched
+        assert torch.equal(dx, whole), interpret
+    for kw in (
+        dict(out=torch.zeros(T, 5, dtype=torch.bfloat16)),
+        dict(out=torch.zeros(H, T, dtype=torch.bfloat16).t()),
+        dict(out=torch.zeros(T, H, dtype=torch.bfloat16), into=torch.zeros(T, H, dtype=torch.bfloat16)),
+    ):
+        with pytest.raises(ValueError, match="out"):
+            gathered_sum(src, index, w, **kw)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
 def test_gathered_sum_row_terms(weighted):
     """``row_terms[t]`` joins token ``t``'s float32 sum before the one rounding, on the Triton kernel
     (interpreter) and the torch path, alone and with ``into``: a NaN term makes that token's row NaN and no

@@ -394,6 +394,18 @@ def test_triton_weight_casts_match_reference(rows):
     for got_q, got_s in (cast.colwise_per_expert(w, amax), cast.colwise_per_expert(w)):
         assert got_q.shape == (3, 24, 40) and torch.equal(got_q.view(torch.uint8), q_ref.view(torch.uint8))
         assert torch.equal(got_s, s_ref[..., 0])
+    # a column window: those rows of the whole transposed cast, with the forward's amax or alone
+    for c0, c1 in ((0, 16), (5, 24), (7, 8), (24, 24)):
+        for got_q, got_s in (
+            cast.colwise_per_expert(w, amax, cols=(c0, c1)),
+            cast.colwise_per_expert(w, cols=(c0, c1)),
+        ):
+            assert got_q.shape == (3, c1 - c0, 40) and got_s.shape == (3, c1 - c0)
+            assert torch.equal(got_q.view(torch.uint8), q_ref[:, c0:c1].view(torch.uint8))
+            assert torch.equal(got_s, s_ref[:, c0:c1, 0])
+    for bad in ((-1, 4), (5, 4), (0, 25)):
+        with pytest.raises(ValueError, match="cols"):
+            cast.colwise_per_expert(w, amax, cols=bad)
     assert torch.equal(w, before)
 
 
@@ -553,32 +565,67 @@ def test_fast_path_fused_on_cpu(forced_fast_path, recipe, backend, case):
     assert forced_fast_path.count("dh_cast_kept") == 1 and "dh_cast_again" not in forced_fast_path
 
 
+@pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.parametrize("case", ["base", "empty_experts", "odd_sizes"])
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
-def test_fast_path_up_dgrad_in_windows(forced_fast_path, monkeypatch, recipe, case):
-    # the up projection's input gradient made three row windows at a time (16-row aligned, so windows cut
-    # experts): every output and gradient as in one window (float32: rounded after each window), one
-    # GEMM more per extra window
+def test_fast_path_up_dgrad_in_windows(forced_fast_path, monkeypatch, recipe, case, cached):
+    # the up projection's input gradient made column windows at a time (8 columns wide, at most 3): every
+    # output and gradient bit-equal to one window's, one GEMM and one transposed weight cast per window (or,
+    # inside cache_fp8_weights, slices of the one kept cast), each window's sum written into its columns
+    # (moeyard's GEMMs: bit-equal; the cutlass choice's CPU stand-in: to float32 rounding)
+    import contextlib
     import importlib
+
+    from moeyard.quant import fp8_triton
 
     hop = importlib.import_module("moeyard.experts.scaled_hopper")
     inputs = _inputs(case)
     T, H = inputs["hidden_states"].shape
     g = torch.randn(T, H, dtype=torch.float64)
+    casts, real_cast = [], fp8_triton.colwise_per_expert
+    monkeypatch.setattr(
+        fp8_triton, "colwise_per_expert", lambda *a, **k: casts.append(k.get("cols")) or real_cast(*a, **k)
+    )
+    block = moeyard.cache_fp8_weights if cached else contextlib.nullcontext
     monkeypatch.setattr(hop, "dgrad_windows", lambda *a: 1)
-    whole = run_experts(inputs, torch.float32, "triton", g, recipe=recipe)
-    gemms = forced_fast_path.count("gemm")
-    monkeypatch.setattr(hop, "WINDOW_ALIGN", 16)
+    with block():
+        whole = run_experts(inputs, torch.float32, "triton", g, recipe=recipe)
+    gemms, whole_casts = forced_fast_path.count("gemm"), list(casts)
+    monkeypatch.setattr(hop, "WINDOW_COLS", 8)
     monkeypatch.setattr(hop, "MIN_WINDOW_ROWS", 16)
     monkeypatch.setattr(hop, "dgrad_windows", lambda *a: 3)
-    starts, real_sum = [], hop.gathered_sum
-    monkeypatch.setattr(hop, "gathered_sum", lambda *a, **k: starts.append(k.get("row0")) or real_sum(*a, **k))
-    windows = run_experts(inputs, torch.float32, "triton", g, recipe=recipe)
-    starts = [r for r in starts if r is not None]  # the up projection's dgrad (the forward's combine: None)
-    assert len(starts) == 3 and starts[0] == 0 and all(r % 16 == 0 for r in starts), starts
-    assert forced_fast_path.count("gemm") - gemms == gemms + 2  # one GEMM more per extra window
+    outs, real_sum = [], hop.gathered_sum
+    monkeypatch.setattr(hop, "gathered_sum", lambda *a, **k: outs.append(k.get("out")) or real_sum(*a, **k))
+    casts.clear()
+    with block():
+        windows = run_experts(inputs, torch.float32, "triton", g, recipe=recipe)
+    outs = [o for o in outs if o is not None]  # the up projection's dgrad (the forward's combine: no out)
+    bounds = hop.column_windows(H, 3)
+    assert len(bounds) >= 2 and all((c1 - c0) % 8 == 0 for c0, c1 in bounds[:-1]), bounds
+    assert [o.shape[1] for o in outs] == [c1 - c0 for c0, c1 in bounds]
+    assert forced_fast_path.count("gemm") - gemms == gemms + len(bounds) - 1  # one GEMM more per extra window
+    assert whole_casts == [None, None]  # W_down's, then W_up's, each whole
+    assert casts == (whole_casts if cached else [None, *bounds])  # cached: W_up's one whole cast, sliced
+    exact = os.environ[hop.ENV_GEMM] != "cutlass"  # its CPU stand-in, torch._grouped_mm, blocks by N
     for k in whole:
-        torch.testing.assert_close(windows[k], whole[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+        if exact:
+            assert torch.equal(windows[k], whole[k]), k
+        else:
+            torch.testing.assert_close(windows[k], whole[k], rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_column_windows():
+    from moeyard.experts.scaled_hopper import WINDOW_COLS, column_windows
+
+    assert column_windows(2048, 3) == [(0, 768), (768, 1536), (1536, 2048)]
+    assert column_windows(4096, 4) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
+    assert column_windows(2048, 1) == [(0, 2048)]
+    assert column_windows(100, 3) == [(0, 100)]  # narrower than one window's multiple
+    for hidden, n in ((1536, 2), (2048, 4), (700, 3), (256, 8)):
+        w = column_windows(hidden, n)
+        assert w[0][0] == 0 and w[-1][1] == hidden and len(w) <= n
+        assert all(a[1] == b[0] for a, b in zip(w, w[1:], strict=False))
+        assert all((c1 - c0) % WINDOW_COLS == 0 for c0, c1 in w[:-1])
 
 
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
@@ -612,21 +659,24 @@ def test_fast_path_d_h_over_h_unless_the_graph_is_kept(forced_fast_path, monkeyp
 
 
 def test_dgrad_windows():
-    # the fewest windows whose unheld [R, H] output rows cover d h's e4m3 cast and W_up's transposed one
+    # the fewest column windows for which d h's e4m3 cast plus 1/n of W_up's transposed cast and of the
+    # [R, H] output rows hold less than the output rows whole
     from moeyard.experts.scaled_hopper import MAX_DGRAD_WINDOWS, dgrad_windows
 
-    assert MAX_DGRAD_WINDOWS >= 2
-    assert dgrad_windows(32768 * 8, 4096, 2 * 512, 128, 2) == 2  # sonic-30b-a: 2 GiB of rows, 0.75 more
-    assert dgrad_windows(32768 * 8, 1536, 2 * 256, 128, 2) == 2  # sonic-7b: 0.56 GiB of rows, 0.19 more
-    assert dgrad_windows(32768 * 8, 2048, 2 * 768, 128, 2) == min(4, MAX_DGRAD_WINDOWS)  # qwen3-30b-a3b: 1, 0.75
-    assert dgrad_windows(32768 * 4, 4096, 2 * 2048, 64, 2) == MAX_DGRAD_WINDOWS  # sonic-120b: 1 GiB, 1.5 more
+    assert MAX_DGRAD_WINDOWS >= 4
+    assert dgrad_windows(32768 * 8, 4096, 2 * 512, 128, 2) == 2  # sonic-30b-a: (2 + 0.5) / (2 - 0.25)
+    assert dgrad_windows(32768 * 8, 1536, 2 * 256, 128, 2) == 2  # sonic-7b
+    assert dgrad_windows(32768 * 8, 2048, 2 * 768, 128, 2) == 3  # qwen3-30b-a3b: (1 + 0.375) / (1 - 0.375)
+    assert dgrad_windows(32768 * 8, 2048, 2 * 512, 256, 2) == 3  # qwen3.5-35b-a3b: (1 + 0.5) / (1 - 0.25) = 2
+    assert dgrad_windows(32768 * 4, 4096, 2 * 2048, 64, 2) == 4  # sonic-120b: (1 + 1) / (1 - 0.5)
+    assert dgrad_windows(1000, 64, 256, 4, 2) == MAX_DGRAD_WINDOWS  # d h's cast alone outweighs the rows
     assert dgrad_windows(0, 2048, 1536, 128, 2) == 1
-    for rows, hidden, inner, experts in ((1000, 64, 32, 4), (4096, 512, 1024, 8), (77, 96, 16, 2)):
+    for rows, hidden, inner, experts in ((1000, 64, 32, 4), (4096, 512, 1024, 8), (77, 96, 16, 2), (9000, 2048, 64, 8)):
         n = dgrad_windows(rows, hidden, inner, experts, 2)
-        out, extra = rows * hidden * 2, rows * inner + experts * hidden * inner
+        out, dh, w = rows * hidden * 2, rows * inner, experts * hidden * inner
         assert 1 <= n <= MAX_DGRAD_WINDOWS
-        assert n == MAX_DGRAD_WINDOWS or out * (n - 1) >= extra * n  # saved >= extra
-        assert n == 1 or out * (n - 2) < extra * (n - 1)  # one window fewer would not do
+        assert n == MAX_DGRAD_WINDOWS or dh + (w + out) / n < out  # held < the rows whole
+        assert n == 1 or dh + (w + out) / (n - 1) >= out  # one window fewer would not do
 
 
 @pytest.mark.parametrize("fast", [False, True])

@@ -153,3 +153,31 @@ def test_tile_table_made_once_per_offsets(device):
     changed = tiles.get(off, 340)
     assert changed is not first and torch.equal(changed, fp8_gluon.tile_table(off, 340))
     assert not torch.equal(changed, first)
+
+
+@pytest.mark.parametrize(
+    "gluon", [False, pytest.param(True, marks=pytest.mark.skipif(ON_CPU, reason="no Gluon on a CPU"))]
+)
+@pytest.mark.parametrize("gather", [False, True], ids=["in-order", "gathered"])
+def test_weight_slice_taken_as_is(gluon, gather):
+    """``b`` a slice of a wider weight's rows (each expert's rows contiguous, experts further apart: a column
+    window of the up projection's input gradient) gives the wide GEMM's columns bit for bit, as its
+    contiguous copy does, and the slice is not modified."""
+    device = DEVICES[0]
+    counts, K, wide, (c0, c1) = (
+        ([300, 0, 1, 129], 256, 768, (256, 512)) if not ON_CPU else ([0, 3, 5, 2], 32, 48, (16, 40))
+    )
+    E, R = len(counts), sum(counts)
+    M = 37 if gather else R
+    a, s_a, b, s_b = _operands(M, K, E, wide, device, seed=5)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    index = torch.randint(0, M + 1, (R,), generator=torch.Generator().manual_seed(6)).to(device) if gather else None
+    whole = fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, torch.bfloat16, index=index, gluon=gluon)
+    part, before = b[:, c0:c1], b.clone()
+    assert not part.is_contiguous()
+    got = fp8_grouped.grouped_mm(a, s_a, part, s_b[:, c0:c1], offsets, torch.bfloat16, index=index, gluon=gluon)
+    copy = fp8_grouped.grouped_mm(
+        a, s_a, part.contiguous(), s_b[:, c0:c1].contiguous(), offsets, torch.bfloat16, index=index, gluon=gluon
+    )
+    assert torch.equal(got[:R], copy[:R]) and torch.equal(got[:R], whole[:R, c0:c1])
+    assert torch.equal(b.view(torch.uint8), before.view(torch.uint8))

@@ -52,6 +52,7 @@ def gathered_sum(
     row0: int = 0,
     into: Tensor | None = None,
     row_terms: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``out[t] = sum_k w[t, k] * src[index[t, k] - row0]`` (``w = 1`` when ``weights`` is None), outside
     autograd, with each gathered row read once: ``src [n, H]`` holds rows ``row0 .. row0 + n - 1`` of the
@@ -62,15 +63,30 @@ def gathered_sum(
     added to it (in float32, rounded once) and it is returned as ``out``; so a sum over rows that come a
     window at a time (``row0``) never needs them all at once. ``row_terms [T]`` float32: ``row_terms[t]``
     is added to every element of ``out[t]`` in the same float32 sum (e.g. 0, or NaN for a token whose
-    routing is invalid, without a pass over ``[T, H]`` of its own). Sums as :func:`weighted_sum`. For the
+    routing is invalid, without a pass over ``[T, H]`` of its own). ``out [T, H]`` (``src.dtype``, unit
+    column stride, e.g. a column window of a wider tensor): the sum is written there (not added: ``into``)
+    and it is returned. Sums as :func:`weighted_sum`. For the
     combines that read their pairs out of a buffer (:mod:`moeyard.parallel.send_order`), saving the
     ``[T, K, H]`` copy a gather then a sum would write and read again. No host sync; index ranges are not
     checked (the callers hold them by construction: a check would read the device).
 
     Raises:
-        ValueError: ``into`` not a contiguous ``[T, H]`` tensor of ``src``'s dtype and device, ``row0``
-            negative, or ``row_terms`` not a ``[T]`` float32 tensor on ``src``'s device.
+        ValueError: ``into`` not a contiguous ``[T, H]`` tensor of ``src``'s dtype and device, ``out`` not a
+            ``[T, H]`` one with unit column stride or given with ``into``, ``row0`` negative, or ``row_terms``
+            not a ``[T]`` float32 tensor on ``src``'s device.
     """
+    if out is not None and (
+        into is not None
+        or out.shape != (index.shape[0], src.shape[1])
+        or out.dtype != src.dtype
+        or out.device != src.device
+        or (out.numel() and out.stride(1) != 1)
+    ):
+        raise ValueError(
+            f"out: expected a [{index.shape[0]}, {src.shape[1]}] {src.dtype} tensor on {src.device} with unit "
+            f"column stride (and no into), got {tuple(out.shape)} {out.dtype} on {out.device}"
+            + (" with into" if into is not None else "")
+        )
     if into is not None and (
         into.shape != (index.shape[0], src.shape[1])
         or into.dtype != src.dtype
@@ -95,21 +111,23 @@ def gathered_sum(
 
         w = None if weights is None else weights.contiguous()
         terms = None if row_terms is None else row_terms.contiguous()
-        return kernel(src, index.contiguous(), w, keep, row0, into, terms)
+        return kernel(src, index.contiguous(), w, keep, row0, into, terms, out)
     T, K = index.shape
     rows = index - row0
     named = (rows >= 0) & (rows < src.shape[0])
     pairs = src.index_select(0, rows.clamp(0, max(src.shape[0] - 1, 0)).reshape(-1)).view(T, K, src.shape[1])
     pairs = pairs.masked_fill(~named.unsqueeze(2), 0)
     if into is None and row_terms is None:
-        out = pairs.sum(1) if weights is None else weighted_sum_reference(pairs, weights)
+        total = pairs.sum(1) if weights is None else weighted_sum_reference(pairs, weights)
     else:  # the sum, into's values and the row terms added in float32, rounded once (as the kernel does)
         p32 = pairs.float()
-        out = p32.sum(1) if weights is None else weighted_sum_reference(p32, weights)
-        out = out if into is None else out + into.float()
-        out = out if row_terms is None else out + row_terms[:, None]
-        out = out.to(src.dtype) if into is None else into.copy_(out)
-    return out, pairs if keep else None
+        total = p32.sum(1) if weights is None else weighted_sum_reference(p32, weights)
+        total = total if into is None else total + into.float()
+        total = total if row_terms is None else total + row_terms[:, None]
+        total = total.to(src.dtype) if into is None else into.copy_(total)
+    if out is not None:
+        total = out.copy_(total)
+    return total, pairs if keep else None
 
 
 def gathered_weighted_sum(src: Tensor, index: Tensor, weights: Tensor) -> Tensor:

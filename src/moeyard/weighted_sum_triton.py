@@ -41,6 +41,7 @@ def weighted_sum_kernel(
     T,
     H,
     stride_src,
+    stride_out,
     row0,
     n_rows,
     K: tl.constexpr,
@@ -57,7 +58,7 @@ def weighted_sum_kernel(
     apart; zeros for an index outside ``[row0, row0 + n_rows)``, whatever its weight), and with ``KEEP``
     it is also copied to ``keep[t, k]``; otherwise ``pairs [T, K, H]`` contiguous. ``ACCUMULATE``: the
     sum is added to ``out`` (in float32, rounded once). ``ROW_TERMS``: ``terms[t]`` is added to row ``t``
-    (in float32, before the rounding)."""
+    (in float32, before the rounding). ``out``'s rows are ``stride_out`` apart."""
     t64, h, m_t, mask = _token_tile(T, H, BT, BH)
     acc = tl.zeros((BT, BH), tl.float32)
     for k in tl.static_range(K):
@@ -79,7 +80,7 @@ def weighted_sum_kernel(
             acc += p.to(tl.float32)
     if ROW_TERMS:
         acc += tl.load(terms_ptr + t64, mask=m_t, other=0.0)[:, None]
-    out = out_ptr + t64[:, None] * H + h[None, :]
+    out = out_ptr + t64[:, None] * stride_out + h[None, :]
     if ACCUMULATE:
         acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -136,6 +137,7 @@ def weighted_sum_(pairs: Tensor, weights: Tensor, out: Tensor) -> None:
         T,
         H,
         H,
+        H,
         0,
         T * K,
         K=K,
@@ -172,6 +174,7 @@ def gathered_sum_(
         T,
         H,
         src.stride(0),
+        out.stride(0),
         row0,
         src.shape[0],
         K=K,
@@ -219,12 +222,14 @@ def gathered_sum(
     row0: int = 0,
     into: Tensor | None = None,
     row_terms: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``([T, H], [T, K, H] | None)`` in ``src.dtype`` (``src [*, H]`` unit column stride, contiguous
-    ``index [T, K]`` int64, ``weights [T, K]`` and ``row_terms [T]`` float32): see
-    :func:`moeyard.weighted_sum.gathered_sum`."""
+    ``index [T, K]`` int64, ``weights [T, K]`` and ``row_terms [T]`` float32; ``out`` ``[T, H]``, unit
+    column stride): see :func:`moeyard.weighted_sum.gathered_sum`."""
     T, K = index.shape
-    out = src.new_empty(T, src.shape[1]) if into is None else into
+    if out is None:
+        out = src.new_empty(T, src.shape[1]) if into is None else into
     pairs = src.new_empty(T, K, src.shape[1]) if keep else None
     gathered_sum_(src, index, weights, out, pairs, row0, into is not None, row_terms)
     return out, pairs

@@ -133,7 +133,7 @@ def _gathered_gemm(a_sa, bq: Tensor, bs: Tensor, offsets: Tensor, dtype, gemm: s
         return fp8_grouped.grouped_mm(aq, sa, bq, bs, offsets, dtype, index=index, gluon=gemm == "auto", tiles=tiles)
     if index is not None:
         aq, sa = rows_by_token(aq, index), rows_by_token(sa[:, None], index)[:, 0]  # zero rows: scale 0
-    return scaled_grouped_mm(aq, bq.mT, sa, bs, offsets, dtype, True)
+    return scaled_grouped_mm(aq, bq.contiguous().mT, sa, bs.contiguous(), offsets, dtype, True)
 
 
 GEMMS = ("auto", "triton", "cutlass")
@@ -262,25 +262,43 @@ def _weight_t(w: Tensor, amax: Tensor | None) -> tuple[Tensor, Tensor]:
     return weight_cache.cached(w, "colwise", lambda: _cast().colwise_per_expert(w, amax))
 
 
-MAX_DGRAD_WINDOWS = 2  # more saved little more memory and cost time (benchmarks/NOTES.md, round 43)
-WINDOW_ALIGN = 128  # rows: a window starts where an aligned group may (Recipe.align divides it)
+def _weight_t_cols(w: Tensor, amax: Tensor | None, c0: int, c1: int) -> tuple[Tensor, Tensor]:
+    """Columns ``c0 .. c1 - 1`` of ``w``'s transposed cast (:func:`_weight_t`): rows ``c0 .. c1 - 1`` of
+    ``([E, K, N], [E, K])``, cast alone (``[E, c1 - c0, N]``) unless a :func:`moeyard.cache_fp8_weights` block
+    keeps the whole cast (then a slice of it, no copy)."""
+    if weight_cache.keeping(w) or (c0, c1) == (0, w.shape[2]):
+        wq, ws = _weight_t(w, amax)
+        return wq[:, c0:c1], ws[:, c0:c1]
+    return _cast().colwise_per_expert(w, amax, cols=(c0, c1))
+
+
+MAX_DGRAD_WINDOWS = 4  # at most this many column windows (sonic-120b's sizes need four)
+WINDOW_COLS = 256  # a window's columns: a multiple of the FP8 GEMM's column tile (moeyard.quant.fp8_gluon.BN)
 MIN_WINDOW_ROWS = 4096  # fewer rows hold too little memory to be worth a GEMM launch more
 
 
 def dgrad_windows(rows: int, hidden: int, inner: int, experts: int, itemsize: int) -> int:
-    """How many row windows :func:`_dgrad_summed` makes the up projection's input gradient in, for ``rows``
+    """How many column windows :func:`_dgrad_summed` makes the up projection's input gradient in, for ``rows``
     rows of ``inner`` (2I) columns, ``hidden`` (H) output columns, ``experts`` experts and an output of
-    ``itemsize`` bytes an element: the fewest (at most :data:`MAX_DGRAD_WINDOWS`) for which the ``[R, H]``
-    output rows not alive at once (``R H itemsize (1 - 1/n)`` bytes) cover what the fast path holds there
-    beyond the compute dtype's path: ``d h``'s e4m3 cast (``R 2I`` bytes) and ``W_up``'s transposed one
-    (``E H 2I`` bytes)."""
-    out = rows * hidden * itemsize
-    extra = rows * inner + experts * hidden * inner
-    if out == 0 or extra == 0:
+    ``itemsize`` bytes an element: the fewest ``n`` (at most :data:`MAX_DGRAD_WINDOWS`) for which what the
+    fast path holds while a window runs, ``d h``'s e4m3 cast (``R 2I`` bytes) and ``1/n`` of both ``W_up``'s
+    transposed cast (``E H 2I``) and the ``[R, H]`` output rows (``R H itemsize``), is less than the compute
+    dtype's path holds there, the output rows whole: ``n > (out + w) / (out - dh)`` (strictly, so that the
+    step's small tensors do not tip the peak over bf16's where the two would be equal)."""
+    out, dh, w = rows * hidden * itemsize, rows * inner, experts * hidden * inner
+    if out == 0 or dh + w == 0:
         return 1
-    if extra >= out:
+    if dh >= out:
         return MAX_DGRAD_WINDOWS
-    return min(MAX_DGRAD_WINDOWS, -(-out // (out - extra)))
+    return max(1, min(MAX_DGRAD_WINDOWS, (out + w) // (out - dh) + 1))
+
+
+def column_windows(hidden: int, n: int) -> list[tuple[int, int]]:
+    """``n`` windows ``(c0, c1)`` over ``hidden`` columns, each but the last a multiple of
+    :data:`WINDOW_COLS` wide (so fewer than ``n`` when ``hidden`` is narrow)."""
+    step = -(-hidden // max(n, 1))
+    step = max(-(-step // WINDOW_COLS) * WINDOW_COLS, WINDOW_COLS)
+    return [(c0, min(hidden, c0 + step)) for c0 in range(0, hidden, step)] or [(0, hidden)]
 
 
 def _dgrad_summed(
@@ -295,28 +313,29 @@ def _dgrad_summed(
 ) -> Tensor:
     """``dx [T, H]``, each token's sum over its live rows ``r`` (``pair_rows [T, K]``, -1: none) of ``d h_r
     w_e``, from the rowwise cast of ``d h [R, 2I]`` (``dh_cast``'s, :class:`_DhCast`) and ``w [E, 2I, H]``.
-    The ``[R, H]`` rows are made :func:`dgrad_windows` windows at a time (each a GEMM over the window's
-    rows, ``offsets`` clipped to it; no more windows than whole :data:`MIN_WINDOW_ROWS` fit in ``R``),
-    each summed into ``dx`` as it comes (:func:`moeyard.weighted_sum.gathered_sum` with ``row0`` and
-    ``into``: windows in order, deterministic; ``dx`` rounded to ``d h``'s dtype after each window). The
-    e4m3 operands are dropped before the last window's sum. No host sync."""
+    Made :func:`dgrad_windows` column windows at a time (:func:`column_windows`; one below
+    :data:`MIN_WINDOW_ROWS` rows): for each, ``W_up``'s transposed cast of those columns
+    (:func:`_weight_t_cols`), the GEMM's ``[R, c1 - c0]`` rows and their sum into ``dx``'s columns
+    (:func:`moeyard.weighted_sum.gathered_sum` with ``out``), so only one window's output rows and weight
+    cast are alive at once; the results equal one window's bit for bit (a column's sum does not depend on
+    the others). ``d h``'s cast is read once per window (its bytes are the windows' cost). No host sync."""
     dhq, dhs = dh_cast.take(dh)
     R, inner = dhq.shape
     E, _, H = w.shape
-    n = max(1, min(dgrad_windows(R, H, inner, E, dh.dtype.itemsize), R // MIN_WINDOW_ROWS))
-    wq, ws = _weight_t(w, amax)
-    step = -(-R // n)  # rows a window, rounded up to WINDOW_ALIGN
-    step = max(-(-step // WINDOW_ALIGN) * WINDOW_ALIGN, WINDOW_ALIGN)
-    dx = None
-    for r0 in range(0, R, step):
-        r1 = min(R, r0 + step)
-        window = offsets if r1 - r0 == R else offsets.clamp(r0, r1) - r0
-        d_rows = _gathered_gemm((dhq[r0:r1], dhs[r0:r1]), wq, ws, window, dh.dtype, gemm, None, tiles)
-        if r1 == R:  # not held through the last sum
-            del dhq, dhs, wq, ws
-        dx, _ = gathered_sum(d_rows, pair_rows, row0=r0, into=dx)
+    n = dgrad_windows(pair_rows.numel(), H, inner, E, dh.dtype.itemsize) if R >= MIN_WINDOW_ROWS else 1
+    windows = column_windows(H, n)
+    dx = dh.new_empty(pair_rows.shape[0], H) if len(windows) > 1 else None
+    for i, (c0, c1) in enumerate(windows):
+        wq, ws = _weight_t_cols(w, amax, c0, c1)
+        d_rows = _gathered_gemm((dhq, dhs), wq, ws, offsets, dh.dtype, gemm, None, tiles)
+        del wq, ws
+        if i == len(windows) - 1:  # not held through the last sum
+            del dhq, dhs
+        if dx is None:
+            return gathered_sum(d_rows, pair_rows)[0]
+        gathered_sum(d_rows, pair_rows, out=dx[:, c0:c1])
         del d_rows  # one window's rows alive at a time
-    return dh.new_zeros(pair_rows.shape[0], H) if dx is None else dx
+    return dx
 
 
 class _HighPrecisionWgrad:

@@ -211,7 +211,7 @@ def _consumer(
 @gluon.jit
 def gluon_grouped_kernel(
     a_desc,  # rows [R, K] e4m3, boxes [BM, BK] (read unless GATHER)
-    b_desc,  # b [E, N, K] e4m3, boxes [1, BN, BK]
+    b_desc,  # b [E, N, K] e4m3 (rows contiguous), boxes [1, BN, BK]
     a_ptr,  # GATHER: the source rows [MA, K] e4m3, unit stride along K, row stride stride_am
     index_ptr,  # GATHER: [R] int64, each output row's source row (>= MA: a zero row)
     a_scale_ptr,  # [R] float32, or GATHER [MA]
@@ -343,7 +343,8 @@ def gluon_grouped_kernel(
 
 def ready(a: Tensor, b: Tensor, index: Tensor | None = None) -> bool:
     """Whether :func:`launch` can run: Hopper (sm_90), ``a [M, K]`` and ``b [E, N, K]`` e4m3, 16-byte aligned,
-    ``K`` a multiple of 16 (TMA strides and 16-byte copies), ``b`` contiguous; ``a`` contiguous, or with
+    ``K`` a multiple of 16 (TMA strides and 16-byte copies), ``b``'s ``[N, K]`` rows contiguous and its experts
+    a multiple of 16 bytes apart (a slice of a wider ``[E, N', K]`` is taken as is); ``a`` contiguous, or with
     ``index`` a unit stride along ``K`` and a row stride that is a multiple of 16. Host metadata only; raises
     nothing (False for anything it cannot serve)."""
     from ..experts.triton.schedule import is_sm90
@@ -353,7 +354,8 @@ def ready(a: Tensor, b: Tensor, index: Tensor | None = None) -> bool:
     if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
         return False
     rows_ok = a.is_contiguous() if index is None else (a.stride(1) == 1 and a.stride(0) % 16 == 0)
-    return rows_ok and b.is_contiguous() and a.shape[1] % 16 == 0 and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+    b_ok = b.stride(2) == 1 and b.stride(1) == b.shape[2] and b.stride(0) % 16 == 0
+    return rows_ok and b_ok and a.shape[1] % 16 == 0 and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
 
 
 def tile_table(offsets: Tensor, rows: int) -> Tensor:
@@ -392,7 +394,7 @@ def launch(
     R = out.shape[0]
     table = tile_table(offsets, R) if table is None else table
     M = (table.shape[0] - 1) // 2
-    b_d = TensorDescriptor(b, [E, N, K], [N * K, K, 1], [1, BN, BK], _layout(3))
+    b_d = TensorDescriptor(b, [E, N, K], [b.stride(0), K, 1], [1, BN, BK], _layout(3))
     gather = index is not None
     a_d = b_d if gather else TensorDescriptor(a, [MA, K], [K, 1], [BM, BK], _layout(2))  # placeholder: not read
     tma_store = _tma_storable(out)

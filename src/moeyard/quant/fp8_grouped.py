@@ -44,7 +44,7 @@ def grouped_kernel(
     a_ptr,  # [M, K] e4m3, unit stride along K, row stride stride_am
     a_scale_ptr,  # [M] float32
     index_ptr,  # [R] int64: source row of each output row (read if GATHER)
-    b_ptr,  # [E, N, K] e4m3, contiguous
+    b_ptr,  # [E, N, K] e4m3, rows contiguous, experts stride_be apart
     b_scale_ptr,  # [E, N] float32, contiguous
     offsets_ptr,  # [E + 1] int32: expert e's rows [offsets[e], offsets[e + 1])
     out_ptr,  # [R, N], contiguous
@@ -53,6 +53,7 @@ def grouped_kernel(
     N,
     E,
     stride_am,
+    stride_be,
     GATHER: tl.constexpr,
     E_P2: tl.constexpr,
     BM: tl.constexpr,
@@ -77,7 +78,7 @@ def grouped_kernel(
     n_mask = cols < N
     ks = tl.arange(0, BK)
     a_ptrs = a_ptr + src[:, None] * stride_am + ks[None, :]
-    b_ptrs = b_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[None, :] * K + ks[:, None]
+    b_ptrs = b_ptr + e.to(tl.int64) * stride_be + cols.to(tl.int64)[None, :] * K + ks[:, None]
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, K, BK):
         k_mask = (k0 + ks) < K
@@ -123,7 +124,8 @@ def grouped_mm(
     tiles: TileTable | None = None,
 ) -> Tensor:
     """The module docstring's product: ``a [M, K]`` e4m3 (unit stride along K) with ``scale_a [M]``,
-    ``b [E, N, K]`` e4m3 with ``scale_b [E, N]``, ``offsets [E + 1]`` int32, optional ``index [R]`` int64 ->
+    ``b [E, N, K]`` e4m3 (each expert's ``[N, K]`` contiguous, e.g. a slice of a wider ``[E, N', K]``;
+    else copied) with ``scale_b [E, N]``, ``offsets [E + 1]`` int32, optional ``index [R]`` int64 ->
     ``[R, N]`` ``out_dtype`` (``R = index.numel()``, else M). ``offsets[E] <= R``
     is the caller's to keep (checking it would need a host sync). On Hopper the Gluon kernel of
     :mod:`.fp8_gluon` runs where it applies (module docstring; ``gluon=False``: the Triton kernel
@@ -155,7 +157,8 @@ def grouped_mm(
     out = torch.empty(R, N, dtype=out_dtype, device=a.device)
     if R == 0 or N == 0:
         return out
-    b, scale_b, scale_a = b.contiguous(), scale_b.contiguous(), scale_a.contiguous()
+    b = b if b.stride(2) == 1 and b.stride(1) == K else b.contiguous()  # a slice of experts' rows: kept
+    scale_b, scale_a = scale_b.contiguous(), scale_a.contiguous()
     if gluon and _gluon_ready(a, b, index):
         from . import fp8_gluon
 
@@ -175,6 +178,7 @@ def grouped_mm(
         N,
         E,
         a.stride(0),
+        b.stride(0),
     )
     meta = dict(GATHER=index is not None, E_P2=triton.next_power_of_2(max(E, 2)))
     _launcher()[lambda m: (max_row_tiles(R, E, m["BM"]) * triton.cdiv(N, m["BN"]),)](*args, **meta)

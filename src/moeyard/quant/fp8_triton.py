@@ -671,30 +671,33 @@ def _weight_rows_kernel(
 @triton.jit
 def _transpose_cast_kernel(
     w_ptr,  # [E, N, K] float, contiguous
-    amax_ptr,  # [E, K] float32: the columns' amax over N
-    q_ptr,  # [E, K, N] e4m3 (float32 under the interpreter), contiguous
-    s_ptr,  # [E, K] float32: the power-of-two scales
+    amax_ptr,  # [E, KW] float32: the window's columns' amax over N
+    q_ptr,  # [E, KW, N] e4m3 (float32 under the interpreter), contiguous
+    s_ptr,  # [E, KW] float32: the power-of-two scales
     N,
     K,
+    K0,  # the window's first column of w
+    KW,  # the window's columns
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One ``[BLOCK_N, BLOCK_K]`` tile of ``w_e``, scaled per column, stored transposed."""
+    """One ``[BLOCK_N, BLOCK_K]`` tile of columns ``K0 .. K0 + KW - 1`` of ``w_e``, scaled per column, stored
+    transposed."""
     e = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
-    m_rows, m_cols = rows < N, cols < K
-    scale = _pow2_scale(tl.load(amax_ptr + e * K + cols, mask=m_cols, other=0.0))
+    cols = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)  # of the window
+    m_rows, m_cols = rows < N, cols < KW
+    scale = _pow2_scale(tl.load(amax_ptr + e * KW + cols, mask=m_cols, other=0.0))
     if tl.program_id(1) == 0:
-        tl.store(s_ptr + e * K + cols, scale, mask=m_cols)
+        tl.store(s_ptr + e * KW + cols, scale, mask=m_cols)
     b = tl.load(
-        w_ptr + e * N * K + rows[:, None].to(tl.int64) * K + cols[None, :],
+        w_ptr + e * N * K + rows[:, None].to(tl.int64) * K + (K0 + cols)[None, :],
         mask=m_rows[:, None] & m_cols[None, :],
         other=0.0,
     )
     q = tl.clamp(b.to(tl.float32) / scale[None, :], -448.0, 448.0).to(q_ptr.dtype.element_ty)
     tl.store(
-        q_ptr + e * K * N + cols[:, None].to(tl.int64) * N + rows[None, :],
+        q_ptr + e * KW * N + cols[:, None].to(tl.int64) * N + rows[None, :],
         tl.trans(q),
         mask=m_cols[:, None] & m_rows[None, :],
     )
@@ -727,21 +730,35 @@ def rowwise_per_expert(w: Tensor, *, rows: int | None = None) -> tuple[Tensor, T
     return _cast(q), s, amax
 
 
-def colwise_per_expert(w: Tensor, amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def colwise_per_expert(
+    w: Tensor, amax: Tensor | None = None, *, cols: tuple[int, int] | None = None
+) -> tuple[Tensor, Tensor]:
     """``w [E, N, K]`` -> ``(q [E, K, N] e4m3, s [E, K] float32)``: ``w_e^T`` with one power-of-two scale
     per (expert, column of ``w_e``) over its ``N`` rows. ``amax [E, K]``: those columns' ``max |w|``, from
     :func:`rowwise_per_expert` (then ``w`` is read once; else its ``amax`` is computed first, one more read).
+    ``cols = (k0, k1)``: only columns ``k0 .. k1 - 1`` (``q [E, k1 - k0, N]``, ``s [E, k1 - k0]``, equal to
+    those rows of the whole cast), for a GEMM made a column window at a time.
     Tiles of 64 x 64 stored transposed; on an H100 about 2x the strip kernel it replaced with ``amax`` given,
-    1.2-1.3x without (``benchmarks/NOTES.md``, round 40)."""
+    1.2-1.3x without (``benchmarks/NOTES.md``, round 40).
+
+    Raises:
+        ValueError: ``cols`` not ``0 <= k0 <= k1 <= K``.
+    """
     E, N, K = w.shape
+    k0, k1 = (0, K) if cols is None else cols
+    if not 0 <= k0 <= k1 <= K:
+        raise ValueError(f"cols: expected (k0, k1) with 0 <= k0 <= k1 <= {K}, got {cols}")
+    KW = k1 - k0
     w = w.contiguous()
-    q, s = _out((E, K, N), w.device), torch.empty(E, K, device=w.device, dtype=torch.float32)
-    if not (E and K and N):
+    q, s = _out((E, KW, N), w.device), torch.empty(E, KW, device=w.device, dtype=torch.float32)
+    if not (E and KW and N):
         return _cast(q), s
     if amax is None:
-        amax = torch.linalg.vector_norm(w, ord=float("inf"), dim=1, dtype=torch.float32)
+        amax = torch.linalg.vector_norm(w[:, :, k0:k1], ord=float("inf"), dim=1, dtype=torch.float32)
+    else:
+        amax = amax[:, k0:k1].contiguous()
     block = 16 if interpreting() else 64
-    _transpose_cast_kernel[(E, triton.cdiv(N, block), triton.cdiv(K, block))](
-        w, amax, q, s, N, K, BLOCK_N=block, BLOCK_K=block
+    _transpose_cast_kernel[(E, triton.cdiv(N, block), triton.cdiv(KW, block))](
+        w, amax, q, s, N, K, k0, KW, BLOCK_N=block, BLOCK_K=block
     )
     return _cast(q), s

@@ -56,11 +56,19 @@ def cache_fp8_weights():
         cache.clear()
 
 
+def keeping(w: Tensor) -> bool:
+    """Whether :func:`cached` keeps ``w``'s casts now: inside a :func:`cache_fp8_weights` block, not while
+    capturing a CUDA graph or under ``torch.compile``."""
+    return bool(_caches) and not torch.compiler.is_compiling() and not (
+        w.is_cuda and torch.cuda.is_current_stream_capturing()
+    )
+
+
 def cached(w: Tensor, kind: str, make: Callable[[], tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
     """``make()`` (the ``kind`` cast of weight ``w``), kept in the innermost open :func:`cache_fp8_weights`
     block while ``w``'s version is unchanged; outside a block (or while capturing a CUDA graph, or under
     ``torch.compile``) just ``make()``."""
-    if not _caches or torch.compiler.is_compiling() or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not keeping(w):
         return make()
     entry = _caches[-1].setdefault(w, {})
     hit = entry.get(kind)
