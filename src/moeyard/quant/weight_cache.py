@@ -59,8 +59,10 @@ def cache_fp8_weights():
 def keeping(w: Tensor) -> bool:
     """Whether :func:`cached` keeps ``w``'s casts now: inside a :func:`cache_fp8_weights` block, not while
     capturing a CUDA graph or under ``torch.compile``."""
-    return bool(_caches) and not torch.compiler.is_compiling() and not (
-        w.is_cuda and torch.cuda.is_current_stream_capturing()
+    return (
+        bool(_caches)
+        and not torch.compiler.is_compiling()
+        and not (w.is_cuda and torch.cuda.is_current_stream_capturing())
     )
 
 
