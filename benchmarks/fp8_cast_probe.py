@@ -6,7 +6,10 @@ channel for the input gradient (:func:`~moeyard.quant.fp8_triton.colwise_per_exp
 without it; each result checked bit-equal, next to a device copy of the weight (the bandwidth ceiling).
 GB/s count 2 bytes read and 1 written per element (the reads of ``amax`` passes not counted).
 
-Usage (GPU machine): ``PYTHONPATH=src python3 benchmarks/fp8_cast_probe.py [--model qwen3-30b-a3b ...]``
+``--sweep``: the forward cast's kernel alone (``_weight_rows_kernel``) at other launch settings: rows per
+program, rows per block (``BLOCK_M``) and warps, each checked bit-equal to the default's.
+
+Usage (GPU machine): ``PYTHONPATH=src python3 benchmarks/fp8_cast_probe.py [--model qwen3-30b-a3b ...] [--sweep]``
 """
 
 from __future__ import annotations
@@ -48,17 +51,49 @@ def weight_casts(E: int, N: int, K: int, rows: list) -> None:
     rows.append((case, "dgrad: colwise_per_expert(amax)", t, gbs, f"{alone / t:.2f}x same {same}"))
 
 
+def weight_rows_sweep(E: int, N: int, K: int, rows: list) -> None:
+    """``_weight_rows_kernel`` on ``w [E, N, K]`` at each (rows per program, BLOCK_M, warps), against the
+    default launch of :func:`~moeyard.quant.fp8_triton.rowwise_per_expert`."""
+    import triton
+
+    w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * torch.rand(E, 1, K, device="cuda").bfloat16()
+    case, gbs = f"w [{E},{N},{K}]", 3 * w.numel() / 1e6
+    q0, s0, a0 = cast.rowwise_per_expert(w)
+    rows.append((case, "rowwise_per_expert (default)", ms(lambda: cast.rowwise_per_expert(w)), gbs, ""))
+    width = triton.next_power_of_2(K)
+    for per_program in (64, 128, 256, 512):
+        for block_m in sorted({max(1, 8192 // width), max(1, 16384 // width), max(1, 4096 // width)}):
+            if block_m > per_program or block_m * width > 16384:
+                continue
+            for warps in (4, 8):
+                q = torch.empty(E, N, K, device="cuda", dtype=torch.float8_e4m3fn)
+                s = torch.empty(E, N, device="cuda")
+                amax = torch.zeros(E, K, device="cuda")
+
+                def run(q=q, s=s, amax=amax, pp=per_program, bm=block_m, nw=warps):
+                    amax.zero_()
+                    cast._weight_rows_kernel[(E, triton.cdiv(N, pp))](
+                        w, q, s, amax, N, K, ROWS=pp, BLOCK_M=bm, BLOCK_K=width, num_warps=nw
+                    )
+
+                run()
+                same = torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+                same = same and torch.equal(amax, a0)
+                rows.append((case, f"rows {per_program} BLOCK_M {block_m} warps {warps}", ms(run), gbs, f"same {same}"))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", action="append", default=[])
+    p.add_argument("--sweep", action="store_true", help="the forward cast's kernel at other launch settings")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     rows: list = []
     for name in args.model or ANCHOR_MODELS:
         c = get_model(name).config
         E, H, I = c["num_experts"], c["hidden_size"], c["intermediate_size"]
-        weight_casts(E, 2 * I, H, rows)
-        weight_casts(E, H, I, rows)
+        for n, k in ((2 * I, H), (H, I)):
+            (weight_rows_sweep if args.sweep else weight_casts)(E, n, k, rows)
     print(torch.cuda.get_device_name())
     for case, what, t, nbytes, note in rows:
         print(f"{case:20s} {what:40s} {t:7.3f} ms {nbytes / t:6.0f} GB/s  {note}")
