@@ -88,6 +88,33 @@ def test_bench_json_file_backends_no_peers(tmp_path, capsys):
     assert "loop" in capsys.readouterr().out
 
 
+def test_bench_grad_accum_blocks_under_the_weight_cache(tmp_path, capsys, monkeypatch):
+    # --grad-accum M in the layer benchmark: each timed unit is M steps inside one cache_fp8_weights() block
+    # (warm-up and timed blocks of the forward and of fwd+bwd), the times reported per step
+    import contextlib
+
+    from moeyard.quant import weight_cache
+
+    blocks, real = [], weight_cache.cache_fp8_weights
+
+    @contextlib.contextmanager
+    def counted():
+        blocks.append(0)
+        with real():
+            yield
+
+    monkeypatch.setattr(weight_cache, "cache_fp8_weights", counted)
+    path = tmp_path / "r.json"
+    argv = ["bench", "--device", "cpu", "--shape", "32,32,16,4,2", "--backends", "loop", "--no-peers"]
+    argv += ["--recipe", "fp8_rowwise", "--grad-accum", "3", "--warmup", "1", "--iters", "2", "--json", str(path)]
+    assert cli.main(argv) == 0
+    data = json.loads(path.read_text())
+    assert data["env"]["accumulate"] == 3 and [r["impl"] for r in data["rows"]] == ["loop+fp8_rowwise"]
+    assert data["rows"][0]["fwdbwd_ms"] > 0
+    assert len(blocks) == 2 * (1 + 2)  # forward and fwd+bwd: one warm-up block and two timed ones each
+    assert "--grad-accum 3" in capsys.readouterr().out
+
+
 def test_bench_bad_shape_is_a_clear_error(capsys):
     assert cli.main(["bench", "--shape", "1,2,3"]) == 2
     assert "--shape: expected T,H,I,E,k" in capsys.readouterr().err

@@ -117,8 +117,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--grad-accum",
         type=int,
         metavar="M",
-        help="with --e2e: M micro-batches of --tokens tokens per optimizer step (gradient accumulation; "
-        "FP8 recipes cast each expert weight once per step, moeyard.cache_fp8_weights); default 1",
+        help="M micro-batches per optimizer step (gradient accumulation; FP8 recipes cast each expert weight "
+        "once per step, moeyard.cache_fp8_weights): with --e2e, M micro-batches of --tokens tokens per "
+        "optimizer step; in the layer benchmark, the layer's steps timed in blocks of M, each block in one "
+        "cache_fp8_weights(), reported per step; default 1",
     )
     p.add_argument(
         "--seq-len",
@@ -208,6 +210,7 @@ def bench_options(args, command: str) -> BenchOptions:
         trace=args.trace,
         compile=args.compile,
         recipes=_names(args.recipe),
+        accumulate=1 if args.e2e or args.grad_accum is None else args.grad_accum,
     )
 
 
@@ -251,9 +254,11 @@ def check_bench_arguments(args) -> None:
         )
     if given("compile") and (args.e2e or given("lora") or given("quant") or args.ep):
         raise ValueError("--compile: times the layer benchmark only (not with --e2e, --lora, --quant or --ep)")
-    for name in ("tiny", "seq_len", "vocab", "grad_accum"):
+    for name in ("tiny", "seq_len", "vocab"):
         if given(name) and not args.e2e:
             raise ValueError(f"--{name.replace('_', '-')}: only with --e2e")
+    if given("grad_accum") and (args.ep or given("lora") or given("quant") or args.framework == "jax"):
+        raise ValueError("--grad-accum: times --e2e or the layer benchmark (not with --ep, --lora, --quant or jax)")
     if args.ep and given("quant"):
         raise ValueError("--ep: --quant is not available with expert parallelism (--lora R times the LoRA step)")
     if args.plot:

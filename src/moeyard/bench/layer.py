@@ -103,6 +103,9 @@ class BenchOptions:
     trace: str | None = None
     compile: str | None = None  # a torch.compile mode (COMPILE_MODES) for moeyard's rows; peers run eager
     recipes: list[str] | None = None  # FP8 recipes (names, "none" for the compute dtype) for moeyard's rows
+    # steps per gradient-accumulation block: each timed unit is this many steps inside one
+    # moeyard.cache_fp8_weights() block (FP8 weights cast once per block), reported per step
+    accumulate: int = 1
 
 
 def default_device() -> str:
@@ -126,6 +129,8 @@ def resolve_options(opts: BenchOptions) -> BenchOptions:
     iters = opts.iters if opts.iters is not None else (20 if cuda else 10)
     if warmup < 0 or iters < 1:
         raise ValueError(f"--warmup/--iters: expected warmup >= 0 and iters >= 1, got {warmup}, {iters}")
+    if not (isinstance(opts.accumulate, int) and opts.accumulate >= 1):
+        raise ValueError(f"--grad-accum: expected a positive integer, got {opts.accumulate!r}")
     check_trace_dir(opts.trace)
     if opts.compile is not None and opts.compile not in COMPILE_MODES:
         raise ValueError(f"--compile: expected one of {COMPILE_MODES}, got {opts.compile!r}")
@@ -325,16 +330,34 @@ def measure(module: nn.Module, inputs: Inputs, opts: BenchOptions, trace_stem: s
         clear()
         fwd(i).backward(inputs.dys[i])
 
-    fwd_ms = time_ms(fwd, n, opts.warmup, opts.iters, device)
+    fwd_ms = time_ms(accumulated(fwd, opts.accumulate, n), n, opts.warmup, opts.iters, device) / opts.accumulate
     clear()
     base = reset_peak(device)
-    fwdbwd_ms = time_ms(fwd_bwd, n, opts.warmup, opts.iters, device)
+    fwdbwd_ms = time_ms(accumulated(fwd_bwd, opts.accumulate, n), n, opts.warmup, opts.iters, device)
+    fwdbwd_ms /= opts.accumulate
     peak = None if base is None else (torch.cuda.max_memory_allocated(device) - base) / GIB
     out = {"fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms, "peak_gib": peak}
     if opts.trace:
         out.update(trace_step(lambda: fwd_bwd(0), opts.trace, trace_stem or "layer", device))
     clear()
     return out
+
+
+def accumulated(step: Callable[[int], object], m: int, n_sets: int) -> Callable[[int], None]:
+    """``step`` itself for ``m == 1``; else a block of ``m`` steps (input sets ``i m ... i m + m - 1``, modulo
+    ``n_sets``) inside one :func:`moeyard.cache_fp8_weights` block, as gradient accumulation over ``m``
+    micro-batches runs them: each FP8 weight cast once per block (the time of a block is ``m`` steps')."""
+    if m == 1:
+        return step
+
+    def block(i: int) -> None:
+        from ..quant.weight_cache import cache_fp8_weights
+
+        with cache_fp8_weights():
+            for j in range(m):
+                step((i * m + j) % n_sets)
+
+    return block
 
 
 def reset_peak(device: torch.device) -> int | None:
@@ -468,6 +491,7 @@ def run(opts: BenchOptions, progress: Callable[[str, int, int], None] | None = N
     if opts.recipes and any(r != NO_RECIPE for r in opts.recipes):
         env["dense_fp8_tflops"] = dense_fp8_tflops(torch.device(opts.device), opts.warmup, opts.iters)
     env["recipes"] = opts.recipes
+    env["accumulate"] = opts.accumulate
     free_memory(opts.device)
     for shape in shapes:
         done = len(rows)

@@ -37,6 +37,10 @@ def results_table(result: dict) -> Table:
         else "",
         "FLOPs: fwd = 6*T*k*H*I (gated; 4* plain) + shared experts, fwd+bwd = 3x fwd, router not counted; "
         f"median of {env['iters']} after {env['warmup']} warm-up; peak = extra GiB of fwd+bwd",
+        f"--grad-accum {env['accumulate']}: ms per step of blocks of {env['accumulate']} steps, each block in one "
+        "moeyard.cache_fp8_weights() (FP8 weights cast once per block)"
+        if env.get("accumulate", 1) > 1
+        else "",
         *[f"{name} skipped: {why}" for name, why in env.get("skipped", {}).items()],
         _trace_line(result),
         *peer_ratio_lines(result["rows"]),
