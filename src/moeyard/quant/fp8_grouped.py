@@ -124,8 +124,8 @@ def grouped_mm(
     tiles: TileTable | None = None,
 ) -> Tensor:
     """The module docstring's product: ``a [M, K]`` e4m3 (unit stride along K) with ``scale_a [M]``,
-    ``b [E, N, K]`` e4m3 (each expert's ``[N, K]`` contiguous, e.g. a slice of a wider ``[E, N', K]``;
-    else copied) with ``scale_b [E, N]``, ``offsets [E + 1]`` int32, optional ``index [R]`` int64 ->
+    ``b [E, N, K]`` e4m3 (each expert's ``[N, K]`` contiguous and apart from the others', e.g. a slice of a
+    wider ``[E, N', K]``, is read as is; else copied) with ``scale_b [E, N]``, ``offsets [E + 1]`` int32, optional ``index [R]`` int64 ->
     ``[R, N]`` ``out_dtype`` (``R = index.numel()``, else M). ``offsets[E] <= R``
     is the caller's to keep (checking it would need a host sync). On Hopper the Gluon kernel of
     :mod:`.fp8_gluon` runs where it applies (module docstring; ``gluon=False``: the Triton kernel
@@ -157,7 +157,8 @@ def grouped_mm(
     out = torch.empty(R, N, dtype=out_dtype, device=a.device)
     if R == 0 or N == 0:
         return out
-    b = b if b.stride(2) == 1 and b.stride(1) == K else b.contiguous()  # a slice of experts' rows: kept
+    rows_kept = b.stride(2) == 1 and b.stride(1) == K and b.stride(0) >= N * K  # e.g. a slice of experts' rows
+    b = b if rows_kept else b.contiguous()
     scale_b, scale_a = scale_b.contiguous(), scale_a.contiguous()
     if gluon and _gluon_ready(a, b, index):
         from . import fp8_gluon
