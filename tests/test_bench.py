@@ -296,6 +296,30 @@ def test_lora_bench_rows_train_the_adapters(impl):
     torch.testing.assert_close(torch.tensor(grads), torch.tensor(want_grads), rtol=1e-4, atol=1e-4)
 
 
+def test_lora_bench_fp8_base_rows(tmp_path):
+    # --lora with --recipe: frozen and lora again on an FP8 base (the recipe's numerics: close to the bf16
+    # rows, not equal), with --grad-accum in blocks under cache_fp8_weights; ratios against the plain rows
+    from moeyard import cli
+    from moeyard.bench import lora as bench_lora
+    from moeyard.bench.models import parse_shape
+
+    case = bench_lora.make_case(parse_shape("48,32,16,4,2"), 4, torch.device("cpu"), torch.float32)
+    for factors in case.lora.values():
+        factors[1].normal_()
+    want = bench_lora.build("lora", case)(case.xs[0])
+    got = bench_lora.build("lora+fp8_rowwise", case)(case.xs[0])
+    err = ((got - want).norm() / want.norm()).item()
+    assert 0 < err < 0.1, err
+    path = tmp_path / "r.json"
+    argv = ["bench", "--lora", "4", "--recipe", "fp8_rowwise", "--backends", "frozen,lora", "--device", "cpu"]
+    argv += ["--shape", "48,32,16,4,2", "--grad-accum", "2", "--warmup", "0", "--iters", "1", "--json", str(path)]
+    assert cli.main(argv) == 0
+    rows = {r["impl"]: r for r in json.loads(path.read_text())["rows"]}
+    assert list(rows) == ["frozen", "lora", "frozen+fp8_rowwise", "lora+fp8_rowwise"]
+    assert all("error" not in r and r["step_ms"] > 0 for r in rows.values())
+    assert rows["lora+fp8_rowwise"]["lora_speedup"] == rows["lora+fp8_rowwise"]["step_ms"] / rows["lora"]["step_ms"]
+
+
 def test_quant_bench_rows():
     # the QLoRA rows: selective and whole-stack dequantisation compute the same step; NF4 stores <= 0.3x
     pytest.importorskip("bitsandbytes")

@@ -151,7 +151,7 @@ def test_e2e_unknown_and_unmapped_models(capsys):
         (["--e2e", "--quant", "nf4"], "--e2e: cannot be combined with --lora / --quant"),
         (["--tiny"], "--tiny: only with --e2e"),
         (["--vocab", "64"], "--vocab: only with --e2e"),
-        (["--grad-accum", "2", "--lora", "8"], "--grad-accum: times --e2e or the layer benchmark"),
+        (["--grad-accum", "2", "--lora", "8", "--quant", "nf4"], "--grad-accum: times --e2e, --lora or the layer"),
         (["--e2e", "--device", "cpu", "--tiny", "--grad-accum", "0"], "--grad-accum: expected a positive integer"),
         (["--e2e", "--device", "cpu", "--tiny", "--tokens", "30", "--seq-len", "8"], "--tokens: expected a multiple"),
         (["--e2e", "--device", "cpu", "--tiny", "--backends", "nope"], "--backends: with --e2e expected"),

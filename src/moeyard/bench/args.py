@@ -242,8 +242,8 @@ def check_bench_arguments(args) -> None:
         raise ValueError("--e2e: cannot be combined with --lora / --quant (one benchmark mode at a time)")
     if args.ep and (args.e2e or args.plot or args.trace):
         raise ValueError("--ep: --e2e, --plot and --trace are not available with expert parallelism")
-    if given("recipe") and (given("lora") or given("quant")):
-        raise ValueError("--recipe: times the layer benchmark, --e2e or --ep (not with --lora or --quant)")
+    if given("recipe") and given("quant"):
+        raise ValueError("--recipe: times the layer benchmark, --e2e, --ep or --lora (not with --quant)")
     if args.ep and given("recipe") and len([r for r in args.recipe.split(",") if r.strip() != "none"]) > 1:
         raise ValueError("--ep --recipe: one recipe (the expert-parallel rows run under one)")
     if given("fp8_dispatch") and not args.ep:
@@ -257,8 +257,8 @@ def check_bench_arguments(args) -> None:
     for name in ("tiny", "seq_len", "vocab"):
         if given(name) and not args.e2e:
             raise ValueError(f"--{name.replace('_', '-')}: only with --e2e")
-    if given("grad_accum") and (args.ep or given("lora") or given("quant") or args.framework == "jax"):
-        raise ValueError("--grad-accum: times --e2e or the layer benchmark (not with --ep, --lora, --quant or jax)")
+    if given("grad_accum") and (args.ep or given("quant") or args.framework == "jax"):
+        raise ValueError("--grad-accum: times --e2e, --lora or the layer benchmark (not with --ep, --quant or jax)")
     if args.ep and given("quant"):
         raise ValueError("--ep: --quant is not available with expert parallelism (--lora R times the LoRA step)")
     if args.plot:

@@ -16,6 +16,10 @@ fixed random output gradient into ``x`` and whatever trains (base weights frozen
   ``baddbmm`` per projection every step (as PEFT's ``_LoraFactorsProxy``), experts run on ``W'``, the
   full ``[E, out, in]`` weight gradient flows back through the fold.
 - ``peft+grouped_mm``: PEFT's default path on transformers' ``grouped_mm`` experts.
+- ``frozen+<recipe>``, ``lora+<recipe>`` (with ``--recipe``): the same on an FP8 base (``moeyard.experts(...,
+  recipe=)``: the base GEMMs in e4m3, the adapter terms in the compute dtype). The base is frozen, so a
+  training loop can keep its FP8 casts for the whole run (:func:`moeyard.cache_fp8_weights`): with
+  ``--grad-accum M`` every row's steps run in blocks of ``M`` inside one such block, reported per step.
 
 With ``--quant nf4`` the rows are a stack of ``--layers`` such layers (``x <- x + experts_l(x)``, each
 with its own weights and adapters, forward through all then backward), to show what QLoRA saves:
@@ -51,6 +55,7 @@ Tensor = torch.Tensor
 LORA_MODELS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b", "olmoe-1b-7b", "mixtral-8x7b")
 IMPLS = ("frozen", "lora", "peft+moeyard", "peft-auto+moeyard", "peft-fold+moeyard", "peft+grouped_mm")
 QUANT_IMPLS = ("lora", "qlora", "qlora-whole")
+RECIPE_IMPLS = ("frozen", "lora")  # the rows --recipe adds an FP8-base variant of
 TARGETS = ("gate_up_proj", "down_proj")
 
 
@@ -114,11 +119,12 @@ def step_flops(case: Case, lora: bool) -> int:
 
 
 class _Direct(nn.Module):
-    """``frozen``, ``lora`` and ``peft-fold+moeyard`` on :func:`moeyard.experts`."""
+    """``frozen``, ``lora`` and ``peft-fold+moeyard`` on :func:`moeyard.experts` (the first two also under an FP8
+    ``recipe``)."""
 
-    def __init__(self, case: Case, mode: str):
+    def __init__(self, case: Case, mode: str, recipe: str | None = None):
         super().__init__()
-        self.case, self.mode = case, mode
+        self.case, self.mode, self.recipe = case, mode, recipe
         self.factors = nn.ParameterDict(
             {f"{n}_{i}": nn.Parameter(t.clone()) for n, (a, b) in case.lora.items() for i, t in (("A", a), ("B", b))}
         )
@@ -132,7 +138,7 @@ class _Direct(nn.Module):
             w_up, w_down = (
                 _fold(w, f[f"{n}_A"], f[f"{n}_B"], c.scaling) for n, w in zip(TARGETS, (w_up, w_down), strict=True)
             )
-        return experts(x, c.topk_ids, c.topk_weights, w_up, w_down, lora=lora)
+        return experts(x, c.topk_ids, c.topk_weights, w_up, w_down, lora=lora, recipe=self.recipe)
 
     def trainable(self) -> list[Tensor]:
         return [] if self.mode == "frozen" else list(self.factors.values())
@@ -247,7 +253,8 @@ def build(impl: str, case: Case, layers: int = 0) -> nn.Module:
         return _Stack(case, impl, layers)
     if impl.startswith("peft+") or impl == "peft-auto+moeyard":
         return _Peft(case, impl)
-    return _Direct(case, impl)
+    mode, _, recipe = impl.partition("+") if impl.split("+")[0] in RECIPE_IMPLS else (impl, "", "")
+    return _Direct(case, mode, recipe or None)
 
 
 # ---------------------------------------------------------------- the run
@@ -270,7 +277,8 @@ def measure(module: nn.Module, case: Case, opts: layer_bench.BenchOptions, trace
     step(0)
     clear()
     base = layer_bench.reset_peak(device)
-    ms = layer_bench.time_ms(step, n, opts.warmup, opts.iters, device)
+    block = layer_bench.accumulated(step, opts.accumulate, n)
+    ms = layer_bench.time_ms(block, n, opts.warmup, opts.iters, device) / opts.accumulate
     peak = None if base is None else (torch.cuda.max_memory_allocated(device) - base) / layer_bench.GIB
     out = {"step_ms": ms, "peak_gib": peak}
     if opts.trace:
@@ -314,6 +322,10 @@ def run(
             raise ValueError(
                 f"--backends: with --lora{' --quant' if quant else ''} expected names from {known}, got {i!r}"
             )
+    recipes = [r for r in opts.recipes or [] if r != layer_bench.NO_RECIPE]
+    if recipes and quant:
+        raise ValueError("--recipe: not with --quant (the LoRA rows on an FP8 base are bf16 weights cast)")
+    impls += [f"{i}+{r}" for r in recipes for i in impls if i in RECIPE_IMPLS]
     device, dtype = torch.device(opts.device), layer_bench.DTYPES[opts.dtype]
     report = progress or (lambda desc, done, total: None)
     env = {
