@@ -48,6 +48,8 @@ def grouped_mm_forward(
     gemms, align = scaled_hopper.recipe_gemms(weights.recipe, x.device, x.dtype, weights, EMULATED)
     if gemms is scaled_hopper.HOPPER_ROWWISE and scaled_hopper.fused(weights, activation):
         return scaled_hopper.routed_ffn(x, topk_ids, topk_weights, weights, activation, drop_invalid=drop_invalid)
+    if gemms is scaled_hopper.HOPPER_ROWWISE:
+        scaled_hopper.warn_lora_composed(weights)
     return routed_ffn(
         x,
         topk_ids,

@@ -174,6 +174,22 @@ def fused(weights: ExpertWeights, activation: Activation) -> bool:
     return activation.fn is None and weights.lora_up is None and weights.lora_down is None and weights.b_down is None
 
 
+def warn_lora_composed(weights: ExpertWeights) -> None:
+    """Warn once per recipe that LoRA terms on an FP8 base run the composed form (each projection on its own,
+    the adapter terms as separate GEMMs in the compute dtype): correct, but slower than the compute dtype's
+    fused LoRA kernels (``recipe=None``) and holding more memory (H200, 2026-11-28, ``moeyard bench --lora 16
+    --recipe fp8_rowwise_gw_hp``: a LoRA step 1.4-2.2x bf16's; ``docs/fp8.md``)."""
+    if (weights.lora_up is None and weights.lora_down is None) or ("lora", weights.recipe.name) in _warned:
+        return
+    _warned.add(("lora", weights.recipe.name))
+    warnings.warn(
+        f"moeyard: recipe {weights.recipe.name!r} with LoRA adapters runs each projection on its own (no fused "
+        "FP8 LoRA kernels yet): measured 1.4-2.2x slower than recipe=None's fused LoRA step, with more memory; "
+        "for LoRA fine-tuning prefer recipe=None (see docs/fp8.md)",
+        stacklevel=4,
+    )
+
+
 def routed_ffn(
     x: Tensor,
     topk_ids: Tensor,
