@@ -387,6 +387,7 @@ def launch(
     rejects fail inside Triton's descriptor set-up or launch."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from ..experts.triton.kernels_tma import rows_tma_ready
     from ..experts.triton.ops import num_sms
 
     MA, K = a.shape
@@ -397,7 +398,7 @@ def launch(
     b_d = TensorDescriptor(b, [E, N, K], [b.stride(0), K, 1], [1, BN, BK], _layout(3))
     gather = index is not None
     a_d = b_d if gather else TensorDescriptor(a, [MA, K], [K, 1], [BM, BK], _layout(2))  # placeholder: not read
-    tma_store = _tma_storable(out)
+    tma_store = out.is_contiguous() and rows_tma_ready(out)  # the masked store reads rows N apart
     out_d = TensorDescriptor(out, [R, N], [N, 1], [HM.value, BN], _out_layout()) if tma_store else b_d
     grid = (min(M * triton.cdiv(N, BN), num_sms(a.device)),)
     gluon_grouped_kernel[grid](
@@ -434,11 +435,6 @@ def launch(
 def _layout(rank: int):
     """The NVMMA shared layout of an e4m3 TMA box of ``rank`` dimensions (128-byte rows: BK = 128)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=rank)
-
-
-def _tma_storable(out: Tensor) -> bool:
-    """Whether the output ``[R, N]`` can take TMA stores: contiguous, 16-bit, 16-byte aligned rows."""
-    return out.is_contiguous() and out.element_size() == 2 and (out.shape[1] * 2) % 16 == 0 and out.data_ptr() % 16 == 0
 
 
 @functools.cache
