@@ -644,18 +644,34 @@ def test_fast_path_d_h_over_h_unless_the_graph_is_kept(forced_fast_path, monkeyp
         x, inputs["topk_ids"], inputs["topk_weights"].float(), w_up, w_down, backend="triton", recipe=recipe
     )
     g = torch.randn_like(out)
-    grads = []
+    up = _find_node(out.grad_fn, "_GatheredUpBackward")  # its pair rows and amax: let go after the last dgrad
+    grads, held = [], []
     for retain in (True, False):
         out.backward(g, retain_graph=retain)
+        held.append(up.pair_rows is not None and up.w_amax is not None)
         grads.append([t.grad.clone() for t in (x, w_up, w_down)])
         for t in (x, w_up, w_down):
             t.grad = None
-    assert over == [False, True]
+    assert over == [False, True] and held == [True, False]
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
     assert all(torch.equal(a, b) for a, b in zip(kept, (x, w_up, w_down), strict=True))
     with pytest.raises(RuntimeError, match="second time"):  # torch's own error: the graph was freed
         out.backward(g)
+
+
+def _find_node(fn, name: str):
+    """The autograd node named ``name`` reachable from ``fn`` (breadth first)."""
+    seen, todo = set(), [fn]
+    while todo:
+        node = todo.pop(0)
+        if node is None or node in seen:
+            continue
+        if type(node).__name__ == name:
+            return node
+        seen.add(node)
+        todo += [n for n, _ in node.next_functions]
+    raise AssertionError(f"no {name} in the graph")
 
 
 def test_dgrad_windows():

@@ -424,24 +424,29 @@ class _DhCast:
 class _GatheredUp(torch.autograd.Function):
     """``h = x[row_tokens] w_e^T`` with the e4m3 rows read by token from one cast per token; backward: ``dx``
     summed over each token's live rows, ``dw`` from ``x`` read through ``row_tokens`` (in FP8, or with ``hp``
-    in the compute dtype: :class:`_HighPrecisionWgrad`)."""
+    in the compute dtype: :class:`_HighPrecisionWgrad`). The pairs' rows and the weight's column ``amax``,
+    which only the input gradient reads, are let go before the weight gradient (where this backward holds
+    most), unless the backward keeps its graph."""
 
     @staticmethod
     def forward(ctx, x, w, row_tokens, pair_rows, offsets, gemm, hp, dh_cast, tiles):
-        ctx.save_for_backward(x, w, row_tokens, pair_rows, offsets)
+        ctx.save_for_backward(x, w, row_tokens, offsets)
         ctx.gemm, ctx.hp, ctx.dh_cast, ctx.tiles = gemm, hp, dh_cast, tiles
+        ctx.pair_rows = pair_rows  # internal (made by routed_ffn), never modified: held as is
         dh_cast.wanted = ctx.needs_input_grad[0]  # whether backward's dgrad will take d h's e4m3 cast
         h, ctx.w_amax = _forward(_cast().rowwise(x), w, offsets, x.dtype, gemm, row_tokens, tiles)
         return h
 
     @staticmethod
     def backward(ctx, dh):
-        x, w, row_tokens, pair_rows, offsets = ctx.saved_tensors
+        x, w, row_tokens, offsets = ctx.saved_tensors
         cast = _cast()
         dh = dh.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _dgrad_summed(ctx.dh_cast, dh, w, offsets, pair_rows, ctx.gemm, ctx.w_amax, ctx.tiles)
+            dx = _dgrad_summed(ctx.dh_cast, dh, w, offsets, ctx.pair_rows, ctx.gemm, ctx.w_amax, ctx.tiles)
+        if not _graph_kept():  # read by the input gradient only
+            ctx.pair_rows = ctx.w_amax = None
         if ctx.needs_input_grad[1] and ctx.hp is not None:
             dw = ctx.hp(x, dh, False, w)
         elif ctx.needs_input_grad[1]:
