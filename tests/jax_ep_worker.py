@@ -67,12 +67,12 @@ def max_err(got, want):
     return max(errs) if len(got) == len(want) else float("inf")
 
 
-def experts_check(W, exchange, align=1, custom_vjp=True, drop=False):
-    """Output and every gradient of ep_experts against experts on one device."""
+def experts_check(W, exchange, align=1, custom_vjp=True, drop=False, recipe=None):
+    """Output and every gradient of ep_experts against experts on one device (both under ``recipe``)."""
     a, ids = problem(W)
     if drop:  # sentinels of another layer's expert parallelism: contribute nothing
         ids = ids.at[0, 0].set(-1).at[5, 1].set(E)
-    kw = dict(drop_invalid=drop, custom_vjp=custom_vjp)
+    kw = dict(drop_invalid=drop, custom_vjp=custom_vjp, recipe=recipe)
     names = ("x", "w", "up", "b_up", "down", "b_down")
     probe = jnp.asarray(np.random.default_rng(9).standard_normal((W * T, H)))
 
@@ -195,6 +195,7 @@ def main():
     timed(out, "ragged_W8_align4", experts_check, 8, "ragged_all_to_all", align=4)
     timed(out, "all_to_all_W4_plain_autodiff_drop", experts_check, 4, "all_to_all", custom_vjp=False, drop=True)
     timed(out, "ragged_W4_drop", experts_check, 4, "ragged_all_to_all", drop=True)
+    timed(out, "all_to_all_W4_mxfp8", experts_check, 4, "all_to_all", recipe="mxfp8")
     timed(out, "layer_all_to_all_W4", layer_check, 4, "all_to_all")
     timed(out, "layer_ragged_W8", layer_check, 8, "ragged_all_to_all")
     timed(out, "overflow", overflow_check)

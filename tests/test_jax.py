@@ -295,6 +295,86 @@ def test_experts_layouts(layout, activation, interleaved):
             assert_parity(got, ref, 1e-10)
 
 
+@pytest.mark.parametrize("mode", ["float", "pow2", "e8m0", "e8m0_floor"])
+def test_fake_quantize_matches_torch(mode):
+    """moeyard.jax.fp8.fake_quantize against moeyard.quant.fp8's: rows, tiles, 128 x 128 and odd blocks (rows
+    and columns no multiple of a block), zero blocks, a NaN, blocks restarting at segment bounds. Bit-equal
+    with power-of-two scales; with float scales (XLA's float32 division) within two float32 ulps, but for the
+    rare value the inexact quotient rounds to the next e4m3 step."""
+    from moeyard.jax import fp8 as jfp8
+    from moeyard.quant import fp8 as tfp8
+    from moeyard.quant.fp8 import Blocks
+
+    g = np.random.default_rng(3)
+    t = (g.standard_normal((3, 70, 300)) * np.logspace(-3, 3, 300)).astype(np.float32)
+    t[0, :5] = 0
+    t[1, 7, 9] = np.nan
+    cases = [(Blocks(b, m), None) for b, m in ((None, 1), (128, 1), (32, 1), (128, 128), (16, 4))]
+    cases += [(Blocks(b), np.array([0, 40, 40, 170, 290], np.int32)) for b in (None, 32)]
+    for blocks, offsets in cases:
+        got = np.asarray(jfp8.fake_quantize(jnp.asarray(t), blocks, mode, None if offsets is None else offsets))
+        want = tfp8.fake_quantize(
+            torch.from_numpy(t), blocks, mode, None if offsets is None else torch.from_numpy(offsets)
+        ).numpy()
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        ok = ~np.isnan(want)
+        if mode == "float":  # the scale within two ulps; rarely a value one e4m3 step off
+            rel = np.abs(got[ok] - want[ok]) / np.maximum(np.abs(want[ok]), 1e-30)
+            assert (rel <= 3e-7).mean() > 0.999 and rel.max() <= 0.125, (blocks, (rel > 3e-7).sum(), rel.max())
+        else:
+            np.testing.assert_array_equal(got[ok], want[ok], err_msg=str(blocks))
+    with pytest.raises(ValueError, match="scale mode"):
+        jfp8.fake_quantize(jnp.asarray(t), Blocks(None), "int8")
+
+
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8", "fp8_blockwise"])
+@pytest.mark.parametrize("layout", ["standard", "transposed"])
+def test_experts_recipes_match_torch(recipe, layout):
+    """An FP8 recipe, emulated: output and every gradient as moeyard.experts' emulated recipe on the loop
+    oracle, float64, both backwards (1e-12; fp8_blockwise's float scales 2e-6), and visibly not the
+    unquantised result."""
+    activation = "swiglu" if layout == "standard" else "clamped_swiglu"
+    with jax.enable_x64(True):
+        case, ids = _experts_case(layout, activation)
+        probe = np.random.default_rng(5).standard_normal(case["hidden_states"].shape)
+        kw = dict(
+            activation=moeyard.Activation(name=activation, limit=1.0),
+            transposed=layout == "transposed",
+            interleaved=layout == "transposed",
+        )
+        ref = _torch_experts(case, ids, probe, recipe=recipe, **kw)
+        plain = _jax_experts(case, ids, probe, **kw)
+        for custom_vjp in (True, False):
+            got = _jax_experts(case, ids, probe, custom_vjp=custom_vjp, recipe=recipe, **kw)
+            assert_parity(got, ref, 2e-6 if recipe == "fp8_blockwise" else 1e-12)
+        assert np.abs(plain["out"] - ref["out"]).max() > 1e-3
+        assert np.abs(plain["grad.hidden_states"] - ref["grad.hidden_states"]).max() > 1e-3
+
+
+def test_layer_recipe_parity():
+    """moeyard.jax.MoE(recipe=) against moeyard.MoE(recipe=) on the loop oracle, float64: output, routing
+    and every gradient; a bad recipe is refused as on the PyTorch side."""
+    cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4, top_k=2, **LOSS)
+    with jax.enable_x64(True):
+        t = torch_layer(cfg, torch.float64)
+        t.recipe = "mxfp8"
+        j = jax_layer(cfg, t, torch.float64, recipe="mxfp8")
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn((2, 6, H), generator=g, dtype=torch.float64)
+        probe = torch.randn((2, 6, H), generator=g, dtype=torch.float64)
+        assert_parity(run_jax(j, x, probe), run_torch(t, x, probe), 1e-10)
+    with pytest.raises(ValueError, match="recipe"):
+        mj.MoE(cfg, rngs=nnx.Rngs(0), recipe="fp4")
+    with pytest.raises(TypeError, match="recipe"):
+        mj.experts(
+            *(jnp.zeros(s) for s in ((3, 8), (3, 1))),
+            jnp.ones((3, 1)),
+            jnp.zeros((2, 12, 8)),
+            jnp.zeros((2, 8, 6)),
+            recipe=3,
+        )
+
+
 def test_experts_drop_invalid():
     """Sentinel ids (-1, E) contribute nothing with drop_invalid, in both backwards."""
     with jax.enable_x64(True):

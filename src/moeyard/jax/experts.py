@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..activations import Activation, get_activation
+from ..quant.recipe import resolve_recipe
 from .checks import check_bool, check_float, check_ids_on_host, check_topk, invalid_ids
 from .ffn import FFNSpec, routed_ffn
 
@@ -27,6 +28,7 @@ def experts(
     interleaved: bool = False,
     drop_invalid: bool = False,
     custom_vjp: bool = True,
+    recipe=None,
 ):
     """The routed expert FFN: ``out[t] = sum_k topk_weights[t, k] * FFN_e(hidden_states[t])`` with
     ``e = topk_ids[t, k]`` and ``FFN_e(x) = down_e(act(up_e(x)))``.
@@ -52,18 +54,25 @@ def experts(
         custom_vjp: True (default): the backward of :mod:`moeyard.jax.ffn`'s custom VJP, which keeps
             only ``h [T*K, N1]`` beyond the inputs; False: plain autodiff (keeps the permuted rows, the
             activation and the down projection's output too). Same values either way.
+        recipe: an FP8 training recipe (``"fp8_rowwise"``, ``"fp8_rowwise_gw_hp"``, ``"fp8_blockwise"``,
+            ``"mxfp8"`` or a :class:`moeyard.quant.Recipe`), emulated: every GEMM of both projections, forward,
+            input gradient and weight gradient, reads operands cast to e4m3 per the recipe's blocks and back
+            (:mod:`moeyard.jax.fp8`: the same values as :func:`moeyard.experts`' emulated recipes); biases stay
+            in the compute dtype. Each projection then carries its own VJP (``custom_vjp`` applies without a
+            recipe). None (default): the compute dtype's GEMMs.
 
     Returns:
         ``[T, H]`` in ``hidden_states.dtype``; differentiable w.r.t. ``hidden_states``, both weights,
         the biases and ``topk_weights``. Traces under ``jax.jit`` (static shapes, no host sync).
 
     Raises:
-        TypeError: an array of the wrong kind or dtype.
+        TypeError: an array of the wrong kind or dtype, or a recipe that is neither a name, a Recipe nor None.
         ValueError: shapes, ``K > E`` without ``drop_invalid``, ids out of range (see ``drop_invalid``),
-            unknown activation, a flag that is not a bool, ``MOEYARD_JAX_GMM`` none of ``auto``,
-            ``pallas``, ``ragged_dot`` (:mod:`moeyard.jax.ffn`).
+            unknown activation or recipe name, a flag that is not a bool, ``MOEYARD_JAX_GMM`` none of
+            ``auto``, ``pallas``, ``ragged_dot`` (:mod:`moeyard.jax.ffn`).
     """
     act = get_activation(activation)
+    recipe = resolve_recipe(recipe)
     check_bool("drop_invalid", drop_invalid)
     check_bool("custom_vjp", custom_vjp)
     check_float("hidden_states", hidden_states, dim=2)
@@ -93,6 +102,7 @@ def experts(
         transposed=bool(transposed),
         drop_invalid=bool(drop_invalid),
         num_experts=E,
+        recipe=recipe,
     )
     return routed_ffn(
         spec,

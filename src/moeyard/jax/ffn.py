@@ -31,6 +31,11 @@ gradient as ``<dout[t], y_pair> = <dout[t] W_down_e, a_pair> + <dout[t], b_e>`` 
 ``dout W_down_e`` it needs anyway (SonicMoE's way of not caching ``y``, arXiv 2512.14080). The
 gradients are the same up to float rounding (tested in float64 to 1e-10 against plain autodiff and
 the PyTorch side).
+
+Under an FP8 recipe (``FFNSpec.recipe``) both projections are :func:`.fp8.scaled_mm`, each with its own VJP
+(the recipe's fake-quantised operands in every GEMM), and the rest is differentiated by JAX: the FFN's custom
+VJP is not used, so the routing weights' gradient comes from the down projection's output as on the PyTorch
+side's composed form.
 """
 
 from __future__ import annotations
@@ -43,9 +48,11 @@ import jax
 import jax.numpy as jnp
 
 from ..activations import Activation
+from ..quant.recipe import Recipe
 from .activations import apply_activation
 from .checks import accumulation_dtype, match_varying, precision, varying_axes
 from .dispatch import permute_unchecked, plan_unchecked, unpermute_unchecked
+from .fp8 import scaled_mm
 from .gmm import gmm, gmm_t, tgmm
 
 _RAGGED = dict(lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
@@ -108,6 +115,8 @@ class FFNSpec:
         num_experts: E.
         gmm: the grouped GEMM choice (``MOEYARD_JAX_GMM``'s values); None: read the variable when
             :func:`routed_ffn` is called.
+        recipe: an FP8 training recipe (:class:`moeyard.quant.Recipe`), emulated (:mod:`.fp8`); None: the
+            compute dtype's GEMMs.
     """
 
     activation: Activation
@@ -116,6 +125,7 @@ class FFNSpec:
     drop_invalid: bool
     num_experts: int
     gmm: str | None = None
+    recipe: Recipe | None = None
 
 
 def mm(rows, w, group_sizes, transposed: bool, choice: str | None = None):
@@ -153,10 +163,15 @@ def add_bias(y, bias, row_experts):
 
 def grouped_ffn(rows, group_sizes, row_experts, up, b_up, down, b_down, spec: FFNSpec):
     """``rows [R, H]`` (expert-major, ``group_sizes [E]``) -> ``(y [R, H], h [R, N1])``: each expert's
-    ``down(act(up(rows)))`` with biases; rows past the last group give zeros (and no gradient)."""
-    h = add_bias(mm(rows, up, group_sizes, spec.transposed, spec.gmm), b_up, row_experts)
+    ``down(act(up(rows)))`` with biases; rows past the last group give zeros (and no gradient). Under
+    ``spec.recipe`` both projections are :func:`.fp8.scaled_mm` (the biases stay in the compute dtype)."""
+    if spec.recipe is None:
+        proj = partial(mm, transposed=spec.transposed, choice=spec.gmm)
+    else:
+        proj = lambda r, w, gs: scaled_mm(r, w, gs, spec.transposed, spec.gmm, spec.recipe)  # noqa: E731
+    h = add_bias(proj(rows, up, group_sizes), b_up, row_experts)
     a = apply_activation(spec.activation, h, interleaved=spec.interleaved)
-    y = add_bias(mm(a, down, group_sizes, spec.transposed, spec.gmm), b_down, row_experts)
+    y = add_bias(proj(a, down, group_sizes), b_down, row_experts)
     return y, h
 
 
@@ -181,7 +196,7 @@ def routed_ffn(spec: FFNSpec, custom_vjp: bool, x, topk_ids, topk_weights, up, b
 
 @partial(jax.jit, static_argnums=(0, 1))
 def _routed_ffn(spec: FFNSpec, custom_vjp: bool, x, topk_ids, topk_weights, up, b_up, down, b_down):
-    if custom_vjp:
+    if custom_vjp and spec.recipe is None:  # a recipe's GEMMs carry their own VJPs (.fp8.scaled_mm)
         return _routed_ffn_vjp(spec, x, topk_ids, topk_weights, up, b_up, down, b_down)
     return _forward(spec, x, topk_ids, topk_weights, up, b_up, down, b_down)[0]
 

@@ -18,6 +18,7 @@ from flax import nnx
 
 from ..activations import Activation
 from ..config import MoEConfig
+from ..quant.recipe import resolve_recipe
 from .activations import apply_activation
 from .checks import check_bool, check_float, precision
 from .experts import experts
@@ -128,16 +129,21 @@ class MoE(nnx.Module):
         dtype: the parameters' dtype (float32 default; bfloat16 or float64 work too).
         custom_vjp: the experts' backward (:func:`moeyard.jax.experts`): True (default) keeps only the
             up projection's output for it; False: plain autodiff.
+        recipe: an FP8 training recipe for the experts' GEMMs, emulated (:func:`moeyard.jax.experts`), as
+            :class:`moeyard.MoE`'s ``recipe``; None (default): the compute dtype's.
     Raises:
-        TypeError: ``config`` is not a MoEConfig; at call time, ``x`` not floating or not in the weights' dtype.
-        ValueError: ``custom_vjp`` not a bool; at call time, ``x``'s last dimension is not ``hidden_size``.
+        TypeError: ``config`` is not a MoEConfig, or ``recipe`` neither a name, a Recipe nor None; at call
+            time, ``x`` not floating or not in the weights' dtype.
+        ValueError: ``custom_vjp`` not a bool, an unknown recipe name; at call time, ``x``'s last dimension
+            is not ``hidden_size``.
     """
 
-    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, custom_vjp: bool = True):
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, custom_vjp: bool = True, recipe=None):
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config: expected a moeyard.MoEConfig, got {type(config).__name__}")
         check_bool("custom_vjp", custom_vjp)
         self.config, self.custom_vjp = config, custom_vjp
+        self.recipe = resolve_recipe(recipe)
         self.activation = Activation(
             name=config.activation, alpha=config.activation_alpha, limit=config.activation_limit
         )
@@ -185,6 +191,7 @@ class MoE(nnx.Module):
             gate_up_bias=_value(self.gate_up_proj_bias),
             down_bias=_value(self.down_proj_bias),
             custom_vjp=self.custom_vjp,
+            recipe=self.recipe,
         )
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)

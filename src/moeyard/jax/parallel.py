@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..activations import Activation, get_activation
+from ..quant.recipe import resolve_recipe
 from .checks import check_bool, check_float, check_topk, invalid_ids
 from .dispatch import plan_unchecked, weighted_sum
 from .experts import check_weights
@@ -79,6 +80,7 @@ def ep_experts(
     interleaved: bool = False,
     drop_invalid: bool = False,
     custom_vjp: bool = True,
+    recipe=None,
 ):
     """:func:`moeyard.jax.experts` with the experts split over mesh axis ``axis_name``; call it inside
     ``jax.shard_map`` (module docstring).
@@ -95,6 +97,7 @@ def ep_experts(
         activation, transposed, interleaved, drop_invalid: as :func:`moeyard.jax.experts` (ids outside
             ``[0, E)`` are never read on the host here: NaN rows, or nothing with ``drop_invalid``).
         custom_vjp: the local experts' backward (:func:`moeyard.jax.experts`), with either exchange.
+        recipe: an FP8 training recipe for the local experts' GEMMs (:func:`moeyard.jax.experts`).
     Returns:
         ``[T, H]`` in ``hidden_states.dtype``.
     Raises:
@@ -102,6 +105,7 @@ def ep_experts(
             or not inside a ``shard_map`` over ``axis_name``.
     """
     act = get_activation(activation)
+    recipe = resolve_recipe(recipe)
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
     if isinstance(align, bool) or not isinstance(align, int) or align < 1:
@@ -133,7 +137,12 @@ def ep_experts(
     E = E_l * W
     check_topk(topk_ids, topk_weights, hidden_states.shape[0], E, drop_invalid)
     spec = FFNSpec(
-        activation=act, interleaved=bool(interleaved), transposed=bool(transposed), drop_invalid=True, num_experts=E_l
+        activation=act,
+        interleaved=bool(interleaved),
+        transposed=bool(transposed),
+        drop_invalid=True,
+        num_experts=E_l,
+        recipe=recipe,
     )
     ids = topk_ids.astype(jnp.int32)
     w = topk_weights.astype(hidden_states.dtype)
