@@ -197,15 +197,29 @@ def _experts_case(transposed, T=11, K=2, E=4, H=24, I=20, seed=0):
 
 
 @pytest.mark.parametrize(
-    "transposed,custom_vjp,activation",
-    [(False, True, "swiglu"), (False, False, "swiglu"), (True, True, "clamped_swiglu")],
-    ids=["standard-custom_vjp", "standard-autodiff", "transposed-interleaved-biases"],
+    "transposed,custom_vjp,activation,recipe",
+    [
+        (False, True, "swiglu", None),
+        (False, False, "swiglu", None),
+        (True, True, "clamped_swiglu", None),
+        (False, True, "swiglu", "fp8_rowwise"),
+        (True, True, "clamped_swiglu", "mxfp8"),
+    ],
+    ids=[
+        "standard-custom_vjp",
+        "standard-autodiff",
+        "transposed-interleaved-biases",
+        "fp8_rowwise",
+        "transposed-mxfp8",
+    ],
 )
-def test_experts_pallas_equals_default(monkeypatch, transposed, custom_vjp, activation):
+def test_experts_pallas_equals_default(monkeypatch, transposed, custom_vjp, activation, recipe):
     """bfloat16: output and every gradient with the Pallas GEMMs equal the default (ragged_dot on the CPU)
-    path's to bfloat16 rounding; the Pallas path did run (pallas_call in the jaxpr)."""
+    path's to bfloat16 rounding, also under an FP8 recipe (its fake-quantised operands into the Pallas GEMMs,
+    forward and backward); the Pallas path did run (pallas_call in the jaxpr)."""
     case, ids, probe = _experts_case(transposed)
     kw = dict(custom_vjp=custom_vjp, activation=activation, transposed=transposed, interleaved=transposed)
+    kw.update({} if recipe is None else dict(recipe=recipe))
     monkeypatch.delenv(ffn.GMM_ENV, raising=False)
     want = _experts_grads(case, ids, probe, **kw)
     monkeypatch.setenv(ffn.GMM_ENV, "pallas")
