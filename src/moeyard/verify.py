@@ -84,6 +84,17 @@ class Arch:
 
 
 _MOE8 = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+# Qwen3-Next and Qwen3.5-MoE: hybrid attention (one linear-attention layer, one full), a shared expert
+_HYBRID = dict(
+    **_MOE8,
+    num_experts=8,
+    shared_expert_intermediate_size=32,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    layer_types=["linear_attention", "full_attention"],
+)
 _DEEPSEEK_MLA = dict(
     kv_lora_rank=16,
     q_lora_rank=32,
@@ -202,30 +213,12 @@ ARCHS: dict[str, Arch] = {
         Arch(
             name="qwen3_next",
             model_type="qwen3_next",
-            overrides=dict(
-                **_MOE8,
-                num_experts=8,
-                shared_expert_intermediate_size=32,
-                linear_key_head_dim=16,
-                linear_value_head_dim=16,
-                linear_num_key_heads=2,
-                linear_num_value_heads=4,
-                layer_types=["linear_attention", "full_attention"],
-            ),
+            overrides=_HYBRID,
         ),
         Arch(
             name="qwen3_5_moe",
             model_type="qwen3_5_moe_text",
-            overrides=dict(
-                **_MOE8,
-                num_experts=8,
-                shared_expert_intermediate_size=32,
-                linear_key_head_dim=16,
-                linear_value_head_dim=16,
-                linear_num_key_heads=2,
-                linear_num_value_heads=4,
-                layer_types=["linear_attention", "full_attention"],
-            ),
+            overrides=_HYBRID,
         ),
         Arch(
             name="phimoe",
