@@ -32,7 +32,7 @@ gradient as ``<dout[t], y_pair> = <dout[t] W_down_e, a_pair> + <dout[t], b_e>`` 
 gradients are the same up to float rounding (tested in float64 to 1e-10 against plain autodiff and
 the PyTorch side).
 
-Under an FP8 recipe (``FFNSpec.recipe``) both projections are :func:`.fp8.scaled_mm`, each with its own VJP
+Under an FP8 recipe (``FFNSpec.recipe``) both projections are :func:`scaled_mm`, each with its own VJP
 (the recipe's fake-quantised operands in every GEMM), and the rest is differentiated by JAX: the FFN's custom
 VJP is not used, so the routing weights' gradient comes from the down projection's output as on the PyTorch
 side's composed form.
@@ -52,7 +52,7 @@ from ..quant.recipe import Recipe
 from .activations import apply_activation
 from .checks import accumulation_dtype, match_varying, precision, varying_axes
 from .dispatch import permute_unchecked, plan_unchecked, unpermute_unchecked
-from .fp8 import scaled_mm
+from .fp8 import fake_quantize
 from .gmm import gmm, gmm_t, tgmm
 
 _RAGGED = dict(lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
@@ -115,8 +115,8 @@ class FFNSpec:
         num_experts: E.
         gmm: the grouped GEMM choice (``MOEYARD_JAX_GMM``'s values); None: read the variable when
             :func:`routed_ffn` is called.
-        recipe: an FP8 training recipe (:class:`moeyard.quant.Recipe`), emulated (:mod:`.fp8`); None: the
-            compute dtype's GEMMs.
+        recipe: an FP8 training recipe (:class:`moeyard.quant.Recipe`), emulated (:func:`scaled_mm`); None:
+            the compute dtype's GEMMs.
     """
 
     activation: Activation
@@ -164,7 +164,7 @@ def add_bias(y, bias, row_experts):
 def grouped_ffn(rows, group_sizes, row_experts, up, b_up, down, b_down, spec: FFNSpec):
     """``rows [R, H]`` (expert-major, ``group_sizes [E]``) -> ``(y [R, H], h [R, N1])``: each expert's
     ``down(act(up(rows)))`` with biases; rows past the last group give zeros (and no gradient). Under
-    ``spec.recipe`` both projections are :func:`.fp8.scaled_mm` (the biases stay in the compute dtype)."""
+    ``spec.recipe`` both projections are :func:`scaled_mm` (the biases stay in the compute dtype)."""
     if spec.recipe is None:
         proj = partial(mm, transposed=spec.transposed, choice=spec.gmm)
     else:
@@ -196,7 +196,7 @@ def routed_ffn(spec: FFNSpec, custom_vjp: bool, x, topk_ids, topk_weights, up, b
 
 @partial(jax.jit, static_argnums=(0, 1))
 def _routed_ffn(spec: FFNSpec, custom_vjp: bool, x, topk_ids, topk_weights, up, b_up, down, b_down):
-    if custom_vjp and spec.recipe is None:  # a recipe's GEMMs carry their own VJPs (.fp8.scaled_mm)
+    if custom_vjp and spec.recipe is None:  # a recipe's GEMMs carry their own VJPs (scaled_mm)
         return _routed_ffn_vjp(spec, x, topk_ids, topk_weights, up, b_up, down, b_down)
     return _forward(spec, x, topk_ids, topk_weights, up, b_up, down, b_down)[0]
 
@@ -239,6 +239,57 @@ def _vjp_bwd(spec: FFNSpec, res, dout):
     cts = (dx, dw, d_up, _bias_grad(dh, b_up, re), d_down, _bias_grad(dy, b_down, re))
     dx, dw, d_up, d_b_up, d_down, d_b_down = map(match_varying, cts, vma.value)
     return dx, None, dw, d_up, d_b_up, d_down, d_b_down
+
+
+# ---------------------------------------------------------------------------------- an FP8 recipe, emulated
+
+
+def _fq_weight(w, blocks, mode: str, transposed: bool, along_in: bool):
+    """``w`` (``[E, out, in]``, or ``[E, in, out]`` when ``transposed``) fake-quantised (:func:`.fp8.fake_quantize`)
+    along its input axis (``along_in``: the forward's contraction) or its output axis (the input gradient's),
+    returned as stored."""
+    swap = transposed == along_in  # the contraction axis is the middle one
+    w = jnp.swapaxes(w, 1, 2) if swap else w
+    w = fake_quantize(w, blocks, mode)
+    return jnp.swapaxes(w, 1, 2) if swap else w
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def scaled_mm(rows, w, group_sizes, transposed: bool, choice: str, recipe: Recipe):
+    """:func:`mm` under an FP8 recipe, emulated, as :class:`moeyard.experts.scaled.Emulated` does: every GEMM
+    of forward and backward reads operands cast to e4m3 per the recipe's blocks and back (:mod:`.fp8`). The
+    forward quantises along ``in`` (``rows``, and ``W_e`` along its input axis). The input gradient quantises
+    along ``out`` (``dy`` rows, ``W_e^T``). The weight gradient quantises along each expert's tokens (``dy^T``
+    and ``rows^T``, the blocks restarting at each expert), or runs in the compute dtype when the recipe's
+    ``wgrad`` is None. The recipe's numerics, not its speed: the GEMMs run in the operands' dtype."""
+    return _scaled_forward(rows, w, group_sizes, transposed, choice, recipe)
+
+
+def _scaled_forward(rows, w, group_sizes, transposed, choice, recipe):
+    a, b = recipe.forward
+    wq = _fq_weight(w, b, recipe.scale, transposed, along_in=True)
+    return mm(fake_quantize(rows, a, recipe.scale), wq, group_sizes, transposed, choice)
+
+
+def _scaled_fwd(rows, w, group_sizes, transposed, choice, recipe):
+    return _scaled_forward(rows, w, group_sizes, transposed, choice, recipe), (rows, w, group_sizes)
+
+
+def _scaled_bwd(transposed, choice, recipe, res, g):
+    rows, w, group_sizes = res
+    a, b = recipe.dgrad
+    wq = _fq_weight(w, b, recipe.scale, transposed, along_in=False)
+    dx = mm_t(fake_quantize(g, a, recipe.scale), wq, group_sizes, transposed, choice)
+    lhs, ct = rows, g
+    if recipe.wgrad is not None:  # along each expert's tokens: blocks restart at the experts' bounds
+        a, b = recipe.wgrad
+        offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(group_sizes).astype(jnp.int32)])
+        ct = fake_quantize(g.T, a, recipe.scale, offsets).T
+        lhs = fake_quantize(rows.T, b, recipe.scale, offsets).T
+    return dx.astype(rows.dtype), _weight_grad(lhs, ct, w, group_sizes, transposed, choice), None
+
+
+scaled_mm.defvjp(_scaled_fwd, _scaled_bwd)
 
 
 @jax.tree_util.register_static

@@ -1,4 +1,4 @@
-"""The FP8 casts of :mod:`moeyard.quant.fp8` on JAX arrays, and the expert GEMMs under an FP8 recipe, emulated.
+"""The FP8 casts of :mod:`moeyard.quant.fp8` on JAX arrays, for the FP8 recipes emulated on the JAX side.
 
 :func:`fake_quantize` is :func:`moeyard.quant.fp8.fake_quantize` operation for operation: an operand
 ``t [..., M, K]`` (K the contraction axis) in blocks of ``Blocks.m`` rows by ``Blocks.k`` columns (``k`` None:
@@ -11,25 +11,17 @@ scale can differ in its last bit or two, and a value that lies on an e4m3 roundi
 next step (about 1 in 60,000 here). The cause is that XLA's float32 division on a CPU is not always correctly
 rounded: about half the quotients by 448 differ from IEEE's in the last bit.
 
-:func:`scaled_mm` is an expert projection ``y = rows W_e^T`` whose three GEMMs read such operands, as
-:class:`moeyard.experts.scaled.Emulated` does: the forward along ``in`` (``rows`` per the recipe's forward
-blocks, ``W_e`` along its input axis), the input gradient along ``out`` (``dy`` rows, ``W_e^T``), the weight
-gradient along each expert's tokens (``dy^T`` and ``rows^T``, blocks restarting at each expert; in the
-compute dtype when the recipe's ``wgrad`` is None). The recipe's numerics on any backend, not its speed: the
-GEMMs themselves run in the operands' dtype.
+:func:`moeyard.jax.ffn.scaled_mm` is the expert projection whose GEMMs read such operands under a recipe.
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 
 from ..quant.fp8 import E4M3_EMAX, E4M3_MAX, POW2_EPS, Blocks, check_scale_mode
-from ..quant.recipe import Recipe
 
-__all__ = ["fake_quantize", "scaled_mm"]
+__all__ = ["fake_quantize"]
 
 
 def column_blocks(K: int, block_k: int | None, offsets) -> tuple[jax.Array, int]:
@@ -74,7 +66,7 @@ def scales_from_amax(amax, mode: str):
 
 def fake_quantize(t, blocks: Blocks, mode: str, offsets=None):
     """``t [..., M, K]`` cast to e4m3 per block and read back in ``t``'s dtype (module docstring); no
-    gradient flows through it (:func:`scaled_mm` gives the GEMMs their own).
+    gradient flows through it (:func:`moeyard.jax.ffn.scaled_mm` gives the GEMMs their own).
 
     Raises:
         ValueError: ``t`` of fewer than 2 dimensions, or an unknown mode.
@@ -102,56 +94,3 @@ def fake_quantize(t, blocks: Blocks, mode: str, offsets=None):
     # subnormals: its block's values are then 0 (what they round to anyway), not 0 / 0
     q = jnp.clip(t32 / jnp.where(full == 0, 1.0, full), -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
     return (q.astype(jnp.float32) * full).astype(t.dtype)
-
-
-def _weight(w, blocks: Blocks, mode: str, transposed: bool, along_in: bool):
-    """``w`` (``[E, out, in]``, or ``[E, in, out]`` when ``transposed``) fake-quantised along its input
-    axis (``along_in``: the forward's contraction) or its output axis (the input gradient's), as stored."""
-    swap = transposed == along_in  # the contraction axis is the middle one
-    w = jnp.swapaxes(w, 1, 2) if swap else w
-    w = fake_quantize(w, blocks, mode)
-    return jnp.swapaxes(w, 1, 2) if swap else w
-
-
-def _offsets(group_sizes):
-    return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(group_sizes).astype(jnp.int32)])
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def scaled_mm(rows, w, group_sizes, transposed: bool, choice: str, recipe: Recipe):
-    """``rows [R, in]`` -> ``[R, out]``, each expert's rows times its ``w[e]^T`` (``w`` as :func:`.ffn.mm`
-    takes it), every GEMM of forward and backward on the recipe's fake-quantised operands (module
-    docstring); ``choice``: the grouped GEMM (``MOEYARD_JAX_GMM``'s values)."""
-    return _forward(rows, w, group_sizes, transposed, choice, recipe)
-
-
-def _forward(rows, w, group_sizes, transposed, choice, recipe):
-    from .ffn import mm
-
-    a, b = recipe.forward
-    xq = fake_quantize(rows, a, recipe.scale)
-    return mm(xq, _weight(w, b, recipe.scale, transposed, along_in=True), group_sizes, transposed, choice)
-
-
-def _fwd(rows, w, group_sizes, transposed, choice, recipe):
-    return _forward(rows, w, group_sizes, transposed, choice, recipe), (rows, w, group_sizes)
-
-
-def _bwd(transposed, choice, recipe, res, g):
-    from .ffn import _weight_grad, mm_t
-
-    rows, w, group_sizes = res
-    a, b = recipe.dgrad
-    gq = fake_quantize(g, a, recipe.scale)
-    dx = mm_t(gq, _weight(w, b, recipe.scale, transposed, along_in=False), group_sizes, transposed, choice)
-    lhs, ct = rows, g
-    if recipe.wgrad is not None:  # along each expert's tokens: blocks restart at the experts' bounds
-        a, b = recipe.wgrad
-        offsets = _offsets(group_sizes)
-        ct = fake_quantize(g.T, a, recipe.scale, offsets).T
-        lhs = fake_quantize(rows.T, b, recipe.scale, offsets).T
-    dw = _weight_grad(lhs, ct, w, group_sizes, transposed, choice)
-    return dx.astype(rows.dtype), dw, None
-
-
-scaled_mm.defvjp(_fwd, _bwd)
