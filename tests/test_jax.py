@@ -270,6 +270,18 @@ def _jax_experts(case, ids, probe, **kw):
     return {"out": np.asarray(out), **{f"grad.{n}": np.asarray(g) for n, g in zip(names, grads, strict=True)}}
 
 
+def _layout_case(layout, activation, interleaved):
+    """``(case, ids, probe, kw)``: one experts call's inputs in ``layout`` and its keyword arguments."""
+    case, ids = _experts_case(layout, activation)
+    probe = np.random.default_rng(5).standard_normal(case["hidden_states"].shape)
+    kw = dict(
+        activation=moeyard.Activation(name=activation, limit=1.0),
+        transposed=layout == "transposed",
+        interleaved=interleaved,
+    )
+    return case, ids, probe, kw
+
+
 @pytest.mark.parametrize(
     "layout,activation,interleaved",
     [
@@ -282,13 +294,7 @@ def _jax_experts(case, ids, probe, **kw):
 def test_experts_layouts(layout, activation, interleaved):
     """gpt-oss's transposed and interleaved layouts, with biases, in float64: output and every gradient."""
     with jax.enable_x64(True):
-        case, ids = _experts_case(layout, activation)
-        probe = np.random.default_rng(5).standard_normal(case["hidden_states"].shape)
-        kw = dict(
-            activation=moeyard.Activation(name=activation, limit=1.0),
-            transposed=layout == "transposed",
-            interleaved=interleaved,
-        )
+        case, ids, probe, kw = _layout_case(layout, activation, interleaved)
         ref = _torch_experts(case, ids, probe, **kw)
         for custom_vjp in (True, False):
             got = _jax_experts(case, ids, probe, custom_vjp=custom_vjp, **kw)
@@ -335,13 +341,7 @@ def test_experts_recipes_match_torch(recipe, layout):
     unquantised result."""
     activation = "swiglu" if layout == "standard" else "clamped_swiglu"
     with jax.enable_x64(True):
-        case, ids = _experts_case(layout, activation)
-        probe = np.random.default_rng(5).standard_normal(case["hidden_states"].shape)
-        kw = dict(
-            activation=moeyard.Activation(name=activation, limit=1.0),
-            transposed=layout == "transposed",
-            interleaved=layout == "transposed",
-        )
+        case, ids, probe, kw = _layout_case(layout, activation, interleaved=layout == "transposed")
         ref = _torch_experts(case, ids, probe, recipe=recipe, **kw)
         plain = _jax_experts(case, ids, probe, **kw)
         for custom_vjp in (True, False):

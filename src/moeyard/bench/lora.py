@@ -253,8 +253,8 @@ def build(impl: str, case: Case, layers: int = 0) -> nn.Module:
         return _Stack(case, impl, layers)
     if impl.startswith("peft+") or impl == "peft-auto+moeyard":
         return _Peft(case, impl)
-    mode, _, recipe = impl.partition("+") if impl.split("+")[0] in RECIPE_IMPLS else (impl, "", "")
-    return _Direct(case, mode, recipe or None)
+    mode, _, recipe = impl.partition("+")
+    return _Direct(case, mode, recipe or None) if mode in RECIPE_IMPLS else _Direct(case, impl)
 
 
 # ---------------------------------------------------------------- the run

@@ -306,7 +306,7 @@ def dgrad_windows(rows: int, hidden: int, inner: int, experts: int, itemsize: in
         return 1
     if dh >= out:
         return MAX_DGRAD_WINDOWS
-    return max(1, min(MAX_DGRAD_WINDOWS, (out + w) // (out - dh) + 1))
+    return min(MAX_DGRAD_WINDOWS, (out + w) // (out - dh) + 1)
 
 
 def column_windows(hidden: int, n: int) -> list[tuple[int, int]]:

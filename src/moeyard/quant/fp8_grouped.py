@@ -124,9 +124,9 @@ def grouped_mm(
     tiles: TileTable | None = None,
 ) -> Tensor:
     """The module docstring's product: ``a [M, K]`` e4m3 (unit stride along K) with ``scale_a [M]``,
-    ``b [E, N, K]`` e4m3 (each expert's ``[N, K]`` contiguous and apart from the others', e.g. a slice of a
-    wider ``[E, N', K]``, is read as is; else copied) with ``scale_b [E, N]``, ``offsets [E + 1]`` int32, optional ``index [R]`` int64 ->
-    ``[R, N]`` ``out_dtype`` (``R = index.numel()``, else M). ``offsets[E] <= R``
+    ``b [E, N, K]`` e4m3 with ``scale_b [E, N]`` (a ``b`` whose experts' ``[N, K]`` are each contiguous and
+    do not overlap, e.g. a slice of a wider ``[E, N', K]``, is read as is; else copied), ``offsets [E + 1]``
+    int32, optional ``index [R]`` int64 -> ``[R, N]`` ``out_dtype`` (``R = index.numel()``, else M). ``offsets[E] <= R``
     is the caller's to keep (checking it would need a host sync). On Hopper the Gluon kernel of
     :mod:`.fp8_gluon` runs where it applies (module docstring; ``gluon=False``: the Triton kernel
     everywhere), with its tile table from ``tiles`` when given (:class:`TileTable`: one per step's offsets,

@@ -12,9 +12,10 @@ warp-specialised (``gl.warp_specialize``):
 - a loader partition of ``LOADER_WARPS`` warps (``DH_LOADER_WARPS`` for dh at 128-row tiles), for every
   (tile, K step): the expert's weight box(es) through TMA (the gate and up boxes of the up projection), and
   the tile's rows gathered by token with ``cp.async`` (16 bytes per thread and instruction; rows past their
-  expert's end and columns past ``K`` zero-filled, not read), into a ring of ``STAGES`` stages. A stage's ``ready`` barrier completes once the
-  TMA bytes have landed and each loader thread's copies have (``cp.async.mbarrier.arrive.noinc``: one
-  arrival per thread); each tile's LoRA boxes ``z`` and ``Lb`` go into a ring of two ahead of its K loop;
+  expert's end and columns past ``K`` zero-filled, not read), into a ring of ``STAGES`` stages. A stage's
+  ``ready`` barrier completes once the TMA bytes have landed and each loader thread's copies have
+  (``cp.async.mbarrier.arrive.noinc``: one arrival per thread); each tile's LoRA boxes ``z`` and ``Lb`` go
+  into a ring of two ahead of its K loop;
 - ``BM / 64`` consumer warp groups, each on 64 rows of every tile: wait for a stage, make the copies
   visible to the tensor cores (``fence.proxy.async``), run the MMA(s) with one K step in flight, release
   the stage the previous step read, then the LoRA MMA(s) and the epilogue, stored by sorted row in
