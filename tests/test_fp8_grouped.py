@@ -181,3 +181,59 @@ def test_weight_slice_taken_as_is(gluon, gather):
     )
     assert torch.equal(got[:R], copy[:R]) and torch.equal(got[:R], whole[:R, c0:c1])
     assert torch.equal(b.view(torch.uint8), before.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "gluon", [False, pytest.param(True, marks=pytest.mark.skipif(ON_CPU, reason="no Gluon on a CPU"))]
+)
+@pytest.mark.parametrize("gather", [False, True], ids=["in-order", "gathered"])
+@pytest.mark.parametrize("kmajor", [True, False], ids=["B", "A^T"])
+@pytest.mark.parametrize("rank", [4, 16, pytest.param(32, marks=gpu_only), pytest.param(64, marks=gpu_only)])
+def test_low_rank_term(gluon, gather, kmajor, rank):
+    """The low-rank term ``s z lb_e^T`` (LoRA on an FP8 base) added after the scales matches the reference,
+    with ``lb`` rank-contiguous (a forward GEMM's ``B``) or not (an input gradient's ``A^T``), on both kernels
+    (rank 4 is no multiple of 8: the Triton kernel), empty experts and rows past a tile; the term changes
+    the product (the test can fail); the inputs are not modified. In float32 on a CPU (Triton's interpreter
+    multiplies 16-bit ``tl.dot`` operands wrongly), in bfloat16 on a GPU."""
+    device = DEVICES[0]
+    dtype = torch.float32 if ON_CPU else torch.bfloat16
+    counts, K, N = ([300, 0, 1, 129, 0, 77], 256, 600) if not ON_CPU else ([5, 0, 19, 3], 32, 40)
+    E, R = len(counts), sum(counts)
+    M = 37 if gather else R
+    a, s_a, b, s_b = _operands(M, K, E, N, device, seed=7)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    index = torch.randint(0, M + 1, (R,), generator=torch.Generator().manual_seed(8)).to(device) if gather else None
+    g = torch.Generator().manual_seed(9)
+    lb = (torch.randn(E, N, rank, generator=g) if kmajor else torch.randn(E, rank, N, generator=g).mT).to(device)
+    lb = lb.to(dtype)
+    plain = fp8_grouped.reference(a, s_a, b, s_b, offsets, dtype, index=index)
+    z = torch.randn(R, rank, generator=g).to(device)
+    only_term = fp8_grouped.LowRankTerm(z, lb.float(), 0.5)
+    alone = fp8_grouped.reference(a, s_a, b, s_b * 0, offsets, torch.float32, index=index, lora=only_term)
+    z = (z * plain.float().norm() / alone.norm()).to(dtype)  # a term about as large as the product
+    before = (z.clone(), lb.clone())
+    term = fp8_grouped.LowRankTerm(z, lb, 0.5)
+    if gluon:
+        assert fp8_grouped._gluon_ready(a, b, index, term) == (rank % 8 == 0)
+    got = fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, dtype, index=index, gluon=gluon, lora=term)
+    ref = fp8_grouped.reference(a, s_a, b, s_b, offsets, dtype, index=index, lora=term)
+    _close(got, ref, dtype)
+    assert (ref.float() - plain.float()).norm() > 0.1 * ref.float().norm()  # the term is not negligible
+    assert torch.equal(z, before[0]) and torch.equal(lb, before[1])
+
+
+def test_low_rank_term_errors():
+    device = DEVICES[0]
+    a, s_a, b, s_b = _operands(8, 32, 2, 16, device)
+    offsets = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+    z, lb = torch.zeros(8, 4, device=device), torch.zeros(2, 16, 4, device=device)
+    for bad in (fp8_grouped.LowRankTerm(z[:7], lb, 1.0), fp8_grouped.LowRankTerm(z, lb[:, :, :3], 1.0)):
+        with pytest.raises(ValueError, match="lora.z"):
+            fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, torch.float32, lora=bad)
+    with pytest.raises(TypeError, match="lora.z and lora.lb must be torch.bfloat16"):
+        fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, torch.bfloat16, lora=fp8_grouped.LowRankTerm(z, lb, 1.0))
+    with pytest.raises(ValueError, match="lora.z"):  # z's rows must be the output's: R = index.numel()
+        index = torch.zeros(5, dtype=torch.int64, device=device)
+        fp8_grouped.grouped_mm(
+            a, s_a, b, s_b, offsets, torch.float32, index=index, lora=fp8_grouped.LowRankTerm(z, lb, 1.0)
+        )

@@ -25,6 +25,13 @@ round 39). This kernel keeps the schedule of the bf16 Gluon kernels (:mod:`moeya
 zero row) or ``r``; rows past ``offsets[E]`` are not written. A tile's rows past its expert's end belong to
 the next expert: computed, not stored. A box past a tensor's end reads zeros, so the K tail and the last
 rows need no mask.
+
+With a low-rank term (``LORA``, :class:`.fp8_grouped.LowRankTerm`: LoRA on an FP8 base) each tile also gets
+``s z[rows] lb_e^T`` after the scales, as one more MMA in the compute dtype on the float32 accumulator, as
+the bf16 kernels add theirs (:mod:`moeyard.experts.triton.kernels_gluon`): the loader brings the tile's
+boxes ``z [BM, RP]`` and ``lb_e [BN, RP]`` (or ``[RP, BN]``) through TMA into one slot, after the tile's K
+steps (so they arrive while its last MMAs run, and the slot, released by the previous tile's consumers
+long before, costs no wait); ``RP`` is the rank padded to 16, 32 or 64 (zeros past the rank).
 """
 
 import functools
@@ -44,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..experts.triton.kernels_gluon import (
     LOADER_REGS,
+    _layout as _layout16,
     _my_tiles,
     _store_tile,
     _tile_of,
@@ -51,6 +59,7 @@ from ..experts.triton.kernels_gluon import (
     _tma_store,
     barrier_ring,
     next_stage,
+    scaled_z,
     store_layout,
 )
 from ..experts.triton.kernels_gluon_gather import LOADER_REGS as GATHER_LOADER_REGS, LOADER_WARPS, _cp_async
@@ -59,6 +68,10 @@ Tensor = torch.Tensor
 
 BM, BN, BK = 128, 256, 128  # a stage: (128 + 256) x 128 bytes = 48 KiB
 STAGES = 3  # 144 KiB, and 64 KiB for the two consumers' output tiles: 208 of the 227 KiB a Hopper block may hold
+# a low-rank term's slot takes (BM + BN) RP 2 bytes more: 12 KiB at RP = 16 (220 KiB in all); at RP = 32 and 64
+# (24 and 48 KiB) the output tiles make room for it (stored by row from registers instead)
+MAX_RP = 64
+SMEM_BUDGET = 232448 - 4096  # bytes: sm_90's 227 KiB a block, less room for the barriers and layout scratch
 HM = gl.constexpr(64)  # a consumer warp group's rows of a tile
 CONSUMER_REGS = 232  # as the bf16 down projection's (its accumulator is the same [64, 256] float32)
 # gathering: LOADER_WARPS loader warps copy the rows (8 of 16 bytes per thread and stage), as the bf16
@@ -70,12 +83,18 @@ GATHER_CONSUMER_REGS = 224
 def _loader(
     a_desc,
     b_desc,
+    z_desc,
+    lb_desc,
     a_ptr,
     index_ptr,
     a_bufs,
     b_bufs,
+    z_bufs,
+    lb_bufs,
     ready,
     empty,
+    lready,
+    lempty,
     offsets_ptr,
     table_ptr,
     MA,
@@ -85,6 +104,8 @@ def _loader(
     M,
     stride_am,
     GATHER: gl.constexpr,
+    LORA: gl.constexpr,
+    LB_KMAJOR: gl.constexpr,
     BM: gl.constexpr,
     BN: gl.constexpr,
     BK: gl.constexpr,
@@ -93,7 +114,8 @@ def _loader(
 ):
     """The loader partition: each K step's weight box (TMA) and rows (TMA, or with ``GATHER`` copied from
     their source rows by ``cp.async``, 16 bytes per thread and copy, zero past the expert's end, past ``K``
-    and for a source row ``>= MA``) into the next stage once both consumers released it."""
+    and for a source row ``>= MA``) into the next stage once both consumers released it; with ``LORA`` then
+    the tile's low-rank boxes into their slot once both consumers released it."""
     ld: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[1, 16], threads_per_warp=[32 * 16 // BK, BK // 16], warps_per_cta=[WARPS, 1], order=[1, 0]
     )
@@ -122,6 +144,15 @@ def _loader(
                 _tma_load(a_desc, [row0, kt * BK], bar, a_bufs.index(s))
                 _tma_load(b_desc, [e, col0, kt * BK], bar, b_bufs.index(s))
             s, phase = next_stage(s, phase, STAGES)
+        if LORA:
+            mbarrier.wait(lempty.index(0), (t & 1) ^ 1)  # a fresh barrier passes phase 1
+            lbar = lready.index(0)
+            mbarrier.expect(lbar, z_desc.block_type.nbytes + lb_desc.block_type.nbytes)
+            _tma_load(z_desc, [row0, 0], lbar, z_bufs.index(0))
+            if LB_KMAJOR:
+                _tma_load(lb_desc, [e, col0, 0], lbar, lb_bufs.index(0))
+            else:
+                _tma_load(lb_desc, [e, 0, col0], lbar, lb_bufs.index(0))
 
 
 @gluon.jit
@@ -129,8 +160,12 @@ def _consumer(
     half,
     a_bufs,
     b_bufs,
+    z_bufs,
+    lb_bufs,
     ready,
     empty,
+    lready,
+    lempty,
     index_ptr,
     a_scale_ptr,
     b_scale_ptr,
@@ -144,8 +179,11 @@ def _consumer(
     N,
     E,
     M,
+    lora_scale,
     GATHER: gl.constexpr,
     TMA_STORE: gl.constexpr,
+    LORA: gl.constexpr,
+    LB_KMAJOR: gl.constexpr,
     BN: gl.constexpr,
     BK: gl.constexpr,
     STAGES: gl.constexpr,
@@ -155,9 +193,12 @@ def _consumer(
     ``TMA_STORE`` a tile whose 64 rows all belong to its expert goes out through shared memory and a TMA
     store that runs on while the next tile's MMAs do (waited for only before the buffer is written again);
     a tile that crosses its expert's end is stored by row from registers (its rows past the end are the
-    next expert's)."""
+    next expert's). With ``LORA`` the low-rank product follows the scales, one synchronous MMA in the
+    compute dtype on the same float32 accumulator (the two MMA layouts place it alike)."""
     ST: gl.constexpr = store_layout(HM, BN, 4)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+    mma16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    z_reg: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma16, k_width=2)
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
     compact: gl.constexpr = gl.BlockedLayout([BN // 128], [32], [4], [0])
@@ -193,6 +234,16 @@ def _consumer(
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)  # the tile's last stage
         acc = acc * sa[:, None] * gl.convert_layout(sb, cols_l)[None, :]
+        if LORA:
+            mbarrier.wait(lready.index(0), t & 1)
+            z = scaled_z(z_bufs.index(0).slice(half * HM, HM), lora_scale, z_reg, z_bufs.dtype)
+            if LB_KMAJOR:
+                lb_s = lb_bufs.index(0).permute((1, 0))
+            else:
+                lb_s = lb_bufs.index(0)
+            acc = gl.convert_layout(warpgroup_mma(z, lb_s, gl.convert_layout(acc, mma16)), mma)  # synchronous
+            fence_async_shared()  # z's read through registers, before the loader's next TMA write of the slot
+            mbarrier.arrive(lempty.index(0), count=1)
         if TMA_STORE:
             c_buf = c_bufs.index(half)
             tma.store_wait(0)  # the previous tile's store has read the buffer
@@ -220,14 +271,20 @@ def gluon_grouped_kernel(
     out_ptr,  # [R, N], contiguous
     out_desc,  # TMA_STORE: out, boxes [64, BN]
     table_ptr,  # [2 * M + 1] int32 tile table (moeyard.experts.triton.schedule.fill_tile_table)
+    z_desc,  # LORA: z [R, rank], boxes [BM, RP]
+    lb_desc,  # LORA: lb [E, N, rank] (LB_KMAJOR, boxes [1, BN, RP]) or its [E, rank, N] (boxes [1, RP, BN])
     MA,
     K,
     N,
     E,
     M,
     stride_am,
+    lora_scale,
     GATHER: gl.constexpr,
     TMA_STORE: gl.constexpr,
+    LORA: gl.constexpr,
+    LB_KMAJOR: gl.constexpr,
+    RP: gl.constexpr,
     BM: gl.constexpr,
     BN: gl.constexpr,
     BK: gl.constexpr,
@@ -249,6 +306,18 @@ def gluon_grouped_kernel(
         c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2, 64, BN], out_desc.layout)
     else:
         c_bufs = a_bufs  # not read
+    if LORA:  # one slot of the low-rank boxes (16-bit; as the descriptors' layouts, in two dimensions)
+        r_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(2 * RP, 128), element_bitwidth=16, rank=2)
+        z_bufs = gl.allocate_shared_memory(z_desc.dtype, [1, BM, RP], r_sl)
+        if LB_KMAJOR:
+            lb_bufs = gl.allocate_shared_memory(lb_desc.dtype, [1, BN, RP], r_sl)
+        else:
+            w_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+            lb_bufs = gl.allocate_shared_memory(lb_desc.dtype, [1, RP, BN], w_sl)
+    else:  # placeholders, never read
+        z_bufs = a_bufs
+        lb_bufs = b_bufs
+    lready, lempty = barrier_ring(1, 1, 2)  # the TMA's expect; one arrival per consumer
     # the partitions' argument tuples are written out in the call (see kernels_gluon.down_kernel)
     gl.warp_specialize(
         [
@@ -258,8 +327,12 @@ def gluon_grouped_kernel(
                     0,
                     a_bufs,
                     b_bufs,
+                    z_bufs,
+                    lb_bufs,
                     ready,
                     empty,
+                    lready,
+                    lempty,
                     index_ptr,
                     a_scale_ptr,
                     b_scale_ptr,
@@ -273,8 +346,11 @@ def gluon_grouped_kernel(
                     N,
                     E,
                     M,
+                    lora_scale,
                     GATHER,
                     TMA_STORE,
+                    LORA,
+                    LB_KMAJOR,
                     BN,
                     BK,
                     STAGES,
@@ -286,8 +362,12 @@ def gluon_grouped_kernel(
                     1,
                     a_bufs,
                     b_bufs,
+                    z_bufs,
+                    lb_bufs,
                     ready,
                     empty,
+                    lready,
+                    lempty,
                     index_ptr,
                     a_scale_ptr,
                     b_scale_ptr,
@@ -301,8 +381,11 @@ def gluon_grouped_kernel(
                     N,
                     E,
                     M,
+                    lora_scale,
                     GATHER,
                     TMA_STORE,
+                    LORA,
+                    LB_KMAJOR,
                     BN,
                     BK,
                     STAGES,
@@ -313,12 +396,18 @@ def gluon_grouped_kernel(
                 (
                     a_desc,
                     b_desc,
+                    z_desc,
+                    lb_desc,
                     a_ptr,
                     index_ptr,
                     a_bufs,
                     b_bufs,
+                    z_bufs,
+                    lb_bufs,
                     ready,
                     empty,
+                    lready,
+                    lempty,
                     offsets_ptr,
                     table_ptr,
                     MA,
@@ -328,6 +417,8 @@ def gluon_grouped_kernel(
                     M,
                     stride_am,
                     GATHER,
+                    LORA,
+                    LB_KMAJOR,
                     BM,
                     BN,
                     BK,
@@ -341,13 +432,24 @@ def gluon_grouped_kernel(
     )
 
 
-def ready(a: Tensor, b: Tensor, index: Tensor | None = None) -> bool:
+def ready(a: Tensor, b: Tensor, index: Tensor | None = None, lora=None) -> bool:
     """Whether :func:`launch` can run: Hopper (sm_90), ``a [M, K]`` and ``b [E, N, K]`` e4m3, 16-byte aligned,
     ``K`` a multiple of 16 (TMA strides and 16-byte copies), ``b``'s ``[N, K]`` rows contiguous and its experts
     a multiple of 16 bytes apart (a slice of a wider ``[E, N', K]`` is taken as is); ``a`` contiguous, or with
-    ``index`` a unit stride along ``K`` and a row stride that is a multiple of 16. Host metadata only; raises
-    nothing (False for anything it cannot serve)."""
-    from ..experts.triton.schedule import is_sm90
+    ``index`` a unit stride along ``K`` and a row stride that is a multiple of 16; a low-rank term ``lora``
+    (:class:`.fp8_grouped.LowRankTerm`, or None) in 16 bits with ``z`` and ``lb`` TMA-readable (the rank a
+    multiple of 8) and the rank at most :data:`MAX_RP`. Host metadata only; raises nothing (False for
+    anything it cannot serve)."""
+    from ..experts.triton.kernels_tma import rows_tma_ready, weight_tma_ready
+    from ..experts.triton.schedule import is_sm90, rank_block
+
+    if lora is not None:
+        z, lb = lora.z, lora.lb
+        lb_ok = weight_tma_ready(lb) if lb.stride(2) == 1 else weight_tma_ready(lb.mT)
+        if not (z.dtype in (torch.bfloat16, torch.float16) and rows_tma_ready(z) and lb_ok):
+            return False
+        if rank_block(z.shape[1]) > MAX_RP:
+            return False
 
     if not (a.is_cuda and is_sm90(a.device)):
         return False
@@ -377,18 +479,20 @@ def launch(
     out: Tensor,
     index: Tensor | None = None,
     table: Tensor | None = None,
+    lora=None,
 ) -> None:
     """:func:`gluon_grouped_kernel` into ``out [R, N]``: ``a [M, K]`` e4m3 with ``scale_a [M]`` (rows in order:
     ``R = M``; or read through ``index [R]`` int64, an index ``>= M`` a zero row), ``b [E, N, K]`` e4m3 with
     ``scale_b [E, N]`` (float32, contiguous), ``offsets [E + 1]`` int32, ``table`` :func:`tile_table` of
-    these offsets and ``R`` rows (None: made here). :func:`ready` must hold. One launch (two when the table
-    is made here), no host sync. It checks nothing itself (its caller,
-    :func:`.fp8_grouped.grouped_mm`, raises TypeError / ValueError for bad operands); operands :func:`ready`
-    rejects fail inside Triton's descriptor set-up or launch."""
+    these offsets and ``R`` rows (None: made here), ``lora`` a :class:`.fp8_grouped.LowRankTerm` or None.
+    :func:`ready` must hold. One launch (two when the table is made here), no host sync. It checks nothing
+    itself (its caller, :func:`.fp8_grouped.grouped_mm`, raises TypeError / ValueError for bad operands);
+    operands :func:`ready` rejects fail inside Triton's descriptor set-up or launch."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..experts.triton.kernels_tma import rows_tma_ready
     from ..experts.triton.ops import num_sms
+    from ..experts.triton.schedule import rank_block
 
     MA, K = a.shape
     E, N, _ = b.shape
@@ -398,8 +502,22 @@ def launch(
     b_d = TensorDescriptor(b, [E, N, K], [b.stride(0), K, 1], [1, BN, BK], _layout(3))
     gather = index is not None
     a_d = b_d if gather else TensorDescriptor(a, [MA, K], [K, 1], [BM, BK], _layout(2))  # placeholder: not read
-    tma_store = out.is_contiguous() and rows_tma_ready(out)  # the masked store reads rows N apart
+    rp = rank_block(lora.z.shape[1]) if lora is not None else 0
+    smem = STAGES * (BM + BN) * BK + 2 * HM.value * BN * out.element_size() + (BM + BN) * rp * 2
+    # the masked store reads rows N apart; with a wide low-rank slot the output tiles give it their room
+    tma_store = out.is_contiguous() and rows_tma_ready(out) and smem <= SMEM_BUDGET
     out_d = TensorDescriptor(out, [R, N], [N, 1], [HM.value, BN], _out_layout()) if tma_store else b_d
+    z_d, lb_d, lb_kmajor = b_d, b_d, True  # placeholders without a low-rank term: not read
+    if lora is not None:
+        z, lb = lora.z, lora.lb
+        narrow = min(2 * rp, 128)
+        z_d = TensorDescriptor(z, list(z.shape), [z.stride(0), 1], [BM, rp], _layout16(2, narrow))
+        lb_kmajor = lb.stride(2) == 1
+        lbt = lb if lb_kmajor else lb.mT
+        box = [1, BN, rp] if lb_kmajor else [1, rp, BN]
+        lb_d = TensorDescriptor(
+            lbt, list(lbt.shape), list(lbt.stride()), box, _layout16(3, narrow if lb_kmajor else 128)
+        )
     grid = (min(M * triton.cdiv(N, BN), num_sms(a.device)),)
     gluon_grouped_kernel[grid](
         a_d,
@@ -412,14 +530,20 @@ def launch(
         out,
         out_d,
         table,
+        z_d,
+        lb_d,
         MA,
         K,
         N,
         E,
         M,
         a.stride(0),
+        lora.scale if lora is not None else 0.0,
         GATHER=gather,
         TMA_STORE=tma_store,
+        LORA=lora is not None,
+        LB_KMAJOR=lb_kmajor,
+        RP=max(rp, 16),
         BM=BM,
         BN=BN,
         BK=BK,

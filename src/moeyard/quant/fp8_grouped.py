@@ -5,7 +5,10 @@ recipes on Hopper (:mod:`moeyard.experts.scaled_hopper`). CUDA; on a CPU under `
 ``out[r] = (a[src(r)] * scale_a[src(r)]) @ (b[e] * scale_b[e][:, None])^T`` for the rows
 ``r`` of expert ``e`` (``offsets[e] <= r < offsets[e + 1]``), with ``src(r) = index[r]`` (``index`` given:
 the gather; an index ``>= M`` reads a zero row) or ``r``. Rows past ``offsets[E]`` are not written (as
-``torch._scaled_grouped_mm`` leaves them).
+``torch._scaled_grouped_mm`` leaves them). With a low-rank term (LoRA on an FP8 base: :class:`LowRankTerm`)
+each row also gains ``s * z[r] @ lb[e]^T`` after the scales, from ``z [R, rank]`` and ``lb [E, N, rank]`` in
+the compute dtype (``z`` rounded to it after the multiplication by ``s``, as the ``triton`` backend's kernels
+do): the adapter's product in the compute dtype, added in the float32 accumulator.
 
 Why not ``torch._scaled_grouped_mm`` (CUTLASS): it takes its A rows contiguous, so a gathered operand
 costs a copy of its e4m3 rows first. Measured on an H200 (``benchmarks/fp8_triton_probe.py``, the up
@@ -23,12 +26,13 @@ Legend: M source rows, R output rows, K reduction, N output columns, E experts.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ..experts.triton.schedule import expert_tile, max_row_tiles, tuned
+from ..experts.triton.schedule import dot_precision, expert_tile, max_row_tiles, rank_block, tuned
 from ..kernel_op import interpreting
 
 Tensor = torch.Tensor
@@ -48,19 +52,30 @@ def grouped_kernel(
     b_scale_ptr,  # [E, N] float32, contiguous
     offsets_ptr,  # [E + 1] int32: expert e's rows [offsets[e], offsets[e + 1])
     out_ptr,  # [R, N], contiguous
+    z_ptr,  # LORA: [R, RANK] rows, row stride stride_zr, unit stride along RANK
+    lb_ptr,  # LORA: [E, N, RANK], strides stride_le, stride_ln, stride_lr
     M,
     K,
     N,
     E,
     stride_am,
     stride_be,
+    RANK,
+    stride_zr,
+    stride_le,
+    stride_ln,
+    stride_lr,
+    lora_scale,
     GATHER: tl.constexpr,
+    LORA: tl.constexpr,
+    RP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     E_P2: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
-    """One (row tile, column tile) of the module docstring's product."""
+    """One (row tile, column tile) of the module docstring's product (``LORA``: with its low-rank term)."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BN)
     e, row0, row_end = expert_tile(pid // n_tiles, offsets_ptr, E, BM, E_P2)
@@ -90,6 +105,18 @@ def grouped_kernel(
     sa = tl.load(a_scale_ptr + src, mask=a_mask, other=0.0)
     sb = tl.load(b_scale_ptr + e * N + cols, mask=n_mask, other=0.0)
     acc = acc * sa[:, None] * sb[None, :]
+    if LORA:
+        rk = tl.arange(0, RP)
+        r_mask = rk < RANK
+        z = tl.load(
+            z_ptr + rows.to(tl.int64)[:, None] * stride_zr + rk[None, :], mask=m_mask[:, None] & r_mask[None, :]
+        )
+        z = (z.to(tl.float32) * lora_scale).to(z_ptr.dtype.element_ty)
+        lb = tl.load(
+            lb_ptr + e.to(tl.int64) * stride_le + cols.to(tl.int64)[None, :] * stride_ln + rk[:, None] * stride_lr,
+            mask=r_mask[:, None] & n_mask[None, :],
+        )
+        acc = tl.dot(z, lb, acc, input_precision=DOT_PREC)
     out = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -105,10 +132,24 @@ def _launcher():
     return tuned(
         grouped_kernel,
         CONFIGS,
-        ["K", "N", "GATHER"],
+        ["K", "N", "GATHER", "LORA"],
         prune=lambda configs, named_args, **kw: configs,
         fixed=SMALL if interpreting() else FIXED,
     )
+
+
+@dataclass(frozen=True)
+class LowRankTerm:
+    """The low-rank term ``s * z[r] @ lb[e]^T`` that :func:`grouped_mm` adds to each row ``r`` of expert ``e``
+    (LoRA on an FP8 base: ``z = x A_e^T`` and ``lb = B`` for a forward GEMM, ``z = dy B_e`` and ``lb = A^T``
+    for an input gradient; Hu et al., LoRA, arXiv 2106.09685).
+
+    Attributes: z ``[R, rank]`` (the output's rows, unit stride along rank), lb ``[E, N, rank]`` (any
+    strides), both in the output dtype; scale ``s``."""
+
+    z: Tensor
+    lb: Tensor
+    scale: float
 
 
 def grouped_mm(
@@ -122,18 +163,20 @@ def grouped_mm(
     index: Tensor | None = None,
     gluon: bool = True,
     tiles: TileTable | None = None,
+    lora: LowRankTerm | None = None,
 ) -> Tensor:
     """The module docstring's product: ``a [M, K]`` e4m3 (unit stride along K) with ``scale_a [M]``,
     ``b [E, N, K]`` e4m3 with ``scale_b [E, N]`` (a ``b`` whose experts' ``[N, K]`` are each contiguous and
     do not overlap, e.g. a slice of a wider ``[E, N', K]``, is read as is; else copied), ``offsets [E + 1]``
-    int32, optional ``index [R]`` int64 -> ``[R, N]`` ``out_dtype`` (``R = index.numel()``, else M). ``offsets[E] <= R``
-    is the caller's to keep (checking it would need a host sync). On Hopper the Gluon kernel of
-    :mod:`.fp8_gluon` runs where it applies (module docstring; ``gluon=False``: the Triton kernel
-    everywhere), with its tile table from ``tiles`` when given (:class:`TileTable`: one per step's offsets,
-    shared by its GEMMs). No host sync.
+    int32, optional ``index [R]`` int64, optional low-rank term ``lora`` (:class:`LowRankTerm`) -> ``[R, N]``
+    ``out_dtype`` (``R = index.numel()``, else M). ``offsets[E] <= R`` is the caller's to keep (checking it
+    would need a host sync). On Hopper the Gluon kernel of :mod:`.fp8_gluon` runs where it applies (module
+    docstring; ``gluon=False``: the Triton kernel everywhere), with its tile table from ``tiles`` when given
+    (:class:`TileTable`: one per step's offsets, shared by its GEMMs). No host sync.
 
     Raises:
-        TypeError: ``a`` or ``b`` not float8_e4m3fn, or a scale not float32.
+        TypeError: ``a`` or ``b`` not float8_e4m3fn, a scale not float32, or the low-rank term's tensors not
+            in ``out_dtype``.
         ValueError: shapes that do not agree (named).
     """
     for name, t in (("a", a), ("b", b)):
@@ -154,18 +197,20 @@ def grouped_mm(
             f"{tuple(scale_a.shape)}, {tuple(scale_b.shape)}, {tuple(offsets.shape)}"
         )
     R = index.numel() if index is not None else M
+    lora = _checked_term(lora, R, E, N, out_dtype)
     out = torch.empty(R, N, dtype=out_dtype, device=a.device)
     if R == 0 or N == 0:
         return out
     rows_kept = b.stride(2) == 1 and b.stride(1) == K and b.stride(0) >= N * K  # e.g. a slice of experts' rows
     b = b if rows_kept else b.contiguous()
     scale_b, scale_a = scale_b.contiguous(), scale_a.contiguous()
-    if gluon and _gluon_ready(a, b, index):
+    if gluon and _gluon_ready(a, b, index, lora):
         from . import fp8_gluon
 
         table = tiles.get(offsets, R) if tiles is not None else None
-        fp8_gluon.launch(a, scale_a, b, scale_b, offsets, out, index, table)
+        fp8_gluon.launch(a, scale_a, b, scale_b, offsets, out, index, table, lora)
         return out
+    z, lb = (lora.z, lora.lb) if lora is not None else (out, out)  # placeholders when there is no term
     args = (
         a,
         scale_a,
@@ -174,16 +219,44 @@ def grouped_mm(
         scale_b,
         offsets,
         out,
+        z,
+        lb,
         M,
         K,
         N,
         E,
         a.stride(0),
         b.stride(0),
+        lora.z.shape[1] if lora is not None else 0,
+        z.stride(0),
+        *(lb.stride() if lora is not None else (0, 0, 0)),
+        lora.scale if lora is not None else 0.0,
     )
-    meta = dict(GATHER=index is not None, E_P2=triton.next_power_of_2(max(E, 2)))
+    meta = dict(
+        GATHER=index is not None,
+        LORA=lora is not None,
+        RP=rank_block(lora.z.shape[1]) if lora is not None else 16,
+        DOT_PREC=dot_precision(out_dtype),
+        E_P2=triton.next_power_of_2(max(E, 2)),
+    )
     _launcher()[lambda m: (max_row_tiles(R, E, m["BM"]) * triton.cdiv(N, m["BN"]),)](*args, **meta)
     return out
+
+
+def _checked_term(lora: LowRankTerm | None, R: int, E: int, N: int, dtype: torch.dtype) -> LowRankTerm | None:
+    """``lora`` with ``z``'s rows made unit-stride along the rank if they were not (a copy), after checking its
+    shapes and dtypes against the product's ``R`` rows, ``E`` experts, ``N`` columns and output ``dtype``."""
+    if lora is None:
+        return None
+    z, lb = lora.z, lora.lb
+    if z.dim() != 2 or z.shape[0] != R or lb.shape[:2] != (E, N) or lb.shape[2] != z.shape[1]:
+        raise ValueError(
+            f"grouped_mm: expected lora.z [{R}, rank] and lora.lb [{E}, {N}, rank], got {tuple(z.shape)}, "
+            f"{tuple(lb.shape)}"
+        )
+    if z.dtype != dtype or lb.dtype != dtype:
+        raise TypeError(f"grouped_mm: lora.z and lora.lb must be {dtype} (the output's), got {z.dtype}, {lb.dtype}")
+    return lora if z.stride(1) == 1 else LowRankTerm(z.contiguous(), lb, lora.scale)
 
 
 class TileTable:
@@ -209,7 +282,7 @@ class TileTable:
         return self._table
 
 
-def _gluon_ready(a: Tensor, b: Tensor, index: Tensor | None) -> bool:
+def _gluon_ready(a: Tensor, b: Tensor, index: Tensor | None, lora: LowRankTerm | None = None) -> bool:
     """Whether :func:`grouped_mm` can run on :mod:`.fp8_gluon`: not under the interpreter (Gluon has none),
     and :func:`.fp8_gluon.ready`."""
     if interpreting() or not a.is_cuda:
@@ -218,7 +291,7 @@ def _gluon_ready(a: Tensor, b: Tensor, index: Tensor | None) -> bool:
         from . import fp8_gluon
     except ImportError:  # a Triton without Gluon
         return False
-    return fp8_gluon.ready(a, b, index)
+    return fp8_gluon.ready(a, b, index, lora)
 
 
 def reference(
@@ -230,9 +303,10 @@ def reference(
     out_dtype: torch.dtype,
     *,
     index: Tensor | None = None,
+    lora: LowRankTerm | None = None,
 ) -> Tensor:
     """:func:`grouped_mm` in float32 on the dequantised operands, one GEMM per expert (host sync; rows past
-    ``offsets[E]`` zero)."""
+    ``offsets[E]`` zero); the low-rank term's ``s z`` rounded to the output dtype first, as the kernels do."""
     M = a.shape[0]
     ad = torch.cat([a.float() * scale_a[:, None], a.new_zeros(1, a.shape[1], dtype=torch.float32)])
     src = index.clamp(max=M) if index is not None else torch.arange(M)
@@ -242,4 +316,7 @@ def reference(
     for e in range(b.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         out[lo:hi] = rows[lo:hi] @ (b[e].float() * scale_b[e][:, None]).t()
+        if lora is not None:
+            z = (lora.z[lo:hi].float() * lora.scale).to(out_dtype).float()
+            out[lo:hi] += z @ lora.lb[e].float().t()
     return out.to(out_dtype)
