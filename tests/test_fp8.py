@@ -566,20 +566,26 @@ def test_fast_path_fused_on_cpu(forced_fast_path, recipe, backend, case):
 
 
 @pytest.mark.parametrize("cached", [False, True])
-@pytest.mark.parametrize("case", ["base", "empty_experts", "odd_sizes"])
+@pytest.mark.parametrize("case", ["base", "empty_experts", "odd_sizes", "lora"])
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
 def test_fast_path_up_dgrad_in_windows(forced_fast_path, monkeypatch, recipe, case, cached):
     # the up projection's input gradient made column windows at a time (8 columns wide, at most 3): every
     # output and gradient bit-equal to one window's, one GEMM and one transposed weight cast per window (or,
     # inside cache_fp8_weights, slices of the one kept cast), each window's sum written into its columns
-    # (moeyard's GEMMs: bit-equal; the cutlass choice's CPU stand-in: to float32 rounding)
+    # (moeyard's GEMMs: bit-equal; the cutlass choice's CPU stand-in: to float32 rounding); with LoRA (on a
+    # frozen base under fp8_rowwise) each window's GEMM takes its columns of A
     import contextlib
     import importlib
 
     from moeyard.quant import fp8_triton
 
     hop = importlib.import_module("moeyard.experts.scaled_hopper")
-    inputs = _inputs(case)
+    if case == "lora" and os.environ["MOEYARD_FP8_GEMM"] == "cutlass":
+        pytest.skip("LoRA layers run per projection with the cutlass GEMM")
+    from helpers import add_lora
+
+    inputs = add_lora(_inputs("base"), 4) if case == "lora" else _inputs(case)
+    kw = dict(frozen=("gate_up_proj", "down_proj")) if case == "lora" and recipe == "fp8_rowwise" else {}
     T, H = inputs["hidden_states"].shape
     g = torch.randn(T, H, dtype=torch.float64)
     casts, real_cast = [], fp8_triton.colwise_per_expert
@@ -589,7 +595,7 @@ def test_fast_path_up_dgrad_in_windows(forced_fast_path, monkeypatch, recipe, ca
     block = moeyard.cache_fp8_weights if cached else contextlib.nullcontext
     monkeypatch.setattr(hop, "dgrad_windows", lambda *a: 1)
     with block():
-        whole = run_experts(inputs, torch.float32, "triton", g, recipe=recipe)
+        whole = run_experts(inputs, torch.float32, "triton", g, recipe=recipe, **kw)
     gemms, whole_casts = forced_fast_path.count("gemm"), list(casts)
     monkeypatch.setattr(hop, "WINDOW_COLS", 8)
     monkeypatch.setattr(hop, "MIN_WINDOW_ROWS", 16)
@@ -598,7 +604,7 @@ def test_fast_path_up_dgrad_in_windows(forced_fast_path, monkeypatch, recipe, ca
     monkeypatch.setattr(hop, "gathered_sum", lambda *a, **k: outs.append(k.get("out")) or real_sum(*a, **k))
     casts.clear()
     with block():
-        windows = run_experts(inputs, torch.float32, "triton", g, recipe=recipe)
+        windows = run_experts(inputs, torch.float32, "triton", g, recipe=recipe, **kw)
     outs = [o for o in outs if o is not None]  # the up projection's dgrad (the forward's combine: no out)
     bounds = hop.column_windows(H, 3)
     assert len(bounds) >= 2 and all((c1 - c0) % 8 == 0 for c0, c1 in bounds[:-1]), bounds
@@ -612,6 +618,28 @@ def test_fast_path_up_dgrad_in_windows(forced_fast_path, monkeypatch, recipe, ca
             assert torch.equal(windows[k], whole[k]), k
         else:
             torch.testing.assert_close(windows[k], whole[k], rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("case", ["base", "empty_experts", "odd_sizes"])
+@pytest.mark.parametrize(
+    "recipe, frozen", [("fp8_rowwise", True), ("fp8_rowwise_gw_hp", True), ("fp8_rowwise_gw_hp", False)]
+)
+def test_fast_path_lora_fused(forced_fast_path, recipe, frozen, case):
+    # LoRA on an FP8 base in the fused form: the adapter terms inside the four FP8 GEMMs (no GEMM more), the
+    # output and every gradient (x, routing weights, both factors of both projections, and the base weights
+    # when trained) as close to the exact layer as the recipe's own oracle; no warning
+    import warnings
+
+    if os.environ["MOEYARD_FP8_GEMM"] == "cutlass":
+        pytest.skip("LoRA layers run per projection with the cutlass GEMM")
+    from helpers import add_lora
+
+    inputs = add_lora(_inputs(case), 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _check_fused("triton", inputs, recipe, frozen=("gate_up_proj", "down_proj") if frozen else ())
+    assert forced_fast_path.count("fused") == 1 and forced_fast_path.count("gemm") == 4
+    assert forced_fast_path.count("wgrad_by_token") == (0 if frozen else 2)
 
 
 def test_column_windows():
@@ -737,10 +765,13 @@ def test_gw_hp_weight_gradient_in_compute_dtype(monkeypatch, fast):
     assert (grads["fp8_rowwise"][1] - want).abs().max() > 1e-3  # the FP8 wgrad differs: the test can fail
 
 
-@pytest.mark.parametrize("case", ["up_bias", "down_bias", "lora", "gpt_oss", "gelu", "drop_invalid", "frozen"])
+@pytest.mark.parametrize(
+    "case", ["up_bias", "down_bias", "lora", "lora_trained_base", "gpt_oss", "gelu", "drop_invalid", "frozen"]
+)
 def test_fast_path_forms_on_cpu(forced_fast_path, case):
     # fused (up bias, gpt-oss's interleaved clamped SwiGLU with an up bias only, a plain activation, dropped
-    # pairs, a frozen base) or per projection (a down bias, LoRA terms)
+    # pairs, a frozen base, LoRA on a frozen base) or per projection (a down bias; LoRA on a base trained with
+    # FP8 weight gradients, whose rows are padded per expert)
     kw, frozen = {}, ()
     if case in ("up_bias", "down_bias", "gpt_oss"):
         inp = make_inputs(40, 32, 16, 4, 2, bias=True, transposed=case == "gpt_oss")
@@ -748,10 +779,11 @@ def test_fast_path_forms_on_cpu(forced_fast_path, case):
             del inp["down_bias"]
         if case == "gpt_oss":
             kw = dict(transposed=True, interleaved=True, activation="clamped_swiglu")
-    elif case == "lora":
+    elif case.startswith("lora"):
         from helpers import add_lora
 
-        inp, frozen = add_lora(_inputs("base"), 4), ("gate_up_proj", "down_proj")
+        inp = add_lora(_inputs("base"), 4)
+        frozen = ("gate_up_proj", "down_proj") if case == "lora" else ()
     elif case == "gelu":
         inp, kw = make_inputs(40, 32, 16, 4, 2, gated=False), dict(activation="gelu")
     elif case == "drop_invalid":
@@ -761,22 +793,24 @@ def test_fast_path_forms_on_cpu(forced_fast_path, case):
         kw = dict(drop_invalid=True)
     else:
         inp, frozen = _inputs("base"), ("gate_up_proj", "down_proj")
-    fused = case not in ("down_bias", "lora")
+    # LoRA's thin GEMMs and its terms in the FP8 GEMMs need moeyard's FP8 GEMM: with cutlass, per projection
+    cutlass = os.environ["MOEYARD_FP8_GEMM"] == "cutlass"
+    composed = case in ("down_bias", "lora_trained_base") or (case == "lora" and cutlass)
     import importlib
     import warnings
 
     importlib.import_module("moeyard.experts.scaled_hopper")._warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if fused:
+        if not composed:
             _check_fused("grouped_mm", inp, frozen=frozen, **kw)
         else:
             _check("fp8_rowwise", "grouped_mm", inp, torch.float32, frozen=frozen, **kw)
     lora_warnings = [w for w in caught if "LoRA adapters runs each projection" in str(w.message)]
-    assert len(lora_warnings) == (case == "lora")  # LoRA on an FP8 base says it is the slow form, once
-    assert ("fused" in forced_fast_path) == fused
+    assert len(lora_warnings) == (composed and case.startswith("lora"))  # the slow form for LoRA says so, once
+    assert ("fused" in forced_fast_path) != composed
     assert "gemm" in forced_fast_path
-    assert forced_fast_path.count("dh_cast_kept") == fused and "dh_cast_again" not in forced_fast_path
+    assert forced_fast_path.count("dh_cast_kept") == (not composed) and "dh_cast_again" not in forced_fast_path
 
 
 def test_fast_path_invalid_ids_give_nan_rows(forced_fast_path):

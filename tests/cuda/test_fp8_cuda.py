@@ -139,10 +139,23 @@ def test_fast_path_matches_oracle(backend, case, recipe, fast_path_calls):
     assert fast_path_calls.count("gemm") == (fp8_gemms if _hopper() else 0)
 
 
-def test_fast_path_lora_on_frozen_base(fast_path_calls):
-    inp = add_lora(make_inputs(512, 256, 128, 8, 2), 16)
-    _check("triton", inp, frozen=FROZEN)
-    assert fast_path_calls.count("gemm") == (4 if _hopper() else 0)  # no wgrad for the frozen base
+@pytest.mark.parametrize(
+    "recipe, frozen", [("fp8_rowwise", True), ("fp8_rowwise_gw_hp", True), ("fp8_rowwise_gw_hp", False)]
+)
+@pytest.mark.parametrize("rank", [8, 16, 64])
+def test_fast_path_lora(fast_path_calls, recipe, frozen, rank):
+    # LoRA on an FP8 base: fused (the adapter terms inside the four FP8 GEMMs, on the Gluon kernel with auto)
+    # except with cutlass (per projection); the output and every gradient against the exact layer
+    import os
+
+    inp = add_lora(make_inputs(1024, 256, 128, 8, 2), rank)
+    inp["hidden_states"][:, :3] *= 30  # outlier channels
+    fused = os.environ["MOEYARD_FP8_GEMM"] != "cutlass"
+    _check("triton", inp, recipe=recipe, fused=fused, frozen=FROZEN if frozen else ())
+    if _hopper():
+        assert fast_path_calls.count("fused") == fused
+        fp8_gemms = 4 if frozen or recipe.endswith("gw_hp") else 6  # forward and dgrad (, FP8 wgrad)
+        assert fast_path_calls.count("gemm") == fp8_gemms
 
 
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])

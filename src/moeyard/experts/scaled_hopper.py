@@ -20,8 +20,9 @@ Two forms:
 
 - :class:`HopperRowwise`, the three GEMMs of one projection (:func:`moeyard.experts.scaled.scaled_linear`):
   any layer the composed pipeline builds (biases, LoRA terms, custom activations).
-- :func:`routed_ffn`, the whole routed FFN fused around the same GEMMs, for a named activation with no
-  LoRA term and no down-projection bias: the up projection casts each token's row once and gathers the
+- :func:`routed_ffn`, the whole routed FFN fused around the same GEMMs, for a named activation and no
+  down-projection bias (LoRA terms included where the rows need no per-expert padding: :func:`fused`): the
+  up projection casts each token's row once and gathers the
   e4m3 rows (the bf16 permuted copy of x is never made; its wgrad cast reads ``x`` through the rows'
   token index); the down projection casts ``act(h)`` straight from ``h`` with the routing weight folded into
   its rowwise scale (``act(h)`` is never written in bf16, nor kept: only ``h`` is); the combine is then an
@@ -29,6 +30,11 @@ Two forms:
   e4m3 like ``x`` (no ``[R, H]`` copy of it in bf16), and the routing weights' gradient ``<d out[t], y_r> = <d act_r,
   act(h_r)>`` comes out of the activation's backward kernel (the ``[T, K, H]`` pair copy a weighted combine
   keeps for it is never made). Same results as the composed form, up to where bf16 rounding happens.
+  LoRA terms (``y = x W_e^T + s (x A_e^T) B_e^T``, Hu et al., arXiv 2106.09685) ride in the same FP8
+  GEMMs: each adds ``s z B_e^T`` (forward, ``z = x A_e^T``) or ``s (dy B_e) A_e`` (input gradient) after its
+  scales, in the compute dtype (:class:`moeyard.quant.fp8_grouped.LowRankTerm`); the thin GEMMs that make
+  ``z`` and the factors' gradients are the ``triton`` backend's (:mod:`moeyard.experts.triton.function`).
+  The down projection's ``z`` is taken from ``rw * act(h)``, written once in the compute dtype for it.
 
 On a CPU (Triton's interpreter) ``torch._scaled_grouped_mm`` is replaced by its definition
 (:func:`scaled_grouped_mm`), so the tests run both forms everywhere. Elsewhere (another GPU, dtype or
@@ -111,26 +117,34 @@ def _forward(
     gemm: str,
     index: Tensor | None = None,
     tiles=None,
+    lora=None,
 ) -> tuple[Tensor, Tensor | None]:
     """``(x w_e^T, amax)`` from the cast rows ``(xq, xs)`` (``[R, K]``, or ``[T, K]`` read through ``index
     [R]``, :func:`_gathered_gemm`): casts ``w [E, N, K]`` per output channel (once per
     :func:`moeyard.cache_fp8_weights` block), which also gives ``amax [E, K]`` (or None), the columns' ``max
     |w|`` that :func:`_dgrad`'s transposed cast takes (:func:`moeyard.quant.fp8_triton.rowwise_per_expert`);
-    ``tiles``: the step's :class:`moeyard.quant.fp8_grouped.TileTable` (or None)."""
+    ``tiles``: the step's :class:`moeyard.quant.fp8_grouped.TileTable` (or None); ``lora``: a
+    :class:`moeyard.quant.fp8_grouped.LowRankTerm` the GEMM adds (or None)."""
     wq, ws, amax = weight_cache.cached(w, "rowwise", lambda: _cast().rowwise_per_expert(w))
-    return _gathered_gemm(xq_xs, wq, ws, offsets, dtype, gemm, index, tiles), amax
+    return _gathered_gemm(xq_xs, wq, ws, offsets, dtype, gemm, index, tiles, lora), amax
 
 
-def _gathered_gemm(a_sa, bq: Tensor, bs: Tensor, offsets: Tensor, dtype, gemm: str, index: Tensor | None, tiles=None):
+def _gathered_gemm(
+    a_sa, bq: Tensor, bs: Tensor, offsets: Tensor, dtype, gemm: str, index: Tensor | None, tiles=None, lora=None
+):
     """``out[r] = a[index[r]] b_e^T`` (rowwise scales; ``index`` None: ``a``'s own rows) for ``bq [E, N, K]``
-    e4m3 with ``bs [E, N]``: with ``gemm`` ``auto`` or ``triton`` (:func:`gemm_backend`)
-    :func:`moeyard.quant.fp8_grouped.grouped_mm` (the gather in its loads), with ``cutlass`` the rows gathered
-    first and ``torch._scaled_grouped_mm`` (fast accumulation: forward and dgrad contract over H or I only)."""
+    e4m3 with ``bs [E, N]``, plus the low-rank term ``lora`` when given: with ``gemm`` ``auto`` or ``triton``
+    (:func:`gemm_backend`) :func:`moeyard.quant.fp8_grouped.grouped_mm` (the gather in its loads), with
+    ``cutlass`` (no low-rank term: :func:`fused` keeps LoRA layers off it) the rows gathered first and
+    ``torch._scaled_grouped_mm`` (fast accumulation: forward and dgrad contract over H or I only)."""
     aq, sa = a_sa
     if gemm != "cutlass":
         from ..quant import fp8_grouped
 
-        return fp8_grouped.grouped_mm(aq, sa, bq, bs, offsets, dtype, index=index, gluon=gemm == "auto", tiles=tiles)
+        return fp8_grouped.grouped_mm(
+            aq, sa, bq, bs, offsets, dtype, index=index, gluon=gemm == "auto", tiles=tiles, lora=lora
+        )
+    assert lora is None, "the cutlass GEMM takes no low-rank term"
     if index is not None:
         aq, sa = rows_by_token(aq, index), rows_by_token(sa[:, None], index)[:, 0]  # zero rows: scale 0
     return scaled_grouped_mm(aq, bq.contiguous().mT, sa, bs.contiguous(), offsets, dtype, True)
@@ -170,22 +184,39 @@ def _wgrad_hp(dy: Tensor, x: Tensor, offsets: Tensor) -> Tensor:
 
 
 def fused(weights: ExpertWeights, activation: Activation) -> bool:
-    """Whether :func:`routed_ffn` computes this layer (a named activation; no LoRA term; no down bias)."""
-    return activation.fn is None and weights.lora_up is None and weights.lora_down is None and weights.b_down is None
+    """Whether :func:`routed_ffn` computes this layer: a named activation and no down bias; with LoRA terms
+    also rows that need no per-expert padding (:func:`unpadded`), which the ``triton`` backend's thin LoRA
+    GEMMs take."""
+    if activation.fn is not None or weights.b_down is not None:
+        return False
+    return (weights.lora_up is None and weights.lora_down is None) or unpadded(weights, gemm_backend())
+
+
+def unpadded(weights: ExpertWeights, gemm: str) -> bool:
+    """Whether the fused form's rows can go without per-expert padding (``Recipe.align``): no GEMM of the step
+    needs aligned groups when moeyard's FP8 GEMM (``gemm`` not ``cutlass``) runs forward and input gradients
+    and the weight gradients run in the compute dtype (``Recipe.wgrad`` None) or are not taken (a frozen
+    base, or no autograd)."""
+    if gemm == "cutlass":
+        return False
+    trains = torch.is_grad_enabled() and (weights.w_up.requires_grad or weights.w_down.requires_grad)
+    return weights.recipe.wgrad is None or not trains
 
 
 def warn_lora_composed(weights: ExpertWeights) -> None:
-    """Warn once per recipe that LoRA terms on an FP8 base run the composed form (each projection on its own,
-    the adapter terms as separate GEMMs in the compute dtype): correct, but slower than the compute dtype's
-    fused LoRA kernels (``recipe=None``) and holding more memory (H200, 2026-11-28, ``moeyard bench --lora 16
-    --recipe fp8_rowwise_gw_hp``: a LoRA step 1.4-2.2x bf16's; ``docs/fp8.md``)."""
+    """Warn once per recipe that LoRA terms on an FP8 base run the composed form here (each projection on its
+    own, the adapter terms as separate GEMMs in the compute dtype: the rows are padded per expert for FP8
+    weight gradients of a trained base, or the GEMM is ``cutlass``): correct, but slower than the fused
+    form's LoRA terms inside the FP8 GEMMs (``fp8_rowwise_gw_hp``, or a frozen base) and holding more memory
+    (H200, 2026-11-28, ``moeyard bench --lora 16 --recipe fp8_rowwise_gw_hp``, this form: a LoRA step 1.4-2.2x
+    bf16's; ``docs/fp8.md``)."""
     if (weights.lora_up is None and weights.lora_down is None) or ("lora", weights.recipe.name) in _warned:
         return
     _warned.add(("lora", weights.recipe.name))
     warnings.warn(
-        f"moeyard: recipe {weights.recipe.name!r} with LoRA adapters runs each projection on its own (no fused "
-        "FP8 LoRA kernels yet): measured 1.4-2.2x slower than recipe=None's fused LoRA step, with more memory; "
-        "for LoRA fine-tuning prefer recipe=None (see docs/fp8.md)",
+        f"moeyard: recipe {weights.recipe.name!r} with LoRA adapters runs each projection on its own here (a "
+        f"base trained with FP8 weight gradients, or {ENV_GEMM}=cutlass): measured 1.4-2.2x slower than bf16's "
+        "fused LoRA step, with more memory; freeze the base or use fp8_rowwise_gw_hp (see docs/fp8.md)",
         stacklevel=4,
     )
 
@@ -201,22 +232,26 @@ def routed_ffn(
 ) -> Tensor:
     """The routed expert FFN under ``weights.recipe`` (``fp8_rowwise``) in the fused form (module docstring):
     ``x [T, H]``, ``topk_ids`` / ``topk_weights`` ``[T, K]`` -> ``[T, H]``; differentiable w.r.t. ``x``,
-    ``topk_weights``, both weights and the up bias. Pairs with an invalid id add nothing; without
-    ``drop_invalid`` their NaN routing weight (:func:`moeyard.experts` sets it) makes their token's row NaN."""
+    ``topk_weights``, both weights, the up bias and the LoRA factors. Pairs with an invalid id add nothing;
+    without ``drop_invalid`` their NaN routing weight (:func:`moeyard.experts` sets it) makes their token's
+    row NaN."""
     recipe = weights.recipe
     T, K = topk_ids.shape
     gemm = gemm_backend()  # read once: forward and backward must agree with the plan's alignment
-    # with the weight gradients in the compute dtype and moeyard's FP8 GEMM, no GEMM needs aligned groups
-    unpadded = recipe.wgrad is None and gemm != "cutlass"
-    plan = make_plan(topk_ids, weights.num_experts, align=1 if unpadded else recipe.align)
+    flat = unpadded(weights, gemm)
+    plan = make_plan(topk_ids, weights.num_experts, align=1 if flat else recipe.align)
     live = plan.valid.view(T, K)
     offsets = plan.padded_offsets
     # each pair's row, -1 for an invalid pair (the combines skip it: its row is past offsets[E], unwritten)
     row_tokens, pair_rows = plan.row_tokens(), plan.pair_rows.view(T, K).masked_fill(~live, -1)
-    hp = None if recipe.wgrad is not None else _HighPrecisionWgrad(plan, topk_ids, row_tokens, by_token=unpadded)
+    lora = weights.lora_up is not None or weights.lora_down is not None
+    # the triton backend's view of the rows, for the kernels that read one operand by token (unpadded rows)
+    routing = _routing(plan, topk_ids) if flat and (lora or recipe.wgrad is None) else None
+    hp = None if recipe.wgrad is not None else _HighPrecisionWgrad(plan, row_tokens, routing)
     dh_cast = _DhCast()
     tiles = _tile_table() if gemm != "cutlass" else None  # the four FP8 GEMMs' tile table, made once per step
-    h = _GatheredUp.apply(x, weights.w_up, row_tokens, pair_rows, offsets, gemm, hp, dh_cast, tiles)
+    up, down = _Adapter.of(weights.lora_up, routing), _Adapter.of(weights.lora_down, routing)
+    h = _GatheredUp.apply(x, weights.w_up, *up.factors, row_tokens, pair_rows, offsets, gemm, hp, dh_cast, tiles, up)
     if weights.b_up is not None:
         from .pipeline import add_row_bias
 
@@ -228,6 +263,7 @@ def routed_ffn(
     out = _ActDownCombine.apply(
         h,
         weights.w_down,
+        *down.factors,
         offsets,
         rw,
         row_tokens,
@@ -239,8 +275,58 @@ def routed_ffn(
         dh_cast,
         tiles,
         nan_terms,
+        down,
     )
     return out
+
+
+def _routing(plan: DispatchPlan, topk_ids: Tensor):
+    """The plan's unpadded rows as the ``triton`` backend's kernels take them (:class:`.triton.ops.Routing`)."""
+    from .triton import ops
+
+    return ops.Routing(
+        topk_ids=topk_ids.contiguous(),
+        sort_order=plan.sort_order,
+        expert_offsets=plan.expert_offsets,
+        num_experts=plan.num_experts,
+    )
+
+
+class _Adapter:
+    """A projection's LoRA adapter as the fused form runs it: ``factors`` ``(A [E, r, in], B [E, out, r])``
+    (passed to the autograd functions as inputs, for their gradients; ``(None, None)`` without an adapter),
+    the scale ``s`` and the rows' :class:`.triton.ops.Routing` for the thin GEMMs."""
+
+    NONE: _Adapter
+
+    def __init__(self, a: Tensor | None, b: Tensor | None, scale: float, routing):
+        self.factors, self.scale, self.routing = (a, b), scale, routing
+
+    @staticmethod
+    def of(lora, routing) -> _Adapter:
+        return _Adapter.NONE if lora is None else _Adapter(lora.a, lora.b, lora.scaling, routing)
+
+    def rows(self, t: Tensor, factor: Tensor, *, by_token: bool) -> Tensor:
+        """``[R, r]``: each row of ``t`` (``[T, .]`` read at the row's token with ``by_token``, else ``[R, .]``)
+        times its expert's ``factor [E, ., r]`` (a thin grouped GEMM of the ``triton`` backend)."""
+        from .triton import ops
+
+        return ops.low_rank_rows(t, factor, self.routing, gather=by_token)
+
+    def term(self, z: Tensor, lb: Tensor):
+        """The FP8 GEMM's low-rank term ``s z lb_e^T``."""
+        from ..quant.fp8_grouped import LowRankTerm
+
+        return LowRankTerm(z, lb, self.scale)
+
+    def factor_grad(self, lhs: Tensor, rhs: Tensor, lhs_by_token: bool, rhs_by_token: bool, like: Tensor) -> Tensor:
+        """``s lhs_e^T rhs_e`` shaped like the factor ``like`` (:func:`.triton.function._thin_wgrad`)."""
+        from .triton.function import _thin_wgrad
+
+        return _thin_wgrad(lhs, rhs, lhs_by_token, rhs_by_token, self.routing, like, self.scale)
+
+
+_Adapter.NONE = _Adapter(None, None, 0.0, None)
 
 
 def _tile_table():
@@ -265,10 +351,11 @@ def _dgrad(
     index: Tensor | None = None,
     amax: Tensor | None = None,
     tiles=None,
+    lora=None,
 ) -> Tensor:
-    """``dx = dy w_e`` from the rowwise cast of ``dy`` (``[R, N]``, or ``[T, N]`` read through ``index``):
-    casts ``w [E, N, K]`` per input channel (:func:`_weight_t`)."""
-    return _gathered_gemm(dyq_dys, *_weight_t(w, amax), offsets, dtype, gemm, index, tiles)
+    """``dx = dy w_e`` (plus the low-rank term ``lora``, or None) from the rowwise cast of ``dy`` (``[R, N]``,
+    or ``[T, N]`` read through ``index``): casts ``w [E, N, K]`` per input channel (:func:`_weight_t`)."""
+    return _gathered_gemm(dyq_dys, *_weight_t(w, amax), offsets, dtype, gemm, index, tiles, lora)
 
 
 def _weight_t(w: Tensor, amax: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -326,9 +413,11 @@ def _dgrad_summed(
     gemm: str,
     amax: Tensor | None,
     tiles=None,
+    low_rank: tuple | None = None,
 ) -> Tensor:
     """``dx [T, H]``, each token's sum over its live rows ``r`` (``pair_rows [T, K]``, -1: none) of ``d h_r
-    w_e``, from the rowwise cast of ``d h [R, 2I]`` (``dh_cast``'s, :class:`_DhCast`) and ``w [E, 2I, H]``.
+    w_e`` (plus, with ``low_rank = (adapter, g, A)``, the LoRA term ``s g_r A_e``: :class:`_Adapter`, ``g =
+    d h B_e [R, r]``, ``A [E, r, H]``, each window taking its columns of ``A``), from the rowwise cast of ``d h [R, 2I]`` (``dh_cast``'s, :class:`_DhCast`) and ``w [E, 2I, H]``.
     Made :func:`dgrad_windows` column windows at a time (:func:`column_windows`; one below
     :data:`MIN_WINDOW_ROWS` rows): for each, ``W_up``'s transposed cast of those columns
     (:func:`_weight_t_cols`), the GEMM's ``[R, c1 - c0]`` rows and their sum into ``dx``'s columns
@@ -343,7 +432,8 @@ def _dgrad_summed(
     dx = dh.new_empty(pair_rows.shape[0], H) if len(windows) > 1 else None
     for i, (c0, c1) in enumerate(windows):
         wq, ws = _weight_t_cols(w, amax, c0, c1)
-        d_rows = _gathered_gemm((dhq, dhs), wq, ws, offsets, dh.dtype, gemm, None, tiles)
+        term = None if low_rank is None else low_rank[0].term(low_rank[1], low_rank[2][:, :, c0:c1].mT)
+        d_rows = _gathered_gemm((dhq, dhs), wq, ws, offsets, dh.dtype, gemm, None, tiles, term)
         del wq, ws
         if i == len(windows) - 1:  # not held through the last sum
             del dhq, dhs
@@ -357,20 +447,12 @@ def _dgrad_summed(
 class _HighPrecisionWgrad:
     """The weight gradients of a recipe with ``wgrad=None``, in the compute dtype: ``dw_e = lhs_e^T rhs_e``
     with one operand read by token (``x`` or ``d out``, ``[T, .]``) and the other in the plan's rows. With
-    ``by_token`` (unpadded rows) on the ``triton`` backend's weight-gradient kernels, which read the first by
-    token (no ``[R, .]`` copy of it); else that operand's rows gathered for ``torch._grouped_mm``."""
+    ``routing`` (unpadded rows, :func:`_routing`) on the ``triton`` backend's weight-gradient kernels, which
+    read the first by token (no ``[R, .]`` copy of it); else (None) that operand's rows gathered for
+    ``torch._grouped_mm``."""
 
-    def __init__(self, plan: DispatchPlan, topk_ids: Tensor, row_tokens: Tensor, *, by_token: bool):
-        self.row_tokens, self.offsets, self.routing = row_tokens, plan.padded_offsets, None
-        if by_token:
-            from .triton import ops
-
-            self.routing = ops.Routing(
-                topk_ids=topk_ids.contiguous(),
-                sort_order=plan.sort_order,
-                expert_offsets=plan.expert_offsets,
-                num_experts=plan.num_experts,
-            )
+    def __init__(self, plan: DispatchPlan, row_tokens: Tensor, routing):
+        self.row_tokens, self.offsets, self.routing = row_tokens, plan.padded_offsets, routing
 
     def __call__(self, by_token: Tensor, rows: Tensor, token_first: bool, like_w: Tensor) -> Tensor:
         """``dw`` shaped like ``like_w``: ``lhs, rhs = (by_token, rows)`` if ``token_first`` else ``(rows, by_token)``."""
@@ -422,98 +504,145 @@ class _DhCast:
 
 
 class _GatheredUp(torch.autograd.Function):
-    """``h = x[row_tokens] w_e^T`` with the e4m3 rows read by token from one cast per token; backward: ``dx``
-    summed over each token's live rows, ``dw`` from ``x`` read through ``row_tokens`` (in FP8, or with ``hp``
-    in the compute dtype: :class:`_HighPrecisionWgrad`). The pairs' rows and the weight's column ``amax``,
-    which only the input gradient reads, are let go before the weight gradient (where this backward holds
-    most), unless the backward keeps its graph."""
+    """``h = x[row_tokens] w_e^T`` (``+ s (x A_e^T) B_e^T`` with an adapter: :class:`_Adapter`) with the e4m3
+    rows read by token from one cast per token; backward: ``dx`` summed over each token's live rows, ``dw``
+    from ``x`` read through ``row_tokens`` (in FP8, or with ``hp`` in the compute dtype:
+    :class:`_HighPrecisionWgrad`), the factors' gradients from the thin GEMMs. The pairs' rows and the
+    weight's column ``amax``, which only the input gradient reads, are let go before the weight gradient
+    (where this backward holds most), unless the backward keeps its graph."""
 
     @staticmethod
-    def forward(ctx, x, w, row_tokens, pair_rows, offsets, gemm, hp, dh_cast, tiles):
-        ctx.save_for_backward(x, w, row_tokens, offsets)
-        ctx.gemm, ctx.hp, ctx.dh_cast, ctx.tiles = gemm, hp, dh_cast, tiles
+    def forward(ctx, x, w, a_lo, b_lo, row_tokens, pair_rows, offsets, gemm, hp, dh_cast, tiles, adapter):
+        z = term = None
+        if a_lo is not None:  # z = x[row] A_e^T, kept for B's gradient
+            z = adapter.rows(x, a_lo.mT, by_token=True)
+            term = adapter.term(z, b_lo)
+        ctx.save_for_backward(x, w, row_tokens, offsets, a_lo, b_lo, z)
+        ctx.gemm, ctx.hp, ctx.dh_cast, ctx.tiles, ctx.adapter = gemm, hp, dh_cast, tiles, adapter
         ctx.pair_rows = pair_rows  # internal (made by routed_ffn), never modified: held as is
         dh_cast.wanted = ctx.needs_input_grad[0]  # whether backward's dgrad will take d h's e4m3 cast
-        h, ctx.w_amax = _forward(_cast().rowwise(x), w, offsets, x.dtype, gemm, row_tokens, tiles)
+        h, ctx.w_amax = _forward(_cast().rowwise(x), w, offsets, x.dtype, gemm, row_tokens, tiles, term)
         return h
 
     @staticmethod
     def backward(ctx, dh):
-        x, w, row_tokens, offsets = ctx.saved_tensors
+        x, w, row_tokens, offsets, a_lo, b_lo, z = ctx.saved_tensors
+        need_x, need_w, need_a, need_b = (ctx.needs_input_grad[i] for i in range(4))
+        adapter = ctx.adapter
         cast = _cast()
         dh = dh.contiguous()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = _dgrad_summed(ctx.dh_cast, dh, w, offsets, ctx.pair_rows, ctx.gemm, ctx.w_amax, ctx.tiles)
+        dx = dw = da = db = g = None
+        if a_lo is not None and need_b and (need_x or need_a) and _one_pass(b_lo, adapter.routing):
+            from .triton import ops  # dB_e = s d h^T z and the rows g = d h B_e from one pass over d h
+
+            db, g = ops.wgrad_rows(dh, z, b_lo, lhs_by_token=False, r=adapter.routing, alpha=adapter.scale)
+        elif a_lo is not None and (need_x or need_a):
+            g = adapter.rows(dh, b_lo, by_token=False)
+        if need_x:
+            low_rank = None if a_lo is None else (adapter, g, a_lo)
+            dx = _dgrad_summed(ctx.dh_cast, dh, w, offsets, ctx.pair_rows, ctx.gemm, ctx.w_amax, ctx.tiles, low_rank)
         if not _graph_kept():  # read by the input gradient only
             ctx.pair_rows = ctx.w_amax = None
-        if ctx.needs_input_grad[1] and ctx.hp is not None:
+        if need_w and ctx.hp is not None:
             dw = ctx.hp(x, dh, False, w)
-        elif ctx.needs_input_grad[1]:
+        elif need_w:
             dw = _wgrad(
                 cast.colwise_per_group(dh, offsets),
                 cast.colwise_per_group(x, offsets, index=row_tokens),
                 offsets,
                 dh.dtype,
             )
-        return dx, dw, None, None, None, None, None, None, None
+        if need_a:  # dA_e = s (d h B_e)^T x
+            da = adapter.factor_grad(g, x, False, True, a_lo)
+        if need_b and db is None:  # dB_e = s d h^T (x A_e^T)
+            db = adapter.factor_grad(dh, z, False, False, b_lo)
+        return dx, dw, da, db, None, None, None, None, None, None, None, None
+
+
+def _one_pass(b: Tensor, routing) -> bool:
+    """:func:`.triton.function._one_pass`: whether ``dB`` and the rows ``d h B_e`` come from one pass."""
+    from .triton.function import _one_pass as one_pass
+
+    return one_pass(b, routing)
 
 
 class _ActDownCombine(torch.autograd.Function):
-    """``out[t] = sum over t's live rows r of rw_r * act(h_r) w_e^T`` (``rw`` folded into the rowwise scale
-    of ``act(h)``; the combine an unweighted gathered sum); backward from ``d out [T, H]``: the rows' ``dy =
-    d out[token]`` cast once per token and gathered in e4m3 (no ``[R, H]`` copy in the compute dtype), ``d h``
-    and ``d rw`` from one kernel over ``h`` and ``d act``, ``dw`` from ``act(h)`` cast again from ``h`` and
-    ``d out`` read through the rows' tokens (with ``hp`` in the compute dtype, :class:`_HighPrecisionWgrad`,
-    from ``rw * act(h)`` written once, by the same kernel as ``d h``); ``d h``'s e4m3 cast for the up
-    projection's dgrad comes from that kernel too (``dh_cast``, :class:`_DhCast`), and ``d h`` itself goes
-    into ``h``'s memory unless the backward keeps its graph (``retain_graph``, ``create_graph``)."""
+    """``out[t] = sum over t's live rows r of rw_r * act(h_r) w_e^T`` (``+ s (rw_r act(h_r) A_e^T) B_e^T``
+    with an adapter, :class:`_Adapter`; ``rw`` folded into the rowwise scale of ``act(h)``; the combine an
+    unweighted gathered sum); backward from ``d out [T, H]``: the rows' ``dy = d out[token]`` cast once per
+    token and gathered in e4m3 (no ``[R, H]`` copy in the compute dtype), ``d h`` and ``d rw`` from one kernel
+    over ``h`` and ``d act``, ``dw`` from ``act(h)`` cast again from ``h`` and ``d out`` read through the
+    rows' tokens (with ``hp`` in the compute dtype, :class:`_HighPrecisionWgrad`, from ``rw * act(h)``
+    written once, by the same kernel as ``d h``, which the factor ``A``'s gradient reads too); ``d h``'s e4m3
+    cast for the up projection's dgrad comes from that kernel too (``dh_cast``, :class:`_DhCast`), and ``d
+    h`` itself goes into ``h``'s memory unless the backward keeps its graph (``retain_graph``,
+    ``create_graph``)."""
 
     @staticmethod
-    def forward(ctx, h, w, offsets, rw, row_tokens, pair_rows, act, interleaved, gemm, hp, dh_cast, tiles, terms):
-        aq, a_s = _cast().rowwise(h, act, interleaved=interleaved)
-        y, ctx.w_amax = _forward((aq, a_s * rw), w, offsets, h.dtype, gemm, tiles=tiles)
-        ctx.save_for_backward(h, w, offsets, rw, row_tokens)
+    def forward(
+        ctx, h, w, a_lo, b_lo, offsets, rw, row_tokens, pair_rows, act, interleaved, gemm, hp, dh_cast, tiles, terms, ad
+    ):
+        cast = _cast()
+        aq, a_s = cast.rowwise(h, act, interleaved=interleaved)
+        z = term = None
+        if a_lo is not None:  # z = (rw act(h)) A_e^T, kept for B's gradient
+            z = ad.rows(cast.act_rows(h, act, interleaved=interleaved, row_weights=rw), a_lo.mT, by_token=False)
+            term = ad.term(z, b_lo)
+        y, ctx.w_amax = _forward((aq, a_s * rw), w, offsets, h.dtype, gemm, tiles=tiles, lora=term)
+        del aq, a_s
+        ctx.save_for_backward(h, w, offsets, rw, row_tokens, a_lo, b_lo, z)
         ctx.act, ctx.interleaved, ctx.gemm, ctx.hp, ctx.dh_cast, ctx.tiles = act, interleaved, gemm, hp, dh_cast, tiles
+        ctx.adapter = ad
         return gathered_sum(y, pair_rows, row_terms=terms)[0]
 
     @staticmethod
     def backward(ctx, d_out):
-        h, w, offsets, rw, row_tokens = ctx.saved_tensors
+        h, w, offsets, rw, row_tokens, a_lo, b_lo, z = ctx.saved_tensors
+        need_h, need_w, need_a, need_b, need_rw = (ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 5))
+        ad = ctx.adapter
         cast = _cast()
         d_out = d_out.contiguous()
-        dh = drw = dw = a_rows = None
-        hp_wgrad = ctx.needs_input_grad[1] and ctx.hp is not None
-        if ctx.needs_input_grad[1] and not hp_wgrad:  # the FP8 weight gradient reads h: before d h takes it
+        dh = drw = dw = da = db = a_rows = g = None
+        hp_wgrad = need_w and ctx.hp is not None
+        if need_w and not hp_wgrad:  # the FP8 weight gradient reads h: before d h takes it
             a_t = cast.colwise_per_group(h, offsets, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
             dw = _wgrad(cast.colwise_per_group(d_out, offsets, index=row_tokens), a_t, offsets, d_out.dtype)
             del a_t
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
-            # d / d (rw * act(h))
-            da = _dgrad(cast.rowwise(d_out), w, offsets, d_out.dtype, ctx.gemm, row_tokens, ctx.w_amax, ctx.tiles)
-            quantize = ctx.needs_input_grad[0] and ctx.dh_cast.wanted
+        if a_lo is not None and (need_h or need_rw or need_a):  # g = d out[token] B_e
+            g = ad.rows(d_out, b_lo, by_token=True)
+        if need_h or need_rw:
+            # d / d (rw * act(h)), with the adapter's s g A_e
+            term = None if a_lo is None else ad.term(g, a_lo.mT)
+            da_ = _dgrad(
+                cast.rowwise(d_out), w, offsets, d_out.dtype, ctx.gemm, row_tokens, ctx.w_amax, ctx.tiles, term
+            )
+            quantize = need_h and ctx.dh_cast.wanted
             grads = cast.act_backward(
                 h,
-                da,
+                da_,
                 ctx.act,
                 interleaved=ctx.interleaved,
                 row_weights=rw,
                 quantize=quantize,
-                with_act_rows=hp_wgrad,
-                overwrite_da=True,  # da is dropped below: d h's e4m3 cast takes its memory
+                with_act_rows=hp_wgrad or need_a,
+                overwrite_da=True,  # da_ is dropped below: d h's e4m3 cast takes its memory
                 # h is read no more (rw * act(h) comes from the same kernel): d h takes its memory, unless this
                 # backward keeps the graph for another (retain_graph, create_graph), which reads h again
                 overwrite_h=not _graph_kept(),
             )
-            del da
+            del da_
             dh, drw, a_rows = grads.dh, grads.d_row_weights, grads.act_rows
             if quantize:
                 ctx.dh_cast.put(dh, grads.dh_fp8)
+        if (hp_wgrad or need_a) and a_rows is None:
+            a_rows = cast.act_rows(h, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
         if hp_wgrad:
-            if a_rows is None:
-                a_rows = cast.act_rows(h, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
             dw = ctx.hp(d_out, a_rows, True, w)
-        return dh, dw, None, drw, None, None, None, None, None, None, None, None, None
+        if need_a:  # dA_e = s (d out B_e)^T (rw act(h))
+            da = ad.factor_grad(g, a_rows, False, False, a_lo)
+        if need_b:  # dB_e = s d out^T z, z = (rw act(h)) A_e^T
+            db = ad.factor_grad(d_out, z, True, False, b_lo)
+        return dh, dw, da, db, None, drw, None, None, None, None, None, None, None, None, None, None
 
 
 def _graph_kept() -> bool:
