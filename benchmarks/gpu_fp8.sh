@@ -14,7 +14,10 @@
 #   (benchmarks/memory_peak.py: what is alive at the peak of one step, FP8_MEMORY_ARGS its arguments); "probe"
 #   (benchmarks/fp8_gemm_probe.py, FP8_PROBE_ARGS its arguments: each FP8 GEMM alone); "ab" (this tree against
 #   BASE, an earlier src/ in a carried git-ignored folder: the bench's bf16 and gw_hp rows, trees interleaved,
-#   FP8_AB_RUNS times each, FP8_BENCH_ARGS added; benchmarks/ab_table.py prints each run and the medians' difference).
+#   FP8_AB_RUNS times each, FP8_BENCH_ARGS added; benchmarks/ab_table.py prints each run and the medians' difference);
+#   "lora" (LoRA on an FP8 base: the FP8 GEMMs' low-rank term and the fused LoRA layer's CUDA tests, then the LoRA
+#   bench, bf16 and FP8 base, frozen and LoRA rows, at the given models (default the three LoRA shapes), with
+#   FP8_LORA_ACCUM micro-batches per cast block, default "1 8").
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -59,6 +62,13 @@ for s in $STEPS; do case $s in
           --json "$OUT/ab_${tree}_$r.json" "${margs[@]}" ${FP8_BENCH_ARGS:-}
       done; done
       step ab_table 20 python3 benchmarks/ab_table.py "$OUT" ;;
+  lora) step pytest_lora 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_grouped.py \
+          tests/cuda/test_fp8_cuda.py
+        lmodels=("${margs[@]}"); [ ${#lmodels[@]} -eq 0 ] && lmodels=(--model qwen3-30b-a3b --model qwen3.5-35b-a3b --model olmoe-1b-7b)
+        for m in ${FP8_LORA_ACCUM:-1 8}; do
+          step "bench_lora$m" 300 python3 -m moeyard bench --lora 16 --recipe "${FP8_RECIPES:-fp8_rowwise_gw_hp}" \
+            --backends frozen,lora --grad-accum "$m" --warmup 2 --iters 6 --json "$OUT/bench_lora$m.json" "${lmodels[@]}"
+        done ;;
   memory) step memory_fp8 150 python3 benchmarks/memory_peak.py \
             ${FP8_MEMORY_ARGS:---model qwen3-30b-a3b --model sonic-120b --recipes none,fp8_rowwise_gw_hp} ;;
   ckpt) step pytest_ckpt 150 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_fp8_checkpoint_cuda.py
