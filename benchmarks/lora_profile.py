@@ -2,6 +2,10 @@
 :mod:`moeyard.bench.lora` (torch.profiler), and the tile configs the autotuner picked.
 
     python benchmarks/lora_profile.py [--model qwen3-30b-a3b] [--rank 16] [--modes split fused] [--regs] [--sequence]
+                                      [--recipe fp8_rowwise_gw_hp]
+
+``--recipe``: also the ``frozen`` and ``lora`` steps on an FP8 base under that recipe (columns
+``frozen+<recipe>``, ``lora+<recipe>``).
 
 ``--regs``: also every compiled variant of the grouped GEMM kernels (each config the autotuner tried)
 with its compiled registers per thread and spills (``n_regs``, ``n_spills``) and shared memory next to
@@ -102,6 +106,7 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["split"], choices=options.LORA_MODES)
     p.add_argument("--regs", action="store_true", help="compiled n_regs / n_spills against the estimates")
     p.add_argument("--sequence", action="store_true", help="each column's kernels of one step in launch order")
+    p.add_argument("--recipe", default=None, help="also the frozen and LoRA steps on an FP8 base (recipe name)")
     a = p.parse_args()
     torch.manual_seed(0)
     case = bench_lora.make_case(get_model(a.model), a.rank, torch.device("cuda"), torch.bfloat16)
@@ -110,6 +115,8 @@ def main() -> None:
     for mode in a.modes:
         with options.use_options(lora_mode=mode):
             cols[f"lora/{mode}"], seqs[f"lora/{mode}"] = kernel_times(bench_lora.build("lora", case), case)
+    for impl in [f"frozen+{a.recipe}", f"lora+{a.recipe}"] if a.recipe else []:
+        cols[impl], seqs[impl] = kernel_times(bench_lora.build(impl, case), case)
     names = sorted({k for c in cols.values() for k in c}, key=lambda k: -max(c.get(k, 0) for c in cols.values()))
     print(f"{'kernel':60} " + " ".join(f"{c:>12}" for c in cols))
     for k in names:
