@@ -263,6 +263,7 @@ def test_compile_wraps_moeyard_rows_only(monkeypatch):
         (dict(iters=0), "--iters"),
         (dict(zipf_alpha=0.0), "--zipf-alpha"),
         (dict(compile="fast"), "--compile"),
+        (dict(cuda_graph=True), "--cuda-graph: needs a CUDA device"),
     ],
 )
 def test_bad_options_name_the_flag(kw, flag):

@@ -121,9 +121,10 @@ def test_bench_bad_shape_is_a_clear_error(capsys):
 
 
 @pytest.mark.parametrize("other", [["--e2e"], ["--lora", "8"], ["--ep", "2"]])
-def test_bench_compile_is_for_the_layer_benchmark(capsys, other):
-    assert cli.main(["bench", "--compile", *other]) == 2
-    assert "--compile: times the layer benchmark only" in capsys.readouterr().err
+@pytest.mark.parametrize("flag", ["--compile", "--cuda-graph"])
+def test_bench_compile_and_graphs_are_for_the_layer_benchmark(capsys, other, flag):
+    assert cli.main(["bench", flag, *other]) == 2
+    assert f"{flag}: times the layer benchmark only" in capsys.readouterr().err
 
 
 def test_bench_unknown_model(capsys):

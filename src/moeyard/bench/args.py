@@ -123,6 +123,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "cache_fp8_weights(), reported per step; default 1",
     )
     p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="layer benchmark, CUDA: capture each row's forward and forward+backward in a CUDA graph and time "
+        "the replays (the GPU's time without the host's launches; the first input set replayed); a row "
+        "that cannot be captured reports the error",
+    )
+    p.add_argument(
         "--seq-len",
         type=int,
         metavar="S",
@@ -211,6 +218,7 @@ def bench_options(args, command: str) -> BenchOptions:
         compile=args.compile,
         recipes=_names(args.recipe),
         accumulate=1 if args.e2e or args.grad_accum is None else args.grad_accum,
+        cuda_graph=args.cuda_graph,
     )
 
 
@@ -219,7 +227,7 @@ def _names(csv: str | None) -> list[str] | None:
 
 
 # flags that choose what to run: none of them goes with --from
-_RUN_FLAGS = ("model", "shape", "e2e", "lora", "quant", "trace", "json", "ep", "list_models", "compile")
+_RUN_FLAGS = ("model", "shape", "e2e", "lora", "quant", "trace", "json", "ep", "list_models", "compile", "cuda_graph")
 
 
 def check_bench_arguments(args) -> None:
@@ -256,6 +264,8 @@ def check_bench_arguments(args) -> None:
         )
     if given("compile") and (args.e2e or given("lora") or given("quant") or args.ep):
         raise ValueError("--compile: times the layer benchmark only (not with --e2e, --lora, --quant or --ep)")
+    if given("cuda_graph") and (args.e2e or given("lora") or given("quant") or args.ep or args.framework == "jax"):
+        raise ValueError("--cuda-graph: times the layer benchmark only (not with --e2e, --lora, --quant, --ep or jax)")
     for name in ("tiny", "seq_len", "vocab"):
         if given(name) and not args.e2e:
             raise ValueError(f"--{name.replace('_', '-')}: only with --e2e")

@@ -106,6 +106,8 @@ class BenchOptions:
     # steps per gradient-accumulation block: each timed unit is this many steps inside one
     # moeyard.cache_fp8_weights() block (FP8 weights cast once per block), reported per step
     accumulate: int = 1
+    # capture each moeyard row's forward and forward + backward in a CUDA graph and time the replays
+    cuda_graph: bool = False
 
 
 def default_device() -> str:
@@ -131,6 +133,11 @@ def resolve_options(opts: BenchOptions) -> BenchOptions:
         raise ValueError(f"--warmup/--iters: expected warmup >= 0 and iters >= 1, got {warmup}, {iters}")
     if not (isinstance(opts.accumulate, int) and opts.accumulate >= 1):
         raise ValueError(f"--grad-accum: expected a positive integer, got {opts.accumulate!r}")
+    if opts.cuda_graph and (not cuda or opts.accumulate > 1 or opts.compile or opts.trace):
+        raise ValueError(
+            f"--cuda-graph: needs a CUDA device and goes without --grad-accum, --compile and --trace (device "
+            f"{device!r}, grad-accum {opts.accumulate}, compile {opts.compile!r}, trace {opts.trace!r})"
+        )
     check_trace_dir(opts.trace)
     if opts.compile is not None and opts.compile not in COMPILE_MODES:
         raise ValueError(f"--compile: expected one of {COMPILE_MODES}, got {opts.compile!r}")
@@ -305,7 +312,9 @@ def build(name: str, config: MoEConfig, device, dtype) -> nn.Module:
 
 def measure(module: nn.Module, inputs: Inputs, opts: BenchOptions, trace_stem: str | None = None) -> dict:
     """fwd / fwd+bwd milliseconds and peak extra GiB (CUDA) of ``module`` on ``inputs``; with
-    ``opts.trace``, then one profiled fwd+bwd into ``opts.trace/<trace_stem>`` (:mod:`moeyard.bench.trace`)."""
+    ``opts.trace``, then one profiled fwd+bwd into ``opts.trace/<trace_stem>`` (:mod:`moeyard.bench.trace`);
+    with ``opts.cuda_graph``, the replays of each captured in a CUDA graph (:func:`graphed`; the peak then
+    counts the graph's memory pool)."""
     device, n = torch.device(opts.device), len(inputs.xs)
     params = [p for p in module.parameters() if p.requires_grad]
     with torch.no_grad():
@@ -330,6 +339,15 @@ def measure(module: nn.Module, inputs: Inputs, opts: BenchOptions, trace_stem: s
         clear()
         fwd(i).backward(inputs.dys[i])
 
+    if opts.cuda_graph:
+        drop = lambda: _drop_step_state(module)  # noqa: E731
+        fwd_ms = time_ms(graphed(lambda: fwd(0), device, after=drop), 1, opts.warmup, opts.iters, device)
+        clear()
+        base = reset_peak(device)
+        fwdbwd_ms = time_ms(graphed(lambda: fwd_bwd(0), device, after=drop), 1, opts.warmup, opts.iters, device)
+        peak = (torch.cuda.max_memory_allocated(device) - base) / GIB
+        clear()
+        return {"fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms, "peak_gib": peak}
     fwd_ms = time_ms(accumulated(fwd, opts.accumulate, n), n, opts.warmup, opts.iters, device) / opts.accumulate
     clear()
     base = reset_peak(device)
@@ -341,6 +359,39 @@ def measure(module: nn.Module, inputs: Inputs, opts: BenchOptions, trace_stem: s
         out.update(trace_step(lambda: fwd_bwd(0), opts.trace, trace_stem or "layer", device))
     clear()
     return out
+
+
+def graphed(
+    step: Callable[[], object], device: torch.device, warmup: int = 3, after: Callable[[], None] = lambda: None
+) -> Callable[[int], None]:
+    """``step`` captured once in a CUDA graph (``torch.cuda.graph``, after ``warmup`` eager runs on a side
+    stream, as capture asks: autotuning and lazy allocations happen there) -> ``i -> replay``: each replay
+    reruns the captured kernels on the captured inputs (the first input set), without the host's launch
+    work, which :func:`time_ms` then leaves out of the time. ``after`` runs after each eager run and after
+    the capture, outside it (e.g. dropping what a layer keeps of its last step, so that no tensor made
+    outside the capture is freed inside it). Raises what capture raises for a step that cannot be captured
+    (a host sync, a CPU tensor)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+            after()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    after()
+    return lambda i: graph.replay()
+
+
+def _drop_step_state(module: nn.Module) -> None:
+    """Let go of what a moeyard ``MoE`` keeps of its last step (``aux_loss``, ``routing``), as
+    :func:`graphed` needs between runs; nothing for other modules."""
+    for m in module.modules():
+        for name in ("aux_loss", "routing"):
+            if isinstance(m, MoE) and hasattr(m, name):
+                setattr(m, name, None)
 
 
 def accumulated(step: Callable[[int], object], m: int, n_sets: int) -> Callable[[int], None]:
@@ -467,6 +518,7 @@ def environment(opts: BenchOptions) -> dict:
         "routed_only": opts.routed_only,
         "router": router_impl(),
         "compile": opts.compile,
+        "cuda_graph": opts.cuda_graph,
         "platform": platform.platform(),
     }
 

@@ -41,6 +41,10 @@ def results_table(result: dict) -> Table:
         "moeyard.cache_fp8_weights() (FP8 weights cast once per block)"
         if env.get("accumulate", 1) > 1
         else "",
+        "--cuda-graph: each row's fwd and fwd+bwd captured in a CUDA graph, the replays timed (no host launch "
+        "work; the first input set); peak includes the graph's memory pool"
+        if env.get("cuda_graph")
+        else "",
         *[f"{name} skipped: {why}" for name, why in env.get("skipped", {}).items()],
         _trace_line(result),
         *peer_ratio_lines(result["rows"]),
