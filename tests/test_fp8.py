@@ -356,10 +356,18 @@ def test_triton_row_casts_of_the_activation_one_or_two_passes(monkeypatch):
 
     act, h, rw = Activation(name="swiglu"), torch.randn(9, 2 * 100) * 3, torch.rand(9) + 0.5
     once = cast.rowwise(h, act, row_weights=rw), cast.act_rows(h, act, row_weights=rw)
+    # the cast of act(h) that also writes rw * act(h) (a LoRA factor's operand): both bit-equal to their own
+    plain, rows = cast.rowwise(h, act), torch.full((9, 100), float("nan"))
+    both = cast.rowwise(h, act, weighted_rows=(rows, rw))
+    assert torch.equal(both[0].view(torch.uint8), plain[0].view(torch.uint8)) and torch.equal(both[1], plain[1])
+    assert torch.equal(rows, once[1])
     monkeypatch.setattr(cast, "INTERPRETER_ONE_PASS", 0)
     twice = cast.rowwise(h, act, row_weights=rw), cast.act_rows(h, act, row_weights=rw)
     assert torch.equal(once[0][0].view(torch.uint8), twice[0][0].view(torch.uint8))
     assert torch.equal(once[0][1], twice[0][1]) and torch.equal(once[1], twice[1])
+    rows.fill_(float("nan"))
+    both = cast.rowwise(h, act, weighted_rows=(rows, rw))
+    assert torch.equal(both[0].view(torch.uint8), plain[0].view(torch.uint8)) and torch.equal(rows, once[1])
 
 
 @pytest.mark.parametrize("offsets", [[0, 16, 16, 48, 80], [0, 0, 0, 0, 96], [0, 32, 64, 96, 96]])

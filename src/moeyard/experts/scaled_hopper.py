@@ -34,7 +34,8 @@ Two forms:
   GEMMs: each adds ``s z B_e^T`` (forward, ``z = x A_e^T``) or ``s (dy B_e) A_e`` (input gradient) after its
   scales, in the compute dtype (:class:`moeyard.quant.fp8_grouped.LowRankTerm`); the thin GEMMs that make
   ``z`` and the factors' gradients are the ``triton`` backend's (:mod:`moeyard.experts.triton.function`).
-  The down projection's ``z`` is taken from ``rw * act(h)``, written once in the compute dtype for it.
+  The down projection's ``z`` is taken from ``rw * act(h)``, written in the compute dtype by the same read
+  of ``h`` that casts ``act(h)``.
 
 On a CPU (Triton's interpreter) ``torch._scaled_grouped_mm`` is replaced by its definition
 (:func:`scaled_grouped_mm`), so the tests run both forms everywhere. Elsewhere (another GPU, dtype or
@@ -583,10 +584,13 @@ class _ActDownCombine(torch.autograd.Function):
         ctx, h, w, a_lo, b_lo, offsets, rw, row_tokens, pair_rows, act, interleaved, gemm, hp, dh_cast, tiles, terms, ad
     ):
         cast = _cast()
-        aq, a_s = cast.rowwise(h, act, interleaved=interleaved)
+        # with an adapter the same read of h also writes rw * act(h) in the compute dtype, z's operand
+        a_rows = None if a_lo is None else h.new_empty(h.shape[0], a_lo.shape[2])
+        aq, a_s = cast.rowwise(h, act, interleaved=interleaved, weighted_rows=None if a_rows is None else (a_rows, rw))
         z = term = None
         if a_lo is not None:  # z = (rw act(h)) A_e^T, kept for B's gradient
-            z = ad.rows(cast.act_rows(h, act, interleaved=interleaved, row_weights=rw), a_lo.mT, by_token=False)
+            z = ad.rows(a_rows, a_lo.mT, by_token=False)
+            del a_rows
             term = ad.term(z, b_lo)
         y, ctx.w_amax = _forward((aq, a_s * rw), w, offsets, h.dtype, gemm, tiles=tiles, lora=term)
         del aq, a_s

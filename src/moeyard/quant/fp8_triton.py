@@ -125,9 +125,15 @@ def _rowwise_kernel(
     BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr = True,  # False: store the operand itself in q's dtype (no scale, no s)
     ONE_PASS: tl.constexpr = False,  # BLOCK_K >= K: each row read once
+    r_ptr=None,  # WITH_ROWS: [M, K] the operand times rrw[rows], in r's dtype, row stride stride_rm
+    rrw_ptr=None,  # WITH_ROWS: [M] float32
+    stride_rm=0,
+    WITH_ROWS: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_rows = rows < M
+    if WITH_ROWS:
+        r_w = tl.load(rrw_ptr + rows, mask=m_rows, other=0.0)
     if ONE_PASS:  # the whole row in one block: read once
         cols = tl.arange(0, BLOCK_K)
         b_x = _load(
@@ -136,6 +142,8 @@ def _rowwise_kernel(
         )  # fmt: skip
         scale = _row_scale(s_ptr, tl.max(tl.abs(b_x), axis=1), rows, m_rows, stride_s, QUANT)
         _store_rows(q_ptr, b_x, scale, rows, m_rows, cols, K, stride_qm, QUANT)
+        if WITH_ROWS:
+            _store_rows(r_ptr, b_x * r_w[:, None], scale, rows, m_rows, cols, K, stride_rm, False)
     else:
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K if QUANT else 0, BLOCK_K):
@@ -153,6 +161,8 @@ def _rowwise_kernel(
                 ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW,
             )  # fmt: skip
             _store_rows(q_ptr, b_x, scale, rows, m_rows, cols, K, stride_qm, QUANT)
+            if WITH_ROWS:
+                _store_rows(r_ptr, b_x * r_w[:, None], scale, rows, m_rows, cols, K, stride_rm, False)
 
 
 @triton.jit
@@ -327,6 +337,7 @@ def rowwise(
     index: Tensor | None = None,
     row_weights: Tensor | None = None,
     out: tuple[Tensor, Tensor] | None = None,
+    weighted_rows: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``t [M, K]`` (unit column stride) -> ``(q [M, K] e4m3 contiguous, s [M] float32)``: one power-of-two
     scale per row (:func:`moeyard.quant.fp8.quantize` with ``Blocks(None, 1)``, mode ``pow2``). With
@@ -334,6 +345,9 @@ def rowwise(
     with ``index [M]``: of ``t[index]`` (an index ``>= len(t)`` gives a zero row); with ``row_weights [M]``
     (float32): of each row times its weight. ``out``: ``(q [M, K] e4m3 with a unit column stride, s [M]
     float32)`` views to write into (any row strides, e.g. the columns of a packed row), returned.
+    ``weighted_rows``: ``(rows [M, K] in a float dtype with a unit column stride, w [M] float32)``: the same
+    read also writes the operand times ``w`` into ``rows`` (as :func:`act_rows` would with ``row_weights=w``,
+    bit for bit: one rounding), e.g. the rows a LoRA factor multiplies.
 
     Raises:
         ValueError: ``act`` is a custom callable (the kernel computes named activations only)."""
@@ -350,6 +364,10 @@ def rowwise(
             q_out, q = q, torch.empty(M, q.stride(0), device=t.device, dtype=torch.float32)[:, :K]
     if M:
         blocks = _row_blocks(K, act)
+        extra = {}
+        if weighted_rows is not None:
+            rows, w = weighted_rows
+            extra = dict(r_ptr=rows, rrw_ptr=w, stride_rm=rows.stride(0), WITH_ROWS=True)
         _rowwise_kernel[(triton.cdiv(M, blocks["BLOCK_M"]),)](
             **_source(t, index, row_weights),
             q_ptr=q,
@@ -361,6 +379,7 @@ def rowwise(
             stride_s=s.stride(0),
             **_act_args(act, interleaved),
             **blocks,
+            **extra,
         )
     q = _cast(q)
     return (q, s) if q_out is None else (q_out.copy_(q), s)
