@@ -44,11 +44,16 @@ def torch_layer(cfg, dtype, seed=0):
     return m
 
 
-def jax_layer(cfg, torch_module, dtype, **kw):
+def jax_layer(cfg, torch_module, dtype, lora=None, **kw):
     """The ``moeyard.jax.MoE`` with ``torch_module``'s parameters (built abstractly, then loaded: no
-    eager initialisation, whose every op would compile on its own)."""
-    m = nnx.eval_shape(lambda: mj.MoE(cfg, rngs=nnx.Rngs(0), dtype=JAX_DTYPES[dtype], **kw))
-    return mj.load_state_dict(m, torch_module.state_dict())
+    eager initialisation, whose every op would compile on its own); ``lora``: ``add_lora``'s keyword
+    arguments, for a module with adapters."""
+
+    def build():
+        m = mj.MoE(cfg, rngs=nnx.Rngs(0), dtype=JAX_DTYPES[dtype], **kw)
+        return m if lora is None else m.add_lora(rngs=nnx.Rngs(1), **lora)
+
+    return mj.load_state_dict(nnx.eval_shape(build), torch_module.state_dict())
 
 
 def run_torch(module, x, probe):

@@ -230,6 +230,18 @@ def _experts_case(layout, activation, T=9, K=2, E=4, Hs=8, Is=6, dtype=np.float6
     return {k: v.astype(dtype) for k, v in case.items()}, _ids(T, K, E, seed)
 
 
+LORA_SCALING = {"gate_up_proj": 0.5, "down_proj": 2.0}  # the adapters' scales in the LoRA cases
+
+
+def _lora(leaves):
+    """``lora=`` of an experts call from the ``<proj>.lora_A`` / ``<proj>.lora_B`` leaves (None without)."""
+    names = [k for k in LORA_SCALING if f"{k}.lora_A" in leaves]
+    return {
+        k: moeyard.ExpertLoRA(lora_A=leaves[f"{k}.lora_A"], lora_B=leaves[f"{k}.lora_B"], scaling=LORA_SCALING[k])
+        for k in names
+    } or None
+
+
 def _torch_experts(case, ids, probe, **kw):
     leaves = {k: torch.from_numpy(v).requires_grad_() for k, v in case.items()}
     out = moeyard.experts(
@@ -241,6 +253,7 @@ def _torch_experts(case, ids, probe, **kw):
         gate_up_bias=leaves["gate_up_bias"],
         down_bias=leaves["down_bias"],
         backend="loop",
+        lora=_lora(leaves),
         **kw,
     )
     (out * torch.from_numpy(probe)).sum().backward()
@@ -260,6 +273,7 @@ def _jax_experts(case, ids, probe, **kw):
             d["down_proj"],
             gate_up_bias=d["gate_up_bias"],
             down_bias=d["down_bias"],
+            lora=_lora(d),
             **kw,
         )
         return (out * probe).sum(), out
@@ -351,6 +365,62 @@ def test_experts_recipes_match_torch(recipe, layout):
         assert np.abs(plain["grad.hidden_states"] - ref["grad.hidden_states"]).max() > 1e-3
 
 
+def _with_lora(case, projections=("gate_up_proj", "down_proj"), rank=3, seed=7):
+    """``case`` plus random LoRA factors in PEFT's layout (``lora_A [r*E, in]``, ``lora_B [out, r*E]``)."""
+    g = np.random.default_rng(seed)
+    E = case["down_proj"].shape[0]
+    n1 = case["gate_up_bias"].shape[1]
+    H = case["hidden_states"].shape[1]
+    I = case["down_proj"].size // (E * H)
+    sizes = {"gate_up_proj": (H, n1), "down_proj": (I, H)}
+    out = dict(case)
+    for name in projections:
+        inp, o = sizes[name]
+        out[f"{name}.lora_A"] = g.standard_normal((rank * E, inp)) / np.sqrt(inp)
+        out[f"{name}.lora_B"] = g.standard_normal((o, rank * E)) / np.sqrt(rank)
+    return out
+
+
+@pytest.mark.parametrize(
+    "layout,projections,recipe",
+    [
+        ("standard", ("gate_up_proj", "down_proj"), None),
+        ("transposed", ("gate_up_proj", "down_proj"), None),
+        ("standard", ("down_proj",), None),
+        ("standard", ("gate_up_proj", "down_proj"), "mxfp8"),
+    ],
+)
+def test_experts_lora_matches_torch(layout, projections, recipe):
+    """LoRA adapters in PEFT's layout: output and every gradient (the factors' too) as moeyard.experts' on the
+    loop oracle, float64, both backwards, both weight layouts, one adapter or two, under an emulated recipe
+    (the adapter terms in the compute dtype on both sides); the adapters change the output."""
+    activation = "swiglu" if layout == "standard" else "clamped_swiglu"
+    with jax.enable_x64(True):
+        base, ids, probe, kw = _layout_case(layout, activation, interleaved=layout == "transposed")
+        case = _with_lora(base, projections)
+        ref = _torch_experts(case, ids, probe, recipe=recipe, **kw)
+        for custom_vjp in (True, False):
+            got = _jax_experts(case, ids, probe, custom_vjp=custom_vjp, recipe=recipe, **kw)
+            assert_parity(got, ref, 1e-12 if recipe else 1e-10)
+        plain = _jax_experts(base, ids, probe, recipe=recipe, **kw)
+        assert np.abs(plain["out"] - ref["out"]).max() > 1e-2
+
+
+def test_experts_lora_factor_dtype():
+    """float32 factors on bfloat16 weights: cast to the weights' dtype for the GEMMs, gradients in float32 (as
+    on the PyTorch side), finite, and the output close to the float64 result."""
+    case, ids, probe, kw = _layout_case("standard", "swiglu", interleaved=False)
+    case = _with_lora(case)
+    lowp = {k: v.astype(np.float32 if ".lora_" in k else jnp.bfloat16) for k, v in case.items()}
+    got = _jax_experts(lowp, ids, probe.astype(jnp.bfloat16), **kw)
+    assert got["grad.gate_up_proj.lora_A"].dtype == np.float32 and got["out"].dtype == jnp.bfloat16
+    assert all(np.isfinite(np.asarray(v, np.float64)).all() for v in got.values())
+    with jax.enable_x64(True):
+        ref = _jax_experts(case, ids, probe, **kw)
+    err = np.abs(np.asarray(got["out"], np.float64) - ref["out"]).max() / np.abs(ref["out"]).max()
+    assert err < 3e-2, err
+
+
 def test_layer_recipe_parity():
     """moeyard.jax.MoE(recipe=) against moeyard.MoE(recipe=) on the loop oracle, float64: output, routing
     and every gradient; a bad recipe is refused as on the PyTorch side."""
@@ -373,6 +443,44 @@ def test_layer_recipe_parity():
             jnp.zeros((2, 8, 6)),
             recipe=3,
         )
+
+
+@pytest.mark.parametrize(
+    "lora", [dict(rank=3, alpha=6.0), dict(rank=2, rslora=True, targets=("down_proj",))], ids=["both", "down_rslora"]
+)
+def test_layer_lora_parity(lora):
+    """moeyard.jax.MoE.add_lora against moeyard.MoE.add_lora (random B), float64: the state-dict names, the
+    output, routing and every gradient (the factors' and the base's); merge_lora on both sides gives the
+    adapted output; the JAX layer's bad calls are refused."""
+    cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4, top_k=2, **LOSS)
+    with jax.enable_x64(True):
+        t = torch_layer(cfg, torch.float64)
+        t.add_lora(**lora, freeze_base=False)
+        with torch.no_grad():
+            for adapter in t.lora.values():
+                adapter.lora_B.weight.normal_(generator=torch.Generator().manual_seed(3))
+        j = jax_layer(cfg, t, torch.float64, lora=lora)
+        assert sorted(mj.state_dict(j)) == sorted(t.state_dict())
+        assert [a.scaling for a in j.lora.values()] == [a.scaling for a in t.lora.values()]
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn((2, 6, H), generator=g, dtype=torch.float64)
+        probe = torch.randn((2, 6, H), generator=g, dtype=torch.float64)
+        ref = run_torch(t, x, probe)
+        assert_parity(run_jax(j, x, probe), ref, 1e-10)
+        t.merge_lora()  # in place on the torch weights: the JAX layer loaded copies of them
+        j.merge_lora()
+        assert j.lora is None and t.lora is None
+        merged = np.asarray(j(jnp.asarray(x.numpy())))
+        np.testing.assert_allclose(merged, ref["y"], rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(merged, t(x).detach().numpy(), rtol=1e-10, atol=1e-10)
+    layer = mj.MoE(cfg, rngs=nnx.Rngs(0)).add_lora(2, rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match="already has LoRA"):
+        layer.add_lora(2, rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match="expert parallelism is PyTorch-only"):
+        mj.expert_parallel(layer, axis_name="ep")
+    for bad, match in ((dict(targets=("q_proj",)), "targets"), (dict(alpha=-1.0), "alpha"), (dict(), "rank")):
+        with pytest.raises(ValueError, match=match):
+            mj.MoE(cfg, rngs=nnx.Rngs(0)).add_lora(0 if match == "rank" else 2, rngs=nnx.Rngs(1), **bad)
 
 
 def test_experts_drop_invalid():
@@ -454,6 +562,10 @@ def test_router_jitter():
 # ---- bad input: the same errors as the PyTorch side ----------------------------------------------------
 
 
+def _adapter(lora_A, lora_B, scaling=1.0, num_experts=None):
+    return moeyard.ExpertLoRA(lora_A=lora_A, lora_B=lora_B, scaling=scaling, num_experts=num_experts)
+
+
 def _bad_calls(lib, arr):
     """``(label, call)`` pairs of bad calls of ``lib`` (``moeyard`` or ``moeyard.jax``) on arrays made by ``arr``."""
     cfg = MoEConfig(num_experts=4, hidden_size=8, intermediate_size=4, top_k=2)
@@ -480,6 +592,31 @@ def _bad_calls(lib, arr):
             lambda: lib.experts(x, ids, w, arr((4, 4, 8)), down, activation="relu", interleaved=True),
         ),
         ("bias shape", lambda: lib.experts(x, ids, w, up, down, down_bias=arr((4, 7)))),
+        ("lora not a dict", lambda: lib.experts(x, ids, w, up, down, lora=[1])),
+        ("lora key", lambda: lib.experts(x, ids, w, up, down, lora={"q_proj": None})),
+        ("lora entry", lambda: lib.experts(x, ids, w, up, down, lora={"down_proj": (arr((8, 4)), arr((8, 8)))})),
+        (
+            "lora_A shape",
+            lambda: lib.experts(x, ids, w, up, down, lora={"down_proj": _adapter(arr((6, 4)), arr((8, 6)))}),
+        ),
+        (
+            "lora_B shape",
+            lambda: lib.experts(x, ids, w, up, down, lora={"gate_up_proj": _adapter(arr((8, 8)), arr((8, 4)))}),
+        ),
+        (
+            "lora_A int",
+            lambda: lib.experts(x, ids, w, up, down, lora={"down_proj": _adapter(arr((8, 4), "int"), arr((8, 8)))}),
+        ),
+        (
+            "lora scaling",
+            lambda: lib.experts(x, ids, w, up, down, lora={"down_proj": _adapter(arr((8, 4)), arr((8, 8)), "2")}),
+        ),
+        (
+            "lora experts",
+            lambda: lib.experts(
+                x, ids, w, up, down, lora={"down_proj": _adapter(arr((8, 4)), arr((8, 8)), num_experts=8)}
+            ),
+        ),
         ("plan float ids", lambda: lib.make_plan(w, 4)),
         ("plan 1-D", lambda: lib.make_plan(arr((5,), "int"), 4)),
         ("plan experts", lambda: lib.make_plan(ids, 0)),

@@ -10,6 +10,7 @@ from ..activations import Activation, get_activation
 from ..quant.recipe import resolve_recipe
 from .checks import check_bool, check_float, check_ids_on_host, check_topk, invalid_ids
 from .ffn import FFNSpec, routed_ffn
+from .lora import lora_views
 
 __all__ = ["experts", "check_weights"]
 
@@ -28,6 +29,7 @@ def experts(
     interleaved: bool = False,
     drop_invalid: bool = False,
     custom_vjp: bool = True,
+    lora=None,
     recipe=None,
 ):
     """The routed expert FFN: ``out[t] = sum_k topk_weights[t, k] * FFN_e(hidden_states[t])`` with
@@ -54,6 +56,12 @@ def experts(
         custom_vjp: True (default): the backward of :mod:`moeyard.jax.ffn`'s custom VJP, which keeps
             only ``h [T*K, N1]`` beyond the inputs; False: plain autodiff (keeps the permuted rows, the
             activation and the down projection's output too). Same values either way.
+        lora: optional LoRA adapters, ``{"gate_up_proj": ExpertLoRA(lora_A=..., lora_B=..., scaling=s),
+            "down_proj": ...}`` (either key may be absent) with JAX arrays in PEFT's layout for 3-D expert
+            parameters, ``lora_A [r*E, in]``, ``lora_B [out, r*E]`` (see :class:`moeyard.ExpertLoRA` and
+            :mod:`moeyard.jax.lora`): each projection gains ``s (x A_e^T) B_e^T`` in the compute dtype (the
+            factors cast to the weights' dtype; their gradients come back in their own). With adapters JAX
+            differentiates the FFN (``custom_vjp`` applies without them).
         recipe: an FP8 training recipe (``"fp8_rowwise"``, ``"fp8_rowwise_gw_hp"``, ``"fp8_blockwise"``,
             ``"mxfp8"`` or a :class:`moeyard.quant.Recipe`), emulated: every GEMM of both projections, forward,
             input gradient and weight gradient, reads operands cast to e4m3 per the recipe's blocks and back
@@ -63,20 +71,21 @@ def experts(
 
     Returns:
         ``[T, H]`` in ``hidden_states.dtype``; differentiable w.r.t. ``hidden_states``, both weights,
-        the biases and ``topk_weights``. Traces under ``jax.jit`` (static shapes, no host sync).
+        the biases, ``topk_weights`` and the LoRA factors. Traces under ``jax.jit`` (static shapes, no host sync).
 
     Raises:
-        TypeError: an array of the wrong kind or dtype, or a recipe that is neither a name, a Recipe nor None.
-        ValueError: shapes, ``K > E`` without ``drop_invalid``, ids out of range (see ``drop_invalid``),
-            unknown activation or recipe name, a flag that is not a bool, ``MOEYARD_JAX_GMM`` none of
-            ``auto``, ``pallas``, ``ragged_dot`` (:mod:`moeyard.jax.ffn`).
+        TypeError: an array of the wrong kind or dtype, a recipe that is neither a name, a Recipe nor None,
+            or ``lora`` not a dict of :class:`moeyard.ExpertLoRA` (non-float factors, a non-numeric scaling).
+        ValueError: shapes (the LoRA factors' too), ``K > E`` without ``drop_invalid``, ids out of range (see
+            ``drop_invalid``), unknown activation or recipe name, a flag that is not a bool,
+            ``MOEYARD_JAX_GMM`` none of ``auto``, ``pallas``, ``ragged_dot`` (:mod:`moeyard.jax.ffn`).
     """
     act = get_activation(activation)
     recipe = resolve_recipe(recipe)
     check_bool("drop_invalid", drop_invalid)
     check_bool("custom_vjp", custom_vjp)
     check_float("hidden_states", hidden_states, dim=2)
-    E, H, _ = check_weights(
+    E, H, I = check_weights(
         gate_up_proj,
         down_proj,
         gate_up_bias=gate_up_bias,
@@ -93,6 +102,8 @@ def experts(
             f"hidden_states: expected dtype {gate_up_proj.dtype} (as the expert weights), got {hidden_states.dtype}"
         )
     check_topk(topk_ids, topk_weights, T, E, drop_invalid)
+    N1 = gate_up_proj.shape[2] if transposed else gate_up_proj.shape[1]
+    factors, scales = lora_views(lora, E, (N1, H), (H, I), gate_up_proj.dtype)
     w = jnp.asarray(topk_weights).astype(hidden_states.dtype)
     if not drop_invalid and not check_ids_on_host(topk_ids, E):
         w = jnp.where(invalid_ids(topk_ids, E), jnp.nan, w)  # a NaN output row instead of a silent wrong one
@@ -103,6 +114,7 @@ def experts(
         drop_invalid=bool(drop_invalid),
         num_experts=E,
         recipe=recipe,
+        lora_scales=tuple(None if f is None else sc for f, sc in zip(factors, scales, strict=True)),
     )
     return routed_ffn(
         spec,
@@ -114,6 +126,7 @@ def experts(
         gate_up_bias,
         jnp.asarray(down_proj),
         down_bias,
+        factors,
     )
 
 

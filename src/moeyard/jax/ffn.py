@@ -35,7 +35,9 @@ the PyTorch side).
 Under an FP8 recipe (``FFNSpec.recipe``) both projections are :func:`scaled_mm`, each with its own VJP
 (the recipe's fake-quantised operands in every GEMM), and the rest is differentiated by JAX: the FFN's custom
 VJP is not used, so the routing weights' gradient comes from the down projection's output as on the PyTorch
-side's composed form.
+side's composed form. With LoRA adapters (:mod:`.lora`) each adapted projection gains ``s (rows A_e^T) B_e^T``,
+two thin ``ragged_dot`` GEMMs in the compute dtype (also under a recipe), and JAX differentiates the FFN
+(no custom VJP) as well.
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ class FFNSpec:
             :func:`routed_ffn` is called.
         recipe: an FP8 training recipe (:class:`moeyard.quant.Recipe`), emulated (:func:`scaled_mm`); None:
             the compute dtype's GEMMs.
+        lora_scales: ``(s_up, s_down)``, each a LoRA adapter's scale or None where the projection has none
+            (the factors are :func:`routed_ffn`'s ``lora`` argument).
     """
 
     activation: Activation
@@ -126,6 +130,11 @@ class FFNSpec:
     num_experts: int
     gmm: str | None = None
     recipe: Recipe | None = None
+    lora_scales: tuple = (None, None)
+
+    @property
+    def has_lora(self) -> bool:
+        return any(s is not None for s in self.lora_scales)
 
 
 def mm(rows, w, group_sizes, transposed: bool, choice: str | None = None):
@@ -161,44 +170,60 @@ def add_bias(y, bias, row_experts):
     return (y.astype(acc) + padded[row_experts]).astype(y.dtype)
 
 
-def grouped_ffn(rows, group_sizes, row_experts, up, b_up, down, b_down, spec: FFNSpec):
+def grouped_ffn(rows, group_sizes, row_experts, up, b_up, down, b_down, spec: FFNSpec, lora=(None, None)):
     """``rows [R, H]`` (expert-major, ``group_sizes [E]``) -> ``(y [R, H], h [R, N1])``: each expert's
     ``down(act(up(rows)))`` with biases; rows past the last group give zeros (and no gradient). Under
-    ``spec.recipe`` both projections are :func:`scaled_mm` (the biases stay in the compute dtype)."""
+    ``spec.recipe`` both projections are :func:`scaled_mm` (the biases stay in the compute dtype). ``lora``:
+    each projection's factors ``(A [E, r, in], B [E, out, r])`` or None, scaled by ``spec.lora_scales``
+    (:func:`low_rank_term`)."""
     if spec.recipe is None:
-        proj = partial(mm, transposed=spec.transposed, choice=spec.gmm)
+        base = partial(mm, transposed=spec.transposed, choice=spec.gmm)
     else:
-        proj = lambda r, w, gs: scaled_mm(r, w, gs, spec.transposed, spec.gmm, spec.recipe)  # noqa: E731
-    h = add_bias(proj(rows, up, group_sizes), b_up, row_experts)
+        base = lambda r, w, gs: scaled_mm(r, w, gs, spec.transposed, spec.gmm, spec.recipe)  # noqa: E731
+
+    def proj(r, w, factors, scale):
+        y = base(r, w, group_sizes)
+        return y if factors is None else y + low_rank_term(r, factors, scale, group_sizes)
+
+    h = add_bias(proj(rows, up, lora[0], spec.lora_scales[0]), b_up, row_experts)
     a = apply_activation(spec.activation, h, interleaved=spec.interleaved)
-    y = add_bias(proj(a, down, group_sizes), b_down, row_experts)
+    y = add_bias(proj(a, down, lora[1], spec.lora_scales[1]), b_down, row_experts)
     return y, h
 
 
-def _forward(spec: FFNSpec, x, topk_ids, topk_weights, up, b_up, down, b_down):
+def low_rank_term(rows, factors, scale: float, group_sizes):
+    """``s (rows A_e^T) B_e^T`` ``[R, out]`` for ``factors = (A [E, r, in], B [E, out, r])``: two thin grouped
+    GEMMs (``ragged_dot``, in the rows' dtype), rows past the last group zero."""
+    a, b = factors
+    z = mm(rows, a, group_sizes, False, "ragged_dot")  # [R, r]
+    return (scale * mm(z, b, group_sizes, False, "ragged_dot")).astype(rows.dtype)
+
+
+def _forward(spec: FFNSpec, x, topk_ids, topk_weights, up, b_up, down, b_down, lora=(None, None)):
     plan = plan_unchecked(topk_ids, spec.num_experts)
     rows = permute_unchecked(x, plan)
-    y, h = grouped_ffn(rows, plan.group_sizes, plan.row_experts(), up, b_up, down, b_down, spec)
+    y, h = grouped_ffn(rows, plan.group_sizes, plan.row_experts(), up, b_up, down, b_down, spec, lora)
     return unpermute_unchecked(y, plan, topk_weights, spec.drop_invalid), (plan, h)
 
 
-def routed_ffn(spec: FFNSpec, custom_vjp: bool, x, topk_ids, topk_weights, up, b_up, down, b_down):
+def routed_ffn(spec: FFNSpec, custom_vjp: bool, x, topk_ids, topk_weights, up, b_up, down, b_down, lora=(None, None)):
     """``out [T, H] = sum_k w[t, k] * FFN_{ids[t, k]}(x[t])`` (arguments checked by the caller);
     ``custom_vjp`` chooses the backward, ``spec.gmm`` (None: ``MOEYARD_JAX_GMM``, read now) the grouped
-    GEMM (module docstring).
+    GEMM (module docstring); ``lora``: the projections' LoRA factors (:func:`grouped_ffn`).
 
     Raises:
         ValueError: ``MOEYARD_JAX_GMM`` (or ``spec.gmm``) is none of ``auto``, ``pallas``, ``ragged_dot``.
     """
     spec = replace(spec, gmm=gmm_choice() if spec.gmm is None else check_choice(spec.gmm))
-    return _routed_ffn(spec, custom_vjp, x, topk_ids, topk_weights, up, b_up, down, b_down)
+    return _routed_ffn(spec, custom_vjp, x, topk_ids, topk_weights, up, b_up, down, b_down, lora)
 
 
 @partial(jax.jit, static_argnums=(0, 1))
-def _routed_ffn(spec: FFNSpec, custom_vjp: bool, x, topk_ids, topk_weights, up, b_up, down, b_down):
-    if custom_vjp and spec.recipe is None:  # a recipe's GEMMs carry their own VJPs (scaled_mm)
+def _routed_ffn(spec: FFNSpec, custom_vjp: bool, x, topk_ids, topk_weights, up, b_up, down, b_down, lora):
+    # a recipe's GEMMs carry their own VJPs (scaled_mm); LoRA terms are differentiated by JAX
+    if custom_vjp and spec.recipe is None and not spec.has_lora:
         return _routed_ffn_vjp(spec, x, topk_ids, topk_weights, up, b_up, down, b_down)
-    return _forward(spec, x, topk_ids, topk_weights, up, b_up, down, b_down)[0]
+    return _forward(spec, x, topk_ids, topk_weights, up, b_up, down, b_down, lora)[0]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -5,11 +5,14 @@ Parameter names and layouts are those of the PyTorch layer (transformers v5's): 
 ``router.bias [E]``, ``router.e_score_correction_bias [E]`` (a :class:`Buffer`, not trained),
 ``gate_up_proj [E, 2I, H]`` (``[E, I, H]`` for a plain activation), ``down_proj [E, H, I]``,
 ``gate_up_proj_bias``, ``down_proj_bias``, ``shared_expert.{gate_up_proj,down_proj,gate}.weight``
-(``[out, in]``). :func:`state_dict` and :func:`load_state_dict` move weights between the two sides by
-those names (``moeyard.MoE.state_dict()`` loads as is).
+(``[out, in]``), and after :meth:`MoE.add_lora` ``lora.<target>.lora_A.weight [r*E, in]`` and
+``lora.<target>.lora_B.weight [out, r*E]`` (``nnx.LoRAParam``). :func:`state_dict` and :func:`load_state_dict`
+move weights between the two sides by those names (``moeyard.MoE.state_dict()`` loads as is).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,13 +21,14 @@ from flax import nnx
 
 from ..activations import Activation
 from ..config import MoEConfig
+from ..experts.weights import ExpertLoRA
 from ..quant.recipe import resolve_recipe
 from .activations import apply_activation
 from .checks import check_bool, check_float, precision
 from .experts import experts
 from .routing import RoutingOutput, route
 
-__all__ = ["Buffer", "Linear", "MoE", "Router", "SharedExpert", "load_state_dict", "state_dict"]
+__all__ = ["Buffer", "LoRAAdapter", "Linear", "MoE", "Router", "SharedExpert", "load_state_dict", "state_dict"]
 
 INIT_STD = 0.02  # every weight ~ N(0, 0.02), as the PyTorch layer initialises them
 
@@ -45,6 +49,75 @@ class Linear(nnx.Module):
 
     def __call__(self, x):
         return jnp.dot(x, self.weight[...].astype(x.dtype).T, precision=precision(x.dtype))
+
+
+class _Factor(nnx.Module):
+    """One LoRA factor, ``weight [out, in]`` an ``nnx.LoRAParam`` (so an optimizer can train only the adapters:
+    ``nnx.Optimizer(layer, tx, wrt=nnx.LoRAParam)``)."""
+
+    def __init__(self, weight):
+        self.weight = nnx.LoRAParam(weight)
+
+
+class LoRAAdapter(nnx.Module):
+    """``s * B_e A_e`` for an ``[E, out, in]`` expert projection: :class:`moeyard.experts.lora.LoRAAdapter` on
+    JAX, with PEFT's layout and initialisation (``lora_A.weight [r*E, in]`` uniform in ``+-1/sqrt(in)``,
+    PyTorch's ``kaiming_uniform_(a=sqrt(5))``; ``lora_B.weight [out, r*E]`` zeros; Hu et al., arXiv
+    2106.09685).
+
+    Args:
+        num_experts, in_features, out_features: E and the projection's input / output sizes.
+        rank: r >= 1. alpha: ``lora_alpha`` (default r, so s = 1). rslora: s = alpha / sqrt(r).
+        rngs: ``nnx.Rngs`` for ``lora_A``. dtype: the factors' dtype.
+    Raises:
+        ValueError: a size, rank or alpha that is not positive.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        *,
+        alpha: float | None = None,
+        rslora: bool = False,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+    ):
+        for name, v in (
+            ("num_experts", num_experts),
+            ("in_features", in_features),
+            ("out_features", out_features),
+            ("rank", rank),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        alpha = float(rank if alpha is None else alpha)
+        if not alpha > 0 or not math.isfinite(alpha):
+            raise ValueError(f"alpha: expected a positive number, got {alpha!r}")
+        self.num_experts, self.rank, self.alpha = num_experts, rank, alpha
+        self.scaling = alpha / (math.sqrt(rank) if rslora else rank)
+        bound = 1.0 / math.sqrt(in_features)
+        a = jax.random.uniform(rngs.params(), (rank * num_experts, in_features), dtype, -bound, bound)
+        self.lora_A = _Factor(a)
+        self.lora_B = _Factor(jnp.zeros((out_features, rank * num_experts), dtype))
+
+    def expert_lora(self) -> ExpertLoRA:
+        """The adapter as :func:`moeyard.jax.experts` takes it."""
+        return ExpertLoRA(
+            lora_A=self.lora_A.weight[...],
+            lora_B=self.lora_B.weight[...],
+            scaling=self.scaling,
+            num_experts=self.num_experts,
+        )
+
+    def delta_weight(self):
+        """``[E, out, in]``: ``s * B_e @ A_e`` (for merging; the forward never forms it)."""
+        E, r = self.num_experts, self.rank
+        a = self.lora_A.weight[...].reshape(E, r, -1)
+        b = jnp.transpose(self.lora_B.weight[...].reshape(-1, r, E), (2, 0, 1))
+        return self.scaling * jnp.matmul(b, a, precision=precision(a.dtype))
 
 
 class SharedExpert(nnx.Module):
@@ -131,6 +204,10 @@ class MoE(nnx.Module):
             up projection's output for it; False: plain autodiff.
         recipe: an FP8 training recipe for the experts' GEMMs, emulated (:func:`moeyard.jax.experts`), as
             :class:`moeyard.MoE`'s ``recipe``; None (default): the compute dtype's.
+
+    LoRA adapters on the experts come with :meth:`add_lora` (``layer.lora``, ``nnx.LoRAParam`` factors) and go
+    into the weights with :meth:`merge_lora`, as on the PyTorch side.
+
     Raises:
         TypeError: ``config`` is not a MoEConfig, or ``recipe`` neither a name, a Recipe nor None; at call
             time, ``x`` not floating or not in the weights' dtype.
@@ -164,6 +241,50 @@ class MoE(nnx.Module):
         self.routing = nnx.Intermediate(None)
         self.keep_routing = True
         self.expert_parallel = None  # set by moeyard.jax.parallel.expert_parallel: called instead of experts
+        self.lora = nnx.data(None)  # add_lora: an nnx.Dict {target: LoRAAdapter} (a data attribute)
+
+    def add_lora(
+        self,
+        rank: int,
+        *,
+        rngs: nnx.Rngs,
+        alpha: float | None = None,
+        rslora: bool = False,
+        targets: tuple[str, ...] = ("gate_up_proj", "down_proj"),
+    ) -> MoE:
+        """Add LoRA adapters (:class:`LoRAAdapter`, PEFT's layout and initialisation) to the expert projections
+        named in ``targets``, in the experts' dtype; :meth:`moeyard.MoE.add_lora` on JAX. The base weights stay
+        ``nnx.Param`` and the factors are ``nnx.LoRAParam``: train the adapters alone by differentiating or
+        optimising with respect to ``nnx.LoRAParam`` (``nnx.grad(f, argnums=nnx.DiffState(0, nnx.LoRAParam))``,
+        ``nnx.Optimizer(layer, tx, wrt=nnx.LoRAParam)``), PyTorch's ``freeze_base``. Returns ``self``.
+
+        Raises:
+            ValueError: unknown target, a bad rank/alpha, adapters already present, or a layer under
+                :func:`moeyard.jax.expert_parallel` (adapters there are PyTorch-only).
+        """
+        if self.lora is not None:
+            raise ValueError("add_lora: this layer already has LoRA adapters (merge_lora() or drop self.lora first)")
+        if self.expert_parallel is not None:
+            raise ValueError("add_lora: LoRA under expert parallelism is PyTorch-only (moeyard.parallel)")
+        sizes = {"gate_up_proj": self.gate_up_proj.shape, "down_proj": self.down_proj.shape}
+        if not targets or any(t not in sizes for t in targets):
+            raise ValueError(f"targets: expected a non-empty subset of {tuple(sizes)}, got {targets!r}")
+        E, dtype = self.config.num_experts, self.down_proj.dtype
+        self.lora = nnx.Dict(
+            {
+                t: LoRAAdapter(E, sizes[t][2], sizes[t][1], rank, alpha=alpha, rslora=rslora, rngs=rngs, dtype=dtype)
+                for t in targets
+            }
+        )
+        return self
+
+    def merge_lora(self) -> MoE:
+        """Fold the adapters into the expert weights (``W += s B A``) and remove them. Returns ``self``."""
+        for name, adapter in (self.lora or {}).items():
+            w = getattr(self, name)
+            w.set_value(w[...] + adapter.delta_weight().astype(w.dtype))
+        self.lora = None
+        return self
 
     def __call__(self, x, return_aux_loss: bool = False):
         """``x [..., H] -> y [..., H]`` in ``x.dtype``; with ``return_aux_loss`` ``(y, aux_loss)``.
@@ -192,6 +313,7 @@ class MoE(nnx.Module):
             down_bias=_value(self.down_proj_bias),
             custom_vjp=self.custom_vjp,
             recipe=self.recipe,
+            **({} if self.lora is None else {"lora": {t: a.expert_lora() for t, a in self.lora.items()}}),
         )
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
@@ -222,7 +344,8 @@ def state_dict(module: nnx.Module) -> dict[str, np.ndarray]:
 def load_state_dict(module: nnx.Module, state: dict) -> nnx.Module:
     """Set ``module``'s parameters and buffers from ``state`` (``{name: array}``, NumPy / JAX arrays or
     torch tensors, e.g. ``moeyard.MoE(...).state_dict()``), each cast to the variable's dtype. Returns
-    ``module`` (changed in place; the arrays given are not).
+    ``module`` (changed in place; the arrays given are not, and are copied: changing them later, e.g. a torch
+    tensor in place, leaves the module as loaded).
 
     Raises:
         ValueError: missing or unexpected keys, or a shape that differs (the message names them).
@@ -238,5 +361,5 @@ def load_state_dict(module: nnx.Module, state: dict) -> nnx.Module:
         value = np.asarray(value)
         if tuple(value.shape) != tuple(var.shape):
             raise ValueError(f"state[{name!r}]: expected shape {tuple(var.shape)}, got {tuple(value.shape)}")
-        var.set_value(jnp.asarray(value, dtype=var.dtype))
+        var.set_value(jnp.array(value, dtype=var.dtype, copy=True))  # no alias of the caller's (mutable) memory
     return module

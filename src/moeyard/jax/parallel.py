@@ -314,12 +314,15 @@ def expert_parallel(layer, *, axis_name: str = "ep", exchange: str = "all_to_all
     ``jax.shard_map`` with :func:`partition_specs`, or through :func:`ep_apply`.
 
     Raises:
-        TypeError: ``layer`` is not a moeyard.jax.MoE. ValueError: unknown ``exchange``, bad ``align``.
+        TypeError: ``layer`` is not a moeyard.jax.MoE. ValueError: unknown ``exchange``, bad ``align``, or a layer
+            with LoRA adapters (PyTorch-only under expert parallelism).
     """
     from .layer import MoE
 
     if not isinstance(layer, MoE):
         raise TypeError(f"layer: expected a moeyard.jax.MoE, got {type(layer).__name__}")
+    if getattr(layer, "lora", None) is not None:
+        raise ValueError("layer: has LoRA adapters; LoRA under expert parallelism is PyTorch-only (moeyard.parallel)")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
     if isinstance(align, bool) or not isinstance(align, int) or align < 1:

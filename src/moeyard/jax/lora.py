@@ -1,0 +1,80 @@
+"""LoRA adapters on the experts, on JAX arrays: the ``lora=`` argument of :func:`moeyard.jax.experts`, with
+the checks, messages and layouts of the PyTorch side (:mod:`moeyard.experts.weights`).
+
+The adapters come in PEFT's layout for 3-D expert parameters, as :class:`moeyard.ExpertLoRA` holding JAX
+arrays: ``lora_A [r*E, in]`` (rows expert-major) and ``lora_B [out, r*E]`` (columns rank-major), ``in`` and
+``out`` the projection's, whatever the weight layout. Expert ``e``'s projection gains ``s (x A_e^T) B_e^T``
+with ``A_e = lora_A.reshape(E, r, in)[e]`` and ``B_e = lora_B.reshape(out, r, E)[:, :, e]`` (Hu et al.,
+LoRA, arXiv 2106.09685). ``W + dW`` is never formed: the term is two thin grouped GEMMs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from ..experts.weights import LORA_KEYS, ExpertLoRA
+from .checks import check_float, kind
+
+
+def lora_views(lora, E: int, up_shape: tuple[int, int], down_shape: tuple[int, int], dtype):
+    """``((A_up, B_up) | None, (A_down, B_down) | None), (s_up, s_down)`` from ``lora`` (None, or a dict with
+    keys among ``gate_up_proj`` and ``down_proj`` of :class:`moeyard.ExpertLoRA`): ``A [E, r, in]`` and ``B
+    [E, out, r]`` in ``dtype`` (the expert weights'; the factors' gradients come back in their own dtype),
+    for projections of ``(out, in)`` = ``up_shape`` and ``down_shape``; a missing adapter's scale is 0.
+
+    Raises:
+        TypeError: not such a dict, an entry not an ExpertLoRA, non-float factors, a non-numeric scaling.
+        ValueError: factor shapes (``lora_A [r*E, in]``, ``lora_B [out, r*E]``), or the adapter's
+            ``num_experts`` not E.
+    """
+    if lora is None:
+        return (None, None), (0.0, 0.0)
+    if not isinstance(lora, dict) or set(lora) - set(LORA_KEYS):
+        raise TypeError(
+            f"lora: expected a dict with keys among {LORA_KEYS} of moeyard.ExpertLoRA, got {kind(lora)}"
+            + (f" with keys {sorted(lora)}" if isinstance(lora, dict) else "")
+        )
+    views, scales = [], []
+    for key, (out, inp) in zip(LORA_KEYS, (up_shape, down_shape), strict=True):
+        adapter = lora.get(key)
+        if adapter is None:
+            views.append(None)
+            scales.append(0.0)
+            continue
+        a, b, s = low_rank(adapter, E, out, inp, dtype, f"lora[{key!r}]")
+        views.append((a, b))
+        scales.append(s)
+    return tuple(views), tuple(scales)
+
+
+def low_rank(adapter, E: int, out: int, inp: int, dtype, name: str = "lora"):
+    """``(A [E, r, in], B [E, out, r], s)`` of one adapter checked against an ``[E, out, in]`` projection (the
+    PyTorch side's :func:`moeyard.experts.weights.low_rank`, its messages).
+
+    Raises:
+        TypeError: not an :class:`moeyard.ExpertLoRA`, non-float factors, non-numeric scaling.
+        ValueError: shapes, or the adapter's ``num_experts`` not E.
+    """
+    if not isinstance(adapter, ExpertLoRA):
+        raise TypeError(f"{name}: expected a moeyard.ExpertLoRA, got {kind(adapter)}")
+    A, B = adapter.lora_A, adapter.lora_B
+    check_float(f"{name}.lora_A", A, dim=2)
+    check_float(f"{name}.lora_B", B, dim=2)
+    if adapter.num_experts is not None and adapter.num_experts != E:
+        raise ValueError(f"{name}: the adapter covers num_experts={adapter.num_experts} experts, the weights {E}")
+    rE = A.shape[0]
+    if rE == 0 or rE % E or A.shape[1] != inp:
+        raise ValueError(f"{name}.lora_A: expected shape [r*{E}, {inp}] (r >= 1), got {tuple(A.shape)}")
+    if tuple(B.shape) != (out, rE):
+        raise ValueError(
+            f"{name}.lora_B: expected shape [{out}, {rE}] (the rank of lora_A, r = {rE // E}), got {tuple(B.shape)}"
+        )
+    s = adapter.scaling
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+        raise TypeError(f"{name}.scaling: expected a finite float, got {s!r}")
+    r = rE // E
+    a = jnp.asarray(A).astype(dtype).reshape(E, r, inp)
+    b = jnp.transpose(jnp.asarray(B).astype(dtype).reshape(out, r, E), (2, 0, 1))  # [E, out, r]
+    return a, b, float(s)
