@@ -17,7 +17,8 @@
 #   FP8_AB_RUNS times each, FP8_BENCH_ARGS added; benchmarks/ab_table.py prints each run and the medians' difference);
 #   "lora" (LoRA on an FP8 base: the FP8 GEMMs' low-rank term and the fused LoRA layer's CUDA tests, then the LoRA
 #   bench, bf16 and FP8 base, frozen and LoRA rows, at the given models (default the three LoRA shapes), with
-#   FP8_LORA_ACCUM micro-batches per cast block, default "1 8").
+#   FP8_LORA_ACCUM micro-batches per cast block, default "1 8"); "graphs" (the bench's bf16 and gw_hp rows with
+#   --cuda-graph: each step captured in a CUDA graph, the replays timed, no host launch work).
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -69,6 +70,8 @@ for s in $STEPS; do case $s in
           step "bench_lora$m" 300 python3 -m moeyard bench --lora 16 --recipe "${FP8_RECIPES:-fp8_rowwise_gw_hp}" \
             --backends frozen,lora --grad-accum "$m" --warmup 2 --iters 6 --json "$OUT/bench_lora$m.json" "${lmodels[@]}"
         done ;;
+  graphs) step bench_graphs 300 python3 -m moeyard bench --cuda-graph --recipe "${FP8_RECIPES:-none,fp8_rowwise_gw_hp}" \
+            --backends triton --no-peers --warmup 3 --iters 10 --json "$OUT/bench_graphs.json" "${margs[@]}" ;;
   memory) step memory_fp8 150 python3 benchmarks/memory_peak.py \
             ${FP8_MEMORY_ARGS:---model qwen3-30b-a3b --model sonic-120b --recipes none,fp8_rowwise_gw_hp} ;;
   ckpt) step pytest_ckpt 150 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_fp8_checkpoint_cuda.py
