@@ -61,10 +61,11 @@ def lora_results(m, x, dy) -> dict:
     return res
 
 
-def lora_oracle(kw: dict, T_counts, x_all, dy_all, seed: int) -> tuple[dict, dict, object]:
-    """The unsplit float64 layer with adapters on every rank's tokens (one batch per rank, gradients
-    accumulated): results, the global adapter state dict, the layer."""
+def lora_oracle(kw: dict, T_counts, x_all, dy_all, seed: int, recipe=None) -> tuple[dict, dict, object]:
+    """The unsplit float64 layer with adapters (under ``recipe``) on every rank's tokens (one batch per rank,
+    gradients accumulated): results, the global adapter state dict, the layer."""
     ref = make_layer(kw)
+    ref.recipe = recipe
     sd = random_lora(ref, seed)
     parts = [lora_results(ref, x_all[slices(T_counts, r)], dy_all[slices(T_counts, r)]) for r in range(len(T_counts))]
     res = {k: torch.cat([p[k] for p in parts]) for k in ("out", "x")}
@@ -82,12 +83,15 @@ def check_lora_layer(
     overlap_chunks: int = 1,
     backend: str = "loop",
     dtype=torch.float64,
+    recipe=None,
 ) -> None:
     """``MoE.add_lora`` before (or ``after``) :func:`expert_parallel`, every config and dispatcher: each
     rank holds its block of the factors (PEFT's local layout, ``num_experts`` E_l); outputs, input
     gradients, every factor's gradient (this rank's block of the oracle's) and the router's and shared
     expert's (summed) against the oracle. After: the factors drawn equal the unsplit layer's, and the
-    global state dict loads (each rank keeps its block)."""
+    global state dict loads (each rank keeps its block). With ``recipe``, both layers' frozen base under
+    that FP8 recipe (emulated), the adapters in the compute dtype: LoRA on an FP8 base under expert
+    parallelism."""
     g = torch.Generator().manual_seed(31)
     T_counts = [3 + 2 * r for r in range(W)]
     if W > 2:
@@ -96,13 +100,15 @@ def check_lora_layer(
         E, El = kw["num_experts"], kw["num_experts"] // W
         x_all = torch.randn(sum(T_counts), 8, generator=g, dtype=torch.float64)
         dy_all = torch.randn(x_all.shape, generator=g, dtype=torch.float64)
-        oracle, sd, _ = lora_oracle(kw, T_counts, x_all, dy_all, seed=5)
+        oracle, sd, _ = lora_oracle(kw, T_counts, x_all, dy_all, seed=5, recipe=recipe)
         blocks = factor_blocks(sd, E, rank, W)
         grad_blocks = factor_blocks({k: v for k, v in oracle.items() if k.startswith("lora.")}, E, rank, W)
         sl = slices(T_counts, rank)
         for name in dispatchers:
             what = f"lora {cname}/{name}/{'after' if after else 'before'}/{backend}/overlap{overlap_chunks}/rank{rank}"
+            what += f"/{recipe}" if recipe else ""
             m = make_layer(kw)
+            m.recipe = recipe
             if not after:
                 random_lora(m, seed=5)
             more = dict(max_tokens=max(T_counts)) if name == "sync_free" else {}
@@ -436,6 +442,8 @@ def worker_2(rank: int, W: int, ckpt_dir: str) -> None:
     check_lora_layer(rank, W, mesh=mesh, dispatchers=("sync_free",), after=True)
     check_lora_layer(rank, W, dispatchers=("all_to_all", "sync_free"), overlap_chunks=2)
     check_lora_layer(rank, W, dispatchers=("sync_free",), backend="bmm_padded", dtype=torch.float32)
+    for recipe in ("fp8_rowwise", "mxfp8"):  # LoRA on an FP8 base under expert parallelism
+        check_lora_layer(rank, W, dispatchers=("all_to_all",), recipe=recipe)
     check_merge(rank, W)
     check_merge(rank, W, mesh)
     for before in (True, False):

@@ -26,7 +26,8 @@ def ep2_adapters(tmp_path_factory):
 
 def test_lora_two_ranks(ep2_adapters):
     """``MoE.add_lora`` before and after expert_parallel (group, mesh; every dispatcher; overlap_chunks 2;
-    grouped_mm), merge_lora; QLoRA (quantize_experts before and after, nested and decoded scales); PEFT
+    grouped_mm; on an FP8 base under fp8_rowwise and mxfp8, emulated), merge_lora; QLoRA (quantize_experts
+    before and after, nested and decoded scales); PEFT
     adapters on a transformers Qwen3-MoE (before and after expert_parallel, fuse_lora, a mesh); the
     adapters gathered and saved with save_pretrained on rank 0."""
     assert (ep2_adapters / "peft" / "adapter_config.json").exists()
