@@ -13,7 +13,8 @@
 #          and mixtral-8x7b, then the LoRA step's kernels in launch order at MODEL (default qwen3-30b-a3b)
 #   quant: CUDA QLoRA, NF4 and FP8-checkpoint tests (QUANT_TESTS=0 skips them; the LoRA ones are in check), benchmarks/nf4_dequant.py at MODEL, then
 #          moeyard bench --quant nf4 --lora 16 (4-layer stacks) at MODEL... (default qwen3-30b-a3b); with BASE (a
-#          carried folder holding an earlier src/) the bench runs from that tree too, after this one;
+#          carried folder holding an earlier src/) the bench runs from that tree too, after this one; QUANT_RECIPES
+#          (e.g. fp8_rowwise_gw_hp) adds the stacks with the base GEMMs under those FP8 recipes (lora+R, qlora+R);
 #          bitsandbytes comes from the wheel in .bnb (carried)
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
@@ -57,7 +58,7 @@ elif [[ $STAGE == quant ]]; then
     -p no:cacheprovider tests/cuda/test_qlora_cuda.py tests/test_nf4.py tests/cuda/test_fp8_checkpoint_cuda.py
   step dequant_nf4 120 python3 benchmarks/nf4_dequant.py --variants "${margs[@]}"
   step bench_quant 300 python3 -m moeyard bench --quant nf4 --lora 16 --warmup 3 --iters 10 \
-    "${margs[@]}" --json "$OUT/bench_quant.json"
+    "${margs[@]}" ${QUANT_RECIPES:+--recipe "none,$QUANT_RECIPES"} --json "$OUT/bench_quant.json"
   [[ -n ${BASE:-} ]] && step bench_quant_base 300 env PYTHONPATH="$BASE/src:/tmp/site" python3 -m moeyard bench \
     --quant nf4 --lora 16 --warmup 3 --iters 10 "${margs[@]}" --json "$OUT/bench_quant_base.json"
 else

@@ -321,6 +321,32 @@ def test_lora_bench_fp8_base_rows(tmp_path):
     assert rows["lora+fp8_rowwise"]["lora_speedup"] == rows["lora+fp8_rowwise"]["step_ms"] / rows["lora"]["step_ms"]
 
 
+def test_quant_bench_rows_on_an_fp8_base(tmp_path):
+    # --quant nf4 with --recipe: the lora and qlora stacks again with the base GEMMs under the recipe (close to
+    # the plain rows, not equal: the recipe's numerics), each row timed, none failing
+    pytest.importorskip("bitsandbytes")
+    from moeyard import cli
+    from moeyard.bench import lora as bench_lora
+    from moeyard.bench.models import parse_shape
+
+    case = bench_lora.make_case(parse_shape("32,64,32,4,2"), 4, torch.device("cpu"), torch.float32)
+    for factors in case.lora.values():
+        factors[1].normal_()
+    outs = {}
+    for impl in ("qlora", "qlora+fp8_rowwise"):
+        torch.manual_seed(0)
+        outs[impl] = bench_lora.build(impl, case, layers=2)(case.xs[0])
+    err = ((outs["qlora+fp8_rowwise"] - outs["qlora"]).norm() / outs["qlora"].norm()).item()
+    assert 0 < err < 0.1, err
+    path = tmp_path / "q.json"
+    argv = ["bench", "--lora", "4", "--quant", "nf4", "--layers", "2", "--recipe", "fp8_rowwise", "--device", "cpu"]
+    argv += ["--shape", "32,64,32,4,2", "--backends", "lora,qlora", "--warmup", "0", "--iters", "1"]
+    assert cli.main([*argv, "--json", str(path)]) == 0
+    rows = {r["impl"]: r for r in json.loads(path.read_text())["rows"]}
+    assert list(rows) == ["lora", "qlora", "lora+fp8_rowwise", "qlora+fp8_rowwise"]
+    assert all("error" not in r and r["step_ms"] > 0 for r in rows.values())
+
+
 def test_quant_bench_rows():
     # the QLoRA rows: selective and whole-stack dequantisation compute the same step; NF4 stores <= 0.3x
     pytest.importorskip("bitsandbytes")

@@ -250,10 +250,8 @@ def check_bench_arguments(args) -> None:
         raise ValueError("--e2e: cannot be combined with --lora / --quant (one benchmark mode at a time)")
     if args.ep and (args.e2e or args.plot or args.trace):
         raise ValueError("--ep: --e2e, --plot and --trace are not available with expert parallelism")
-    if given("recipe") and (given("quant") or (args.ep and given("lora"))):
-        raise ValueError(
-            "--recipe: times the layer benchmark, --e2e, --ep or --lora (not with --quant; not with --lora under --ep)"
-        )
+    if given("recipe") and args.ep and given("lora"):
+        raise ValueError("--recipe: times the layer benchmark, --e2e, --ep or --lora (not with --lora under --ep)")
     if args.ep and given("recipe") and len([r for r in args.recipe.split(",") if r.strip() != "none"]) > 1:
         raise ValueError("--ep --recipe: one recipe (the expert-parallel rows run under one)")
     if given("fp8_dispatch") and not args.ep:

@@ -29,6 +29,8 @@ with its own weights and adapters, forward through all then backward), to show w
   forward and again in backward (one layer's dense weights alive at a time);
 - ``qlora-whole``: NF4 weights dequantised whole every step and handed over as tensors, so autograd
   keeps every layer's dense weights until backward (bitsandbytes' ``replace_parameter_4bit`` does this).
+- ``lora+<recipe>``, ``qlora+<recipe>`` (with ``--recipe``): the ``lora`` and ``qlora`` stacks with the base
+  GEMMs under that FP8 recipe (the active experts dequantised to the compute dtype, then cast per step).
 
 Reported: median step ms, TFLOP/s (frozen step ``12*N*H*I`` for gated experts, N = T*k, plus for LoRA
 rows ``6*N*r*(in + out)`` per adapted projection: forward, input gradient and the two factor
@@ -56,6 +58,7 @@ LORA_MODELS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b", "olmoe-1b-7b", "mixtral-8x7b"
 IMPLS = ("frozen", "lora", "peft+moeyard", "peft-auto+moeyard", "peft-fold+moeyard", "peft+grouped_mm")
 QUANT_IMPLS = ("lora", "qlora", "qlora-whole")
 RECIPE_IMPLS = ("frozen", "lora")  # the rows --recipe adds an FP8-base variant of
+RECIPE_QUANT_IMPLS = ("lora", "qlora")  # the same with --quant
 TARGETS = ("gate_up_proj", "down_proj")
 
 
@@ -196,9 +199,9 @@ class _Peft(nn.Module):
 class _Stack(nn.Module):
     """``layers`` routed-experts layers with adapters, ``x <- x + experts_l(x)`` (module docstring)."""
 
-    def __init__(self, case: Case, impl: str, layers: int):
+    def __init__(self, case: Case, impl: str, layers: int, recipe: str | None = None):
         super().__init__()
-        self.case, self.impl = case, impl
+        self.case, self.impl, self.recipe = case, impl, recipe
         self.factors = nn.ParameterList()
         self.stack = []
         for layer in range(layers):
@@ -224,7 +227,7 @@ class _Stack(nn.Module):
             }
             if self.impl == "qlora-whole":
                 up, down = up.dequantize(), down.dequantize()
-            x = x + experts(x, c.topk_ids, c.topk_weights, up, down, lora=lora)
+            x = x + experts(x, c.topk_ids, c.topk_weights, up, down, lora=lora, recipe=self.recipe)
         return x
 
     def trainable(self) -> list[Tensor]:
@@ -250,7 +253,8 @@ def _nf4(w: Tensor):
 
 def build(impl: str, case: Case, layers: int = 0) -> nn.Module:
     if layers:
-        return _Stack(case, impl, layers)
+        mode, _, recipe = impl.partition("+")
+        return _Stack(case, mode, layers, recipe or None)
     if impl.startswith("peft+") or impl == "peft-auto+moeyard":
         return _Peft(case, impl)
     mode, _, recipe = impl.partition("+")
@@ -323,9 +327,8 @@ def run(
                 f"--backends: with --lora{' --quant' if quant else ''} expected names from {known}, got {i!r}"
             )
     recipes = [r for r in opts.recipes or [] if r != layer_bench.NO_RECIPE]
-    if recipes and quant:
-        raise ValueError("--recipe: not with --quant (the LoRA rows on an FP8 base are bf16 weights cast)")
-    impls += [f"{i}+{r}" for r in recipes for i in impls if i in RECIPE_IMPLS]
+    with_recipe = RECIPE_QUANT_IMPLS if quant else RECIPE_IMPLS
+    impls += [f"{i}+{r}" for r in recipes for i in impls if i in with_recipe]
     device, dtype = torch.device(opts.device), layer_bench.DTYPES[opts.dtype]
     report = progress or (lambda desc, done, total: None)
     env = {
