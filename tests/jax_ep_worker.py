@@ -26,6 +26,7 @@ from jax.sharding import (
 )
 
 import jax_ep_emulation  # noqa: E402
+import moeyard  # noqa: E402
 import moeyard.jax as mj  # noqa: E402
 from moeyard import MoEConfig  # noqa: E402
 from moeyard.jax import parallel  # noqa: E402
@@ -67,19 +68,53 @@ def max_err(got, want):
     return max(errs) if len(got) == len(want) else float("inf")
 
 
-def experts_check(W, exchange, align=1, custom_vjp=True, drop=False, recipe=None):
-    """Output and every gradient of ep_experts against experts on one device (both under ``recipe``)."""
+R = 2  # LoRA rank
+LORA_SCALES = (0.5, 2.0)
+
+
+def lora_factors(seed=4):
+    """Both projections' LoRA factors in PEFT's global layout: ``A [R*E, in]``, ``B [out, R*E]``."""
+    g = np.random.default_rng(seed)
+    return {
+        "la_up": jnp.asarray(g.standard_normal((R * E, H)) / 3),
+        "lb_up": jnp.asarray(g.standard_normal((2 * I, R * E)) / 2),
+        "la_down": jnp.asarray(g.standard_normal((R * E, I)) / 2),
+        "lb_down": jnp.asarray(g.standard_normal((H, R * E)) / 2),
+    }
+
+
+def adapters(la_up, lb_up, la_down, lb_down):
+    return {
+        "gate_up_proj": moeyard.ExpertLoRA(lora_A=la_up, lora_B=lb_up, scaling=LORA_SCALES[0]),
+        "down_proj": moeyard.ExpertLoRA(lora_A=la_down, lora_B=lb_down, scaling=LORA_SCALES[1]),
+    }
+
+
+def by_device(lb, W):
+    """``B [out, R*E]`` (columns rank-major over all experts) with its columns grouped by device: each device's
+    slice along the columns is then ``[out, R*E_l]``, rank-major over its own experts (the local layout)."""
+    out = lb.shape[0]
+    return lb.reshape(out, R, W, E // W).transpose(0, 2, 1, 3).reshape(out, R * E)
+
+
+def experts_check(W, exchange, align=1, custom_vjp=True, drop=False, recipe=None, lora=False):
+    """Output and every gradient of ep_experts against experts on one device (both under ``recipe``; with
+    ``lora`` both projections adapted, each device holding its experts' factors in the local layout)."""
     a, ids = problem(W)
     if drop:  # sentinels of another layer's expert parallelism: contribute nothing
         ids = ids.at[0, 0].set(-1).at[5, 1].set(E)
     kw = dict(drop_invalid=drop, custom_vjp=custom_vjp, recipe=recipe)
     names = ("x", "w", "up", "b_up", "down", "b_down")
+    if lora:
+        a = {**a, **lora_factors()}
+        names += ("la_up", "lb_up", "la_down", "lb_down")
     probe = jnp.asarray(np.random.default_rng(9).standard_normal((W * T, H)))
 
-    def one(x, w, up, b_up, down, b_down):
-        return mj.experts(x, ids, w, up, down, gate_up_bias=b_up, down_bias=b_down, **kw)
+    def one(x, w, up, b_up, down, b_down, *f):
+        more = dict(lora=adapters(*f)) if f else {}
+        return mj.experts(x, ids, w, up, down, gate_up_bias=b_up, down_bias=b_down, **kw, **more)
 
-    def local(x, ids, w, up, b_up, down, b_down):
+    def local(x, ids, w, up, b_up, down, b_down, *f):
         return mj.ep_experts(
             x,
             ids,
@@ -92,15 +127,19 @@ def experts_check(W, exchange, align=1, custom_vjp=True, drop=False, recipe=None
             exchange=exchange,
             align=align,
             **kw,
+            **(dict(lora=adapters(*f)) if f else {}),
         )
 
-    sharded = jax.shard_map(local, mesh=mesh(W), in_specs=(P("ep"),) * 7, out_specs=P("ep"))
+    factor_specs = (P("ep"), P(None, "ep"), P("ep"), P(None, "ep")) if lora else ()
+    sharded = jax.shard_map(local, mesh=mesh(W), in_specs=(P("ep"),) * 7 + factor_specs, out_specs=P("ep"))
 
-    def many(x, w, up, b_up, down, b_down):
-        return sharded(x, ids, w, up, b_up, down, b_down)
+    def many(x, w, up, b_up, down, b_down, *f):
+        if f:  # B's columns grouped by device, so that each device's slice is its local layout
+            f = (f[0], by_device(f[1], W), f[2], by_device(f[3], W))
+        return sharded(x, ids, w, up, b_up, down, b_down, *f)
 
     def value_and_grads(f):
-        return jax.jit(jax.value_and_grad(lambda *v: (f(*v) * probe).sum(), argnums=tuple(range(6))))(
+        return jax.jit(jax.value_and_grad(lambda *v: (f(*v) * probe).sum(), argnums=tuple(range(len(names)))))(
             *[a[n] for n in names]
         )
 
@@ -196,6 +235,8 @@ def main():
     timed(out, "all_to_all_W4_plain_autodiff_drop", experts_check, 4, "all_to_all", custom_vjp=False, drop=True)
     timed(out, "ragged_W4_drop", experts_check, 4, "ragged_all_to_all", drop=True)
     timed(out, "all_to_all_W4_mxfp8", experts_check, 4, "all_to_all", recipe="mxfp8")
+    timed(out, "all_to_all_W4_lora", experts_check, 4, "all_to_all", lora=True)
+    timed(out, "ragged_W8_lora_mxfp8", experts_check, 8, "ragged_all_to_all", lora=True, recipe="mxfp8")
     timed(out, "layer_all_to_all_W4", layer_check, 4, "all_to_all")
     timed(out, "layer_ragged_W8", layer_check, 8, "ragged_all_to_all")
     timed(out, "overflow", overflow_check)

@@ -1,6 +1,7 @@
 """moeyard.jax expert parallelism on 4 and 8 simulated CPU devices equals one device: outputs and every
 gradient, both exchanges (``ragged_all_to_all`` through an emulation of the collective, which XLA:CPU
-lacks), an FP8 recipe on the local experts, the layer through ``ep_apply``, skewed routing, sentinel ids,
+lacks), an FP8 recipe on the local experts, LoRA adapters (each device its experts' factors), the layer
+through ``ep_apply``, skewed routing, sentinel ids,
 repeated ids. The checks run in a
 subprocess (``jax_ep_worker.py``): the CPU device count is fixed when JAX starts."""
 
@@ -44,6 +45,8 @@ CHECKS = [
     "all_to_all_W4_plain_autodiff_drop",
     "ragged_W4_drop",
     "all_to_all_W4_mxfp8",
+    "all_to_all_W4_lora",
+    "ragged_W8_lora_mxfp8",
     "layer_all_to_all_W4",
     "layer_ragged_W8",
 ]

@@ -260,12 +260,15 @@ class MoE(nnx.Module):
 
         Raises:
             ValueError: unknown target, a bad rank/alpha, adapters already present, or a layer under
-                :func:`moeyard.jax.expert_parallel` (adapters there are PyTorch-only).
+                :func:`moeyard.jax.expert_parallel` (the layer runs adapters on one device only).
         """
         if self.lora is not None:
             raise ValueError("add_lora: this layer already has LoRA adapters (merge_lora() or drop self.lora first)")
         if self.expert_parallel is not None:
-            raise ValueError("add_lora: LoRA under expert parallelism is PyTorch-only (moeyard.parallel)")
+            raise ValueError(
+                "add_lora: the JAX layer runs adapters on one device only (under expert parallelism: "
+                "ep_experts(..., lora=) in your own shard_map, or moeyard.parallel on the PyTorch side)"
+            )
         sizes = {"gate_up_proj": self.gate_up_proj.shape, "down_proj": self.down_proj.shape}
         if not targets or any(t not in sizes for t in targets):
             raise ValueError(f"targets: expected a non-empty subset of {tuple(sizes)}, got {targets!r}")

@@ -55,6 +55,7 @@ from .checks import check_bool, check_float, check_topk, invalid_ids
 from .dispatch import plan_unchecked, weighted_sum
 from .experts import check_weights
 from .ffn import FFNSpec, routed_ffn
+from .lora import lora_views
 
 __all__ = ["EXCHANGES", "EPExperts", "ep_apply", "ep_experts", "expert_parallel", "partition_specs"]
 
@@ -80,6 +81,7 @@ def ep_experts(
     interleaved: bool = False,
     drop_invalid: bool = False,
     custom_vjp: bool = True,
+    lora=None,
     recipe=None,
 ):
     """:func:`moeyard.jax.experts` with the experts split over mesh axis ``axis_name``; call it inside
@@ -97,6 +99,10 @@ def ep_experts(
         activation, transposed, interleaved, drop_invalid: as :func:`moeyard.jax.experts` (ids outside
             ``[0, E)`` are never read on the host here: NaN rows, or nothing with ``drop_invalid``).
         custom_vjp: the local experts' backward (:func:`moeyard.jax.experts`), with either exchange.
+        lora: LoRA adapters of this device's ``E_l`` experts (:func:`moeyard.jax.experts`' ``lora``), in
+            PEFT's layout over the local experts: ``lora_A [r*E_l, in]`` (a block of the global rows) and
+            ``lora_B [out, r*E_l]`` (columns rank-major over the local experts, as
+            :func:`moeyard.parallel.lora.shard_factors` gives each PyTorch rank).
         recipe: an FP8 training recipe for the local experts' GEMMs (:func:`moeyard.jax.experts`).
     Returns:
         ``[T, H]`` in ``hidden_states.dtype``.
@@ -113,7 +119,7 @@ def ep_experts(
     for name, v in (("drop_invalid", drop_invalid), ("custom_vjp", custom_vjp)):
         check_bool(name, v)
     check_float("hidden_states", hidden_states, dim=2)
-    E_l, H, _ = check_weights(
+    E_l, H, I = check_weights(
         gate_up_proj,
         down_proj,
         gate_up_bias=gate_up_bias,
@@ -136,6 +142,8 @@ def ep_experts(
         ) from ex
     E = E_l * W
     check_topk(topk_ids, topk_weights, hidden_states.shape[0], E, drop_invalid)
+    N1 = gate_up_proj.shape[2] if transposed else gate_up_proj.shape[1]
+    factors, scales = lora_views(lora, E_l, (N1, H), (H, I), gate_up_proj.dtype)
     spec = FFNSpec(
         activation=act,
         interleaved=bool(interleaved),
@@ -143,11 +151,12 @@ def ep_experts(
         drop_invalid=True,
         num_experts=E_l,
         recipe=recipe,
+        lora_scales=tuple(None if f is None else sc for f, sc in zip(factors, scales, strict=True)),
     )
     ids = topk_ids.astype(jnp.int32)
     w = topk_weights.astype(hidden_states.dtype)
     w = jnp.where(invalid_ids(ids, E), 0 if drop_invalid else jnp.nan, w)
-    weights = (gate_up_proj, gate_up_bias, down_proj, down_bias)
+    weights = (gate_up_proj, gate_up_bias, down_proj, down_bias, factors)
     if exchange == "all_to_all":
         pairs, sent = _dense_exchange(hidden_states, ids, weights, spec, axis_name, W, custom_vjp)
     else:
@@ -179,9 +188,9 @@ def _dense_exchange(x, ids, weights, spec: FFNSpec, axis_name: str, W: int, cust
     recv_x = jax.lax.all_to_all(send_x, axis_name, 0, 0)  # [W, C, H]: block s came from device s
     recv_local = jax.lax.all_to_all(send_local, axis_name, 0, 0)
     ones = jnp.ones((W * C, 1), x.dtype)
-    up, b_up, down, b_down = weights
+    up, b_up, down, b_down, lora = weights
     y = routed_ffn(
-        spec, custom_vjp, recv_x.reshape(W * C, H), recv_local.reshape(W * C, 1), ones, up, b_up, down, b_down
+        spec, custom_vjp, recv_x.reshape(W * C, H), recv_local.reshape(W * C, 1), ones, up, b_up, down, b_down, lora
     )
     back = jax.lax.all_to_all(y.reshape(W, C, H), axis_name, 0, 0).reshape(W * C, H)
     valid = plan.valid
@@ -225,9 +234,9 @@ def _ragged_exchange(x, ids, weights, spec: FFNSpec, axis_name: str, W: int, ali
     # receive buffer's rows are expert-major already; rows past the last expert's carry the id E_l (dropped)
     group_ends = jnp.cumsum(padded[me])
     row_experts = jnp.searchsorted(group_ends, jnp.arange(num_rows, dtype=jnp.int32), side="right").astype(jnp.int32)
-    up, b_up, down, b_down = weights
+    up, b_up, down, b_down, lora = weights
     y = routed_ffn(
-        spec, custom_vjp, recv, row_experts[:, None], jnp.ones((num_rows, 1), x.dtype), up, b_up, down, b_down
+        spec, custom_vjp, recv, row_experts[:, None], jnp.ones((num_rows, 1), x.dtype), up, b_up, down, b_down, lora
     )
     back = _exchange(y, N, combine, dispatch, axis_name)
     flat_ids = ids.reshape(-1)
@@ -315,14 +324,17 @@ def expert_parallel(layer, *, axis_name: str = "ep", exchange: str = "all_to_all
 
     Raises:
         TypeError: ``layer`` is not a moeyard.jax.MoE. ValueError: unknown ``exchange``, bad ``align``, or a layer
-            with LoRA adapters (PyTorch-only under expert parallelism).
+            with LoRA adapters (on the JAX side, adapters under expert parallelism go through :func:`ep_experts`).
     """
     from .layer import MoE
 
     if not isinstance(layer, MoE):
         raise TypeError(f"layer: expected a moeyard.jax.MoE, got {type(layer).__name__}")
     if getattr(layer, "lora", None) is not None:
-        raise ValueError("layer: has LoRA adapters; LoRA under expert parallelism is PyTorch-only (moeyard.parallel)")
+        raise ValueError(
+            "layer: has LoRA adapters; the JAX layer runs them on one device only (under expert parallelism: "
+            "ep_experts(..., lora=) in your own shard_map, or moeyard.parallel on the PyTorch side)"
+        )
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
     if isinstance(align, bool) or not isinstance(align, int) or align < 1:
