@@ -146,9 +146,10 @@ def experts_check(W, exchange, align=1, custom_vjp=True, drop=False, recipe=None
     return max_err(value_and_grads(many), value_and_grads(one))
 
 
-def layer_check(W, exchange):
+def layer_check(W, exchange, lora=False):
     """The layer through ep_apply against the layer on one device: output and every parameter's
-    gradient of sum(y * probe), and the aux loss as the mean of the shards' own."""
+    gradient of sum(y * probe), and the aux loss as the mean of the shards' own; with ``lora``, both layers
+    with the same adapters (B random), whose factors' gradients come back in PEFT's global layout."""
     cfg = MoEConfig(
         num_experts=E,
         hidden_size=H,
@@ -168,6 +169,11 @@ def layer_check(W, exchange):
     x = jnp.asarray(g.standard_normal((W * T, H)))
     probe = jnp.asarray(g.standard_normal((W * T, H)))
     ep_layer = mj.MoE(cfg, rngs=nnx.Rngs(0), dtype=jnp.float64)
+    if lora:
+        for m in (layer, ep_layer):
+            m.add_lora(R, alpha=3.0, rngs=nnx.Rngs(2))
+        for a in layer.lora.values():
+            a.lora_B.weight.set_value(jnp.asarray(g.standard_normal(a.lora_B.weight.shape)) * 0.5)
     nnx.update(ep_layer, nnx.state(layer))
     mj.expert_parallel(ep_layer, axis_name="ep", exchange=exchange)
     m = mesh(W)
@@ -239,6 +245,7 @@ def main():
     timed(out, "ragged_W8_lora_mxfp8", experts_check, 8, "ragged_all_to_all", lora=True, recipe="mxfp8")
     timed(out, "layer_all_to_all_W4", layer_check, 4, "all_to_all")
     timed(out, "layer_ragged_W8", layer_check, 8, "ragged_all_to_all")
+    timed(out, "layer_all_to_all_W4_lora", layer_check, 4, "all_to_all", lora=True)
     timed(out, "overflow", overflow_check)
     out.update(out.pop("overflow"))
     print(json.dumps(out))

@@ -451,7 +451,7 @@ def test_layer_recipe_parity():
 def test_layer_lora_parity(lora):
     """moeyard.jax.MoE.add_lora against moeyard.MoE.add_lora (random B), float64: the state-dict names, the
     output, routing and every gradient (the factors' and the base's); merge_lora on both sides gives the
-    adapted output; the JAX layer's bad calls are refused."""
+    adapted output; bad calls are refused."""
     cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4, top_k=2, **LOSS)
     with jax.enable_x64(True):
         t = torch_layer(cfg, torch.float64)
@@ -476,8 +476,6 @@ def test_layer_lora_parity(lora):
     layer = mj.MoE(cfg, rngs=nnx.Rngs(0)).add_lora(2, rngs=nnx.Rngs(1))
     with pytest.raises(ValueError, match="already has LoRA"):
         layer.add_lora(2, rngs=nnx.Rngs(1))
-    with pytest.raises(ValueError, match="runs them on one device only"):
-        mj.expert_parallel(layer, axis_name="ep")
     for bad, match in ((dict(targets=("q_proj",)), "targets"), (dict(alpha=-1.0), "alpha"), (dict(), "rank")):
         with pytest.raises(ValueError, match=match):
             mj.MoE(cfg, rngs=nnx.Rngs(0)).add_lora(0 if match == "rank" else 2, rngs=nnx.Rngs(1), **bad)

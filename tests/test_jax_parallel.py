@@ -49,6 +49,7 @@ CHECKS = [
     "ragged_W8_lora_mxfp8",
     "layer_all_to_all_W4",
     "layer_ragged_W8",
+    "layer_all_to_all_W4_lora",
 ]
 
 

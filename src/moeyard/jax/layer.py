@@ -13,6 +13,7 @@ move weights between the two sides by those names (``moeyard.MoE.state_dict()`` 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -259,16 +260,10 @@ class MoE(nnx.Module):
         ``nnx.Optimizer(layer, tx, wrt=nnx.LoRAParam)``), PyTorch's ``freeze_base``. Returns ``self``.
 
         Raises:
-            ValueError: unknown target, a bad rank/alpha, adapters already present, or a layer under
-                :func:`moeyard.jax.expert_parallel` (the layer runs adapters on one device only).
+            ValueError: unknown target, a bad rank/alpha, or adapters already present.
         """
         if self.lora is not None:
             raise ValueError("add_lora: this layer already has LoRA adapters (merge_lora() or drop self.lora first)")
-        if self.expert_parallel is not None:
-            raise ValueError(
-                "add_lora: the JAX layer runs adapters on one device only (under expert parallelism: "
-                "ep_experts(..., lora=) in your own shard_map, or moeyard.parallel on the PyTorch side)"
-            )
         sizes = {"gate_up_proj": self.gate_up_proj.shape, "down_proj": self.down_proj.shape}
         if not targets or any(t not in sizes for t in targets):
             raise ValueError(f"targets: expected a non-empty subset of {tuple(sizes)}, got {targets!r}")
@@ -316,13 +311,21 @@ class MoE(nnx.Module):
             down_bias=_value(self.down_proj_bias),
             custom_vjp=self.custom_vjp,
             recipe=self.recipe,
-            **({} if self.lora is None else {"lora": {t: a.expert_lora() for t, a in self.lora.items()}}),
+            **({} if self.lora is None else {"lora": self._adapters()}),
         )
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
         self.aux_loss.set_value(routing.loss)
         self.routing.set_value(routing if self.keep_routing else None)
         return (out.reshape(x.shape), routing.loss) if return_aux_loss else out.reshape(x.shape)
+
+    def _adapters(self) -> dict:
+        """``lora=`` of the experts call: each adapter's factors; under expert parallelism (inside
+        :func:`moeyard.jax.ep_apply`'s ``shard_map``) this device's block of them, covering its own experts."""
+        local = self.expert_parallel is not None
+        return {
+            t: replace(a.expert_lora(), num_experts=None) if local else a.expert_lora() for t, a in self.lora.items()
+        }
 
 
 def _value(v):

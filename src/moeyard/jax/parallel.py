@@ -57,7 +57,15 @@ from .experts import check_weights
 from .ffn import FFNSpec, routed_ffn
 from .lora import lora_views
 
-__all__ = ["EXCHANGES", "EPExperts", "ep_apply", "ep_experts", "expert_parallel", "partition_specs"]
+__all__ = [
+    "EXCHANGES",
+    "EPExperts",
+    "ep_apply",
+    "ep_experts",
+    "expert_parallel",
+    "lora_columns_by_device",
+    "partition_specs",
+]
 
 EXCHANGES = ("all_to_all", "ragged_all_to_all")
 ragged_all_to_all = jax.lax.ragged_all_to_all  # the collective the ragged exchange calls (the CPU tests emulate it)
@@ -323,18 +331,12 @@ def expert_parallel(layer, *, axis_name: str = "ep", exchange: str = "all_to_all
     ``jax.shard_map`` with :func:`partition_specs`, or through :func:`ep_apply`.
 
     Raises:
-        TypeError: ``layer`` is not a moeyard.jax.MoE. ValueError: unknown ``exchange``, bad ``align``, or a layer
-            with LoRA adapters (on the JAX side, adapters under expert parallelism go through :func:`ep_experts`).
+        TypeError: ``layer`` is not a moeyard.jax.MoE. ValueError: unknown ``exchange``, bad ``align``.
     """
     from .layer import MoE
 
     if not isinstance(layer, MoE):
         raise TypeError(f"layer: expected a moeyard.jax.MoE, got {type(layer).__name__}")
-    if getattr(layer, "lora", None) is not None:
-        raise ValueError(
-            "layer: has LoRA adapters; the JAX layer runs them on one device only (under expert parallelism: "
-            "ep_experts(..., lora=) in your own shard_map, or moeyard.parallel on the PyTorch side)"
-        )
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
     if isinstance(align, bool) or not isinstance(align, int) or align < 1:
@@ -343,22 +345,55 @@ def expert_parallel(layer, *, axis_name: str = "ep", exchange: str = "all_to_all
     return layer
 
 
+def _names(path) -> tuple:
+    """A state path's keys as plain values (``("lora", "down_proj", "lora_B", "weight", ...)``)."""
+    return tuple(getattr(p, "key", getattr(p, "name", getattr(p, "idx", None))) for p in path)
+
+
+def _is_lora_b(path) -> bool:
+    names = _names(path)
+    return len(names) >= 4 and names[0] == "lora" and names[2] == "lora_B"
+
+
 def partition_specs(state, axis_name: str = "ep"):
     """``PartitionSpec``s for a layer's state (``nnx.state(layer)`` or one of ``nnx.split``'s states):
-    ``P(axis_name)`` for the routed experts' weights and biases (split on their expert dimension),
-    ``P()`` (replicated) for everything else."""
+    ``P(axis_name)`` for the routed experts' weights and biases (split on their expert dimension) and for
+    the LoRA adapters' ``lora_A [r*E, in]`` (rows expert-major), ``P(None, axis_name)`` for their ``lora_B
+    [out, r*E]`` once its columns are grouped by device (:func:`lora_columns_by_device`), ``P()``
+    (replicated) for everything else."""
 
     def spec(path, _):
-        top = getattr(path[0], "key", getattr(path[0], "name", None)) if path else None
-        return P(axis_name) if top in EXPERT_PARAMS else P()
+        names = _names(path)
+        if names and names[0] == "lora":
+            return P(None, axis_name) if _is_lora_b(path) else P(axis_name)
+        return P(axis_name) if names and names[0] in EXPERT_PARAMS else P()
 
     return jax.tree_util.tree_map_with_path(spec, state)
+
+
+def lora_columns_by_device(state, num_devices: int, num_experts: int):
+    """``state`` with each LoRA ``lora_B [out, r*E]`` (columns rank-major over all E experts, PEFT's layout) laid
+    out with its columns grouped by device (W = ``num_devices``, E = ``num_experts``), ``[out, W, r, E_l]``
+    flattened: each device's slice of the columns (:func:`partition_specs`) is then ``[out, r*E_l]``,
+    rank-major over its own experts, the layout :func:`ep_experts` takes (and
+    :func:`moeyard.parallel.lora.shard_factors` gives a PyTorch rank). A permutation, differentiable
+    (gradients come back in PEFT's layout); everything else as is."""
+    E_l = num_experts // num_devices
+
+    def relayout(path, v):
+        if not _is_lora_b(path):
+            return v
+        out, rE = v.shape
+        return v.reshape(out, -1, num_devices, E_l).transpose(0, 2, 1, 3).reshape(out, rE)
+
+    return jax.tree_util.tree_map_with_path(relayout, state)
 
 
 def ep_apply(layer, x, *, mesh, axis_name: str = "ep"):
     """Run an expert-parallel :class:`moeyard.jax.MoE` (:func:`expert_parallel`) on the global tokens
     ``x [T, H]`` under ``jax.shard_map`` over ``mesh``'s ``axis_name``: ``x`` split into W equal
-    shards, the experts into W blocks, the rest replicated. Returns ``(y [T, H], aux_loss)``, the loss
+    shards, the experts (and their LoRA adapters' factors, :func:`lora_columns_by_device`) into W blocks,
+    the rest replicated. Returns ``(y [T, H], aux_loss)``, the loss
     the mean of the W shards' losses (each from its own tokens, as on the PyTorch side). Differentiable
     (inside ``nnx.grad`` / ``jax.grad``): the replicated parameters get the sum of the shards' gradients.
     The router's jitter draws the same key on every shard and does not advance the layer's stream.
@@ -377,6 +412,7 @@ def ep_apply(layer, x, *, mesh, axis_name: str = "ep"):
             f"mesh: axis {axis_name!r} of size {W} must divide num_experts={E} and the {x.shape[0]} tokens"
         )
     graphdef, state = nnx.split(layer)
+    state = lora_columns_by_device(state, W, E)  # each device's lora_B columns: its experts' (local layout)
 
     def body(state, x):
         m = nnx.merge(graphdef, state, copy=True)
