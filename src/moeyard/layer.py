@@ -16,7 +16,7 @@ from .activations import Activation
 from .checks import check_float
 from .config import MoEConfig
 from .experts import experts
-from .experts.lora import LoRAAdapter
+from .experts.lora import LoRAAdapter, check_new_adapters
 from .experts.registry import check_backend_name
 from .quant.recipe import Recipe, resolve_recipe
 from .routing import Router, RoutingOutput
@@ -158,11 +158,8 @@ class MoE(nn.Module):
         Raises:
             ValueError: unknown target, a bad rank/alpha, or adapters already present.
         """
-        if self.lora is not None:
-            raise ValueError("add_lora: this layer already has LoRA adapters (merge_lora() or drop self.lora first)")
         sizes = {"gate_up_proj": self.gate_up_proj.shape, "down_proj": self.down_proj.shape}
-        if not targets or any(t not in sizes for t in targets):
-            raise ValueError(f"targets: expected a non-empty subset of {tuple(sizes)}, got {targets!r}")
+        check_new_adapters(self.lora is not None, targets, sizes)
         kw = {"device": self.down_proj.device, "dtype": self.down_proj.dtype}
         E = self.config.num_experts  # all experts, also where this rank holds only its block of the weights
         self.lora = nn.ModuleDict(

@@ -21,6 +21,43 @@ from .weights import ExpertLoRA
 Tensor = torch.Tensor
 
 
+def adapter_scaling(
+    num_experts: int, in_features: int, out_features: int, rank: int, alpha: float | None, rslora: bool
+) -> tuple[float, float]:
+    """``(alpha, s)`` of an adapter after checking its sizes: ``alpha`` (default ``rank``) and the scale ``s =
+    alpha / r`` (Hu et al., arXiv 2106.09685), or ``alpha / sqrt(r)`` with ``rslora`` (arXiv 2312.03732). Shared
+    by :class:`LoRAAdapter` and the JAX layer's.
+
+    Raises:
+        ValueError: a size or rank that is not a positive int, or an alpha that is not a positive number.
+    """
+    for name, v in (
+        ("num_experts", num_experts),
+        ("in_features", in_features),
+        ("out_features", out_features),
+        ("rank", rank),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    alpha = float(rank if alpha is None else alpha)
+    if not alpha > 0 or not math.isfinite(alpha):
+        raise ValueError(f"alpha: expected a positive number, got {alpha!r}")
+    return alpha, alpha / (math.sqrt(rank) if rslora else rank)
+
+
+def check_new_adapters(has_adapters: bool, targets: tuple, sizes: dict) -> None:
+    """``add_lora``'s checks (both layers'): no adapters yet, and ``targets`` a non-empty subset of ``sizes``'
+    keys (the projections).
+
+    Raises:
+        ValueError: adapters already present, or a bad target.
+    """
+    if has_adapters:
+        raise ValueError("add_lora: this layer already has LoRA adapters (merge_lora() or drop self.lora first)")
+    if not targets or any(t not in sizes for t in targets):
+        raise ValueError(f"targets: expected a non-empty subset of {tuple(sizes)}, got {targets!r}")
+
+
 class LoRAAdapter(nn.Module):
     """``s * B_e A_e`` for an ``[E, out, in]`` expert projection (see the module docstring).
 
@@ -44,20 +81,9 @@ class LoRAAdapter(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        for name, v in (
-            ("num_experts", num_experts),
-            ("in_features", in_features),
-            ("out_features", out_features),
-            ("rank", rank),
-        ):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
-        alpha = float(rank if alpha is None else alpha)
-        if not alpha > 0 or not math.isfinite(alpha):
-            raise ValueError(f"alpha: expected a positive number, got {alpha!r}")
+        alpha, self.scaling = adapter_scaling(num_experts, in_features, out_features, rank, alpha, rslora)
         kw = {"device": device, "dtype": dtype}
         self.num_experts, self.rank, self.alpha = num_experts, rank, alpha
-        self.scaling = alpha / (math.sqrt(rank) if rslora else rank)
         self.lora_A = nn.Linear(in_features, rank * num_experts, bias=False, **kw)
         self.lora_B = nn.Linear(rank * num_experts, out_features, bias=False, **kw)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))

@@ -261,6 +261,26 @@ def low_rank(adapter: ExpertLoRA, E: int, out: int, inp: int, like: Tensor, name
     A, B = adapter.lora_A, adapter.lora_B
     check_float(f"{name}.lora_A", A, dim=2)
     check_float(f"{name}.lora_B", B, dim=2)
+    r, s = adapter_rank(adapter, E, out, inp, name)
+    for n, t in (("lora_A", A), ("lora_B", B)):
+        if t.device != like.device:
+            raise ValueError(f"{name}.{n}: expected device {like.device} (as the expert weights), got {t.device}")
+    A = A.to(like.dtype)
+    # lora_B relaid out expert-major in one copy (cast included): [out, r*E] -> [E, out, r] contiguous
+    b = expert_major(B, r, E, like.dtype)
+    return LowRank(a=A.view(E, r, inp) if A.is_contiguous() else A.reshape(E, r, inp), b=b, scaling=s)
+
+
+def adapter_rank(adapter: ExpertLoRA, E: int, out: int, inp: int, name: str = "lora") -> tuple[int, float]:
+    """``(r, s)`` of an adapter whose factors are float matrices (of any framework), after checking them against an
+    ``[E, out, in]`` projection: ``lora_A [r*E, in]``, ``lora_B [out, r*E]``, the adapter's ``num_experts`` E if
+    given, a finite ``scaling``. Shared by :func:`low_rank` and the JAX side's (:mod:`moeyard.jax.lora`).
+
+    Raises:
+        TypeError: a non-numeric scaling.
+        ValueError: the shapes, or ``num_experts`` not E.
+    """
+    A, B = adapter.lora_A, adapter.lora_B
     if adapter.num_experts is not None and adapter.num_experts != E:
         raise ValueError(f"{name}: the adapter covers num_experts={adapter.num_experts} experts, the weights {E}")
     rE = A.shape[0]
@@ -270,14 +290,7 @@ def low_rank(adapter: ExpertLoRA, E: int, out: int, inp: int, like: Tensor, name
         raise ValueError(
             f"{name}.lora_B: expected shape [{out}, {rE}] (the rank of lora_A, r = {rE // E}), got {tuple(B.shape)}"
         )
-    for n, t in (("lora_A", A), ("lora_B", B)):
-        if t.device != like.device:
-            raise ValueError(f"{name}.{n}: expected device {like.device} (as the expert weights), got {t.device}")
     s = adapter.scaling
     if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
         raise TypeError(f"{name}.scaling: expected a finite float, got {s!r}")
-    r = rE // E
-    A = A.to(like.dtype)
-    # lora_B relaid out expert-major in one copy (cast included): [out, r*E] -> [E, out, r] contiguous
-    b = expert_major(B, r, E, like.dtype)
-    return LowRank(a=A.view(E, r, inp) if A.is_contiguous() else A.reshape(E, r, inp), b=b, scaling=float(s))
+    return rE // E, float(s)

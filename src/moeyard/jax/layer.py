@@ -22,6 +22,7 @@ from flax import nnx
 
 from ..activations import Activation
 from ..config import MoEConfig
+from ..experts.lora import adapter_scaling, check_new_adapters
 from ..experts.weights import ExpertLoRA
 from ..quant.recipe import resolve_recipe
 from .activations import apply_activation
@@ -86,19 +87,8 @@ class LoRAAdapter(nnx.Module):
         rngs: nnx.Rngs,
         dtype=jnp.float32,
     ):
-        for name, v in (
-            ("num_experts", num_experts),
-            ("in_features", in_features),
-            ("out_features", out_features),
-            ("rank", rank),
-        ):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
-        alpha = float(rank if alpha is None else alpha)
-        if not alpha > 0 or not math.isfinite(alpha):
-            raise ValueError(f"alpha: expected a positive number, got {alpha!r}")
+        alpha, self.scaling = adapter_scaling(num_experts, in_features, out_features, rank, alpha, rslora)
         self.num_experts, self.rank, self.alpha = num_experts, rank, alpha
-        self.scaling = alpha / (math.sqrt(rank) if rslora else rank)
         bound = 1.0 / math.sqrt(in_features)
         a = jax.random.uniform(rngs.params(), (rank * num_experts, in_features), dtype, -bound, bound)
         self.lora_A = _Factor(a)
@@ -262,11 +252,8 @@ class MoE(nnx.Module):
         Raises:
             ValueError: unknown target, a bad rank/alpha, or adapters already present.
         """
-        if self.lora is not None:
-            raise ValueError("add_lora: this layer already has LoRA adapters (merge_lora() or drop self.lora first)")
         sizes = {"gate_up_proj": self.gate_up_proj.shape, "down_proj": self.down_proj.shape}
-        if not targets or any(t not in sizes for t in targets):
-            raise ValueError(f"targets: expected a non-empty subset of {tuple(sizes)}, got {targets!r}")
+        check_new_adapters(self.lora is not None, targets, sizes)
         E, dtype = self.config.num_experts, self.down_proj.dtype
         self.lora = nnx.Dict(
             {

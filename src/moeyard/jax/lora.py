@@ -10,11 +10,9 @@ LoRA, arXiv 2106.09685). ``W + dW`` is never formed: the term is two thin groupe
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 
-from ..experts.weights import LORA_KEYS, ExpertLoRA
+from ..experts.weights import LORA_KEYS, ExpertLoRA, adapter_rank
 from .checks import check_float, kind
 
 
@@ -62,19 +60,7 @@ def low_rank(adapter, E: int, out: int, inp: int, dtype, name: str = "lora"):
     A, B = adapter.lora_A, adapter.lora_B
     check_float(f"{name}.lora_A", A, dim=2)
     check_float(f"{name}.lora_B", B, dim=2)
-    if adapter.num_experts is not None and adapter.num_experts != E:
-        raise ValueError(f"{name}: the adapter covers num_experts={adapter.num_experts} experts, the weights {E}")
-    rE = A.shape[0]
-    if rE == 0 or rE % E or A.shape[1] != inp:
-        raise ValueError(f"{name}.lora_A: expected shape [r*{E}, {inp}] (r >= 1), got {tuple(A.shape)}")
-    if tuple(B.shape) != (out, rE):
-        raise ValueError(
-            f"{name}.lora_B: expected shape [{out}, {rE}] (the rank of lora_A, r = {rE // E}), got {tuple(B.shape)}"
-        )
-    s = adapter.scaling
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
-        raise TypeError(f"{name}.scaling: expected a finite float, got {s!r}")
-    r = rE // E
+    r, s = adapter_rank(adapter, E, out, inp, name)
     a = jnp.asarray(A).astype(dtype).reshape(E, r, inp)
     b = jnp.transpose(jnp.asarray(B).astype(dtype).reshape(out, r, E), (2, 0, 1))  # [E, out, r]
-    return a, b, float(s)
+    return a, b, s
