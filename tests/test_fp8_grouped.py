@@ -192,7 +192,7 @@ def test_weight_slice_taken_as_is(gluon, gather):
 def test_low_rank_term(gluon, gather, kmajor, rank):
     """The low-rank term ``s z lb_e^T`` (LoRA on an FP8 base) added after the scales matches the reference,
     with ``lb`` rank-contiguous (a forward GEMM's ``B``) or not (an input gradient's ``A^T``), on both kernels
-    (rank 4 is no multiple of 8: the Triton kernel), empty experts and rows past a tile; the term changes
+    (rank 4, no multiple of 8, padded with zero columns), empty experts and rows past a tile; the term changes
     the product (the test can fail); the inputs are not modified. In float32 on a CPU (Triton's interpreter
     multiplies 16-bit ``tl.dot`` operands wrongly), in bfloat16 on a GPU."""
     device = DEVICES[0]
@@ -213,8 +213,9 @@ def test_low_rank_term(gluon, gather, kmajor, rank):
     z = (z * plain.float().norm() / alone.norm()).to(dtype)  # a term about as large as the product
     before = (z.clone(), lb.clone())
     term = fp8_grouped.LowRankTerm(z, lb, 0.5)
-    if gluon:
-        assert fp8_grouped._gluon_ready(a, b, index, term) == (rank % 8 == 0)
+    if gluon:  # a rank that is no multiple of 8 is padded (zero columns) for the Gluon kernel's TMA boxes
+        padded = fp8_grouped._checked_term(term, R, E, N, dtype)
+        assert fp8_grouped._gluon_ready(a, b, index, padded) and padded.z.shape[1] == -(-rank // 8) * 8
     got = fp8_grouped.grouped_mm(a, s_a, b, s_b, offsets, dtype, index=index, gluon=gluon, lora=term)
     ref = fp8_grouped.reference(a, s_a, b, s_b, offsets, dtype, index=index, lora=term)
     _close(got, ref, dtype)

@@ -122,6 +122,7 @@ def grouped_kernel(
 
 
 SMALL = {"BM": 16, "BN": 32, "BK": 32}  # the interpreter's tile
+RANK_MULTIPLE = 8  # a low-rank term's rank is padded to a multiple of this (16-byte rows of z for TMA)
 FIXED = {"BM": 128, "BN": 128, "BK": 128, "num_warps": 8, "num_stages": 3}  # MOEYARD_TRITON_AUTOTUNE=0
 
 
@@ -244,8 +245,10 @@ def grouped_mm(
 
 
 def _checked_term(lora: LowRankTerm | None, R: int, E: int, N: int, dtype: torch.dtype) -> LowRankTerm | None:
-    """``lora`` with ``z``'s rows made unit-stride along the rank if they were not (a copy), after checking its
-    shapes and dtypes against the product's ``R`` rows, ``E`` experts, ``N`` columns and output ``dtype``."""
+    """``lora`` with ``z``'s rows made unit-stride along the rank if they were not (a copy), and a rank that is
+    no multiple of :data:`RANK_MULTIPLE` padded with zeros up to one (copies of ``z`` and ``lb``, a few MB),
+    after checking its shapes and dtypes against the product's ``R`` rows, ``E`` experts, ``N`` columns and
+    output ``dtype``."""
     if lora is None:
         return None
     z, lb = lora.z, lora.lb
@@ -256,6 +259,9 @@ def _checked_term(lora: LowRankTerm | None, R: int, E: int, N: int, dtype: torch
         )
     if z.dtype != dtype or lb.dtype != dtype:
         raise TypeError(f"grouped_mm: lora.z and lora.lb must be {dtype} (the output's), got {z.dtype}, {lb.dtype}")
+    pad = -z.shape[1] % RANK_MULTIPLE
+    if pad:  # zero columns: the same product, rows 16-byte strided as the Gluon kernel's TMA boxes need
+        return LowRankTerm(torch.nn.functional.pad(z, (0, pad)), torch.nn.functional.pad(lb, (0, pad)), lora.scale)
     return lora if z.stride(1) == 1 else LowRankTerm(z.contiguous(), lb, lora.scale)
 
 
