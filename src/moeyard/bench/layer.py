@@ -389,9 +389,8 @@ def _drop_step_state(module: nn.Module) -> None:
     """Let go of what a moeyard ``MoE`` keeps of its last step (``aux_loss``, ``routing``), as
     :func:`graphed` needs between runs; nothing for other modules."""
     for m in module.modules():
-        for name in ("aux_loss", "routing"):
-            if isinstance(m, MoE) and hasattr(m, name):
-                setattr(m, name, None)
+        if isinstance(m, MoE):
+            m.aux_loss = m.routing = None
 
 
 def accumulated(step: Callable[[int], object], m: int, n_sets: int) -> Callable[[int], None]:

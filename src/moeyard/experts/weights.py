@@ -232,6 +232,21 @@ LORA_KEYS = ("gate_up_proj", "down_proj")
 def _lora_views(
     lora, E: int, up_shape: tuple[int, int], down_shape: tuple[int, int], like: Tensor
 ) -> tuple[LowRank | None, LowRank | None]:
+    up, down = adapters_by_projection(lora)
+    return (
+        None if up is None else low_rank(up, E, *up_shape, like, "lora['gate_up_proj']"),
+        None if down is None else low_rank(down, E, *down_shape, like, "lora['down_proj']"),
+    )
+
+
+def adapters_by_projection(lora) -> tuple:
+    """``(lora["gate_up_proj"], lora["down_proj"])``, None where absent (both for ``lora`` None), after checking
+    that ``lora`` is a dict with keys among :data:`LORA_KEYS`. Shared by both sides' ``lora=`` arguments
+    (:mod:`moeyard.jax.lora`).
+
+    Raises:
+        TypeError: ``lora`` is not such a dict.
+    """
     if lora is None:
         return None, None
     if not isinstance(lora, dict) or set(lora) - set(LORA_KEYS):
@@ -239,12 +254,7 @@ def _lora_views(
             f"lora: expected a dict with keys among {LORA_KEYS} of moeyard.ExpertLoRA, got {kind(lora)}"
             + (f" with keys {sorted(lora)}" if isinstance(lora, dict) else "")
         )
-    up = lora.get("gate_up_proj")
-    down = lora.get("down_proj")
-    return (
-        None if up is None else low_rank(up, E, *up_shape, like, "lora['gate_up_proj']"),
-        None if down is None else low_rank(down, E, *down_shape, like, "lora['down_proj']"),
-    )
+    return lora.get("gate_up_proj"), lora.get("down_proj")
 
 
 def low_rank(adapter: ExpertLoRA, E: int, out: int, inp: int, like: Tensor, name: str = "lora") -> LowRank:

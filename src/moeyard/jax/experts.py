@@ -114,7 +114,7 @@ def experts(
         drop_invalid=bool(drop_invalid),
         num_experts=E,
         recipe=recipe,
-        lora_scales=tuple(None if f is None else sc for f, sc in zip(factors, scales, strict=True)),
+        lora_scales=scales,
     )
     return routed_ffn(
         spec,

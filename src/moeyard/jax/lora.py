@@ -12,37 +12,26 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..experts.weights import LORA_KEYS, ExpertLoRA, adapter_rank
+from ..experts.weights import LORA_KEYS, ExpertLoRA, adapter_rank, adapters_by_projection
 from .checks import check_float, kind
 
 
 def lora_views(lora, E: int, up_shape: tuple[int, int], down_shape: tuple[int, int], dtype):
-    """``((A_up, B_up) | None, (A_down, B_down) | None), (s_up, s_down)`` from ``lora`` (None, or a dict with
-    keys among ``gate_up_proj`` and ``down_proj`` of :class:`moeyard.ExpertLoRA`): ``A [E, r, in]`` and ``B
-    [E, out, r]`` in ``dtype`` (the expert weights'; the factors' gradients come back in their own dtype),
-    for projections of ``(out, in)`` = ``up_shape`` and ``down_shape``; a missing adapter's scale is 0.
+    """``((A_up, B_up) | None, (A_down, B_down) | None), (s_up | None, s_down | None)`` from ``lora`` (None, or a
+    dict with keys among ``gate_up_proj`` and ``down_proj`` of :class:`moeyard.ExpertLoRA`): ``A [E, r, in]``
+    and ``B [E, out, r]`` in ``dtype`` (the expert weights'; the factors' gradients come back in their own
+    dtype), for projections of ``(out, in)`` = ``up_shape`` and ``down_shape``; None where a projection has no
+    adapter.
 
     Raises:
         TypeError: not such a dict, an entry not an ExpertLoRA, non-float factors, a non-numeric scaling.
         ValueError: factor shapes (``lora_A [r*E, in]``, ``lora_B [out, r*E]``), or the adapter's
             ``num_experts`` not E.
     """
-    if lora is None:
-        return (None, None), (0.0, 0.0)
-    if not isinstance(lora, dict) or set(lora) - set(LORA_KEYS):
-        raise TypeError(
-            f"lora: expected a dict with keys among {LORA_KEYS} of moeyard.ExpertLoRA, got {kind(lora)}"
-            + (f" with keys {sorted(lora)}" if isinstance(lora, dict) else "")
-        )
     views, scales = [], []
-    for key, (out, inp) in zip(LORA_KEYS, (up_shape, down_shape), strict=True):
-        adapter = lora.get(key)
-        if adapter is None:
-            views.append(None)
-            scales.append(0.0)
-            continue
-        a, b, s = low_rank(adapter, E, out, inp, dtype, f"lora[{key!r}]")
-        views.append((a, b))
+    for key, adapter, (out, inp) in zip(LORA_KEYS, adapters_by_projection(lora), (up_shape, down_shape), strict=True):
+        a, b, s = (None, None, None) if adapter is None else low_rank(adapter, E, out, inp, dtype, f"lora[{key!r}]")
+        views.append(None if adapter is None else (a, b))
         scales.append(s)
     return tuple(views), tuple(scales)
 

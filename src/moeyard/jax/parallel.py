@@ -159,7 +159,7 @@ def ep_experts(
         drop_invalid=True,
         num_experts=E_l,
         recipe=recipe,
-        lora_scales=tuple(None if f is None else sc for f, sc in zip(factors, scales, strict=True)),
+        lora_scales=scales,
     )
     ids = topk_ids.astype(jnp.int32)
     w = topk_weights.astype(hidden_states.dtype)
