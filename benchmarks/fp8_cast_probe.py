@@ -6,10 +6,15 @@ channel for the input gradient (:func:`~moeyard.quant.fp8_triton.colwise_per_exp
 without it; each result checked bit-equal, next to a device copy of the weight (the bandwidth ceiling).
 GB/s count 2 bytes read and 1 written per element (the reads of ``amax`` passes not counted).
 
+``--nf4``: the same two casts read from NF4 storage (:class:`moeyard.quant.NF4Experts`, bitsandbytes to
+quantise): the dequantisation then the dense casts, against the casts decoding the codes in their loads
+(:func:`~moeyard.quant.fp8_triton.nf4_source`), per element and as tiles; each checked bit-equal (GB/s count
+half a byte read and one written per element for those).
+
 ``--sweep``: the forward cast's kernel alone (``_weight_rows_kernel``) at other launch settings: rows per
 program, rows per block (``BLOCK_M``) and warps, each checked bit-equal to the default's.
 
-Usage (GPU machine): ``PYTHONPATH=src python3 benchmarks/fp8_cast_probe.py [--model qwen3-30b-a3b ...] [--sweep]``
+Usage (GPU machine): ``PYTHONPATH=src python3 benchmarks/fp8_cast_probe.py [--model qwen3-30b-a3b ...] [--sweep | --nf4]``
 """
 
 from __future__ import annotations
@@ -51,6 +56,49 @@ def weight_casts(E: int, N: int, K: int, rows: list) -> None:
     rows.append((case, "dgrad: colwise_per_expert(amax)", t, gbs, f"{alone / t:.2f}x same {same}"))
 
 
+def nf4_casts(E: int, N: int, K: int, rows: list) -> None:
+    """Both casts of NF4 storage of ``w [E, N, K]``: dequantised then cast, and read by the casts."""
+    from moeyard.quant import NF4Experts
+
+    w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * torch.rand(E, 1, K, device="cuda").bfloat16()
+    st = NF4Experts.from_float(w)
+    del w
+    case, gbs = f"nf4 [{E},{N},{K}]", 1.5 * E * N * K / 1e6
+    dense = st.dequantize()
+    q0, s0, a0 = cast.rowwise_per_expert(dense)
+    t0, ts0 = cast.colwise_per_expert(dense, a0)
+    rows.append((case, "dequantize", ms(lambda: st.dequantize()), 2.5 * E * N * K / 1e6, ""))
+    rows.append((case, "dense: rowwise_per_expert", ms(lambda: cast.rowwise_per_expert(dense)), 2 * gbs, ""))
+    rows.append((case, "dense: colwise_per_expert(amax)", ms(lambda: cast.colwise_per_expert(dense, a0)), 2 * gbs, ""))
+    rows.append((case, "nf4_source (decoded absmax)", ms(lambda: cast.nf4_source(st)), 0, ""))
+    src = cast.nf4_source(st)
+    for tiles in (True, False):
+        cast.NF4_TILES = tiles
+        q, s, a = cast.rowwise_per_expert(src)
+        t, ts = cast.colwise_per_expert(src, a)
+        same = torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0) and torch.equal(a, a0)
+        same_t = torch.equal(t.view(torch.uint8), t0.view(torch.uint8)) and torch.equal(ts, ts0)
+        rows.append(
+            (
+                case,
+                f"nf4: rowwise_per_expert tiles {tiles}",
+                ms(lambda: cast.rowwise_per_expert(src)),
+                gbs,
+                f"same {same}",
+            )
+        )
+        rows.append(
+            (
+                case,
+                f"nf4: colwise_per_expert tiles {tiles}",
+                ms(lambda a=a: cast.colwise_per_expert(src, a)),
+                gbs,
+                f"same {same_t}",
+            )
+        )
+    cast.NF4_TILES = True
+
+
 def weight_rows_sweep(E: int, N: int, K: int, rows: list) -> None:
     """``_weight_rows_kernel`` on ``w [E, N, K]`` at each (rows per program, BLOCK_M, warps), against the
     default launch of :func:`~moeyard.quant.fp8_triton.rowwise_per_expert`."""
@@ -73,7 +121,16 @@ def weight_rows_sweep(E: int, N: int, K: int, rows: list) -> None:
                 def run(q=q, s=s, amax=amax, pp=per_program, bm=block_m, nw=warps):
                     amax.zero_()
                     cast._weight_rows_kernel[(E, triton.cdiv(N, pp))](
-                        w, q, s, amax, N, K, ROWS=pp, BLOCK_M=bm, BLOCK_K=width, num_warps=nw
+                        q_ptr=q,
+                        s_ptr=s,
+                        amax_ptr=amax,
+                        N=N,
+                        K=K,
+                        ROWS=pp,
+                        BLOCK_M=bm,
+                        BLOCK_K=width,
+                        num_warps=nw,
+                        **cast._weight_args(w),
                     )
 
                 run()
@@ -86,6 +143,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", action="append", default=[])
     p.add_argument("--sweep", action="store_true", help="the forward cast's kernel at other launch settings")
+    p.add_argument("--nf4", action="store_true", help="the casts read from NF4 storage")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     rows: list = []
@@ -93,10 +151,10 @@ def main(argv=None) -> int:
         c = get_model(name).config
         E, H, I = c["num_experts"], c["hidden_size"], c["intermediate_size"]
         for n, k in ((2 * I, H), (H, I)):
-            (weight_rows_sweep if args.sweep else weight_casts)(E, n, k, rows)
+            (weight_rows_sweep if args.sweep else nf4_casts if args.nf4 else weight_casts)(E, n, k, rows)
     print(torch.cuda.get_device_name())
     for case, what, t, nbytes, note in rows:
-        print(f"{case:20s} {what:40s} {t:7.3f} ms {nbytes / t:6.0f} GB/s  {note}")
+        print(f"{case:22s} {what:40s} {t:7.3f} ms {nbytes / t:6.0f} GB/s  {note}")
     return 0
 
 

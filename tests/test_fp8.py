@@ -334,6 +334,38 @@ def _triton_casts():
     return fp8_triton
 
 
+@pytest.mark.parametrize("tiles", [True, False])
+@pytest.mark.parametrize("dtype, nested", [(torch.bfloat16, True), (torch.float32, False)])
+@pytest.mark.parametrize("N, K", [(40, 96), (24, 128), (9, 192), (8, 1024)])
+def test_weight_casts_read_nf4_storage(monkeypatch, N, K, dtype, nested, tiles):
+    # the FP8 weight casts read NF4 storage (codes and block scales decoded in their loads, per element or as
+    # tiles where the blocks line up): bit-equal to the casts of the dequantised weight, for the active experts
+    # only (the others untouched), in column windows too; a row too wide for one block is dequantised first
+    pytest.importorskip("bitsandbytes")
+    cast = _triton_casts()
+    from moeyard.quant import NF4Experts
+
+    monkeypatch.setattr(cast, "NF4_TILES", tiles)
+    torch.manual_seed(3)
+    w = torch.randn(3, N, K, dtype=dtype) * torch.logspace(-2, 2, K, dtype=dtype)
+    st = NF4Experts.from_float(w, compress_statistics=nested)
+    dense = st.dequantize()
+    q, s, amax = cast.rowwise_per_expert(dense)
+    active = torch.tensor([True, False, True])
+    for act in (None, active):
+        e = slice(None) if act is None else act
+        q2, s2, amax2 = cast.rowwise_per_expert(cast.nf4_source(st, act))
+        assert (amax2 is None) == (amax is None) == (K > 512)
+        assert torch.equal(q2[e].float(), q[e].float()) and torch.equal(s2[e], s[e])
+        if amax is None:
+            continue
+        assert torch.equal(amax2[e], amax[e]) and (act is None or not amax2[1].any())
+        for cols in (None, (0, 64), (64, K), (8, 40)):
+            t, ts = cast.colwise_per_expert(dense, amax, cols=cols)
+            t2, ts2 = cast.colwise_per_expert(cast.nf4_source(st, act), amax2, cols=cols)
+            assert torch.equal(t2[e].float(), t[e].float()) and torch.equal(ts2[e], ts[e]), cols
+
+
 @pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("M, K", [(1, 16), (37, 200), (16, 128), (0, 32), (5, 700)])
 def test_triton_rowwise_matches_reference(monkeypatch, M, K, one_pass):
@@ -648,6 +680,93 @@ def test_fast_path_lora_fused(forced_fast_path, recipe, frozen, case):
         _check_fused("triton", inputs, recipe, frozen=("gate_up_proj", "down_proj") if frozen else ())
     assert forced_fast_path.count("fused") == 1 and forced_fast_path.count("gemm") == 4
     assert forced_fast_path.count("wgrad_by_token") == (0 if frozen else 2)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("case", ["base", "empty_experts"])
+def test_fast_path_reads_nf4_storage(forced_fast_path, monkeypatch, case, lora, cached):
+    # QLoRA on an FP8 base: NF4 storage read by the fused form's weight casts (the 4-bit codes decoded in their
+    # loads): the output and every gradient bit-equal to the same layer on the dequantised weights, with no
+    # dense weight written (NF4Experts.dequantize never called), the call's active experts cast (or, inside
+    # cache_fp8_weights, every expert once for the block); the loop backend and the transposed layout dequantise
+    import contextlib
+    import importlib
+
+    pytest.importorskip("bitsandbytes")
+    if lora and os.environ["MOEYARD_FP8_GEMM"] == "cutlass":
+        pytest.skip("LoRA layers run per projection with the cutlass GEMM")
+    from helpers import add_lora, lora_arg
+    from moeyard.quant import NF4Experts, fp8_triton
+
+    hop = importlib.import_module("moeyard.experts.scaled_hopper")
+    inputs = add_lora(_inputs(case), 4) if lora else _inputs(case)
+    dtype = torch.float32
+    stored = {k: NF4Experts.from_float(inputs[k].to(dtype)) for k in ("gate_up_proj", "down_proj")}
+    dense = {k: v.dequantize() for k, v in stored.items()}
+    dequantized, real = [], NF4Experts.dequantize
+    monkeypatch.setattr(NF4Experts, "dequantize", lambda self, *a, **k: dequantized.append(1) or real(self, *a, **k))
+    sources, real_source = [], fp8_triton.nf4_source
+    monkeypatch.setattr(fp8_triton, "nf4_source", lambda st, act=None: sources.append(act) or real_source(st, act))
+    T, H = inputs["hidden_states"].shape
+    g = torch.randn(T, H, dtype=dtype)
+
+    def run(weights, backend="triton", transposed=False):
+        x = inputs["hidden_states"].to(dtype).clone().requires_grad_()
+        tw = inputs["topk_weights"].to(dtype).clone().requires_grad_()
+        factors = {k: v.to(dtype).clone().requires_grad_() for k, v in inputs.items() if ".lora_" in k}
+        up, down = weights["gate_up_proj"], weights["down_proj"]
+        with moeyard.cache_fp8_weights() if cached else contextlib.nullcontext():
+            out = moeyard.experts(
+                x,
+                inputs["topk_ids"],
+                tw,
+                up,
+                down,
+                backend=backend,
+                recipe="fp8_rowwise",
+                lora=lora_arg(factors),
+                transposed=transposed,
+            )
+            out.backward(g)
+        return {"out": out, "x": x.grad, "topk_weights": tw.grad, **{k: v.grad for k, v in factors.items()}}
+
+    want = run(dense)
+    fused = forced_fast_path.count("fused")
+    dequantized.clear()
+    monkeypatch.setenv(hop.ENV_NF4, "dequantize")  # the default: dequantised, then cast
+    assert hop.nf4_mode() == "dequantize" and all(
+        torch.equal(a, b) for a, b in zip(run(stored).values(), want.values(), strict=True)
+    )
+    assert dequantized and not sources
+    dequantized.clear()
+    monkeypatch.setenv(hop.ENV_NF4, " Codes ")
+    got = run(stored)
+    assert fused == 1 and forced_fast_path.count("fused") == 3 and not dequantized
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    active = sorted(set(inputs["topk_ids"].flatten().tolist()))
+    assert len(sources) == 4  # both weights' forward and transposed casts, from the codes
+    for act in sources:
+        assert act is None if cached else act.nonzero().flatten().tolist() == active
+    run(stored, backend="loop")  # the emulated recipe: dequantised
+    assert dequantized
+    dequantized.clear()
+    transposed = {k: NF4Experts.from_float(v.mT.contiguous()) for k, v in dense.items()}
+    run(transposed, transposed=True)
+    assert dequantized and len(sources) == 4
+
+
+def test_nf4_mode(monkeypatch):
+    from moeyard.experts import scaled_hopper
+
+    monkeypatch.delenv(scaled_hopper.ENV_NF4, raising=False)
+    assert scaled_hopper.nf4_mode() == "dequantize"
+    monkeypatch.setenv(scaled_hopper.ENV_NF4, "CODES")
+    assert scaled_hopper.nf4_mode() == "codes"
+    monkeypatch.setenv(scaled_hopper.ENV_NF4, "bits")
+    with pytest.raises(ValueError, match="MOEYARD_FP8_NF4"):
+        scaled_hopper.nf4_mode()
 
 
 def test_column_windows():

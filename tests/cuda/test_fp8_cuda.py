@@ -267,6 +267,58 @@ def test_no_host_sync_and_cuda_graph():
     torch.testing.assert_close(moe.gate_up_proj.grad, ref_grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_fast_path_reads_nf4_storage(fast_path_calls, monkeypatch, lora):
+    # QLoRA on an FP8 base: the weight casts decode NF4 storage in their loads, no dense weight written; the
+    # output and every gradient bit-equal to the layer on the dequantised weights (experts 5 and 6 get no
+    # token: not cast), and no host sync
+    import os
+
+    pytest.importorskip("bitsandbytes")
+    if not _hopper():
+        pytest.skip("the fast path needs SM 9.0")
+    if lora and os.environ["MOEYARD_FP8_GEMM"] == "cutlass":
+        pytest.skip("LoRA layers run per projection with the cutlass GEMM")
+    from helpers import lora_arg, random_ids
+    from moeyard.quant import NF4Experts
+
+    T, H, I, E, K = 2048, 512, 384, 8, 2
+    inp = make_inputs(T, H, I, E, K, ids=random_ids(T, K, E, experts=[0, 1, 2, 3, 4, 7]))
+    inp = add_lora(inp, 16) if lora else inp
+    bf = torch.bfloat16
+    stored = {k: NF4Experts.from_float(inp[k].to(DEV, bf)) for k in ("gate_up_proj", "down_proj")}
+    dense = {k: v.dequantize() for k, v in stored.items()}
+    monkeypatch.setenv("MOEYARD_FP8_NF4", "codes")
+    calls, real = [], NF4Experts.dequantize
+    monkeypatch.setattr(NF4Experts, "dequantize", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    g = torch.randn(T, H, device=DEV, dtype=bf)
+    ids = inp["topk_ids"].to(DEV)
+
+    def run(weights, sync_check=False):
+        x = inp["hidden_states"].to(DEV, bf).requires_grad_()
+        tw = inp["topk_weights"].to(DEV, bf).requires_grad_()
+        factors = {k: v.to(DEV, bf).requires_grad_() for k, v in inp.items() if ".lora_" in k}
+        up, down = weights["gate_up_proj"], weights["down_proj"]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if sync_check else 0)
+        try:
+            out = moeyard.experts(
+                x, ids, tw, up, down, backend="triton", recipe="fp8_rowwise", lora=lora_arg(factors), check_ids=False
+            )
+            out.backward(g)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return {"out": out, "x": x.grad, "topk_weights": tw.grad, **{k: v.grad for k, v in factors.items()}}
+
+    want = run(dense)
+    calls.clear()
+    run(stored)  # warm-up: compiles the NF4 casts
+    got = run(stored, sync_check=True)
+    assert not calls and fast_path_calls.count("fused") == 3
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
 def test_lora_on_fp8_base_no_host_sync_and_cuda_graph():
     # the fused LoRA form (adapter terms in the FP8 GEMMs, the triton backend's thin GEMMs) syncs nothing
     # and captures: a replay gives the eager step's factor gradients bit for bit

@@ -18,6 +18,7 @@ from . import (
     bmm_padded as _bmm_padded,  # noqa: F401  (registers)
     grouped_mm as _grouped_mm,  # noqa: F401  (registers)
     loop as _loop,  # noqa: F401  (registers)
+    scaled_hopper as _scaled_hopper,
     triton as _triton,  # noqa: F401  (registers; imports triton on first use only)
 )
 from .quantized import dequantized, is_quantized
@@ -88,7 +89,9 @@ def experts(
             may be quantised storage (:class:`moeyard.quant.NF4Experts`,
             :class:`moeyard.quant.FP8BlockExperts`; frozen): then only the
             experts that receive tokens are dequantised, and again in backward
-            (:mod:`moeyard.experts.quantized`).
+            (:mod:`moeyard.experts.quantized`). Under an FP8 recipe's fused Hopper form with
+            ``MOEYARD_FP8_NF4=codes`` (:func:`moeyard.experts.scaled_hopper.nf4_mode`), NF4 storage in the
+            standard layout is read by the FP8 weight casts instead, and no dense weight is written.
         down_proj: ``[E, H, I]``; ``[E, I, H]`` if ``transposed``.
         activation: a name (``swiglu``, ``geglu``, ``reglu``, ``clamped_swiglu``, ``gelu``, ``relu``,
             ``relu2``, ``silu``), a :class:`moeyard.Activation`, or a callable ``h [R, 2I] -> [R, I]``.
@@ -135,7 +138,16 @@ def experts(
     act = get_activation(activation)
     check_drop_invalid(drop_invalid)
     check_float("hidden_states", hidden_states, dim=2)
-    if is_quantized(gate_up_proj) or is_quantized(down_proj):
+    spec = dict(
+        gate_up_bias=gate_up_bias, down_bias=down_bias, transposed=transposed, interleaved=interleaved, lora=lora
+    )
+    stored = _stored_weights(hidden_states, gate_up_proj, down_proj, act, backend, transposed, recipe)
+    weights = (
+        None if stored is None else expert_weights(gate_up_proj, down_proj, gated=act.gated, recipe=recipe, **spec)
+    )
+    if weights is not None and not stored(weights):
+        weights = stored = None
+    if weights is None and (is_quantized(gate_up_proj) or is_quantized(down_proj)):
         with dequantized((gate_up_proj, down_proj), topk_ids) as (up, down):
             return experts(
                 hidden_states,
@@ -145,26 +157,13 @@ def experts(
                 down,
                 activation=act,
                 backend=backend,
-                gate_up_bias=gate_up_bias,
-                down_bias=down_bias,
-                transposed=transposed,
-                interleaved=interleaved,
                 drop_invalid=drop_invalid,
-                lora=lora,
                 recipe=recipe,
                 check_ids=check_ids,
+                **spec,
             )
-    weights = expert_weights(
-        gate_up_proj,
-        down_proj,
-        gate_up_bias=gate_up_bias,
-        down_bias=down_bias,
-        transposed=transposed,
-        interleaved=interleaved,
-        gated=act.gated,
-        lora=lora,
-        recipe=recipe,
-    )
+    if weights is None:
+        weights = expert_weights(gate_up_proj, down_proj, gated=act.gated, recipe=recipe, **spec)
     T, H = hidden_states.shape
     if H != weights.hidden_size:
         raise ValueError(f"hidden_states: expected hidden size {weights.hidden_size} (from gate_up_proj), got {H}")
@@ -177,14 +176,38 @@ def experts(
             f"hidden_states: expected device {weights.w_up.device} (as the expert weights), got {hidden_states.device}"
         )
     check_topk(topk_ids, topk_weights, T, weights.num_experts, hidden_states.device, drop_invalid)
-    chosen = resolve_backend(
-        backend, hidden_states.device, hidden_states.dtype, weights, act, _workload(topk_ids, weights)
-    )
+    if stored is not None:  # NF4 storage read by the FP8 fast path's casts
+        forward = _scaled_hopper.routed_ffn
+    else:
+        workload = _workload(topk_ids, weights)
+        forward = resolve_backend(backend, hidden_states.device, hidden_states.dtype, weights, act, workload).forward
     if check_ids and not drop_invalid and not check_ids_on_host(topk_ids, weights.num_experts):
         # accelerator, no debug: a NaN weight makes the token's output NaN instead of reading ids back
         topk_weights = topk_weights.masked_fill(invalid_ids(topk_ids, weights.num_experts), float("nan"))
-    run = chosen.forward if weights.recipe is None else _eager_recipe(chosen.forward)
+    run = forward if weights.recipe is None else _eager_recipe(forward)
     return run(hidden_states, topk_ids, topk_weights, weights, act, drop_invalid=drop_invalid)
+
+
+def _stored_weights(x: Tensor, gate_up_proj, down_proj, act: Activation, backend, transposed, recipe):
+    """For quantised expert storage that an FP8 recipe's Hopper fast path reads in its weight casts (NF4,
+    standard layout, a backend whose FP8 path is the fused form): a check ``(weights) -> bool`` that the
+    fused form serves these :class:`ExpertWeights` (storage kept in them); else None (dequantise)."""
+    from ..quant.recipe import resolve_recipe
+
+    ws = (gate_up_proj, down_proj)
+    if transposed or recipe is None or not any(is_quantized(w) for w in ws):
+        return None
+    if not all(isinstance(w, Tensor) or _scaled_hopper.takes_storage(w) for w in ws):
+        return None
+    recipe = resolve_recipe(recipe)
+    if _scaled_hopper.fast_path_reason(recipe, x.device, x.dtype, None) is not None:
+        return None
+    if resolve_backend(backend, x.device, x.dtype, None, act).name not in ("grouped_mm", "triton"):
+        return None
+    return lambda weights: (
+        _scaled_hopper.fast_path_reason(recipe, x.device, x.dtype, weights) is None
+        and (_scaled_hopper.fused(weights, act))
+    )
 
 
 @functools.cache

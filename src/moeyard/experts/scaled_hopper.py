@@ -122,11 +122,14 @@ def _forward(
 ) -> tuple[Tensor, Tensor | None]:
     """``(x w_e^T, amax)`` from the cast rows ``(xq, xs)`` (``[R, K]``, or ``[T, K]`` read through ``index
     [R]``, :func:`_gathered_gemm`): casts ``w [E, N, K]`` per output channel (once per
-    :func:`moeyard.cache_fp8_weights` block), which also gives ``amax [E, K]`` (or None), the columns' ``max
+    :func:`moeyard.cache_fp8_weights` block; NF4 storage as a :class:`_Stored`, read in the cast's loads), which
+    also gives ``amax [E, K]`` (or None), the columns' ``max
     |w|`` that :func:`_dgrad`'s transposed cast takes (:func:`moeyard.quant.fp8_triton.rowwise_per_expert`);
     ``tiles``: the step's :class:`moeyard.quant.fp8_grouped.TileTable` (or None); ``lora``: a
     :class:`moeyard.quant.fp8_grouped.LowRankTerm` the GEMM adds (or None)."""
-    wq, ws, amax = weight_cache.cached(w, "rowwise", lambda: _cast().rowwise_per_expert(w))
+    key = _key(w)
+    make = lambda: _cast().rowwise_per_expert(_source(w, weight_cache.keeping(key)))  # noqa: E731
+    wq, ws, amax = weight_cache.cached(key, "rowwise", make)
     return _gathered_gemm(xq_xs, wq, ws, offsets, dtype, gemm, index, tiles, lora), amax
 
 
@@ -200,7 +203,7 @@ def unpadded(weights: ExpertWeights, gemm: str) -> bool:
     base, or no autograd)."""
     if gemm == "cutlass":
         return False
-    trains = torch.is_grad_enabled() and (weights.w_up.requires_grad or weights.w_down.requires_grad)
+    trains = torch.is_grad_enabled() and (weights.w_up.requires_grad or weights.w_down.requires_grad)  # NF4: False
     return weights.recipe.wgrad is None or not trains
 
 
@@ -252,7 +255,11 @@ def routed_ffn(
     dh_cast = _DhCast()
     tiles = _tile_table() if gemm != "cutlass" else None  # the four FP8 GEMMs' tile table, made once per step
     up, down = _Adapter.of(weights.lora_up, routing), _Adapter.of(weights.lora_down, routing)
-    h = _GatheredUp.apply(x, weights.w_up, *up.factors, row_tokens, pair_rows, offsets, gemm, hp, dh_cast, tiles, up)
+    w_up, w_down = weights.w_up, weights.w_down
+    if not (isinstance(w_up, Tensor) and isinstance(w_down, Tensor)):  # NF4 storage: cast the active experts
+        active = plan.expert_offsets[1:] > plan.expert_offsets[:-1]
+        w_up, w_down = (w if isinstance(w, Tensor) else _Stored(w, active) for w in (w_up, w_down))
+    h = _GatheredUp.apply(x, w_up, *up.factors, row_tokens, pair_rows, offsets, gemm, hp, dh_cast, tiles, up)
     if weights.b_up is not None:
         from .pipeline import add_row_bias
 
@@ -263,7 +270,7 @@ def routed_ffn(
     nan_terms = None if drop_invalid else 0 * topk_weights.detach().float().masked_fill(live, 0).sum(1)
     out = _ActDownCombine.apply(
         h,
-        weights.w_down,
+        w_down,
         *down.factors,
         offsets,
         rw,
@@ -363,17 +370,79 @@ def _weight_t(w: Tensor, amax: Tensor | None) -> tuple[Tensor, Tensor]:
     """``w [E, N, K]`` cast per input channel, transposed: ``([E, K, N] e4m3, [E, K] float32)``, once per
     :func:`moeyard.cache_fp8_weights` block; with the forward's column ``amax [E, K]`` when given
     (:func:`_forward`)."""
-    return weight_cache.cached(w, "colwise", lambda: _cast().colwise_per_expert(w, amax))
+    key = _key(w)
+    return weight_cache.cached(
+        key, "colwise", lambda: _cast().colwise_per_expert(_source(w, weight_cache.keeping(key)), amax)
+    )
 
 
 def _weight_t_cols(w: Tensor, amax: Tensor | None, c0: int, c1: int) -> tuple[Tensor, Tensor]:
     """Columns ``c0 .. c1 - 1`` of ``w``'s transposed cast (:func:`_weight_t`): rows ``c0 .. c1 - 1`` of
     ``([E, K, N], [E, K])``, cast alone (``[E, c1 - c0, N]``) unless a :func:`moeyard.cache_fp8_weights` block
     keeps the whole cast (then a slice of it, no copy)."""
-    if weight_cache.keeping(w) or (c0, c1) == (0, w.shape[2]):
+    if weight_cache.keeping(_key(w)) or (c0, c1) == (0, w.shape[2]):
         wq, ws = _weight_t(w, amax)
         return wq[:, c0:c1], ws[:, c0:c1]
-    return _cast().colwise_per_expert(w, amax, cols=(c0, c1))
+    return _cast().colwise_per_expert(_source(w, False), amax, cols=(c0, c1))
+
+
+class _Stored:
+    """A frozen base weight kept as NF4 storage (:class:`moeyard.quant.NF4Experts`, ``[E, N, K]``) in the fused
+    form: its FP8 casts decode the 4-bit codes in their loads (:func:`moeyard.quant.fp8_triton.nf4_source`), so
+    no dense weight is written; ``active [E]``: the experts that have rows in this call (the others are not
+    cast)."""
+
+    def __init__(self, storage, active: Tensor):
+        self.storage, self.active = storage, active
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.storage.shape
+
+
+def _key(w):
+    """What :mod:`moeyard.quant.weight_cache` keeps ``w``'s casts under: the weight, or its storage."""
+    return w.storage if isinstance(w, _Stored) else w
+
+
+def _source(w, kept: bool):
+    """The casts' operand for ``w``: the tensor, or an :class:`moeyard.quant.fp8_triton.NF4Source` (every expert
+    when the cast is ``kept`` across calls, else the call's active ones)."""
+    if not isinstance(w, _Stored):
+        return w
+    from ..quant.fp8_triton import nf4_source
+
+    return nf4_source(w.storage, None if kept else w.active)
+
+
+ENV_NF4 = "MOEYARD_FP8_NF4"
+NF4_MODES = ("dequantize", "codes")
+
+
+def nf4_mode() -> str:
+    """``MOEYARD_FP8_NF4``, how the fused form takes NF4 base weights: ``dequantize`` (default; unset or empty
+    too) the active experts into a dense buffer, then cast it (:mod:`moeyard.experts.quantized`); ``codes``:
+    the FP8 casts decode the 4-bit codes in their loads, so no dense weight is written. ``codes`` holds less
+    memory (one layer's dense expert weights: 1.1 and 1.5 GiB less at the peak of 4-layer qwen3-30b-a3b and
+    qwen3.5-35b-a3b QLoRA stacks) but its casts decode on the CUDA cores, and the step measured 1.11x and
+    1.15x slower (H200, 2026-11-28, ``moeyard bench --quant nf4 --lora 16 --recipe fp8_rowwise_gw_hp``;
+    ``benchmarks/NOTES.md``, round 49).
+
+    Raises:
+        ValueError: another value.
+    """
+    value = os.environ.get(ENV_NF4, "dequantize").strip().lower() or "dequantize"
+    if value not in NF4_MODES:
+        raise ValueError(f"{ENV_NF4}: expected one of {', '.join(map(repr, NF4_MODES))}, got {value!r}")
+    return value
+
+
+def takes_storage(w) -> bool:
+    """Whether the fused form reads this quantised base weight in its FP8 casts (:class:`_Stored`): NF4 storage
+    (:class:`moeyard.quant.NF4Experts`) with :func:`nf4_mode` ``codes``."""
+    from ..quant import NF4Experts
+
+    return isinstance(w, NF4Experts) and nf4_mode() == "codes"
 
 
 MAX_DGRAD_WINDOWS = 4  # at most this many column windows (sonic-120b's sizes need four)
@@ -518,7 +587,8 @@ class _GatheredUp(torch.autograd.Function):
         if a_lo is not None:  # z = x[row] A_e^T, kept for B's gradient
             z = adapter.rows(x, a_lo.mT, by_token=True)
             term = adapter.term(z, b_lo)
-        ctx.save_for_backward(x, w, row_tokens, offsets, a_lo, b_lo, z)
+        ctx.save_for_backward(x, _tensor(w), row_tokens, offsets, a_lo, b_lo, z)
+        ctx.stored = None if isinstance(w, Tensor) else w
         ctx.gemm, ctx.hp, ctx.dh_cast, ctx.tiles, ctx.adapter = gemm, hp, dh_cast, tiles, adapter
         ctx.pair_rows = pair_rows  # internal (made by routed_ffn), never modified: held as is
         dh_cast.wanted = ctx.needs_input_grad[0]  # whether backward's dgrad will take d h's e4m3 cast
@@ -528,6 +598,7 @@ class _GatheredUp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh):
         x, w, row_tokens, offsets, a_lo, b_lo, z = ctx.saved_tensors
+        w = ctx.stored or w
         need_x, need_w, need_a, need_b = (ctx.needs_input_grad[i] for i in range(4))
         adapter = ctx.adapter
         cast = _cast()
@@ -558,6 +629,11 @@ class _GatheredUp(torch.autograd.Function):
         if need_b and db is None:  # dB_e = s d h^T (x A_e^T)
             db = adapter.factor_grad(dh, z, False, False, b_lo)
         return dx, dw, da, db, None, None, None, None, None, None, None, None
+
+
+def _tensor(w) -> Tensor | None:
+    """``w`` for ``save_for_backward``: the weight tensor, or None for a :class:`_Stored` (kept on ``ctx``)."""
+    return w if isinstance(w, Tensor) else None
 
 
 def _one_pass(b: Tensor, routing) -> bool:
@@ -594,7 +670,8 @@ class _ActDownCombine(torch.autograd.Function):
             term = ad.term(z, b_lo)
         y, ctx.w_amax = _forward((aq, a_s * rw), w, offsets, h.dtype, gemm, tiles=tiles, lora=term)
         del aq, a_s
-        ctx.save_for_backward(h, w, offsets, rw, row_tokens, a_lo, b_lo, z)
+        ctx.save_for_backward(h, _tensor(w), offsets, rw, row_tokens, a_lo, b_lo, z)
+        ctx.stored = None if isinstance(w, Tensor) else w
         ctx.act, ctx.interleaved, ctx.gemm, ctx.hp, ctx.dh_cast, ctx.tiles = act, interleaved, gemm, hp, dh_cast, tiles
         ctx.adapter = ad
         return gathered_sum(y, pair_rows, row_terms=terms)[0]
@@ -602,6 +679,7 @@ class _ActDownCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         h, w, offsets, rw, row_tokens, a_lo, b_lo, z = ctx.saved_tensors
+        w = ctx.stored or w
         need_h, need_w, need_a, need_b, need_rw = (ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 5))
         ad = ctx.adapter
         cast = _cast()

@@ -28,6 +28,7 @@ import torch
 
 from ..checks import check_float, kind
 from ..quant.recipe import Recipe, resolve_recipe
+from .quantized import is_quantized
 from .relayout import expert_major
 
 Tensor = torch.Tensor
@@ -101,8 +102,10 @@ class ExpertWeights:
     """Canonical ``[out, in]`` views of the expert weights.
 
     Attributes:
-        w_up: ``[E, N1, H]`` (a view; for transposed layouts a ``.mT`` view, non-contiguous).
-        w_down: ``[E, H, I]`` (a view, likewise).
+        w_up: ``[E, N1, H]`` (a view; for transposed layouts a ``.mT`` view, non-contiguous); or, where an FP8
+            recipe's fused Hopper form reads it in its weight casts, frozen NF4 storage
+            (:class:`moeyard.quant.NF4Experts`, standard layout).
+        w_down: ``[E, H, I]`` (a view, likewise; or NF4 storage).
         b_up: ``[E, N1]`` or None.
         b_down: ``[E, H]`` or None.
         interleaved: gate/up rows of ``w_up`` alternate (gpt-oss) instead of gate-then-up.
@@ -178,6 +181,10 @@ def expert_weights(
     """
     recipe = resolve_recipe(recipe)
     for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if is_quantized(t) and not transposed:  # storage the FP8 fast path reads (moeyard.experts' rule)
+            if len(t.shape) != 3:
+                raise ValueError(f"{name}: expected a 3-D weight [E, out, in], got shape {tuple(t.shape)}")
+            continue
         check_float(name, t)
         if t.element_size() == 1:
             raise TypeError(

@@ -15,6 +15,9 @@ their reference, :func:`moeyard.quant.fp8.quantize` (same values: the tests comp
 - :func:`colwise_per_expert`: ``w [E, N, K]`` -> e4m3 ``w^T [E, K, N]`` with one scale per (expert,
   column) (``W_e^T`` for dgrad): 64 x 64 tiles stored transposed, reading ``w`` once given the forward's
   ``amax``.
+- Both weight casts also read NF4 storage (:class:`NF4Source`, :func:`nf4_source`): the codes and block scales
+  decoded in their loads to the values the dequantisation writes, only for the active experts, so no dense
+  weight is written (``MOEYARD_FP8_NF4=codes``, :func:`moeyard.experts.scaled_hopper.nf4_mode`).
 - With ``act`` (an :class:`moeyard.activations.Activation` by name), :func:`rowwise` and
   :func:`colwise_per_group` cast ``act(h)`` computed in float32 from the up projection's output ``h``
   (``[R, 2I]`` gated, gate then up columns or interleaved; ``[R, I]`` plain) as they load it, so the
@@ -39,6 +42,7 @@ from ..activations import Activation
 from ..experts.triton.act import act_fwd, act_grad
 from ..kernel_op import interpreting
 from .fp8 import E4M3, E4M3_MAX
+from .triton_nf4 import _round_bf16
 
 Tensor = torch.Tensor
 
@@ -654,8 +658,81 @@ def act_backward(
 
 
 @triton.jit
+def _block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, blk, mask, NESTED: tl.constexpr):
+    """NF4 block scales at the block indices ``blk``: the stored float32 ``absmax``, or with ``NESTED`` (double
+    quantisation) ``fl(fl(code2[absmax[blk]] * absmax2[blk // 256]) + offset)`` (launched without FMA fusion,
+    as :func:`moeyard.quant.dequant.decoded_absmax` rounds)."""
+    if NESTED:
+        q = tl.load(absmax_ptr + blk, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(code2_ptr + q, mask=mask, other=0.0) * tl.load(absmax2_ptr + blk // 256, mask=mask, other=0.0)
+        scale = scale + tl.load(offset_ptr)
+    else:
+        scale = tl.load(absmax_ptr + blk, mask=mask, other=0.0)
+    return scale
+
+
+@triton.jit
+def _weight_block(
+    w_ptr,
+    code_ptr,
+    absmax_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset_ptr,
+    row0,  # [R] int64: each row's first element (offset into [E, N, K])
+    m_rows,
+    ncol,  # the block's valid columns
+    BLOCK_C: tl.constexpr,
+    NF4: tl.constexpr,
+    NESTED: tl.constexpr,
+    BS: tl.constexpr,
+    ROUND: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """The float32 block ``[R, BLOCK_C]`` of a weight at ``row0 + 0 .. BLOCK_C - 1`` (columns past ``ncol``:
+    zero): the weight's own elements, or with ``NF4`` the values the dequantisation writes
+    (:class:`NF4Source`: ``code[q] * absmax[block]`` in float32, rounded to the compute dtype: ``ROUND``
+    "bf16_hw" by the conversion, "bf16_bits" on the bits as the interpreter needs, "f16" by the conversion,
+    "none" for float32). ``TILE`` (even ``row0``): the codes loaded as ``[R, BLOCK_C / 2]`` bytes, each byte's
+    two nibbles decoded with one scale; else per element (any offsets)."""
+    cols = tl.arange(0, BLOCK_C)
+    mask = m_rows[:, None] & (cols < ncol)[None, :]
+    if not NF4:
+        v = tl.load(w_ptr + row0[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    elif TILE:
+        half = tl.arange(0, BLOCK_C // 2)
+        m_half = m_rows[:, None] & (2 * half < ncol)[None, :]
+        byte = tl.load(w_ptr + (row0 // 2)[:, None] + half[None, :], mask=m_half, other=0).to(tl.int32)
+        blk = (row0[:, None] + 2 * half[None, :]) // BS
+        scale = _block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, blk, m_half, NESTED)
+        hi = tl.load(code_ptr + (byte >> 4)) * scale  # element 2i: the high nibble of byte i
+        v = tl.where(mask, tl.interleave(hi, tl.load(code_ptr + (byte & 0xF)) * scale), 0.0)
+    else:
+        flat = row0[:, None] + cols[None, :]
+        byte = tl.load(w_ptr + flat // 2, mask=mask, other=0).to(tl.int32)
+        q = tl.where((flat & 1) == 0, byte >> 4, byte & 0xF)
+        scale = _block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, flat // BS, mask, NESTED)
+        v = tl.load(code_ptr + q, mask=mask, other=0.0) * scale
+    if not NF4:
+        pass
+    elif ROUND == "bf16_hw":
+        v = v.to(tl.bfloat16).to(tl.float32)
+    elif ROUND == "bf16_bits":
+        v = _round_bf16(v).to(tl.float32)
+    elif ROUND == "f16":
+        v = v.to(tl.float16).to(tl.float32)
+    return v
+
+
+@triton.jit
 def _weight_rows_kernel(
-    w_ptr,  # [E, N, K] float, contiguous
+    w_ptr,  # [E, N, K] float, contiguous; with NF4 the packed codes [E * N * K / 2] uint8
+    code_ptr,  # NF4: [16] float32, the table
+    absmax_ptr,  # NF4: [E * N * K / BS] block scales, float32 or (NESTED) uint8 codes of code2
+    absmax2_ptr,  # NESTED: [ceil(E * N * K / BS / 256)] float32
+    code2_ptr,  # NESTED: [256] float32
+    offset_ptr,  # NESTED: [] float32
+    active_ptr,  # [E] bool as uint8: expert e is cast iff nonzero; read if HAS_ACTIVE
     q_ptr,  # [E, N, K] e4m3 (float32 under the interpreter), contiguous
     s_ptr,  # [E, N] float32
     amax_ptr,  # [E, K] float32, zero-filled: max over n of |w[e, n, k]| (atomic max)
@@ -664,10 +741,19 @@ def _weight_rows_kernel(
     ROWS: tl.constexpr,  # rows of one expert per program
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= K: each row read once
+    NF4: tl.constexpr,
+    NESTED: tl.constexpr,
+    BS: tl.constexpr,
+    ROUND: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
+    TILE: tl.constexpr,
 ):
     """``ROWS`` rows of ``w_e`` cast per row (as :func:`rowwise`), ``BLOCK_M`` at a time, their columns'
-    ``amax`` folded into ``amax[e]``."""
+    ``amax`` folded into ``amax[e]``; nothing for an inactive expert."""
     e = tl.program_id(0).to(tl.int64)
+    if HAS_ACTIVE:
+        if tl.load(active_ptr + e) == 0:
+            return
     n0 = tl.program_id(1) * ROWS
     cols = tl.arange(0, BLOCK_K)
     m_cols = cols < K
@@ -675,11 +761,24 @@ def _weight_rows_kernel(
     for c in range(0, ROWS, BLOCK_M):
         rows = n0 + c + tl.arange(0, BLOCK_M)
         m_rows = rows < N
-        b = tl.load(
-            w_ptr + e * N * K + rows[:, None].to(tl.int64) * K + cols[None, :],
-            mask=m_rows[:, None] & m_cols[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        row0 = e * N * K + rows.to(tl.int64) * K
+        b = _weight_block(
+            w_ptr,
+            code_ptr,
+            absmax_ptr,
+            absmax2_ptr,
+            code2_ptr,
+            offset_ptr,
+            row0,
+            m_rows,
+            K,
+            BLOCK_K,
+            NF4,
+            NESTED,
+            BS,
+            ROUND,
+            TILE,
+        )
         a = tl.abs(b)
         scale = _row_scale(s_ptr + e * N, tl.max(a, axis=1), rows, m_rows, 1, True)
         _store_rows(q_ptr + e * N * K, b, scale, rows, m_rows, cols, K, K, True)
@@ -689,7 +788,13 @@ def _weight_rows_kernel(
 
 @triton.jit
 def _transpose_cast_kernel(
-    w_ptr,  # [E, N, K] float, contiguous
+    w_ptr,  # [E, N, K] float, contiguous; with NF4 the packed codes (as _weight_rows_kernel)
+    code_ptr,
+    absmax_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset_ptr,
+    active_ptr,
     amax_ptr,  # [E, KW] float32: the window's columns' amax over N
     q_ptr,  # [E, KW, N] e4m3 (float32 under the interpreter), contiguous
     s_ptr,  # [E, KW] float32: the power-of-two scales
@@ -699,22 +804,45 @@ def _transpose_cast_kernel(
     KW,  # the window's columns
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NF4: tl.constexpr,
+    NESTED: tl.constexpr,
+    BS: tl.constexpr,
+    ROUND: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
+    TILE: tl.constexpr,
 ):
     """One ``[BLOCK_N, BLOCK_K]`` tile of columns ``K0 .. K0 + KW - 1`` of ``w_e``, scaled per column, stored
-    transposed."""
+    transposed; nothing for an inactive expert."""
     e = tl.program_id(0).to(tl.int64)
+    if HAS_ACTIVE:
+        if tl.load(active_ptr + e) == 0:
+            return
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)  # of the window
     m_rows, m_cols = rows < N, cols < KW
     scale = _pow2_scale(tl.load(amax_ptr + e * KW + cols, mask=m_cols, other=0.0))
     if tl.program_id(1) == 0:
         tl.store(s_ptr + e * KW + cols, scale, mask=m_cols)
-    b = tl.load(
-        w_ptr + e * N * K + rows[:, None].to(tl.int64) * K + (K0 + cols)[None, :],
-        mask=m_rows[:, None] & m_cols[None, :],
-        other=0.0,
+    c0 = tl.program_id(2) * BLOCK_K
+    row0 = e * N * K + rows.to(tl.int64) * K + K0 + c0
+    b = _weight_block(
+        w_ptr,
+        code_ptr,
+        absmax_ptr,
+        absmax2_ptr,
+        code2_ptr,
+        offset_ptr,
+        row0,
+        m_rows,
+        KW - c0,
+        BLOCK_K,
+        NF4,
+        NESTED,
+        BS,
+        ROUND,
+        TILE,
     )
-    q = tl.clamp(b.to(tl.float32) / scale[None, :], -448.0, 448.0).to(q_ptr.dtype.element_ty)
+    q = tl.clamp(b / scale[None, :], -448.0, 448.0).to(q_ptr.dtype.element_ty)
     tl.store(
         q_ptr + e * KW * N + cols[:, None].to(tl.int64) * N + rows[None, :],
         tl.trans(q),
@@ -722,41 +850,109 @@ def _transpose_cast_kernel(
     )
 
 
+class NF4Source(NamedTuple):
+    """NF4 expert storage (:class:`moeyard.quant.NF4Experts`, ``[E, N, K]`` as stored) as the weight casts read
+    it, so that the FP8 casts decode it in their loads (block scales, double quantisation included) and no dense
+    weight is written (:func:`nf4_source`).
+
+    Attributes: ``storage``; ``active [E]`` bool or None: only those experts are cast (the others' rows are
+    left unwritten)."""
+
+    storage: object
+    active: Tensor | None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.storage.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    def dense(self) -> Tensor:
+        """The active experts dequantised (the casts' path for rows wider than one block)."""
+        return self.storage.dequantize(self.active)
+
+
+def nf4_source(storage, active: Tensor | None = None) -> NF4Source:
+    """:class:`NF4Source` of an :class:`moeyard.quant.NF4Experts` and the experts to cast (``active [E]`` bool,
+    None: all)."""
+    return NF4Source(storage, active)
+
+
+NF4_TILES = True  # NF4 codes read as byte tiles where rows start on a byte (else per element)
+
+
+def _weight_args(w, tile: bool = False) -> dict:
+    """The weight kernels' operand arguments (and launch options) for a dense ``[E, N, K]`` tensor (contiguous)
+    or an :class:`NF4Source`; ``tile``: the kernel's rows start on whole bytes of codes."""
+    if not isinstance(w, NF4Source):
+        return dict(
+            w_ptr=w, code_ptr=w, absmax_ptr=w, absmax2_ptr=w, code2_ptr=w, offset_ptr=w, active_ptr=w, NF4=False,
+            NESTED=False, BS=1, ROUND="none", HAS_ACTIVE=False, TILE=False,
+        )  # fmt: skip
+    st, dtype = w.storage, w.storage.dtype
+    if dtype == torch.bfloat16:
+        rnd = "bf16_bits" if interpreting() else "bf16_hw"
+    else:
+        rnd = "f16" if dtype == torch.float16 else "none"
+    nested = st.compress_statistics
+    return dict(
+        w_ptr=st.data,
+        code_ptr=st.code,
+        absmax_ptr=st.absmax,
+        absmax2_ptr=st.absmax2 if nested else st.code,
+        code2_ptr=st.code2 if nested else st.code,
+        offset_ptr=st.offset if nested else st.code,
+        active_ptr=st.data if w.active is None else w.active.view(torch.uint8),
+        NF4=True,
+        NESTED=nested,
+        BS=st.blocksize,
+        ROUND=rnd,
+        HAS_ACTIVE=w.active is not None,
+        TILE=bool(tile and NF4_TILES),
+        enable_fp_fusion=False,  # the nested scales rounded twice, as the dequantisation does
+    )
+
+
 WEIGHT_PROGRAMS = 1024  # rowwise_per_expert: about this many programs (fewer rows each: more atomics)
 
 
-def rowwise_per_expert(w: Tensor, *, rows: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``w [E, N, K]`` (any float dtype) -> ``(q [E, N, K] e4m3, s [E, N] float32, amax [E, K] float32 or
-    None)``: the forward's cast of each expert weight, one power-of-two scale per row (output channel),
-    equal to ``rowwise(w.view(E * N, K))``; and, from the same read, each column's ``max |w_e[:, k]|``
-    (``amax``), with which :func:`colwise_per_expert` makes the transposed cast for the input gradient
-    reading ``w`` once. Rows wider than one block (:data:`ONE_PASS_ELEMENTS`) take :func:`rowwise`, and
-    ``amax`` is then None. ``rows``: rows per program (default: about :data:`WEIGHT_PROGRAMS` programs)."""
+def rowwise_per_expert(w, *, rows: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``w [E, N, K]`` (any float dtype, or NF4 storage as an :class:`NF4Source`) -> ``(q [E, N, K] e4m3, s [E,
+    N] float32, amax [E, K] float32 or None)``: the forward's cast of each expert weight, one power-of-two scale
+    per row (output channel), equal to ``rowwise(w.view(E * N, K))`` (for NF4, to that of the dequantised
+    weight, bit for bit, read from its 4-bit codes); and, from the same read, each column's ``max |w_e[:,
+    k]|`` (``amax``), with which :func:`colwise_per_expert` makes the transposed cast for the input gradient
+    reading ``w`` once. Rows wider than one block (:data:`ONE_PASS_ELEMENTS`) take :func:`rowwise` (NF4
+    dequantised first), and ``amax`` is then None. ``rows``: rows per program (default: about
+    :data:`WEIGHT_PROGRAMS` programs)."""
     E, N, K = w.shape
-    w = w.contiguous()
     blocks = _row_blocks(K, None)
     if not blocks["ONE_PASS"] or not (E and N and K):
-        q, s = rowwise(w.view(E * N, K))
+        w = w.dense() if isinstance(w, NF4Source) else w
+        q, s = rowwise(w.reshape(E * N, K))
         return q.view(E, N, K), s.view(E, N), None
+    w = w if isinstance(w, NF4Source) else w.contiguous()
     q, s = _out((E, N, K), w.device), torch.empty(E, N, device=w.device, dtype=torch.float32)
     amax = torch.zeros(E, K, device=w.device, dtype=torch.float32)
     bm = blocks["BLOCK_M"]
     rows = rows or min(triton.next_power_of_2(triton.cdiv(E * N, WEIGHT_PROGRAMS)), 1024)
     rows = max(bm, rows)
+    bk = blocks["BLOCK_K"]
     _weight_rows_kernel[(E, triton.cdiv(N, rows))](
-        w, q, s, amax, N, K, ROWS=rows, BLOCK_M=bm, BLOCK_K=blocks["BLOCK_K"]
+        q_ptr=q, s_ptr=s, amax_ptr=amax, N=N, K=K, ROWS=rows, BLOCK_M=bm, BLOCK_K=bk, **_weight_args(w, K % 2 == 0)
     )
     return _cast(q), s, amax
 
 
-def colwise_per_expert(
-    w: Tensor, amax: Tensor | None = None, *, cols: tuple[int, int] | None = None
-) -> tuple[Tensor, Tensor]:
-    """``w [E, N, K]`` -> ``(q [E, K, N] e4m3, s [E, K] float32)``: ``w_e^T`` with one power-of-two scale
-    per (expert, column of ``w_e``) over its ``N`` rows. ``amax [E, K]``: those columns' ``max |w|``, from
-    :func:`rowwise_per_expert` (then ``w`` is read once; else its ``amax`` is computed first, one more read).
-    ``cols = (k0, k1)``: only columns ``k0 .. k1 - 1`` (``q [E, k1 - k0, N]``, ``s [E, k1 - k0]``, equal to
-    those rows of the whole cast), for a GEMM made a column window at a time.
+def colwise_per_expert(w, amax: Tensor | None = None, *, cols: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
+    """``w [E, N, K]`` (or NF4 storage as an :class:`NF4Source`) -> ``(q [E, K, N] e4m3, s [E, K] float32)``:
+    ``w_e^T`` with one power-of-two scale per (expert, column of ``w_e``) over its ``N`` rows. ``amax [E,
+    K]``: those columns' ``max |w|``, from :func:`rowwise_per_expert` (then ``w`` is read once; else its
+    ``amax`` is computed first, one more read, and NF4 storage is dequantised for it). ``cols = (k0, k1)``:
+    only columns ``k0 .. k1 - 1`` (``q [E, k1 - k0, N]``, ``s [E, k1 - k0]``, equal to those rows of the whole
+    cast), for a GEMM made a column window at a time.
     Tiles of 64 x 64 stored transposed; on an H100 about 2x the strip kernel it replaced with ``amax`` given,
     1.2-1.3x without (``benchmarks/NOTES.md``, round 40).
 
@@ -768,7 +964,9 @@ def colwise_per_expert(
     if not 0 <= k0 <= k1 <= K:
         raise ValueError(f"cols: expected (k0, k1) with 0 <= k0 <= k1 <= {K}, got {cols}")
     KW = k1 - k0
-    w = w.contiguous()
+    if isinstance(w, NF4Source) and amax is None:
+        w = w.dense()
+    w = w if isinstance(w, NF4Source) else w.contiguous()
     q, s = _out((E, KW, N), w.device), torch.empty(E, KW, device=w.device, dtype=torch.float32)
     if not (E and KW and N):
         return _cast(q), s
@@ -778,6 +976,7 @@ def colwise_per_expert(
         amax = amax[:, k0:k1].contiguous()
     block = 16 if interpreting() else 64
     _transpose_cast_kernel[(E, triton.cdiv(N, block), triton.cdiv(KW, block))](
-        w, amax, q, s, N, K, k0, KW, BLOCK_N=block, BLOCK_K=block
-    )
+        amax_ptr=amax, q_ptr=q, s_ptr=s, N=N, K=K, K0=k0, KW=KW, BLOCK_N=block, BLOCK_K=block,
+        **_weight_args(w, K % 2 == 0 and k0 % 2 == 0),
+    )  # fmt: skip
     return _cast(q), s

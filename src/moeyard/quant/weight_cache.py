@@ -56,26 +56,27 @@ def cache_fp8_weights():
         cache.clear()
 
 
-def keeping(w: Tensor) -> bool:
+def keeping(w) -> bool:
     """Whether :func:`cached` keeps ``w``'s casts now: inside a :func:`cache_fp8_weights` block, not while
     capturing a CUDA graph or under ``torch.compile``."""
     return (
         bool(_caches)
         and not torch.compiler.is_compiling()
-        and not (w.is_cuda and torch.cuda.is_current_stream_capturing())
+        and not (w.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
     )
 
 
-def cached(w: Tensor, kind: str, make: Callable[[], tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
-    """``make()`` (the ``kind`` cast of weight ``w``), kept in the innermost open :func:`cache_fp8_weights`
-    block while ``w``'s version is unchanged; outside a block (or while capturing a CUDA graph, or under
+def cached(w, kind: str, make: Callable[[], tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
+    """``make()`` (the ``kind`` cast of weight ``w``: a tensor, or frozen quantised storage, which has no version
+    counter), kept in the innermost open :func:`cache_fp8_weights` block while ``w``'s version is unchanged; outside a block (or while capturing a CUDA graph, or under
     ``torch.compile``) just ``make()``."""
     if not keeping(w):
         return make()
     entry = _caches[-1].setdefault(w, {})
+    version = getattr(w, "_version", 0)  # quantised storage (frozen): no version counter
     hit = entry.get(kind)
-    if hit is not None and hit[0] == w._version:
+    if hit is not None and hit[0] == version:
         return hit[1]
     value = make()
-    entry[kind] = (w._version, value)
+    entry[kind] = (version, value)
     return value
