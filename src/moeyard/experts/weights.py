@@ -273,12 +273,8 @@ def low_rank(adapter: ExpertLoRA, E: int, out: int, inp: int, like: Tensor, name
         ValueError: shapes (``lora_A [r*E, in]``, ``lora_B [out, r*E]``) or devices disagree, or the
             adapter's ``num_experts`` is not E.
     """
-    if not isinstance(adapter, ExpertLoRA):
-        raise TypeError(f"{name}: expected a moeyard.ExpertLoRA, got {kind(adapter)}")
+    r, s = adapter_rank(adapter, E, out, inp, name, check_float)
     A, B = adapter.lora_A, adapter.lora_B
-    check_float(f"{name}.lora_A", A, dim=2)
-    check_float(f"{name}.lora_B", B, dim=2)
-    r, s = adapter_rank(adapter, E, out, inp, name)
     for n, t in (("lora_A", A), ("lora_B", B)):
         if t.device != like.device:
             raise ValueError(f"{name}.{n}: expected device {like.device} (as the expert weights), got {t.device}")
@@ -288,16 +284,21 @@ def low_rank(adapter: ExpertLoRA, E: int, out: int, inp: int, like: Tensor, name
     return LowRank(a=A.view(E, r, inp) if A.is_contiguous() else A.reshape(E, r, inp), b=b, scaling=s)
 
 
-def adapter_rank(adapter: ExpertLoRA, E: int, out: int, inp: int, name: str = "lora") -> tuple[int, float]:
-    """``(r, s)`` of an adapter whose factors are float matrices (of any framework), after checking them against an
-    ``[E, out, in]`` projection: ``lora_A [r*E, in]``, ``lora_B [out, r*E]``, the adapter's ``num_experts`` E if
-    given, a finite ``scaling``. Shared by :func:`low_rank` and the JAX side's (:mod:`moeyard.jax.lora`).
+def adapter_rank(adapter: ExpertLoRA, E: int, out: int, inp: int, name: str, check_float) -> tuple[int, float]:
+    """``(r, s)`` of an :class:`ExpertLoRA`, after checking it against an ``[E, out, in]`` projection: float
+    matrices (``check_float(name, t, dim=2)``, the framework's own check), ``lora_A [r*E, in]``, ``lora_B [out,
+    r*E]``, the adapter's ``num_experts`` E if given, a finite ``scaling``. Shared by :func:`low_rank` and the
+    JAX side's (:mod:`moeyard.jax.lora`).
 
     Raises:
-        TypeError: a non-numeric scaling.
+        TypeError: not an :class:`ExpertLoRA`, non-float factors (``check_float``'s), a non-numeric scaling.
         ValueError: the shapes, or ``num_experts`` not E.
     """
+    if not isinstance(adapter, ExpertLoRA):
+        raise TypeError(f"{name}: expected a moeyard.ExpertLoRA, got {kind(adapter)}")
     A, B = adapter.lora_A, adapter.lora_B
+    check_float(f"{name}.lora_A", A, dim=2)
+    check_float(f"{name}.lora_B", B, dim=2)
     if adapter.num_experts is not None and adapter.num_experts != E:
         raise ValueError(f"{name}: the adapter covers num_experts={adapter.num_experts} experts, the weights {E}")
     rE = A.shape[0]

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..experts.weights import LORA_KEYS, ExpertLoRA, adapter_rank, adapters_by_projection
-from .checks import check_float, kind
+from ..experts.weights import LORA_KEYS, adapter_rank, adapters_by_projection
+from .checks import check_float
 
 
 def lora_views(lora, E: int, up_shape: tuple[int, int], down_shape: tuple[int, int], dtype):
@@ -44,12 +44,8 @@ def low_rank(adapter, E: int, out: int, inp: int, dtype, name: str = "lora"):
         TypeError: not an :class:`moeyard.ExpertLoRA`, non-float factors, non-numeric scaling.
         ValueError: shapes, or the adapter's ``num_experts`` not E.
     """
-    if not isinstance(adapter, ExpertLoRA):
-        raise TypeError(f"{name}: expected a moeyard.ExpertLoRA, got {kind(adapter)}")
+    r, s = adapter_rank(adapter, E, out, inp, name, check_float)
     A, B = adapter.lora_A, adapter.lora_B
-    check_float(f"{name}.lora_A", A, dim=2)
-    check_float(f"{name}.lora_B", B, dim=2)
-    r, s = adapter_rank(adapter, E, out, inp, name)
     a = jnp.asarray(A).astype(dtype).reshape(E, r, inp)
     b = jnp.transpose(jnp.asarray(B).astype(dtype).reshape(out, r, E), (2, 0, 1))  # [E, out, r]
     return a, b, s

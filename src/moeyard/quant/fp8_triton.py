@@ -41,8 +41,9 @@ import triton.language as tl
 from ..activations import Activation
 from ..experts.triton.act import act_fwd, act_grad
 from ..kernel_op import interpreting
+from ._bnb import NESTED_BLOCKSIZE
 from .fp8 import E4M3, E4M3_MAX
-from .triton_nf4 import _round_bf16
+from .triton_nf4 import _round_bf16, block_scales
 
 Tensor = torch.Tensor
 
@@ -658,20 +659,6 @@ def act_backward(
 
 
 @triton.jit
-def _block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, blk, mask, NESTED: tl.constexpr):
-    """NF4 block scales at the block indices ``blk``: the stored float32 ``absmax``, or with ``NESTED`` (double
-    quantisation) ``fl(fl(code2[absmax[blk]] * absmax2[blk // 256]) + offset)`` (launched without FMA fusion,
-    as :func:`moeyard.quant.dequant.decoded_absmax` rounds)."""
-    if NESTED:
-        q = tl.load(absmax_ptr + blk, mask=mask, other=0).to(tl.int32)
-        scale = tl.load(code2_ptr + q, mask=mask, other=0.0) * tl.load(absmax2_ptr + blk // 256, mask=mask, other=0.0)
-        scale = scale + tl.load(offset_ptr)
-    else:
-        scale = tl.load(absmax_ptr + blk, mask=mask, other=0.0)
-    return scale
-
-
-@triton.jit
 def _weight_block(
     w_ptr,
     code_ptr,
@@ -704,14 +691,14 @@ def _weight_block(
         m_half = m_rows[:, None] & (2 * half < ncol)[None, :]
         byte = tl.load(w_ptr + (row0 // 2)[:, None] + half[None, :], mask=m_half, other=0).to(tl.int32)
         blk = (row0[:, None] + 2 * half[None, :]) // BS
-        scale = _block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, blk, m_half, NESTED)
+        scale = block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, blk, m_half, NESTED, NESTED_BLOCKSIZE)
         hi = tl.load(code_ptr + (byte >> 4)) * scale  # element 2i: the high nibble of byte i
         v = tl.where(mask, tl.interleave(hi, tl.load(code_ptr + (byte & 0xF)) * scale), 0.0)
     else:
         flat = row0[:, None] + cols[None, :]
         byte = tl.load(w_ptr + flat // 2, mask=mask, other=0).to(tl.int32)
         q = tl.where((flat & 1) == 0, byte >> 4, byte & 0xF)
-        scale = _block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, flat // BS, mask, NESTED)
+        scale = block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, flat // BS, mask, NESTED, NESTED_BLOCKSIZE)
         v = tl.load(code_ptr + q, mask=mask, other=0.0) * scale
     if not NF4:
         pass

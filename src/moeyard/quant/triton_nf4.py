@@ -49,6 +49,20 @@ def _store_out(p_out, vals, mask, HW_ROUND: tl.constexpr):
 
 
 @triton.jit
+def block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, blk, mask, NESTED: tl.constexpr, BS2: tl.constexpr):
+    """float32 block scales at the block indices ``blk``: the stored ``absmax``, or with ``NESTED`` (double
+    quantisation) ``fl(fl(code2[absmax[blk]] * absmax2[blk // BS2]) + offset)``, rounded twice when the kernel
+    is launched without FMA fusion (as :func:`moeyard.quant.dequant.decoded_absmax`)."""
+    if NESTED:
+        q = tl.load(absmax_ptr + blk, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(code2_ptr + q, mask=mask, other=0.0) * tl.load(absmax2_ptr + blk // BS2, mask=mask, other=0.0)
+        scale = scale + tl.load(offset_ptr)
+    else:
+        scale = tl.load(absmax_ptr + blk, mask=mask, other=0.0)
+    return scale
+
+
+@triton.jit
 def nf4_dequant_kernel(
     data_ptr,  # [E * P / 2] uint8: element 2i in the high nibble of byte i, 2i+1 in the low nibble
     absmax_ptr,  # [E * P / BS] uint8 (NESTED: indexes code2) or float32: one scale per block
@@ -78,12 +92,7 @@ def nf4_dequant_kernel(
             if ZERO_INACTIVE:
                 tl.store(p_out, tl.zeros([NB, BS], dtype=out_ptr.dtype.element_ty), mask=m_blk[:, None])
             return
-    if NESTED:
-        b_q = tl.load(absmax_ptr + blk, mask=m_blk, other=0).to(tl.int32)
-        b_scale = tl.load(code2_ptr + b_q) * tl.load(absmax2_ptr + blk // BS2, mask=m_blk, other=0.0)
-        b_scale = b_scale + tl.load(offset_ptr)  # rounded twice (launched without FMA fusion)
-    else:
-        b_scale = tl.load(absmax_ptr + blk, mask=m_blk, other=0.0)
+    b_scale = block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, blk, m_blk, NESTED, BS2)
     HALF: tl.constexpr = BS // 2
     p_bytes = data_ptr + blk[:, None] * HALF + tl.arange(0, HALF)[None, :]
     b_bytes = tl.load(p_bytes, mask=m_blk[:, None], other=0).to(tl.int32)  # [NB, BS/2]
