@@ -72,8 +72,8 @@ def nf4_casts(E: int, N: int, K: int, rows: list) -> None:
     rows.append((case, "dense: colwise_per_expert(amax)", ms(lambda: cast.colwise_per_expert(dense, a0)), 2 * gbs, ""))
     rows.append((case, "nf4_source (decoded absmax)", ms(lambda: cast.nf4_source(st)), 0, ""))
     src = cast.nf4_source(st)
-    for tiles in (True, False):
-        cast.NF4_TILES = tiles
+    for tiles, segments in ((True, True), (True, False), (False, False)):
+        cast.NF4_TILES, cast.NF4_SEGMENTS = tiles, segments
         q, s, a = cast.rowwise_per_expert(src)
         t, ts = cast.colwise_per_expert(src, a)
         same = torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0) and torch.equal(a, a0)
@@ -81,7 +81,7 @@ def nf4_casts(E: int, N: int, K: int, rows: list) -> None:
         rows.append(
             (
                 case,
-                f"nf4: rowwise_per_expert tiles {tiles}",
+                f"nf4: rowwise_per_expert tiles {tiles} segments {segments}",
                 ms(lambda: cast.rowwise_per_expert(src)),
                 gbs,
                 f"same {same}",
@@ -90,13 +90,13 @@ def nf4_casts(E: int, N: int, K: int, rows: list) -> None:
         rows.append(
             (
                 case,
-                f"nf4: colwise_per_expert tiles {tiles}",
+                f"nf4: colwise_per_expert tiles {tiles} segments {segments}",
                 ms(lambda a=a: cast.colwise_per_expert(src, a)),
                 gbs,
                 f"same {same_t}",
             )
         )
-    cast.NF4_TILES = True
+    cast.NF4_TILES = cast.NF4_SEGMENTS = True
 
 
 def weight_rows_sweep(E: int, N: int, K: int, rows: list) -> None:
@@ -130,7 +130,7 @@ def weight_rows_sweep(E: int, N: int, K: int, rows: list) -> None:
                         BLOCK_M=bm,
                         BLOCK_K=width,
                         num_warps=nw,
-                        **cast._weight_args(w),
+                        **cast._weight_args(w, width),
                     )
 
                 run()

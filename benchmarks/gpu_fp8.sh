@@ -10,7 +10,8 @@
 #   and "ep" (two GPUs: bench --ep 2 with FP8 dispatch beside bf16 dispatch, FP8_EP_RECIPE's experts);
 #   also "ckpt" (FP8 checkpoint storage: CUDA tests, the dequantisation kernel's rates) and "train"
 #   (examples/fp8_train.py, the small model, 300 steps: loss curves of bf16 seeds and each recipe); "casts"
-#   (benchmarks/fp8_cast_probe.py: the expert weights' FP8 casts alone at the anchor shapes); "memory"
+#   (benchmarks/fp8_cast_probe.py: the expert weights' FP8 casts alone at the anchor shapes); "wgrad"
+#   (benchmarks/fp8_wgrad_probe.py: the FP8 weight gradients and their column casts alone); "memory"
 #   (benchmarks/memory_peak.py: what is alive at the peak of one step, FP8_MEMORY_ARGS its arguments); "probe"
 #   (benchmarks/fp8_gemm_probe.py, FP8_PROBE_ARGS its arguments: each FP8 GEMM alone); "ab" (this tree against
 #   BASE, an earlier src/ in a carried git-ignored folder: the bench's bf16 and gw_hp rows, trees interleaved,
@@ -55,6 +56,7 @@ for s in $STEPS; do case $s in
   profile) step profile_fp8 120 python3 benchmarks/fp8_profile.py \
              ${FP8_PROFILE_ARGS:---model qwen3-30b-a3b --model sonic-120b --recipes none,fp8_rowwise,fp8_rowwise_gw_hp --casts} ;;
   casts) step casts_fp8 120 python3 benchmarks/fp8_cast_probe.py ;;
+  wgrad) step wgrad_fp8 300 python3 benchmarks/fp8_wgrad_probe.py "${margs[@]}" ;;
   probe) step probe_fp8 330 python3 benchmarks/fp8_gemm_probe.py ${FP8_PROBE_ARGS:-} ;;
   ab) for r in ${FP8_AB_RUNS:-1}; do for tree in this base; do
         src=$PWD/src; [ $tree = base ] && src=${BASE:?BASE: a folder holding src/}/src

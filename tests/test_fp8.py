@@ -334,21 +334,25 @@ def _triton_casts():
     return fp8_triton
 
 
-@pytest.mark.parametrize("tiles", [True, False])
-@pytest.mark.parametrize("dtype, nested", [(torch.bfloat16, True), (torch.float32, False)])
+@pytest.mark.parametrize("tiles, segments", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize(
+    "dtype, nested, blocksize", [(torch.bfloat16, True, 64), (torch.float32, False, 64), (torch.bfloat16, True, 32)]
+)
 @pytest.mark.parametrize("N, K", [(40, 96), (24, 128), (9, 192), (8, 1024)])
-def test_weight_casts_read_nf4_storage(monkeypatch, N, K, dtype, nested, tiles):
+def test_weight_casts_read_nf4_storage(monkeypatch, N, K, dtype, nested, blocksize, tiles, segments):
     # the FP8 weight casts read NF4 storage (codes and block scales decoded in their loads, per element or as
-    # tiles where the blocks line up): bit-equal to the casts of the dequantised weight, for the active experts
-    # only (the others untouched), in column windows too; a row too wide for one block is dequantised first
+    # tiles where the blocks line up, with one scale read per segment of a block where rows start on one):
+    # bit-equal to the casts of the dequantised weight, for the active experts only (the others untouched),
+    # in column windows too; a row too wide for one block is dequantised first
     pytest.importorskip("bitsandbytes")
     cast = _triton_casts()
     from moeyard.quant import NF4Experts
 
     monkeypatch.setattr(cast, "NF4_TILES", tiles)
+    monkeypatch.setattr(cast, "NF4_SEGMENTS", segments)
     torch.manual_seed(3)
     w = torch.randn(3, N, K, dtype=dtype) * torch.logspace(-2, 2, K, dtype=dtype)
-    st = NF4Experts.from_float(w, compress_statistics=nested)
+    st = NF4Experts.from_float(w, compress_statistics=nested, blocksize=blocksize)
     dense = st.dequantize()
     q, s, amax = cast.rowwise_per_expert(dense)
     active = torch.tensor([True, False, True])
@@ -734,13 +738,13 @@ def test_fast_path_reads_nf4_storage(forced_fast_path, monkeypatch, case, lora, 
     want = run(dense)
     fused = forced_fast_path.count("fused")
     dequantized.clear()
-    monkeypatch.setenv(hop.ENV_NF4, "dequantize")  # the default: dequantised, then cast
+    monkeypatch.setenv(hop.ENV_NF4, "dequantize")  # dequantised, then cast
     assert hop.nf4_mode() == "dequantize" and all(
         torch.equal(a, b) for a, b in zip(run(stored).values(), want.values(), strict=True)
     )
     assert dequantized and not sources
     dequantized.clear()
-    monkeypatch.setenv(hop.ENV_NF4, " Codes ")
+    monkeypatch.delenv(hop.ENV_NF4)  # the default: the codes read by the casts
     got = run(stored)
     assert fused == 1 and forced_fast_path.count("fused") == 3 and not dequantized
     for k in want:
@@ -761,9 +765,9 @@ def test_nf4_mode(monkeypatch):
     from moeyard.experts import scaled_hopper
 
     monkeypatch.delenv(scaled_hopper.ENV_NF4, raising=False)
-    assert scaled_hopper.nf4_mode() == "dequantize"
-    monkeypatch.setenv(scaled_hopper.ENV_NF4, "CODES")
     assert scaled_hopper.nf4_mode() == "codes"
+    monkeypatch.setenv(scaled_hopper.ENV_NF4, " Dequantize ")
+    assert scaled_hopper.nf4_mode() == "dequantize"
     monkeypatch.setenv(scaled_hopper.ENV_NF4, "bits")
     with pytest.raises(ValueError, match="MOEYARD_FP8_NF4"):
         scaled_hopper.nf4_mode()

@@ -89,9 +89,10 @@ def experts(
             may be quantised storage (:class:`moeyard.quant.NF4Experts`,
             :class:`moeyard.quant.FP8BlockExperts`; frozen): then only the
             experts that receive tokens are dequantised, and again in backward
-            (:mod:`moeyard.experts.quantized`). Under an FP8 recipe's fused Hopper form with
-            ``MOEYARD_FP8_NF4=codes`` (:func:`moeyard.experts.scaled_hopper.nf4_mode`), NF4 storage in the
-            standard layout is read by the FP8 weight casts instead, and no dense weight is written.
+            (:mod:`moeyard.experts.quantized`). Under an FP8 recipe's fused Hopper form, NF4 storage in the
+            standard layout is read by the FP8 weight casts instead, and no dense weight is written
+            (``MOEYARD_FP8_NF4=dequantize`` dequantises there too:
+            :func:`moeyard.experts.scaled_hopper.nf4_mode`).
         down_proj: ``[E, H, I]``; ``[E, I, H]`` if ``transposed``.
         activation: a name (``swiglu``, ``geglu``, ``reglu``, ``clamped_swiglu``, ``gelu``, ``relu``,
             ``relu2``, ``silu``), a :class:`moeyard.Activation`, or a callable ``h [R, 2I] -> [R, I]``.

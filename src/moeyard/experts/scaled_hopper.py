@@ -416,22 +416,22 @@ def _source(w, kept: bool):
 
 
 ENV_NF4 = "MOEYARD_FP8_NF4"
-NF4_MODES = ("dequantize", "codes")
+NF4_MODES = ("codes", "dequantize")
 
 
 def nf4_mode() -> str:
-    """``MOEYARD_FP8_NF4``, how the fused form takes NF4 base weights: ``dequantize`` (default; unset or empty
-    too) the active experts into a dense buffer, then cast it (:mod:`moeyard.experts.quantized`); ``codes``:
-    the FP8 casts decode the 4-bit codes in their loads, so no dense weight is written. ``codes`` holds less
-    memory (one layer's dense expert weights: 1.1 and 1.5 GiB less at the peak of 4-layer qwen3-30b-a3b and
-    qwen3.5-35b-a3b QLoRA stacks) but its casts decode on the CUDA cores, and the step measured 1.11x and
-    1.15x slower (H200, 2026-11-28, ``moeyard bench --quant nf4 --lora 16 --recipe fp8_rowwise_gw_hp``;
-    ``benchmarks/NOTES.md``, round 49).
+    """``MOEYARD_FP8_NF4``, how the fused form takes NF4 base weights: ``codes`` (default; unset or empty too)
+    the FP8 weight casts decode the 4-bit codes and block scales in their loads, so no dense weight is written;
+    ``dequantize``: the active experts into a dense buffer first, then cast it (:mod:`moeyard.experts.quantized`).
+    Both give the same bits. ``codes`` holds one layer's dense expert weights less at the peak (1.1 and 1.5 GiB in
+    4-layer qwen3-30b-a3b and qwen3.5-35b-a3b QLoRA stacks) at the same or a shorter step: 37.73 against 38.49
+    and 34.66 against 34.75 ms (H200, 2026-11-28, ``moeyard bench --quant nf4 --lora 16 --backends qlora
+    --recipe fp8_rowwise_gw_hp``; ``benchmarks/NOTES.md``, round 50).
 
     Raises:
         ValueError: another value.
     """
-    value = os.environ.get(ENV_NF4, "dequantize").strip().lower() or "dequantize"
+    value = os.environ.get(ENV_NF4, "codes").strip().lower() or "codes"
     if value not in NF4_MODES:
         raise ValueError(f"{ENV_NF4}: expected one of {', '.join(map(repr, NF4_MODES))}, got {value!r}")
     return value

@@ -17,7 +17,8 @@ their reference, :func:`moeyard.quant.fp8.quantize` (same values: the tests comp
   ``amax``.
 - Both weight casts also read NF4 storage (:class:`NF4Source`, :func:`nf4_source`): the codes and block scales
   decoded in their loads to the values the dequantisation writes, only for the active experts, so no dense
-  weight is written (``MOEYARD_FP8_NF4=codes``, :func:`moeyard.experts.scaled_hopper.nf4_mode`).
+  weight is written (:func:`moeyard.experts.scaled_hopper.nf4_mode`). A byte tile of codes per load, one
+  block scale per segment of a block where rows start on one (as the dequantisation reads them).
 - With ``act`` (an :class:`moeyard.activations.Activation` by name), :func:`rowwise` and
   :func:`colwise_per_group` cast ``act(h)`` computed in float32 from the up projection's output ``h``
   (``[R, 2I]`` gated, gate then up columns or interleaved; ``[R, I]`` plain) as they load it, so the
@@ -46,6 +47,7 @@ from .fp8 import E4M3, E4M3_MAX
 from .triton_nf4 import _round_bf16, block_scales
 
 Tensor = torch.Tensor
+_NESTED_BS = tl.constexpr(NESTED_BLOCKSIZE)  # a kernel reads a global only as a constexpr
 
 
 @triton.jit
@@ -451,6 +453,9 @@ def dequantize_rows(q: Tensor, s: Tensor, out: Tensor) -> Tensor:
     return out
 
 
+COLWISE_BLOCKS = (128, 64, 4)  # colwise_per_group: (rows, columns) of a program's tile, warps (NOTES round 50)
+
+
 def colwise_per_group(
     t: Tensor,
     offsets: Tensor,
@@ -472,7 +477,8 @@ def colwise_per_group(
     G = offsets.numel() - 1
     q, s = _out((N, R), t.device), torch.empty(G, N, device=t.device, dtype=torch.float32)
     if G and N:
-        _colwise_kernel[(G, triton.cdiv(N, 64))](
+        br, bn, warps = COLWISE_BLOCKS
+        _colwise_kernel[(G, triton.cdiv(N, bn))](
             **_source(t, index, row_weights),
             offsets_ptr=offsets,
             q_ptr=q,
@@ -481,8 +487,9 @@ def colwise_per_group(
             stride_xr=t.stride(0),
             stride_qn=R,
             **_act_args(act, interleaved),
-            BLOCK_R=64,
-            BLOCK_N=64,
+            BLOCK_R=br,
+            BLOCK_N=bn,
+            num_warps=warps,
         )
     return _cast(q), s
 
@@ -675,13 +682,16 @@ def _weight_block(
     BS: tl.constexpr,
     ROUND: tl.constexpr,
     TILE: tl.constexpr,
+    SEG: tl.constexpr,
 ):
     """The float32 block ``[R, BLOCK_C]`` of a weight at ``row0 + 0 .. BLOCK_C - 1`` (columns past ``ncol``:
     zero): the weight's own elements, or with ``NF4`` the values the dequantisation writes
     (:class:`NF4Source`: ``code[q] * absmax[block]`` in float32, rounded to the compute dtype: ``ROUND``
     "bf16_hw" by the conversion, "bf16_bits" on the bits as the interpreter needs, "f16" by the conversion,
     "none" for float32). ``TILE`` (even ``row0``): the codes loaded as ``[R, BLOCK_C / 2]`` bytes, each byte's
-    two nibbles decoded with one scale; else per element (any offsets)."""
+    two nibbles decoded with one scale; else per element (any offsets). ``SEG`` (with ``TILE``; ``row0`` a
+    multiple of it, which divides ``BS`` and ``BLOCK_C``): one scale read per ``SEG`` elements, as the
+    dequantisation reads one per block; 0: one per element."""
     cols = tl.arange(0, BLOCK_C)
     mask = m_rows[:, None] & (cols < ncol)[None, :]
     if not NF4:
@@ -690,15 +700,23 @@ def _weight_block(
         half = tl.arange(0, BLOCK_C // 2)
         m_half = m_rows[:, None] & (2 * half < ncol)[None, :]
         byte = tl.load(w_ptr + (row0 // 2)[:, None] + half[None, :], mask=m_half, other=0).to(tl.int32)
-        blk = (row0[:, None] + 2 * half[None, :]) // BS
-        scale = block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, blk, m_half, NESTED, NESTED_BLOCKSIZE)
+        if SEG:
+            seg = tl.arange(0, BLOCK_C // SEG)
+            blk = (row0[:, None] + SEG * seg[None, :]) // BS
+            m_seg = m_rows[:, None] & (SEG * seg < ncol)[None, :]
+            s = block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, blk, m_seg, NESTED, _NESTED_BS)
+            s = tl.broadcast_to(tl.reshape(s, [s.shape[0], BLOCK_C // SEG, 1]), [s.shape[0], BLOCK_C // SEG, SEG // 2])
+            scale = tl.reshape(s, [s.shape[0], BLOCK_C // 2])
+        else:
+            blk = (row0[:, None] + 2 * half[None, :]) // BS
+            scale = block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, blk, m_half, NESTED, _NESTED_BS)
         hi = tl.load(code_ptr + (byte >> 4)) * scale  # element 2i: the high nibble of byte i
         v = tl.where(mask, tl.interleave(hi, tl.load(code_ptr + (byte & 0xF)) * scale), 0.0)
     else:
         flat = row0[:, None] + cols[None, :]
         byte = tl.load(w_ptr + flat // 2, mask=mask, other=0).to(tl.int32)
         q = tl.where((flat & 1) == 0, byte >> 4, byte & 0xF)
-        scale = block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, flat // BS, mask, NESTED, NESTED_BLOCKSIZE)
+        scale = block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, flat // BS, mask, NESTED, _NESTED_BS)
         v = tl.load(code_ptr + q, mask=mask, other=0.0) * scale
     if not NF4:
         pass
@@ -734,6 +752,7 @@ def _weight_rows_kernel(
     ROUND: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
     TILE: tl.constexpr,
+    SEG: tl.constexpr,
 ):
     """``ROWS`` rows of ``w_e`` cast per row (as :func:`rowwise`), ``BLOCK_M`` at a time, their columns'
     ``amax`` folded into ``amax[e]``; nothing for an inactive expert."""
@@ -765,6 +784,7 @@ def _weight_rows_kernel(
             BS,
             ROUND,
             TILE,
+            SEG,
         )
         a = tl.abs(b)
         scale = _row_scale(s_ptr + e * N, tl.max(a, axis=1), rows, m_rows, 1, True)
@@ -797,6 +817,7 @@ def _transpose_cast_kernel(
     ROUND: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
     TILE: tl.constexpr,
+    SEG: tl.constexpr,
 ):
     """One ``[BLOCK_N, BLOCK_K]`` tile of columns ``K0 .. K0 + KW - 1`` of ``w_e``, scaled per column, stored
     transposed; nothing for an inactive expert."""
@@ -828,6 +849,7 @@ def _transpose_cast_kernel(
         BS,
         ROUND,
         TILE,
+        SEG,
     )
     q = tl.clamp(b / scale[None, :], -448.0, 448.0).to(q_ptr.dtype.element_ty)
     tl.store(
@@ -868,16 +890,23 @@ def nf4_source(storage, active: Tensor | None = None) -> NF4Source:
 
 
 NF4_TILES = True  # NF4 codes read as byte tiles where rows start on a byte (else per element)
+NF4_SEGMENTS = True  # with tiles, one block scale read per segment of a block (else one per element)
 
 
-def _weight_args(w, tile: bool = False) -> dict:
+def _weight_args(w, block: int, k0: int = 0) -> dict:
     """The weight kernels' operand arguments (and launch options) for a dense ``[E, N, K]`` tensor (contiguous)
-    or an :class:`NF4Source`; ``tile``: the kernel's rows start on whole bytes of codes."""
+    or an :class:`NF4Source`, read ``block`` columns at a time from column ``k0`` on: byte tiles of codes where
+    every row starts on a whole byte, and one scale per ``min(blocksize, block)`` elements where every row
+    starts on such a segment (``_weight_block``'s ``TILE`` and ``SEG``)."""
     if not isinstance(w, NF4Source):
         return dict(
             w_ptr=w, code_ptr=w, absmax_ptr=w, absmax2_ptr=w, code2_ptr=w, offset_ptr=w, active_ptr=w, NF4=False,
-            NESTED=False, BS=1, ROUND="none", HAS_ACTIVE=False, TILE=False,
+            NESTED=False, BS=1, ROUND="none", HAS_ACTIVE=False, TILE=False, SEG=0,
         )  # fmt: skip
+    K = w.shape[-1]
+    tile = K % 2 == 0 and k0 % 2 == 0 and NF4_TILES
+    seg = min(w.storage.blocksize, block)
+    seg = seg if tile and NF4_SEGMENTS and seg >= 2 and K % seg == 0 and k0 % seg == 0 else 0
     st, dtype = w.storage, w.storage.dtype
     if dtype == torch.bfloat16:
         rnd = "bf16_bits" if interpreting() else "bf16_hw"
@@ -897,7 +926,8 @@ def _weight_args(w, tile: bool = False) -> dict:
         BS=st.blocksize,
         ROUND=rnd,
         HAS_ACTIVE=w.active is not None,
-        TILE=bool(tile and NF4_TILES),
+        TILE=tile,
+        SEG=seg,
         enable_fp_fusion=False,  # the nested scales rounded twice, as the dequantisation does
     )
 
@@ -928,7 +958,7 @@ def rowwise_per_expert(w, *, rows: int | None = None) -> tuple[Tensor, Tensor, T
     rows = max(bm, rows)
     bk = blocks["BLOCK_K"]
     _weight_rows_kernel[(E, triton.cdiv(N, rows))](
-        q_ptr=q, s_ptr=s, amax_ptr=amax, N=N, K=K, ROWS=rows, BLOCK_M=bm, BLOCK_K=bk, **_weight_args(w, K % 2 == 0)
+        q_ptr=q, s_ptr=s, amax_ptr=amax, N=N, K=K, ROWS=rows, BLOCK_M=bm, BLOCK_K=bk, **_weight_args(w, bk)
     )
     return _cast(q), s, amax
 
@@ -964,6 +994,6 @@ def colwise_per_expert(w, amax: Tensor | None = None, *, cols: tuple[int, int] |
     block = 16 if interpreting() else 64
     _transpose_cast_kernel[(E, triton.cdiv(N, block), triton.cdiv(KW, block))](
         amax_ptr=amax, q_ptr=q, s_ptr=s, N=N, K=K, K0=k0, KW=KW, BLOCK_N=block, BLOCK_K=block,
-        **_weight_args(w, K % 2 == 0 and k0 % 2 == 0),
+        **_weight_args(w, block, k0),
     )  # fmt: skip
     return _cast(q), s
