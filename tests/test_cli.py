@@ -29,6 +29,22 @@ def test_info_json(capsys):
     assert data["moeyard"] == moeyard.__version__
     assert data["devices"]["cpu"]["backends_float32"] == moeyard.available_backends("cpu", torch.float32)
     assert data["default_backend"] == "auto" or data["default_backend"] in moeyard.backend_names()
+    assert data["default_recipe"] in ["none", *moeyard.recipe_names()]
+    assert data["fp8_gemm"] in ("auto", "triton", "cutlass") and data["fp8_nf4"] in ("codes", "dequantize")
+
+
+def test_info_reports_the_process_settings(capsys, monkeypatch):
+    # the settings read from the environment, and a bad value's error instead of a crash
+    monkeypatch.setenv("MOEYARD_RECIPE", "fp8_rowwise")
+    monkeypatch.setenv("MOEYARD_FP8_GEMM", "Triton")
+    monkeypatch.setenv("MOEYARD_FP8_NF4", "bits")
+    assert cli.main(["info", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["default_recipe"] == "fp8_rowwise" and data["fp8_gemm"] == "triton"
+    assert data["fp8_nf4"].startswith("error: MOEYARD_FP8_NF4")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "default recipe" in out and "fp8_rowwise" in out and "MOEYARD_FP8_NF4" in out
 
 
 def test_bench_json_to_stdout(capsys):

@@ -25,6 +25,7 @@ from rich.table import Table
 from .bench import layer as layer_bench, plot as bench_plot
 from .bench.args import add_bench_arguments, bench_options, check_bench_arguments
 from .bench.tables import models_table, result_table
+from .experts import scaled_hopper
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,8 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------- info
 
 
+def _setting(read) -> str:
+    """A process setting read from its environment variable, or the error its bad value raises."""
+    try:
+        return read()
+    except ValueError as ex:
+        return f"error: {ex}"
+
+
 def info_data() -> dict:
-    """Versions, devices, and the backends that run for bf16 / float32 on each device."""
+    """Versions, devices, the backends that run for bf16 / float32 on each device, and the process settings
+    (default backend and recipe; the FP8 fast path's GEMM and NF4 modes)."""
     import torch
 
     import moeyard
@@ -76,10 +86,10 @@ def info_data() -> dict:
                 for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))
             },
         }
-    try:
-        data["default_backend"] = moeyard.get_backend()
-    except ValueError as ex:
-        data["default_backend"] = f"error: {ex}"
+    data["default_backend"] = _setting(moeyard.get_backend)
+    data["default_recipe"] = _setting(lambda: getattr(moeyard.get_recipe(), "name", "none"))
+    data["fp8_gemm"] = _setting(scaled_hopper.gemm_backend)
+    data["fp8_nf4"] = _setting(scaled_hopper.nf4_mode)
     data["registered_backends"] = moeyard.backend_names()
     data["debug"] = moeyard.is_debug()
     return data
@@ -101,6 +111,9 @@ def run_info(args) -> int:
         table.add_row("  backends float32", ", ".join(d["backends_float32"]) or "none")
     table.add_row("registered backends", ", ".join(data["registered_backends"]))
     table.add_row("default backend", data["default_backend"])
+    table.add_row("default recipe", data["default_recipe"])
+    table.add_row(f"FP8 GEMMs ({scaled_hopper.ENV_GEMM})", data["fp8_gemm"])
+    table.add_row(f"NF4 under FP8 ({scaled_hopper.ENV_NF4})", data["fp8_nf4"])
     table.add_row("debug mode", "on" if data["debug"] else "off")
     console.print(table)
     return 0
