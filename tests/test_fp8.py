@@ -710,8 +710,20 @@ def test_fast_path_reads_nf4_storage(forced_fast_path, monkeypatch, case, lora, 
     dense = {k: v.dequantize() for k, v in stored.items()}
     dequantized, real = [], NF4Experts.dequantize
     monkeypatch.setattr(NF4Experts, "dequantize", lambda self, *a, **k: dequantized.append(1) or real(self, *a, **k))
-    sources, real_source = [], fp8_triton.nf4_source
-    monkeypatch.setattr(fp8_triton, "nf4_source", lambda st, act=None: sources.append(act) or real_source(st, act))
+    sources = []  # the active experts of each weight cast that read NF4 codes
+
+    def spy(cast):
+        real = getattr(fp8_triton, cast)
+
+        def read(w, *a, **k):
+            if isinstance(w, fp8_triton.NF4Source):
+                sources.append(w.active)
+            return real(w, *a, **k)
+
+        monkeypatch.setattr(fp8_triton, cast, read)
+
+    spy("rowwise_per_expert")
+    spy("colwise_per_expert")
     T, H = inputs["hidden_states"].shape
     g = torch.randn(T, H, dtype=dtype)
 

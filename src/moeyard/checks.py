@@ -30,6 +30,19 @@ def is_debug() -> bool:
     return os.environ.get("MOEYARD_DEBUG", "0") not in ("", "0", "false", "False")
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The environment variable ``name`` (stripped, lower-cased) if it is one of ``choices``; unset or empty:
+    ``choices[0]``, the default.
+
+    Raises:
+        ValueError: another value (the message names the variable and the choices).
+    """
+    value = os.environ.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
 def kind(t) -> str:
     """A short description of ``t`` for error messages."""
     if isinstance(t, Tensor):

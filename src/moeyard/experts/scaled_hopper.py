@@ -45,12 +45,12 @@ and, on a GPU, says so once.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
 from ..activations import Activation
+from ..checks import env_choice
 from ..dispatch import DispatchPlan, make_plan, rows_by_token
 from ..kernel_op import have_triton
 from ..quant import weight_cache
@@ -122,7 +122,7 @@ def _forward(
 ) -> tuple[Tensor, Tensor | None]:
     """``(x w_e^T, amax)`` from the cast rows ``(xq, xs)`` (``[R, K]``, or ``[T, K]`` read through ``index
     [R]``, :func:`_gathered_gemm`): casts ``w [E, N, K]`` per output channel (once per
-    :func:`moeyard.cache_fp8_weights` block; NF4 storage as a :class:`_Stored`, read in the cast's loads), which
+    :func:`moeyard.cache_fp8_weights` block; NF4 storage as a :class:`moeyard.quant.fp8_triton.NF4Source`, read in the cast's loads), which
     also gives ``amax [E, K]`` (or None), the columns' ``max
     |w|`` that :func:`_dgrad`'s transposed cast takes (:func:`moeyard.quant.fp8_triton.rowwise_per_expert`);
     ``tiles``: the step's :class:`moeyard.quant.fp8_grouped.TileTable` (or None); ``lora``: a
@@ -165,10 +165,7 @@ def gemm_backend() -> str:
     Raises:
         ValueError: another value.
     """
-    value = os.environ.get(ENV_GEMM, "auto").strip().lower() or "auto"
-    if value not in GEMMS:
-        raise ValueError(f"{ENV_GEMM}: expected one of {', '.join(map(repr, GEMMS))}, got {value!r}")
-    return value
+    return env_choice(ENV_GEMM, GEMMS)
 
 
 def _wgrad(dyq_dys: tuple[Tensor, Tensor], xq_xs: tuple[Tensor, Tensor], offsets: Tensor, dtype) -> Tensor:
@@ -258,7 +255,7 @@ def routed_ffn(
     w_up, w_down = weights.w_up, weights.w_down
     if not (isinstance(w_up, Tensor) and isinstance(w_down, Tensor)):  # NF4 storage: cast the active experts
         active = plan.expert_offsets[1:] > plan.expert_offsets[:-1]
-        w_up, w_down = (w if isinstance(w, Tensor) else _Stored(w, active) for w in (w_up, w_down))
+        w_up, w_down = (w if isinstance(w, Tensor) else _cast().nf4_source(w, active) for w in (w_up, w_down))
     h = _GatheredUp.apply(x, w_up, *up.factors, row_tokens, pair_rows, offsets, gemm, hp, dh_cast, tiles, up)
     if weights.b_up is not None:
         from .pipeline import add_row_bias
@@ -386,33 +383,16 @@ def _weight_t_cols(w: Tensor, amax: Tensor | None, c0: int, c1: int) -> tuple[Te
     return _cast().colwise_per_expert(_source(w, False), amax, cols=(c0, c1))
 
 
-class _Stored:
-    """A frozen base weight kept as NF4 storage (:class:`moeyard.quant.NF4Experts`, ``[E, N, K]``) in the fused
-    form: its FP8 casts decode the 4-bit codes in their loads (:func:`moeyard.quant.fp8_triton.nf4_source`), so
-    no dense weight is written; ``active [E]``: the experts that have rows in this call (the others are not
-    cast)."""
-
-    def __init__(self, storage, active: Tensor):
-        self.storage, self.active = storage, active
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.storage.shape
-
-
 def _key(w):
-    """What :mod:`moeyard.quant.weight_cache` keeps ``w``'s casts under: the weight, or its storage."""
-    return w.storage if isinstance(w, _Stored) else w
+    """What :mod:`moeyard.quant.weight_cache` keeps ``w``'s casts under: the weight tensor, or for NF4 storage
+    (an :class:`moeyard.quant.fp8_triton.NF4Source`, which the fused form makes per call) the storage itself."""
+    return w if isinstance(w, Tensor) else w.storage
 
 
 def _source(w, kept: bool):
-    """The casts' operand for ``w``: the tensor, or an :class:`moeyard.quant.fp8_triton.NF4Source` (every expert
-    when the cast is ``kept`` across calls, else the call's active ones)."""
-    if not isinstance(w, _Stored):
-        return w
-    from ..quant.fp8_triton import nf4_source
-
-    return nf4_source(w.storage, None if kept else w.active)
+    """The casts' operand for ``w``: as it is, except NF4 storage whose cast is ``kept`` across calls
+    (:func:`moeyard.cache_fp8_weights`), which casts every expert, not only the call's active ones."""
+    return w._replace(active=None) if kept and not isinstance(w, Tensor) else w
 
 
 ENV_NF4 = "MOEYARD_FP8_NF4"
@@ -431,14 +411,11 @@ def nf4_mode() -> str:
     Raises:
         ValueError: another value.
     """
-    value = os.environ.get(ENV_NF4, "codes").strip().lower() or "codes"
-    if value not in NF4_MODES:
-        raise ValueError(f"{ENV_NF4}: expected one of {', '.join(map(repr, NF4_MODES))}, got {value!r}")
-    return value
+    return env_choice(ENV_NF4, NF4_MODES)
 
 
 def takes_storage(w) -> bool:
-    """Whether the fused form reads this quantised base weight in its FP8 casts (:class:`_Stored`): NF4 storage
+    """Whether the fused form reads this quantised base weight in its FP8 casts (as an NF4Source): NF4 storage
     (:class:`moeyard.quant.NF4Experts`) with :func:`nf4_mode` ``codes``."""
     from ..quant import NF4Experts
 
@@ -632,7 +609,7 @@ class _GatheredUp(torch.autograd.Function):
 
 
 def _tensor(w) -> Tensor | None:
-    """``w`` for ``save_for_backward``: the weight tensor, or None for a :class:`_Stored` (kept on ``ctx``)."""
+    """``w`` for ``save_for_backward``: the weight tensor, or None for NF4 storage (kept on ``ctx``)."""
     return w if isinstance(w, Tensor) else None
 
 

@@ -42,7 +42,6 @@ two thin ``ragged_dot`` GEMMs in the compute dtype (also under a recipe), and JA
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -50,6 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from ..activations import Activation
+from ..checks import env_choice
 from ..quant.recipe import Recipe
 from .activations import apply_activation
 from .checks import accumulation_dtype, match_varying, precision, varying_axes
@@ -69,7 +69,7 @@ def gmm_choice() -> str:
     Raises:
         ValueError: another value.
     """
-    return check_choice(os.environ.get(GMM_ENV, "auto").strip().lower() or "auto")
+    return env_choice(GMM_ENV, GMM_CHOICES)
 
 
 def check_choice(choice: str) -> str:
