@@ -4,7 +4,7 @@ name, next to the same step without a recipe. The GEMMs' share of the dense e4m3
 the last column (their FLOPs: the forward's ``6 T k H I`` per GEMM set, times 3 for forward + backward).
 
 Usage (GPU machine): ``PYTHONPATH=src python3 benchmarks/fp8_profile.py [--model qwen3-30b-a3b]
-[--backend triton] [--recipes none,fp8_rowwise]``
+[--backend triton] [--recipes none,fp8_rowwise] [--shared]``
 """
 
 from __future__ import annotations
@@ -112,13 +112,14 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--casts", action="store_true", help="also time each FP8 cast alone (GB/s)")
     p.add_argument("--forward", action="store_true", help="profile the training forward alone (no backward)")
+    p.add_argument("--shared", action="store_true", help="keep the model's shared experts (default: routed only)")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     bf16, fp8 = dense_tflops(dev, 3, 10), dense_fp8_tflops(dev, 3, 10)
     print(f"{torch.cuda.get_device_name()} · dense bf16 {bf16:.0f} TFLOP/s · dense e4m3 {fp8 or 0:.0f} TFLOP/s")
     for name in args.model or ["qwen3-30b-a3b"]:
         shape = get_model(name)
-        cfg = routed_only(shape.moe_config())
+        cfg = shape.moe_config() if args.shared else routed_only(shape.moe_config())
         T = shape.tokens
         flops = (1 if args.forward else 3) * layer_flops(cfg, T)
         torch.manual_seed(0)

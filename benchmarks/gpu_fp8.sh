@@ -19,7 +19,8 @@
 #   "lora" (LoRA on an FP8 base: the FP8 GEMMs' low-rank term and the fused LoRA layer's CUDA tests, then the LoRA
 #   bench, bf16 and FP8 base, frozen and LoRA rows, at the given models (default the three LoRA shapes), with
 #   FP8_LORA_ACCUM micro-batches per cast block, default "1 8"); "graphs" (the bench's bf16 and gw_hp rows with
-#   --cuda-graph: each step captured in a CUDA graph, the replays timed, no host launch work).
+#   --cuda-graph: each step captured in a CUDA graph, the replays timed, no host launch work); "host"
+#   (benchmarks/host_profile.py, FP8_HOST_ARGS its arguments: the host time of a step and where it goes).
 # Full logs go to $OUT (default ./out); short summaries are printed last.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -55,6 +56,7 @@ for s in $STEPS; do case $s in
         --json "$OUT/ep_fp8.json" ;;
   profile) step profile_fp8 120 python3 benchmarks/fp8_profile.py \
              ${FP8_PROFILE_ARGS:---model qwen3-30b-a3b --model sonic-120b --recipes none,fp8_rowwise,fp8_rowwise_gw_hp --casts} ;;
+  host) step host_fp8 200 python3 benchmarks/host_profile.py ${FP8_HOST_ARGS:---model sonic-7b --tokens 256 --top 60} ;;
   casts) step casts_fp8 120 python3 benchmarks/fp8_cast_probe.py ;;
   wgrad) step wgrad_fp8 300 python3 benchmarks/fp8_wgrad_probe.py "${margs[@]}" ;;
   probe) step probe_fp8 330 python3 benchmarks/fp8_gemm_probe.py ${FP8_PROBE_ARGS:-} ;;
@@ -82,6 +84,6 @@ for s in $STEPS; do case $s in
   numerics) step numerics_random 60 python3 benchmarks/fp8_numerics.py --tokens 4096 --json "$OUT/numerics.json"
             step numerics_torchao 40 python3 benchmarks/fp8_numerics.py --tokens 4096 --protocol torchao ;;
 esac; done
-for f in "$OUT"/casts*.txt "$OUT"/probe*.txt "$OUT"/ab_table.txt "$OUT"/bench_*.txt "$OUT"/e2e*.txt "$OUT"/ep_*.txt "$OUT"/profile*.txt "$OUT"/memory*.txt "$OUT"/numerics*.txt "$OUT"/dequant*.txt "$OUT"/train*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 60 "$f"; }; done
+for f in "$OUT"/casts*.txt "$OUT"/probe*.txt "$OUT"/ab_table.txt "$OUT"/bench_*.txt "$OUT"/e2e*.txt "$OUT"/ep_*.txt "$OUT"/profile*.txt "$OUT"/host*.txt "$OUT"/memory*.txt "$OUT"/numerics*.txt "$OUT"/dequant*.txt "$OUT"/train*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 60 "$f"; }; done
 for f in "$OUT"/pytest_*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed|Error" "$f" | tail -n 20; }; done
 cat "$OUT/gpu.txt"; printf '%s\n' "${summary[@]}"

@@ -499,7 +499,7 @@ def _act_backward_kernel(
     h_ptr,  # [R, 2I] gated (gate then up, or interleaved) or [R, I] plain, float, unit column stride
     g_ptr,  # [R, I] float, unit column stride: the gradient of act(h) (HAS_RW: of rw * act(h), before rw)
     rw_ptr,  # [R] float32 row weights (HAS_RW)
-    dh_ptr,  # [R, 2I] or [R, I], h's dtype, contiguous
+    dh_ptr,  # [R, 2I] or [R, I], h's dtype, unit column stride, row stride stride_dh
     drw_ptr,  # [R] float32: sum_i g[r, i] * act(h)[r, i] (HAS_RW)
     q_ptr,  # [R, 2I] or [R, I] e4m3 (float32 under the interpreter), contiguous: dh cast per row (QUANT)
     s_ptr,  # [R] float32: its power-of-two scales (QUANT)
@@ -508,6 +508,7 @@ def _act_backward_kernel(
     I,
     stride_h,
     stride_g,
+    stride_dh,
     alpha,
     limit,
     ACT: tl.constexpr,
@@ -548,11 +549,11 @@ def _act_backward_kernel(
             aw = a * rw[:, None] if HAS_RW else a
             tl.store(a_ptr + r64 * I + cols[None, :], aw.to(a_ptr.dtype.element_ty), mask=mask)
         d_g = (da * dg).to(dh_ptr.dtype.element_ty)
-        tl.store(dh_ptr + r64 * width + gcol[None, :], d_g, mask=mask)
+        tl.store(dh_ptr + r64 * stride_dh + gcol[None, :], d_g, mask=mask)
         amax = tl.maximum(amax, tl.max(tl.abs(d_g.to(tl.float32)), axis=1))
         if GATED:
             d_u = (da * du).to(dh_ptr.dtype.element_ty)
-            tl.store(dh_ptr + r64 * width + ucol[None, :], d_u, mask=mask)
+            tl.store(dh_ptr + r64 * stride_dh + ucol[None, :], d_u, mask=mask)
             amax = tl.maximum(amax, tl.max(tl.abs(d_u.to(tl.float32)), axis=1))
     if HAS_RW:
         tl.store(drw_ptr + rows, dot, mask=m_rows)
@@ -563,7 +564,7 @@ def _act_backward_kernel(
         for c0 in range(0, width, BLOCK_I):
             cols = c0 + tl.arange(0, BLOCK_I)
             mask = m_rows[:, None] & (cols < width)[None, :]
-            d = tl.load(dh_ptr + r64 * width + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            d = tl.load(dh_ptr + r64 * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             d = tl.clamp(d / scale[:, None], -448.0, 448.0)
             tl.store(q_ptr + r64 * width + cols[None, :], d.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -600,6 +601,7 @@ def act_backward(
     with_act_rows: bool = False,
     overwrite_da: bool = False,
     overwrite_h: bool = False,
+    out: Tensor | None = None,
 ) -> ActGrads:
     """The backward of ``y = row_weights * act(h)`` (``row_weights`` None: ``y = act(h)``) given ``da = d y /
     row_weights`` (``[R, I]``, the gradient before the row weight): ``d h`` in ``h``'s shape and dtype with
@@ -614,18 +616,30 @@ def act_backward(
     ``da`` then holds garbage. With ``overwrite_h`` (for a caller that needs ``h`` no more) ``d h`` is written
     over ``h``'s memory where ``h`` is contiguous (each program reads each element of ``h`` before it writes
     ``d h`` there, and no other program touches its rows), so the step holds one ``[R, 2I]`` buffer less; the
-    returned ``dh`` then shares ``h``'s storage. Derivatives in float32
+    returned ``dh`` then shares ``h``'s storage. With ``out`` (``h``'s shape and dtype, unit column stride, any
+    row stride: e.g. the columns of a wider buffer) ``d h`` is written there and returned. Derivatives in float32
     (:func:`moeyard.experts.triton.act.act_grad`; torch autograd's conventions at kinks); one program per 32
     rows (8 with ``quantize``), each row's sums in a fixed order.
 
     Raises:
-        ValueError: ``act`` is a custom callable (the kernel computes named activations only)."""
+        ValueError: ``act`` is a custom callable (the kernel computes named activations only); ``out`` not
+            of ``h``'s shape and dtype with unit column stride."""
     R, I = da.shape
+    if out is not None and (out.shape != h.shape or out.dtype != h.dtype or (out.numel() and out.stride(1) != 1)):
+        raise ValueError(
+            f"out: expected shape {tuple(h.shape)}, dtype {h.dtype}, unit column stride; got {tuple(out.shape)}, "
+            f"{out.dtype}, strides {tuple(out.stride())}"
+        )
     if h.stride(1) != 1:
         h = h.contiguous()
     if da.stride(1) != 1:
         da = da.contiguous()
-    dh = h.detach() if overwrite_h and h.is_contiguous() else torch.empty(h.shape, device=h.device, dtype=h.dtype)
+    if out is not None:
+        dh = out
+    elif overwrite_h and h.is_contiguous():
+        dh = h.detach()
+    else:
+        dh = torch.empty(h.shape, device=h.device, dtype=h.dtype)
     drw = None if row_weights is None else torch.empty(R, device=h.device, dtype=torch.float32)
     q, s = (
         (_q_buffer(h, da, overwrite_da), torch.empty(R, device=h.device, dtype=torch.float32)) if quantize else (dh, dh)
@@ -648,6 +662,7 @@ def act_backward(
             I,
             h.stride(0),
             da.stride(0),
+            dh.stride(0),
             **_act_args(act, interleaved),
             HAS_RW=row_weights is not None,
             QUANT=quantize,
