@@ -88,17 +88,22 @@ def _scores(l, sm, SIGMOID: tl.constexpr):
 
 
 @triton.jit
-def _topk(key, val, cols, K, K_P2: tl.constexpr):
+def _topk(key, val, cols, K, K_P2: tl.constexpr, KEY_IS_VAL: tl.constexpr = False):
     """K passes of a row-wise argmax of ``key [BM, E_P2]`` -> ``(ids [BM, K_P2] int32,
-    picked val [BM, K_P2] float32 (0 past K), selection mask [BM, E_P2])``."""
+    picked val [BM, K_P2] float32 (0 past K), selection mask [BM, E_P2])``. With ``KEY_IS_VAL`` (``val`` is
+    ``key``: no selection-only bias) the picked value is the pass's maximum itself, one row reduction a pass
+    instead of two."""
     kc = tl.arange(0, K_P2)[None, :]
     ids = tl.zeros((key.shape[0], K_P2), tl.int32)
     vals = tl.zeros((key.shape[0], K_P2), tl.float32)
     sel = tl.zeros(key.shape, tl.int1)
     for k in range(K):
-        _, idx = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        top, idx = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=True)
         hit = cols[None, :] == idx[:, None]
-        v = tl.sum(tl.where(hit, val, 0.0), axis=1)
+        if KEY_IS_VAL:
+            v = top
+        else:
+            v = tl.sum(tl.where(hit, val, 0.0), axis=1)
         ids = tl.where(kc == k, idx[:, None], ids)
         vals = tl.where(kc == k, v[:, None], vals)
         sel = sel | hit
@@ -181,8 +186,21 @@ def router_fwd_kernel(
         E_P2,
         BK,
     )
+    # each [BM, E_P2] tile is stored, and its statistics taken, as soon as it is made, so that few of them are
+    # alive in registers through the top-k passes (at E_P2 = 256 they spilled)
+    te = rows[:, None] * E + cols[None, :]
+    te_mask = m_mask[:, None] & e_mask[None, :]
+    tl.store(logits_ptr + te, l, mask=te_mask)
     sm, lse = _softmax(l)
     s = _scores(l, sm, SIGMOID)
+    tl.store(scores_ptr + te, s, mask=te_mask)
+    if SIGMOID:
+        probs = s / (tl.sum(tl.where(e_mask[None, :], s, 0.0), axis=1)[:, None] + EPS)
+    else:
+        probs = s
+    slot = stats_ptr + (b.to(tl.int64) * NS + j) * (2 * E + 1)
+    tl.store(slot + E + cols, tl.sum(tl.where(te_mask, probs, 0.0), axis=0), mask=e_mask)
+    tl.store(slot + 2 * E, tl.sum(tl.where(m_mask, lse * lse, 0.0), axis=0))
     if TOPK_FIRST:
         key = l
         val = l
@@ -192,26 +210,15 @@ def router_fwd_kernel(
             key = s + tl.load(corr_ptr + cols, mask=e_mask, other=0.0).to(tl.float32)[None, :]
         key = tl.where(e_mask[None, :], key, float("-inf"))
         val = s
-    ids, vals, sel = _topk(key, val, cols, K, K_P2)
+    ids, vals, sel = _topk(key, val, cols, K, K_P2, TOPK_FIRST or not HAS_CORR)
     kcols = tl.arange(0, K_P2)
     k_mask = (kcols < K)[None, :]
     w = _weights(vals, k_mask, scale, SIGMOID, TOPK_FIRST, NORM)
-    te = rows[:, None] * E + cols[None, :]
-    te_mask = m_mask[:, None] & e_mask[None, :]
-    tl.store(logits_ptr + te, l, mask=te_mask)
-    tl.store(scores_ptr + te, s, mask=te_mask)
     tk = rows[:, None] * K + kcols[None, :]
     tk_mask = m_mask[:, None] & k_mask
     tl.store(ids_ptr + tk, ids.to(tl.int64), mask=tk_mask)
     tl.store(wts_ptr + tk, w, mask=tk_mask)
-    if SIGMOID:
-        probs = s / (tl.sum(tl.where(e_mask[None, :], s, 0.0), axis=1)[:, None] + EPS)
-    else:
-        probs = s
-    slot = stats_ptr + (b.to(tl.int64) * NS + j) * (2 * E + 1)
     tl.store(slot + cols, tl.sum((sel & m_mask[:, None]).to(tl.float32), axis=0), mask=e_mask)
-    tl.store(slot + E + cols, tl.sum(tl.where(te_mask, probs, 0.0), axis=0), mask=e_mask)
-    tl.store(slot + 2 * E, tl.sum(tl.where(m_mask, lse * lse, 0.0), axis=0))
 
 
 @triton.jit
