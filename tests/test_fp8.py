@@ -773,6 +773,42 @@ def test_fast_path_reads_nf4_storage(forced_fast_path, monkeypatch, case, lora, 
     assert dequantized and len(sources) == 4
 
 
+def test_storage_read_where_the_registry_says(forced_fast_path, monkeypatch):
+    # the fused form reads NF4 storage only for a backend registered with reads_storage: the same fast path
+    # registered without it is handed dequantised weights
+    import dataclasses
+
+    pytest.importorskip("bitsandbytes")
+    from moeyard.experts import registry
+    from moeyard.quant import NF4Experts
+
+    assert registry._BACKENDS["triton"].reads_storage and registry._BACKENDS["grouped_mm"].reads_storage
+    assert not registry._BACKENDS["loop"].reads_storage
+    inputs = _inputs("base")
+    stored = {k: NF4Experts.from_float(inputs[k].float()) for k in ("gate_up_proj", "down_proj")}
+    dequantized, real = [], NF4Experts.dequantize
+    monkeypatch.setattr(NF4Experts, "dequantize", lambda self, *a, **k: dequantized.append(1) or real(self, *a, **k))
+    dense = dataclasses.replace(registry._BACKENDS["triton"], name="zz_triton_dense", reads_storage=False)
+    registry.register_backend(dense)
+    try:
+        outs = {}
+        for backend in ("triton", "zz_triton_dense"):
+            dequantized.clear()
+            outs[backend] = moeyard.experts(
+                inputs["hidden_states"].float(),
+                inputs["topk_ids"],
+                inputs["topk_weights"].float(),
+                stored["gate_up_proj"],
+                stored["down_proj"],
+                backend=backend,
+                recipe="fp8_rowwise",
+            )
+            assert bool(dequantized) == (backend == "zz_triton_dense"), backend
+    finally:
+        registry.unregister_backend("zz_triton_dense")
+    assert torch.equal(outs["triton"], outs["zz_triton_dense"])  # the codes read as dequantising gives them
+
+
 def test_nf4_mode(monkeypatch):
     from moeyard.experts import scaled_hopper
 

@@ -191,7 +191,7 @@ def experts(
 
 def _stored_weights(x: Tensor, gate_up_proj, down_proj, act: Activation, backend, transposed, recipe):
     """For quantised expert storage that an FP8 recipe's Hopper fast path reads in its weight casts (NF4,
-    standard layout, a backend whose FP8 path is the fused form): a check ``(weights) -> bool`` that the
+    standard layout, a backend registered with ``reads_storage``, whose FP8 path is the fused form): a check ``(weights) -> bool`` that the
     fused form serves these :class:`ExpertWeights` (storage kept in them); else None (dequantise)."""
     from ..quant.recipe import resolve_recipe
 
@@ -203,7 +203,7 @@ def _stored_weights(x: Tensor, gate_up_proj, down_proj, act: Activation, backend
     recipe = resolve_recipe(recipe)
     if _scaled_hopper.fast_path_reason(recipe, x.device, x.dtype, None) is not None:
         return None
-    if resolve_backend(backend, x.device, x.dtype, None, act).name not in ("grouped_mm", "triton"):
+    if not resolve_backend(backend, x.device, x.dtype, None, act).reads_storage:
         return None
     return lambda weights: (
         _scaled_hopper.fast_path_reason(recipe, x.device, x.dtype, weights) is None

@@ -149,6 +149,7 @@ register_backend(
         forward=grouped_mm_forward,
         unsupported=_unsupported,
         priority={"cuda": 20, "cpu": 20},
+        reads_storage=True,
         description="torch._grouped_mm with device-side offsets; no host sync; fast on Hopper in bf16",
     )
 )

@@ -58,6 +58,9 @@ class ExpertBackend:
     # ``defer(device, dtype, weights, workload)``: None, or the name of a backend ``auto`` should run
     # instead for this call (used only when that backend runs here)
     defer: Callable[[torch.device, torch.dtype, ExpertWeights, Workload], str | None] | None = None
+    # ``reads_storage``: under an FP8 recipe on the Hopper fast path, the backend's weight casts read quantised
+    # expert storage (NF4) as it is, so ``experts`` hands it the storage instead of dequantising first
+    reads_storage: bool = False
 
 
 _BACKENDS: dict[str, ExpertBackend] = {}

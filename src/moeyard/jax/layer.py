@@ -141,6 +141,10 @@ class SharedExpert(nnx.Module):
             y = jax.nn.sigmoid(self.gate(x)) * y
         return y
 
+    def add_to(self, routed, x):
+        """``routed + self(x)`` for ``x, routed [T, H]`` (PyTorch's ``SharedExpert.add_to``; XLA fuses the sum)."""
+        return routed + self(x)
+
 
 class Router(nnx.Module):
     """The router: ``weight [E, H]`` (``bias [E]`` if ``config.router_bias``) and DeepSeek-V3's
@@ -301,7 +305,7 @@ class MoE(nnx.Module):
             **({} if self.lora is None else {"lora": self._adapters()}),
         )
         if self.shared_expert is not None:
-            out = out + self.shared_expert(x2)
+            out = self.shared_expert.add_to(out, x2)
         self.aux_loss.set_value(routing.loss)
         self.routing.set_value(routing if self.keep_routing else None)
         return (out.reshape(x.shape), routing.loss) if return_aux_loss else out.reshape(x.shape)

@@ -92,6 +92,7 @@ register_backend(
         forward=triton_forward,
         unsupported=_unsupported,
         priority={"cuda": 30},
+        reads_storage=True,
         description="fused Triton grouped GEMMs: gather in the loads, activation/bias/weight in epilogues; "
         "deterministic combine; no host sync",
     )
