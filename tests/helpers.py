@@ -289,7 +289,8 @@ def check_fill_invalid(T: int, H: int, weights: bool, device: str, dtype: torch.
 
 def shared_expert_grads(shared, x: Tensor, routed: Tensor, dy: Tensor, fused: bool) -> list[Tensor]:
     """``[sum, dx, d routed, d weights...]`` of ``routed + shared(x)`` for a ``moeyard.layer.SharedExpert``, from
-    fresh leaves: by its fused form (``moeyard.shared_triton.add_shared``) or by the torch form."""
+    fresh leaves: by its fused form (``moeyard.shared_triton.add_shared``, written over the routed tensor as
+    ``MoE`` has it) or by the torch form."""
     from moeyard.shared_triton import add_shared
 
     x = x.detach().requires_grad_()
@@ -297,6 +298,6 @@ def shared_expert_grads(shared, x: Tensor, routed: Tensor, dy: Tensor, fused: bo
     for p in shared.parameters():
         p.grad = None
     r = r0 * 1  # a tensor of its own, as the routed experts' output is
-    y = add_shared(shared, x, r) if fused else r + shared(x)
+    y = add_shared(shared, x, r, inplace=True) if fused else r + shared(x)
     y.backward(dy)
     return [y.detach(), x.grad, r0.grad] + [p.grad for p in shared.parameters()]

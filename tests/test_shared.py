@@ -55,25 +55,30 @@ def test_no_tokens():
 
 
 def test_leaves_its_inputs():
-    """The caller's ``x`` is never written; a ``routed`` that is a view or a leaf requiring grad is not written
-    either (a new tensor is returned); a tensor of its own is written over and returned."""
+    """The caller's ``x`` is never written, nor ``routed`` unless asked (``inplace``, as ``MoE`` asks for its own
+    routed output); even then a ``routed`` that is a view or a leaf requiring grad is left alone (a new tensor is
+    returned)."""
     torch.manual_seed(0)
     shared = SharedExpert(H, I, Activation(), gate=True)
     x = torch.randn(9, H)
     x0 = x.clone()
+    own = torch.randn(9, H)
+    own0 = own.clone()
+    expect = own + shared(x)
+    out = add_shared(shared, x, own)
+    assert out is not own and torch.equal(own, own0) and torch.equal(x, x0)
+    torch.testing.assert_close(out, expect)
     base = torch.randn(9, 2 * H)
     view = base[:, :H]
     before = base.clone()
-    out = add_shared(shared, x, view)
-    assert torch.equal(base, before) and torch.equal(x, x0)
+    out = add_shared(shared, x, view, inplace=True)
+    assert torch.equal(base, before)
     torch.testing.assert_close(out, view + shared(x))
     leaf = torch.randn(9, H, requires_grad=True)
     leaf0 = leaf.detach().clone()
-    out = add_shared(shared, x, leaf)
+    out = add_shared(shared, x, leaf, inplace=True)
     assert torch.equal(leaf.detach(), leaf0) and out is not leaf
-    own = torch.randn(9, H)
-    expect = own + shared(x)
-    assert add_shared(shared, x, own) is own
+    assert add_shared(shared, x, own, inplace=True) is own
     torch.testing.assert_close(own, expect)
 
 
@@ -151,7 +156,7 @@ def test_layer_uses_it(gate, monkeypatch):
     dy = torch.randn(2, 7, H)
     calls = []
     real = layer.add_shared
-    monkeypatch.setattr(layer, "add_shared", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(layer, "add_shared", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def run():
         xx = x.clone().requires_grad_()

@@ -58,11 +58,12 @@ class SharedExpert(nn.Module):
             y = torch.sigmoid(self.gate(x)) * y
         return y
 
-    def add_to(self, routed: Tensor, x: Tensor) -> Tensor:
+    def add_to(self, routed: Tensor, x: Tensor, *, inplace: bool = False) -> Tensor:
         """``routed + self(x)`` for ``x, routed [T, H]``: on CUDA in one autograd function with fewer passes
-        (:mod:`moeyard.shared_triton`, which may write the sum over ``routed``), else in torch ops."""
+        (:func:`moeyard.shared_triton.add_shared`; with ``inplace``, for a caller that owns ``routed``, the sum
+        may be written over it), else in torch ops."""
         if fused_ready(self, x, routed):
-            return add_shared(self, x, routed)
+            return add_shared(self, x, routed, inplace=inplace)
         return routed + self(x)
 
 
@@ -235,7 +236,7 @@ class MoE(nn.Module):
             lora=None if self.lora is None else {n: a.expert_lora() for n, a in self.lora.items()},
         )
         if self.shared_expert is not None:
-            out = self.shared_expert.add_to(out, x2)
+            out = self.shared_expert.add_to(out, x2, inplace=True)  # out: the routed experts' own buffer
         self.aux_loss, self.routing = routing.loss, routing if self.keep_routing else None
         return (out.view(x.shape), routing.loss) if return_aux_loss else out.view(x.shape)
 

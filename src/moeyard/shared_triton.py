@@ -68,13 +68,15 @@ def fused_ready(shared: nn.Module, x: Tensor, routed: Tensor) -> bool:
     return all(_plain_linear(m) for m in mods) and all(m is None or m.weight.dtype == x.dtype for m in mods)
 
 
-def add_shared(shared: nn.Module, x: Tensor, routed: Tensor) -> Tensor:
+def add_shared(shared: nn.Module, x: Tensor, routed: Tensor, *, inplace: bool = False) -> Tensor:
     """``routed + shared(x)`` for a :class:`moeyard.layer.SharedExpert` where :func:`fused_ready` holds: ``x [T,
-    H]``, ``routed [T, H]`` in ``x``'s dtype; returns ``[T, H]``, written over ``routed`` when ``routed`` is a
-    contiguous tensor of its own (not a view, not a leaf requiring grad; the returned tensor is then ``routed``).
-    Gradients for ``x``, ``routed`` and the three weights; no host sync."""
+    H]``, ``routed [T, H]`` in ``x``'s dtype; returns ``[T, H]``, a new tensor, or with ``inplace`` (for a caller
+    that owns ``routed``, as ``MoE`` owns its routed output) written over ``routed`` and returned where
+    ``routed`` is contiguous and not a view or a leaf requiring grad (autograd then checks that nothing saved
+    ``routed`` for its backward). Gradients for ``x``, ``routed`` and the three weights; no host sync."""
     w_g = None if shared.gate is None else shared.gate.weight
-    return _SharedMLP.apply(x, routed, shared.gate_up_proj.weight, shared.down_proj.weight, w_g, shared.activation)
+    w_gu, w_d = shared.gate_up_proj.weight, shared.down_proj.weight
+    return _SharedMLP.apply(x, routed, w_gu, w_d, w_g, shared.activation, inplace)
 
 
 def _stacked(w_gu: Tensor, w_g: Tensor | None) -> Tensor:
@@ -86,7 +88,7 @@ def _stacked(w_gu: Tensor, w_g: Tensor | None) -> Tensor:
 
 class _SharedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, routed, w_gu, w_d, w_g, act: Activation):
+    def forward(ctx, x, routed, w_gu, w_d, w_g, act: Activation, inplace: bool):
         from .quant.fp8_triton import act_rows
 
         n1 = w_gu.shape[0]
@@ -94,7 +96,12 @@ class _SharedMLP(torch.autograd.Function):
         hg = x @ w.t()  # [T, N1] or [T, N1 + GATE_COLUMNS]: the gate's logit in column N1
         s = None if w_g is None else torch.sigmoid(hg[:, n1].float())
         a = act_rows(hg[:, :n1], act, row_weights=s)  # [T, I]: s * act(h), one rounding
-        if routed._base is None and routed.is_contiguous() and not (routed.is_leaf and routed.requires_grad):
+        if (
+            inplace
+            and routed._base is None
+            and routed.is_contiguous()
+            and not (routed.is_leaf and routed.requires_grad)
+        ):
             out = routed.addmm_(a, w_d.t())
             ctx.mark_dirty(out)
         else:
@@ -109,7 +116,7 @@ class _SharedMLP(torch.autograd.Function):
 
         x, hg, w, w_d, s = ctx.saved_tensors
         n1 = ctx.n1
-        need_x, _, need_gu, need_d, need_g, _ = ctx.needs_input_grad
+        need_x, _, need_gu, need_d, need_g = ctx.needs_input_grad[:5]
         dy = dy.contiguous()
         da = dy @ w_d  # [T, I]: the gradient of s * act(h)
         d_hg = torch.empty_like(hg)
@@ -122,4 +129,4 @@ class _SharedMLP(torch.autograd.Function):
         dw_d = dy.t() @ g.act_rows if need_d else None
         dw_gu = dw[:n1] if need_gu else None
         dw_g = dw[n1 : n1 + 1] if need_g else None
-        return dx, dy, dw_gu, dw_d, dw_g, None
+        return dx, dy, dw_gu, dw_d, dw_g, None, None

@@ -141,8 +141,9 @@ class SharedExpert(nnx.Module):
             y = jax.nn.sigmoid(self.gate(x)) * y
         return y
 
-    def add_to(self, routed, x):
-        """``routed + self(x)`` for ``x, routed [T, H]`` (PyTorch's ``SharedExpert.add_to``; XLA fuses the sum)."""
+    def add_to(self, routed, x, *, inplace: bool = False):
+        """``routed + self(x)`` for ``x, routed [T, H]`` (PyTorch's ``SharedExpert.add_to``; XLA fuses the sum;
+        ``inplace`` has no effect on immutable arrays)."""
         return routed + self(x)
 
 
