@@ -131,6 +131,8 @@ def test_steps_aside(change):
     elif change == "tensor subclass":  # as a DTensor weight of a sharded shared expert is
         shared.down_proj.weight = nn.Parameter(shared.down_proj.weight.detach().as_subclass(_Sub))
     assert not fused_ready(shared, x, routed)
+    with pytest.raises(ValueError, match="fused_ready"):
+        add_shared(shared, x, routed)
     if change != "dtype mismatch":  # the torch form then runs, hooks and wrappers included
         torch.testing.assert_close(shared.add_to(routed, x), routed + shared(x))
 
@@ -155,8 +157,8 @@ def test_layer_uses_it(gate, monkeypatch):
     x = torch.randn(2, 7, H)
     dy = torch.randn(2, 7, H)
     calls = []
-    real = layer.add_shared
-    monkeypatch.setattr(layer, "add_shared", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = layer.add_ready
+    monkeypatch.setattr(layer, "add_ready", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def run():
         xx = x.clone().requires_grad_()

@@ -20,7 +20,7 @@ from .experts.lora import LoRAAdapter, check_new_adapters
 from .experts.registry import check_backend_name
 from .quant.recipe import Recipe, resolve_recipe
 from .routing import Router, RoutingOutput
-from .shared_triton import add_shared, fused_ready
+from .shared_triton import add_ready, fused_ready
 
 Tensor = torch.Tensor
 
@@ -63,7 +63,7 @@ class SharedExpert(nn.Module):
         (:func:`moeyard.shared_triton.add_shared`; with ``inplace``, for a caller that owns ``routed``, the sum
         may be written over it), else in torch ops."""
         if fused_ready(self, x, routed):
-            return add_shared(self, x, routed, inplace=inplace)
+            return add_ready(self, x, routed, inplace=inplace)
         return routed + self(x)
 
 

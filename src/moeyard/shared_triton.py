@@ -13,8 +13,8 @@ writes it in torch ops, with fewer passes over ``[T, H]`` and ``[T, 2I]``:
   ``d h``, the gate's ``sum_i da a / s``, and ``a`` again for ``dW_d``) and one GEMM each for ``dx``, ``d [W_gu;
   w_g]`` and ``dW_d``; ``a`` is not kept from the forward.
 
-In torch ops the same MLP takes six elementwise passes, three adds of ``[T, H]`` (the gate's input gradient, the
-gated product and the sum with the routed output) and two GEMMs of one column for the gate: about 1 ms of kernels
+In torch ops the same MLP takes six elementwise passes, three more passes over ``[T, H]`` (the gate's product, the
+sum with the routed output and the gate's input gradient) and two GEMMs of one column for the gate: about 1 ms of kernels
 per forward + backward at qwen3.5-35b-a3b's sizes on an H200 (``benchmarks/NOTES.md``, round 51).
 """
 
@@ -73,7 +73,21 @@ def add_shared(shared: nn.Module, x: Tensor, routed: Tensor, *, inplace: bool = 
     H]``, ``routed [T, H]`` in ``x``'s dtype; returns ``[T, H]``, a new tensor, or with ``inplace`` (for a caller
     that owns ``routed``, as ``MoE`` owns its routed output) written over ``routed`` and returned where
     ``routed`` is contiguous and not a view or a leaf requiring grad (autograd then checks that nothing saved
-    ``routed`` for its backward). Gradients for ``x``, ``routed`` and the three weights; no host sync."""
+    ``routed`` for its backward). Gradients for ``x``, ``routed`` and the three weights; no host sync.
+
+    Raises:
+        ValueError: :func:`fused_ready` does not hold (``SharedExpert.add_to`` then runs the torch form)."""
+    if not fused_ready(shared, x, routed):
+        raise ValueError(
+            "add_shared: the fused form cannot serve this call (see moeyard.shared_triton.fused_ready: CUDA or "
+            "Triton's interpreter, 2-D x and routed of one float dtype with the weights, plain bias-free nn.Linear "
+            "projections); use SharedExpert.add_to, which falls back to torch ops"
+        )
+    return add_ready(shared, x, routed, inplace=inplace)
+
+
+def add_ready(shared: nn.Module, x: Tensor, routed: Tensor, *, inplace: bool = False) -> Tensor:
+    """:func:`add_shared` for a caller that has checked :func:`fused_ready` itself (``SharedExpert.add_to``)."""
     w_g = None if shared.gate is None else shared.gate.weight
     w_gu, w_d = shared.gate_up_proj.weight, shared.down_proj.weight
     return _SharedMLP.apply(x, routed, w_gu, w_d, w_g, shared.activation, inplace)
