@@ -157,8 +157,8 @@ def test_layer_uses_it(gate, monkeypatch):
     x = torch.randn(2, 7, H)
     dy = torch.randn(2, 7, H)
     calls = []
-    real = layer.add_ready
-    monkeypatch.setattr(layer, "add_ready", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = layer._add_shared
+    monkeypatch.setattr(layer, "_add_shared", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def run():
         xx = x.clone().requires_grad_()

@@ -20,7 +20,7 @@ from .experts.lora import LoRAAdapter, check_new_adapters
 from .experts.registry import check_backend_name
 from .quant.recipe import Recipe, resolve_recipe
 from .routing import Router, RoutingOutput
-from .shared_triton import add_ready, fused_ready
+from .shared_triton import _add_shared, fused_ready
 
 Tensor = torch.Tensor
 
@@ -59,11 +59,12 @@ class SharedExpert(nn.Module):
         return y
 
     def add_to(self, routed: Tensor, x: Tensor, *, inplace: bool = False) -> Tensor:
-        """``routed + self(x)`` for ``x, routed [T, H]``: on CUDA in one autograd function with fewer passes
-        (:func:`moeyard.shared_triton.add_shared`; with ``inplace``, for a caller that owns ``routed``, the sum
-        may be written over it), else in torch ops."""
+        """``routed + self(x)`` for ``x, routed [T, H]`` in the weights' dtype, returned ``[T, H]``: on CUDA in
+        one autograd function with fewer passes (:func:`moeyard.shared_triton.add_shared`; with ``inplace``, for a
+        caller that owns ``routed``, the sum may be written over it), else in torch ops (anything
+        :func:`moeyard.shared_triton.fused_ready` declines: sharded or wrapped projections, float64, ...)."""
         if fused_ready(self, x, routed):
-            return add_ready(self, x, routed, inplace=inplace)
+            return _add_shared(self, x, routed, inplace=inplace)
         return routed + self(x)
 
 

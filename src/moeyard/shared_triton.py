@@ -83,10 +83,10 @@ def add_shared(shared: nn.Module, x: Tensor, routed: Tensor, *, inplace: bool = 
             "Triton's interpreter, 2-D x and routed of one float dtype with the weights, plain bias-free nn.Linear "
             "projections); use SharedExpert.add_to, which falls back to torch ops"
         )
-    return add_ready(shared, x, routed, inplace=inplace)
+    return _add_shared(shared, x, routed, inplace=inplace)
 
 
-def add_ready(shared: nn.Module, x: Tensor, routed: Tensor, *, inplace: bool = False) -> Tensor:
+def _add_shared(shared: nn.Module, x: Tensor, routed: Tensor, *, inplace: bool = False) -> Tensor:
     """:func:`add_shared` for a caller that has checked :func:`fused_ready` itself (``SharedExpert.add_to``)."""
     w_g = None if shared.gate is None else shared.gate.weight
     w_gu, w_d = shared.gate_up_proj.weight, shared.down_proj.weight
