@@ -534,6 +534,44 @@ def test_triton_casts_of_the_activation(name, interleaved):
     assert torch.equal(qc.view(torch.uint8), qc_ref.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R", [0, 1, 37])
+def test_activation_rows_gated_by_a_logit_column(dtype, R):
+    # act_rows / act_backward with the row weights sigmoid(logit) read from a column of a wider buffer (the
+    # shared experts' [h | logit | 0 ...] rows), against float64 autograd; the gradient written into the
+    # logit's column, zeros into the padding columns, nothing else of the buffer touched
+    cast = _triton_casts()
+    from moeyard.activations import Activation
+
+    act, I, P = Activation(name="swiglu"), 24, 8
+    buf = (torch.randn(R, 2 * I + P) * 2).to(dtype)
+    h, logit = buf[:, : 2 * I], buf[:, 2 * I]
+    hh, ll = h.double().requires_grad_(), logit.double().requires_grad_()
+    y = torch.sigmoid(ll)[:, None] * act(hh)
+    a = cast.act_rows(h, act, gate_logits=logit)
+    assert a.shape == (R, I) and a.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(a.double(), y.detach(), **tol)
+    da = torch.randn(R, I).to(dtype)
+    y.backward(da.double())
+    d_buf = torch.full_like(buf, 7.0)
+    g = cast.act_backward(h, da, act, out=d_buf[:, : 2 * I], gate_logits=logit, gate_grad=d_buf[:, 2 * I :])
+    torch.testing.assert_close(d_buf[:, : 2 * I].double(), hh.grad, **tol)
+    torch.testing.assert_close(d_buf[:, 2 * I].double(), ll.grad, **tol)
+    assert (d_buf[:, 2 * I + 1 :] == 0).all()
+    assert g.d_row_weights.data_ptr() == d_buf[:, 2 * I].data_ptr() or R == 0
+    # without gate_grad: the logits' gradient in float32
+    g2 = cast.act_backward(h, da, act, gate_logits=logit, with_act_rows=True)
+    torch.testing.assert_close(g2.d_row_weights.double(), ll.grad, **tol)
+    torch.testing.assert_close(g2.act_rows, a, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="not both"):
+        cast.act_rows(h, act, row_weights=torch.ones(R), gate_logits=logit)
+    with pytest.raises(ValueError, match="gate_grad needs gate_logits"):
+        cast.act_backward(h, da, act, gate_grad=d_buf[:, 2 * I :])
+    with pytest.raises(ValueError, match="gate_grad"):
+        cast.act_backward(h, da, act, gate_logits=logit, gate_grad=d_buf[:, 2 * I :].mT)
+
+
 # ------------------------------------------------ the Hopper fast path's logic on the CPU (interpreter)
 
 

@@ -5,13 +5,14 @@ writes it in torch ops, with fewer passes over ``[T, H]`` and ``[T, 2I]``:
 - the gate's logit is one more output column of the ``gate_up`` GEMM (its weight row appended, padded with zero
   rows to 8 columns so the output rows stay 16-byte aligned), not a GEMM of its own;
 - the sigmoid multiplies the activation's rows, ``a = sigmoid(logit) act(h)`` (exact: the gate is a scalar per
-  token, so ``s (act(h) W_d^T) = (s act(h)) W_d^T``), written by one Triton pass over ``h``
-  (:func:`moeyard.quant.fp8_triton.act_rows`), in float32 with one rounding;
+  token, so ``s (act(h) W_d^T) = (s act(h)) W_d^T``), written by one Triton pass over ``h`` that reads the logit
+  column itself (:func:`moeyard.quant.fp8_triton.act_rows` with ``gate_logits``), in float32 with one rounding;
 - the down GEMM adds its product into the routed output in place (``addmm_``, its epilogue's ``beta = 1``), so
   no ``[T, H]`` product and sum are written apart;
 - the backward is one Triton pass over ``h`` and ``da = dy W_d`` (:func:`moeyard.quant.fp8_triton.act_backward`:
-  ``d h``, the gate's ``sum_i da a / s``, and ``a`` again for ``dW_d``) and one GEMM each for ``dx``, ``d [W_gu;
-  w_g]`` and ``dW_d``; ``a`` is not kept from the forward.
+  ``d h``, the logit's gradient ``s (1 - s) sum_i da act(h)`` with the zeros of the padding columns, and ``a``
+  again for ``dW_d``) and one GEMM each for ``dx``, ``d [W_gu; w_g]`` and ``dW_d``; ``a`` is not kept from the
+  forward.
 
 In torch ops the same MLP takes six elementwise passes, three more passes over ``[T, H]`` (the gate's product, the
 sum with the routed output and the gate's input gradient) and two GEMMs of one column for the gate: about 1 ms of kernels
@@ -93,11 +94,19 @@ def _add_shared(shared: nn.Module, x: Tensor, routed: Tensor, *, inplace: bool =
     return _SharedMLP.apply(x, routed, w_gu, w_d, w_g, shared.activation, inplace)
 
 
+_ZERO_ROWS: dict = {}  # (device, dtype, H) -> [GATE_COLUMNS - 1, H] zeros, never written
+
+
 def _stacked(w_gu: Tensor, w_g: Tensor | None) -> Tensor:
-    """``[W_gu; w_g; 0]`` ``[N1 + GATE_COLUMNS, H]`` (``W_gu`` itself without a gate)."""
+    """``[W_gu; w_g; 0]`` ``[N1 + GATE_COLUMNS, H]`` (``W_gu`` itself without a gate). The zero rows are made
+    once per device, dtype and width (one op less on the host per forward)."""
     if w_g is None:
         return w_gu
-    return torch.cat([w_gu, w_g, w_gu.new_zeros(GATE_COLUMNS - 1, w_gu.shape[1])])
+    key = (w_gu.device, w_gu.dtype, w_gu.shape[1])
+    zeros = _ZERO_ROWS.get(key)
+    if zeros is None:
+        zeros = _ZERO_ROWS[key] = w_gu.new_zeros(GATE_COLUMNS - 1, w_gu.shape[1])
+    return torch.cat([w_gu, w_g, zeros])
 
 
 class _SharedMLP(torch.autograd.Function):
@@ -108,8 +117,8 @@ class _SharedMLP(torch.autograd.Function):
         n1 = w_gu.shape[0]
         w = _stacked(w_gu, w_g)
         hg = x @ w.t()  # [T, N1] or [T, N1 + GATE_COLUMNS]: the gate's logit in column N1
-        s = None if w_g is None else torch.sigmoid(hg[:, n1].float())
-        a = act_rows(hg[:, :n1], act, row_weights=s)  # [T, I]: s * act(h), one rounding
+        logit = None if w_g is None else hg[:, n1]
+        a = act_rows(hg[:, :n1], act, gate_logits=logit)  # [T, I]: sigmoid(logit) * act(h), one rounding
         if (
             inplace
             and routed._base is None
@@ -120,7 +129,7 @@ class _SharedMLP(torch.autograd.Function):
             ctx.mark_dirty(out)
         else:
             out = torch.addmm(routed, a, w_d.t())
-        ctx.save_for_backward(x, hg, w, w_d, s)
+        ctx.save_for_backward(x, hg, w, w_d)
         ctx.act, ctx.n1, ctx.gated = act, n1, w_g is not None
         return out
 
@@ -128,16 +137,15 @@ class _SharedMLP(torch.autograd.Function):
     def backward(ctx, dy):
         from .quant.fp8_triton import act_backward
 
-        x, hg, w, w_d, s = ctx.saved_tensors
+        x, hg, w, w_d = ctx.saved_tensors
         n1 = ctx.n1
         need_x, _, need_gu, need_d, need_g = ctx.needs_input_grad[:5]
         dy = dy.contiguous()
         da = dy @ w_d  # [T, I]: the gradient of s * act(h)
         d_hg = torch.empty_like(hg)
-        g = act_backward(hg[:, :n1], da, ctx.act, row_weights=s, with_act_rows=need_d, out=d_hg[:, :n1])
-        if ctx.gated:
-            d_hg[:, n1] = (g.d_row_weights * s * (1.0 - s)).to(d_hg.dtype)  # d logit = d s * s (1 - s)
-            d_hg[:, n1 + 1 :] = 0
+        gate = dict(gate_logits=hg[:, n1], gate_grad=d_hg[:, n1:]) if ctx.gated else {}
+        # the gate's columns of d_hg: d logit = d s * s (1 - s), then zeros
+        g = act_backward(hg[:, :n1], da, ctx.act, with_act_rows=need_d, out=d_hg[:, :n1], **gate)
         dx = d_hg @ w if need_x else None
         dw = d_hg.t() @ x if (need_gu or need_g) else None
         dw_d = dy.t() @ g.act_rows if need_d else None

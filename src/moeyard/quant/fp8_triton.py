@@ -77,11 +77,14 @@ def _load(
     INTERLEAVED: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     HAS_RW: tl.constexpr,
+    stride_rw=1,
+    RW_SIGMOID: tl.constexpr = False,
 ):
     """The float32 block ``[rows, cols]`` of the operand a cast reads (``_source`` in the wrappers):
     ``x[rows]``, or ``x[idx[rows]]`` with ``HAS_INDEX`` (an index ``>= n_src`` reads zeros: pad rows); with
     ``ACT`` the activation's output there (``x`` is then the up projection's output: gate at ``cols``
-    and up at ``cols + K``, or at ``2 cols`` and ``2 cols + 1``); with ``HAS_RW`` times ``rw[rows]``."""
+    and up at ``cols + K``, or at ``2 cols`` and ``2 cols + 1``); with ``HAS_RW`` times ``rw[rows]`` (``rw``
+    ``stride_rw`` elements apart; with ``RW_SIGMOID`` times ``sigmoid(rw[rows])``, in float32)."""
     m = m_rows
     src = rows
     if HAS_INDEX:
@@ -104,8 +107,17 @@ def _load(
             u = g
         v = tl.where(mask, act_fwd(g, u, alpha, limit, ACT), 0.0)
     if HAS_RW:
-        v = v * tl.load(rw_ptr + rows, mask=m_rows, other=0.0).to(tl.float32)[:, None]
+        v = v * _row_weights(rw_ptr, rows, m_rows, stride_rw, RW_SIGMOID)[:, None]
     return v
+
+
+@triton.jit
+def _row_weights(rw_ptr, rows, m_rows, stride_rw, RW_SIGMOID: tl.constexpr):
+    """The rows' float32 weights ``rw[rows]`` (``stride_rw`` apart), or with ``RW_SIGMOID`` their sigmoid."""
+    rw = tl.load(rw_ptr + rows.to(tl.int64) * stride_rw, mask=m_rows, other=0.0).to(tl.float32)
+    if RW_SIGMOID:
+        rw = tl.sigmoid(rw)
+    return rw
 
 
 @triton.jit
@@ -136,6 +148,8 @@ def _rowwise_kernel(
     rrw_ptr=None,  # WITH_ROWS: [M] float32
     stride_rm=0,
     WITH_ROWS: tl.constexpr = False,
+    stride_rw=1,  # the row weights' stride (HAS_RW)
+    RW_SIGMOID: tl.constexpr = False,  # the row weights are sigmoid(rw) (HAS_RW)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_rows = rows < M
@@ -145,7 +159,7 @@ def _rowwise_kernel(
         cols = tl.arange(0, BLOCK_K)
         b_x = _load(
             x_ptr, idx_ptr, rw_ptr, n_src, rows, m_rows, cols, cols < K, stride_xm, K, alpha, limit,
-            ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW,
+            ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW, stride_rw, RW_SIGMOID,
         )  # fmt: skip
         scale = _row_scale(s_ptr, tl.max(tl.abs(b_x), axis=1), rows, m_rows, stride_s, QUANT)
         _store_rows(q_ptr, b_x, scale, rows, m_rows, cols, K, stride_qm, QUANT)
@@ -157,7 +171,7 @@ def _rowwise_kernel(
             cols = k0 + tl.arange(0, BLOCK_K)
             b_x = _load(
                 x_ptr, idx_ptr, rw_ptr, n_src, rows, m_rows, cols, cols < K, stride_xm, K, alpha, limit,
-                ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW,
+                ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW, stride_rw, RW_SIGMOID,
             )  # fmt: skip
             amax = tl.maximum(amax, tl.max(tl.abs(b_x), axis=1))
         scale = _row_scale(s_ptr, amax, rows, m_rows, stride_s, QUANT)
@@ -165,7 +179,7 @@ def _rowwise_kernel(
             cols = k0 + tl.arange(0, BLOCK_K)
             b_x = _load(
                 x_ptr, idx_ptr, rw_ptr, n_src, rows, m_rows, cols, cols < K, stride_xm, K, alpha, limit,
-                ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW,
+                ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW, stride_rw, RW_SIGMOID,
             )  # fmt: skip
             _store_rows(q_ptr, b_x, scale, rows, m_rows, cols, K, stride_qm, QUANT)
             if WITH_ROWS:
@@ -392,18 +406,34 @@ def rowwise(
     return (q, s) if q_out is None else (q_out.copy_(q), s)
 
 
-def act_rows(h: Tensor, act: Activation, *, interleaved: bool = False, row_weights: Tensor | None = None) -> Tensor:
+def act_rows(
+    h: Tensor,
+    act: Activation,
+    *,
+    interleaved: bool = False,
+    row_weights: Tensor | None = None,
+    gate_logits: Tensor | None = None,
+) -> Tensor:
     """``act(h) [R, I]`` in ``h``'s dtype (times ``row_weights [R]`` float32 when given) from the up
     projection's output ``h [R, 2I]`` (gated) or ``[R, I]``: the operand :func:`rowwise` would cast, stored
-    as is (activation and row weight in float32, one rounding)."""
+    as is (activation and row weight in float32, one rounding). ``gate_logits [R]`` (any float dtype and
+    stride, e.g. a column of a wider buffer; instead of ``row_weights``): the rows times ``sigmoid(gate_logits)``,
+    taken in float32 in the same pass.
+
+    Raises:
+        ValueError: both ``row_weights`` and ``gate_logits`` given."""
+    if row_weights is not None and gate_logits is not None:
+        raise ValueError("act_rows: pass row_weights or gate_logits, not both")
     R, K = h.shape[0], _out_columns(h, act)
     if h.stride(1) != 1:
         h = h.contiguous()
     out = torch.empty(R, K, device=h.device, dtype=h.dtype)
     if R and K:
         blocks = _row_blocks(K, act)
+        gate = {} if gate_logits is None else dict(stride_rw=gate_logits.stride(0), RW_SIGMOID=True)
         _rowwise_kernel[(triton.cdiv(R, blocks["BLOCK_M"]),)](
-            **_source(h, None, row_weights),
+            **_source(h, None, row_weights if gate_logits is None else gate_logits),
+            **gate,
             q_ptr=out,
             s_ptr=out,
             M=R,
@@ -519,11 +549,20 @@ def _act_backward_kernel(
     ACT_OUT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
+    stride_rw=1,  # the row weights' stride (HAS_RW)
+    RW_SIGMOID: tl.constexpr = False,  # the row weights are sigmoid(rw); drw then gets the gradient of rw
+    stride_drw=1,  # DRW_COLS: drw's row stride
+    n_drw=1,  # DRW_COLS: drw's columns
+    DRW_COLS: tl.constexpr = 0,  # > 0 (a power of two >= n_drw): drw [R, n_drw] in its dtype, the gradient in
+    # column 0, zeros after
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     m_rows = rows < R
     r64 = rows[:, None].to(tl.int64)
-    rw = tl.load(rw_ptr + rows, mask=m_rows, other=0.0).to(tl.float32) if HAS_RW else tl.zeros([BLOCK_R], tl.float32)
+    if HAS_RW:
+        rw = _row_weights(rw_ptr, rows, m_rows, stride_rw, RW_SIGMOID)
+    else:
+        rw = tl.zeros([BLOCK_R], tl.float32)
     dot = tl.zeros([BLOCK_R], dtype=tl.float32)
     amax = tl.zeros([BLOCK_R], dtype=tl.float32)
     width = 2 * I if GATED else I
@@ -556,7 +595,14 @@ def _act_backward_kernel(
             tl.store(dh_ptr + r64 * stride_dh + ucol[None, :], d_u, mask=mask)
             amax = tl.maximum(amax, tl.max(tl.abs(d_u.to(tl.float32)), axis=1))
     if HAS_RW:
-        tl.store(drw_ptr + rows, dot, mask=m_rows)
+        if RW_SIGMOID:
+            dot = dot * rw * (1.0 - rw)  # d logit = d s * s (1 - s)
+        if DRW_COLS > 0:
+            dc = tl.arange(0, DRW_COLS)
+            d_rw = tl.where((dc == 0)[None, :], dot[:, None], 0.0).to(drw_ptr.dtype.element_ty)
+            tl.store(drw_ptr + r64 * stride_drw + dc[None, :], d_rw, mask=m_rows[:, None] & (dc < n_drw)[None, :])
+        else:
+            tl.store(drw_ptr + rows, dot, mask=m_rows)
     if QUANT:  # cast the rows of d h just written (still in cache) with the scale of their rounded amax
         tl.debug_barrier()
         scale = _pow2_scale(amax)
@@ -590,6 +636,22 @@ class ActGrads(NamedTuple):
     act_rows: Tensor | None = None
 
 
+def _check_gate(row_weights: Tensor | None, gate_logits: Tensor | None, gate_grad: Tensor | None, R: int) -> None:
+    """:func:`act_backward`'s gate arguments (its docstring); raises ValueError."""
+    if row_weights is not None and gate_logits is not None:
+        raise ValueError("act_backward: pass row_weights or gate_logits, not both")
+    if gate_grad is None:
+        return
+    if gate_logits is None:
+        raise ValueError("act_backward: gate_grad needs gate_logits")
+    P = gate_grad.shape[1] if gate_grad.dim() == 2 else 0
+    if gate_grad.dim() != 2 or gate_grad.shape[0] != R or not 1 <= P <= 16 or gate_grad.stride(1) != 1:
+        raise ValueError(
+            f"gate_grad: expected [{R}, P] with 1 <= P <= 16 and a unit column stride, got shape "
+            f"{tuple(gate_grad.shape)}, strides {tuple(gate_grad.stride())}"
+        )
+
+
 def act_backward(
     h: Tensor,
     da: Tensor,
@@ -602,6 +664,8 @@ def act_backward(
     overwrite_da: bool = False,
     overwrite_h: bool = False,
     out: Tensor | None = None,
+    gate_logits: Tensor | None = None,
+    gate_grad: Tensor | None = None,
 ) -> ActGrads:
     """The backward of ``y = row_weights * act(h)`` (``row_weights`` None: ``y = act(h)``) given ``da = d y /
     row_weights`` (``[R, I]``, the gradient before the row weight): ``d h`` in ``h``'s shape and dtype with
@@ -617,19 +681,25 @@ def act_backward(
     over ``h``'s memory where ``h`` is contiguous (each program reads each element of ``h`` before it writes
     ``d h`` there, and no other program touches its rows), so the step holds one ``[R, 2I]`` buffer less; the
     returned ``dh`` then shares ``h``'s storage. With ``out`` (``h``'s shape and dtype, unit column stride, any
-    row stride: e.g. the columns of a wider buffer) ``d h`` is written there and returned. Derivatives in float32
-    (:func:`moeyard.experts.triton.act.act_grad`; torch autograd's conventions at kinks); one program per 32
-    rows (8 with ``quantize``), each row's sums in a fixed order.
+    row stride: e.g. the columns of a wider buffer) ``d h`` is written there and returned. With ``gate_logits
+    [R]`` (instead of ``row_weights``; any float dtype and stride, as :func:`act_rows` takes them) the row weights
+    are ``sigmoid(gate_logits)`` and ``d_row_weights`` is the logits' gradient ``d s * s (1 - s)``; with
+    ``gate_grad [R, P]`` (unit column stride, any row stride and float dtype, ``1 <= P <= 16``) that gradient is
+    written into its column 0 and zeros into the others, and ``d_row_weights`` is that column. Derivatives in
+    float32 (:func:`moeyard.experts.triton.act.act_grad`; torch autograd's conventions at kinks); one program
+    per 32 rows (8 with ``quantize``), each row's sums in a fixed order.
 
     Raises:
         ValueError: ``act`` is a custom callable (the kernel computes named activations only); ``out`` not
-            of ``h``'s shape and dtype with unit column stride."""
+            of ``h``'s shape and dtype with unit column stride; both ``row_weights`` and ``gate_logits``;
+            ``gate_grad`` without ``gate_logits`` or not ``[R, P]`` with a unit column stride."""
     R, I = da.shape
     if out is not None and (out.shape != h.shape or out.dtype != h.dtype or (out.numel() and out.stride(1) != 1)):
         raise ValueError(
             f"out: expected shape {tuple(h.shape)}, dtype {h.dtype}, unit column stride; got {tuple(out.shape)}, "
             f"{out.dtype}, strides {tuple(out.stride())}"
         )
+    _check_gate(row_weights, gate_logits, gate_grad, R)
     if h.stride(1) != 1:
         h = h.contiguous()
     if da.stride(1) != 1:
@@ -640,7 +710,14 @@ def act_backward(
         dh = h.detach()
     else:
         dh = torch.empty(h.shape, device=h.device, dtype=h.dtype)
-    drw = None if row_weights is None else torch.empty(R, device=h.device, dtype=torch.float32)
+    weights = row_weights if gate_logits is None else gate_logits
+    gate = {} if gate_logits is None else dict(stride_rw=gate_logits.stride(0), RW_SIGMOID=True)
+    if gate_grad is not None:
+        drw = gate_grad
+        P = gate_grad.shape[1]
+        gate.update(stride_drw=gate_grad.stride(0), n_drw=P, DRW_COLS=triton.next_power_of_2(P))
+    else:
+        drw = None if weights is None else torch.empty(R, device=h.device, dtype=torch.float32)
     q, s = (
         (_q_buffer(h, da, overwrite_da), torch.empty(R, device=h.device, dtype=torch.float32)) if quantize else (dh, dh)
     )
@@ -652,7 +729,7 @@ def act_backward(
         _act_backward_kernel[(triton.cdiv(R, block_r),)](
             h,
             da,
-            h if row_weights is None else row_weights,
+            h if weights is None else weights,
             dh,
             dh if drw is None else drw,
             q,
@@ -664,17 +741,18 @@ def act_backward(
             da.stride(0),
             dh.stride(0),
             **_act_args(act, interleaved),
-            HAS_RW=row_weights is not None,
+            HAS_RW=weights is not None,
             QUANT=quantize,
             ACT_OUT=with_act_rows,
             BLOCK_R=block_r,
             BLOCK_I=128,
+            **gate,
         )
     elif drw is not None:
         drw.zero_()
     return ActGrads(
         dh,
-        drw,
+        drw if gate_grad is None else gate_grad[:, 0],
         (_cast(q), s) if quantize else None,
         a if with_act_rows else None,
     )
