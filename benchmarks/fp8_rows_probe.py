@@ -102,81 +102,51 @@ def _buffers(E, N, K):
     return q, torch.empty(E, N, device="cuda"), torch.zeros(E, K, device="cuda")
 
 
+def _configs(K: int):
+    """The launches tried: ``(label, kernel, grid rows per program, constexprs)`` for rows of ``K``."""
+    width = triton.next_power_of_2(K)
+    for bm in (32, 64):
+        for bk in (b for b in (128, 256) if b <= width):
+            for warps, stages in ((4, 1), (4, 3), (8, 1), (8, 3)):
+                yield (
+                    f"strip BM {bm} BK {bk} w{warps} s{stages}",
+                    _strip_kernel,
+                    bm,
+                    dict(BLOCK_M=bm, BLOCK_K=bk, STAGES=stages, num_warps=warps),
+                )
+    for bm in sorted({max(1, 4096 // width), max(1, 8192 // width)}):
+        for warps, stages in ((4, 1), (4, 2), (8, 1), (8, 2)):
+            yield (
+                f"rows 256 BM {bm} w{warps} s{stages}",
+                _rows_kernel,
+                256,
+                dict(ROWS=256, BLOCK_M=bm, BLOCK_K=width, STAGES=stages, num_warps=warps),
+            )
+
+
 def variants(src, E: int, N: int, K: int, case: str, nbytes: float, out: list) -> None:
+    """The built cast of ``src`` and each of :func:`_configs`, timed, each checked bit-equal to the built one."""
     q0, s0, a0 = cast.rowwise_per_expert(src)
     base = ms(lambda: cast.rowwise_per_expert(src))
     out.append((case, "built (rowwise_per_expert)", base, nbytes, ""))
-    width = triton.next_power_of_2(K)
+    for label, kernel, rows, meta in _configs(K):
+        q, s, amax = _buffers(E, N, K)
 
-    def check(q, s, amax):
-        return torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0) and torch.equal(amax, a0)
+        def run(q=q, s=s, amax=amax, kernel=kernel, rows=rows, meta=meta):
+            amax.zero_()
+            kernel[(E, triton.cdiv(N, rows))](
+                q_ptr=q, s_ptr=s, amax_ptr=amax, N=N, K=K, **meta, **_weight_args(src, meta["BLOCK_K"])
+            )
 
-    for bm in (32, 64):
-        for bk in (128, 256):
-            if bk > width:
-                continue
-            for warps in (4, 8):
-                for stages in (1, 3):
-                    q, s, amax = _buffers(E, N, K)
-
-                    def run(q=q, s=s, amax=amax, bm=bm, bk=bk, warps=warps, stages=stages):
-                        amax.zero_()
-                        _strip_kernel[(E, triton.cdiv(N, bm))](
-                            q_ptr=q, s_ptr=s, amax_ptr=amax, N=N, K=K, BLOCK_M=bm, BLOCK_K=bk, STAGES=stages,
-                            num_warps=warps, **_weight_args(src, bk),
-                        )  # fmt: skip
-
-                    try:
-                        run()
-                        same = check(q, s, amax)
-                        t = ms(run)
-                    except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
-                        out.append(
-                            (case, f"strip BM {bm} BK {bk} w{warps} s{stages}", float("nan"), nbytes, repr(exc)[:60])
-                        )
-                        continue
-                    out.append(
-                        (case, f"strip BM {bm} BK {bk} w{warps} s{stages}", t, nbytes, f"{base / t:.2f}x same {same}")
-                    )
-    for per_program in (256,):
-        for bm in sorted({max(1, 4096 // width), max(1, 8192 // width)}):
-            if bm > per_program:
-                continue
-            for warps in (4, 8):
-                for stages in (1, 2):
-                    q, s, amax = _buffers(E, N, K)
-
-                    def run(q=q, s=s, amax=amax, pp=per_program, bm=bm, warps=warps, stages=stages):
-                        amax.zero_()
-                        _rows_kernel[(E, triton.cdiv(N, pp))](
-                            q_ptr=q, s_ptr=s, amax_ptr=amax, N=N, K=K, ROWS=pp, BLOCK_M=bm, BLOCK_K=width,
-                            STAGES=stages, num_warps=warps, **_weight_args(src, width),
-                        )  # fmt: skip
-
-                    try:
-                        run()
-                        same = check(q, s, amax)
-                        t = ms(run)
-                    except Exception as exc:  # noqa: BLE001
-                        out.append(
-                            (
-                                case,
-                                f"rows {per_program} BM {bm} w{warps} s{stages}",
-                                float("nan"),
-                                nbytes,
-                                repr(exc)[:60],
-                            )
-                        )
-                        continue
-                    out.append(
-                        (
-                            case,
-                            f"rows {per_program} BM {bm} w{warps} s{stages}",
-                            t,
-                            nbytes,
-                            f"{base / t:.2f}x same {same}",
-                        )
-                    )
+        try:
+            run()
+            same = torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+            same = same and torch.equal(amax, a0)
+            t = ms(run)
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+            out.append((case, label, float("nan"), nbytes, repr(exc)[:60]))
+            continue
+        out.append((case, label, t, nbytes, f"{base / t:.2f}x same {same}"))
 
 
 def main(argv=None) -> int:
