@@ -1,10 +1,11 @@
-"""Where the host time of a layer step goes: one forward + backward of a ``moeyard.MoE`` (routed experts,
-bf16) at a model's sizes but few tokens, so the GPU finishes each kernel before the next is issued and
+"""Where the host time of a layer step goes: one forward + backward of a ``moeyard.MoE`` (routed experts by
+default, bf16) at a model's sizes but few tokens, so the GPU finishes each kernel before the next is issued and
 the step's wall time is the host's; per recipe, the host ms per step and the Python functions that take
 it (``cProfile``, own time and cumulative time).
 
 Usage (GPU machine): ``PYTHONPATH=src python3 benchmarks/host_profile.py [--model sonic-7b] [--tokens 256]
-[--recipes none,fp8_rowwise_gw_hp] [--top 25] [--callers REGEX]``
+[--recipes none,fp8_rowwise_gw_hp] [--top 25] [--callers REGEX] [--shared]`` (``--shared``: keep the model's
+shared experts, whose host cost the routed-only layer leaves out)
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--callers", default="", help="also list the callers of the functions matching this regex")
+    p.add_argument("--shared", action="store_true", help="keep the model's shared experts (default: routed only)")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
-    cfg = routed_only(get_model(args.model).moe_config())
+    cfg = get_model(args.model).moe_config()
+    cfg = cfg if args.shared else routed_only(cfg)
     x = torch.randn(args.tokens, cfg.hidden_size, device=dev, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     for recipe in args.recipes.split(","):
