@@ -189,7 +189,9 @@ def _compile_all() -> list[dict]:
                 132,
             )
     f8 = torch.float8_e4m3fn
-    for by_index in (False, True):  # rows in order (TMA), rows gathered by index (cp.async)
+    # rows in order (TMA), rows gathered by index (cp.async); then both with the second consumer trailing
+    for lag, by_index in ((0, False), (0, True), (2, False), (2, True)):
+        fp8_gluon.CONSUMER_LAG = lag
         fp8_gluon.launch(
             torch.empty(T if by_index else N, KA, dtype=f8),
             torch.empty(T if by_index else N),
@@ -199,6 +201,7 @@ def _compile_all() -> list[dict]:
             torch.empty(N, NY, dtype=bf),
             torch.empty(N, dtype=torch.int64) if by_index else None,
         )
+    fp8_gluon.CONSUMER_LAG = 0
     return [_resources(k, triton) for k in compiled]
 
 
@@ -271,11 +274,13 @@ def test_wgrad_compiles_for_sm90(i, compiled):
     assert k["copy_bytes"] == ["0x10"], f"the gathered rows' copies: {k['copy_bytes']} bytes"
 
 
+@pytest.mark.parametrize("lag", [0, 2], ids=["in-step", "lag-2"])
 @pytest.mark.parametrize("by_index", [False, True], ids=["rows-in-order", "rows-gathered"])
-def test_fp8_grouped_compiles_for_sm90(by_index, compiled):
+def test_fp8_grouped_compiles_for_sm90(by_index, lag, compiled):
     """The e4m3 grouped GEMM (:mod:`moeyard.quant.fp8_gluon`): e4m3 wgmma, two consumer warp groups and a
-    loader; gathering by index, with 16-byte ``cp.async`` copies."""
-    k = compiled[-1 if by_index else -2]
+    loader; gathering by index, with 16-byte ``cp.async`` copies; also with the second consumer trailing the
+    first (``CONSUMER_LAG``, off by default)."""
+    k = compiled[-4 + 2 * (lag > 0) + by_index]
     _check(k, 128)
     assert k["fp8_mma"], "no e4m3 wgmma in the PTX"
     assert k["copy_bytes"] == (["0x10"] if by_index else []), k["copy_bytes"]
