@@ -22,12 +22,14 @@ import tempfile
 import pytest
 
 VARIANTS = [
-    (128, True, True, 8),
-    (128, True, False, 32),
-    (128, False, True, 0),
-    (64, True, False, 16),
-    (64, False, False, 0),
-]  # down: (BM, LoRA, W K-major, rank)
+    (128, True, True, 8, 0),
+    (128, True, False, 32, 0),
+    (128, False, True, 0, 0),
+    (64, True, False, 16, 0),
+    (64, False, False, 0, 0),
+    (128, False, True, 0, 2),
+    (128, True, False, 32, 2),
+]  # down: (BM, LoRA, W K-major, rank, the second consumer's lag in K steps: kernels_gluon.CONSUMER_LAG)
 # the gathering kernels: (kernel, BM, activation, W or Lb K-major, rank; 0: no LoRA)
 GATHER_VARIANTS = [
     ("up", 128, "swiglu", True, 16),
@@ -95,7 +97,8 @@ def _compile_all() -> list[dict]:
     schedule.fill_tile_table = lambda *args: None  # a launch: nothing runs here
     E, NY, KA, N, bf = 8, 2048, 512, 4096, torch.bfloat16
     table = lambda block_m: torch.empty(2 * (N // block_m + E) + 1, dtype=torch.int32)  # noqa: E731
-    for block_m, lora, kmajor, rank in VARIANTS:
+    for block_m, lora, kmajor, rank, lag in VARIANTS:
+        kernels_gluon.CONSUMER_LAG = lag
         w = torch.empty(E, NY, KA, dtype=bf) if kmajor else torch.empty(E, KA, NY, dtype=bf).mT
         lb = (torch.empty(E, NY, rank, dtype=bf) if kmajor else torch.empty(E, rank, NY, dtype=bf).mT) if lora else None
         kernels_gluon.launch(
@@ -114,6 +117,7 @@ def _compile_all() -> list[dict]:
             block_m,
             132,
         )
+    kernels_gluon.CONSUMER_LAG = 0
     T, H, I = 1024, 2048, 768
     for kernel, block_m, act, kmajor, rank in GATHER_VARIANTS:
         n1 = I if act == "gelu" else 2 * I
@@ -249,7 +253,7 @@ def _check(k: dict, block_m: int, loaders: int = 4) -> None:
 
 
 @pytest.mark.parametrize(
-    "i", range(len(VARIANTS)), ids=[f"bm{v[0]}-lora{int(v[1])}-kmajor{int(v[2])}-r{v[3]}" for v in VARIANTS]
+    "i", range(len(VARIANTS)), ids=[f"bm{v[0]}-lora{int(v[1])}-kmajor{int(v[2])}-r{v[3]}-lag{v[4]}" for v in VARIANTS]
 )
 def test_down_compiles_for_sm90(i, compiled):
     _check(compiled[i], VARIANTS[i][0])

@@ -227,11 +227,15 @@ def _consumer(
     BN: gl.constexpr,
     BK: gl.constexpr,
     STAGES: gl.constexpr,
+    start,
+    LAG: gl.constexpr,
 ):
     """A consumer partition (one warp group): rows ``64 half ... 64 half + 63`` of every tile. Each K step's MMA
     runs with one in flight; the stage the previous one read goes back to the loader. The stage index
     of the previous step is recomputed, not carried (a variable assigned only from another loop
-    variable was not carried by Triton 3.6's loop lowering)."""
+    variable was not carried by Triton 3.6's loop lowering). With ``LAG > 0`` (two consumers) the second
+    starts once the first has issued ``min(LAG, K steps - 1)`` MMAs of its first tile (the ``start`` barrier)
+    and trails it from then on, so that one group's epilogue runs under the other's MMAs (``LAG < STAGES``)."""
     HM: gl.constexpr = 64  # a warp group's MMA rows
     ST: gl.constexpr = store_layout(HM, BN, 4)
     dtype: gl.constexpr = a_bufs.dtype
@@ -241,6 +245,12 @@ def _consumer(
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
     pid, nprog, n_tiles_n, my_tiles = _my_tiles(table_ptr, M, NY, BN)
     k_steps = gl.cdiv(KA, BK)
+    if LAG > 0:  # (with LAG 0 the kernel is the same code as without it)
+        lag = gl.minimum(k_steps - 1, LAG)
+        if half == 1:
+            if my_tiles > 0:
+                if lag > 0:
+                    mbarrier.wait(start.index(0), 0)
     s = 0
     phase = 0
     for t in range(my_tiles):
@@ -262,6 +272,11 @@ def _consumer(
             acc = warpgroup_mma_wait(1, deps=[acc])
             if kt > 0:  # the previous step's MMA has read its stage
                 mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
+            if LAG > 0:
+                if half == 0:
+                    if t == 0:
+                        if kt + 1 == lag:  # the second group may start
+                            mbarrier.arrive(start.index(0), count=1)
             s, phase = next_stage(s, phase, STAGES)
         if LORA:
             slot = t % 2
@@ -318,6 +333,7 @@ def down_kernel(
     STAGES: gl.constexpr,
     LOADER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
+    LAG: gl.constexpr = 0,
 ):
     """``y[pair] = w[pair] * (a[row] @ W[e].T + b[e] (+ s z[row] @ Lb_e^T with LORA))`` for every
     existing tile (see the module docstring); one program per SM, tiles ``pid, pid + programs, ...``;
@@ -343,6 +359,10 @@ def down_kernel(
         z_bufs = a_bufs
         lb_bufs = a_bufs
     lready, lempty = barrier_ring(2, 1, CONSUMERS)
+    if LAG > 0:  # the first consumer's arrival lets the second start
+        start, _ = barrier_ring(1, 1, 1)
+    else:  # a placeholder, never read
+        start = lready
     # the partitions' argument tuples are written out in the call: a constexpr inside a concatenated tuple
     # reaches the partition as a runtime value, and a tuple holding a function cannot be built (Triton 3.6)
     if CONSUMERS == 2:
@@ -382,6 +402,8 @@ def down_kernel(
                         BN,
                         BK,
                         STAGES,
+                        start,
+                        LAG,
                     ),
                 ),
                 (
@@ -418,6 +440,8 @@ def down_kernel(
                         BN,
                         BK,
                         STAGES,
+                        start,
+                        LAG,
                     ),
                 ),
                 (
@@ -488,6 +512,8 @@ def down_kernel(
                         BN,
                         BK,
                         STAGES,
+                        start,
+                        LAG,
                     ),
                 ),
                 (
@@ -524,6 +550,9 @@ def down_kernel(
 
 
 BN, BK = 256, 64  # the measured tile (as the Triton kernel's best config)
+# K steps by which the second consumer warp group trails the first (0: in step; at most STAGES - 1): one group's
+# epilogue then runs under the other's MMAs. Off until measured (benchmarks/triton_profile.py --consumer-lag).
+CONSUMER_LAG = 0
 # pipeline depth: 4 stages of 48 KiB where the LoRA ring fits beside them (RP <= 16: 220 KiB of shared
 # memory in all), else 3; the epilogue's layout conversion within warps (store_layout) takes no shared
 # memory of its own (through a blocked layout it took 32 KiB: then 3 stages at most; NOTES round 16)
@@ -649,6 +678,7 @@ def launch(
         STAGES=stages(rp if lb is not None else 0),
         LOADER_REGS=LOADER_REGS,
         CONSUMER_REGS=CONSUMER_REGS,
+        LAG=min(CONSUMER_LAG, stages(rp if lb is not None else 0) - 1) if block_m == 128 else 0,
         num_warps=4,
     )
 
