@@ -12,7 +12,7 @@ minus the kernels' sum is launch gaps and torch glue.
 Usage (repository root, GPU machine):
   PYTHONPATH=src python3 benchmarks/triton_profile.py                       # both shapes, default options
   PYTHONPATH=src python3 benchmarks/triton_profile.py --variants            # + each option, A/B
-  PYTHONPATH=src python3 benchmarks/triton_profile.py --consumer-lag 2      # the down kernel's second consumer
+  PYTHONPATH=src python3 benchmarks/triton_profile.py --consumer-lag 2      # the Gluon kernels' second consumer
                                                                             # trailing (kernels_gluon.CONSUMER_LAG)
 Legend: T tokens, H hidden, I intermediate, E experts, K top-k, N = T*K pairs, N1 = 2I (swiglu).
 """
@@ -208,7 +208,8 @@ def parse_args(argv=None):
         "--consumer-lag",
         type=int,
         default=0,
-        help="K steps by which the Gluon down kernel's second consumer trails the first (kernels_gluon.CONSUMER_LAG)",
+        help="K steps by which the second consumer trails the first in the Gluon down, up and dh kernels "
+        "(kernels_gluon.CONSUMER_LAG)",
     )
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/triton_profile"))
     args = ap.parse_args(argv)

@@ -30,20 +30,22 @@ VARIANTS = [
     (128, False, True, 0, 2),
     (128, True, False, 32, 2),
 ]  # down: (BM, LoRA, W K-major, rank, the second consumer's lag in K steps: kernels_gluon.CONSUMER_LAG)
-# the gathering kernels: (kernel, BM, activation, W or Lb K-major, rank; 0: no LoRA)
+# the gathering kernels: (kernel, BM, activation, W or Lb K-major, rank; 0: no LoRA; the second consumer's lag)
 GATHER_VARIANTS = [
-    ("up", 128, "swiglu", True, 16),
-    ("up", 128, "swiglu", False, 32),
-    ("up", 128, "swiglu", True, 0),
-    ("up", 64, "swiglu", True, 8),
-    ("up", 64, "reglu", True, 0),
-    ("up", 128, "clamped_swiglu", True, 0),
-    ("up", 128, "gelu", True, 0),
-    ("dh", 128, "swiglu", False, 0),
-    ("dh", 128, "swiglu", False, 16),
-    ("dh", 128, "swiglu", True, 32),
-    ("dh", 64, "reglu", True, 8),
-    ("dh", 128, "gelu", False, 0),
+    ("up", 128, "swiglu", True, 16, 0),
+    ("up", 128, "swiglu", False, 32, 0),
+    ("up", 128, "swiglu", True, 0, 0),
+    ("up", 64, "swiglu", True, 8, 0),
+    ("up", 64, "reglu", True, 0, 0),
+    ("up", 128, "clamped_swiglu", True, 0, 0),
+    ("up", 128, "gelu", True, 0, 0),
+    ("dh", 128, "swiglu", False, 0, 0),
+    ("dh", 128, "swiglu", False, 16, 0),
+    ("dh", 128, "swiglu", True, 32, 0),
+    ("dh", 64, "reglu", True, 8, 0),
+    ("dh", 128, "gelu", False, 0, 0),
+    ("up", 128, "swiglu", True, 0, 2),
+    ("dh", 128, "swiglu", False, 16, 2),
 ]
 # the weight gradients: (gathered operand: "rhs" for dW_up = d_h^T x[token], "lhs" for dW_down; dW's dtype)
 WGRAD_VARIANTS = [("rhs", "bfloat16"), ("lhs", "bfloat16"), ("rhs", "float32")]
@@ -117,9 +119,9 @@ def _compile_all() -> list[dict]:
             block_m,
             132,
         )
-    kernels_gluon.CONSUMER_LAG = 0
     T, H, I = 1024, 2048, 768
-    for kernel, block_m, act, kmajor, rank in GATHER_VARIANTS:
+    for kernel, block_m, act, kmajor, rank, lag in GATHER_VARIANTS:
+        kernels_gluon.CONSUMER_LAG = lag
         n1 = I if act == "gelu" else 2 * I
         lora = dict(
             z=torch.empty(N, rank, dtype=bf) if rank else None,
@@ -192,6 +194,7 @@ def _compile_all() -> list[dict]:
                 1.0,
                 132,
             )
+    kernels_gluon.CONSUMER_LAG = 0
     f8 = torch.float8_e4m3fn
     # rows in order (TMA), rows gathered by index (cp.async); then both with the second consumer trailing
     for lag, by_index in ((0, False), (0, True), (2, False), (2, True)):
@@ -260,7 +263,7 @@ def test_down_compiles_for_sm90(i, compiled):
 
 
 @pytest.mark.parametrize(
-    "i", range(len(GATHER_VARIANTS)), ids=["{}-bm{}-{}-kmajor{:d}-r{}".format(*v) for v in GATHER_VARIANTS]
+    "i", range(len(GATHER_VARIANTS)), ids=["{}-bm{}-{}-kmajor{:d}-r{}-lag{}".format(*v) for v in GATHER_VARIANTS]
 )
 def test_gather_compiles_for_sm90(i, compiled):
     from moeyard.experts.triton import kernels_gluon_gather as gather

@@ -550,8 +550,9 @@ def down_kernel(
 
 
 BN, BK = 256, 64  # the measured tile (as the Triton kernel's best config)
-# K steps by which the second consumer warp group trails the first (0: in step; at most STAGES - 1): one group's
-# epilogue then runs under the other's MMAs. Off until measured (benchmarks/triton_profile.py --consumer-lag).
+# K steps by which the second consumer warp group trails the first in the Gluon kernels of the down projection,
+# the up projection and dh (0: in step; at most their STAGES - 1): one group's epilogue then runs under the other's
+# MMAs. Off until measured (benchmarks/triton_profile.py --consumer-lag).
 CONSUMER_LAG = 0
 # pipeline depth: 4 stages of 48 KiB where the LoRA ring fits beside them (RP <= 16: 220 KiB of shared
 # memory in all), else 3; the epilogue's layout conversion within warps (store_layout) takes no shared

@@ -249,10 +249,13 @@ def _consumer(
     BN: gl.constexpr,
     BK: gl.constexpr,
     STAGES: gl.constexpr,
+    start,
+    LAG: gl.constexpr,
 ):
     """A consumer partition (one warp group): rows ``64 half ... 64 half + 63`` of every tile (see the
     module docstring). As in :mod:`.kernels_gluon`, the previous step's stage index is recomputed, not
-    carried."""
+    carried; and with ``LAG > 0`` the second group trails the first by about that many K steps (the ``start``
+    barrier; :func:`.kernels_gluon._consumer`)."""
     HM: gl.constexpr = 64  # a warp group's MMA rows
     ST: gl.constexpr = store_layout(HM, BN, 4)
     dtype: gl.constexpr = x_bufs.dtype
@@ -262,6 +265,12 @@ def _consumer(
     pid, nprog, n_tiles_n, my_tiles = _my_tiles(table_ptr, M, NA, BN)
     k_steps = gl.cdiv(K, BK)
     IN_FLIGHT: gl.constexpr = 1 + TWO_B  # one K step's MMAs
+    if LAG > 0:  # (with LAG 0 the kernel is the same code as without it)
+        lag = gl.minimum(k_steps - 1, LAG)
+        if half == 1:
+            if my_tiles > 0:
+                if lag > 0:
+                    mbarrier.wait(start.index(0), 0)
     s = 0
     phase = 0
     for t in range(my_tiles):
@@ -286,6 +295,11 @@ def _consumer(
             acc_g, acc_u = warpgroup_mma_wait(IN_FLIGHT, deps=[acc_g, acc_u])
             if kt > 0:  # the previous step's MMAs have read its stage
                 mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
+            if LAG > 0:
+                if half == 0:
+                    if t == 0:
+                        if kt + 1 == lag:  # the second group may start
+                            mbarrier.arrive(start.index(0), count=1)
             s, phase = next_stage(s, phase, STAGES)
         if LORA:
             slot = t % 2
@@ -598,6 +612,7 @@ def gathered_kernel(
     LOADER_WARPS: gl.constexpr,
     LOADER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
+    LAG: gl.constexpr = 0,
 ):
     """Up (``DH`` false): ``h = x[token] @ W[e].T + b[e] (+ s z Lb_e^T)``, ``a = act(h)``; dh: ``g =
     d_out[token] @ W_down[e] (+ s z Lb_e^T)`` and its epilogue; for every existing tile (see the module
@@ -634,6 +649,10 @@ def gathered_kernel(
         lbg_bufs = x_bufs
         lbu_bufs = x_bufs
     lready, lempty = barrier_ring(2, 1, CONSUMERS)
+    if LAG > 0:  # the first consumer's arrival lets the second start
+        start, _ = barrier_ring(1, 1, 1)
+    else:  # a placeholder, never read
+        start = lready
     # argument tuples written out in each call (see kernels_gluon.down_kernel: Triton 3.6 passes a constexpr
     # inside a concatenated tuple as a runtime value)
     if CONSUMERS == 2:
@@ -685,6 +704,8 @@ def gathered_kernel(
                         BN,
                         BK,
                         STAGES,
+                        start,
+                        LAG,
                     ),
                 ),
                 (
@@ -733,6 +754,8 @@ def gathered_kernel(
                         BN,
                         BK,
                         STAGES,
+                        start,
+                        LAG,
                     ),
                 ),
                 (
@@ -828,6 +851,8 @@ def gathered_kernel(
                         BN,
                         BK,
                         STAGES,
+                        start,
+                        LAG,
                     ),
                 ),
                 (
@@ -1192,8 +1217,11 @@ def _launch(
 ) -> None:
     """:func:`gathered_kernel` over every (row tile of ``table``, column tile of ``NA``), one program per SM at
     most; ``meta``: the constexprs that differ between the up projection and dh."""
+    from . import kernels_gluon
+
     M = table.shape[0] // 2
     grid = (min(M * -(-NA // BN), num_sms),)
+    lag = min(kernels_gluon.CONSUMER_LAG, meta["STAGES"] - 1) if meta["BM"] == 128 else 0
     gathered_kernel[grid](
         x,
         w_d,
@@ -1226,6 +1254,7 @@ def _launch(
         BN=BN,
         BK=BK,
         CONSUMER_REGS=CONSUMER_REGS,
+        LAG=lag,
         num_warps=4,
         **meta,
     )
