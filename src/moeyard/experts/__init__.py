@@ -191,8 +191,9 @@ def experts(
 
 def _stored_weights(x: Tensor, gate_up_proj, down_proj, act: Activation, backend, transposed, recipe):
     """For quantised expert storage that an FP8 recipe's Hopper fast path reads in its weight casts (NF4,
-    standard layout, a backend registered with ``reads_storage``, whose FP8 path is the fused form): a check ``(weights) -> bool`` that the
-    fused form serves these :class:`ExpertWeights` (storage kept in them); else None (dequantise)."""
+    standard layout, a backend registered with ``reads_storage``, whose FP8 path is the fused form): a check
+    ``(weights) -> bool`` that the fused form serves these :class:`ExpertWeights` (storage kept in them); else
+    None (dequantise)."""
     from ..quant.recipe import resolve_recipe
 
     ws = (gate_up_proj, down_proj)

@@ -58,9 +58,13 @@ from ..experts.triton.kernels_gluon import (
     _tma_load,
     _tma_store,
     barrier_ring,
+    lag_barrier,
+    lag_signal,
+    lag_wait,
     next_stage,
     scaled_z,
     store_layout,
+    trailing_lag,
 )
 from ..experts.triton.kernels_gluon_gather import LOADER_REGS as GATHER_LOADER_REGS, LOADER_WARPS, _cp_async
 
@@ -212,12 +216,7 @@ def _consumer(
     compact: gl.constexpr = gl.BlockedLayout([BN // 128], [32], [4], [0])
     pid, nprog, n_tiles_n, my_tiles = _my_tiles(table_ptr, M, N, BN)
     k_steps = gl.cdiv(K, BK)
-    if LAG > 0:  # (with LAG 0 the kernel is the same code as without it)
-        lag = gl.minimum(k_steps - 1, LAG)
-        if half == 1:
-            if my_tiles > 0:
-                if lag > 0:
-                    mbarrier.wait(start.index(0), 0)
+    lag_wait(start, half, my_tiles, k_steps, LAG)
     s = 0
     phase = 0
     for t in range(my_tiles):
@@ -244,11 +243,7 @@ def _consumer(
             acc = warpgroup_mma_wait(1, deps=[acc])
             if kt > 0:  # the previous step's MMA has read its stage
                 mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
-            if LAG > 0:
-                if half == 0:
-                    if t == 0:
-                        if kt + 1 == lag:  # the second group may start
-                            mbarrier.arrive(start.index(0), count=1)
+            lag_signal(start, half, t, kt, k_steps, LAG)
             s, phase = next_stage(s, phase, STAGES)
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)  # the tile's last stage
@@ -338,10 +333,7 @@ def gluon_grouped_kernel(
         z_bufs = a_bufs
         lb_bufs = b_bufs
     lready, lempty = barrier_ring(1, 1, 2)  # the TMA's expect; one arrival per consumer
-    if LAG > 0:  # the first consumer's arrival lets the second start
-        start, _ = barrier_ring(1, 1, 1)
-    else:  # a placeholder, never read
-        start = lready
+    start = lag_barrier(lready, LAG)  # lets a trailing second consumer start
     # the partitions' argument tuples are written out in the call (see kernels_gluon.down_kernel)
     gl.warp_specialize(
         [
@@ -579,7 +571,7 @@ def launch(
         LOADER_WARPS=LOADER_WARPS if gather else 1,
         LOADER_REGS=GATHER_LOADER_REGS if gather else LOADER_REGS,
         CONSUMER_REGS=GATHER_CONSUMER_REGS if gather else CONSUMER_REGS,
-        LAG=min(CONSUMER_LAG, STAGES - 1),
+        LAG=trailing_lag(CONSUMER_LAG, STAGES),
         num_warps=4,
     )
 

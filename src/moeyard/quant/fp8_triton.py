@@ -321,7 +321,8 @@ def _out_columns(t: Tensor, act: Activation | None) -> int:
 
 def _source(t: Tensor, index: Tensor | None, row_weights: Tensor | None) -> dict:
     """The operand arguments of the kernels (``_load``): ``t`` (unit column stride), an optional row
-    ``index`` (int64 or int32, ``>= t.shape[0]``: a zero row) and optional float32 ``row_weights``."""
+    ``index`` (int64 or int32, ``>= t.shape[0]``: a zero row) and optional ``row_weights`` (float32, or the
+    gate logits :func:`act_rows` takes, in any float dtype: the kernels read them in float32)."""
     return dict(
         x_ptr=t,
         idx_ptr=t if index is None else index,

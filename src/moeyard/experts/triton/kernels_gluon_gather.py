@@ -56,6 +56,9 @@ from .kernels_gluon import (
     _tile_of,
     _tma_load,
     barrier_ring,
+    lag_barrier,
+    lag_signal,
+    lag_wait,
     load_lora,
     next_stage,
     scaled_z,
@@ -265,12 +268,7 @@ def _consumer(
     pid, nprog, n_tiles_n, my_tiles = _my_tiles(table_ptr, M, NA, BN)
     k_steps = gl.cdiv(K, BK)
     IN_FLIGHT: gl.constexpr = 1 + TWO_B  # one K step's MMAs
-    if LAG > 0:  # (with LAG 0 the kernel is the same code as without it)
-        lag = gl.minimum(k_steps - 1, LAG)
-        if half == 1:
-            if my_tiles > 0:
-                if lag > 0:
-                    mbarrier.wait(start.index(0), 0)
+    lag_wait(start, half, my_tiles, k_steps, LAG)
     s = 0
     phase = 0
     for t in range(my_tiles):
@@ -295,11 +293,7 @@ def _consumer(
             acc_g, acc_u = warpgroup_mma_wait(IN_FLIGHT, deps=[acc_g, acc_u])
             if kt > 0:  # the previous step's MMAs have read its stage
                 mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
-            if LAG > 0:
-                if half == 0:
-                    if t == 0:
-                        if kt + 1 == lag:  # the second group may start
-                            mbarrier.arrive(start.index(0), count=1)
+            lag_signal(start, half, t, kt, k_steps, LAG)
             s, phase = next_stage(s, phase, STAGES)
         if LORA:
             slot = t % 2
@@ -649,10 +643,7 @@ def gathered_kernel(
         lbg_bufs = x_bufs
         lbu_bufs = x_bufs
     lready, lempty = barrier_ring(2, 1, CONSUMERS)
-    if LAG > 0:  # the first consumer's arrival lets the second start
-        start, _ = barrier_ring(1, 1, 1)
-    else:  # a placeholder, never read
-        start = lready
+    start = lag_barrier(lready, LAG)  # lets a trailing second consumer start
     # argument tuples written out in each call (see kernels_gluon.down_kernel: Triton 3.6 passes a constexpr
     # inside a concatenated tuple as a runtime value)
     if CONSUMERS == 2:
@@ -1221,7 +1212,7 @@ def _launch(
 
     M = table.shape[0] // 2
     grid = (min(M * -(-NA // BN), num_sms),)
-    lag = min(kernels_gluon.CONSUMER_LAG, meta["STAGES"] - 1) if meta["BM"] == 128 else 0
+    lag = kernels_gluon.trailing_lag(kernels_gluon.CONSUMER_LAG, meta["STAGES"], meta["BM"])
     gathered_kernel[grid](
         x,
         w_d,
