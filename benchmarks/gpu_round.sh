@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round per stage, each time-boxed to fit one 10-minute device call (bf16, routed experts only,
 # the torch grouped_mm pipeline and, when installed, SonicMoE timed in the same run).
-# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|loaders|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|tmaup|routerab|lora|loraab|lorapointer|lag|compile]
+# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|loaders|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|tmaup|routerab|lora|loraab|lorapointer|compile]
 #   main: verify, CUDA tests, bench (random and Zipf routing) at qwen3-30b-a3b and sonic-7b.
 #   profile: the TMA CUDA tests, then the triton backend's per-kernel profile with A/B of the TMA-loaded
 #            down projection (benchmarks/triton_profile.py).
@@ -46,9 +46,6 @@
 #   lorapointer: the LoRA step with the pointer-loaded down projection (MOEYARD_TRITON_TMA=0) against the
 #       default TMA one, interleaved: kernels in launch order, split and fused (lora_profile.py), then frozen
 #       vs LoRA at LORA_MODEL.
-#   lag: the second consumer warp group trailing the first (fp8_gluon / kernels_gluon CONSUMER_LAG, off by
-#       default): its bit-identity CUDA tests, the FP8 GEMM probe at lags 0, 1, 2 (LAG_MODELS) and the bf16
-#       per-kernel profile at lags 0 and 2 (LAG_CONFIGS).
 #   compile: the triton and transformers CUDA tests (torch.compile with Inductor among them), then the whole layer
 #       eager, under torch.compile and under torch.compile's CUDA graphs (reduce-overhead), interleaved, twice
 #       each, at sonic-7b and qwen3-30b-a3b (RUNS="1 2" by default; NO_TESTS=1 skips the tests).
@@ -240,15 +237,6 @@ elif [[ $STAGE == compile ]]; then
       step "bench_compile_${mode}_$run" 200 "${BENCH[@]}" --model sonic-7b --model qwen3-30b-a3b --backends triton \
         --no-peers "${flag[@]}" --json "$OUT/bench_compile_${mode}_$run.json"
     done
-  done
-elif [[ $STAGE == lag ]]; then
-  MOEYARD_TRITON_AUTOTUNE=0 step pytest_lag 200 python3 -m pytest -q -p no:cacheprovider \
-    tests/cuda/test_triton_cuda.py tests/cuda/test_fp8_cuda.py -k consumer_lag
-  step probe_lag 200 python3 benchmarks/fp8_gemm_probe.py --no-triton --tiles 256:3,256:3:1,256:3:2 \
-    --models "${LAG_MODELS:-sonic-7b,qwen3-30b-a3b,qwen3.5-35b-a3b}"
-  for lag in 0 2; do
-    step "profile_lag$lag" 150 python3 benchmarks/triton_profile.py --consumer-lag $lag \
-      --configs "${LAG_CONFIGS:-qwen3-30b-a3b,qwen3.5-35b-a3b}" --out "/tmp/lag$lag"
   done
 else  # anchors: the other ANCHORS.md shapes
   step bench_anchors 560 "${BENCH[@]}" --model sonic-30b-a --model sonic-120b --model qwen3.5-35b-a3b \

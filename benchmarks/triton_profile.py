@@ -12,8 +12,6 @@ minus the kernels' sum is launch gaps and torch glue.
 Usage (repository root, GPU machine):
   PYTHONPATH=src python3 benchmarks/triton_profile.py                       # both shapes, default options
   PYTHONPATH=src python3 benchmarks/triton_profile.py --variants            # + each option, A/B
-  PYTHONPATH=src python3 benchmarks/triton_profile.py --consumer-lag 2      # the Gluon kernels' second consumer
-                                                                            # trailing (kernels_gluon.CONSUMER_LAG)
 Legend: T tokens, H hidden, I intermediate, E experts, K top-k, N = T*K pairs, N1 = 2I (swiglu).
 """
 
@@ -204,13 +202,6 @@ def parse_args(argv=None):
         help="routing skew: expert e's logit gets -skew * log(1 + e) (0: balanced-ish random)",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--consumer-lag",
-        type=int,
-        default=0,
-        help="K steps by which the second consumer trails the first in the Gluon down, up and dh kernels "
-        "(kernels_gluon.CONSUMER_LAG)",
-    )
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/triton_profile"))
     args = ap.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
@@ -476,9 +467,6 @@ def main(argv=None):
     from moeyard.experts import triton as _triton  # noqa: F401  (registers "triton")
 
     args = parse_args(argv)
-    from moeyard.experts.triton import kernels_gluon
-
-    kernels_gluon.CONSUMER_LAG = args.consumer_lag
     os.makedirs(args.out, exist_ok=True)
     dense, copy = ceilings(args)
     report = [

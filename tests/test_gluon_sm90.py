@@ -22,30 +22,26 @@ import tempfile
 import pytest
 
 VARIANTS = [
-    (128, True, True, 8, 0),
-    (128, True, False, 32, 0),
-    (128, False, True, 0, 0),
-    (64, True, False, 16, 0),
-    (64, False, False, 0, 0),
-    (128, False, True, 0, 2),
-    (128, True, False, 32, 2),
-]  # down: (BM, LoRA, W K-major, rank, the second consumer's lag in K steps: kernels_gluon.CONSUMER_LAG)
-# the gathering kernels: (kernel, BM, activation, W or Lb K-major, rank; 0: no LoRA; the second consumer's lag)
+    (128, True, True, 8),
+    (128, True, False, 32),
+    (128, False, True, 0),
+    (64, True, False, 16),
+    (64, False, False, 0),
+]  # down: (BM, LoRA, W K-major, rank)
+# the gathering kernels: (kernel, BM, activation, W or Lb K-major, rank; 0: no LoRA)
 GATHER_VARIANTS = [
-    ("up", 128, "swiglu", True, 16, 0),
-    ("up", 128, "swiglu", False, 32, 0),
-    ("up", 128, "swiglu", True, 0, 0),
-    ("up", 64, "swiglu", True, 8, 0),
-    ("up", 64, "reglu", True, 0, 0),
-    ("up", 128, "clamped_swiglu", True, 0, 0),
-    ("up", 128, "gelu", True, 0, 0),
-    ("dh", 128, "swiglu", False, 0, 0),
-    ("dh", 128, "swiglu", False, 16, 0),
-    ("dh", 128, "swiglu", True, 32, 0),
-    ("dh", 64, "reglu", True, 8, 0),
-    ("dh", 128, "gelu", False, 0, 0),
-    ("up", 128, "swiglu", True, 0, 2),
-    ("dh", 128, "swiglu", False, 16, 2),
+    ("up", 128, "swiglu", True, 16),
+    ("up", 128, "swiglu", False, 32),
+    ("up", 128, "swiglu", True, 0),
+    ("up", 64, "swiglu", True, 8),
+    ("up", 64, "reglu", True, 0),
+    ("up", 128, "clamped_swiglu", True, 0),
+    ("up", 128, "gelu", True, 0),
+    ("dh", 128, "swiglu", False, 0),
+    ("dh", 128, "swiglu", False, 16),
+    ("dh", 128, "swiglu", True, 32),
+    ("dh", 64, "reglu", True, 8),
+    ("dh", 128, "gelu", False, 0),
 ]
 # the weight gradients: (gathered operand: "rhs" for dW_up = d_h^T x[token], "lhs" for dW_down; dW's dtype)
 WGRAD_VARIANTS = [("rhs", "bfloat16"), ("lhs", "bfloat16"), ("rhs", "float32")]
@@ -99,8 +95,7 @@ def _compile_all() -> list[dict]:
     schedule.fill_tile_table = lambda *args: None  # a launch: nothing runs here
     E, NY, KA, N, bf = 8, 2048, 512, 4096, torch.bfloat16
     table = lambda block_m: torch.empty(2 * (N // block_m + E) + 1, dtype=torch.int32)  # noqa: E731
-    for block_m, lora, kmajor, rank, lag in VARIANTS:
-        kernels_gluon.CONSUMER_LAG = lag
+    for block_m, lora, kmajor, rank in VARIANTS:
         w = torch.empty(E, NY, KA, dtype=bf) if kmajor else torch.empty(E, KA, NY, dtype=bf).mT
         lb = (torch.empty(E, NY, rank, dtype=bf) if kmajor else torch.empty(E, rank, NY, dtype=bf).mT) if lora else None
         kernels_gluon.launch(
@@ -120,8 +115,7 @@ def _compile_all() -> list[dict]:
             132,
         )
     T, H, I = 1024, 2048, 768
-    for kernel, block_m, act, kmajor, rank, lag in GATHER_VARIANTS:
-        kernels_gluon.CONSUMER_LAG = lag
+    for kernel, block_m, act, kmajor, rank in GATHER_VARIANTS:
         n1 = I if act == "gelu" else 2 * I
         lora = dict(
             z=torch.empty(N, rank, dtype=bf) if rank else None,
@@ -194,11 +188,8 @@ def _compile_all() -> list[dict]:
                 1.0,
                 132,
             )
-    kernels_gluon.CONSUMER_LAG = 0
     f8 = torch.float8_e4m3fn
-    # rows in order (TMA), rows gathered by index (cp.async); then both with the second consumer trailing
-    for lag, by_index in ((0, False), (0, True), (2, False), (2, True)):
-        fp8_gluon.CONSUMER_LAG = lag
+    for by_index in (False, True):  # rows in order (TMA), rows gathered by index (cp.async)
         fp8_gluon.launch(
             torch.empty(T if by_index else N, KA, dtype=f8),
             torch.empty(T if by_index else N),
@@ -208,7 +199,6 @@ def _compile_all() -> list[dict]:
             torch.empty(N, NY, dtype=bf),
             torch.empty(N, dtype=torch.int64) if by_index else None,
         )
-    fp8_gluon.CONSUMER_LAG = 0
     return [_resources(k, triton) for k in compiled]
 
 
@@ -256,14 +246,14 @@ def _check(k: dict, block_m: int, loaders: int = 4) -> None:
 
 
 @pytest.mark.parametrize(
-    "i", range(len(VARIANTS)), ids=[f"bm{v[0]}-lora{int(v[1])}-kmajor{int(v[2])}-r{v[3]}-lag{v[4]}" for v in VARIANTS]
+    "i", range(len(VARIANTS)), ids=[f"bm{v[0]}-lora{int(v[1])}-kmajor{int(v[2])}-r{v[3]}" for v in VARIANTS]
 )
 def test_down_compiles_for_sm90(i, compiled):
     _check(compiled[i], VARIANTS[i][0])
 
 
 @pytest.mark.parametrize(
-    "i", range(len(GATHER_VARIANTS)), ids=["{}-bm{}-{}-kmajor{:d}-r{}-lag{}".format(*v) for v in GATHER_VARIANTS]
+    "i", range(len(GATHER_VARIANTS)), ids=["{}-bm{}-{}-kmajor{:d}-r{}".format(*v) for v in GATHER_VARIANTS]
 )
 def test_gather_compiles_for_sm90(i, compiled):
     from moeyard.experts.triton import kernels_gluon_gather as gather
@@ -281,13 +271,11 @@ def test_wgrad_compiles_for_sm90(i, compiled):
     assert k["copy_bytes"] == ["0x10"], f"the gathered rows' copies: {k['copy_bytes']} bytes"
 
 
-@pytest.mark.parametrize("lag", [0, 2], ids=["in-step", "lag-2"])
 @pytest.mark.parametrize("by_index", [False, True], ids=["rows-in-order", "rows-gathered"])
-def test_fp8_grouped_compiles_for_sm90(by_index, lag, compiled):
+def test_fp8_grouped_compiles_for_sm90(by_index, compiled):
     """The e4m3 grouped GEMM (:mod:`moeyard.quant.fp8_gluon`): e4m3 wgmma, two consumer warp groups and a
-    loader; gathering by index, with 16-byte ``cp.async`` copies; also with the second consumer trailing the
-    first (``CONSUMER_LAG``, off by default)."""
-    k = compiled[-4 + 2 * (lag > 0) + by_index]
+    loader; gathering by index, with 16-byte ``cp.async`` copies."""
+    k = compiled[-1 if by_index else -2]
     _check(k, 128)
     assert k["fp8_mma"], "no e4m3 wgmma in the PTX"
     assert k["copy_bytes"] == (["0x10"] if by_index else []), k["copy_bytes"]

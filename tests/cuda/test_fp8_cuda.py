@@ -421,30 +421,3 @@ def test_fp8_dispatch_packed_rows_on_device(N, H):
     got = fp8_rows.pack(x)
     assert torch.equal(got, want)
     assert torch.equal(fp8_rows.unpack(got, H, torch.bfloat16), fp8_rows.unpack_reference(want, H, torch.bfloat16))
-
-
-@pytest.mark.parametrize("gather", [False, True], ids=["rows-in-order", "rows-gathered"])
-def test_gluon_consumer_lag_is_bit_identical(monkeypatch, gather):
-    """``fp8_gluon.CONSUMER_LAG``: the FP8 Gluon GEMM's second consumer warp group trailing the first changes when
-    each MMA is issued, not what it adds: the same bits as in step, at a short reduction (K = 512, the down
-    projection's) and a long one, rows in order and gathered by token."""
-    from moeyard.quant import fp8_gluon, fp8_grouped
-    from moeyard.quant.fp8_triton import rowwise
-
-    g = torch.Generator(device=DEV).manual_seed(0)
-    E, N, R, T = 16, 2048, 8192, 2048
-    for K in (512, 2048):
-        a, sa = rowwise(torch.randn(T if gather else R, K, device=DEV, generator=g, dtype=torch.bfloat16))
-        b, sb = rowwise(torch.randn(E * N, K, device=DEV, generator=g, dtype=torch.bfloat16))
-        b, sb = b.view(E, N, K), sb.view(E, N)
-        counts = torch.bincount(torch.randint(0, E, (R,), device=DEV, generator=g), minlength=E)
-        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
-        index = torch.randint(0, T, (R,), device=DEV, generator=g) if gather else None
-        if not fp8_gluon.ready(a, b, index):
-            pytest.skip("the Gluon FP8 GEMM runs on sm_90 only")
-        base = fp8_grouped.grouped_mm(a, sa, b, sb, offsets, torch.bfloat16, index=index, gluon=True)
-        for lag in (1, 2):
-            monkeypatch.setattr(fp8_gluon, "CONSUMER_LAG", lag)
-            got = fp8_grouped.grouped_mm(a, sa, b, sb, offsets, torch.bfloat16, index=index, gluon=True)
-            assert torch.equal(got, base), (K, lag)
-        monkeypatch.setattr(fp8_gluon, "CONSUMER_LAG", 0)

@@ -58,13 +58,9 @@ from ..experts.triton.kernels_gluon import (
     _tma_load,
     _tma_store,
     barrier_ring,
-    lag_barrier,
-    lag_signal,
-    lag_wait,
     next_stage,
     scaled_z,
     store_layout,
-    trailing_lag,
 )
 from ..experts.triton.kernels_gluon_gather import LOADER_REGS as GATHER_LOADER_REGS, LOADER_WARPS, _cp_async
 
@@ -75,9 +71,6 @@ STAGES = 3  # 144 KiB, and 64 KiB for the two consumers' output tiles: 208 of th
 # a low-rank term's slot takes (BM + BN) RP 2 bytes more: 12 KiB at RP = 16 (220 KiB in all); at RP = 32 and 64
 # (24 and 48 KiB) the output tiles make room for it (stored by row from registers instead)
 MAX_RP = 64
-# K steps by which the second consumer warp group trails the first (0: in step; at most STAGES - 1): one group's
-# epilogue then runs under the other's MMAs. Off until measured (benchmarks/fp8_gemm_probe.py --lag).
-CONSUMER_LAG = 0
 SMEM_BUDGET = 232448 - 4096  # bytes: sm_90's 227 KiB a block, less room for the barriers and layout scratch
 HM = gl.constexpr(64)  # a consumer warp group's rows of a tile
 CONSUMER_REGS = 232  # as the bf16 down projection's (its accumulator is the same [64, 256] float32)
@@ -181,7 +174,6 @@ def _consumer(
     out_desc,
     c_bufs,
     table_ptr,
-    start,
     MA,
     K,
     N,
@@ -195,7 +187,6 @@ def _consumer(
     BN: gl.constexpr,
     BK: gl.constexpr,
     STAGES: gl.constexpr,
-    LAG: gl.constexpr,
 ):
     """A consumer partition (one warp group): rows ``64 half ... 64 half + 63`` of every tile (as
     :func:`moeyard.experts.triton.kernels_gluon._consumer`, with the scales in the epilogue). With
@@ -203,10 +194,7 @@ def _consumer(
     store that runs on while the next tile's MMAs do (waited for only before the buffer is written again);
     a tile that crosses its expert's end is stored by row from registers (its rows past the end are the
     next expert's). With ``LORA`` the low-rank product follows the scales, one synchronous MMA in the
-    compute dtype on the same float32 accumulator (the two MMA layouts place it alike). With ``LAG > 0`` the
-    second warp group starts once the first has issued ``min(LAG, K steps - 1)`` MMAs of its first tile (the
-    ``start`` barrier), and trails it by about that many K steps from then on, so that one group's epilogue
-    runs while the other still has MMAs to issue (``LAG < STAGES``: the first group's lead fits the ring)."""
+    compute dtype on the same float32 accumulator (the two MMA layouts place it alike)."""
     ST: gl.constexpr = store_layout(HM, BN, 4)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     mma16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
@@ -216,7 +204,6 @@ def _consumer(
     compact: gl.constexpr = gl.BlockedLayout([BN // 128], [32], [4], [0])
     pid, nprog, n_tiles_n, my_tiles = _my_tiles(table_ptr, M, N, BN)
     k_steps = gl.cdiv(K, BK)
-    lag_wait(start, half, my_tiles, k_steps, LAG)
     s = 0
     phase = 0
     for t in range(my_tiles):
@@ -243,7 +230,6 @@ def _consumer(
             acc = warpgroup_mma_wait(1, deps=[acc])
             if kt > 0:  # the previous step's MMA has read its stage
                 mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
-            lag_signal(start, half, t, kt, k_steps, LAG)
             s, phase = next_stage(s, phase, STAGES)
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)  # the tile's last stage
@@ -306,7 +292,6 @@ def gluon_grouped_kernel(
     LOADER_WARPS: gl.constexpr,
     LOADER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
-    LAG: gl.constexpr = 0,
 ):
     """The module docstring's product for every tile of the table; one program per SM, tiles ``pid, pid +
     programs, ...``; launched with 4 warps (the first consumer), plus the second consumer and the loader
@@ -333,7 +318,6 @@ def gluon_grouped_kernel(
         z_bufs = a_bufs
         lb_bufs = b_bufs
     lready, lempty = barrier_ring(1, 1, 2)  # the TMA's expect; one arrival per consumer
-    start = lag_barrier(lready, LAG)  # lets a trailing second consumer start
     # the partitions' argument tuples are written out in the call (see kernels_gluon.down_kernel)
     gl.warp_specialize(
         [
@@ -357,7 +341,6 @@ def gluon_grouped_kernel(
                     out_desc,
                     c_bufs,
                     table_ptr,
-                    start,
                     MA,
                     K,
                     N,
@@ -371,7 +354,6 @@ def gluon_grouped_kernel(
                     BN,
                     BK,
                     STAGES,
-                    LAG,
                 ),
             ),
             (
@@ -394,7 +376,6 @@ def gluon_grouped_kernel(
                     out_desc,
                     c_bufs,
                     table_ptr,
-                    start,
                     MA,
                     K,
                     N,
@@ -408,7 +389,6 @@ def gluon_grouped_kernel(
                     BN,
                     BK,
                     STAGES,
-                    LAG,
                 ),
             ),
             (
@@ -571,7 +551,6 @@ def launch(
         LOADER_WARPS=LOADER_WARPS if gather else 1,
         LOADER_REGS=GATHER_LOADER_REGS if gather else LOADER_REGS,
         CONSUMER_REGS=GATHER_CONSUMER_REGS if gather else CONSUMER_REGS,
-        LAG=trailing_lag(CONSUMER_LAG, STAGES),
         num_warps=4,
     )
 

@@ -126,42 +126,6 @@ def barrier_ring(n: gl.constexpr, ready_count: gl.constexpr, empty_count: gl.con
 
 
 @gluon.jit
-def lag_barrier(placeholder, LAG: gl.constexpr):
-    """The barrier that lets a trailing second consumer start (``LAG > 0``: :func:`lag_wait`,
-    :func:`lag_signal`), or ``placeholder`` (never read) without a lag, so that the kernel is the same code as
-    without it."""
-    if LAG > 0:
-        start, _ = barrier_ring(1, 1, 1)
-    else:
-        start = placeholder
-    return start
-
-
-@gluon.jit
-def lag_wait(start, half: gl.constexpr, my_tiles, k_steps, LAG: gl.constexpr):
-    """With ``LAG > 0``, before its tile loop: the second consumer (``half == 1``) waits until the first has
-    issued ``min(LAG, k_steps - 1)`` MMAs of its first tile (:func:`lag_signal`), and trails it from then on by
-    about that many K steps, so that one group's epilogue runs under the other's MMAs. The first group's lead
-    must fit the ring (``LAG < STAGES``); the results are the same bits."""
-    if LAG > 0:
-        if half == 1:
-            if my_tiles > 0:
-                if gl.minimum(k_steps - 1, LAG) > 0:
-                    mbarrier.wait(start.index(0), 0)
-
-
-@gluon.jit
-def lag_signal(start, half: gl.constexpr, t, kt, k_steps, LAG: gl.constexpr):
-    """With ``LAG > 0``, after the first consumer (``half == 0``) issues K step ``kt`` of tile ``t``: the
-    second may start once ``min(LAG, k_steps - 1)`` steps of the first tile are out (:func:`lag_wait`)."""
-    if LAG > 0:
-        if half == 0:
-            if t == 0:
-                if kt + 1 == gl.minimum(k_steps - 1, LAG):
-                    mbarrier.arrive(start.index(0), count=1)
-
-
-@gluon.jit
 def _store_tile(out, pair, rows_ok, c0, NY, y_ptr, BN: gl.constexpr, st: gl.constexpr):
     """Store the output tile (columns ``c0 ...``) by pair in 16-byte vectors: rounded to the output
     dtype, then moved from the MMA layout to the store layout ``st`` (:func:`store_layout`)."""
@@ -263,15 +227,11 @@ def _consumer(
     BN: gl.constexpr,
     BK: gl.constexpr,
     STAGES: gl.constexpr,
-    start,
-    LAG: gl.constexpr,
 ):
     """A consumer partition (one warp group): rows ``64 half ... 64 half + 63`` of every tile. Each K step's MMA
     runs with one in flight; the stage the previous one read goes back to the loader. The stage index
     of the previous step is recomputed, not carried (a variable assigned only from another loop
-    variable was not carried by Triton 3.6's loop lowering). With ``LAG > 0`` (two consumers) the second
-    starts once the first has issued ``min(LAG, K steps - 1)`` MMAs of its first tile (the ``start`` barrier)
-    and trails it from then on, so that one group's epilogue runs under the other's MMAs (``LAG < STAGES``)."""
+    variable was not carried by Triton 3.6's loop lowering)."""
     HM: gl.constexpr = 64  # a warp group's MMA rows
     ST: gl.constexpr = store_layout(HM, BN, 4)
     dtype: gl.constexpr = a_bufs.dtype
@@ -281,7 +241,6 @@ def _consumer(
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
     pid, nprog, n_tiles_n, my_tiles = _my_tiles(table_ptr, M, NY, BN)
     k_steps = gl.cdiv(KA, BK)
-    lag_wait(start, half, my_tiles, k_steps, LAG)
     s = 0
     phase = 0
     for t in range(my_tiles):
@@ -303,7 +262,6 @@ def _consumer(
             acc = warpgroup_mma_wait(1, deps=[acc])
             if kt > 0:  # the previous step's MMA has read its stage
                 mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
-            lag_signal(start, half, t, kt, k_steps, LAG)
             s, phase = next_stage(s, phase, STAGES)
         if LORA:
             slot = t % 2
@@ -360,7 +318,6 @@ def down_kernel(
     STAGES: gl.constexpr,
     LOADER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
-    LAG: gl.constexpr = 0,
 ):
     """``y[pair] = w[pair] * (a[row] @ W[e].T + b[e] (+ s z[row] @ Lb_e^T with LORA))`` for every
     existing tile (see the module docstring); one program per SM, tiles ``pid, pid + programs, ...``;
@@ -386,7 +343,6 @@ def down_kernel(
         z_bufs = a_bufs
         lb_bufs = a_bufs
     lready, lempty = barrier_ring(2, 1, CONSUMERS)
-    start = lag_barrier(lready, LAG)  # lets a trailing second consumer start
     # the partitions' argument tuples are written out in the call: a constexpr inside a concatenated tuple
     # reaches the partition as a runtime value, and a tuple holding a function cannot be built (Triton 3.6)
     if CONSUMERS == 2:
@@ -426,8 +382,6 @@ def down_kernel(
                         BN,
                         BK,
                         STAGES,
-                        start,
-                        LAG,
                     ),
                 ),
                 (
@@ -464,8 +418,6 @@ def down_kernel(
                         BN,
                         BK,
                         STAGES,
-                        start,
-                        LAG,
                     ),
                 ),
                 (
@@ -536,8 +488,6 @@ def down_kernel(
                         BN,
                         BK,
                         STAGES,
-                        start,
-                        LAG,
                     ),
                 ),
                 (
@@ -574,18 +524,6 @@ def down_kernel(
 
 
 BN, BK = 256, 64  # the measured tile (as the Triton kernel's best config)
-# K steps by which the second consumer warp group trails the first in the Gluon kernels of the down projection,
-# the up projection and dh (0: in step; at most their STAGES - 1): one group's epilogue then runs under the other's
-# MMAs. Off until measured (benchmarks/triton_profile.py --consumer-lag).
-CONSUMER_LAG = 0
-
-
-def trailing_lag(lag: int, stages: int, block_m: int = 128) -> int:
-    """The ``LAG`` constexpr a kernel launch passes (:func:`lag_wait`): ``lag`` K steps at most ``stages - 1``
-    (the first consumer's lead must fit the ring), 0 with one consumer (``block_m`` 64)."""
-    return min(lag, stages - 1) if block_m == 128 else 0
-
-
 # pipeline depth: 4 stages of 48 KiB where the LoRA ring fits beside them (RP <= 16: 220 KiB of shared
 # memory in all), else 3; the epilogue's layout conversion within warps (store_layout) takes no shared
 # memory of its own (through a blocked layout it took 32 KiB: then 3 stages at most; NOTES round 16)
@@ -711,7 +649,6 @@ def launch(
         STAGES=stages(rp if lb is not None else 0),
         LOADER_REGS=LOADER_REGS,
         CONSUMER_REGS=CONSUMER_REGS,
-        LAG=trailing_lag(CONSUMER_LAG, stages(rp if lb is not None else 0), block_m),
         num_warps=4,
     )
 

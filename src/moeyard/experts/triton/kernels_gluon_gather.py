@@ -56,9 +56,6 @@ from .kernels_gluon import (
     _tile_of,
     _tma_load,
     barrier_ring,
-    lag_barrier,
-    lag_signal,
-    lag_wait,
     load_lora,
     next_stage,
     scaled_z,
@@ -252,13 +249,10 @@ def _consumer(
     BN: gl.constexpr,
     BK: gl.constexpr,
     STAGES: gl.constexpr,
-    start,
-    LAG: gl.constexpr,
 ):
     """A consumer partition (one warp group): rows ``64 half ... 64 half + 63`` of every tile (see the
     module docstring). As in :mod:`.kernels_gluon`, the previous step's stage index is recomputed, not
-    carried; and with ``LAG > 0`` the second group trails the first by about that many K steps (the ``start``
-    barrier; :func:`.kernels_gluon._consumer`)."""
+    carried."""
     HM: gl.constexpr = 64  # a warp group's MMA rows
     ST: gl.constexpr = store_layout(HM, BN, 4)
     dtype: gl.constexpr = x_bufs.dtype
@@ -268,7 +262,6 @@ def _consumer(
     pid, nprog, n_tiles_n, my_tiles = _my_tiles(table_ptr, M, NA, BN)
     k_steps = gl.cdiv(K, BK)
     IN_FLIGHT: gl.constexpr = 1 + TWO_B  # one K step's MMAs
-    lag_wait(start, half, my_tiles, k_steps, LAG)
     s = 0
     phase = 0
     for t in range(my_tiles):
@@ -293,7 +286,6 @@ def _consumer(
             acc_g, acc_u = warpgroup_mma_wait(IN_FLIGHT, deps=[acc_g, acc_u])
             if kt > 0:  # the previous step's MMAs have read its stage
                 mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
-            lag_signal(start, half, t, kt, k_steps, LAG)
             s, phase = next_stage(s, phase, STAGES)
         if LORA:
             slot = t % 2
@@ -606,7 +598,6 @@ def gathered_kernel(
     LOADER_WARPS: gl.constexpr,
     LOADER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
-    LAG: gl.constexpr = 0,
 ):
     """Up (``DH`` false): ``h = x[token] @ W[e].T + b[e] (+ s z Lb_e^T)``, ``a = act(h)``; dh: ``g =
     d_out[token] @ W_down[e] (+ s z Lb_e^T)`` and its epilogue; for every existing tile (see the module
@@ -643,7 +634,6 @@ def gathered_kernel(
         lbg_bufs = x_bufs
         lbu_bufs = x_bufs
     lready, lempty = barrier_ring(2, 1, CONSUMERS)
-    start = lag_barrier(lready, LAG)  # lets a trailing second consumer start
     # argument tuples written out in each call (see kernels_gluon.down_kernel: Triton 3.6 passes a constexpr
     # inside a concatenated tuple as a runtime value)
     if CONSUMERS == 2:
@@ -695,8 +685,6 @@ def gathered_kernel(
                         BN,
                         BK,
                         STAGES,
-                        start,
-                        LAG,
                     ),
                 ),
                 (
@@ -745,8 +733,6 @@ def gathered_kernel(
                         BN,
                         BK,
                         STAGES,
-                        start,
-                        LAG,
                     ),
                 ),
                 (
@@ -842,8 +828,6 @@ def gathered_kernel(
                         BN,
                         BK,
                         STAGES,
-                        start,
-                        LAG,
                     ),
                 ),
                 (
@@ -1208,11 +1192,8 @@ def _launch(
 ) -> None:
     """:func:`gathered_kernel` over every (row tile of ``table``, column tile of ``NA``), one program per SM at
     most; ``meta``: the constexprs that differ between the up projection and dh."""
-    from . import kernels_gluon
-
     M = table.shape[0] // 2
     grid = (min(M * -(-NA // BN), num_sms),)
-    lag = kernels_gluon.trailing_lag(kernels_gluon.CONSUMER_LAG, meta["STAGES"], meta["BM"])
     gathered_kernel[grid](
         x,
         w_d,
@@ -1245,7 +1226,6 @@ def _launch(
         BN=BN,
         BK=BK,
         CONSUMER_REGS=CONSUMER_REGS,
-        LAG=lag,
         num_warps=4,
         **meta,
     )
