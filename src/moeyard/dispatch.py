@@ -145,7 +145,10 @@ def make_plan(topk_ids: Tensor, num_experts: int, *, align: int = 1) -> Dispatch
     A stable sort groups pairs by expert; ``searchsorted`` on the sorted ids gives the offsets
     (deterministic, no atomics, no host sync). Pairs whose id is outside ``[0, E)`` sort to the tail
     and belong to no expert (``valid`` is False for them); backends treat them as the caller asked
-    (an error, NaN output or dropped: see :func:`moeyard.experts`).
+    (an error, NaN output or dropped: see :func:`moeyard.experts`). On CUDA (:func:`one_pass`) the sort is
+    :func:`sort_by_expert` (one launch for few pairs) and the rest one launch
+    (:func:`moeyard.dispatch_triton.plan_`), where the torch path takes about 15 ops (25 with ``align``): the
+    same values.
 
     Args:
         topk_ids: ``[T, K]`` integer expert ids.
@@ -166,20 +169,30 @@ def make_plan(topk_ids: Tensor, num_experts: int, *, align: int = 1) -> Dispatch
         raise ValueError(f"align: expected a positive int, got {align!r}")
     T, K = topk_ids.shape
     N, E, dev = T * K, num_experts, topk_ids.device
-    keys = _sort_keys(topk_ids, E)
-    sorted_keys, sort_order, expert_offsets = _sort(keys, E)
-    valid = keys < E
-    tokens_per_expert = expert_offsets.diff()
-    positions = torch.arange(N, device=dev, dtype=torch.int64)
-    if align == 1:
-        padded_offsets, sorted_rows, num_rows = expert_offsets, positions, N
+    num_rows = N if align == 1 else -(-(N + E * (align - 1)) // align) * align
+    if one_pass(topk_ids):
+        sorted_keys, sort_order, expert_offsets = sort_by_expert(topk_ids, E)
+        padded_offsets = expert_offsets if align == 1 else _padded_offsets(expert_offsets.diff(), align)
+        pair_rows = torch.empty(N, device=dev, dtype=torch.int64)
+        valid = torch.empty(N, device=dev, dtype=torch.bool)
+        tokens_per_expert = torch.empty(E, device=dev, dtype=torch.int32)
+        from .dispatch_triton import plan_
+
+        plan_(sorted_keys, sort_order, expert_offsets, padded_offsets, pair_rows, valid.view(torch.uint8),
+              tokens_per_expert)  # fmt: skip
     else:
-        padded = (tokens_per_expert + (align - 1)) // align * align
-        padded_offsets = torch.cat([padded.new_zeros(1), padded.cumsum(0, dtype=torch.int32)])
-        shift = (padded_offsets - expert_offsets).to(torch.int64)  # [E + 1]; tail keeps its shift
-        sorted_rows = positions + shift[sorted_keys.to(torch.int64)]  # uint8 would index as a mask
-        num_rows = -(-(N + E * (align - 1)) // align) * align
-    pair_rows = torch.empty_like(sorted_rows).index_copy_(0, sort_order, sorted_rows)
+        keys = _sort_keys(topk_ids, E)
+        sorted_keys, sort_order, expert_offsets = _sort(keys, E)
+        valid = keys < E
+        tokens_per_expert = expert_offsets.diff()
+        positions = torch.arange(N, device=dev, dtype=torch.int64)
+        if align == 1:
+            padded_offsets, sorted_rows = expert_offsets, positions
+        else:
+            padded_offsets = _padded_offsets(tokens_per_expert, align)
+            shift = (padded_offsets - expert_offsets).to(torch.int64)  # [E + 1]; tail keeps its shift
+            sorted_rows = positions + shift[sorted_keys.to(torch.int64)]  # uint8 would index as a mask
+        pair_rows = torch.empty_like(sorted_rows).index_copy_(0, sort_order, sorted_rows)
     return DispatchPlan(
         num_tokens=T,
         top_k=K,
@@ -193,6 +206,60 @@ def make_plan(topk_ids: Tensor, num_experts: int, *, align: int = 1) -> Dispatch
         pair_rows=pair_rows,
         valid=valid,
     )
+
+
+def one_pass(topk_ids: Tensor) -> bool:
+    """Whether :func:`make_plan` and :func:`plan_rows` take their Triton kernels
+    (:mod:`moeyard.dispatch_triton`): Triton installed, at least one pair, on CUDA (or on CPU under
+    ``TRITON_INTERPRET=1``), in eager mode (while ``torch.compile`` traces, the torch ops: Inductor fuses
+    them, and it cannot lower the kernels' byte view of a bool tensor). Host metadata only."""
+    if not have_triton() or topk_ids.numel() == 0 or torch.compiler.is_compiling():
+        return False
+    return topk_ids.is_cuda or (topk_ids.is_cpu and interpreting())
+
+
+def _padded_offsets(tokens_per_expert: Tensor, align: int) -> Tensor:
+    """``[E + 1]`` int32: each expert's first row with every expert's rows padded to a multiple of ``align``."""
+    padded = (tokens_per_expert + (align - 1)) // align * align
+    return torch.cat([padded.new_zeros(1), padded.cumsum(0, dtype=torch.int32)])
+
+
+def plan_rows(
+    plan: DispatchPlan, topk_weights: Tensor, *, nan_terms: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """What a backend that reads token rows in the plan's row order needs of it, in one launch on CUDA
+    (:func:`one_pass`; torch ops otherwise, the same values):
+
+    - ``row_tokens [R]`` int64: :meth:`DispatchPlan.row_tokens` (``T`` for a padding row or an invalid pair's);
+    - ``live_rows [T, K]`` int64: each pair's row, -1 for an invalid pair;
+    - ``row_weights [R]`` float32: each valid pair's ``topk_weights`` at its row, 0 elsewhere (no autograd);
+    - with ``nan_terms``, ``[T]`` float32: 0 times the sum of each token's invalid pairs' weights (NaN where
+      one is NaN or infinite: what :func:`moeyard.experts` puts there), else None.
+
+    ``topk_weights [T, K]``: any float dtype and strides. No host sync.
+
+    Raises:
+        ValueError: ``topk_weights`` is not ``[T, K]`` of ``plan``.
+    """
+    T, K = plan.num_tokens, plan.top_k
+    if not isinstance(topk_weights, Tensor) or tuple(topk_weights.shape) != (T, K):
+        raise ValueError(f"topk_weights: expected a tensor of shape {(T, K)}, got {kind(topk_weights)}")
+    if one_pass(topk_weights):
+        from .dispatch_triton import rows_
+
+        dev, R = topk_weights.device, plan.num_rows
+        row_tokens = torch.empty(R, device=dev, dtype=torch.int64)
+        row_weights = torch.empty(R, device=dev, dtype=torch.float32)
+        live_rows = torch.empty(T, K, device=dev, dtype=torch.int64)
+        terms = torch.empty(T, device=dev, dtype=torch.float32) if nan_terms else None
+        rows_(plan.pair_rows, plan.valid.view(torch.uint8), plan.expert_offsets, plan.padded_offsets,
+              topk_weights, plan.align, row_tokens, row_weights, live_rows, terms)  # fmt: skip
+        return row_tokens, live_rows, row_weights, terms
+    live = plan.valid.view(T, K)
+    w = topk_weights.detach().float()
+    row_weights = w.new_zeros(plan.num_rows).index_put((plan.pair_rows,), w.masked_fill(~live, 0).reshape(-1))
+    terms = 0 * w.masked_fill(live, 0).sum(1) if nan_terms else None
+    return plan.row_tokens(), plan.pair_rows.view(T, K).masked_fill(~live, -1), row_weights, terms
 
 
 def permute(x: Tensor, plan: DispatchPlan) -> Tensor:

@@ -352,3 +352,23 @@ def test_one_launch_sort_on_cuda(T, K, E):
     got = sort_by_expert_small(ids, E, dispatch._key_dtype(E))
     for name, a, b in zip(("keys", "order", "offsets"), want, got, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("T,K,E,align", [(1, 8, 128, 1), (256, 8, 128, 16), (4096, 8, 128, 1), (3000, 8, 256, 16)])
+def test_plan_kernels_on_cuda(T, K, E, align):
+    """``make_plan`` and ``plan_rows`` on their Triton kernels (compiled) against the torch path on the CPU:
+    every field, invalid ids included, one-launch sort (few pairs) and ``torch.sort`` (many), with padding."""
+    from moeyard.dispatch import make_plan, plan_rows
+
+    g = torch.Generator().manual_seed(T + E)
+    ids = torch.randint(-2, E + 3, (T, K), generator=g)
+    w = torch.rand(T, K, generator=g, dtype=torch.bfloat16)
+    want = make_plan(ids, E, align=align)  # CPU: the torch path (no interpreter in the CUDA tests)
+    got = make_plan(ids.to(DEV), E, align=align)
+    for name in ("tokens_per_expert", "expert_offsets", "padded_offsets", "sort_order", "pair_rows", "valid"):
+        a, b = getattr(want, name), getattr(got, name)
+        assert a.dtype == b.dtype and torch.equal(a, b.cpu()), name
+    for name, a, b in zip(("row_tokens", "live_rows", "row_weights", "nan_terms"),
+                          plan_rows(want, w, nan_terms=True), plan_rows(got, w.to(DEV), nan_terms=True),
+                          strict=True):  # fmt: skip
+        torch.testing.assert_close(b.cpu(), a, rtol=0, atol=0, equal_nan=True, msg=name)

@@ -51,7 +51,7 @@ import torch
 
 from ..activations import Activation
 from ..checks import env_choice
-from ..dispatch import DispatchPlan, make_plan, rows_by_token
+from ..dispatch import DispatchPlan, make_plan, plan_rows, rows_by_token
 from ..kernel_op import have_triton
 from ..quant import weight_cache
 from ..quant.recipe import Recipe
@@ -237,14 +237,14 @@ def routed_ffn(
     without ``drop_invalid`` their NaN routing weight (:func:`moeyard.experts` sets it) makes their token's
     row NaN."""
     recipe = weights.recipe
-    T, K = topk_ids.shape
     gemm = gemm_backend()  # read once: forward and backward must agree with the plan's alignment
     flat = unpadded(weights, gemm)
     plan = make_plan(topk_ids, weights.num_experts, align=1 if flat else recipe.align)
-    live = plan.valid.view(T, K)
     offsets = plan.padded_offsets
-    # each pair's row, -1 for an invalid pair (the combines skip it: its row is past offsets[E], unwritten)
-    row_tokens, pair_rows = plan.row_tokens(), plan.pair_rows.view(T, K).masked_fill(~live, -1)
+    # each pair's row, -1 for an invalid pair (the combines skip it: its row is past offsets[E], unwritten); the
+    # NaN weight of an invalid id reaches its token's row (0 * NaN) in the combine's own float32 sum (no
+    # gradient: a constant term)
+    row_tokens, pair_rows, row_weights, nan_terms = plan_rows(plan, topk_weights, nan_terms=not drop_invalid)
     lora = weights.lora_up is not None or weights.lora_down is not None
     # the triton backend's view of the rows, for the kernels that read one operand by token (unpadded rows)
     routing = _routing(plan, topk_ids) if flat and (lora or recipe.wgrad is None) else None
@@ -261,10 +261,7 @@ def routed_ffn(
         from .pipeline import add_row_bias
 
         h = add_row_bias(h, weights.b_up, plan)
-    rw = _row_weights(topk_weights, plan, live)
-    # the NaN weight of an invalid id reaches its token's row (0 * NaN) in the combine's own float32 sum;
-    # no gradient (a constant term), so nothing for backward to reduce
-    nan_terms = None if drop_invalid else 0 * topk_weights.detach().float().masked_fill(live, 0).sum(1)
+    rw = _RowWeights.apply(topk_weights, row_weights, pair_rows)
     out = _ActDownCombine.apply(
         h,
         w_down,
@@ -340,11 +337,22 @@ def _tile_table():
     return TileTable()
 
 
-def _row_weights(topk_weights: Tensor, plan: DispatchPlan, live: Tensor) -> Tensor:
-    """``[R]`` float32: each live pair's routing weight at its row, zero elsewhere (pad rows, invalid pairs);
-    differentiable w.r.t. ``topk_weights`` (the gradient reads back the same rows)."""
-    w = topk_weights.float().masked_fill(~live, 0).reshape(-1)
-    return w.new_zeros(plan.num_rows).index_put((plan.pair_rows,), w)
+class _RowWeights(torch.autograd.Function):
+    """``row_weights [R]`` float32 (:func:`moeyard.dispatch.plan_rows`: each valid pair's routing weight at its
+    row, zero elsewhere) as a function of ``topk_weights [T, K]``: the gradient reads back each pair's row
+    (``pair_rows``, -1 for an invalid pair: no gradient)."""
+
+    @staticmethod
+    def forward(ctx, topk_weights: Tensor, row_weights: Tensor, pair_rows: Tensor) -> Tensor:
+        ctx.save_for_backward(pair_rows)
+        ctx.dtype = topk_weights.dtype
+        return row_weights
+
+    @staticmethod
+    def backward(ctx, d_rows: Tensor):
+        (pair_rows,) = ctx.saved_tensors
+        # index -1 reads the appended zero
+        return torch.cat([d_rows, d_rows.new_zeros(1)])[pair_rows].to(ctx.dtype), None, None
 
 
 def _dgrad(
