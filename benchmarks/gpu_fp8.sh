@@ -16,6 +16,8 @@
 #   (benchmarks/fp8_gemm_probe.py, FP8_PROBE_ARGS its arguments: each FP8 GEMM alone); "ab" (this tree against
 #   BASE, an earlier src/ in a carried git-ignored folder: the bench's bf16 and gw_hp rows, trees interleaved,
 #   FP8_AB_RUNS times each, FP8_BENCH_ARGS added; benchmarks/ab_table.py prints each run and the medians' difference);
+#   "hostab" (the same trees through benchmarks/host_time.py: host, device and step ms of the forward and the
+#   forward + backward, bf16 and the FP8 recipes, FP8_HOST_ARGS its shape arguments, FP8_HOST_BACKENDS its rows);
 #   "lora" (LoRA on an FP8 base: the FP8 GEMMs' low-rank term and the fused LoRA layer's CUDA tests, then the LoRA
 #   bench, bf16 and FP8 base, frozen and LoRA rows, at the given models (default the three LoRA shapes), with
 #   FP8_LORA_ACCUM micro-batches per cast block, default "1 8"); "graphs" (the bench's bf16 and gw_hp rows with
@@ -67,6 +69,12 @@ for s in $STEPS; do case $s in
           --json "$OUT/ab_${tree}_$r.json" "${margs[@]}" ${FP8_BENCH_ARGS:-}
       done; done
       step ab_table 20 python3 benchmarks/ab_table.py "$OUT" ;;
+  hostab) for r in ${FP8_AB_RUNS:-1}; do for tree in this base; do
+            src=$PWD/src; [ $tree = base ] && src=${BASE:?BASE: a folder holding src/}/src
+            step "host_${tree}_$r" 150 env PYTHONPATH="$src:${PYTHONPATH#*:}" python3 benchmarks/host_time.py \
+              ${FP8_HOST_ARGS:---models sonic-7b --tokens 256,24576 --steps fwd,fwdbwd} \
+              --backends "${FP8_HOST_BACKENDS:-triton,triton+fp8_rowwise_gw_hp,triton+fp8_rowwise}"
+          done; done ;;
   lora) step pytest_lora 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_grouped.py \
           tests/cuda/test_fp8_cuda.py
         lmodels=("${margs[@]}"); [ ${#lmodels[@]} -eq 0 ] && lmodels=(--model qwen3-30b-a3b --model qwen3.5-35b-a3b --model olmoe-1b-7b)
