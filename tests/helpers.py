@@ -301,3 +301,35 @@ def shared_expert_grads(shared, x: Tensor, routed: Tensor, dy: Tensor, fused: bo
     y = add_shared(shared, x, r, inplace=True) if fused else r + shared(x)
     y.backward(dy)
     return [y.detach(), x.grad, r0.grad] + [p.grad for p in shared.parameters()]
+
+
+def count_torch_ops(fn, paused: list[tuple[object, str]]) -> int:
+    """The torch ops ``fn()`` dispatches, views and allocations included, outside the calls of
+    ``getattr(module, name)`` for each ``(module, name)`` in ``paused`` (kernel launchers, whose launches the
+    interpreter runs through torch ops of its own): the host's glue around them."""
+    import pytest
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n, paused = 0, False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += not Count.paused
+            return func(*args, **(kwargs or {}))
+
+    def pause(real):
+        def run(*a, **k):
+            Count.paused = True
+            try:
+                return real(*a, **k)
+            finally:
+                Count.paused = False
+
+        return run
+
+    with pytest.MonkeyPatch.context() as mp:
+        for module, name in paused:
+            mp.setattr(module, name, pause(getattr(module, name)))
+        with Count():
+            fn()
+    return Count.n

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moeyard
-from helpers import random_ids
+from helpers import count_torch_ops, random_ids
 from moeyard import make_plan, permute, unpermute
 
 
@@ -675,36 +675,13 @@ def test_plan_host_ops():
     its rows (:func:`make_plan`, :func:`moeyard.dispatch.plan_rows`) take their three kernel launches and a
     fixed budget of torch ops around them: at align 1 ten allocations and five views; at 16 the padded offsets'
     nine ops more. The torch path takes 33 ops at align 1 and 43 at 16, most of them kernels."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from moeyard import dispatch_triton
     from moeyard.dispatch import plan_rows
 
-    class Count(TorchDispatchMode):
-        n, paused = 0, False
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += not Count.paused
-            return func(*args, **(kwargs or {}))
-
-    def paused(real):
-        def run(*a, **k):
-            Count.paused = True
-            try:
-                return real(*a, **k)
-            finally:
-                Count.paused = False
-
-        return run
-
     ids, w = random_ids(64, 8, 128), torch.rand(64, 8)
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("sort_small_", "plan_", "rows_"):
-            mp.setattr(dispatch_triton, name, paused(getattr(dispatch_triton, name)))
-        counts = []
-        for align in (1, 16):
-            Count.n = 0
-            with Count():
-                plan_rows(make_plan(ids, 128, align=align), w, nan_terms=True)
-            counts.append(Count.n)
+    paused = [(dispatch_triton, name) for name in ("sort_small_", "plan_", "rows_")]
+    counts = [
+        count_torch_ops(lambda align=align: plan_rows(make_plan(ids, 128, align=align), w, nan_terms=True), paused)
+        for align in (1, 16)
+    ]
     assert counts[0] <= 15 and counts[1] <= 24, counts

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import EPS, rel_err, shared_expert_grads
+from helpers import EPS, count_torch_ops, rel_err, shared_expert_grads
 from moeyard import MoE, MoEConfig
 from moeyard.activations import Activation
 from moeyard.kernel_op import interpreting
@@ -176,38 +176,10 @@ def test_layer_uses_it(gate, monkeypatch):
 
 
 def _torch_ops(fn) -> int:
-    """The torch ops ``fn`` dispatches, outside the two Triton passes (whose launches the interpreter runs
-    through torch ops of its own), views included."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    """The torch ops ``fn`` dispatches, outside the two Triton passes, views included."""
     from moeyard.quant import fp8_triton
 
-    class Count(TorchDispatchMode):
-        n, paused = 0, False
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += not Count.paused
-            return func(*args, **(kwargs or {}))
-
-    def paused(real):
-        def run(*a, **k):
-            Count.paused = True
-            try:
-                return real(*a, **k)
-            finally:
-                Count.paused = False
-
-        return run
-
-    mp = pytest.MonkeyPatch()
-    for name in ("act_rows", "act_backward"):
-        mp.setattr(fp8_triton, name, paused(getattr(fp8_triton, name)))
-    try:
-        with Count():
-            fn()
-    finally:
-        mp.undo()
-    return Count.n
+    return count_torch_ops(fn, [(fp8_triton, "act_rows"), (fp8_triton, "act_backward")])
 
 
 @pytest.mark.parametrize("gate", [True, False], ids=["gated", "plain"])
