@@ -57,6 +57,7 @@ from ..quant import weight_cache
 from ..quant.recipe import Recipe
 from ..weighted_sum import gathered_sum
 from .scaled import Emulated, RecipeGEMMs
+from .triton.options import read_once
 from .weights import ExpertWeights
 
 Tensor = torch.Tensor
@@ -222,6 +223,9 @@ def warn_lora_composed(weights: ExpertWeights) -> None:
     )
 
 
+# the triton backend's options read once for the forward's launches, and once in each backward (its kernels
+# serve the weight gradients in the compute dtype, the LoRA terms and the tile tables)
+@read_once
 def routed_ffn(
     x: Tensor,
     topk_ids: Tensor,
@@ -581,6 +585,7 @@ class _GatheredUp(torch.autograd.Function):
         return h
 
     @staticmethod
+    @read_once
     def backward(ctx, dh):
         x, w, row_tokens, offsets, a_lo, b_lo, z = ctx.saved_tensors
         w = ctx.stored or w
@@ -662,6 +667,7 @@ class _ActDownCombine(torch.autograd.Function):
         return gathered_sum(y, pair_rows, row_terms=terms)[0]
 
     @staticmethod
+    @read_once
     def backward(ctx, d_out):
         h, w, offsets, rw, row_tokens, a_lo, b_lo, z = ctx.saved_tensors
         w = ctx.stored or w
