@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round per stage, each time-boxed to fit one 10-minute device call (bf16, routed experts only,
 # the torch grouped_mm pipeline and, when installed, SonicMoE timed in the same run).
-# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|loaders|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|tmaup|routerab|lora|loraab|lorapointer|compile]
+# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|loaders|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|tmaup|routerab|lora|loraab|lorapointer|compile|small]
 #   main: verify, CUDA tests, bench (random and Zipf routing) at qwen3-30b-a3b and sonic-7b.
 #   profile: the TMA CUDA tests, then the triton backend's per-kernel profile with A/B of the TMA-loaded
 #            down projection (benchmarks/triton_profile.py).
@@ -46,6 +46,9 @@
 #   lorapointer: the LoRA step with the pointer-loaded down projection (MOEYARD_TRITON_TMA=0) against the
 #       default TMA one, interleaved: kernels in launch order, split and fused (lora_profile.py), then frozen
 #       vs LoRA at LORA_MODEL.
+#   small: few tokens per call (decoding, small batches), where the host sets the pace: benchmarks/host_time.py at
+#       SMALL_MODEL (default qwen3-30b-a3b), 8-4096 tokens, inference and training steps, triton against the torch
+#       pipeline, grouped_mm and (with .peers carried) SonicMoE; host, device and step ms.
 #   compile: the triton and transformers CUDA tests (torch.compile with Inductor among them), then the whole layer
 #       eager, under torch.compile and under torch.compile's CUDA graphs (reduce-overhead), interleaved, twice
 #       each, at sonic-7b and qwen3-30b-a3b (RUNS="1 2" by default; NO_TESTS=1 skips the tests).
@@ -238,6 +241,11 @@ elif [[ $STAGE == compile ]]; then
         --no-peers "${flag[@]}" --json "$OUT/bench_compile_${mode}_$run.json"
     done
   done
+elif [[ $STAGE == small ]]; then
+  peers=""; [[ -n ${PEERS:-} ]] && peers=",sonicmoe"
+  step host_small 540 python3 benchmarks/host_time.py --models "${SMALL_MODEL:-qwen3-30b-a3b}" --tokens 8,64,512,4096 \
+    --backends "triton,grouped_mm,torch_gmm$peers" --steps infer,fwdbwd --routers auto --iters 40 \
+    --json "$OUT/host_small.json"
 else  # anchors: the other ANCHORS.md shapes
   step bench_anchors 560 "${BENCH[@]}" --model sonic-30b-a --model sonic-120b --model qwen3.5-35b-a3b \
     --backends triton,torch_gmm${PEERS:+,sonicmoe} --json "$OUT/bench_anchors.json"
