@@ -127,6 +127,22 @@ def profile_host(module, inputs, iters: int, top: int, dump: str | None = None, 
     return buf.getvalue()
 
 
+HEADER = (
+    f"{'model':16} {'tokens':>6} {'backend':10} {'router':7} {'step':6} {'host ms':>8} {'held host':>9} "
+    f"{'device ms':>9} {'step ms':>8} {'host/dev':>8}  sync?"
+)
+
+
+def _row(r: dict) -> str:
+    """One row of the table (:data:`HEADER`)."""
+    sync = "yes" if r["held_host_ms"] > r["sleep_ms"] / 2 else "no"
+    return (
+        f"{r['model']:16} {r['tokens']:6d} {r['backend']:10} {r['router']:7} {r['step']:6} {r['host_ms']:8.3f} "
+        f"{r['held_host_ms']:9.3f} {r['device_ms']:9.3f} {r['step_ms']:8.3f} "
+        f"{r['host_ms'] / r['device_ms']:8.2f}  {sync}"
+    )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="sonic-7b,qwen3-30b-a3b")
@@ -178,21 +194,14 @@ def main(argv=None) -> int:
                             text = profile_host(module, inputs, a.iters, a.top, dump, step)
                             profiles.append((f"{model} T={shape.tokens} {backend} router={router} step={step}", text))
                     rows.append(dict(model=model, tokens=shape.tokens, backend=backend, router=router, step=step, **r))
+                    print(_row(rows[-1]), flush=True)  # as it goes: a run cut short keeps its rows
             del module
             torch.cuda.empty_cache()
     for name, text in profiles:
         print(f"## cProfile {name} ({a.iters} steps)\n{text}")
-    print(
-        f"{'model':16} {'tokens':>6} {'backend':10} {'router':7} {'step':6} {'host ms':>8} {'held host':>9} "
-        f"{'device ms':>9} {'step ms':>8} {'host/dev':>8}  sync?"
-    )
+    print(HEADER)
     for r in rows:
-        sync = "yes" if r["held_host_ms"] > r["sleep_ms"] / 2 else "no"
-        print(
-            f"{r['model']:16} {r['tokens']:6d} {r['backend']:10} {r['router']:7} {r['step']:6} {r['host_ms']:8.3f} "
-            f"{r['held_host_ms']:9.3f} {r['device_ms']:9.3f} {r['step_ms']:8.3f} "
-            f"{r['host_ms'] / r['device_ms']:8.2f}  {sync}"
-        )
+        print(_row(r))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
