@@ -13,6 +13,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 import moeyard  # noqa: E402
+from moeyard.launch import Cached  # noqa: E402
 
 OPTIONAL = ("moeyard.jax", "moeyard.integrations", "moeyard.bench")  # other dependencies; no kernels
 # what @triton.jit (and Gluon's) makes: a JITFunction, or under TRITON_INTERPRET=1 an InterpretedFunction
@@ -23,12 +24,21 @@ except ImportError:  # another Triton layout: only compiled kernels
 KERNELS = (triton.runtime.jit.JITFunction, InterpretedFunction)
 
 
+def _kernels(module):
+    """``(name, kernel)`` of each kernel a module defines at top level (a :class:`~moeyard.launch.Cached` one
+    unwrapped)."""
+    for name, v in vars(module).items():
+        v = v.kernel if isinstance(v, Cached) else v
+        if isinstance(v, KERNELS):
+            yield name, v
+
+
 def _kernel_modules():
     for info in pkgutil.walk_packages(moeyard.__path__, "moeyard."):
         if info.name.startswith(OPTIONAL) or info.name.endswith("__main__"):
             continue
         module = importlib.import_module(info.name)
-        if any(isinstance(v, KERNELS) for v in vars(module).values()):
+        if any(True for _ in _kernels(module)):
             yield module
 
 
@@ -52,8 +62,8 @@ def test_kernels_read_globals_as_constexpr():
     bad = {
         f"{m.__name__}.{name}": names
         for m in modules
-        for name, v in vars(m).items()
-        if isinstance(v, KERNELS) and v.fn.__module__ == m.__name__ and (names := _plain_globals(v))
+        for name, v in _kernels(m)
+        if v.fn.__module__ == m.__name__ and (names := _plain_globals(v))
     }
     assert not bad, f"module globals read inside kernels must be tl.constexpr: {bad}"
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .kernel_op import kernel_op
+from .launch import cached
 
 Tensor = torch.Tensor
 # one program sorts them in registers (bitonic: N log2(N)^2 / 2 exchanges). Device time on an H100 against the
@@ -39,6 +40,7 @@ def fits(num_pairs: int, num_experts: int) -> bool:
     return 0 < num_pairs <= MAX_PAIRS and num_experts <= MAX_EXPERTS
 
 
+@cached
 @triton.jit
 def sort_small_kernel(
     ids_ptr, keys_ptr, order_ptr, offsets_ptr, N, E, N_P2: tl.constexpr, SHIFT: tl.constexpr, E_P2: tl.constexpr
@@ -128,6 +130,7 @@ def sort_by_expert_small(topk_ids: Tensor, num_experts: int, key_dtype: torch.dt
 PLAN_BLOCK = 1024  # pairs (or rows) per program of the plan kernels
 
 
+@cached
 @triton.jit
 def plan_kernel(keys_ptr, order_ptr, eo_ptr, po_ptr, pair_rows_ptr, valid_ptr, tpe_ptr, N, E, BLOCK: tl.constexpr):
     """:func:`plan_`: each sorted position ``i`` puts its pair's row (``i`` shifted by its expert's padding) and
@@ -170,6 +173,7 @@ def _(sorted_keys, sort_order, expert_offsets, padded_offsets, pair_rows, valid,
     return None
 
 
+@cached
 @triton.jit
 def rows_kernel(
     pair_rows_ptr,

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .kernel_op import kernel_op
+from .launch import cached
 
 Tensor = torch.Tensor
 BT, BH, GRAD_BH = 4, 512, 128
@@ -30,6 +31,7 @@ def _token_tile(T, H, BT: tl.constexpr, BH: tl.constexpr):
     return t.to(tl.int64), h, m_t, m_t[:, None] & (h < H)[None, :]
 
 
+@cached
 @triton.jit
 def weighted_sum_kernel(
     pairs_ptr,
@@ -86,6 +88,7 @@ def weighted_sum_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@cached
 @triton.jit
 def pairs_grad_kernel(
     w_ptr, g_ptr, dp_ptr, index_ptr, T, H, K: tl.constexpr, SCATTER: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr
@@ -101,6 +104,7 @@ def pairs_grad_kernel(
         tl.store(dp_ptr + row[:, None] * H + h[None, :], (w[:, None] * g).to(dp_ptr.dtype.element_ty), mask=mask)
 
 
+@cached
 @triton.jit
 def weights_grad_kernel(
     pairs_ptr, g_ptr, dw_ptr, T, H, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import cached
 from .p2p_layout import layout_reference
 
 MAX_TILE = 2048  # BJ * E_P2: the [BJ, E_l] comparisons stay in registers (sm_90a, int64: no spills up to E_l 512)
@@ -33,6 +34,7 @@ def _pick(values, e_idx, e):
     return tl.sum(tl.where(e_idx[None, :] == e[:, None], values[None, :], 0), axis=1)
 
 
+@cached
 @triton.jit
 def layout_kernel(
     counts_ptr,

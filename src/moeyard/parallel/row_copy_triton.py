@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..launch import cached
+
 # Measured on an H200 (copy of 262144 x 2048 bf16 rows within one GPU, benchmarks/NOTES.md round 19): at
 # 16 x 512 and 4 warps a pull moves 3.8 TB/s (4.2 indexed), a push 3.9, next to torch's copy_ at 4.2;
 # the former 8 x 1024 ran 2.1-3.1 TB/s
@@ -24,6 +26,7 @@ BLOCK_M = 16
 MAX_BLOCK_H = 512
 
 
+@cached
 @triton.jit
 def copy_rows_kernel(
     local_ptr,

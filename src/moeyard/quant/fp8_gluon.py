@@ -63,6 +63,7 @@ from ..experts.triton.kernels_gluon import (
     store_layout,
 )
 from ..experts.triton.kernels_gluon_gather import LOADER_REGS as GATHER_LOADER_REGS, LOADER_WARPS, _cp_async
+from ..launch import cached
 
 Tensor = torch.Tensor
 
@@ -259,6 +260,7 @@ def _consumer(
         tma.store_wait(0)
 
 
+@cached
 @gluon.jit
 def gluon_grouped_kernel(
     a_desc,  # rows [R, K] e4m3, boxes [BM, BK] (read unless GATHER)

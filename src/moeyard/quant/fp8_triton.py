@@ -42,6 +42,7 @@ import triton.language as tl
 from ..activations import Activation
 from ..experts.triton.act import act_fwd, act_grad
 from ..kernel_op import interpreting
+from ..launch import cached
 from ._bnb import NESTED_BLOCKSIZE
 from .fp8 import E4M3, E4M3_MAX
 from .triton_nf4 import _round_bf16, block_scales
@@ -120,6 +121,7 @@ def _row_weights(rw_ptr, rows, m_rows, stride_rw, RW_SIGMOID: tl.constexpr):
     return rw
 
 
+@cached
 @triton.jit
 def _rowwise_kernel(
     x_ptr,
@@ -210,6 +212,7 @@ def _store_rows(q_ptr, b_x, scale, rows, m_rows, cols, K, stride_qm, QUANT: tl.c
     )
 
 
+@cached
 @triton.jit
 def _colwise_kernel(
     x_ptr,
@@ -449,6 +452,7 @@ def act_rows(
     return out
 
 
+@cached
 @triton.jit
 def _dequantize_rows_kernel(
     q_ptr,  # [M, K] e4m3 (float32 under the interpreter), unit column stride
@@ -525,6 +529,7 @@ def colwise_per_group(
     return _cast(q), s
 
 
+@cached
 @triton.jit
 def _act_backward_kernel(
     h_ptr,  # [R, 2I] gated (gate then up, or interleaved) or [R, I] plain, float, unit column stride
@@ -823,6 +828,7 @@ def _weight_block(
     return v
 
 
+@cached
 @triton.jit
 def _weight_rows_kernel(
     w_ptr,  # [E, N, K] float, contiguous; with NF4 the packed codes [E * N * K / 2] uint8
@@ -887,6 +893,7 @@ def _weight_rows_kernel(
     tl.atomic_max(amax_ptr + e * K + cols, tl.max(col_max, axis=0), mask=m_cols)
 
 
+@cached
 @triton.jit
 def _transpose_cast_kernel(
     w_ptr,  # [E, N, K] float, contiguous; with NF4 the packed codes (as _weight_rows_kernel)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ..kernel_op import interpreting, kernel_op
+from ..launch import cached
 from .fp8 import E4M3
 from .fp8_block_grid import BLOCK, row_block_ids
 from .triton_nf4 import MAX_GRID_Y, _store_out
@@ -34,6 +35,7 @@ BLOCK_ROWS = 32
 BLOCK_COLS = 128  # one scale block wide: a tile reads one scale per row
 
 
+@cached
 @triton.jit
 def fp8_block_dequant_kernel(
     w_ptr,  # [E, a, b] uint8: the e4m3 bytes, contiguous

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..kernel_op import interpreting, kernel_op
+from ..launch import cached
 from ._bnb import NESTED_BLOCKSIZE
 
 Tensor = torch.Tensor
@@ -62,6 +63,7 @@ def block_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, blk, mask, NEST
     return scale
 
 
+@cached
 @triton.jit
 def nf4_dequant_kernel(
     data_ptr,  # [E * P / 2] uint8: element 2i in the high nibble of byte i, 2i+1 in the low nibble

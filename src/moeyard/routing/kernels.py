@@ -23,6 +23,7 @@ ids (the per-sequence statistics are kept too).
 import triton
 import triton.language as tl
 
+from ..launch import cached
 from . import losses
 
 EPS = tl.constexpr(losses.EPS)  # the renormalisation guard, as a constexpr (kernels read no plain globals)
@@ -221,6 +222,7 @@ def router_fwd_kernel(
     tl.store(slot + cols, tl.sum((sel & m_mask[:, None]).to(tl.float32), axis=0), mask=e_mask)
 
 
+@cached
 @triton.jit
 def router_losses_kernel(
     stats_ptr,  # [B, NS, 2E + 1] float32 per-program statistics (router_fwd_kernel)
@@ -308,6 +310,7 @@ def _renorm_grad(g, w, sel, NORM: tl.constexpr):
     return tl.where(sel, g, 0.0)
 
 
+@cached
 @triton.jit
 def router_bwd_kernel(
     logits_ptr,  # [T, E] float32, contiguous (the forward's router_logits)

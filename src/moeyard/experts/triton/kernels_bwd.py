@@ -10,6 +10,7 @@ Legend as in :mod:`.kernels_fwd`.
 import triton
 import triton.language as tl
 
+from ...launch import cached
 from .act import act_grad
 from .gemm import gathered_mainloop, lora_epilogue, lora_z, row_col_tile, weight_tile
 from .schedule import expert_piece, expert_slots
@@ -432,6 +433,7 @@ def wgrad_kernel(
         )
 
 
+@cached
 @triton.jit
 def wgrad_reduce_kernel(
     part_ptr,  # [S, NL, NR] float32, contiguous: chunk partials of dW

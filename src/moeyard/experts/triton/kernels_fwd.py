@@ -16,6 +16,7 @@ it already loads, and the first column tile stores it (backward needs it).
 import triton
 import triton.language as tl
 
+from ...launch import cached
 from .act import act_fwd
 from .gemm import gathered_mainloop, gathered_mainloop_tma_b, lora_epilogue, lora_z, row_col_tile
 
@@ -328,6 +329,7 @@ def down_epilogue(
         tl.store(y_ptr + pair[:, None] * NY + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@cached
 @triton.jit
 def combine_kernel(
     y_ptr,  # [N, H] rows by pair (token-major), contiguous; rows of invalid pairs are not read
@@ -356,6 +358,7 @@ def combine_kernel(
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
 
 
+@cached
 @triton.jit
 def fill_invalid_kernel(
     y_ptr,  # [T, H] the output rows (K == 1), contiguous; written only where the id is invalid

@@ -46,6 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ...launch import cached
+
 # Triton renamed the TMA load after 3.6 (3.6: async_copy_global_to_shared; 3.9: async_load, the old name raises)
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global  # 3.6 / later
@@ -286,6 +288,7 @@ def _consumer(
         _store_tile(acc, pair, ok, col0, NY, y_ptr, BN, ST)
 
 
+@cached
 @gluon.jit
 def down_kernel(
     a_desc,

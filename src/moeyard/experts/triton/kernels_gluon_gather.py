@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ...launch import cached
 from .act import act_fwd, act_grad
 from .kernels_gluon import (
     _layout,
@@ -552,6 +553,7 @@ def _dh_half(
     return gl.sum(gl.where(mask, acc * a, 0.0), axis=1), s, phase
 
 
+@cached
 @gluon.jit
 def gathered_kernel(
     x_ptr,

@@ -60,6 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ...launch import cached
 from .kernels_gluon import _tma_load, _tma_store, barrier_ring, next_stage, store_layout
 from .kernels_gluon_gather import _cp_async, _halves
 
@@ -257,6 +258,7 @@ def _store(acc, alpha, dw_ptr, e, row0, n0, NL, NR, stride_de, stride_dl, stride
     gl.store(ptrs, out, mask=(rows < NL)[:, None] & (cols < NR)[None, :])
 
 
+@cached
 @gluon.jit
 def wgrad_kernel(
     g_ptr,  # [T, NG] gathered operand (16-bit), unit stride along NG, row stride stride_gt

@@ -18,8 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import launch
 from ...dispatch_triton import sort_meta, sort_pairs
 from ...kernel_op import interpreting
+from ...launch import cached
 from . import tuning
 from .tuning import pruner
 
@@ -58,6 +60,7 @@ def expert_piece(pid, offsets_ptr, E, size, E_P2: tl.constexpr, EMPTY_PIECE: tl.
     return e, row0, row_end, j, n, tl.sum(tl.where(here, slot0, 0), 0)
 
 
+@cached
 @triton.jit
 def tile_table_kernel(offsets_ptr, table_ptr, E, M, BM: tl.constexpr, E_P2: tl.constexpr, BT: tl.constexpr):
     """The row tiles of ``BM`` rows as a table, ``BT`` tiles per program: ``table[t]`` = the expert of
@@ -68,6 +71,7 @@ def tile_table_kernel(offsets_ptr, table_ptr, E, M, BM: tl.constexpr, E_P2: tl.c
     tile_rows(offsets_ptr, table_ptr, E, M, tl.program_id(0) * BT, BM, E_P2, BT)
 
 
+@cached
 @triton.jit
 def sort_tile_kernel(
     ids_ptr,
@@ -457,7 +461,7 @@ class _Tuned:
                 self.picks[key] = config
             return ret
         self.autotuner.best_config = config
-        return self.autotuner.fn.run(*args, grid=grid, warmup=False, **kwargs, **config.all_kwargs())
+        return launch.run(self.autotuner.fn, grid, args, {**kwargs, **config.all_kwargs()})
 
 
 class _Fixed:
@@ -468,12 +472,12 @@ class _Fixed:
         self.kernel, self.meta = kernel, meta
 
     def __getitem__(self, grid):
-        def launch(*args, **kwargs):
+        def launcher(*args, **kwargs):
             meta = self.meta(args, kwargs) if callable(self.meta) else self.meta
             g = grid(meta) if callable(grid) else grid
-            return self.kernel[g](*args, **kwargs, **meta)
+            return launch.run(self.kernel, g, args, {**kwargs, **meta})
 
-        return launch
+        return launcher
 
 
 # ---------------------------------------------------------------- pruning report (no GPU needed)

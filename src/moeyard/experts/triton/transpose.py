@@ -8,9 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ...launch import cached
+
 BLOCK = 64
 
 
+@cached
 @triton.jit
 def transpose_kernel(x_ptr, y_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
     """``y[n, m] = x[m, n]`` for one ``[BM, BN]`` tile of ``x [M, N]`` (``y [N, M]``; both contiguous):
