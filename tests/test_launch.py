@@ -234,3 +234,13 @@ def test_cached_wraps_a_kernel(direct):
     before = launch.counts()
     wrapped[(1,)](x, 5, 0.5, B=16)
     assert launch.counts()["direct"] == before["direct"] + 1
+
+
+def test_triton_path_while_torch_compile_traces(direct, monkeypatch):
+    k = _FakeJIT(_kernel)
+    x = torch.empty(32)
+    launch.run(k, (1,), (x, 5, 0.5), {"B": 16})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    launch.run(k, (1,), (x, 5, 0.5), {"B": 16})
+    launch.cached(k)[(1,)](x, 5, 0.5, B=16)
+    assert len(k.triton_calls) == 3 and not k.compiled[0].launches

@@ -10,13 +10,13 @@ superset of what Triton specialises on (tensors: dtype, whether on CUDA, 16-byte
 pointer; tensor descriptors: their base tensor's, with shape, strides, block shape, layout and padding;
 constexprs and launch options by type and value; other arguments by value, floats by type), and calls that
 kernel's launcher directly on a hit. A miss goes through ``kernel[grid]``, which compiles if needed, and its
-compiled kernel is kept. Triton's own path is taken as well under the CPU interpreter, with launch hooks
-registered (e.g. a profiler's), for a kernel with pre-run hooks, for an argument that cannot be hashed, and
-with ``MOEYARD_FAST_LAUNCH=0`` (read at import; :func:`set_enabled` at run time). What the direct path skips:
-Triton's check that the module globals a kernel read have not changed since it compiled (moeyard's kernels
+compiled kernel is kept. Triton's own path is taken as well under the CPU interpreter, with launch hooks registered
+(e.g. a profiler's), for a kernel with pre-run hooks, for an argument that cannot be hashed, while ``torch.compile``
+traces, and with ``MOEYARD_FAST_LAUNCH=0`` (read at import; :func:`set_enabled` at run time). What the direct path
+skips: Triton's check that the module globals a kernel read have not changed since it compiled (moeyard's kernels
 read globals only as ``tl.constexpr``: ``tests/test_kernel_globals.py``) and ``TRITON_DEBUG`` toggled after a
-kernel's first launch. Should the compiled kernel's launcher not take the arguments this Triton version is
-expected to pass (``TypeError`` or ``AttributeError`` before the launch), the direct path turns itself off for
+kernel's first launch. Should the compiled kernel's launcher not take the arguments this Triton version is expected
+to pass (``TypeError`` or ``AttributeError`` before the launch), the direct path turns itself off for
 the process and the launch goes through Triton's path.
 
 Measured on an H200 machine (Triton 3.6, ``benchmarks/NOTES.md``, round 54), host ms of an eager forward +
@@ -148,7 +148,7 @@ def run(kernel, grid, args: Sequence, kwargs: dict):
     compiled kernel)."""
     from triton.runtime.jit import JITFunction
 
-    if not _enabled or not isinstance(kernel, JITFunction):
+    if not _enabled or torch.compiler.is_compiling() or not isinstance(kernel, JITFunction):
         return _triton(kernel, grid, args, kwargs)
     state = _compiled_of(kernel)
     try:
@@ -197,6 +197,8 @@ class Cached:
         self.kernel = kernel
 
     def __getitem__(self, grid) -> Callable[..., object]:
+        if torch.compiler.is_compiling():  # Dynamo traces the kernel's own launch (its Triton kernel support)
+            return self.kernel[grid]
         return lambda *args, **kwargs: run(self.kernel, grid, args, kwargs)
 
     def __getattr__(self, name):
