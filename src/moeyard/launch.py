@@ -1,7 +1,7 @@
 """Triton launches with less host work.
 
 ``kernel[grid](*args)`` does more on the host than launch the kernel: ``JITFunction.run`` binds and
-specialises each of the kernel's 18-53 arguments, builds the cache key, reads Triton's knobs and builds the
+specialises each of the kernel's 9-44 arguments, builds the cache key, reads Triton's knobs and builds the
 launch metadata for its hooks, then calls the compiled kernel's launcher. At few tokens per call a layer's
 step is paced by the host, and a training step makes 12 launches in bf16, 23 under ``fp8_rowwise_gw_hp``.
 
@@ -19,12 +19,12 @@ kernel's first launch. Should the compiled kernel's launcher not take the argume
 to pass (``TypeError`` or ``AttributeError`` before the launch), the direct path turns itself off for
 the process and the launch goes through Triton's path.
 
-Measured on an H200 machine (Triton 3.6, ``benchmarks/NOTES.md``, round 54), host ms of an eager forward +
-backward, direct / Triton's path, median (min) of 160 steps, the two interleaved: qwen3-30b-a3b's sizes, bf16,
-64 tokens 4.079 (2.854) / 4.110 (2.905), 4096 tokens 3.992 (3.243) / 3.931 (3.286); sonic-7b's, 256 tokens,
-``fp8_rowwise_gw_hp``, 6.067 (4.856) / 6.217 (5.087). The gain is small: most of a launch's host time is the
-compiled launcher itself (12-60 µs each at qwen3-30b-a3b's, more for more arguments and TMA descriptors), which
-both paths call.
+Measured on an H200 machine (Triton 3.6, ``benchmarks/NOTES.md``, round 54; ``benchmarks/launch_probe.py``), host ms
+of an eager forward + backward, direct / Triton's path, median (min) of 160 steps, the two interleaved:
+qwen3-30b-a3b's sizes, bf16, 64 tokens 4.079 (2.854) / 4.110 (2.905), 4096 tokens 3.992 (3.243) / 3.931 (3.286);
+sonic-7b's, 256 tokens, ``fp8_rowwise_gw_hp``, 6.067 (4.856) / 6.217 (5.087). The gain is small: most of a launch's
+host time is the compiled launcher itself (12-60 µs each at qwen3-30b-a3b's, more for more arguments and TMA
+descriptors), which both paths call.
 """
 
 from __future__ import annotations
