@@ -220,7 +220,8 @@ def _colwise_kernel(
     rw_ptr,
     n_src,  # the operand (see _load): rows r of the groups, unit column stride
     offsets_ptr,  # [G + 1] int32: rows of group g are offsets[g] .. offsets[g + 1]
-    q_ptr,  # transposed e4m3 output (float32 under the interpreter); element (n, r) at n * stride_qn + r
+    padded_ptr,  # PADDED: [G + 1] int32, group g's first output column (its padded length: the next's minus it)
+    q_ptr,  # transposed e4m3 output (float32 under the interpreter); element (n, c) at n * stride_qn + c
     s_ptr,  # [G, N] float32
     N,
     stride_xr,
@@ -232,6 +233,7 @@ def _colwise_kernel(
     INTERLEAVED: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     HAS_RW: tl.constexpr,
+    PADDED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -240,6 +242,10 @@ def _colwise_kernel(
     m_cols = cols < N
     start = tl.load(offsets_ptr + g)
     end = tl.load(offsets_ptr + g + 1)
+    out0, out_end = start, end  # the output columns of the group's rows (and of their zero padding)
+    if PADDED:
+        out0 = tl.load(padded_ptr + g)
+        out_end = tl.load(padded_ptr + g + 1)
     amax = tl.zeros([BLOCK_N], dtype=tl.float32)
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
@@ -265,7 +271,7 @@ def _colwise_kernel(
         amax = tl.maximum(amax, tl.max(tl.abs(b_x), axis=0))
     scale = _pow2_scale(amax)
     tl.store(s_ptr + g * N + cols, scale, mask=m_cols)
-    for r0 in range(start, end, BLOCK_R):
+    for r0 in range(start, start + out_end - out0, BLOCK_R):  # rows past the group's end: zeros
         rows = r0 + tl.arange(0, BLOCK_R)
         b_x = _load(
             x_ptr,
@@ -288,9 +294,9 @@ def _colwise_kernel(
         )
         b_q = tl.clamp(b_x / scale[None, :], -448.0, 448.0).to(q_ptr.dtype.element_ty)
         tl.store(
-            q_ptr + cols[None, :].to(tl.int64) * stride_qn + rows[:, None],
+            q_ptr + cols[None, :].to(tl.int64) * stride_qn + (rows + (out0 - start))[:, None],
             b_q,
-            mask=(rows < end)[:, None] & m_cols[None, :],
+            mask=(rows < start + out_end - out0)[:, None] & m_cols[None, :],
         )
 
 
@@ -499,34 +505,55 @@ def colwise_per_group(
     interleaved: bool = False,
     index: Tensor | None = None,
     row_weights: Tensor | None = None,
+    padded: tuple[Tensor, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``t [R, N]`` (unit column stride), ``offsets [G + 1]`` int32 -> ``(q [N, R] e4m3, s [G, N] float32)``:
     ``q[n, r] = t[r, n] / s[g, n]`` for the rows of each group ``g``, ``s[g, n]`` the power-of-two scale of
     column ``n`` over the group's rows (:func:`moeyard.quant.fp8.quantize` of ``t^T`` with offsets). Columns
     ``r`` of ``q`` past ``offsets[G]`` are left unwritten. ``act``, ``index [R]`` and ``row_weights [R]`` as
-    :func:`rowwise`'s (then ``R`` is the index's length)."""
+    :func:`rowwise`'s (then ``R`` is the index's length).
+
+    With ``padded = (starts, width)`` (:func:`padded_offsets`), ``q`` is ``[N, width]`` and group ``g``'s rows
+    go to columns ``starts[g] ...``, followed by zeros up to ``starts[g + 1]`` (columns past ``starts[G]``
+    unwritten): every block of a group's columns that the starts are multiples of holds that group's rows only,
+    as a K-major grouped GEMM reading whole TMA boxes needs (:mod:`.fp8_gluon_wgrad`)."""
     R = t.shape[0] if index is None else index.shape[0]
     N = _out_columns(t, act)
     if t.stride(1) != 1:
         t = t.contiguous()
     G = offsets.numel() - 1
-    q, s = _out((N, R), t.device), torch.empty(G, N, device=t.device, dtype=torch.float32)
+    width = R if padded is None else padded[1]
+    q, s = _out((N, width), t.device), torch.empty(G, N, device=t.device, dtype=torch.float32)
     if G and N:
         br, bn, warps = COLWISE_BLOCKS
         _colwise_kernel[(G, triton.cdiv(N, bn))](
             **_source(t, index, row_weights),
             offsets_ptr=offsets,
+            padded_ptr=offsets if padded is None else padded[0],
             q_ptr=q,
             s_ptr=s,
             N=N,
             stride_xr=t.stride(0),
-            stride_qn=R,
+            stride_qn=width,
             **_act_args(act, interleaved),
+            PADDED=padded is not None,
             BLOCK_R=br,
             BLOCK_N=bn,
             num_warps=warps,
         )
     return _cast(q), s
+
+
+def padded_offsets(offsets: Tensor, rows: int, block: int) -> tuple[Tensor, int]:
+    """``(starts [G + 1] int32, width)`` for :func:`colwise_per_group`'s ``padded``: each group's ``offsets[g
+    + 1] - offsets[g]`` rows rounded up to a multiple of ``block``, their running sum from 0, and ``width`` a
+    static bound on ``starts[G]`` for ``rows`` rows in all (``rows`` plus ``block - 1`` per group, rounded up to
+    ``block``). Three torch ops on the device, no host sync."""
+    G = offsets.numel() - 1
+    counts = offsets[1:] - offsets[:-1]
+    starts = torch.zeros(G + 1, dtype=torch.int32, device=offsets.device)
+    torch.cumsum((counts + (block - 1)) // block * block, 0, dtype=torch.int32, out=starts[1:])
+    return starts, -(-(rows + G * (block - 1)) // block) * block
 
 
 @cached
