@@ -7,7 +7,8 @@ ranks 8 to 32, gated and plain activations) compiles,
 keeps its registers (no spills: no local-memory stores in the SASS), fits the 227 KiB of shared memory a
 Hopper block can hold, and, at 128-row tiles, is warp-specialised (``setmaxnreg`` moves registers between
 the partitions); the gathering kernels copy their rows with 16-byte ``cp.async``; the e4m3 grouped GEMM
-of :mod:`moeyard.quant.fp8_gluon` runs e4m3 MMAs. A Triton whose Gluon
+of :mod:`moeyard.quant.fp8_gluon` and the e4m3 weight gradient of :mod:`moeyard.quant.fp8_gluon_wgrad` run e4m3
+MMAs. A Triton whose Gluon
 API changed fails here instead of at a user's first launch.
 
 The compiles run in a fresh Python process (this file run as a script): Triton's interpreter, which
@@ -45,6 +46,7 @@ GATHER_VARIANTS = [
 ]
 # the weight gradients: (gathered operand: "rhs" for dW_up = d_h^T x[token], "lhs" for dW_down; dW's dtype)
 WGRAD_VARIANTS = [("rhs", "bfloat16"), ("lhs", "bfloat16"), ("rhs", "float32")]
+FP8_WGRAD_VARIANTS = ["bfloat16", "float32"]  # the e4m3 weight gradient's dW dtype: TMA-stored, stored by row
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
 pytestmark = pytest.mark.xdist_group("gluon_sm90")  # one pytest-xdist worker compiles them all, once
 
@@ -92,6 +94,9 @@ def _compile_all() -> list[dict]:
     from moeyard.quant import fp8_gluon
 
     grab(fp8_gluon, "gluon_grouped_kernel")
+    from moeyard.quant import fp8_gluon_wgrad
+
+    grab(fp8_gluon_wgrad, "fp8_wgrad_kernel")
     schedule.fill_tile_table = lambda *args: None  # a launch: nothing runs here
     E, NY, KA, N, bf = 8, 2048, 512, 4096, torch.bfloat16
     table = lambda block_m: torch.empty(2 * (N // block_m + E) + 1, dtype=torch.int32)  # noqa: E731
@@ -199,6 +204,16 @@ def _compile_all() -> list[dict]:
             torch.empty(N, NY, dtype=bf),
             torch.empty(N, dtype=torch.int64) if by_index else None,
         )
+    for dw_dtype in FP8_WGRAD_VARIANTS:  # the padded column casts of d h [N, 2I] and x [T, H] -> dW_up
+        width = N + E * 128
+        fp8_gluon_wgrad.launch(
+            torch.empty(2 * I, width, dtype=f8),
+            torch.empty(E, 2 * I),
+            torch.empty(H, width, dtype=f8),
+            torch.empty(E, H),
+            torch.empty(E + 1, dtype=torch.int32),
+            torch.empty(E, 2 * I, H, dtype=getattr(torch, dw_dtype)),
+        )
     return [_resources(k, triton) for k in compiled]
 
 
@@ -275,10 +290,23 @@ def test_wgrad_compiles_for_sm90(i, compiled):
 def test_fp8_grouped_compiles_for_sm90(by_index, compiled):
     """The e4m3 grouped GEMM (:mod:`moeyard.quant.fp8_gluon`): e4m3 wgmma, two consumer warp groups and a
     loader; gathering by index, with 16-byte ``cp.async`` copies."""
-    k = compiled[-1 if by_index else -2]
+    k = compiled[_FP8 + int(by_index)]
     _check(k, 128)
     assert k["fp8_mma"], "no e4m3 wgmma in the PTX"
     assert k["copy_bytes"] == (["0x10"] if by_index else []), k["copy_bytes"]
+
+
+_FP8 = len(VARIANTS) + len(GATHER_VARIANTS) + len(WGRAD_VARIANTS)  # the e4m3 GEMMs' first entry
+
+
+@pytest.mark.parametrize("i", range(len(FP8_WGRAD_VARIANTS)), ids=[f"dw-{v}" for v in FP8_WGRAD_VARIANTS])
+def test_fp8_wgrad_compiles_for_sm90(i, compiled):
+    """The e4m3 weight gradient (:mod:`moeyard.quant.fp8_gluon_wgrad`): e4m3 wgmma, two consumer warp groups
+    and a TMA loader warp, no copies by ``cp.async``; the TMA-stored form within the 227 KiB too."""
+    k = compiled[_FP8 + 2 + i]
+    _check(k, 128)
+    assert k["fp8_mma"], "no e4m3 wgmma in the PTX"
+    assert k["copy_bytes"] == [], k["copy_bytes"]
 
 
 if __name__ == "__main__":
