@@ -8,7 +8,9 @@ relative error against float64 on the dequantised operands.
 
 Usage (GPU machine): ``PYTHONPATH=src python3 benchmarks/fp8_wgrad_probe.py [--model qwen3-30b-a3b ...]``
 
-The FP8 GEMM here is a plain Triton kernel (below, not part of the library): ``dw[e] = (a_e sa_e) (b_e sb_e)^T``
+Since 0.3.16 also the padded column casts and the library's Gluon kernel (:mod:`moeyard.quant.fp8_gluon_wgrad`,
+``MOEYARD_FP8_WGRAD=gluon``) on them. The other FP8 GEMM here is a plain Triton kernel (below, not part of the
+library): ``dw[e] = (a_e sa_e) (b_e sb_e)^T``
 over each expert's rows, both operands K-major (the transposed column casts), TMA boxes made per expert so the
 rows past its end read zeros, the scales applied to the float32 accumulator after the reduction; ``precise``
 promotes the tensor cores' accumulation to float32 after each step of ``BR`` rows (DeepSeek-V3, arXiv
@@ -247,6 +249,25 @@ def probe(name: str, proj: str, NL: int, NR: int, T: int, E: int, k: int, a, den
         return scaled_grouped_mm(aq, bq.mT, sa.reshape(-1), sb.reshape(-1), off, torch.bfloat16, False)
 
     fp8_row("torch._scaled_grouped_mm", cutlass)
+    from moeyard.quant import fp8_gluon_wgrad
+
+    starts = fp8_triton.padded_offsets(off, Rs, fp8_gluon_wgrad.BK)
+
+    def padded_casts(i):
+        return tuple(fp8_triton.colwise_per_group(t, off, padded=starts) for t in sets[i])
+
+    ms = time_ms(padded_casts, 2, a.warmup, a.iters, dev)
+    res["cast padded"] = (ms, f"{Rs * (NL + NR) * 3 / ms / 1e6:.0f} GB/s, the layout of the Gluon GEMM")
+    padded = [padded_casts(i) for i in range(2)]
+    out = torch.empty(E, NL, NR, device=dev, dtype=torch.bfloat16)
+
+    def gluon(i):
+        (lq, ls), (rq, rs) = padded[i]
+        fp8_gluon_wgrad.launch(lq, ls, rq, rs, starts[0], out)
+        return out
+
+    if fp8_gluon_wgrad.ready(padded[0][0][0], padded[0][1][0], out):
+        fp8_row("gluon (fast accumulation)", gluon)
     ms = time_ms(lambda i: torch._grouped_mm(sets[i][0].mT, sets[i][1], offs=off[1:]), 2, a.warmup, a.iters, dev)
     res["bf16 torch._grouped_mm"] = (ms, f"{flops / ms / 1e9:.0f} TFLOP/s ({flops / ms / 1e9 / b16:.0%} bf16)")
     for key, (ms, note) in res.items():
@@ -272,12 +293,17 @@ def main() -> None:
         E, H, I, k = c["num_experts"], c["hidden_size"], c["intermediate_size"], c["top_k"]
         for proj, NL, NR in (("up", 2 * I, H), ("down", H, I)):
             rows.append((name, proj, probe(name, proj, NL, NR, a.tokens or m.tokens, E, k, a, dense)))
-    print("\nshape | proj | best cast (both operands) | FP8 GEMM best | FP8 cast+GEMM | bf16 GEMM")
+    print(
+        "\nshape | proj | best cast (both operands) | FP8 GEMM best | FP8 cast+GEMM | padded casts + Gluon | bf16 GEMM"
+    )
     for name, proj, res in rows:
-        cast = min((v[0], k) for k, v in res.items() if k.startswith("cast"))
+        cast = min((v[0], k) for k, v in res.items() if k.startswith("cast "))
         gemm = min((v[0], k) for k, v in res.items() if k.startswith("triton"))
+        glu = res.get("gluon (fast accumulation)")
+        glu = f"{res['cast padded'][0] + glu[0]:.3f} ({glu[0]:.3f} GEMM)" if glu else "-"
         print(
-            f"{name} | {proj} | {cast[0]:.3f} ({cast[1]}) | {gemm[0]:.3f} ({gemm[1]}) | {cast[0] + gemm[0]:.3f} | {res['bf16 torch._grouped_mm'][0]:.3f}"
+            f"{name} | {proj} | {cast[0]:.3f} ({cast[1]}) | {gemm[0]:.3f} ({gemm[1]}) | {cast[0] + gemm[0]:.3f} | "
+            f"{glu} | {res['bf16 torch._grouped_mm'][0]:.3f}"
         )
 
 

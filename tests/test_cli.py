@@ -31,6 +31,7 @@ def test_info_json(capsys):
     assert data["default_backend"] == "auto" or data["default_backend"] in moeyard.backend_names()
     assert data["default_recipe"] in ["none", *moeyard.recipe_names()]
     assert data["fp8_gemm"] in ("auto", "triton", "cutlass") and data["fp8_nf4"] in ("codes", "dequantize")
+    assert data["fp8_wgrad"] in ("cutlass", "gluon")
 
 
 def test_info_reports_the_process_settings(capsys, monkeypatch):

@@ -1083,6 +1083,71 @@ def test_fast_path_plan_kernels_equal_the_torch_plan(forced_fast_path, monkeypat
     assert got[2][5, 1] == 0 and got[2][0, 0] == 0 and got[2].abs().sum() > 0
 
 
+def test_padded_column_casts_put_each_group_from_a_block_start():
+    # colwise_per_group(padded=): group g's rows from column starts[g] (a multiple of the block), zeros up to the
+    # next group's start; the same bytes and scales as the unpadded cast, with an index and row weights too
+    pytest.importorskip("triton")
+    from moeyard.kernel_op import interpreting
+    from moeyard.quant import fp8_triton
+
+    if not interpreting():
+        pytest.skip("the casts run under Triton's interpreter on the CPU")
+    torch.manual_seed(0)
+    offsets = torch.tensor([0, 0, 37, 37, 200, 331], dtype=torch.int32)  # empty groups, uneven sizes
+    R, T = 340, 90  # rows past offsets[G] (never read)
+    t, index, rw = torch.randn(R, 48), torch.randint(0, T + 2, (R,)), torch.rand(R)  # index >= T: a zero row
+    src = torch.randn(T, 48)
+    starts, width = fp8_triton.padded_offsets(offsets, R, 128)
+    assert starts.tolist() == [0, 0, 128, 128, 384, 640] and width % 128 == 0 and width >= 640
+    for args, kw in (((t, offsets), {}), ((src, offsets), {"index": index, "row_weights": rw})):
+        q, s = fp8_triton.colwise_per_group(*args, **kw)
+        qp, sp = fp8_triton.colwise_per_group(*args, **kw, padded=(starts, width))
+        assert qp.shape == (48, width) and torch.equal(s, sp)
+        for g in range(5):
+            a, b, p0, p1 = (int(v) for v in (offsets[g], offsets[g + 1], starts[g], starts[g + 1]))
+            assert torch.equal(qp[:, p0 : p0 + b - a].float(), q[:, a:b].float())
+            assert (qp[:, p0 + b - a : p1].float() == 0).all()
+
+
+@pytest.mark.parametrize("recipe", ["fp8_rowwise"])
+def test_wgrad_gluon_choice_gives_the_same_gradients(forced_fast_path, monkeypatch, recipe):
+    # MOEYARD_FP8_WGRAD=gluon: the weight gradients from the padded column casts; where its Gluon kernel cannot run
+    # (the CPU) torch._scaled_grouped_mm's definition takes them with the padded starts as offsets: every output
+    # and gradient of the fused form as with the unpadded casts; another value is refused by name
+    import importlib
+
+    from moeyard.activations import Activation
+    from moeyard.experts.weights import expert_weights
+
+    hop = importlib.import_module("moeyard.experts.scaled_hopper")
+    inp = _inputs("base")
+
+    def run():
+        leaves = [inp[k].float().clone().requires_grad_() for k in ("hidden_states", "topk_weights")]
+        ws = [inp[k].float().clone().requires_grad_() for k in ("gate_up_proj", "down_proj")]
+        out = hop.routed_ffn(leaves[0], inp["topk_ids"], leaves[1], expert_weights(*ws, recipe=recipe), Activation())
+        out.backward(torch.ones_like(out))
+        return [out.detach(), *(t.grad for t in leaves + ws)]
+
+    from moeyard.quant import fp8_triton
+
+    padded = []
+    real = fp8_triton.padded_offsets
+    monkeypatch.setattr(fp8_triton, "padded_offsets", lambda *a: padded.append(a) or real(*a))
+    monkeypatch.setenv("MOEYARD_FP8_WGRAD", "cutlass")
+    want = run()
+    assert not padded
+    monkeypatch.setenv("MOEYARD_FP8_WGRAD", "gluon")
+    got = run()
+    assert len(padded) == 2  # the padded casts: one pair per projection
+    for name, a, b in zip(("out", "dx", "d topk_weights", "dw_gate_up", "dw_down"), got, want, strict=True):
+        assert b.abs().sum() > 0
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+    monkeypatch.setenv("MOEYARD_FP8_WGRAD", "triton")
+    with pytest.raises(ValueError, match="MOEYARD_FP8_WGRAD"):
+        hop.wgrad_gemm()
+
+
 @pytest.mark.parametrize("backend, recipe", [("bmm_padded", "fp8_rowwise_gw_hp"), ("loop", "mxfp8")])
 def test_recipe_under_torch_compile_equals_eager(backend, recipe):
     # the expert stage under a recipe runs eagerly inside a compiled model (a graph break): outputs and

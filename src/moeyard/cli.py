@@ -72,7 +72,7 @@ def _setting(read) -> str:
 
 def info_data() -> dict:
     """Versions, devices, the backends that run for bf16 / float32 on each device, and the process settings
-    (default backend and recipe; the FP8 fast path's GEMM and NF4 modes)."""
+    (default backend and recipe; the FP8 fast path's GEMMs and NF4 mode)."""
     import torch
 
     import moeyard
@@ -89,6 +89,7 @@ def info_data() -> dict:
     data["default_backend"] = _setting(moeyard.get_backend)
     data["default_recipe"] = _setting(lambda: getattr(moeyard.get_recipe(), "name", "none"))
     data["fp8_gemm"] = _setting(scaled_hopper.gemm_backend)
+    data["fp8_wgrad"] = _setting(scaled_hopper.wgrad_gemm)
     data["fp8_nf4"] = _setting(scaled_hopper.nf4_mode)
     data["registered_backends"] = moeyard.backend_names()
     data["debug"] = moeyard.is_debug()
@@ -113,6 +114,7 @@ def run_info(args) -> int:
     table.add_row("default backend", data["default_backend"])
     table.add_row("default recipe", data["default_recipe"])
     table.add_row(f"FP8 GEMMs ({scaled_hopper.ENV_GEMM})", data["fp8_gemm"])
+    table.add_row(f"FP8 weight gradients ({scaled_hopper.ENV_WGRAD})", data["fp8_wgrad"])
     table.add_row(f"NF4 under FP8 ({scaled_hopper.ENV_NF4})", data["fp8_nf4"])
     table.add_row("debug mode", "on" if data["debug"] else "off")
     console.print(table)

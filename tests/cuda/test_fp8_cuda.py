@@ -421,3 +421,66 @@ def test_fp8_dispatch_packed_rows_on_device(N, H):
     got = fp8_rows.pack(x)
     assert torch.equal(got, want)
     assert torch.equal(fp8_rows.unpack(got, H, torch.bfloat16), fp8_rows.unpack_reference(want, H, torch.bfloat16))
+
+
+@pytest.mark.parametrize("dw_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("counts, NL, NR", [([0, 37, 1, 600, 128, 0, 2000, 129], 1536, 2048), ([5, 300], 200, 72)])
+def test_gluon_fp8_wgrad_matches_the_exact_gemm(counts, NL, NR, dw_dtype):
+    """moeyard.quant.fp8_gluon_wgrad on the padded column casts against torch._scaled_grouped_mm (exact
+    accumulation) on the unpadded ones, and both against float64 on the dequantised operands: empty experts,
+    counts that are not multiples of 16 or 128, partial tiles of NL and NR."""
+    if not _hopper():
+        pytest.skip("the Gluon kernel needs sm_90")
+    import importlib
+
+    from moeyard.quant import fp8_gluon_wgrad, fp8_triton
+
+    hop = importlib.import_module("moeyard.experts.scaled_hopper")
+    torch.manual_seed(0)
+    offsets = torch.tensor([0] + counts, device=DEV).cumsum(0).to(torch.int32)
+    R = int(offsets[-1])
+    dy, x = torch.randn(R, NL, device=DEV), torch.randn(R, NR, device=DEV)
+    dy[:, :3] *= 50  # outlier columns
+    starts = fp8_triton.padded_offsets(offsets, R, fp8_gluon_wgrad.BK)
+    (lq, ls), (rq, rs) = (fp8_triton.colwise_per_group(t, offsets, padded=starts) for t in (dy, x))
+    dw = torch.full((len(counts), NL, NR), float("nan"), device=DEV, dtype=dw_dtype)
+    assert fp8_gluon_wgrad.ready(lq, rq, dw)
+    fp8_gluon_wgrad.launch(lq, ls, rq, rs, starts[0], dw)
+    (uq, us), (vq, vs) = (fp8_triton.colwise_per_group(t, offsets) for t in (dy, x))
+    exact = hop.scaled_grouped_mm(uq, vq.mT, us.reshape(-1), vs.reshape(-1), offsets, torch.float32, False)
+    ref = torch.zeros(len(counts), NL, NR, dtype=torch.float64, device=DEV)
+    for e in range(len(counts)):
+        a, b, p = int(offsets[e]), int(offsets[e + 1]), int(starts[0][e])
+        lo = lq[:, p : p + b - a].double() * ls[e].double()[:, None]
+        ro = rq[:, p : p + b - a].double() * rs[e].double()[:, None]
+        ref[e] = lo @ ro.mT
+    assert torch.isfinite(dw).all()
+    for e, n in enumerate(counts):
+        if n == 0:
+            assert (dw[e] == 0).all()
+    err = ((dw.double() - ref).norm() / ref.norm()).item()
+    err_exact = ((exact.double() - ref).norm() / ref.norm()).item()
+    assert err <= max(2 * err_exact, 4e-3 if dw_dtype == torch.bfloat16 else 1e-3), (err, err_exact)
+
+
+def test_layer_fp8_rowwise_with_the_gluon_wgrad(monkeypatch):
+    """fp8_rowwise's fused form with MOEYARD_FP8_WGRAD=gluon: output and input gradients as with the default, the
+    weight gradients within the fast accumulation's error of them."""
+    if not _hopper():
+        pytest.skip("the Gluon kernel needs sm_90")
+    torch.manual_seed(3)
+    inputs = make_inputs(512, 256, 128, 8, 2)
+
+    def grads():
+        g = torch.randn(512, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        return run_experts(inputs, torch.bfloat16, "triton", g, device=DEV, recipe="fp8_rowwise")
+
+    monkeypatch.setenv("MOEYARD_FP8_WGRAD", "cutlass")
+    want = grads()
+    monkeypatch.setenv("MOEYARD_FP8_WGRAD", "gluon")
+    got = grads()
+    for k in want:
+        if k in ("grad_gate_up_proj", "grad_down_proj"):
+            assert ((got[k].double() - want[k].double()).norm() / want[k].double().norm()).item() < 1e-2, k
+        else:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)

@@ -3,7 +3,8 @@ scales, cast by :mod:`moeyard.quant.fp8_triton`. The forward and input-gradient 
 :func:`moeyard.quant.fp8_grouped.grouped_mm` (the row gather by token inside its loads; ``MOEYARD_FP8_GEMM``
 ``auto``, the default: its Gluon kernel where it applies, else its Triton kernel; ``triton``: its Triton
 kernel) or, with ``MOEYARD_FP8_GEMM=cutlass``, on ``torch._scaled_grouped_mm`` (CUTLASS, SM 9.0) after a
-gather of the e4m3 rows; the FP8 weight gradients always on ``torch._scaled_grouped_mm``.
+gather of the e4m3 rows; the FP8 weight gradients on ``torch._scaled_grouped_mm`` (or, with
+``MOEYARD_FP8_WGRAD=gluon``, on :mod:`moeyard.quant.fp8_gluon_wgrad`: :func:`wgrad_gemm`).
 
 Which scale each GEMM's operands carry (expert-major rows ``x [R, K]``, ``w [E, N, K]``, offsets ``[E + 1]``):
 
@@ -105,7 +106,14 @@ class HopperRowwise(RecipeGEMMs):
     def wgrad(self, dy, x, offsets, recipe):
         if recipe.wgrad is None:
             return _wgrad_hp(dy, x, offsets)
-        return _wgrad(_cast().colwise_per_group(dy, offsets), _cast().colwise_per_group(x, offsets), offsets, dy.dtype)
+        cast = _cast()
+        return _wgrad(
+            lambda p: cast.colwise_per_group(dy, offsets, padded=p),
+            lambda p: cast.colwise_per_group(x, offsets, padded=p),
+            offsets,
+            dy.shape[0],
+            dy.dtype,
+        )
 
 
 HOPPER_ROWWISE = HopperRowwise()
@@ -169,11 +177,40 @@ def gemm_backend() -> str:
     return env_choice(ENV_GEMM, GEMMS)
 
 
-def _wgrad(dyq_dys: tuple[Tensor, Tensor], xq_xs: tuple[Tensor, Tensor], offsets: Tensor, dtype) -> Tensor:
-    """``dw_e = dy_e^T x_e`` ``[E, N, K]`` from the per-expert column casts ``(dy^T [N, R], [E, N])`` and
-    ``(x^T [K, R], [E, K])``."""
-    (dyq, dys), (xq, xs) = dyq_dys, xq_xs
-    return scaled_grouped_mm(dyq, xq.mT, dys.reshape(-1), xs.reshape(-1), offsets, dtype, False)
+def _wgrad(dy_cast, x_cast, offsets: Tensor, rows: int, dtype) -> Tensor:
+    """``dw_e = dy_e^T x_e`` ``[E, N, K]`` over ``rows`` rows, from the per-expert column casts ``dy_cast(padded)
+    -> (dy^T [N, R], [E, N])`` and ``x_cast(padded) -> (x^T [K, R], [E, K])`` (:func:`moeyard.quant.fp8_triton.colwise_per_group`
+    with ``padded``): on ``torch._scaled_grouped_mm`` from unpadded casts, or with :func:`wgrad_gemm` ``gluon``
+    on :mod:`moeyard.quant.fp8_gluon_wgrad` from padded ones (where it cannot run, ``torch._scaled_grouped_mm``
+    takes the padded casts: their zero columns add nothing)."""
+    if wgrad_gemm() != "gluon":
+        (dyq, dys), (xq, xs) = dy_cast(None), x_cast(None)
+        return scaled_grouped_mm(dyq, xq.mT, dys.reshape(-1), xs.reshape(-1), offsets, dtype, False)
+    from ..quant import fp8_gluon_wgrad as gluon_wgrad
+
+    starts = _cast().padded_offsets(offsets, rows, gluon_wgrad.BK)
+    (dyq, dys), (xq, xs) = dy_cast(starts), x_cast(starts)
+    dw = torch.empty(dys.shape[0], dyq.shape[0], xq.shape[0], device=dyq.device, dtype=dtype)
+    if gluon_wgrad.ready(dyq, xq, dw):
+        gluon_wgrad.launch(dyq, dys, xq, xs, starts[0], dw)
+        return dw
+    return scaled_grouped_mm(dyq, xq.mT, dys.reshape(-1), xs.reshape(-1), starts[0], dtype, False)
+
+
+ENV_WGRAD = "MOEYARD_FP8_WGRAD"
+WGRAD_GEMMS = ("cutlass", "gluon")
+
+
+def wgrad_gemm() -> str:
+    """``MOEYARD_FP8_WGRAD``, the FP8 weight gradients' GEMM (``fp8_rowwise``): ``cutlass`` (default; unset or
+    empty too) ``torch._scaled_grouped_mm``, accumulating exactly; ``gluon`` moeyard's e4m3 grouped GEMM over
+    each expert's rows (:mod:`moeyard.quant.fp8_gluon_wgrad`, sm_90; fast accumulation), not yet measured on a
+    GPU.
+
+    Raises:
+        ValueError: another value.
+    """
+    return env_choice(ENV_WGRAD, WGRAD_GEMMS)
 
 
 def _wgrad_hp(dy: Tensor, x: Tensor, offsets: Tensor) -> Tensor:
@@ -609,9 +646,10 @@ class _GatheredUp(torch.autograd.Function):
             dw = ctx.hp(x, dh, False, w)
         elif need_w:
             dw = _wgrad(
-                cast.colwise_per_group(dh, offsets),
-                cast.colwise_per_group(x, offsets, index=row_tokens),
+                lambda p: cast.colwise_per_group(dh, offsets, padded=p),
+                lambda p: cast.colwise_per_group(x, offsets, index=row_tokens, padded=p),
                 offsets,
+                dh.shape[0],
                 dh.dtype,
             )
         if need_a:  # dA_e = s (d h B_e)^T x
@@ -678,9 +716,15 @@ class _ActDownCombine(torch.autograd.Function):
         dh = drw = dw = da = db = a_rows = g = None
         hp_wgrad = need_w and ctx.hp is not None
         if need_w and not hp_wgrad:  # the FP8 weight gradient reads h: before d h takes it
-            a_t = cast.colwise_per_group(h, offsets, ctx.act, interleaved=ctx.interleaved, row_weights=rw)
-            dw = _wgrad(cast.colwise_per_group(d_out, offsets, index=row_tokens), a_t, offsets, d_out.dtype)
-            del a_t
+            dw = _wgrad(
+                lambda p: cast.colwise_per_group(d_out, offsets, index=row_tokens, padded=p),
+                lambda p: cast.colwise_per_group(
+                    h, offsets, ctx.act, interleaved=ctx.interleaved, row_weights=rw, padded=p
+                ),
+                offsets,
+                h.shape[0],
+                d_out.dtype,
+            )
         if a_lo is not None and (need_h or need_rw or need_a):  # g = d out[token] B_e
             g = ad.rows(d_out, b_lo, by_token=True)
         if need_h or need_rw:
