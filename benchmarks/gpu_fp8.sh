@@ -11,7 +11,8 @@
 #   also "ckpt" (FP8 checkpoint storage: CUDA tests, the dequantisation kernel's rates) and "train"
 #   (examples/fp8_train.py, the small model, 300 steps: loss curves of bf16 seeds and each recipe); "casts"
 #   (benchmarks/fp8_cast_probe.py: the expert weights' FP8 casts alone at the anchor shapes); "wgrad"
-#   (benchmarks/fp8_wgrad_probe.py: the FP8 weight gradients and their column casts alone); "memory"
+#   (the Gluon FP8 weight gradient's CUDA tests, then benchmarks/fp8_wgrad_probe.py: the FP8 weight gradients and
+#   their column casts alone, CUTLASS, Triton and Gluon against bf16); "memory"
 #   (benchmarks/memory_peak.py: what is alive at the peak of one step, FP8_MEMORY_ARGS its arguments); "probe"
 #   (benchmarks/fp8_gemm_probe.py, FP8_PROBE_ARGS its arguments: each FP8 GEMM alone); "ab" (this tree against
 #   BASE, an earlier src/ in a carried git-ignored folder: the bench's bf16 and gw_hp rows, trees interleaved,
@@ -60,7 +61,9 @@ for s in $STEPS; do case $s in
              ${FP8_PROFILE_ARGS:---model qwen3-30b-a3b --model sonic-120b --recipes none,fp8_rowwise,fp8_rowwise_gw_hp --casts} ;;
   host) step host_fp8 200 python3 benchmarks/host_profile.py ${FP8_HOST_ARGS:---model sonic-7b --tokens 256 --top 60} ;;
   casts) step casts_fp8 120 python3 benchmarks/fp8_cast_probe.py ;;
-  wgrad) step wgrad_fp8 300 python3 benchmarks/fp8_wgrad_probe.py "${margs[@]}" ;;
+  wgrad) step pytest_wgrad 240 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_fp8_cuda.py \
+          -k "gluon_fp8_wgrad or gluon_wgrad"
+         step wgrad_fp8 300 python3 benchmarks/fp8_wgrad_probe.py --cast-blocks 128x64x4 "${margs[@]}" ;;
   probe) step probe_fp8 330 python3 benchmarks/fp8_gemm_probe.py ${FP8_PROBE_ARGS:-} ;;
   ab) for r in ${FP8_AB_RUNS:-1}; do for tree in this base; do
         src=$PWD/src; [ $tree = base ] && src=${BASE:?BASE: a folder holding src/}/src
