@@ -244,3 +244,18 @@ def test_triton_path_while_torch_compile_traces(direct, monkeypatch):
     launch.run(k, (1,), (x, 5, 0.5), {"B": 16})
     launch.cached(k)[(1,)](x, 5, 0.5, B=16)
     assert len(k.triton_calls) == 3 and not k.compiled[0].launches
+
+
+def test_triton_path_without_cuda(monkeypatch):
+    # no CUDA device (a CPU build of torch, another GPU backend's Triton): Triton's own path, nothing cached
+    monkeypatch.setattr(launch, "_has_cuda", [False])
+    monkeypatch.setattr(launch, "_kernels", {})
+    previous = launch.set_enabled(True)
+    try:
+        k = _FakeJIT(_kernel)
+        x = torch.empty(32)
+        for _ in range(2):
+            launch.run(k, (1,), (x, 5, 0.5), {"B": 16})
+    finally:
+        launch.set_enabled(previous)
+    assert len(k.triton_calls) == 2 and not launch._kernels

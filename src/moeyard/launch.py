@@ -117,8 +117,14 @@ def counts() -> dict[str, int]:
     return dict(_counts)
 
 
-def _device() -> int:
-    return torch.cuda.current_device()
+_has_cuda: list[bool] = []  # torch.cuda.is_available(), asked once
+
+
+def _device() -> int | None:
+    """The current CUDA device, or None without CUDA (then Triton's path, e.g. another GPU backend's)."""
+    if not _has_cuda:
+        _has_cuda.append(torch.cuda.is_available())
+    return torch.cuda.current_device() if _has_cuda[0] else None
 
 
 def _stream(device: int) -> int:
@@ -150,9 +156,12 @@ def run(kernel, grid, args: Sequence, kwargs: dict):
 
     if not _enabled or torch.compiler.is_compiling() or not isinstance(kernel, JITFunction):
         return _triton(kernel, grid, args, kwargs)
+    device = _device()
+    if device is None:
+        return _triton(kernel, grid, args, kwargs)
     state = _compiled_of(kernel)
     try:
-        key = (_device(), state.key(args, kwargs))
+        key = (device, state.key(args, kwargs))
         compiled = state.by_key.get(key)
     except TypeError:  # an argument that cannot be hashed
         return _triton(kernel, grid, args, kwargs)

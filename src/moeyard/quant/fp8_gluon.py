@@ -157,6 +157,44 @@ def _loader(
 
 
 @gluon.jit
+def mma_steps(
+    acc,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    s,
+    phase,
+    steps,
+    half,
+    STAGES: gl.constexpr,
+    FENCE: gl.constexpr,
+    EMPTY: gl.constexpr,
+):
+    """A consumer's K loop over ``steps`` ring stages from ``(s, phase)``: ``acc += a[64 half ...] b^T`` per stage
+    (both K-major, e4m3), one MMA in flight, each stage released once the next MMA is issued (the last after the
+    final wait); ``FENCE``: the stage's rows came by ``cp.async`` (generic proxy), fenced before the MMA reads
+    them (async proxy); ``EMPTY``: ``steps`` may be 0 (then no stage is released). Returns ``(acc, s, phase)``
+    after the loop. Also :mod:`.fp8_gluon_wgrad`'s."""
+    for j in range(steps):
+        mbarrier.wait(ready.index(s), phase)
+        if FENCE:
+            fence_async_shared()
+        acc = warpgroup_mma(a_bufs.index(s).slice(half * HM, HM), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=[acc])
+        if j > 0:  # the previous step's MMA has read its stage
+            mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
+        s, phase = next_stage(s, phase, STAGES)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    if EMPTY:
+        if steps > 0:  # the last stage
+            mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
+    else:
+        mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
+    return acc, s, phase
+
+
+@gluon.jit
 def _consumer(
     half,
     a_bufs,
@@ -221,19 +259,7 @@ def _consumer(
         cols = col0 + gl.arange(0, BN, compact)
         sb = gl.load(b_scale_ptr + e.to(gl.int64) * N + cols, mask=cols < N, other=0.0)
         acc = gl.zeros([HM, BN], gl.float32, mma)
-        for kt in range(k_steps):
-            mbarrier.wait(ready.index(s), phase)
-            if GATHER:
-                fence_async_shared()  # the cp.async rows (generic proxy) before the MMA's reads (async proxy)
-            acc = warpgroup_mma(
-                a_bufs.index(s).slice(half * HM, HM), b_bufs.index(s).permute((1, 0)), acc, is_async=True
-            )
-            acc = warpgroup_mma_wait(1, deps=[acc])
-            if kt > 0:  # the previous step's MMA has read its stage
-                mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
-            s, phase = next_stage(s, phase, STAGES)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)  # the tile's last stage
+        acc, s, phase = mma_steps(acc, a_bufs, b_bufs, ready, empty, s, phase, k_steps, half, STAGES, GATHER, False)
         acc = acc * sa[:, None] * gl.convert_layout(sb, cols_l)[None, :]
         if LORA:
             mbarrier.wait(lready.index(0), t & 1)

@@ -35,12 +35,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from ..experts.triton.kernels_gluon import LOADER_REGS, _tma_load, barrier_ring, next_stage
 from ..experts.triton.kernels_gluon_gather import _halves
 from ..experts.triton.kernels_gluon_wgrad import SB, _store, _tile_of, _tiles, _tma_store_block
 from ..launch import cached
+from .fp8_gluon import mma_steps
 
 Tensor = torch.Tensor
 
@@ -124,19 +125,9 @@ def _consumer(
         cols = n0 + gl.arange(0, BN, compact)
         sr = gl.load(sr_ptr + e.to(gl.int64) * NR + cols, mask=cols < NR, other=0.0)
         acc = gl.zeros([HM, BN], gl.float32, mma)
-        n_steps = gl.cdiv(end - start, BK)
-        for j in range(n_steps):
-            mbarrier.wait(ready.index(s), phase)
-            acc = warpgroup_mma(
-                l_bufs.index(s).slice(half * HM, HM), r_bufs.index(s).permute((1, 0)), acc, is_async=True
-            )
-            acc = warpgroup_mma_wait(1, deps=[acc])
-            if j > 0:  # the previous step's MMA has read its stage
-                mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
-            s, phase = next_stage(s, phase, STAGES)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        if n_steps > 0:  # the tile's last stage
-            mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=1)
+        acc, s, phase = mma_steps(
+            acc, l_bufs, r_bufs, ready, empty, s, phase, gl.cdiv(end - start, BK), half, STAGES, False, True
+        )
         acc = acc * sl[:, None] * gl.convert_layout(sr, cols_l)[None, :]
         if TMA_STORE:
             c_buf = c_bufs.index(half)
