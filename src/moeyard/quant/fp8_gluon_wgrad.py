@@ -19,8 +19,8 @@ tile order of :mod:`moeyard.experts.triton.kernels_gluon_wgrad`:
 - two consumer warp groups (rows ``0 .. 63`` and ``64 .. 127`` of the tile) run the e4m3 MMAs with one in flight
   (fast accumulation over an expert's rows, as ``torch._scaled_grouped_mm`` does), then multiply the float32
   accumulator by both scales, round it to ``dW``'s dtype and store it: a 16-bit ``dW`` a TMA descriptor takes
-  goes out in ``[64, 128]`` blocks through shared memory and TMA stores that run on under the next tile's MMAs,
-  any other by row from registers. Rows past ``NL`` and columns past ``NR`` read zeros and are not stored. An
+  goes out through shared memory and a TMA store that runs on under the next tile's MMAs (as :mod:`.fp8_gluon`'s
+  output), any other by row from registers. Rows past ``NL`` and columns past ``NR`` read zeros and are not stored. An
   expert without rows gets a zero tile. Deterministic: each tile is one program's, summed in row order.
 
 Not yet measured on a GPU: opt in with ``MOEYARD_FP8_WGRAD=gluon``
@@ -35,18 +35,17 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from ..experts.triton.kernels_gluon import LOADER_REGS, _tma_load, barrier_ring, next_stage
-from ..experts.triton.kernels_gluon_gather import _halves
-from ..experts.triton.kernels_gluon_wgrad import SB, _store, _tile_of, _tiles, _tma_store_block
+from ..experts.triton.kernels_gluon import LOADER_REGS, _tma_load, _tma_store, barrier_ring, next_stage
+from ..experts.triton.kernels_gluon_wgrad import _store, _tile_of, _tiles
 from ..launch import cached
 from .fp8_gluon import mma_steps
 
 Tensor = torch.Tensor
 
 BM, BN, BK = 128, 256, 128  # a stage: (128 + 256) x 128 bytes = 48 KiB
-STAGES = 4  # 192 KiB, and 32 KiB for the two consumers' store blocks: 224 of the 227 KiB a Hopper block may hold
+STAGES = 3  # 144 KiB, and 64 KiB for the two consumers' output tiles: 208 of the 227 KiB, as fp8_gluon's
 HM = gl.constexpr(64)  # a consumer warp group's rows of a tile
 CONSUMER_REGS = 232  # as fp8_gluon's: the same [64, 256] float32 accumulator
 
@@ -129,11 +128,12 @@ def _consumer(
             acc, l_bufs, r_bufs, ready, empty, s, phase, gl.cdiv(end - start, BK), half, STAGES, False, True
         )
         acc = acc * sl[:, None] * gl.convert_layout(sr, cols_l)[None, :]
-        if TMA_STORE:
+        if TMA_STORE:  # waited for only before the buffer is written again (the next tile's epilogue)
             c_buf = c_bufs.index(half)
-            left, right = _halves(acc, BN)
-            _tma_store_block(left, c_buf, dw_desc, e, row0, n0)
-            _tma_store_block(right, c_buf, dw_desc, e, row0, n0 + BN // 2)
+            tma.store_wait(0)
+            c_buf.store(acc.to(dw_desc.dtype))
+            fence_async_shared()  # the tile's writes (generic proxy) before the TMA's reads (async proxy)
+            _tma_store(dw_desc, [e, row0, n0], c_buf)
         else:
             _store(acc, 1.0, dw_ptr, e, row0, n0, NL, NR, stride_de, stride_dl, stride_dr, BN)
     if TMA_STORE:
@@ -149,7 +149,7 @@ def fp8_wgrad_kernel(
     sr_ptr,  # [E, NR] float32, contiguous
     starts_ptr,  # [E + 1] int32: expert e's columns of lq and rq are starts[e] .. starts[e + 1] (multiples of BK)
     dw_ptr,  # [E, NL, NR] weight gradient, strides (stride_de, stride_dl, stride_dr) (out)
-    dw_desc,  # TMA_STORE: its descriptor, boxes [1, 64, 128] (otherwise a placeholder, not used)
+    dw_desc,  # TMA_STORE: its descriptor, boxes [1, 64, BN] (otherwise a placeholder, not used)
     NL,
     NR,
     E,
@@ -170,9 +170,9 @@ def fp8_wgrad_kernel(
     l_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * HM, BK], sl8)
     r_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], sl8)
     ready, empty = barrier_ring(STAGES, 1, 2)  # ready: the TMA's expect; empty: one arrival per consumer
-    if TMA_STORE:  # each consumer's output block [64, 128] on its way out
+    if TMA_STORE:  # each consumer's output tile [64, BN] on its way out
         sl16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        c_bufs = gl.allocate_shared_memory(dw_desc.dtype, [2, HM, SB], sl16)
+        c_bufs = gl.allocate_shared_memory(dw_desc.dtype, [2, HM, BN], sl16)
     else:
         c_bufs = l_bufs  # not used
     # the partitions' argument tuples written out in the call (a tuple built in the kernel loses constexprs)
@@ -274,9 +274,7 @@ def launch(lq: Tensor, sl: Tensor, rq: Tensor, sr: Tensor, starts: Tensor, dw: T
     r_d = TensorDescriptor(rq, list(rq.shape), [rq.stride(0), 1], [BN, BK], _layout(2))
     tma_store = weight_tma_ready(dw)
     dw_d = (
-        TensorDescriptor(dw, [E, NL, NR], list(dw.stride()), [1, HM.value, SB.value], _layout16(3, 128))
-        if tma_store
-        else l_d
+        TensorDescriptor(dw, [E, NL, NR], list(dw.stride()), [1, HM.value, BN], _layout16(3, 128)) if tma_store else l_d
     )
     grid = (max(min(E * triton.cdiv(NL, BM) * triton.cdiv(NR, BN), num_sms(dw.device)), 1),)
     fp8_wgrad_kernel[grid](
