@@ -178,11 +178,12 @@ def gemm_backend() -> str:
 
 
 def _wgrad(dy_cast, x_cast, offsets: Tensor, rows: int, dtype) -> Tensor:
-    """``dw_e = dy_e^T x_e`` ``[E, N, K]`` over ``rows`` rows, from the per-expert column casts ``dy_cast(padded)
-    -> (dy^T [N, R], [E, N])`` and ``x_cast(padded) -> (x^T [K, R], [E, K])`` (:func:`moeyard.quant.fp8_triton.colwise_per_group`
-    with ``padded``): on ``torch._scaled_grouped_mm`` from unpadded casts, or with :func:`wgrad_gemm` ``gluon``
-    on :mod:`moeyard.quant.fp8_gluon_wgrad` from padded ones (where it cannot run, ``torch._scaled_grouped_mm``
-    takes the padded casts: their zero columns add nothing)."""
+    """``dw_e = dy_e^T x_e`` ``[E, N, K]`` over ``rows`` rows, from the per-expert column casts
+    ``dy_cast(padded) -> (dy^T [N, R], [E, N])`` and ``x_cast(padded) -> (x^T [K, R], [E, K])``
+    (:func:`moeyard.quant.fp8_triton.colwise_per_group` with ``padded``): on ``torch._scaled_grouped_mm`` from
+    unpadded casts, or with :func:`wgrad_gemm` ``gluon`` on :mod:`moeyard.quant.fp8_gluon_wgrad` from padded
+    ones (where it cannot run, ``torch._scaled_grouped_mm`` takes the padded casts: their zero columns add
+    nothing). No host sync."""
     if wgrad_gemm() != "gluon":
         (dyq, dys), (xq, xs) = dy_cast(None), x_cast(None)
         return scaled_grouped_mm(dyq, xq.mT, dys.reshape(-1), xs.reshape(-1), offsets, dtype, False)
