@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round per stage, each time-boxed to fit one 10-minute device call (bf16, routed experts only,
 # the torch grouped_mm pipeline and, when installed, SonicMoE timed in the same run).
-# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|loaders|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|tmaup|routerab|lora|loraab|lorapointer|compile|small]
+# Usage (repository root, GPU machine):  bash benchmarks/gpu_round.sh [main|loaders|profile|peers|peer|anchors|router|e2e|gaps|ab|abprof|prefetch|host|hosttime|hostab|tmaup|routerab|lora|loraab|lorapointer|compile|small|launch]
 #   main: verify, CUDA tests, bench (random and Zipf routing) at qwen3-30b-a3b and sonic-7b.
 #   profile: the TMA CUDA tests, then the triton backend's per-kernel profile with A/B of the TMA-loaded
 #            down projection (benchmarks/triton_profile.py).
@@ -49,6 +49,8 @@
 #   small: few tokens per call (decoding, small batches), where the host sets the pace: benchmarks/host_time.py at
 #       SMALL_MODEL (default qwen3-30b-a3b), 8-4096 tokens, inference and training steps, triton against the torch
 #       pipeline, grouped_mm and (with .peers carried) SonicMoE; host, device and step ms.
+#   launch: the kernels' CUDA tests through moeyard.launch's direct path (fixed configs, then autotuned), and the
+#       path's host-time A/B and per-launch launcher times (benchmarks/launch_probe.py).
 #   compile: the triton and transformers CUDA tests (torch.compile with Inductor among them), then the whole layer
 #       eager, under torch.compile and under torch.compile's CUDA graphs (reduce-overhead), interleaved, twice
 #       each, at sonic-7b and qwen3-30b-a3b (RUNS="1 2" by default; NO_TESTS=1 skips the tests).
@@ -241,6 +243,12 @@ elif [[ $STAGE == compile ]]; then
         --no-peers "${flag[@]}" --json "$OUT/bench_compile_${mode}_$run.json"
     done
   done
+elif [[ $STAGE == launch ]]; then
+  # the direct launch path (moeyard.launch) under the kernels' CUDA tests, fixed configs then autotuned, and its A/B
+  step pytest_launch_fixed 420 env MOEYARD_TRITON_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -x \
+    tests/cuda/test_launch_cuda.py tests/cuda/test_triton_cuda.py tests/cuda/test_fp8_cuda.py tests/cuda/test_router_cuda.py
+  step pytest_launch_tuned 240 python3 -m pytest -q -p no:cacheprovider -x tests/cuda/test_launch_cuda.py
+  step host_launch 200 python3 benchmarks/launch_probe.py --parts ab,launcher
 elif [[ $STAGE == small ]]; then
   peers=""; [[ -n ${PEERS:-} ]] && peers=",sonicmoe"
   step host_small 540 python3 benchmarks/host_time.py --models "${SMALL_MODEL:-qwen3-30b-a3b}" --tokens 8,64,512,4096 \
