@@ -205,7 +205,8 @@ def test_tma_estimates_by_hand():
 
 class _FakeAutotuner:
     """What :class:`schedule._Tuned` uses of ``triton.runtime.Autotuner``: ``arg_names``, ``run`` (tunes,
-    sets ``best_config``), ``fn.run`` (launches with a config's kwargs)."""
+    sets ``best_config``), ``fn[grid](...)`` (launches with a config's kwargs, through :func:`moeyard.launch.run`,
+    which takes a kernel that is not a JIT function, as this one, through its own ``[grid]``)."""
 
     def __init__(self):
         self.arg_names = ["x_ptr", "M", "N", "HAS_BIAS"]
@@ -213,6 +214,9 @@ class _FakeAutotuner:
         outer = self
 
         class Fn:
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
+
             def run(self, *args, grid, warmup, **kwargs):
                 outer.calls.append(("launch", args, kwargs))
 
