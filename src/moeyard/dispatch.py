@@ -169,10 +169,10 @@ def make_plan(topk_ids: Tensor, num_experts: int, *, align: int = 1) -> Dispatch
         raise ValueError(f"align: expected a positive int, got {align!r}")
     T, K = topk_ids.shape
     N, E, dev = T * K, num_experts, topk_ids.device
-    num_rows = N if align == 1 else -(-(N + E * (align - 1)) // align) * align
+    num_rows = N if align == 1 else padded_rows(N, E, align)
     if one_pass(topk_ids):
         sorted_keys, sort_order, expert_offsets = sort_by_expert(topk_ids, E)
-        padded_offsets = expert_offsets if align == 1 else _padded_offsets(expert_offsets.diff(), align)
+        padded_offsets = expert_offsets if align == 1 else pad_offsets(expert_offsets.diff(), align)
         pair_rows = torch.empty(N, device=dev, dtype=torch.int64)
         valid = torch.empty(N, device=dev, dtype=torch.bool)
         tokens_per_expert = torch.empty(E, device=dev, dtype=torch.int32)
@@ -189,7 +189,7 @@ def make_plan(topk_ids: Tensor, num_experts: int, *, align: int = 1) -> Dispatch
         if align == 1:
             padded_offsets, sorted_rows = expert_offsets, positions
         else:
-            padded_offsets = _padded_offsets(tokens_per_expert, align)
+            padded_offsets = pad_offsets(tokens_per_expert, align)
             shift = (padded_offsets - expert_offsets).to(torch.int64)  # [E + 1]; tail keeps its shift
             sorted_rows = positions + shift[sorted_keys.to(torch.int64)]  # uint8 would index as a mask
         pair_rows = torch.empty_like(sorted_rows).index_copy_(0, sort_order, sorted_rows)
@@ -218,10 +218,18 @@ def one_pass(topk_ids: Tensor) -> bool:
     return topk_ids.is_cuda or (topk_ids.is_cpu and interpreting())
 
 
-def _padded_offsets(tokens_per_expert: Tensor, align: int) -> Tensor:
-    """``[E + 1]`` int32: each expert's first row with every expert's rows padded to a multiple of ``align``."""
+def pad_offsets(tokens_per_expert: Tensor, align: int) -> Tensor:
+    """``[E + 1]`` int32: each expert's first row when every expert's ``tokens_per_expert [E]`` rows are padded
+    to a multiple of ``align`` (on the device, no host sync). Also the FP8 weight gradients' padded column
+    casts' (:func:`moeyard.quant.fp8_triton.padded_offsets`)."""
     padded = (tokens_per_expert + (align - 1)) // align * align
     return torch.cat([padded.new_zeros(1), padded.cumsum(0, dtype=torch.int32)])
+
+
+def padded_rows(num_pairs: int, num_experts: int, align: int) -> int:
+    """A static bound on the rows of ``num_pairs`` pairs over ``num_experts`` experts each padded to a multiple
+    of ``align`` (:func:`pad_offsets`): ``align - 1`` more per expert, rounded up to ``align``."""
+    return -(-(num_pairs + num_experts * (align - 1)) // align) * align
 
 
 def plan_rows(

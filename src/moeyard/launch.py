@@ -29,6 +29,7 @@ descriptors), which both paths call.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 
@@ -138,10 +139,18 @@ def _compiled_of(kernel) -> _Compiled:
     return entry[1]
 
 
+@functools.cache
+def _triton_types():
+    """``(JITFunction, knobs)``, imported once (this module is imported without Triton too)."""
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction, knobs
+
+
 def _hooked(kernel) -> bool:
     """Whether Triton would run hooks around this launch (then it takes Triton's path)."""
-    from triton import knobs
-
+    knobs = _triton_types()[1]
     for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):  # an empty HookChain calls nothing
             return True
@@ -152,9 +161,7 @@ def run(kernel, grid, args: Sequence, kwargs: dict):
     """``kernel[grid](*args, **kwargs)``, through the compiled kernel's launcher when this argument
     signature has been launched before (module docstring). Returns what ``kernel[grid]`` returns (the
     compiled kernel)."""
-    from triton.runtime.jit import JITFunction
-
-    if not _enabled or torch.compiler.is_compiling() or not isinstance(kernel, JITFunction):
+    if not _enabled or torch.compiler.is_compiling() or not isinstance(kernel, _triton_types()[0]):
         return _triton(kernel, grid, args, kwargs)
     device = _device()
     if device is None:

@@ -546,14 +546,12 @@ def colwise_per_group(
 
 def padded_offsets(offsets: Tensor, rows: int, block: int) -> tuple[Tensor, int]:
     """``(starts [G + 1] int32, width)`` for :func:`colwise_per_group`'s ``padded``: each group's ``offsets[g
-    + 1] - offsets[g]`` rows rounded up to a multiple of ``block``, their running sum from 0, and ``width`` a
-    static bound on ``starts[G]`` for ``rows`` rows in all (``rows`` plus ``block - 1`` per group, rounded up to
-    ``block``). Three torch ops on the device, no host sync."""
-    G = offsets.numel() - 1
-    counts = offsets[1:] - offsets[:-1]
-    starts = torch.zeros(G + 1, dtype=torch.int32, device=offsets.device)
-    torch.cumsum((counts + (block - 1)) // block * block, 0, dtype=torch.int32, out=starts[1:])
-    return starts, -(-(rows + G * (block - 1)) // block) * block
+    + 1] - offsets[g]`` rows rounded up to a multiple of ``block``, their running sum from 0
+    (:func:`moeyard.dispatch.pad_offsets`), and ``width`` a static bound on ``starts[G]`` for ``rows`` rows in
+    all (:func:`moeyard.dispatch.padded_rows`). No host sync."""
+    from ..dispatch import pad_offsets, padded_rows
+
+    return pad_offsets(offsets.diff(), block), padded_rows(rows, offsets.numel() - 1, block)
 
 
 @cached
