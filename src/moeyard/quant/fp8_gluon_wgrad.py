@@ -29,8 +29,6 @@ Not yet measured on a GPU: opt in with ``MOEYARD_FP8_WGRAD=gluon``
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -40,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from ..experts.triton.kernels_gluon import LOADER_REGS, _tma_load, _tma_store, barrier_ring, next_stage
 from ..experts.triton.kernels_gluon_wgrad import _store, _tile_of, _tiles
 from ..launch import cached
-from .fp8_gluon import mma_steps
+from .fp8_gluon import _layout, mma_steps
 
 Tensor = torch.Tensor
 
@@ -299,9 +297,3 @@ def launch(lq: Tensor, sl: Tensor, rq: Tensor, sr: Tensor, starts: Tensor, dw: T
         CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4,
     )
-
-
-@functools.cache
-def _layout(rank: int):
-    """The NVMMA shared layout of an e4m3 TMA box of ``rank`` dimensions (128-byte rows: BK = 128)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=rank)
