@@ -704,10 +704,12 @@ def test_fast_path_up_dgrad_in_windows(forced_fast_path, monkeypatch, recipe, ca
 
 @pytest.mark.parametrize("case", ["base", "empty_experts", "odd_sizes"])
 @pytest.mark.parametrize(
-    "recipe, frozen", [("fp8_rowwise", True), ("fp8_rowwise_gw_hp", True), ("fp8_rowwise_gw_hp", False)]
+    "recipe, frozen",
+    [("fp8_rowwise", True), ("fp8_rowwise", False), ("fp8_rowwise_gw_hp", True), ("fp8_rowwise_gw_hp", False)],
 )
 def test_fast_path_lora_fused(forced_fast_path, recipe, frozen, case):
-    # LoRA on an FP8 base in the fused form: the adapter terms inside the four FP8 GEMMs (no GEMM more), the
+    # LoRA on an FP8 base in the fused form: the adapter terms inside the four FP8 GEMMs (no GEMM more but a
+    # trained base's two FP8 weight gradients, whose padded column casts let the rows go unpadded), the
     # output and every gradient (x, routing weights, both factors of both projections, and the base weights
     # when trained) as close to the exact layer as the recipe's own oracle; no warning
     import warnings
@@ -720,8 +722,26 @@ def test_fast_path_lora_fused(forced_fast_path, recipe, frozen, case):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         _check_fused("triton", inputs, recipe, frozen=("gate_up_proj", "down_proj") if frozen else ())
-    assert forced_fast_path.count("fused") == 1 and forced_fast_path.count("gemm") == 4
-    assert forced_fast_path.count("wgrad_by_token") == (0 if frozen else 2)
+    fp8_wgrads = 2 if recipe == "fp8_rowwise" and not frozen else 0
+    assert forced_fast_path.count("fused") == 1 and forced_fast_path.count("gemm") == 4 + fp8_wgrads
+    assert forced_fast_path.count("wgrad_by_token") == (0 if frozen or fp8_wgrads else 2)
+
+
+def test_lora_on_a_trained_fp8_base_with_cutlass_wgrads_warns(forced_fast_path, monkeypatch):
+    # MOEYARD_FP8_WGRAD=cutlass needs rows padded per expert, which the fused LoRA terms cannot take: each
+    # projection runs on its own, with one warning that names the setting
+    import importlib
+
+    from helpers import add_lora
+
+    hop = importlib.import_module("moeyard.experts.scaled_hopper")
+    monkeypatch.setattr(hop, "_warned", set())
+    monkeypatch.setenv(hop.ENV_WGRAD, "cutlass")
+    T, H = _inputs("base")["hidden_states"].shape
+    with pytest.warns(UserWarning, match="MOEYARD_FP8_WGRAD=cutlass"):
+        run_experts(add_lora(_inputs("base"), 4), torch.float32, "triton", torch.randn(T, H, dtype=torch.float64),
+                    recipe="fp8_rowwise")  # fmt: skip
+    assert "fused" not in forced_fast_path
 
 
 @pytest.mark.parametrize("cached", [False, True])
@@ -987,8 +1007,8 @@ def test_gw_hp_weight_gradient_in_compute_dtype(monkeypatch, fast):
 )
 def test_fast_path_forms_on_cpu(forced_fast_path, case):
     # fused (up bias, gpt-oss's interleaved clamped SwiGLU with an up bias only, a plain activation, dropped
-    # pairs, a frozen base, LoRA on a frozen base) or per projection (a down bias; LoRA on a base trained with
-    # FP8 weight gradients, whose rows are padded per expert)
+    # pairs, a frozen base, LoRA on a frozen base or on one trained with FP8 weight gradients, whose padded column
+    # casts leave the rows unpadded) or per projection (a down bias; LoRA with the cutlass GEMM)
     kw, frozen = {}, ()
     if case in ("up_bias", "down_bias", "gpt_oss"):
         inp = make_inputs(40, 32, 16, 4, 2, bias=True, transposed=case == "gpt_oss")
@@ -1012,7 +1032,7 @@ def test_fast_path_forms_on_cpu(forced_fast_path, case):
         inp, frozen = _inputs("base"), ("gate_up_proj", "down_proj")
     # LoRA's thin GEMMs and its terms in the FP8 GEMMs need moeyard's FP8 GEMM: with cutlass, per projection
     cutlass = os.environ["MOEYARD_FP8_GEMM"] == "cutlass"
-    composed = case in ("down_bias", "lora_trained_base") or (case == "lora" and cutlass)
+    composed = case == "down_bias" or (case.startswith("lora") and cutlass)
     import importlib
     import warnings
 
@@ -1107,6 +1127,21 @@ def test_padded_column_casts_put_each_group_from_a_block_start():
             a, b, p0, p1 = (int(v) for v in (offsets[g], offsets[g + 1], starts[g], starts[g + 1]))
             assert torch.equal(qp[:, p0 : p0 + b - a].float(), q[:, a:b].float())
             assert (qp[:, p0 + b - a : p1].float() == 0).all()
+    # amax given: per group ([G, N]: the same cast), or one bound for all groups ([N]: one scale per column)
+    q0, s0 = fp8_triton.colwise_per_group(t, offsets, padded=(starts, width))
+    q1, s1 = fp8_triton.colwise_per_group(t, offsets, padded=(starts, width), amax=s0 * 448)
+    assert torch.equal(s1, s0) and torch.equal(q1[:, :640].float(), q0[:, :640].float())
+    bound = t[:331].abs().amax(0)
+    q2, s2 = fp8_triton.colwise_per_group(t, offsets, padded=(starts, width), amax=bound)
+    assert (s2 == s2[0]).all() and (s2 >= s0).all() and (s2 > s0).any()
+    deq = q2[:, :640].float() * s2[0][:, None]
+    for g in range(5):
+        a, b, p0 = (int(v) for v in (offsets[g], offsets[g + 1], starts[g]))
+        torch.testing.assert_close(deq[:, p0 : p0 + b - a], t[a:b].mT, rtol=2**-3, atol=s2[0].max().item() * 2**-9)
+    with pytest.raises(ValueError, match="amax"):
+        fp8_triton.colwise_per_group(t, offsets, amax=bound)
+    with pytest.raises(ValueError, match="amax"):
+        fp8_triton.colwise_per_group(t, offsets, padded=(starts, width), amax=bound[:5])
 
 
 @pytest.mark.parametrize("recipe", ["fp8_rowwise"])

@@ -43,17 +43,19 @@ def _check(backend, inputs, recipe="fp8_rowwise", fused=False, **kw):
 @pytest.fixture(params=["auto", "triton", "cutlass"])
 def fast_path_calls(monkeypatch, request):
     """The Hopper fast path's calls, with each choice of forward / input-gradient GEMM (``MOEYARD_FP8_GEMM``):
-    "gemm" per FP8 grouped GEMM (Gluon, Triton or CUTLASS), "fused" per fused FFN."""
+    "gemm" per FP8 grouped GEMM (Gluon, Triton or CUTLASS; the weight gradients' too), "fused" per fused FFN."""
     import importlib
 
     hop = importlib.import_module("moeyard.experts.scaled_hopper")
     grouped = importlib.import_module("moeyard.quant.fp8_grouped")
+    wgrad = importlib.import_module("moeyard.quant.fp8_gluon_wgrad")
     calls = []
-    real_mm, real_ffn, real_triton = hop.scaled_grouped_mm, hop.routed_ffn, grouped.grouped_mm
+    real_mm, real_ffn, real_triton, real_wgrad = hop.scaled_grouped_mm, hop.routed_ffn, grouped.grouped_mm, wgrad.launch
     monkeypatch.setenv(hop.ENV_GEMM, request.param)
     monkeypatch.setattr(hop, "scaled_grouped_mm", lambda *a: calls.append("gemm") or real_mm(*a))
     monkeypatch.setattr(grouped, "grouped_mm", lambda *a, **k: calls.append("gemm") or real_triton(*a, **k))
     monkeypatch.setattr(hop, "routed_ffn", lambda *a, **k: calls.append("fused") or real_ffn(*a, **k))
+    monkeypatch.setattr(wgrad, "launch", lambda *a: calls.append("gemm") or real_wgrad(*a))
     return calls
 
 
@@ -110,6 +112,13 @@ def test_colwise_casts_on_device():
     assert torch.equal(q[:, :2992].view(torch.uint8), q_ref[:, :2992].view(torch.uint8))
     live = off.diff() > 0
     assert torch.equal(s[live], s_ref.mT[:-1][live])
+    starts, width = fp8_triton.padded_offsets(off, R, 128)  # the tile kernels: the same bytes and scales
+    qp, sp = fp8_triton.colwise_per_group(t, off, padded=(starts, width))
+    assert torch.equal(sp, s)
+    for g in range(5):
+        a, b, p0, p1 = (int(v) for v in (off[g], off[g + 1], starts[g], starts[g + 1]))
+        assert torch.equal(qp[:, p0 : p0 + b - a].view(torch.uint8), q[:, a:b].view(torch.uint8))
+        assert (qp[:, p0 + b - a : p1].float() == 0).all()
     w = (torch.randn(5, 1000, 200, device=DEV) * torch.logspace(-3, 3, 200, device=DEV)).bfloat16()
     q_ref, s_ref = fp8.quantize(w.mT, Blocks(None), "pow2")
     for rows in (None, 16, 1024):  # the forward's cast with the columns' amax (atomic max over programs)
@@ -425,17 +434,14 @@ def test_fp8_dispatch_packed_rows_on_device(N, H):
 
 @pytest.mark.parametrize("dw_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("counts, NL, NR", [([0, 37, 1, 600, 128, 0, 2000, 129], 1536, 2048), ([5, 300], 200, 72)])
-def test_gluon_fp8_wgrad_matches_the_exact_gemm(counts, NL, NR, dw_dtype):
-    """moeyard.quant.fp8_gluon_wgrad on the padded column casts against torch._scaled_grouped_mm (exact
-    accumulation) on the unpadded ones, and both against float64 on the dequantised operands: empty experts,
-    counts that are not multiples of 16 or 128, partial tiles of NL and NR."""
+def test_gluon_fp8_wgrad_matches_float64(counts, NL, NR, dw_dtype):
+    """moeyard.quant.fp8_gluon_wgrad on the padded column casts against float64 on the dequantised operands
+    (within fast accumulation's error, and the output's rounding): empty experts, counts that are not multiples
+    of 16 or 128, partial tiles of NL and NR."""
     if not _hopper():
         pytest.skip("the Gluon kernel needs sm_90")
-    import importlib
-
     from moeyard.quant import fp8_gluon_wgrad, fp8_triton
 
-    hop = importlib.import_module("moeyard.experts.scaled_hopper")
     torch.manual_seed(0)
     offsets = torch.tensor([0] + counts, device=DEV).cumsum(0).to(torch.int32)
     R = int(offsets[-1])
@@ -446,8 +452,6 @@ def test_gluon_fp8_wgrad_matches_the_exact_gemm(counts, NL, NR, dw_dtype):
     dw = torch.full((len(counts), NL, NR), float("nan"), device=DEV, dtype=dw_dtype)
     assert fp8_gluon_wgrad.ready(lq, rq, dw)
     fp8_gluon_wgrad.launch(lq, ls, rq, rs, starts[0], dw)
-    (uq, us), (vq, vs) = (fp8_triton.colwise_per_group(t, offsets) for t in (dy, x))
-    exact = hop.scaled_grouped_mm(uq, vq.mT, us.reshape(-1), vs.reshape(-1), offsets, torch.float32, False)
     ref = torch.zeros(len(counts), NL, NR, dtype=torch.float64, device=DEV)
     for e in range(len(counts)):
         a, b, p = int(offsets[e]), int(offsets[e + 1]), int(starts[0][e])
@@ -458,14 +462,16 @@ def test_gluon_fp8_wgrad_matches_the_exact_gemm(counts, NL, NR, dw_dtype):
     for e, n in enumerate(counts):
         if n == 0:
             assert (dw[e] == 0).all()
-    err = ((dw.double() - ref).norm() / ref.norm()).item()
-    err_exact = ((exact.double() - ref).norm() / ref.norm()).item()
-    assert err <= max(2 * err_exact, 4e-3 if dw_dtype == torch.bfloat16 else 1e-3), (err, err_exact)
+    bound = 4e-3 if dw_dtype == torch.bfloat16 else 2e-3
+    for e, n in enumerate(counts):  # each expert's tile on its own: a tile of another expert's rows fails here
+        if n:
+            err = ((dw[e].double() - ref[e]).norm() / ref[e].norm()).item()
+            assert err <= bound, (e, err)
 
 
 def test_layer_fp8_rowwise_with_the_gluon_wgrad(monkeypatch):
-    """fp8_rowwise's fused form with MOEYARD_FP8_WGRAD=gluon: output and input gradients as with the default, the
-    weight gradients within the fast accumulation's error of them."""
+    """fp8_rowwise's fused form with MOEYARD_FP8_WGRAD=gluon (unpadded rows) against cutlass (rows padded per
+    expert): output and input gradients alike, the weight gradients within the fast accumulation's error."""
     if not _hopper():
         pytest.skip("the Gluon kernel needs sm_90")
     torch.manual_seed(3)
@@ -483,4 +489,4 @@ def test_layer_fp8_rowwise_with_the_gluon_wgrad(monkeypatch):
         if k in ("grad_gate_up_proj", "grad_down_proj"):
             assert ((got[k].double() - want[k].double()).norm() / want[k].double().norm()).item() < 1e-2, k
         else:
-            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+            torch.testing.assert_close(got[k], want[k], msg=k)  # the GEMMs' tiles cover other rows: bf16's tolerance

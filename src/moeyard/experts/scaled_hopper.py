@@ -3,19 +3,22 @@ scales, cast by :mod:`moeyard.quant.fp8_triton`. The forward and input-gradient 
 :func:`moeyard.quant.fp8_grouped.grouped_mm` (the row gather by token inside its loads; ``MOEYARD_FP8_GEMM``
 ``auto``, the default: its Gluon kernel where it applies, else its Triton kernel; ``triton``: its Triton
 kernel) or, with ``MOEYARD_FP8_GEMM=cutlass``, on ``torch._scaled_grouped_mm`` (CUTLASS, SM 9.0) after a
-gather of the e4m3 rows; the FP8 weight gradients on ``torch._scaled_grouped_mm`` (or, with
-``MOEYARD_FP8_WGRAD=gluon``, on :mod:`moeyard.quant.fp8_gluon_wgrad`: :func:`wgrad_gemm`).
+gather of the e4m3 rows; the FP8 weight gradients on :mod:`moeyard.quant.fp8_gluon_wgrad` (its Gluon kernel on
+sm_90; ``MOEYARD_FP8_WGRAD=cutlass``: on ``torch._scaled_grouped_mm``; :func:`wgrad_gemm`).
 
 Which scale each GEMM's operands carry (expert-major rows ``x [R, K]``, ``w [E, N, K]``, offsets ``[E + 1]``):
 
 - forward ``y = x w_e^T``: ``x`` one scale per row (over K), ``w_e`` one per output channel (over K);
 - dgrad ``dx = dy w_e``: ``dy`` one per row (over N), ``w_e^T`` one per input channel (over N);
-- wgrad ``dw_e = dy_e^T x_e``: ``dy^T`` and ``x^T`` one per channel and expert, over the expert's tokens
-  (so the rows of each expert are padded to a multiple of 16: ``Recipe.align``); under
-  ``fp8_rowwise_gw_hp`` (``Recipe.wgrad`` None) in the compute dtype on ``torch._grouped_mm``.
+- wgrad ``dw_e = dy_e^T x_e``: ``dy^T`` and ``x^T`` one per channel and expert, over the expert's tokens.
+  The Gluon kernel takes column casts that start each expert at a multiple of 128 rows (zeros after its rows),
+  so the rows themselves need no padding; ``torch._scaled_grouped_mm`` takes groups of a multiple of 16 rows
+  (``Recipe.align``). Under ``fp8_rowwise_gw_hp`` (``Recipe.wgrad`` None) in the compute dtype.
 
-Forward and dgrad accumulate with ``use_fast_accum`` (contraction over H or I, at most a few thousand);
-wgrad contracts over an expert's tokens (thousands to hundreds of thousands) and accumulates exactly.
+Forward and dgrad accumulate with ``use_fast_accum`` (contraction over H or I, at most a few thousand). wgrad
+contracts over an expert's tokens (thousands to hundreds of thousands): exactly on ``torch._scaled_grouped_mm``,
+with fast accumulation on the Gluon kernel (relative error against float64 1.86e-3 where the exact one gives
+1.66e-3, ``benchmarks/fp8_wgrad_probe.py``, H200).
 
 Two forms:
 
@@ -113,6 +116,7 @@ class HopperRowwise(RecipeGEMMs):
             offsets,
             dy.shape[0],
             dy.dtype,
+            wgrad_gemm(),
         )
 
 
@@ -177,14 +181,14 @@ def gemm_backend() -> str:
     return env_choice(ENV_GEMM, GEMMS)
 
 
-def _wgrad(dy_cast, x_cast, offsets: Tensor, rows: int, dtype) -> Tensor:
+def _wgrad(dy_cast, x_cast, offsets: Tensor, rows: int, dtype, gemm: str) -> Tensor:
     """``dw_e = dy_e^T x_e`` ``[E, N, K]`` over ``rows`` rows, from the per-expert column casts
     ``dy_cast(padded) -> (dy^T [N, R], [E, N])`` and ``x_cast(padded) -> (x^T [K, R], [E, K])``
-    (:func:`moeyard.quant.fp8_triton.colwise_per_group` with ``padded``): on ``torch._scaled_grouped_mm`` from
-    unpadded casts, or with :func:`wgrad_gemm` ``gluon`` on :mod:`moeyard.quant.fp8_gluon_wgrad` from padded
-    ones (where it cannot run, ``torch._scaled_grouped_mm`` takes the padded casts: their zero columns add
-    nothing). No host sync."""
-    if wgrad_gemm() != "gluon":
+    (:func:`moeyard.quant.fp8_triton.colwise_per_group` with ``padded``): with ``gemm`` (:func:`wgrad_gemm`)
+    ``gluon`` on :mod:`moeyard.quant.fp8_gluon_wgrad` from padded casts (where it cannot run,
+    ``torch._scaled_grouped_mm`` takes them: their zero columns add nothing), with ``cutlass`` on
+    ``torch._scaled_grouped_mm`` from unpadded ones (each group a multiple of 16 rows). No host sync."""
+    if gemm != "gluon":
         (dyq, dys), (xq, xs) = dy_cast(None), x_cast(None)
         return scaled_grouped_mm(dyq, xq.mT, dys.reshape(-1), xs.reshape(-1), offsets, dtype, False)
     from ..quant import fp8_gluon_wgrad as gluon_wgrad
@@ -199,14 +203,16 @@ def _wgrad(dy_cast, x_cast, offsets: Tensor, rows: int, dtype) -> Tensor:
 
 
 ENV_WGRAD = "MOEYARD_FP8_WGRAD"
-WGRAD_GEMMS = ("cutlass", "gluon")
+WGRAD_GEMMS = ("gluon", "cutlass")
 
 
 def wgrad_gemm() -> str:
-    """``MOEYARD_FP8_WGRAD``, the FP8 weight gradients' GEMM (``fp8_rowwise``): ``cutlass`` (default; unset or
-    empty too) ``torch._scaled_grouped_mm``, accumulating exactly; ``gluon`` moeyard's e4m3 grouped GEMM over
-    each expert's rows (:mod:`moeyard.quant.fp8_gluon_wgrad`, sm_90; fast accumulation), not yet measured on a
-    GPU.
+    """``MOEYARD_FP8_WGRAD``, the FP8 weight gradients' GEMM (``fp8_rowwise``): ``gluon`` (default; unset or empty
+    too) moeyard's e4m3 grouped GEMM over each expert's rows (:mod:`moeyard.quant.fp8_gluon_wgrad`, sm_90; fast
+    accumulation; elsewhere ``torch._scaled_grouped_mm`` on the same padded casts), which needs no padded rows;
+    ``cutlass`` ``torch._scaled_grouped_mm`` on unpadded casts, accumulating exactly, with rows padded per
+    expert (``Recipe.align``). H200, 2026-11-29, ``benchmarks/fp8_wgrad_probe.py``: the Gluon GEMM at 84-90% of
+    the dense e4m3 rate, ``torch._scaled_grouped_mm`` at 46-55%.
 
     Raises:
         ValueError: another value.
@@ -229,24 +235,25 @@ def fused(weights: ExpertWeights, activation: Activation) -> bool:
     GEMMs take."""
     if activation.fn is not None or weights.b_down is not None:
         return False
-    return (weights.lora_up is None and weights.lora_down is None) or unpadded(weights, gemm_backend())
+    return (weights.lora_up is None and weights.lora_down is None) or unpadded(weights, gemm_backend(), wgrad_gemm())
 
 
-def unpadded(weights: ExpertWeights, gemm: str) -> bool:
+def unpadded(weights: ExpertWeights, gemm: str, wgrad: str) -> bool:
     """Whether the fused form's rows can go without per-expert padding (``Recipe.align``): no GEMM of the step
     needs aligned groups when moeyard's FP8 GEMM (``gemm`` not ``cutlass``) runs forward and input gradients
-    and the weight gradients run in the compute dtype (``Recipe.wgrad`` None) or are not taken (a frozen
-    base, or no autograd)."""
+    and the weight gradients run on padded column casts (``wgrad``, :func:`wgrad_gemm`, ``gluon``), in the
+    compute dtype (``Recipe.wgrad`` None) or are not taken (a frozen base, or no autograd)."""
     if gemm == "cutlass":
         return False
     trains = torch.is_grad_enabled() and (weights.w_up.requires_grad or weights.w_down.requires_grad)  # NF4: False
-    return weights.recipe.wgrad is None or not trains
+    return weights.recipe.wgrad is None or not trains or wgrad == "gluon"
 
 
 def warn_lora_composed(weights: ExpertWeights) -> None:
     """Warn once per recipe that LoRA terms on an FP8 base run the composed form here (each projection on its
-    own, the adapter terms as separate GEMMs in the compute dtype: the rows are padded per expert for FP8
-    weight gradients of a trained base, or the GEMM is ``cutlass``): correct, but slower than the fused
+    own, the adapter terms as separate GEMMs in the compute dtype: the rows are padded per expert for a trained
+    base's FP8 weight gradients on ``MOEYARD_FP8_WGRAD=cutlass``, or the GEMM is ``cutlass``): correct, but slower
+    than the fused
     form's LoRA terms inside the FP8 GEMMs (``fp8_rowwise_gw_hp``, or a frozen base) and holding more memory
     (H200, 2026-11-28, ``moeyard bench --lora 16 --recipe fp8_rowwise_gw_hp``, this form: a LoRA step 1.4-2.2x
     bf16's; ``docs/fp8.md``)."""
@@ -255,8 +262,9 @@ def warn_lora_composed(weights: ExpertWeights) -> None:
     _warned.add(("lora", weights.recipe.name))
     warnings.warn(
         f"moeyard: recipe {weights.recipe.name!r} with LoRA adapters runs each projection on its own here (a "
-        f"base trained with FP8 weight gradients, or {ENV_GEMM}=cutlass): measured 1.4-2.2x slower than bf16's "
-        "fused LoRA step, with more memory; freeze the base or use fp8_rowwise_gw_hp (see docs/fp8.md)",
+        f"base trained with FP8 weight gradients on {ENV_WGRAD}=cutlass, or {ENV_GEMM}=cutlass): measured "
+        "1.4-2.2x slower than bf16's fused LoRA step, with more memory; freeze the base, leave those settings "
+        "at their defaults or use fp8_rowwise_gw_hp (see docs/fp8.md)",
         stacklevel=4,
     )
 
@@ -279,8 +287,8 @@ def routed_ffn(
     without ``drop_invalid`` their NaN routing weight (:func:`moeyard.experts` sets it) makes their token's
     row NaN."""
     recipe = weights.recipe
-    gemm = gemm_backend()  # read once: forward and backward must agree with the plan's alignment
-    flat = unpadded(weights, gemm)
+    gemm, wgrad = gemm_backend(), wgrad_gemm()  # read once: forward and backward must agree with the plan's alignment
+    flat = unpadded(weights, gemm, wgrad)
     plan = make_plan(topk_ids, weights.num_experts, align=1 if flat else recipe.align)
     offsets = plan.padded_offsets
     # each pair's row, -1 for an invalid pair (the combines skip it: its row is past offsets[E], unwritten); the
@@ -298,7 +306,7 @@ def routed_ffn(
     if not (isinstance(w_up, Tensor) and isinstance(w_down, Tensor)):  # NF4 storage: cast the active experts
         active = plan.expert_offsets[1:] > plan.expert_offsets[:-1]
         w_up, w_down = (w if isinstance(w, Tensor) else _cast().nf4_source(w, active) for w in (w_up, w_down))
-    h = _GatheredUp.apply(x, w_up, *up.factors, row_tokens, pair_rows, offsets, gemm, hp, dh_cast, tiles, up)
+    h = _GatheredUp.apply(x, w_up, *up.factors, row_tokens, pair_rows, offsets, (gemm, wgrad), hp, dh_cast, tiles, up)
     if weights.b_up is not None:
         from .pipeline import add_row_bias
 
@@ -314,7 +322,7 @@ def routed_ffn(
         pair_rows,
         activation,
         weights.interleaved,
-        gemm,
+        (gemm, wgrad),
         hp,
         dh_cast,
         tiles,
@@ -609,7 +617,8 @@ class _GatheredUp(torch.autograd.Function):
     (where this backward holds most), unless the backward keeps its graph."""
 
     @staticmethod
-    def forward(ctx, x, w, a_lo, b_lo, row_tokens, pair_rows, offsets, gemm, hp, dh_cast, tiles, adapter):
+    def forward(ctx, x, w, a_lo, b_lo, row_tokens, pair_rows, offsets, gemms, hp, dh_cast, tiles, adapter):
+        gemm, ctx.wgrad_gemm = gemms  # forward / input gradients, FP8 weight gradients
         z = term = None
         if a_lo is not None:  # z = x[row] A_e^T, kept for B's gradient
             z = adapter.rows(x, a_lo.mT, by_token=True)
@@ -652,6 +661,7 @@ class _GatheredUp(torch.autograd.Function):
                 offsets,
                 dh.shape[0],
                 dh.dtype,
+                ctx.wgrad_gemm,
             )
         if need_a:  # dA_e = s (d h B_e)^T x
             da = adapter.factor_grad(g, x, False, True, a_lo)
@@ -686,8 +696,25 @@ class _ActDownCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, h, w, a_lo, b_lo, offsets, rw, row_tokens, pair_rows, act, interleaved, gemm, hp, dh_cast, tiles, terms, ad
+        ctx,
+        h,
+        w,
+        a_lo,
+        b_lo,
+        offsets,
+        rw,
+        row_tokens,
+        pair_rows,
+        act,
+        interleaved,
+        gemms,
+        hp,
+        dh_cast,
+        tiles,
+        terms,
+        ad,
     ):
+        gemm, ctx.wgrad_gemm = gemms  # forward / input gradients, FP8 weight gradients
         cast = _cast()
         # with an adapter the same read of h also writes rw * act(h) in the compute dtype, z's operand
         a_rows = None if a_lo is None else h.new_empty(h.shape[0], a_lo.shape[2])
@@ -725,6 +752,7 @@ class _ActDownCombine(torch.autograd.Function):
                 offsets,
                 h.shape[0],
                 d_out.dtype,
+                ctx.wgrad_gemm,
             )
         if a_lo is not None and (need_h or need_rw or need_a):  # g = d out[token] B_e
             g = ad.rows(d_out, b_lo, by_token=True)
