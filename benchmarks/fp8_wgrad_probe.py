@@ -109,6 +109,51 @@ def wgrad_kernel(
     tl.store(out, (acc * sa[:, None] * sb[None, :]).to(out_ptr.dtype.element_ty), mask=m_n[:, None] & m_k[None, :])
 
 
+@triton.jit
+def tile_amax_kernel(
+    x_ptr, offsets_ptr, padded_ptr, part_ptr, G, N, stride_xr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """Two-stage amax, stage 1 (an alternative to the library's atomic one): the columns' amax of one tile of
+    ``BLOCK_R`` rows of a group (the library's tile of the padded output) stored to ``part [tiles, N]``."""
+    c0 = tl.program_id(0) * BLOCK_R
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    gs = tl.arange(0, BLOCK_G)
+    ends = tl.load(padded_ptr + 1 + gs, mask=gs < G, other=2147483647)
+    g = tl.sum((ends <= c0).to(tl.int32), axis=0)
+    if g < G:
+        end = tl.load(offsets_ptr + g + 1)
+        rows = tl.load(offsets_ptr + g) + (c0 - tl.load(padded_ptr + g)) + tl.arange(0, BLOCK_R)
+        mask = (rows < end)[:, None] & (cols < N)[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0)
+        m = tl.max(tl.abs(x.to(tl.float32)), axis=0)
+        tl.store(part_ptr + tl.program_id(0).to(tl.int64) * N + cols, m, mask=cols < N)
+
+
+@triton.jit
+def group_amax_kernel(part_ptr, padded_ptr, amax_ptr, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Two-stage amax, stage 2: each group's columns' amax over its tiles' rows of ``part``."""
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for t in range(tl.load(padded_ptr + g) // BLOCK_R, tl.load(padded_ptr + g + 1) // BLOCK_R):
+        m = tl.maximum(m, tl.load(part_ptr + t * N + cols, mask=cols < N, other=0.0))
+    tl.store(amax_ptr + g * N + cols, m, mask=cols < N)
+
+
+def two_stage_amax(t: Tensor, offsets: Tensor, padded: tuple[Tensor, int]) -> Tensor:
+    """``[G, N]`` float32: each group's columns' amax of ``t [R, N]`` by the two kernels above."""
+    G, N = offsets.numel() - 1, t.shape[1]
+    br, bn, warps = fp8_triton.COLWISE_TILES
+    part = torch.empty(triton.cdiv(padded[1], br), N, device=t.device, dtype=torch.float32)
+    amax = torch.empty(G, N, device=t.device, dtype=torch.float32)
+    grid = (part.shape[0], triton.cdiv(N, bn))
+    tile_amax_kernel[grid](t, offsets, padded[0], part, G, N, t.stride(0), br, bn, triton.next_power_of_2(G),
+                           num_warps=warps)  # fmt: skip
+    group_amax_kernel[(G, triton.cdiv(N, bn))](part, padded[0], amax, N, br, bn, num_warps=warps)
+    return amax
+
+
 @functools.cache
 def _launcher():
     """The kernel autotuned over :data:`CONFIGS`, or one fixed config under the interpreter and with
@@ -278,6 +323,28 @@ def probe(name: str, proj: str, NL: int, NR: int, T: int, E: int, k: int, a, den
         ms = time_ms(one_pass, 2, a.warmup, a.iters, dev)
         res[f"cast padded, amax given {blocks}"] = (ms, f"{Rs * (NL + NR) * 3 / ms / 1e6:.0f} GB/s, one read")
     fp8_triton.COLWISE_TILES = DEFAULT_TILES
+
+    def two_stage(i):
+        return tuple(
+            fp8_triton.colwise_per_group(t, off, padded=starts, amax=two_stage_amax(t, off, starts)) for t in sets[i]
+        )
+
+    assert all(torch.equal(u[1], v[1]) for u, v in zip(two_stage(0), padded[0], strict=True))  # the same scales
+    ms = time_ms(two_stage, 2, a.warmup, a.iters, dev)
+    res["cast padded, two-stage amax"] = (ms, f"{Rs * (NL + NR) * 3 / ms / 1e6:.0f} GB/s, no atomics")
+    tokens = Rs // k  # the operand gathered by token (up: x, the right; down: d out, the left), its amax over T rows
+    by_token = 1 if proj == "up" else 0
+
+    def over_tokens(i):
+        t, other = sets[i][by_token], sets[i][1 - by_token]
+        amax = torch.linalg.vector_norm(t[:tokens], float("inf"), dim=0).float()
+        return (
+            fp8_triton.colwise_per_group(other, off, padded=starts),
+            fp8_triton.colwise_per_group(t, off, padded=starts, amax=amax),
+        )
+
+    ms = time_ms(over_tokens, 2, a.warmup, a.iters, dev)
+    res["cast padded, the by-token operand's amax over tokens"] = (ms, f"{Rs * (NL + NR) * 3 / ms / 1e6:.0f} GB/s")
     out = torch.empty(E, NL, NR, device=dev, dtype=torch.bfloat16)
 
     def gluon(i):

@@ -1169,12 +1169,15 @@ def test_wgrad_gluon_choice_gives_the_same_gradients(forced_fast_path, monkeypat
     padded = []
     real = fp8_triton.padded_offsets
     monkeypatch.setattr(fp8_triton, "padded_offsets", lambda *a: padded.append(a) or real(*a))
+    by_token, real_amax = [], hop._token_amax  # x's and d out's columns scaled over all tokens when padded
+    monkeypatch.setattr(hop, "_token_amax", lambda t, p: by_token.append(p is not None) or real_amax(t, p))
     monkeypatch.setenv("MOEYARD_FP8_WGRAD", "cutlass")
     want = run()
-    assert not padded
+    assert not padded and by_token == [False, False]
+    by_token.clear()
     monkeypatch.setenv("MOEYARD_FP8_WGRAD", "gluon")
     got = run()
-    assert len(padded) == 2  # the padded casts: one pair per projection
+    assert len(padded) == 2 and by_token == [True, True]  # the padded casts: one pair per projection
     for name, a, b in zip(("out", "dx", "d topk_weights", "dw_gate_up", "dw_down"), got, want, strict=True):
         assert b.abs().sum() > 0
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)

@@ -10,9 +10,10 @@ Which scale each GEMM's operands carry (expert-major rows ``x [R, K]``, ``w [E, 
 
 - forward ``y = x w_e^T``: ``x`` one scale per row (over K), ``w_e`` one per output channel (over K);
 - dgrad ``dx = dy w_e``: ``dy`` one per row (over N), ``w_e^T`` one per input channel (over N);
-- wgrad ``dw_e = dy_e^T x_e``: ``dy^T`` and ``x^T`` one per channel and expert, over the expert's tokens.
-  The Gluon kernel takes column casts that start each expert at a multiple of 128 rows (zeros after its rows),
-  so the rows themselves need no padding; ``torch._scaled_grouped_mm`` takes groups of a multiple of 16 rows
+- wgrad ``dw_e = dy_e^T x_e``: ``dy^T`` and ``x^T`` one per channel and expert, over the expert's tokens
+  (for the Gluon kernel an operand gathered by token, ``x`` or ``d out``, one per channel over all tokens:
+  :func:`_token_amax`). The Gluon kernel takes column casts that start each expert at a multiple of 128 rows
+  (zeros after its rows), so the rows themselves need no padding; ``torch._scaled_grouped_mm`` takes groups of a multiple of 16 rows
   (``Recipe.align``). Under ``fp8_rowwise_gw_hp`` (``Recipe.wgrad`` None) in the compute dtype.
 
 Forward and dgrad accumulate with ``use_fast_accum`` (contraction over H or I, at most a few thousand). wgrad
@@ -657,7 +658,7 @@ class _GatheredUp(torch.autograd.Function):
         elif need_w:
             dw = _wgrad(
                 lambda p: cast.colwise_per_group(dh, offsets, padded=p),
-                lambda p: cast.colwise_per_group(x, offsets, index=row_tokens, padded=p),
+                lambda p: cast.colwise_per_group(x, offsets, index=row_tokens, padded=p, amax=_token_amax(x, p)),
                 offsets,
                 dh.shape[0],
                 dh.dtype,
@@ -668,6 +669,16 @@ class _GatheredUp(torch.autograd.Function):
         if need_b and db is None:  # dB_e = s d h^T (x A_e^T)
             db = adapter.factor_grad(dh, z, False, False, b_lo)
         return dx, dw, da, db, None, None, None, None, None, None, None, None
+
+
+def _token_amax(t: Tensor, padded) -> Tensor | None:
+    """For the padded column cast of rows gathered by token from ``t [T, N]`` (``x``, ``d out``): the columns'
+    amax over all ``T`` tokens, float32 ``[N]``, one bound for every expert's rows (None without ``padded``: the
+    unpadded cast takes each expert's own). Its power-of-two scales round every value as each expert's own
+    would wherever that expert's column stays within e4m3's normal range of the tokens' maximum (2^15 below
+    it); the same SQNR of ``dW`` in simulation (outlier channels, token scales, skewed routing). One reduction over
+    ``T`` rows, where each expert's own would read the ``k T`` gathered ones."""
+    return None if padded is None else torch.linalg.vector_norm(t, float("inf"), dim=0).float()
 
 
 def _tensor(w) -> Tensor | None:
@@ -745,7 +756,9 @@ class _ActDownCombine(torch.autograd.Function):
         hp_wgrad = need_w and ctx.hp is not None
         if need_w and not hp_wgrad:  # the FP8 weight gradient reads h: before d h takes it
             dw = _wgrad(
-                lambda p: cast.colwise_per_group(d_out, offsets, index=row_tokens, padded=p),
+                lambda p: cast.colwise_per_group(
+                    d_out, offsets, index=row_tokens, padded=p, amax=_token_amax(d_out, p)
+                ),
                 lambda p: cast.colwise_per_group(
                     h, offsets, ctx.act, interleaved=ctx.interleaved, row_weights=rw, padded=p
                 ),
