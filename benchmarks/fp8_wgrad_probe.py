@@ -332,6 +332,15 @@ def probe(name: str, proj: str, NL: int, NR: int, T: int, E: int, k: int, a, den
     assert all(torch.equal(u[1], v[1]) for u, v in zip(two_stage(0), padded[0], strict=True))  # the same scales
     ms = time_ms(two_stage, 2, a.warmup, a.iters, dev)
     res["cast padded, two-stage amax"] = (ms, f"{Rs * (NL + NR) * 3 / ms / 1e6:.0f} GB/s, no atomics")
+
+    def all_rows(i):  # one amax over all rows per operand, by torch's column reduction
+        return tuple(
+            fp8_triton.colwise_per_group(t, off, padded=starts, amax=torch.linalg.vector_norm(t, float("inf"), dim=0))
+            for t in sets[i]
+        )
+
+    ms = time_ms(all_rows, 2, a.warmup, a.iters, dev)
+    res["cast padded, amax over all rows (torch)"] = (ms, f"{Rs * (NL + NR) * 3 / ms / 1e6:.0f} GB/s")
     tokens = Rs // k  # the operand gathered by token (up: x, the right; down: d out, the left), its amax over T rows
     by_token = 1 if proj == "up" else 0
 

@@ -615,8 +615,8 @@ def colwise_per_group(
     unwritten): every block of a group's columns that the starts are multiples of holds that group's rows only,
     as a K-major grouped GEMM reading whole TMA boxes needs (:mod:`.fp8_gluon_wgrad`).
 
-    ``amax`` (with ``padded``, whose starts are then multiples of 64): the columns' absolute maxima, float32
-    contiguous, ``[G, N]`` per group or ``[N]`` for every group (e.g. over all rows, made by the kernel that
+    ``amax`` (with ``padded``, whose starts are then multiples of 64): the columns' absolute maxima (read in
+    float32), ``[G, N]`` per group or ``[N]`` for every group (e.g. over all rows, made by the kernel that
     wrote ``t``): the scales come from it and ``t`` is read once, by tiles of the padded output, instead of
     twice, a group at a time; a value below a column's true maximum saturates there at 448.
 
@@ -682,7 +682,7 @@ def _colwise_tiles(t, offsets, act, interleaved, index, row_weights, padded, ama
     if G and N and width:
         _colwise_tiles_kernel[(triton.cdiv(width, br), triton.cdiv(N, bn))](
             padded_ptr=padded[0],
-            amax_ptr=amax.contiguous(),
+            amax_ptr=amax.to(torch.float32).contiguous(),
             q_ptr=q,
             s_ptr=s,
             G=G,
