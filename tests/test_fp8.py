@@ -1144,6 +1144,50 @@ def test_padded_column_casts_put_each_group_from_a_block_start():
         fp8_triton.colwise_per_group(t, offsets, padded=(starts, width), amax=bound[:5])
 
 
+@pytest.mark.parametrize(
+    "act, interleaved", [("swiglu", False), ("clamped_swiglu", True), ("gelu", False), (None, False)]
+)
+@pytest.mark.parametrize("amax", ["groups", "given", "shared"])
+def test_padded_column_casts_of_activations_by_tiles(act, interleaved, amax):
+    # the tile kernels (padded casts) against the group-at-a-time kernel (unpadded) on the activation's output
+    # read from h (gated, interleaved, clamped, plain), times row weights, and on rows gathered by an index:
+    # the same bytes per group, with each group's amax found by tiles, given per group, or one bound for all
+    # groups (then one scale per column, each >= the group's own); empty groups, a group of one row
+    pytest.importorskip("triton")
+    from moeyard.activations import Activation
+    from moeyard.kernel_op import interpreting
+    from moeyard.quant import fp8_triton
+
+    if not interpreting():
+        pytest.skip("the casts run under Triton's interpreter on the CPU")
+    torch.manual_seed(1)
+    offsets = torch.tensor([0, 1, 1, 40, 40, 75], dtype=torch.int32)
+    R, I = 80, 24
+    a = None if act is None else Activation(name=act)
+    width_in = I if a is None or not a.gated else 2 * I
+    h, rw = torch.randn(R, width_in) * 2, torch.rand(R)
+    kw = (
+        dict(index=torch.randint(0, R + 3, (R,))) if a is None else dict(act=a, interleaved=interleaved, row_weights=rw)
+    )
+    starts, width = fp8_triton.padded_offsets(offsets, R, 16)
+    q, s = fp8_triton.colwise_per_group(h, offsets, **kw)
+    given = {"groups": None, "given": s * 448, "shared": s.amax(0) * 448}[amax]
+    qp, sp = fp8_triton.colwise_per_group(h, offsets, **kw, padded=(starts, width), amax=given)
+    assert qp.shape == (I, width)
+    if amax == "shared":
+        assert (sp == sp[0]).all() and (sp >= s).all()
+    else:
+        assert torch.equal(sp, s)
+    for g in range(5):
+        a0, b0, p0, p1 = (int(v) for v in (offsets[g], offsets[g + 1], starts[g], starts[g + 1]))
+        if amax == "shared":  # the same values to e4m3's rounding at the coarser scale
+            got, want = qp[:, p0 : p0 + b0 - a0].float() * sp[g][:, None], q[:, a0:b0].float() * s[g][:, None]
+            torch.testing.assert_close(got, want, rtol=2**-3, atol=sp[g].max().item() * 2**-9)
+        else:
+            assert torch.equal(qp[:, p0 : p0 + b0 - a0].float(), q[:, a0:b0].float())
+        assert (qp[:, p0 + b0 - a0 : p1].float() == 0).all()
+
+
 @pytest.mark.parametrize("recipe", ["fp8_rowwise"])
 def test_wgrad_gluon_choice_gives_the_same_gradients(forced_fast_path, monkeypatch, recipe):
     # MOEYARD_FP8_WGRAD=gluon: the weight gradients from the padded column casts; where its Gluon kernel cannot run
