@@ -70,7 +70,7 @@ def cast_rates(T: int, H: int, I: int, E: int, K: int) -> None:
     from triton.testing import do_bench
 
     from moeyard.activations import Activation
-    from moeyard.quant import fp8_triton as cast
+    from moeyard.quant import fp8_colwise as cols, fp8_triton as cast
 
     dev = "cuda"
     R = T * K
@@ -87,9 +87,9 @@ def cast_rates(T: int, H: int, I: int, E: int, K: int) -> None:
         "rowwise x [T, H]": (lambda: cast.rowwise(x), 3 * x.numel()),
         "rowwise rows [R, H]": (lambda: cast.rowwise(rows), 5 * rows.numel()),
         "rowwise act(h) [R, 2I] -> [R, I]": (lambda: cast.rowwise(h, act), 4 * h.numel() + h.numel() // 2),
-        "colwise rows [R, H] per expert": (lambda: cast.colwise_per_group(rows, off), 5 * rows.numel()),
-        "colwise x[index] [R, H] per expert": (lambda: cast.colwise_per_group(x, off, index=idx), 5 * rows.numel()),
-        "colwise act(h) per expert": (lambda: cast.colwise_per_group(h, off, act), 4 * h.numel() + h.numel() // 2),
+        "colwise rows [R, H] per expert": (lambda: cols.colwise_per_group(rows, off), 5 * rows.numel()),
+        "colwise x[index] [R, H] per expert": (lambda: cols.colwise_per_group(x, off, index=idx), 5 * rows.numel()),
+        "colwise act(h) per expert": (lambda: cols.colwise_per_group(h, off, act), 4 * h.numel() + h.numel() // 2),
         "colwise w [E, 2I, H] per expert": (lambda: cast.colwise_per_expert(w), 5 * w.numel()),
         "act backward h, da -> dh": (lambda: cast.act_backward(h, rows[:, :I], act), 4 * h.numel() + 2 * R * I),
         "act backward h, da -> dh, e4m3 dh, rw act(h)": (

@@ -1,6 +1,6 @@
 """The FP8 weight gradients of ``fp8_rowwise`` alone, against the compute dtype's: for the two projections of
 a shape (``dW_up = d h^T x``, ``dW_down = d out^T act(h)``), the per-expert column casts of both operands
-(:func:`moeyard.quant.fp8_triton.colwise_per_group`, each tile size of ``--cast-blocks``), the GEMM on
+(:func:`moeyard.quant.fp8_colwise.colwise_per_group`, each tile size of ``--cast-blocks``), the GEMM on
 the Triton kernel below (precise and fast accumulation) and on
 ``torch._scaled_grouped_mm``, and the bf16 ``torch._grouped_mm``; ms (median of ``--iters`` after warm-up,
 fresh random rows per input set), TFLOP/s and the share of the dense rates of the run, and each FP8 result's
@@ -33,7 +33,7 @@ from moeyard.bench.layer import time_ms
 from moeyard.bench.models import get_model
 from moeyard.experts.triton.schedule import tuned
 from moeyard.kernel_op import interpreting
-from moeyard.quant import fp8_triton
+from moeyard.quant import fp8_colwise
 
 Tensor = torch.Tensor
 CONFIGS = [  # (BN, BK, BR, warps, stages): a stage is (BN + BK) BR bytes, each fits Hopper's shared memory
@@ -144,7 +144,7 @@ def group_amax_kernel(part_ptr, padded_ptr, amax_ptr, N, BLOCK_R: tl.constexpr, 
 def two_stage_amax(t: Tensor, offsets: Tensor, padded: tuple[Tensor, int]) -> Tensor:
     """``[G, N]`` float32: each group's columns' amax of ``t [R, N]`` by the two kernels above."""
     G, N = offsets.numel() - 1, t.shape[1]
-    br, bn, warps = fp8_triton.COLWISE_TILES
+    br, bn, warps = fp8_colwise.COLWISE_TILES
     part = torch.empty(triton.cdiv(padded[1], br), N, device=t.device, dtype=torch.float32)
     amax = torch.empty(G, N, device=t.device, dtype=torch.float32)
     grid = (part.shape[0], triton.cdiv(N, bn))
@@ -239,9 +239,9 @@ def reference(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, offsets: Tensor, dty
 
 
 ALIGN = 16
-DEFAULT_BLOCKS = fp8_triton.COLWISE_BLOCKS
-DEFAULT_TILES = fp8_triton.COLWISE_TILES
-DEFAULT_AMAX = fp8_triton.AMAX_BLOCKS
+DEFAULT_BLOCKS = fp8_colwise.COLWISE_BLOCKS
+DEFAULT_TILES = fp8_colwise.COLWISE_TILES
+DEFAULT_AMAX = fp8_colwise.AMAX_BLOCKS
 
 
 def offsets_for(R: int, E: int, device) -> torch.Tensor:
@@ -268,13 +268,13 @@ def probe(name: str, proj: str, NL: int, NR: int, T: int, E: int, k: int, a, den
     res = {}
 
     def both_casts(i):
-        return fp8_triton.colwise_per_group(sets[i][0], off), fp8_triton.colwise_per_group(sets[i][1], off)
+        return fp8_colwise.colwise_per_group(sets[i][0], off), fp8_colwise.colwise_per_group(sets[i][1], off)
 
     for blocks in a.cast_blocks.split(","):
-        fp8_triton.COLWISE_BLOCKS = tuple(int(v) for v in blocks.split("x"))
+        fp8_colwise.COLWISE_BLOCKS = tuple(int(v) for v in blocks.split("x"))
         ms = time_ms(both_casts, 2, a.warmup, a.iters, dev)
         res[f"cast {blocks}"] = (ms, f"{Rs * (NL + NR) * 3 / ms / 1e6:.0f} GB/s (read 2 B + write 1 B per element)")
-    fp8_triton.COLWISE_BLOCKS = DEFAULT_BLOCKS
+    fp8_colwise.COLWISE_BLOCKS = DEFAULT_BLOCKS
     casts = [both_casts(i) for i in range(2)]
     (aq, sa), (bq, sb) = casts[0]
     ref = reference(aq, sa, bq, sb, off, torch.float64)
@@ -298,35 +298,36 @@ def probe(name: str, proj: str, NL: int, NR: int, T: int, E: int, k: int, a, den
     fp8_row("torch._scaled_grouped_mm", cutlass)
     from moeyard.quant import fp8_gluon_wgrad
 
-    starts = fp8_triton.padded_offsets(off, Rs, fp8_gluon_wgrad.BK)
+    starts = fp8_colwise.padded_offsets(off, Rs, fp8_gluon_wgrad.BK)
 
     def padded_casts(i):
-        return tuple(fp8_triton.colwise_per_group(t, off, padded=starts) for t in sets[i])
+        return tuple(fp8_colwise.colwise_per_group(t, off, padded=starts) for t in sets[i])
 
     ms = time_ms(padded_casts, 2, a.warmup, a.iters, dev)
     res["cast padded"] = (ms, f"{Rs * (NL + NR) * 3 / ms / 1e6:.0f} GB/s, the layout of the Gluon GEMM")
     for blocks in a.amax_blocks.split(","):
-        fp8_triton.AMAX_BLOCKS = int(blocks)
+        fp8_colwise.AMAX_BLOCKS = int(blocks)
         ms = time_ms(padded_casts, 2, a.warmup, a.iters, dev)
         res[f"cast padded, {blocks} row blocks per amax program"] = (ms, f"{Rs * (NL + NR) * 3 / ms / 1e6:.0f} GB/s")
-    fp8_triton.AMAX_BLOCKS = DEFAULT_AMAX
+    fp8_colwise.AMAX_BLOCKS = DEFAULT_AMAX
     padded = [padded_casts(i) for i in range(2)]
     amaxes = [tuple(t.abs().amax(0).float() for t in pair) for pair in sets]  # over all rows, as a producer's
 
     def one_pass(i):
         return tuple(
-            fp8_triton.colwise_per_group(t, off, padded=starts, amax=m) for t, m in zip(sets[i], amaxes[i], strict=True)
+            fp8_colwise.colwise_per_group(t, off, padded=starts, amax=m)
+            for t, m in zip(sets[i], amaxes[i], strict=True)
         )
 
     for blocks in a.tile_blocks.split(","):
-        fp8_triton.COLWISE_TILES = tuple(int(v) for v in blocks.split("x"))
+        fp8_colwise.COLWISE_TILES = tuple(int(v) for v in blocks.split("x"))
         ms = time_ms(one_pass, 2, a.warmup, a.iters, dev)
         res[f"cast padded, amax given {blocks}"] = (ms, f"{Rs * (NL + NR) * 3 / ms / 1e6:.0f} GB/s, one read")
-    fp8_triton.COLWISE_TILES = DEFAULT_TILES
+    fp8_colwise.COLWISE_TILES = DEFAULT_TILES
 
     def two_stage(i):
         return tuple(
-            fp8_triton.colwise_per_group(t, off, padded=starts, amax=two_stage_amax(t, off, starts)) for t in sets[i]
+            fp8_colwise.colwise_per_group(t, off, padded=starts, amax=two_stage_amax(t, off, starts)) for t in sets[i]
         )
 
     assert all(torch.equal(u[1], v[1]) for u, v in zip(two_stage(0), padded[0], strict=True))  # the same scales
@@ -335,7 +336,7 @@ def probe(name: str, proj: str, NL: int, NR: int, T: int, E: int, k: int, a, den
 
     def all_rows(i):  # one amax over all rows per operand, by torch's column reduction
         return tuple(
-            fp8_triton.colwise_per_group(t, off, padded=starts, amax=torch.linalg.vector_norm(t, float("inf"), dim=0))
+            fp8_colwise.colwise_per_group(t, off, padded=starts, amax=torch.linalg.vector_norm(t, float("inf"), dim=0))
             for t in sets[i]
         )
 
@@ -348,8 +349,8 @@ def probe(name: str, proj: str, NL: int, NR: int, T: int, E: int, k: int, a, den
         t, other = sets[i][by_token], sets[i][1 - by_token]
         amax = torch.linalg.vector_norm(t[:tokens], float("inf"), dim=0).float()
         return (
-            fp8_triton.colwise_per_group(other, off, padded=starts),
-            fp8_triton.colwise_per_group(t, off, padded=starts, amax=amax),
+            fp8_colwise.colwise_per_group(other, off, padded=starts),
+            fp8_colwise.colwise_per_group(t, off, padded=starts, amax=amax),
         )
 
     ms = time_ms(over_tokens, 2, a.warmup, a.iters, dev)

@@ -334,6 +334,13 @@ def _triton_casts():
     return fp8_triton
 
 
+def _colwise_casts():
+    _triton_casts()
+    from moeyard.quant import fp8_colwise
+
+    return fp8_colwise
+
+
 @pytest.mark.parametrize("tiles, segments", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize(
     "dtype, nested, blocksize", [(torch.bfloat16, True, 64), (torch.float32, False, 64), (torch.bfloat16, True, 32)]
@@ -409,7 +416,7 @@ def test_triton_row_casts_of_the_activation_one_or_two_passes(monkeypatch):
 @pytest.mark.parametrize("offsets", [[0, 16, 16, 48, 80], [0, 0, 0, 0, 96], [0, 32, 64, 96, 96]])
 def test_triton_colwise_per_group_matches_reference(offsets):
     # empty groups, one group with every row, rows past the last offset (left unwritten)
-    cast = _triton_casts()
+    cast = _colwise_casts()
     R, N = 100, 72
     t = torch.randn(R, N) * torch.logspace(-3, 3, N)
     off = torch.tensor(offsets, dtype=torch.int32)
@@ -484,7 +491,7 @@ def test_triton_casts_of_the_activation(name, interleaved):
     close = (q.float() * s[:, None] - q_ref.float() * s_ref).abs() <= 2**-4 * a.abs() + 1e-6
     assert close.all() and (q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean() < 0.01
     off = torch.tensor([0, 30, 30, 64], dtype=torch.int32)
-    qc, sc = cast.colwise_per_group(h, off, act, interleaved=interleaved)
+    qc, sc = _colwise_casts().colwise_per_group(h, off, act, interleaved=interleaved)
     qc_ref, _ = fp8.quantize(a.mT, Blocks(None), "pow2", off)
     assert (qc[:, :64].view(torch.uint8) != qc_ref[:, :64].view(torch.uint8)).float().mean() < 0.01
     hh = h.double().requires_grad_()
@@ -529,7 +536,9 @@ def test_triton_casts_of_the_activation(name, interleaved):
     q, s = cast.rowwise(t, index=index, row_weights=w7)
     q_ref, s_ref = fp8.quantize(want, Blocks(None), "pow2")
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-    qc, _ = cast.colwise_per_group(t, torch.tensor([0, 4, 7], dtype=torch.int32), index=index, row_weights=w7)
+    qc, _ = _colwise_casts().colwise_per_group(
+        t, torch.tensor([0, 4, 7], dtype=torch.int32), index=index, row_weights=w7
+    )
     qc_ref, _ = fp8.quantize(want.mT, Blocks(None), "pow2", torch.tensor([0, 4, 7]))
     assert torch.equal(qc.view(torch.uint8), qc_ref.view(torch.uint8))
 
@@ -1108,7 +1117,7 @@ def test_padded_column_casts_put_each_group_from_a_block_start():
     # next group's start; the same bytes and scales as the unpadded cast, with an index and row weights too
     pytest.importorskip("triton")
     from moeyard.kernel_op import interpreting
-    from moeyard.quant import fp8_triton
+    from moeyard.quant import fp8_colwise
 
     if not interpreting():
         pytest.skip("the casts run under Triton's interpreter on the CPU")
@@ -1117,31 +1126,31 @@ def test_padded_column_casts_put_each_group_from_a_block_start():
     R, T = 340, 90  # rows past offsets[G] (never read)
     t, index, rw = torch.randn(R, 48), torch.randint(0, T + 2, (R,)), torch.rand(R)  # index >= T: a zero row
     src = torch.randn(T, 48)
-    starts, width = fp8_triton.padded_offsets(offsets, R, 128)
+    starts, width = fp8_colwise.padded_offsets(offsets, R, 128)
     assert starts.tolist() == [0, 0, 128, 128, 384, 640] and width % 128 == 0 and width >= 640
     for args, kw in (((t, offsets), {}), ((src, offsets), {"index": index, "row_weights": rw})):
-        q, s = fp8_triton.colwise_per_group(*args, **kw)
-        qp, sp = fp8_triton.colwise_per_group(*args, **kw, padded=(starts, width))
+        q, s = fp8_colwise.colwise_per_group(*args, **kw)
+        qp, sp = fp8_colwise.colwise_per_group(*args, **kw, padded=(starts, width))
         assert qp.shape == (48, width) and torch.equal(s, sp)
         for g in range(5):
             a, b, p0, p1 = (int(v) for v in (offsets[g], offsets[g + 1], starts[g], starts[g + 1]))
             assert torch.equal(qp[:, p0 : p0 + b - a].float(), q[:, a:b].float())
             assert (qp[:, p0 + b - a : p1].float() == 0).all()
     # amax given: per group ([G, N]: the same cast), or one bound for all groups ([N]: one scale per column)
-    q0, s0 = fp8_triton.colwise_per_group(t, offsets, padded=(starts, width))
-    q1, s1 = fp8_triton.colwise_per_group(t, offsets, padded=(starts, width), amax=s0 * 448)
+    q0, s0 = fp8_colwise.colwise_per_group(t, offsets, padded=(starts, width))
+    q1, s1 = fp8_colwise.colwise_per_group(t, offsets, padded=(starts, width), amax=s0 * 448)
     assert torch.equal(s1, s0) and torch.equal(q1[:, :640].float(), q0[:, :640].float())
     bound = t[:331].abs().amax(0)
-    q2, s2 = fp8_triton.colwise_per_group(t, offsets, padded=(starts, width), amax=bound)
+    q2, s2 = fp8_colwise.colwise_per_group(t, offsets, padded=(starts, width), amax=bound)
     assert (s2 == s2[0]).all() and (s2 >= s0).all() and (s2 > s0).any()
     deq = q2[:, :640].float() * s2[0][:, None]
     for g in range(5):
         a, b, p0 = (int(v) for v in (offsets[g], offsets[g + 1], starts[g]))
         torch.testing.assert_close(deq[:, p0 : p0 + b - a], t[a:b].mT, rtol=2**-3, atol=s2[0].max().item() * 2**-9)
     with pytest.raises(ValueError, match="amax"):
-        fp8_triton.colwise_per_group(t, offsets, amax=bound)
+        fp8_colwise.colwise_per_group(t, offsets, amax=bound)
     with pytest.raises(ValueError, match="amax"):
-        fp8_triton.colwise_per_group(t, offsets, padded=(starts, width), amax=bound[:5])
+        fp8_colwise.colwise_per_group(t, offsets, padded=(starts, width), amax=bound[:5])
 
 
 @pytest.mark.parametrize(
@@ -1156,7 +1165,7 @@ def test_padded_column_casts_of_activations_by_tiles(act, interleaved, amax):
     pytest.importorskip("triton")
     from moeyard.activations import Activation
     from moeyard.kernel_op import interpreting
-    from moeyard.quant import fp8_triton
+    from moeyard.quant import fp8_colwise
 
     if not interpreting():
         pytest.skip("the casts run under Triton's interpreter on the CPU")
@@ -1169,10 +1178,10 @@ def test_padded_column_casts_of_activations_by_tiles(act, interleaved, amax):
     kw = (
         dict(index=torch.randint(0, R + 3, (R,))) if a is None else dict(act=a, interleaved=interleaved, row_weights=rw)
     )
-    starts, width = fp8_triton.padded_offsets(offsets, R, 16)
-    q, s = fp8_triton.colwise_per_group(h, offsets, **kw)
+    starts, width = fp8_colwise.padded_offsets(offsets, R, 16)
+    q, s = fp8_colwise.colwise_per_group(h, offsets, **kw)
     given = {"groups": None, "given": s * 448, "shared": s.amax(0) * 448}[amax]
-    qp, sp = fp8_triton.colwise_per_group(h, offsets, **kw, padded=(starts, width), amax=given)
+    qp, sp = fp8_colwise.colwise_per_group(h, offsets, **kw, padded=(starts, width), amax=given)
     assert qp.shape == (I, width)
     if amax == "shared":
         assert (sp == sp[0]).all() and (sp >= s).all()
@@ -1208,11 +1217,11 @@ def test_wgrad_gluon_choice_gives_the_same_gradients(forced_fast_path, monkeypat
         out.backward(torch.ones_like(out))
         return [out.detach(), *(t.grad for t in leaves + ws)]
 
-    from moeyard.quant import fp8_triton
+    from moeyard.quant import fp8_colwise
 
     padded = []
-    real = fp8_triton.padded_offsets
-    monkeypatch.setattr(fp8_triton, "padded_offsets", lambda *a: padded.append(a) or real(*a))
+    real = fp8_colwise.padded_offsets
+    monkeypatch.setattr(fp8_colwise, "padded_offsets", lambda *a: padded.append(a) or real(*a))
     by_token, real_amax = [], hop._token_amax  # x's and d out's columns scaled over all tokens when padded
     monkeypatch.setattr(hop, "_token_amax", lambda t, p: by_token.append(p is not None) or real_amax(t, p))
     monkeypatch.setenv("MOEYARD_FP8_WGRAD", "cutlass")

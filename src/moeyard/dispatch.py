@@ -221,7 +221,7 @@ def one_pass(topk_ids: Tensor) -> bool:
 def pad_offsets(tokens_per_expert: Tensor, align: int) -> Tensor:
     """``[E + 1]`` int32: each expert's first row when every expert's ``tokens_per_expert [E]`` rows are padded
     to a multiple of ``align`` (on the device, no host sync). Also the FP8 weight gradients' padded column
-    casts' (:func:`moeyard.quant.fp8_triton.padded_offsets`)."""
+    casts' (:func:`moeyard.quant.fp8_colwise.padded_offsets`)."""
     padded = (tokens_per_expert + (align - 1)) // align * align
     return torch.cat([padded.new_zeros(1), padded.cumsum(0, dtype=torch.int32)])
 

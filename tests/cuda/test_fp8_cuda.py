@@ -102,18 +102,18 @@ def test_row_casts_of_the_activation_on_device(monkeypatch, I):
 
 
 def test_colwise_casts_on_device():
-    from moeyard.quant import fp8_triton
+    from moeyard.quant import fp8_colwise, fp8_triton
 
     R, N = 3000, 384
     t = (torch.randn(R, N, device=DEV) * torch.logspace(-3, 3, N, device=DEV)).bfloat16()
     off = torch.tensor([0, 0, 512, 2048, 2048, 2992], dtype=torch.int32, device=DEV)
-    q, s = fp8_triton.colwise_per_group(t, off)
+    q, s = fp8_colwise.colwise_per_group(t, off)
     q_ref, s_ref = fp8.quantize(t.mT, Blocks(None), "pow2", off)
     assert torch.equal(q[:, :2992].view(torch.uint8), q_ref[:, :2992].view(torch.uint8))
     live = off.diff() > 0
     assert torch.equal(s[live], s_ref.mT[:-1][live])
-    starts, width = fp8_triton.padded_offsets(off, R, 128)  # the tile kernels: the same bytes and scales
-    qp, sp = fp8_triton.colwise_per_group(t, off, padded=(starts, width))
+    starts, width = fp8_colwise.padded_offsets(off, R, 128)  # the tile kernels: the same bytes and scales
+    qp, sp = fp8_colwise.colwise_per_group(t, off, padded=(starts, width))
     assert torch.equal(sp, s)
     for g in range(5):
         a, b, p0, p1 = (int(v) for v in (off[g], off[g + 1], starts[g], starts[g + 1]))
@@ -441,15 +441,15 @@ def test_gluon_fp8_wgrad_matches_float64(counts, NL, NR, dw_dtype):
     of 16 or 128, partial tiles of NL and NR."""
     if not _hopper():
         pytest.skip("the Gluon kernel needs sm_90")
-    from moeyard.quant import fp8_gluon_wgrad, fp8_triton
+    from moeyard.quant import fp8_colwise, fp8_gluon_wgrad
 
     torch.manual_seed(0)
     offsets = torch.tensor([0] + counts, device=DEV).cumsum(0).to(torch.int32)
     R = int(offsets[-1])
     dy, x = torch.randn(R, NL, device=DEV), torch.randn(R, NR, device=DEV)
     dy[:, :3] *= 50  # outlier columns
-    starts = fp8_triton.padded_offsets(offsets, R, fp8_gluon_wgrad.BK)
-    (lq, ls), (rq, rs) = (fp8_triton.colwise_per_group(t, offsets, padded=starts) for t in (dy, x))
+    starts = fp8_colwise.padded_offsets(offsets, R, fp8_gluon_wgrad.BK)
+    (lq, ls), (rq, rs) = (fp8_colwise.colwise_per_group(t, offsets, padded=starts) for t in (dy, x))
     dw = torch.full((len(counts), NL, NR), float("nan"), device=DEV, dtype=dw_dtype)
     assert fp8_gluon_wgrad.ready(lq, rq, dw)
     fp8_gluon_wgrad.launch(lq, ls, rq, rs, starts[0], dw)

@@ -98,6 +98,12 @@ def _cast():
     return fp8_triton
 
 
+def _colwise():
+    from ..quant import fp8_colwise
+
+    return fp8_colwise
+
+
 class HopperRowwise(RecipeGEMMs):
     """``fp8_rowwise`` on ``torch._scaled_grouped_mm`` (shapes: :mod:`moeyard.experts.scaled`, offsets form)."""
 
@@ -110,10 +116,10 @@ class HopperRowwise(RecipeGEMMs):
     def wgrad(self, dy, x, offsets, recipe):
         if recipe.wgrad is None:
             return _wgrad_hp(dy, x, offsets)
-        cast = _cast()
+        cols = _colwise()
         return _wgrad(
-            lambda p: cast.colwise_per_group(dy, offsets, padded=p),
-            lambda p: cast.colwise_per_group(x, offsets, padded=p),
+            lambda p: cols.colwise_per_group(dy, offsets, padded=p),
+            lambda p: cols.colwise_per_group(x, offsets, padded=p),
             offsets,
             dy.shape[0],
             dy.dtype,
@@ -185,7 +191,7 @@ def gemm_backend() -> str:
 def _wgrad(dy_cast, x_cast, offsets: Tensor, rows: int, dtype, gemm: str) -> Tensor:
     """``dw_e = dy_e^T x_e`` ``[E, N, K]`` over ``rows`` rows, from the per-expert column casts
     ``dy_cast(padded) -> (dy^T [N, R], [E, N])`` and ``x_cast(padded) -> (x^T [K, R], [E, K])``
-    (:func:`moeyard.quant.fp8_triton.colwise_per_group` with ``padded``): with ``gemm`` (:func:`wgrad_gemm`)
+    (:func:`moeyard.quant.fp8_colwise.colwise_per_group` with ``padded``): with ``gemm`` (:func:`wgrad_gemm`)
     ``gluon`` on :mod:`moeyard.quant.fp8_gluon_wgrad` from padded casts (where it cannot run,
     ``torch._scaled_grouped_mm`` takes them: their zero columns add nothing), with ``cutlass`` on
     ``torch._scaled_grouped_mm`` from unpadded ones (each group a multiple of 16 rows). No host sync."""
@@ -194,7 +200,7 @@ def _wgrad(dy_cast, x_cast, offsets: Tensor, rows: int, dtype, gemm: str) -> Ten
         return scaled_grouped_mm(dyq, xq.mT, dys.reshape(-1), xs.reshape(-1), offsets, dtype, False)
     from ..quant import fp8_gluon_wgrad as gluon_wgrad
 
-    starts = _cast().padded_offsets(offsets, rows, gluon_wgrad.BK)
+    starts = _colwise().padded_offsets(offsets, rows, gluon_wgrad.BK)
     (dyq, dys), (xq, xs) = dy_cast(starts), x_cast(starts)
     dw = torch.empty(dys.shape[0], dyq.shape[0], xq.shape[0], device=dyq.device, dtype=dtype)
     if gluon_wgrad.ready(dyq, xq, dw):
@@ -639,7 +645,6 @@ class _GatheredUp(torch.autograd.Function):
         w = ctx.stored or w
         need_x, need_w, need_a, need_b = (ctx.needs_input_grad[i] for i in range(4))
         adapter = ctx.adapter
-        cast = _cast()
         dh = dh.contiguous()
         dx = dw = da = db = g = None
         if a_lo is not None and need_b and (need_x or need_a) and _one_pass(b_lo, adapter.routing):
@@ -656,9 +661,10 @@ class _GatheredUp(torch.autograd.Function):
         if need_w and ctx.hp is not None:
             dw = ctx.hp(x, dh, False, w)
         elif need_w:
+            cols = _colwise()
             dw = _wgrad(
-                lambda p: cast.colwise_per_group(dh, offsets, padded=p),
-                lambda p: cast.colwise_per_group(x, offsets, index=row_tokens, padded=p, amax=_token_amax(x, p)),
+                lambda p: cols.colwise_per_group(dh, offsets, padded=p),
+                lambda p: cols.colwise_per_group(x, offsets, index=row_tokens, padded=p, amax=_token_amax(x, p)),
                 offsets,
                 dh.shape[0],
                 dh.dtype,
@@ -755,11 +761,12 @@ class _ActDownCombine(torch.autograd.Function):
         dh = drw = dw = da = db = a_rows = g = None
         hp_wgrad = need_w and ctx.hp is not None
         if need_w and not hp_wgrad:  # the FP8 weight gradient reads h: before d h takes it
+            cols = _colwise()
             dw = _wgrad(
-                lambda p: cast.colwise_per_group(
+                lambda p: cols.colwise_per_group(
                     d_out, offsets, index=row_tokens, padded=p, amax=_token_amax(d_out, p)
                 ),
-                lambda p: cast.colwise_per_group(
+                lambda p: cols.colwise_per_group(
                     h, offsets, ctx.act, interleaved=ctx.interleaved, row_weights=rw, padded=p
                 ),
                 offsets,

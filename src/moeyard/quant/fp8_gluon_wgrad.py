@@ -1,6 +1,6 @@
 """The FP8 weight gradients of ``fp8_rowwise`` as an e4m3 grouped GEMM over each expert's rows, written in Gluon
 for sm_90: ``dW[e][m, n] = sl[e, m] sr[e, n] sum_{r of e} lq[m, r] rq[n, r]``, from the per-expert column
-casts of both operands in the padded layout (:func:`.fp8_triton.colwise_per_group` with ``padded``: each
+casts of both operands in the padded layout (:func:`.fp8_colwise.colwise_per_group` with ``padded``: each
 expert's rows start at a multiple of ``BK`` columns, zeros after its rows), so every K step reads whole TMA
 boxes of one expert and needs no mask. The up projection's ``dW_up = d h^T x[token]`` takes ``lq`` from ``d h``
 and ``rq`` from the gathered ``x``; the down projection's ``dW_down = d out[token]^T (w act(h))`` the gathered
@@ -263,7 +263,7 @@ def ready(lq: Tensor, rq: Tensor, dw: Tensor) -> bool:
 def launch(lq: Tensor, sl: Tensor, rq: Tensor, sr: Tensor, starts: Tensor, dw: Tensor) -> None:
     """``dw [E, NL, NR]``: ``dw[e] = diag(sl[e]) lq[:, cols of e] rq[:, cols of e]^T diag(sr[e])`` from the padded
     column casts ``lq [NL, W]`` and ``rq [NR, W]`` (e4m3; ``starts [E + 1]`` int32 their experts' first columns,
-    multiples of ``BK``: :func:`.fp8_triton.padded_offsets`) with their scales ``sl [E, NL]`` and ``sr [E, NR]``
+    multiples of ``BK``: :func:`.fp8_colwise.padded_offsets`) with their scales ``sl [E, NL]`` and ``sr [E, NR]``
     (float32, contiguous). :func:`ready` must hold. One launch, no host sync."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
