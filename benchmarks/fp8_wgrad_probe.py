@@ -9,7 +9,11 @@ relative error against float64 on the dequantised operands.
 Usage (GPU machine): ``PYTHONPATH=src python3 benchmarks/fp8_wgrad_probe.py [--model qwen3-30b-a3b ...]``
 
 Since 0.3.16 also the padded column casts and the library's Gluon kernel (:mod:`moeyard.quant.fp8_gluon_wgrad`,
-``MOEYARD_FP8_WGRAD=gluon``) on them. The other FP8 GEMM here is a plain Triton kernel (below, not part of the
+``MOEYARD_FP8_WGRAD=gluon``, the default since 0.3.17) on them; since 0.3.17 the padded casts with the amax given
+(each tile size of ``--tile-blocks``), with the library's amax kernel at each ``--amax-blocks`` row blocks per
+program, with a two-stage amax without atomics (below), with torch's column reduction over all rows, and with the
+operand gathered by token (up: ``x``, down: ``d out``) scaled by its amax over its T rows, as the layer does. The
+other FP8 GEMM here is a plain Triton kernel (below, not part of the
 library): ``dw[e] = (a_e sa_e) (b_e sb_e)^T``
 over each expert's rows, both operands K-major (the transposed column casts), TMA boxes made per expert so the
 rows past its end read zeros, the scales applied to the float32 accumulator after the reduction; ``precise``

@@ -13,8 +13,9 @@ Which scale each GEMM's operands carry (expert-major rows ``x [R, K]``, ``w [E, 
 - wgrad ``dw_e = dy_e^T x_e``: ``dy^T`` and ``x^T`` one per channel and expert, over the expert's tokens
   (for the Gluon kernel an operand gathered by token, ``x`` or ``d out``, one per channel over all tokens:
   :func:`_token_amax`). The Gluon kernel takes column casts that start each expert at a multiple of 128 rows
-  (zeros after its rows), so the rows themselves need no padding; ``torch._scaled_grouped_mm`` takes groups of a multiple of 16 rows
-  (``Recipe.align``). Under ``fp8_rowwise_gw_hp`` (``Recipe.wgrad`` None) in the compute dtype.
+  (zeros after its rows), so the rows themselves need no padding; ``torch._scaled_grouped_mm`` takes groups
+  of a multiple of 16 rows (``Recipe.align``). Under ``fp8_rowwise_gw_hp`` (``Recipe.wgrad`` None) in the
+  compute dtype.
 
 Forward and dgrad accumulate with ``use_fast_accum`` (contraction over H or I, at most a few thousand). wgrad
 contracts over an expert's tokens (thousands to hundreds of thousands): exactly on ``torch._scaled_grouped_mm``,
@@ -219,7 +220,8 @@ def wgrad_gemm() -> str:
     accumulation; elsewhere ``torch._scaled_grouped_mm`` on the same padded casts), which needs no padded rows;
     ``cutlass`` ``torch._scaled_grouped_mm`` on unpadded casts, accumulating exactly, with rows padded per
     expert (``Recipe.align``). H200, 2026-11-29, ``benchmarks/fp8_wgrad_probe.py``: the Gluon GEMM at 84-90% of
-    the dense e4m3 rate, ``torch._scaled_grouped_mm`` at 46-55%.
+    the dense e4m3 rate at qwen3-30b-a3b, sonic-30b-a and sonic-120b (73-77% at qwen3.5-35b-a3b),
+    ``torch._scaled_grouped_mm`` at 46-55%.
 
     Raises:
         ValueError: another value.
@@ -259,11 +261,10 @@ def unpadded(weights: ExpertWeights, gemm: str, wgrad: str) -> bool:
 def warn_lora_composed(weights: ExpertWeights) -> None:
     """Warn once per recipe that LoRA terms on an FP8 base run the composed form here (each projection on its
     own, the adapter terms as separate GEMMs in the compute dtype: the rows are padded per expert for a trained
-    base's FP8 weight gradients on ``MOEYARD_FP8_WGRAD=cutlass``, or the GEMM is ``cutlass``): correct, but slower
-    than the fused
-    form's LoRA terms inside the FP8 GEMMs (``fp8_rowwise_gw_hp``, or a frozen base) and holding more memory
-    (H200, 2026-11-28, ``moeyard bench --lora 16 --recipe fp8_rowwise_gw_hp``, this form: a LoRA step 1.4-2.2x
-    bf16's; ``docs/fp8.md``)."""
+    base's FP8 weight gradients on ``MOEYARD_FP8_WGRAD=cutlass``, or the GEMM is ``cutlass``): correct, but
+    slower than the fused form's LoRA terms inside the FP8 GEMMs (``fp8_rowwise_gw_hp``, or a frozen base) and
+    holding more memory (H200, 2026-11-28, ``moeyard bench --lora 16 --recipe fp8_rowwise_gw_hp``, this form:
+    a LoRA step 1.4-2.2x bf16's; ``docs/fp8.md``)."""
     if (weights.lora_up is None and weights.lora_down is None) or ("lora", weights.recipe.name) in _warned:
         return
     _warned.add(("lora", weights.recipe.name))
