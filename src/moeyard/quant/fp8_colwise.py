@@ -61,48 +61,18 @@ def _colwise_kernel(
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         b_x = _load(
-            x_ptr,
-            idx_ptr,
-            rw_ptr,
-            n_src,
-            rows,
-            rows < end,
-            cols,
-            m_cols,
-            stride_xr,
-            N,
-            alpha,
-            limit,
-            ACT,
-            GATED,
-            INTERLEAVED,
-            HAS_INDEX,
-            HAS_RW,
-        )
+            x_ptr, idx_ptr, rw_ptr, n_src, rows, rows < end, cols, m_cols, stride_xr, N, alpha, limit,
+            ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW,
+        )  # fmt: skip
         amax = tl.maximum(amax, tl.max(tl.abs(b_x), axis=0))
     scale = _pow2_scale(amax)
     tl.store(s_ptr + g * N + cols, scale, mask=m_cols)
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         b_x = _load(
-            x_ptr,
-            idx_ptr,
-            rw_ptr,
-            n_src,
-            rows,
-            rows < end,
-            cols,
-            m_cols,
-            stride_xr,
-            N,
-            alpha,
-            limit,
-            ACT,
-            GATED,
-            INTERLEAVED,
-            HAS_INDEX,
-            HAS_RW,
-        )
+            x_ptr, idx_ptr, rw_ptr, n_src, rows, rows < end, cols, m_cols, stride_xr, N, alpha, limit,
+            ACT, GATED, INTERLEAVED, HAS_INDEX, HAS_RW,
+        )  # fmt: skip
         b_q = tl.clamp(b_x / scale[None, :], -448.0, 448.0).to(q_ptr.dtype.element_ty)
         tl.store(
             q_ptr + cols[None, :].to(tl.int64) * stride_qn + rows[:, None],
