@@ -610,6 +610,11 @@ class _DhCast:
     def put(self, dh: Tensor, fp8: tuple[Tensor, Tensor]) -> None:
         self.key, self.fp8 = self._key(dh), fp8
 
+    def made(self, dh: Tensor) -> bool:
+        """Whether ``dh`` is the tensor whose cast was put and not yet taken: the down projection's backward
+        made it, and nothing else holds it (``h`` is internal to the fused form)."""
+        return self.fp8 is not None and self.key == self._key(dh)
+
     def take(self, dh: Tensor) -> tuple[Tensor, Tensor]:
         fp8 = self.fp8 if self.fp8 is not None and self.key == self._key(dh) else None
         self.key = self.fp8 = None
@@ -622,7 +627,9 @@ class _GatheredUp(torch.autograd.Function):
     from ``x`` read through ``row_tokens`` (in FP8, or with ``hp`` in the compute dtype:
     :class:`_HighPrecisionWgrad`), the factors' gradients from the thin GEMMs. The pairs' rows and the
     weight's column ``amax``, which only the input gradient reads, are let go before the weight gradient
-    (where this backward holds most), unless the backward keeps its graph."""
+    (where this backward holds most), unless the backward keeps its graph; so is ``d h`` once its column cast
+    is made (FP8 weight gradient, no adapter), where the down projection's backward made it
+    (:meth:`_DhCast.made`)."""
 
     @staticmethod
     def forward(ctx, x, w, a_lo, b_lo, row_tokens, pair_rows, offsets, gemms, hp, dh_cast, tiles, adapter):
@@ -647,6 +654,8 @@ class _GatheredUp(torch.autograd.Function):
         need_x, need_w, need_a, need_b = (ctx.needs_input_grad[i] for i in range(4))
         adapter = ctx.adapter
         dh = dh.contiguous()
+        # d h's memory can go back once its column cast is made: this backward's alone, read by nothing after
+        release = ctx.dh_cast.made(dh) and a_lo is None and ctx.hp is None and not _graph_kept()
         dx = dw = da = db = g = None
         if a_lo is not None and need_b and (need_x or need_a) and _one_pass(b_lo, adapter.routing):
             from .triton import ops  # dB_e = s d h^T z and the rows g = d h B_e from one pass over d h
@@ -664,7 +673,7 @@ class _GatheredUp(torch.autograd.Function):
         elif need_w:
             cols = _colwise()
             dw = _wgrad(
-                lambda p: cols.colwise_per_group(dh, offsets, padded=p),
+                lambda p: _released_after(cols.colwise_per_group(dh, offsets, padded=p), dh if release else None),
                 lambda p: cols.colwise_per_group(x, offsets, index=row_tokens, padded=p, amax=_token_amax(x, p)),
                 offsets,
                 dh.shape[0],
@@ -676,6 +685,16 @@ class _GatheredUp(torch.autograd.Function):
         if need_b and db is None:  # dB_e = s d h^T (x A_e^T)
             db = adapter.factor_grad(dh, z, False, False, b_lo)
         return dx, dw, da, db, None, None, None, None, None, None, None, None
+
+
+def _released_after(result, t: Tensor | None):
+    """``result``, after giving ``t``'s memory back (``t`` None: nothing), so that the next allocation (the
+    other operand's column cast) can take it: the up projection's FP8 weight gradient then holds ``d h``'s
+    cast instead of ``d h`` and its cast (at sonic-120b one ``[R, 2I]`` bf16 buffer, 1 GiB, less at the step's
+    peak). Only for a tensor nothing else reads afterwards."""
+    if t is not None:
+        t.untyped_storage().resize_(0)
+    return result
 
 
 def _token_amax(t: Tensor, padded) -> Tensor | None:
