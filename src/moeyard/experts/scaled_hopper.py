@@ -616,7 +616,7 @@ class _DhCast:
         return self.fp8 is not None and self.key == self._key(dh)
 
     def take(self, dh: Tensor) -> tuple[Tensor, Tensor]:
-        fp8 = self.fp8 if self.fp8 is not None and self.key == self._key(dh) else None
+        fp8 = self.fp8 if self.made(dh) else None
         self.key = self.fp8 = None
         return fp8 if fp8 is not None else _cast().rowwise(dh)
 
