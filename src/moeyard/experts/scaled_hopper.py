@@ -654,8 +654,9 @@ class _GatheredUp(torch.autograd.Function):
         need_x, need_w, need_a, need_b = (ctx.needs_input_grad[i] for i in range(4))
         adapter = ctx.adapter
         dh = dh.contiguous()
-        # d h's memory can go back once its column cast is made: this backward's alone, read by nothing after
-        release = ctx.dh_cast.made(dh) and a_lo is None and ctx.hp is None and not _graph_kept()
+        # d h's memory can go back once the FP8 weight gradient's column cast of it is made (asked here, before the
+        # input gradient takes its row cast): this backward's alone, read by nothing after without an adapter
+        release = ctx.dh_cast.made(dh) and a_lo is None and not _graph_kept()
         dx = dw = da = db = g = None
         if a_lo is not None and need_b and (need_x or need_a) and _one_pass(b_lo, adapter.routing):
             from .triton import ops  # dB_e = s d h^T z and the rows g = d h B_e from one pass over d h
