@@ -183,6 +183,7 @@ def test_fast_path_up_dgrad_in_windows(fast_path_calls, monkeypatch, recipe):
     whole = run_experts(inp, torch.bfloat16, "grouped_mm", g, device=DEV, recipe=recipe)
     before = fast_path_calls.count("gemm")
     monkeypatch.setattr(hop, "dgrad_windows", lambda *a: 2)
+    monkeypatch.setattr(hop, "wgrad_windows", lambda *a: [(0, a[2])])  # the weight gradient's whole
     monkeypatch.setattr(hop, "WINDOW_COLS", 128)
     monkeypatch.setattr(hop, "MIN_WINDOW_ROWS", 128)
     windows = run_experts(inp, torch.bfloat16, "grouped_mm", g, device=DEV, recipe=recipe)
@@ -195,6 +196,28 @@ def test_fast_path_up_dgrad_in_windows(fast_path_calls, monkeypatch, recipe):
         else:
             err = ((windows[k] - whole[k]).norm() / whole[k].norm()).item()
             assert err < (4e-3 if k == "grad_hidden_states" else 1e-6), f"{k}: {err:.3g}"  # CUTLASS tiles by N
+
+
+def test_fast_path_up_wgrad_in_windows(fast_path_calls, monkeypatch):
+    # fp8_rowwise's up-projection weight gradient made two column windows of x at a time (256 columns each): the
+    # same outputs and gradients as one window, bit for bit on the Gluon kernel (an output tile does not depend
+    # on the others), and one GEMM more
+    import importlib
+
+    hop = importlib.import_module("moeyard.experts.scaled_hopper")
+    inp = make_inputs(700, 512, 128, 8, 2)
+    g = torch.randn(700, 512, dtype=torch.float64)
+    monkeypatch.setattr(hop, "dgrad_windows", lambda *a: 1)
+    monkeypatch.setattr(hop, "wgrad_windows", lambda *a: [(0, 512)])
+    whole = run_experts(inp, torch.bfloat16, "grouped_mm", g, device=DEV, recipe="fp8_rowwise")
+    before = fast_path_calls.count("gemm")
+    monkeypatch.setattr(hop, "wgrad_windows", lambda *a: [(0, 256), (256, 512)])
+    monkeypatch.setattr(hop, "MIN_WINDOW_ROWS", 128)
+    windows = run_experts(inp, torch.bfloat16, "grouped_mm", g, device=DEV, recipe="fp8_rowwise")
+    if _hopper():
+        assert fast_path_calls.count("gemm") == 2 * before + 1  # one GEMM more for the second window
+    for k in whole:
+        assert torch.equal(windows[k], whole[k]), k
 
 
 def test_fast_path_drop_invalid():

@@ -189,25 +189,52 @@ def gemm_backend() -> str:
     return env_choice(ENV_GEMM, GEMMS)
 
 
-def _wgrad(dy_cast, x_cast, offsets: Tensor, rows: int, dtype, gemm: str) -> Tensor:
+def _wgrad(dy_cast, x_cast, offsets: Tensor, rows: int, dtype, gemm: str, cols: int | None = None) -> Tensor:
     """``dw_e = dy_e^T x_e`` ``[E, N, K]`` over ``rows`` rows, from the per-expert column casts
     ``dy_cast(padded) -> (dy^T [N, R], [E, N])`` and ``x_cast(padded) -> (x^T [K, R], [E, K])``
     (:func:`moeyard.quant.fp8_colwise.colwise_per_group` with ``padded``): with ``gemm`` (:func:`wgrad_gemm`)
     ``gluon`` on :mod:`moeyard.quant.fp8_gluon_wgrad` from padded casts (where it cannot run,
     ``torch._scaled_grouped_mm`` takes them: their zero columns add nothing), with ``cutlass`` on
-    ``torch._scaled_grouped_mm`` from unpadded ones (each group a multiple of 16 rows). No host sync."""
+    ``torch._scaled_grouped_mm`` from unpadded ones (each group a multiple of 16 rows). No host sync.
+
+    ``cols`` (``K``; the up projection's, whose ``x`` cast is the larger): on the ``gluon`` path ``dw`` is then
+    made :func:`wgrad_windows` column windows at a time, ``x_cast(padded, c0, c1)`` casting columns ``c0 ..
+    c1 - 1`` only, so one window's cast of ``x`` is alive at once (``dy``'s is read once per window); the
+    results equal one window's bit for bit (an output column does not depend on the others)."""
     if gemm != "gluon":
         (dyq, dys), (xq, xs) = dy_cast(None), x_cast(None)
         return scaled_grouped_mm(dyq, xq.mT, dys.reshape(-1), xs.reshape(-1), offsets, dtype, False)
     from ..quant import fp8_gluon_wgrad as gluon_wgrad
 
     starts = _colwise().padded_offsets(offsets, rows, gluon_wgrad.BK)
-    (dyq, dys), (xq, xs) = dy_cast(starts), x_cast(starts)
-    dw = torch.empty(dys.shape[0], dyq.shape[0], xq.shape[0], device=dyq.device, dtype=dtype)
+    dyq, dys = dy_cast(starts)
+    if cols is None:
+        return _wgrad_window(dyq, dys, *x_cast(starts), starts[0], dtype, None)
+    windows = wgrad_windows(rows, starts[1], cols, dyq.shape[0], dtype.itemsize) if rows >= MIN_WINDOW_ROWS else None
+    if windows is None or len(windows) == 1:
+        return _wgrad_window(dyq, dys, *x_cast(starts, 0, cols), starts[0], dtype, None)
+    dw = torch.empty(dys.shape[0], dyq.shape[0], cols, device=dyq.device, dtype=dtype)
+    for c0, c1 in windows:
+        xq, xs = x_cast(starts, c0, c1)
+        _wgrad_window(dyq, dys, xq, xs, starts[0], dtype, dw[:, :, c0:c1])
+        del xq, xs  # one window's cast alive at a time
+    return dw
+
+
+def _wgrad_window(
+    dyq: Tensor, dys: Tensor, xq: Tensor, xs: Tensor, starts: Tensor, dtype, out: Tensor | None
+) -> Tensor:
+    """:func:`_wgrad`'s GEMM from the padded casts (``starts [E + 1]`` their experts' first columns), into ``out``
+    (a window of ``dw``'s columns; None: a new tensor): the Gluon kernel where it runs, else
+    ``torch._scaled_grouped_mm`` (its result copied into ``out``)."""
+    from ..quant import fp8_gluon_wgrad as gluon_wgrad
+
+    dw = torch.empty(dys.shape[0], dyq.shape[0], xq.shape[0], device=dyq.device, dtype=dtype) if out is None else out
     if gluon_wgrad.ready(dyq, xq, dw):
-        gluon_wgrad.launch(dyq, dys, xq, xs, starts[0], dw)
+        gluon_wgrad.launch(dyq, dys, xq, xs, starts, dw)
         return dw
-    return scaled_grouped_mm(dyq, xq.mT, dys.reshape(-1), xs.reshape(-1), starts[0], dtype, False)
+    result = scaled_grouped_mm(dyq, xq.mT, dys.reshape(-1), xs.reshape(-1), starts, dtype, False)
+    return result if out is None else out.copy_(result)
 
 
 ENV_WGRAD = "MOEYARD_FP8_WGRAD"
@@ -517,6 +544,25 @@ def column_windows(hidden: int, n: int) -> list[tuple[int, int]]:
     return [(c0, min(hidden, c0 + step)) for c0 in range(0, hidden, step)] or [(0, hidden)]
 
 
+def wgrad_windows(rows: int, width: int, hidden: int, inner: int, itemsize: int) -> list[tuple[int, int]]:
+    """The column windows (:func:`column_windows`) of ``x``'s ``hidden`` (H) columns in which :func:`_wgrad` makes
+    the up projection's FP8 weight gradient, for ``rows`` rows of ``d h`` with ``inner`` (2I) columns in the
+    compute dtype (``itemsize`` bytes an element) and casts ``width`` columns wide (padded): the fewest (at most
+    :data:`MAX_DGRAD_WINDOWS`) whose widest ``c`` columns make the casts held there, ``d h``'s (``width 2I``
+    bytes) and that window's of ``x`` (``width c``), less than the compute dtype's path holds there instead,
+    ``d h``'s rows (``R 2I itemsize``; the weight gradients, ``dx`` and the rest alike on both): ``width c < R 2I
+    itemsize - width 2I``. At the anchor shapes' sizes: two windows at qwen3-30b-a3b's and sonic-120b's, three at
+    qwen3.5-35b-a3b's and sonic-7b's, four at sonic-30b-a's (``test_wgrad_windows``). Each window reads ``d h``'s
+    cast again: at qwen3.5-35b-a3b's sizes three windows cost 0.01 ms a step, four 0.25 (H200,
+    ``benchmarks/NOTES.md`` round 57)."""
+    held = rows * inner * itemsize - width * inner
+    for n in range(1, MAX_DGRAD_WINDOWS + 1):
+        windows = column_windows(hidden, n)
+        if width * max(c1 - c0 for c0, c1 in windows) < held:
+            break
+    return windows
+
+
 def _dgrad_summed(
     dh_cast: _DhCast,
     dh: Tensor,
@@ -675,11 +721,12 @@ class _GatheredUp(torch.autograd.Function):
             cols = _colwise()
             dw = _wgrad(
                 lambda p: _released_after(cols.colwise_per_group(dh, offsets, padded=p), dh if release else None),
-                lambda p: cols.colwise_per_group(x, offsets, index=row_tokens, padded=p, amax=_token_amax(x, p)),
+                _TokenColumns(x, offsets, row_tokens),
                 offsets,
                 dh.shape[0],
                 dh.dtype,
                 ctx.wgrad_gemm,
+                cols=x.shape[1],
             )
         if need_a:  # dA_e = s (d h B_e)^T x
             da = adapter.factor_grad(g, x, False, True, a_lo)
@@ -706,6 +753,22 @@ def _token_amax(t: Tensor, padded) -> Tensor | None:
     it); the same SQNR of ``dW`` in simulation (outlier channels, token scales, skewed routing). One reduction over
     ``T`` rows, where each expert's own would read the ``k T`` gathered ones."""
     return None if padded is None else torch.linalg.vector_norm(t, float("inf"), dim=0).float()
+
+
+class _TokenColumns:
+    """:func:`_wgrad`'s ``x_cast`` for rows gathered by token from ``x [T, K]`` (``row_tokens``): the column cast
+    of columns ``c0 .. c1 - 1`` (all: ``c1`` None), padded with the columns' amax over all tokens
+    (:func:`_token_amax`, made once for every window), or unpadded."""
+
+    def __init__(self, x: Tensor, offsets: Tensor, row_tokens: Tensor):
+        self.x, self.offsets, self.row_tokens, self.amax = x, offsets, row_tokens, None
+
+    def __call__(self, padded, c0: int = 0, c1: int | None = None) -> tuple[Tensor, Tensor]:
+        if padded is not None and self.amax is None:
+            self.amax = _token_amax(self.x, padded)
+        amax = None if padded is None else self.amax[c0:c1]
+        cols = self.x[:, c0:c1]
+        return _colwise().colwise_per_group(cols, self.offsets, index=self.row_tokens, padded=padded, amax=amax)
 
 
 def _tensor(w) -> Tensor | None:
