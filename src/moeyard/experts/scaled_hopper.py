@@ -226,11 +226,13 @@ def _wgrad_window(
 ) -> Tensor:
     """:func:`_wgrad`'s GEMM from the padded casts (``starts [E + 1]`` their experts' first columns), into ``out``
     (a window of ``dw``'s columns; None: a new tensor): the Gluon kernel where it runs, else
-    ``torch._scaled_grouped_mm`` (its result copied into ``out``)."""
+    ``torch._scaled_grouped_mm`` (its result copied into ``out``). The readiness check takes a meta tensor of
+    ``dw``'s shape, so the fallback allocates only its own result."""
     from ..quant import fp8_gluon_wgrad as gluon_wgrad
 
-    dw = torch.empty(dys.shape[0], dyq.shape[0], xq.shape[0], device=dyq.device, dtype=dtype) if out is None else out
-    if gluon_wgrad.ready(dyq, xq, dw):
+    shape = (dys.shape[0], dyq.shape[0], xq.shape[0])
+    if gluon_wgrad.ready(dyq, xq, torch.empty(shape, device="meta", dtype=dtype) if out is None else out):
+        dw = torch.empty(shape, device=dyq.device, dtype=dtype) if out is None else out
         gluon_wgrad.launch(dyq, dys, xq, xs, starts, dw)
         return dw
     result = scaled_grouped_mm(dyq, xq.mT, dys.reshape(-1), xs.reshape(-1), starts, dtype, False)
