@@ -763,12 +763,12 @@ class _TokenColumns:
     (:func:`_token_amax`, made once for every window), or unpadded."""
 
     def __init__(self, x: Tensor, offsets: Tensor, row_tokens: Tensor):
-        self.x, self.offsets, self.row_tokens, self.amax = x, offsets, row_tokens, None
+        self.x, self.offsets, self.row_tokens, self.amax, self.made = x, offsets, row_tokens, None, False
 
     def __call__(self, padded, c0: int = 0, c1: int | None = None) -> tuple[Tensor, Tensor]:
-        if padded is not None and self.amax is None:
-            self.amax = _token_amax(self.x, padded)
-        amax = None if padded is None else self.amax[c0:c1]
+        if not self.made:  # once for every window (None unpadded)
+            self.amax, self.made = _token_amax(self.x, padded), True
+        amax = None if self.amax is None else self.amax[c0:c1]
         cols = self.x[:, c0:c1]
         return _colwise().colwise_per_group(cols, self.offsets, index=self.row_tokens, padded=padded, amax=amax)
 
