@@ -366,7 +366,7 @@ def probe(name: str, proj: str, NL: int, NR: int, T: int, E: int, k: int, a, den
         fp8_gluon_wgrad.launch(lq, ls, rq, rs, starts[0], out)
         return out
 
-    if fp8_gluon_wgrad.ready(padded[0][0][0], padded[0][1][0], out):
+    if fp8_gluon_wgrad.ready(padded[0][0][0], padded[0][1][0], out.dtype, E):
         fp8_row("gluon (fast accumulation)", gluon)
     ms = time_ms(lambda i: torch._grouped_mm(sets[i][0].mT, sets[i][1], offs=off[1:]), 2, a.warmup, a.iters, dev)
     res["bf16 torch._grouped_mm"] = (ms, f"{flops / ms / 1e9:.0f} TFLOP/s ({flops / ms / 1e9 / b16:.0%} bf16)")

@@ -755,9 +755,9 @@ def test_fast_path_up_wgrad_in_windows(forced_fast_path, monkeypatch, case):
 
 def test_wgrad_windows():
     # the fewest x column windows for which d h's padded e4m3 cast plus the widest window's cast of x hold less
-    # than d h's rows in the compute dtype, at most MAX_DGRAD_WINDOWS
+    # than d h's rows in the compute dtype, at most MAX_WINDOWS
     from moeyard.dispatch import padded_rows
-    from moeyard.experts.scaled_hopper import MAX_DGRAD_WINDOWS, WINDOW_COLS, column_windows, wgrad_windows
+    from moeyard.experts.scaled_hopper import MAX_WINDOWS, WINDOW_COLS, column_windows, wgrad_windows
 
     def windows(tokens, hidden, inner, experts, k):
         rows = tokens * k
@@ -767,15 +767,15 @@ def test_wgrad_windows():
     assert windows(32768, 4096, 2048, 64, 4) == 2  # sonic-120b
     assert windows(32768, 2048, 512, 256, 8) == 3  # qwen3.5-35b-a3b
     assert windows(24576, 1536, 256, 128, 8) == 3  # sonic-7b
-    assert windows(32768, 4096, 512, 128, 8) == MAX_DGRAD_WINDOWS  # sonic-30b-a: four do not get below
-    assert wgrad_windows(1000, 1000, 64, 256, 2) == column_windows(64, MAX_DGRAD_WINDOWS)  # nothing is enough
+    assert windows(32768, 4096, 512, 128, 8) == MAX_WINDOWS  # sonic-30b-a: four do not get below
+    assert wgrad_windows(1000, 1000, 64, 256, 2) == column_windows(64, MAX_WINDOWS)  # nothing is enough
     for rows, width, hidden, inner in ((4096, 5120, 2048, 1536), (300, 2048, 512, 64), (65536, 69632, 7168, 4096)):
         got = wgrad_windows(rows, width, hidden, inner, 2)
         held = rows * inner * 2 - width * inner
         widest = max(c1 - c0 for c0, c1 in got)
         assert got[0][0] == 0 and got[-1][1] == hidden and all(got[i][1] == got[i + 1][0] for i in range(len(got) - 1))
         assert all((c1 - c0) % WINDOW_COLS == 0 for c0, c1 in got[:-1])
-        assert got == column_windows(hidden, MAX_DGRAD_WINDOWS) or width * widest < held
+        assert got == column_windows(hidden, MAX_WINDOWS) or width * widest < held
         fewer = column_windows(hidden, len(got) - 1) if len(got) > 1 else None
         assert fewer is None or width * max(c1 - c0 for c0, c1 in fewer) >= held  # one window fewer would not do
 
@@ -1034,21 +1034,21 @@ def _find_node(fn, name: str):
 def test_dgrad_windows():
     # the fewest column windows for which d h's e4m3 cast plus 1/n of W_up's transposed cast and of the
     # [R, H] output rows hold less than the output rows whole
-    from moeyard.experts.scaled_hopper import MAX_DGRAD_WINDOWS, dgrad_windows
+    from moeyard.experts.scaled_hopper import MAX_WINDOWS, dgrad_windows
 
-    assert MAX_DGRAD_WINDOWS >= 4
+    assert MAX_WINDOWS >= 4
     assert dgrad_windows(32768 * 8, 4096, 2 * 512, 128, 2) == 2  # sonic-30b-a: (2 + 0.5) / (2 - 0.25)
     assert dgrad_windows(32768 * 8, 1536, 2 * 256, 128, 2) == 2  # sonic-7b
     assert dgrad_windows(32768 * 8, 2048, 2 * 768, 128, 2) == 3  # qwen3-30b-a3b: (1 + 0.375) / (1 - 0.375)
     assert dgrad_windows(32768 * 8, 2048, 2 * 512, 256, 2) == 3  # qwen3.5-35b-a3b: (1 + 0.5) / (1 - 0.25) = 2
     assert dgrad_windows(32768 * 4, 4096, 2 * 2048, 64, 2) == 4  # sonic-120b: (1 + 1) / (1 - 0.5)
-    assert dgrad_windows(1000, 64, 256, 4, 2) == MAX_DGRAD_WINDOWS  # d h's cast alone outweighs the rows
+    assert dgrad_windows(1000, 64, 256, 4, 2) == MAX_WINDOWS  # d h's cast alone outweighs the rows
     assert dgrad_windows(0, 2048, 1536, 128, 2) == 1
     for rows, hidden, inner, experts in ((1000, 64, 32, 4), (4096, 512, 1024, 8), (77, 96, 16, 2), (9000, 2048, 64, 8)):
         n = dgrad_windows(rows, hidden, inner, experts, 2)
         out, dh, w = rows * hidden * 2, rows * inner, experts * hidden * inner
-        assert 1 <= n <= MAX_DGRAD_WINDOWS
-        assert n == MAX_DGRAD_WINDOWS or dh + (w + out) / n < out  # held < the rows whole
+        assert 1 <= n <= MAX_WINDOWS
+        assert n == MAX_WINDOWS or dh + (w + out) / n < out  # held < the rows whole
         assert n == 1 or dh + (w + out) / (n - 1) >= out  # one window fewer would not do
 
 

@@ -17,7 +17,7 @@ from .quant.recipe import Recipe, get_recipe, recipe_names, set_recipe, use_reci
 from .quant.weight_cache import cache_fp8_weights
 from .routing import Router, RoutingOutput, route, update_correction_bias
 
-__version__ = "0.3.19"  # the package version (pyproject.toml reads it from here); CHANGELOG.md says what it added
+__version__ = "0.3.20"  # the package version (pyproject.toml reads it from here); CHANGELOG.md says what it added
 
 import importlib.util as _importlib_util
 

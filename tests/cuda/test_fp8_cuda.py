@@ -474,7 +474,8 @@ def test_gluon_fp8_wgrad_matches_float64(counts, NL, NR, dw_dtype):
     starts = fp8_colwise.padded_offsets(offsets, R, fp8_gluon_wgrad.BK)
     (lq, ls), (rq, rs) = (fp8_colwise.colwise_per_group(t, offsets, padded=starts) for t in (dy, x))
     dw = torch.full((len(counts), NL, NR), float("nan"), device=DEV, dtype=dw_dtype)
-    assert fp8_gluon_wgrad.ready(lq, rq, dw)
+    assert fp8_gluon_wgrad.ready(lq, rq, dw.dtype, dw.shape[0])
+    assert not fp8_gluon_wgrad.ready(lq, rq, dw.dtype, 0) and not fp8_gluon_wgrad.ready(lq, rq, torch.int32, 1)
     fp8_gluon_wgrad.launch(lq, ls, rq, rs, starts[0], dw)
     ref = torch.zeros(len(counts), NL, NR, dtype=torch.float64, device=DEV)
     for e in range(len(counts)):

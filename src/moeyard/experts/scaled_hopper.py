@@ -208,11 +208,10 @@ def _wgrad(dy_cast, x_cast, offsets: Tensor, rows: int, dtype, gemm: str, cols: 
 
     starts = _colwise().padded_offsets(offsets, rows, gluon_wgrad.BK)
     dyq, dys = dy_cast(starts)
-    if cols is None:
+    windowed = cols is not None and rows >= MIN_WINDOW_ROWS
+    windows = wgrad_windows(rows, starts[1], cols, dyq.shape[0], dtype.itemsize) if windowed else [None]
+    if len(windows) == 1:  # x's columns cast whole
         return _wgrad_window(dyq, dys, *x_cast(starts), starts[0], dtype, None)
-    windows = wgrad_windows(rows, starts[1], cols, dyq.shape[0], dtype.itemsize) if rows >= MIN_WINDOW_ROWS else None
-    if windows is None or len(windows) == 1:
-        return _wgrad_window(dyq, dys, *x_cast(starts, 0, cols), starts[0], dtype, None)
     dw = torch.empty(dys.shape[0], dyq.shape[0], cols, device=dyq.device, dtype=dtype)
     for c0, c1 in windows:
         xq, xs = x_cast(starts, c0, c1)
@@ -226,12 +225,11 @@ def _wgrad_window(
 ) -> Tensor:
     """:func:`_wgrad`'s GEMM from the padded casts (``starts [E + 1]`` their experts' first columns), into ``out``
     (a window of ``dw``'s columns; None: a new tensor): the Gluon kernel where it runs, else
-    ``torch._scaled_grouped_mm`` (its result copied into ``out``). The readiness check takes a meta tensor of
-    ``dw``'s shape, so the fallback allocates only its own result."""
+    ``torch._scaled_grouped_mm`` (its result copied into ``out``), which allocates only its own result."""
     from ..quant import fp8_gluon_wgrad as gluon_wgrad
 
     shape = (dys.shape[0], dyq.shape[0], xq.shape[0])
-    if gluon_wgrad.ready(dyq, xq, torch.empty(shape, device="meta", dtype=dtype) if out is None else out):
+    if gluon_wgrad.ready(dyq, xq, dtype, shape[0]):
         dw = torch.empty(shape, device=dyq.device, dtype=dtype) if out is None else out
         gluon_wgrad.launch(dyq, dys, xq, xs, starts, dw)
         return dw
@@ -517,7 +515,9 @@ def takes_storage(w) -> bool:
     return isinstance(w, NF4Experts) and nf4_mode() == "codes"
 
 
-MAX_DGRAD_WINDOWS = 4  # at most this many column windows (sonic-120b's sizes need four)
+# at most this many column windows, of the up projection's input gradient (sonic-120b's sizes need four) and of
+# its weight gradient
+MAX_WINDOWS = 4
 WINDOW_COLS = 256  # a window's columns: a multiple of the FP8 GEMM's column tile (moeyard.quant.fp8_gluon.BN)
 MIN_WINDOW_ROWS = 4096  # fewer rows hold too little memory to be worth a GEMM launch more
 
@@ -525,7 +525,7 @@ MIN_WINDOW_ROWS = 4096  # fewer rows hold too little memory to be worth a GEMM l
 def dgrad_windows(rows: int, hidden: int, inner: int, experts: int, itemsize: int) -> int:
     """How many column windows :func:`_dgrad_summed` makes the up projection's input gradient in, for ``rows``
     rows of ``inner`` (2I) columns, ``hidden`` (H) output columns, ``experts`` experts and an output of
-    ``itemsize`` bytes an element: the fewest ``n`` (at most :data:`MAX_DGRAD_WINDOWS`) for which what the
+    ``itemsize`` bytes an element: the fewest ``n`` (at most :data:`MAX_WINDOWS`) for which what the
     fast path holds while a window runs, ``d h``'s e4m3 cast (``R 2I`` bytes) and ``1/n`` of both ``W_up``'s
     transposed cast (``E H 2I``) and the ``[R, H]`` output rows (``R H itemsize``), is less than the compute
     dtype's path holds there, the output rows whole: ``n > (out + w) / (out - dh)`` (strictly, so that the
@@ -534,8 +534,8 @@ def dgrad_windows(rows: int, hidden: int, inner: int, experts: int, itemsize: in
     if out == 0 or dh + w == 0:
         return 1
     if dh >= out:
-        return MAX_DGRAD_WINDOWS
-    return min(MAX_DGRAD_WINDOWS, (out + w) // (out - dh) + 1)
+        return MAX_WINDOWS
+    return min(MAX_WINDOWS, (out + w) // (out - dh) + 1)
 
 
 def column_windows(hidden: int, n: int) -> list[tuple[int, int]]:
@@ -550,7 +550,7 @@ def wgrad_windows(rows: int, width: int, hidden: int, inner: int, itemsize: int)
     """The column windows (:func:`column_windows`) of ``x``'s ``hidden`` (H) columns in which :func:`_wgrad` makes
     the up projection's FP8 weight gradient, for ``rows`` rows of ``d h`` with ``inner`` (2I) columns in the
     compute dtype (``itemsize`` bytes an element) and casts ``width`` columns wide (padded): the fewest (at most
-    :data:`MAX_DGRAD_WINDOWS`) whose widest ``c`` columns make the casts held there, ``d h``'s (``width 2I``
+    :data:`MAX_WINDOWS`) whose widest ``c`` columns make the casts held there, ``d h``'s (``width 2I``
     bytes) and that window's of ``x`` (``width c``), less than the compute dtype's path holds there instead,
     ``d h``'s rows (``R 2I itemsize``; the weight gradients, ``dx`` and the rest alike on both): ``width c < R 2I
     itemsize - width 2I``. At the anchor shapes' sizes: two windows at qwen3-30b-a3b's and sonic-120b's, three at
@@ -558,7 +558,7 @@ def wgrad_windows(rows: int, width: int, hidden: int, inner: int, itemsize: int)
     cast again: at qwen3.5-35b-a3b's sizes three windows cost 0.01 ms a step, four 0.25 (H200,
     ``benchmarks/NOTES.md`` round 57)."""
     held = rows * inner * itemsize - width * inner
-    for n in range(1, MAX_DGRAD_WINDOWS + 1):
+    for n in range(1, MAX_WINDOWS + 1):
         windows = column_windows(hidden, n)
         if width * max(c1 - c0 for c0, c1 in windows) < held:
             break

@@ -239,10 +239,10 @@ def fp8_wgrad_kernel(
     )
 
 
-def ready(lq: Tensor, rq: Tensor, dw: Tensor) -> bool:
-    """Whether :func:`launch` can run: an sm_90 GPU, both casts e4m3 on it with unit stride along their
-    columns, row strides and base addresses multiples of 16 bytes (TMA), no empty operand, and ``dw`` of a
-    float dtype. Host metadata only; raises nothing."""
+def ready(lq: Tensor, rq: Tensor, dw_dtype: torch.dtype, experts: int) -> bool:
+    """Whether :func:`launch` can run for ``dw [experts, NL, NR]`` of ``dw_dtype``: an sm_90 GPU, both casts e4m3
+    on it with unit stride along their columns, row strides and base addresses multiples of 16 bytes (TMA), no
+    empty operand, at least one expert and a float ``dw_dtype``. Host metadata only; raises nothing."""
     from ..experts.triton.schedule import is_sm90
 
     def tma_rows(t: Tensor) -> bool:
@@ -255,8 +255,8 @@ def ready(lq: Tensor, rq: Tensor, dw: Tensor) -> bool:
         and lq.dtype == rq.dtype == e4m3
         and tma_rows(lq)
         and tma_rows(rq)
-        and dw.dtype.is_floating_point
-        and dw.numel() > 0
+        and dw_dtype.is_floating_point
+        and experts > 0
     )
 
 
