@@ -53,8 +53,11 @@ def set_enabled(flag: bool) -> bool:
     return previous
 
 
+_Tensor = torch.Tensor
+
+
 def _tensor_key(t: torch.Tensor) -> tuple:
-    return (t.dtype, t.is_cuda, t.data_ptr() % 16 == 0)
+    return (t.dtype, t.is_cuda, t.data_ptr() % 16 == 0)  # Compiled.key writes this out for a plain tensor
 
 
 def _arg_key(a):
@@ -86,10 +89,19 @@ class _Compiled:
 
     def key(self, args: Sequence, kwargs: dict) -> tuple:
         """Constexprs (and launch options such as ``num_warps``) by type and value, other arguments by
-        :func:`_arg_key`."""
+        :func:`_arg_key` (its int and plain tensor cases written out: no call per argument)."""
         pos = tuple(
-            (type(a), a) if c else _arg_key(a) for a, c in zip(args, self.constexpr, strict=False)
-        )  # fewer args: defaults
+            [
+                (type(a), a)
+                if c
+                else a
+                if type(a) is int
+                else (a.dtype, a.is_cuda, a.data_ptr() % 16 == 0)
+                if type(a) is _Tensor
+                else _arg_key(a)
+                for a, c in zip(args, self.constexpr, strict=False)  # fewer args: defaults
+            ]
+        )
         if not kwargs:
             return pos
         const = self.const_of
@@ -128,7 +140,13 @@ def _device() -> int | None:
     return torch.cuda.current_device() if _has_cuda[0] else None
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's own launches ask
+
+
 def _stream(device: int) -> int:
+    """The current CUDA stream's handle on ``device`` (without making a ``torch.cuda.Stream``)."""
+    if _raw_stream is not None:
+        return _raw_stream(device)
     return torch.cuda.current_stream(device).cuda_stream
 
 
