@@ -259,3 +259,12 @@ def test_triton_path_without_cuda(monkeypatch):
     finally:
         launch.set_enabled(previous)
     assert len(k.triton_calls) == 2 and not launch._kernels
+
+
+def test_host_cdiv_and_next_power_of_2_equal_tritons():
+    # the host-side helpers the launches size their grids with: Triton's values (its own are constexpr functions,
+    # microseconds a call on the host)
+    for n in [*range(0, 2100), 2**31 - 1, 2**31, 2**40 + 5]:
+        assert launch.next_power_of_2(n) == triton.next_power_of_2(n)
+        for d in (1, 3, 16, 128, 1000):
+            assert launch.cdiv(n, d) == triton.cdiv(n, d)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .kernel_op import kernel_op
-from .launch import cached
+from .launch import cached, cdiv, next_power_of_2
 
 Tensor = torch.Tensor
 # one program sorts them in registers (bitonic: N log2(N)^2 / 2 exchanges). Device time on an H100 against the
@@ -90,11 +90,11 @@ def sort_small_(ids: Tensor, num_experts: int, keys: Tensor, order: Tensor, offs
 def sort_meta(num_pairs: int, num_experts: int) -> dict:
     """The constexprs and warps of a one-program sort (:func:`sort_pairs`) of ``num_pairs`` over
     ``num_experts``."""
-    n_p2 = triton.next_power_of_2(max(num_pairs, 2))
+    n_p2 = next_power_of_2(max(num_pairs, 2))
     return dict(
         N_P2=n_p2,
         SHIFT=n_p2.bit_length() - 1,
-        E_P2=triton.next_power_of_2(num_experts + 2),
+        E_P2=next_power_of_2(num_experts + 2),
         num_warps=8 if n_p2 > 1024 else 4,
     )
 
@@ -161,7 +161,7 @@ def plan_(
     :class:`moeyard.dispatch.DispatchPlan` from the sort (:func:`moeyard.dispatch.sort_by_expert`) and the
     padded offsets."""
     N, E = sort_order.shape[0], expert_offsets.shape[0] - 1
-    grid = (triton.cdiv(max(N, E), PLAN_BLOCK),)
+    grid = (cdiv(max(N, E), PLAN_BLOCK),)
     plan_kernel[grid](
         sorted_keys, sort_order, expert_offsets, padded_offsets, pair_rows, valid, tokens_per_expert, N, E,
         BLOCK=PLAN_BLOCK,
@@ -250,7 +250,7 @@ def rows_(
     ``nan_terms [T]`` float32 (:func:`moeyard.dispatch.plan_rows`)."""
     T, K = topk_weights.shape
     E, R = expert_offsets.shape[0] - 1, row_tokens.shape[0]
-    grid = (triton.cdiv(max(R, E), PLAN_BLOCK),)
+    grid = (cdiv(max(R, E), PLAN_BLOCK),)
     rows_kernel[grid](
         pair_rows, valid, expert_offsets, padded_offsets, topk_weights, topk_weights.stride(0),
         topk_weights.stride(1), row_tokens, row_weights, live_rows, row_weights if nan_terms is None else nan_terms,

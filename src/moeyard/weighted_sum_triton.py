@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .kernel_op import kernel_op
-from .launch import cached
+from .launch import cached, cdiv, next_power_of_2
 
 Tensor = torch.Tensor
 BT, BH, GRAD_BH = 4, 512, 128
@@ -131,7 +131,7 @@ def weights_grad_kernel(
 @kernel_op("moeyard::weighted_sum_", mutates_args=("out",))
 def weighted_sum_(pairs: Tensor, weights: Tensor, out: Tensor) -> None:
     T, K, H = pairs.shape
-    weighted_sum_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](
+    weighted_sum_kernel[(cdiv(T, BT), cdiv(H, BH))](
         pairs,
         weights,
         out,
@@ -168,7 +168,7 @@ def gathered_sum_(
 ) -> None:
     T, K = index.shape
     H = out.shape[1]
-    weighted_sum_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](
+    weighted_sum_kernel[(cdiv(T, BT), cdiv(H, BH))](
         src,
         out if weights is None else weights,
         out,
@@ -196,7 +196,7 @@ def gathered_sum_(
 @kernel_op("moeyard::pairs_grad_", mutates_args=("dp",))
 def pairs_grad_(weights: Tensor, grad_out: Tensor, dp: Tensor) -> None:
     T, K, H = dp.shape
-    pairs_grad_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](
+    pairs_grad_kernel[(cdiv(T, BT), cdiv(H, BH))](
         weights, grad_out, dp, dp, T, H, K=K, SCATTER=False, BT=BT, BH=BH, num_warps=4
     )
 
@@ -205,7 +205,7 @@ def pairs_grad_(weights: Tensor, grad_out: Tensor, dp: Tensor) -> None:
 def scattered_pairs_grad_(weights: Tensor, grad_out: Tensor, index: Tensor, d_src: Tensor) -> None:
     T, K = weights.shape
     H = d_src.shape[1]
-    pairs_grad_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](
+    pairs_grad_kernel[(cdiv(T, BT), cdiv(H, BH))](
         weights, grad_out, d_src, index, T, H, K=K, SCATTER=True, BT=BT, BH=BH, num_warps=4
     )
 
@@ -213,8 +213,8 @@ def scattered_pairs_grad_(weights: Tensor, grad_out: Tensor, index: Tensor, d_sr
 @kernel_op("moeyard::weights_grad_", mutates_args=("dw",))
 def weights_grad_(pairs: Tensor, grad_out: Tensor, dw: Tensor) -> None:
     T, K, H = pairs.shape
-    weights_grad_kernel[(triton.cdiv(T, BT),)](
-        pairs, grad_out, dw, T, H, K=K, KP=triton.next_power_of_2(K), BT=BT, BH=GRAD_BH, num_warps=4
+    weights_grad_kernel[(cdiv(T, BT),)](
+        pairs, grad_out, dw, T, H, K=K, KP=next_power_of_2(K), BT=BT, BH=GRAD_BH, num_warps=4
     )
 
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import cached
+from ..launch import cached, cdiv, next_power_of_2
 from .p2p_layout import layout_reference
 
 MAX_TILE = 2048  # BJ * E_P2: the [BJ, E_l] comparisons stay in registers (sm_90a, int64: no spills up to E_l 512)
@@ -110,9 +110,9 @@ def layout_triton(all_counts: Tensor, me: int, align: int, C: int, R: int) -> tu
     received = torch.empty(W, device=dev, dtype=i64)
     row_experts = torch.empty(R, device=dev, dtype=i64)
     pad_rows = torch.empty(El * (align - 1), device=dev, dtype=i64) if align > 1 else None
-    e_p2 = triton.next_power_of_2(El)
+    e_p2 = next_power_of_2(El)
     bj = max(16, min(256, MAX_TILE // e_p2))
-    grid = (triton.cdiv(max(C, R, 1), bj), W + 1)
+    grid = (cdiv(max(C, R, 1), bj), W + 1)
     pad = row_experts if pad_rows is None else pad_rows
     layout_kernel[grid](
         all_counts.contiguous(),
@@ -127,9 +127,9 @@ def layout_triton(all_counts: Tensor, me: int, align: int, C: int, R: int) -> tu
         align,
         C,
         R,
-        W_P2=triton.next_power_of_2(W),
+        W_P2=next_power_of_2(W),
         E_P2=e_p2,
-        A_P2=triton.next_power_of_2(max(align - 1, 1)),
+        A_P2=next_power_of_2(max(align - 1, 1)),
         HAS_PAD=align > 1,
         BJ=bj,
         num_warps=4,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..launch import cached
+from ..launch import cached, cdiv, next_power_of_2
 
 # Measured on an H200 (copy of 262144 x 2048 bf16 rows within one GPU, benchmarks/NOTES.md round 19): at
 # 16 x 512 and 4 warps a pull moves 3.8 TB/s (4.2 indexed), a push 3.9, next to torch's copy_ at 4.2;
@@ -92,8 +92,8 @@ def copy_rows_triton(local, peer, table, rows, base, count, *, pull: bool, index
     H = local.shape[1]
     if C == 0 or H == 0 or W == 0:
         return
-    block_h = min(triton.next_power_of_2(H), MAX_BLOCK_H)
-    grid = (W * triton.cdiv(C, BLOCK_M), triton.cdiv(H, block_h))
+    block_h = min(next_power_of_2(H), MAX_BLOCK_H)
+    grid = (W * cdiv(C, BLOCK_M), cdiv(H, block_h))
     copy_rows_kernel[grid](
         local,
         table,

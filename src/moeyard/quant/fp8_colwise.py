@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ..activations import Activation
 from ..kernel_op import interpreting
-from ..launch import cached
+from ..launch import cached, cdiv, next_power_of_2
 from .fp8_triton import _act_args, _cast, _load, _out, _out_columns, _pow2_scale, _source
 
 Tensor = torch.Tensor
@@ -229,7 +229,7 @@ def colwise_per_group(
     q, s = _out((N, R), t.device), torch.empty(G, N, device=t.device, dtype=torch.float32)
     if G and N:
         br, bn, warps = COLWISE_BLOCKS
-        _colwise_kernel[(G, triton.cdiv(N, bn))](
+        _colwise_kernel[(G, cdiv(N, bn))](
             **_source(t, index, row_weights),
             offsets_ptr=offsets,
             q_ptr=q,
@@ -270,12 +270,12 @@ def _colwise_tiles(t, offsets, act, interleaved, index, row_weights, padded, ama
     if amax is None:
         bits = torch.zeros(G, N, device=t.device, dtype=torch.int32)
         # about AMAX_BLOCKS blocks of rows per program for rows spread evenly over the groups
-        split = max(1, triton.cdiv(width, max(G, 1) * br * AMAX_BLOCKS))
+        split = max(1, cdiv(width, max(G, 1) * br * AMAX_BLOCKS))
         if G and N and width:
-            _colwise_amax_kernel[(G * split, triton.cdiv(N, bn))](amax_ptr=bits, split=split, **common)
+            _colwise_amax_kernel[(G * split, cdiv(N, bn))](amax_ptr=bits, split=split, **common)
         amax = bits.view(torch.float32)
     if G and N and width:
-        _colwise_tiles_kernel[(triton.cdiv(width, br), triton.cdiv(N, bn))](
+        _colwise_tiles_kernel[(cdiv(width, br), cdiv(N, bn))](
             padded_ptr=padded[0],
             amax_ptr=amax.to(torch.float32).contiguous(),
             q_ptr=q,
@@ -283,7 +283,7 @@ def _colwise_tiles(t, offsets, act, interleaved, index, row_weights, padded, ama
             G=G,
             stride_qn=width,
             stride_ag=N if amax.dim() == 2 else 0,
-            BLOCK_G=triton.next_power_of_2(max(G, 1)),
+            BLOCK_G=next_power_of_2(max(G, 1)),
             **common,
         )
     return _cast(q), s

@@ -37,7 +37,6 @@ long before, costs no wait); ``RP`` is the rank padded to 16, 32 or 64 (zeros pa
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -63,7 +62,7 @@ from ..experts.triton.kernels_gluon import (
     store_layout,
 )
 from ..experts.triton.kernels_gluon_gather import LOADER_REGS as GATHER_LOADER_REGS, LOADER_WARPS, _cp_async
-from ..launch import cached
+from ..launch import cached, cdiv
 
 Tensor = torch.Tensor
 
@@ -546,7 +545,7 @@ def launch(
         lb_d = TensorDescriptor(
             lbt, list(lbt.shape), list(lbt.stride()), box, _layout16(3, narrow if lb_kmajor else 128)
         )
-    grid = (min(M * triton.cdiv(N, BN), num_sms(a.device)),)
+    grid = (min(M * cdiv(N, BN), num_sms(a.device)),)
     gluon_grouped_kernel[grid](
         a_d,
         b_d,

@@ -34,14 +34,13 @@ tiles; relative error against float64 1.86e-3 with a bf16 ``dW`` (CUTLASS's exac
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from ..experts.triton.kernels_gluon import LOADER_REGS, _tma_load, _tma_store, barrier_ring, next_stage
 from ..experts.triton.kernels_gluon_wgrad import _store, _tile_of, _tiles
-from ..launch import cached
+from ..launch import cached, cdiv
 from .fp8_gluon import _layout, mma_steps
 
 Tensor = torch.Tensor
@@ -278,7 +277,7 @@ def launch(lq: Tensor, sl: Tensor, rq: Tensor, sr: Tensor, starts: Tensor, dw: T
     dw_d = (
         TensorDescriptor(dw, [E, NL, NR], list(dw.stride()), [1, HM.value, BN], _layout16(3, 128)) if tma_store else l_d
     )
-    grid = (max(min(E * triton.cdiv(NL, BM) * triton.cdiv(NR, BN), num_sms(dw.device)), 1),)
+    grid = (max(min(E * cdiv(NL, BM) * cdiv(NR, BN), num_sms(dw.device)), 1),)
     fp8_wgrad_kernel[grid](
         l_d,
         r_d,

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from ..experts.triton.schedule import dot_precision, expert_tile, max_row_tiles, rank_block, tuned
 from ..kernel_op import interpreting
+from ..launch import cdiv, next_power_of_2
 
 Tensor = torch.Tensor
 
@@ -238,9 +239,9 @@ def grouped_mm(
         LORA=lora is not None,
         RP=rank_block(lora.z.shape[1]) if lora is not None else 16,
         DOT_PREC=dot_precision(out_dtype),
-        E_P2=triton.next_power_of_2(max(E, 2)),
+        E_P2=next_power_of_2(max(E, 2)),
     )
-    _launcher()[lambda m: (max_row_tiles(R, E, m["BM"]) * triton.cdiv(N, m["BN"]),)](*args, **meta)
+    _launcher()[lambda m: (max_row_tiles(R, E, m["BM"]) * cdiv(N, m["BN"]),)](*args, **meta)
     return out
 
 

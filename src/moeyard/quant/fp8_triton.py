@@ -40,7 +40,7 @@ import triton.language as tl
 from ..activations import Activation
 from ..experts.triton.act import act_fwd, act_grad
 from ..kernel_op import interpreting
-from ..launch import cached
+from ..launch import cached, cdiv, next_power_of_2
 from ._bnb import NESTED_BLOCKSIZE
 from .fp8 import E4M3, E4M3_MAX
 from .triton_nf4 import _round_bf16, block_scales
@@ -264,7 +264,7 @@ def _row_blocks(K: int, act: Activation | None) -> dict:
     budget = (INTERPRETER_ONE_PASS if interpreting() else ONE_PASS_ELEMENTS) // (
         2 if act is not None and act.gated else 1
     )
-    width = triton.next_power_of_2(max(K, 1))
+    width = next_power_of_2(max(K, 1))
     if width <= budget:
         return dict(BLOCK_M=min(16, budget // width), BLOCK_K=width, ONE_PASS=True)
     return dict(BLOCK_M=16, BLOCK_K=128, ONE_PASS=False)
@@ -309,7 +309,7 @@ def rowwise(
         if weighted_rows is not None:
             rows, w = weighted_rows
             extra = dict(r_ptr=rows, rrw_ptr=w, stride_rm=rows.stride(0), WITH_ROWS=True)
-        _rowwise_kernel[(triton.cdiv(M, blocks["BLOCK_M"]),)](
+        _rowwise_kernel[(cdiv(M, blocks["BLOCK_M"]),)](
             **_source(t, index, row_weights),
             q_ptr=q,
             s_ptr=s,
@@ -351,7 +351,7 @@ def act_rows(
     if R and K:
         blocks = _row_blocks(K, act)
         gate = {} if gate_logits is None else dict(stride_rw=gate_logits.stride(0), RW_SIGMOID=True)
-        _rowwise_kernel[(triton.cdiv(R, blocks["BLOCK_M"]),)](
+        _rowwise_kernel[(cdiv(R, blocks["BLOCK_M"]),)](
             **_source(h, None, row_weights if gate_logits is None else gate_logits),
             **gate,
             q_ptr=out,
@@ -398,7 +398,7 @@ def dequantize_rows(q: Tensor, s: Tensor, out: Tensor) -> Tensor:
     if interpreting():  # the interpreter's float8 loads: widen with torch first
         q = q.float()
     if M and K:
-        _dequantize_rows_kernel[(triton.cdiv(M, 16), triton.cdiv(K, 256))](
+        _dequantize_rows_kernel[(cdiv(M, 16), cdiv(K, 256))](
             q, s, out, M, K, q.stride(0), s.stride(0), out.stride(0), BLOCK_M=16, BLOCK_K=256
         )
     return out
@@ -596,7 +596,7 @@ def act_backward(
     if gate_grad is not None:
         drw = gate_grad
         P = gate_grad.shape[1]
-        gate.update(stride_drw=gate_grad.stride(0), n_drw=P, DRW_COLS=triton.next_power_of_2(P))
+        gate.update(stride_drw=gate_grad.stride(0), n_drw=P, DRW_COLS=next_power_of_2(P))
     else:
         drw = None if weights is None else torch.empty(R, device=h.device, dtype=torch.float32)
     q, s = (
@@ -607,7 +607,7 @@ def act_backward(
     # so the read-back finds them in L2 (qwen3-30b-a3b, H100: 1.28 ms with 32 rows against 0.70 without the cast)
     block_r = 8 if quantize else 32
     if R and I:
-        _act_backward_kernel[(triton.cdiv(R, block_r),)](
+        _act_backward_kernel[(cdiv(R, block_r),)](
             h,
             da,
             h if weights is None else weights,
@@ -934,9 +934,9 @@ def rowwise_per_expert(w, *, rows: int | None = None) -> tuple[Tensor, Tensor, T
     amax = torch.zeros(E, K, device=w.device, dtype=torch.float32)
     bk = blocks["BLOCK_K"]
     bm = min(blocks["BLOCK_M"], max(4, WEIGHT_STEP_ELEMENTS // bk))
-    rows = rows or min(triton.next_power_of_2(triton.cdiv(E * N, WEIGHT_PROGRAMS)), 1024)
+    rows = rows or min(next_power_of_2(cdiv(E * N, WEIGHT_PROGRAMS)), 1024)
     rows = max(bm, rows)
-    _weight_rows_kernel[(E, triton.cdiv(N, rows))](
+    _weight_rows_kernel[(E, cdiv(N, rows))](
         q_ptr=q, s_ptr=s, amax_ptr=amax, N=N, K=K, ROWS=rows, BLOCK_M=bm, BLOCK_K=bk, **_weight_args(w, bk)
     )
     return _cast(q), s, amax
@@ -971,7 +971,7 @@ def colwise_per_expert(w, amax: Tensor | None = None, *, cols: tuple[int, int] |
     else:
         amax = amax[:, k0:k1].contiguous()
     block = 16 if interpreting() else 64
-    _transpose_cast_kernel[(E, triton.cdiv(N, block), triton.cdiv(KW, block))](
+    _transpose_cast_kernel[(E, cdiv(N, block), cdiv(KW, block))](
         amax_ptr=amax, q_ptr=q, s_ptr=s, N=N, K=K, K0=k0, KW=KW, BLOCK_N=block, BLOCK_K=block,
         **_weight_args(w, block, k0),
     )  # fmt: skip

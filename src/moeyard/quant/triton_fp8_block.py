@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..kernel_op import interpreting, kernel_op
-from ..launch import cached
+from ..launch import cached, cdiv
 from .fp8 import E4M3
 from .fp8_block_grid import BLOCK, row_block_ids
 from .triton_nf4 import MAX_GRID_Y, _store_out
@@ -92,7 +92,7 @@ def fp8_block_dequantize_(
         return
     if active is not None and active.dtype == torch.bool:
         active = active.view(torch.uint8)
-    grid = (triton.cdiv(a, BLOCK_ROWS), triton.cdiv(b, BLOCK_COLS), E)
+    grid = (cdiv(a, BLOCK_ROWS), cdiv(b, BLOCK_COLS), E)
     fp8_block_dequant_kernel[grid](
         weight.view(torch.uint8),
         weight_scale_inv,

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..kernel_op import interpreting, kernel_op
-from ..launch import cached
+from ..launch import cached, cdiv
 from ._bnb import NESTED_BLOCKSIZE
 
 Tensor = torch.Tensor
@@ -126,7 +126,7 @@ def nf4_dequantize_(
     nested = absmax2 is not None
     if active is not None and active.dtype == torch.bool:
         active = active.view(torch.uint8)
-    grid = (triton.cdiv(blocks_per_expert, nb), E)
+    grid = (cdiv(blocks_per_expert, nb), E)
     nf4_dequant_kernel[grid](
         data,
         absmax,

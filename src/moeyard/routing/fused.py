@@ -29,6 +29,7 @@ from ..checks import check_float
 from ..config import MoEConfig
 from ..experts.triton.schedule import device_smem_limit, dot_precision, interpreting, tuned
 from ..kernel_op import kernel_op, records_graph
+from ..launch import cdiv, next_power_of_2
 from . import kernels
 from .output import finish
 
@@ -201,7 +202,7 @@ def empty(shape: tuple, *, device, dtype) -> Tensor:
 
 def _e_p2(num_experts: int) -> int:
     """The kernels' expert-axis width: ``E`` rounded up to a power of two, at least 16 (``tl.dot``'s least)."""
-    return max(16, triton.next_power_of_2(num_experts))
+    return max(16, next_power_of_2(num_experts))
 
 
 def block_m(e_p2: int, tokens: int) -> int:
@@ -210,14 +211,14 @@ def block_m(e_p2: int, tokens: int) -> int:
     to exercise several programs on small inputs)."""
     if interpreting():
         return 32
-    return max(16, min(128, 16384 // e_p2, triton.next_power_of_2(max(tokens, 1))))
+    return max(16, min(128, 16384 // e_p2, next_power_of_2(max(tokens, 1))))
 
 
 def _forward(x, weight, bias, corr, spec: Spec):
     T, H = x.shape
     E, K, B = weight.shape[0], spec.top_k, spec.num_sequences
     bm = block_m(_e_p2(E), T // B)
-    ns = triton.cdiv(T // B, bm)
+    ns = cdiv(T // B, bm)
     f32 = dict(device=x.device, dtype=torch.float32)
     logits, scores = empty((T, E), **f32), empty((T, E), **f32)
     ids = empty((T, K), device=x.device, dtype=torch.int64)
@@ -277,7 +278,7 @@ def _forward_(
     E, K = weight.shape[0], ids.shape[1]
     B = num_sequences
     S = T // B
-    ns = triton.cdiv(S, block_m)
+    ns = cdiv(S, block_m)
     e_p2 = _e_p2(E)
     _fwd_launcher()[(ns, B)](
         x,
@@ -303,7 +304,7 @@ def _forward_(
         HAS_CORR=corr is not None and not topk_first,
         PRECISION=dot_precision(x.dtype),
         E_P2=e_p2,
-        K_P2=max(2, triton.next_power_of_2(K)),
+        K_P2=max(2, next_power_of_2(K)),
         BM=block_m,
         SIGMOID=sigmoid,
         TOPK_FIRST=topk_first,
@@ -421,7 +422,7 @@ def _backward_(
     e_p2 = _e_p2(E)
     bm = max(1, min(64, 4096 // e_p2))
     grads = [logits if g is None else g for g in (g_w, g_logits, g_scores, g_losses)]  # unread if None
-    kernels.router_bwd_kernel[(triton.cdiv(T, bm),)](
+    kernels.router_bwd_kernel[(cdiv(T, bm),)](
         logits,
         ids,
         *grads,

@@ -48,7 +48,6 @@ Operands (``N`` sorted rows; ``NG`` the gathered operand's width, ``NL`` or ``NR
   (``R``, with ``L_GATHER``; boxes ``[BK, BN]``).
 """
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -60,7 +59,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ...launch import cached
+from ...launch import cached, cdiv
 from .kernels_gluon import _tma_load, _tma_store, barrier_ring, next_stage, store_layout
 from .kernels_gluon_gather import _cp_async, _halves
 
@@ -426,7 +425,7 @@ def launch(lhs, rhs, lhs_by_token: bool, sorted_token, expert_offsets, dw, alpha
         if tma_store
         else s_d
     )
-    grid = (max(min(E * triton.cdiv(NL, 128 * mh) * triton.cdiv(NR, bn), num_sms), 1),)
+    grid = (max(min(E * cdiv(NL, 128 * mh) * cdiv(NR, bn), num_sms), 1),)
     wgrad_kernel[grid](
         g,
         s_d,

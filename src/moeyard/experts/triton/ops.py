@@ -12,11 +12,11 @@ import importlib
 from dataclasses import dataclass, field
 
 import torch
-import triton
 
 from ...activations import GATED
 from ...dispatch import one_launch, sort_by_expert
 from ...kernel_op import kernel_op
+from ...launch import cdiv, next_power_of_2
 from . import kernels_bwd, kernels_fwd, kernels_tma
 from .options import options
 from .schedule import (
@@ -265,11 +265,11 @@ def _dh_min_bn() -> int:
 
 
 def _e_p2(e: int) -> int:
-    return triton.next_power_of_2(max(e, 2))
+    return next_power_of_2(max(e, 2))
 
 
 def _row_grid(n: int, e: int, cols: int):
-    return lambda m: (max_row_tiles(n, e, m["BM"]) * triton.cdiv(cols, m["BN"]),)
+    return lambda m: (max_row_tiles(n, e, m["BM"]) * cdiv(cols, m["BN"]),)
 
 
 # ---------------------------------------------------------------- custom ops (write into outputs)
@@ -595,7 +595,7 @@ def _gather_table(rows: Tensor, r: Routing, spec: ActSpec, option: str) -> Tenso
 
 def _tma_grid(table: Tensor, cols: int, device: torch.device):
     """Every (row tile, column tile) of the tile table, or one program per SM for a persistent config."""
-    tiles = lambda m: table.shape[0] // 2 * triton.cdiv(cols, m["BN"])  # noqa: E731  (M row tiles at most)
+    tiles = lambda m: table.shape[0] // 2 * cdiv(cols, m["BN"])  # noqa: E731  (M row tiles at most)
     return lambda m: (min(tiles(m), num_sms(device)),) if m.get("PERSISTENT") else (tiles(m),)
 
 
@@ -690,7 +690,7 @@ def combine_(y: Tensor, topk_ids: Tensor, topk_weights: Tensor | None, num_exper
     H = y.shape[1]
     if T == 0:
         return
-    grid = (T, triton.cdiv(H, COMBINE_BH))
+    grid = (T, cdiv(H, COMBINE_BH))
     kernels_fwd.combine_kernel[grid](
         y,
         topk_ids,
@@ -718,7 +718,7 @@ def fill_invalid_(topk_ids: Tensor, topk_weights: Tensor | None, num_experts: in
     T, H = y.shape
     if T == 0:
         return
-    grid = (triton.cdiv(T, FILL_BT), triton.cdiv(H, FILL_BH))
+    grid = (cdiv(T, FILL_BT), cdiv(H, FILL_BH))
     kernels_fwd.fill_invalid_kernel[grid](
         y,
         topk_ids,
@@ -977,7 +977,7 @@ def launch_wgrad(
     with_rows = factor is not None
     f = dw if factor is None else factor
     items = max_chunks(N, E, chunk_rows) if chunked else E
-    grid = lambda m: (items * triton.cdiv(NL, m["BN"]) * triton.cdiv(NR, m["BK"]),)  # noqa: E731
+    grid = lambda m: (items * cdiv(NL, m["BN"]) * cdiv(NR, m["BK"]),)  # noqa: E731
     tma = (
         not low_rank
         and options().tma_wgrad
@@ -1039,7 +1039,7 @@ def launch_wgrad_reduce(part, part_b, expert_offsets, chunk_rows, dw, db, alpha=
     E, NL, NR = dw.shape
     dbb = dw[:, :, 0] if db is None else db
     blk = SMALL if interpreting() else REDUCE_BLOCK
-    grid = (E * triton.cdiv(NL, blk["BN"]) * triton.cdiv(NR, blk["BK"]),)
+    grid = (E * cdiv(NL, blk["BN"]) * cdiv(NR, blk["BK"]),)
     kernels_bwd.wgrad_reduce_kernel[grid](
         part,
         part if part_b is None else part_b,
@@ -1270,7 +1270,7 @@ def act_grad(
     N, I = r.num_pairs, w.shape[2]
     dh = empty(tuple(h.shape), h)
     aw = empty((N, I), h)
-    partial = torch.zeros((triton.cdiv(I, _dh_min_bn()), N), dtype=torch.float32, device=h.device)
+    partial = torch.zeros((cdiv(I, _dh_min_bn()), N), dtype=torch.float32, device=h.device)
     mode, z, la, lb = _lora_rows(dout, lora, r, True, I, z)
     act_grad_(
         dout,
@@ -1340,7 +1340,7 @@ def wgrad_rows(
 def wgrad_rows_fits(num_pairs: int, nl: int, rank: int) -> bool:
     """Whether :func:`wgrad_rows`'s float32 partials (``cdiv(NL, rows_block())`` of ``[N, R]``) fit the
     ``wgrad_partial_mib`` budget of the weight gradients' partials (:mod:`.options`)."""
-    return triton.cdiv(nl, rows_block()) * num_pairs * rank * 4 <= options().wgrad_partial_mib * 2**20
+    return cdiv(nl, rows_block()) * num_pairs * rank * 4 <= options().wgrad_partial_mib * 2**20
 
 
 def _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, factor, low_rank, alpha):
@@ -1361,7 +1361,7 @@ def _wgrad(lhs, rhs, lhs_by_token, rhs_by_token, scale, r, like_w, like_b, facto
         scale = scale.reshape(-1).index_select(0, r.sort_order)
     rows_part = None
     if factor is not None:
-        rows_part = empty((triton.cdiv(NL, rows_block()), N, NR), lhs, torch.float32)
+        rows_part = empty((cdiv(NL, rows_block()), N, NR), lhs, torch.float32)
     wgrad_(
         lhs,
         rhs,

@@ -21,7 +21,7 @@ import triton.language as tl
 from ... import launch
 from ...dispatch_triton import sort_meta, sort_pairs
 from ...kernel_op import interpreting
-from ...launch import cached
+from ...launch import cached, cdiv, next_power_of_2
 from . import tuning
 from .tuning import pruner
 
@@ -118,12 +118,12 @@ def fill_tile_table(expert_offsets: torch.Tensor, block_m: int, table: torch.Ten
     E = expert_offsets.shape[0] - 1
     M = (table.shape[0] - 1) // 2
     e_p2, bt = _table_blocks(E)
-    tile_table_kernel[(max(1, triton.cdiv(M, bt)),)](expert_offsets, table, E, M, BM=block_m, E_P2=e_p2, BT=bt)
+    tile_table_kernel[(max(1, cdiv(M, bt)),)](expert_offsets, table, E, M, BM=block_m, E_P2=e_p2, BT=bt)
 
 
 def _table_blocks(num_experts: int) -> tuple[int, int]:
     """``(E_P2, BT)`` of the tile table's kernels: ``[BT, E_P2]`` tiles of at most 4096 elements."""
-    e_p2 = triton.next_power_of_2(max(num_experts, 2))
+    e_p2 = next_power_of_2(max(num_experts, 2))
     return e_p2, max(8, 4096 // e_p2)
 
 
@@ -199,7 +199,7 @@ def band_tile(pid_m, offsets_ptr, E, band_bits, BM: tl.constexpr, E_P2: tl.const
 def band_bits(num_rows: int, min_block_m: int = 16) -> int:
     """Binary-search steps of :func:`band_tile`: ``2**bits`` exceeds the row tiles any one expert can
     have (``ceil(N / BM)`` at the smallest ``BM`` a config uses)."""
-    return max(1, triton.cdiv(max(num_rows, 1), min_block_m).bit_length())
+    return max(1, cdiv(max(num_rows, 1), min_block_m).bit_length())
 
 
 def max_chunks(num_rows: int, num_experts: int, chunk_rows: int) -> int:
@@ -222,7 +222,7 @@ def max_row_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
 
 def rank_block(rank: int) -> int:
     """The padded LoRA rank a kernel holds in registers: a power of two, at least 16 (``tl.dot``)."""
-    return max(16, triton.next_power_of_2(rank))
+    return max(16, next_power_of_2(rank))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

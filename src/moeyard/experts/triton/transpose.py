@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...launch import cached
+from ...launch import cached, cdiv
 
 BLOCK = 64
 
@@ -32,4 +32,4 @@ def launch(x: torch.Tensor, y: torch.Tensor) -> None:
     """``y = x.t()`` cast to ``y``'s dtype: ``x [M, N]`` and ``y [N, M]``, both contiguous, one device."""
     M, N = x.shape
     if M and N:
-        transpose_kernel[(triton.cdiv(M, BLOCK), triton.cdiv(N, BLOCK))](x, y, M, N, BM=BLOCK, BN=BLOCK)
+        transpose_kernel[(cdiv(M, BLOCK), cdiv(N, BLOCK))](x, y, M, N, BM=BLOCK, BN=BLOCK)
