@@ -44,7 +44,7 @@ _enabled = os.environ.get(ENV, "1") not in ("0", "false", "False")
 def cdiv(x: int, y: int) -> int:
     """``triton.cdiv`` for host code, ``ceil(x / y)`` for ``y > 0``: Triton 3.6's is a constexpr function, 2.7 µs
     of host time a call against 0.15 on an H200 machine's host (``benchmarks/NOTES.md``, round 58), and an FP8
-    step's launches ask for some fifty."""
+    step's launches ask for some fifty. ``y = 0`` raises ZeroDivisionError."""
     return (x + y - 1) // y
 
 

@@ -209,8 +209,8 @@ def _wgrad(dy_cast, x_cast, offsets: Tensor, rows: int, dtype, gemm: str, cols: 
     starts = _colwise().padded_offsets(offsets, rows, gluon_wgrad.BK)
     dyq, dys = dy_cast(starts)
     windowed = cols is not None and rows >= MIN_WINDOW_ROWS
-    windows = wgrad_windows(rows, starts[1], cols, dyq.shape[0], dtype.itemsize) if windowed else [None]
-    if len(windows) == 1:  # x's columns cast whole
+    windows = wgrad_windows(rows, starts[1], cols, dyq.shape[0], dtype.itemsize) if windowed else []
+    if len(windows) <= 1:  # x's columns cast whole
         return _wgrad_window(dyq, dys, *x_cast(starts), starts[0], dtype, None)
     dw = torch.empty(dys.shape[0], dyq.shape[0], cols, device=dyq.device, dtype=dtype)
     for c0, c1 in windows:
